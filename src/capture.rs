@@ -1,0 +1,109 @@
+//! Native capture: run a recipe's prompt through the model, greedy-decode, and write what every
+//! layer's attention saw as a kvtrace/1 file.
+
+use crate::model::{Llama, ModelError, Recorder};
+use crate::recipe::BuiltPrompt;
+use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
+use std::collections::BTreeMap;
+
+/// How to capture.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CaptureOptions {
+    /// On-disk dtype of q, k, v.
+    pub storage: StorageDtype,
+    /// Prefill chunk size in tokens (bounds the attention matrix held at once).
+    pub chunk: usize,
+    /// A name for the `source` field (the recipe's file name).
+    pub recipe_name: String,
+    /// Model id written to the header.
+    pub model_id: String,
+}
+
+/// Errors of a capture.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum CaptureError {
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The trace could not be assembled or written.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
+}
+
+/// A finished capture, not yet written.
+pub struct Captured {
+    /// The trace, ready to write.
+    pub writer: TraceWriter,
+    /// The generated token ids (all fed back, so part of the trace).
+    pub generated: Vec<u32>,
+    /// The generated text.
+    pub generated_text: String,
+    /// The recorder, for checks against the forward pass.
+    pub recorder: Recorder,
+}
+
+/// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`
+/// is called after each prefill chunk and each generated token.
+pub fn capture(
+    model: &Llama,
+    prompt: &BuiltPrompt,
+    options: &CaptureOptions,
+    mut recorder: Recorder,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<Captured, CaptureError> {
+    let total = prompt.ids.len() + prompt.generate;
+    let generated = model.generate(
+        &prompt.ids,
+        prompt.generate,
+        options.chunk,
+        Some(&mut recorder),
+        &mut |done| progress(done, total),
+    )?;
+    let config = model.config();
+    let tokenizer = model.tokenizer();
+    let generated_text = tokenizer.decode(&generated);
+    let mut extra = BTreeMap::new();
+    extra.insert("prompt_text".into(), tokenizer.decode(&prompt.ids));
+    extra.insert("generated_text".into(), generated_text.clone());
+    extra.insert(
+        "source".into(),
+        format!(
+            "kvreplay {} native capture (candle f32, weights dequantised at load); recipe {}; prefill chunk {}; storage {:?}",
+            env!("CARGO_PKG_VERSION"),
+            options.recipe_name,
+            options.chunk,
+            options.storage
+        ),
+    );
+    let head_dim = config.head_dim();
+    let meta = TraceMeta {
+        model: options.model_id.clone(),
+        n_layers: config.n_layers,
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim,
+        prompt_len: prompt.ids.len(),
+        scale: 1.0 / (head_dim as f32).sqrt(),
+        softcap: None,
+        spans: prompt.spans.clone(),
+        extra,
+    };
+    let tokens: Vec<i64> = prompt
+        .ids
+        .iter()
+        .chain(generated.iter())
+        .map(|id| *id as i64)
+        .collect();
+    let mut writer = TraceWriter::new(meta, options.storage, tokens);
+    for layer in 0..config.n_layers {
+        let (q, k, v) = recorder.layer(layer)?;
+        writer.push_layer(q, k, Some(v));
+    }
+    Ok(Captured {
+        writer,
+        generated,
+        generated_text,
+        recorder,
+    })
+}

@@ -1,0 +1,75 @@
+//! Turning results into text: one [`Table`] type rendered by exporters (markdown, CSV, JSON),
+//! in the manner of hyperfine's `Exporter`. Numbers are formatted here and nowhere else.
+
+mod table;
+
+pub use table::{Format, Table};
+
+use crate::inspect::entropy_profile;
+use crate::trace::{TraceError, TraceReader};
+
+/// The report of `kvreplay inspect`: header, spans, sizes, and the per-layer entropy table.
+pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, TraceError> {
+    let meta = trace.meta();
+    let n_positions = trace.n_positions();
+    let mut out = format!("# {}\n\n", trace.path().display());
+    let mut header = Table::new(["field", "value"]);
+    header.push(["model".into(), meta.model.clone()]);
+    header.push([
+        "layers × heads (kv heads) × head_dim".into(),
+        format!(
+            "{} × {} ({}) × {}",
+            meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim
+        ),
+    ]);
+    header.push(["positions T".into(), n_positions.to_string()]);
+    header.push(["prompt_len".into(), meta.prompt_len.to_string()]);
+    header.push([
+        "generated".into(),
+        (n_positions - meta.prompt_len).to_string(),
+    ]);
+    header.push(["scale".into(), format!("{:.6}", meta.scale)]);
+    header.push([
+        "softcap".into(),
+        meta.softcap.map_or("none".into(), |cap| cap.to_string()),
+    ]);
+    header.push(["storage".into(), trace.storage_dtype()]);
+    header.push(["values stored".into(), trace.has_values().to_string()]);
+    header.push([
+        "file size".into(),
+        format!("{:.1} MB", trace.file_len() as f64 / 1e6),
+    ]);
+    for (key, value) in &meta.extra {
+        if key == "generated_text" || key == "source" {
+            header.push([key.clone(), format!("{value:?}")]);
+        }
+    }
+    out += &header.render(Format::Markdown);
+    if !meta.spans.is_empty() {
+        let mut spans = Table::new(["span", "start", "end", "tokens"]);
+        for span in &meta.spans {
+            spans.push([
+                span.name.clone(),
+                span.start.to_string(),
+                span.end.to_string(),
+                (span.end - span.start).to_string(),
+            ]);
+        }
+        out += "\n";
+        out += &spans.render(Format::Markdown);
+    }
+    let window = window.min(meta.prompt_len);
+    out += &format!(
+        "\nAttention entropy of the last {window} prompt queries over the prompt (nats; normalized = / ln(keys)), mean over query heads:\n\n"
+    );
+    let mut entropy = Table::new(["layer", "entropy", "normalized"]);
+    for row in entropy_profile(trace, window)? {
+        entropy.push([
+            row.layer.to_string(),
+            format!("{:.3}", row.entropy),
+            format!("{:.3}", row.normalized),
+        ]);
+    }
+    out += &entropy.render(Format::Markdown);
+    Ok(out)
+}

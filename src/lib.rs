@@ -1,0 +1,18 @@
+//! kvreplay: a research simulator for KV-cache compression in large language models.
+//!
+//! Capture once (a real model's post-rotary q, k, v of every layer and position, a kvtrace/1
+//! file), then replay offline: budget allocators decide how many tokens each layer or head keeps,
+//! eviction scorers decide which, and the engine measures how much of the full cache's attention
+//! each policy keeps. This crate is the pure library; the `kvreplay` binary is a thin CLI over it
+//! and the library never prints.
+
+#![warn(missing_docs)]
+
+pub mod assets;
+pub mod attention;
+pub mod capture;
+pub mod export;
+pub mod inspect;
+pub mod model;
+pub mod recipe;
+pub mod trace;

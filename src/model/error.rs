@@ -1,0 +1,46 @@
+//! Errors of model loading and running, naming the file and what in it is wrong.
+
+use std::path::PathBuf;
+
+/// Everything that can go wrong loading or running the native model.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ModelError {
+    /// The GGUF file cannot be opened.
+    #[error("{path}: cannot open model: {source}")]
+    Io {
+        /// The model file.
+        path: PathBuf,
+        /// The I/O failure.
+        source: std::io::Error,
+    },
+    /// The GGUF container is corrupt (wrong magic, truncated tensor data...).
+    #[error("{path}: not a readable GGUF file: {detail}")]
+    Gguf {
+        /// The model file.
+        path: PathBuf,
+        /// What the GGUF reader said.
+        detail: String,
+    },
+    /// A metadata key the Llama architecture needs is missing or has the wrong type.
+    #[error("{path}: GGUF metadata `{key}` is missing or not {expected}")]
+    Metadata {
+        /// The model file.
+        path: PathBuf,
+        /// The key.
+        key: String,
+        /// The type expected.
+        expected: &'static str,
+    },
+    /// The tokenizer could not be built from the GGUF vocabulary.
+    #[error("{path}: cannot build the tokenizer from the GGUF vocabulary: {detail}")]
+    Tokenizer {
+        /// The model file.
+        path: PathBuf,
+        /// What failed.
+        detail: String,
+    },
+    /// A tensor operation failed during the forward pass.
+    #[error("forward pass failed: {0}")]
+    Compute(#[from] candle_core::Error),
+}

@@ -1,0 +1,145 @@
+//! Reading a Llama-architecture GGUF: the hyper-parameters, and the weights dequantised to f32.
+
+use super::ModelError;
+use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::{Device, Tensor};
+use std::path::{Path, PathBuf};
+
+/// The hyper-parameters of a Llama-architecture model, from its GGUF metadata.
+#[derive(Debug, Clone, PartialEq)]
+pub struct LlamaConfig {
+    /// Transformer blocks.
+    pub n_layers: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// Key/value heads.
+    pub n_kv_heads: usize,
+    /// Hidden size.
+    pub embedding_len: usize,
+    /// Rotary base.
+    pub rope_theta: f32,
+    /// RMSNorm epsilon.
+    pub rms_eps: f64,
+    /// The model's name, from `general.name`.
+    pub name: String,
+}
+
+impl LlamaConfig {
+    /// Dimension of one head.
+    pub fn head_dim(&self) -> usize {
+        self.embedding_len / self.n_heads
+    }
+}
+
+/// An open GGUF file: its parsed header and a reader for its tensors.
+pub struct GgufFile {
+    pub(crate) path: PathBuf,
+    pub(crate) content: Content,
+    file: std::fs::File,
+}
+
+impl GgufFile {
+    /// Opens a GGUF file and parses its header.
+    pub fn open(path: &Path) -> Result<Self, ModelError> {
+        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let content = Content::read(&mut file).map_err(|err| ModelError::Gguf {
+            path: path.to_owned(),
+            detail: err.to_string(),
+        })?;
+        Ok(Self {
+            path: path.to_owned(),
+            content,
+            file,
+        })
+    }
+
+    pub(crate) fn value(&self, key: &str) -> Option<&Value> {
+        self.content.metadata.get(key)
+    }
+
+    fn metadata_error(&self, key: &str, expected: &'static str) -> ModelError {
+        ModelError::Metadata {
+            path: self.path.clone(),
+            key: key.to_owned(),
+            expected,
+        }
+    }
+
+    pub(crate) fn usize_value(&self, key: &str) -> Result<usize, ModelError> {
+        self.value(key)
+            .and_then(|v| v.to_u32().ok())
+            .map(|v| v as usize)
+            .ok_or_else(|| self.metadata_error(key, "an unsigned integer"))
+    }
+
+    fn f32_value(&self, key: &str) -> Result<f32, ModelError> {
+        self.value(key)
+            .and_then(|v| v.to_f32().ok())
+            .ok_or_else(|| self.metadata_error(key, "a float"))
+    }
+
+    pub(crate) fn strings(&self, key: &str) -> Result<Vec<String>, ModelError> {
+        let values = self
+            .value(key)
+            .and_then(|v| v.to_vec().ok())
+            .ok_or_else(|| self.metadata_error(key, "an array of strings"))?;
+        values
+            .iter()
+            .map(|v| v.to_string().cloned())
+            .collect::<Result<_, _>>()
+            .map_err(|_| self.metadata_error(key, "an array of strings"))
+    }
+
+    /// The Llama hyper-parameters (`general.architecture` must be `llama`).
+    pub fn llama_config(&self) -> Result<LlamaConfig, ModelError> {
+        let arch = self
+            .value("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default();
+        if arch != "llama" {
+            return Err(self.metadata_error("general.architecture", "\"llama\""));
+        }
+        let name = self
+            .value("general.name")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_else(|| "llama".into());
+        Ok(LlamaConfig {
+            n_layers: self.usize_value("llama.block_count")?,
+            n_heads: self.usize_value("llama.attention.head_count")?,
+            n_kv_heads: self.usize_value("llama.attention.head_count_kv")?,
+            embedding_len: self.usize_value("llama.embedding_length")?,
+            rope_theta: self.f32_value("llama.rope.freq_base").unwrap_or(10_000.0),
+            rms_eps: self.f32_value("llama.attention.layer_norm_rms_epsilon")? as f64,
+            name,
+        })
+    }
+
+    /// A tensor, dequantised to f32, in candle's (out, in) layout.
+    pub fn tensor(&mut self, name: &str) -> Result<Tensor, ModelError> {
+        let qtensor = self
+            .content
+            .tensor(&mut self.file, name, &Device::Cpu)
+            .map_err(|err| ModelError::Gguf {
+                path: self.path.clone(),
+                detail: format!("tensor `{name}`: {err}"),
+            })?;
+        Ok(qtensor.dequantize(&Device::Cpu)?)
+    }
+}
+
+/// Undoes llama.cpp's q/k row permutation (`reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`): the
+/// stored row `2i + j` of a head is the original row `j*hd/2 + i`.
+pub(crate) fn unpermute_rows(weight: &Tensor, n_head: usize) -> Result<Tensor, ModelError> {
+    let (out, inp) = weight.dims2()?;
+    let half = out / n_head / 2;
+    Ok(weight
+        .reshape((n_head, half, 2, inp))?
+        .transpose(1, 2)?
+        .contiguous()?
+        .reshape((out, inp))?)
+}

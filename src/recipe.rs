@@ -1,0 +1,274 @@
+//! Trace recipes: small TOML files in `traces/` that say which prompt to capture. Three kinds:
+//! a needle-in-a-haystack prompt (the test of Kamradt's `needlehaystack` package, built in token
+//! space so the needle's span is exact), a chat message, and a plain text file.
+
+use crate::model::{ChatMessage, ChatTokenizer};
+use crate::trace::Span;
+use serde::Deserialize;
+use std::path::{Path, PathBuf};
+
+/// Errors reading or building a recipe.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum RecipeError {
+    /// The recipe file cannot be read.
+    #[error("{path}: cannot read recipe: {source}")]
+    Io {
+        /// The recipe.
+        path: PathBuf,
+        /// The failure.
+        source: std::io::Error,
+    },
+    /// The TOML is malformed, has an unknown key or kind, or a value of the wrong type.
+    #[error("{path}: invalid recipe: {detail} (valid kinds: niah, chat, text)")]
+    Parse {
+        /// The recipe.
+        path: PathBuf,
+        /// The parser's message.
+        detail: String,
+    },
+    /// A value is out of range.
+    #[error("{path}: field `{field}`: {rule}")]
+    Invalid {
+        /// The recipe.
+        path: PathBuf,
+        /// The field.
+        field: &'static str,
+        /// The rule broken.
+        rule: String,
+    },
+    /// The haystack is too short for the requested prompt length.
+    #[error("the essays hold {available} tokens, the recipe needs {needed} of context")]
+    HaystackTooShort {
+        /// Tokens available.
+        available: usize,
+        /// Tokens needed.
+        needed: usize,
+    },
+}
+
+/// What to capture.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(tag = "kind", rename_all = "lowercase")]
+pub enum Recipe {
+    /// Needle in a haystack: essays up to `prompt_tokens`, a needle at `depth_percent`, a question.
+    Niah(NiahRecipe),
+    /// One chat message, ChatML template.
+    Chat(ChatRecipe),
+    /// A text file, fed raw (no chat template).
+    Text(TextRecipe),
+}
+
+/// The needle-in-a-haystack recipe.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct NiahRecipe {
+    /// Target prompt length in tokens, template included.
+    pub prompt_tokens: usize,
+    /// Where the needle goes, in percent of the context (at the sentence break before it).
+    pub depth_percent: f64,
+    /// The needle sentence.
+    pub needle: String,
+    /// The retrieval question.
+    pub question: String,
+    /// Greedy tokens to generate.
+    pub generate: usize,
+}
+
+/// The chat recipe.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct ChatRecipe {
+    /// The user's message.
+    pub message: String,
+    /// A system message (default: the template's own).
+    pub system: Option<String>,
+    /// Greedy tokens to generate.
+    pub generate: usize,
+}
+
+/// The text-file recipe.
+#[derive(Debug, Clone, PartialEq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct TextRecipe {
+    /// The file, relative to the recipe.
+    pub file: PathBuf,
+    /// Keep at most this many tokens of it.
+    pub max_tokens: Option<usize>,
+    /// Greedy tokens to generate.
+    pub generate: usize,
+}
+
+/// A prompt ready to run: token ids, named spans, and its text.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuiltPrompt {
+    /// Token ids.
+    pub ids: Vec<u32>,
+    /// Named spans (`needle`, `question`).
+    pub spans: Vec<Span>,
+    /// Tokens to generate.
+    pub generate: usize,
+}
+
+/// The needlehaystack system message.
+pub const NIAH_SYSTEM: &str =
+    "You are a helpful AI bot that answers questions for a user. Keep your response short and direct";
+/// Appended to the question by needlehaystack.
+pub const NIAH_QUESTION_SUFFIX: &str =
+    " Don't give information outside the document or repeat your findings";
+
+impl Recipe {
+    /// Reads and checks a recipe file.
+    pub fn load(path: &Path) -> Result<(Self, PathBuf), RecipeError> {
+        let text = std::fs::read_to_string(path).map_err(|source| RecipeError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let recipe: Recipe = toml::from_str(&text).map_err(|err| RecipeError::Parse {
+            path: path.to_owned(),
+            detail: err.message().to_owned(),
+        })?;
+        recipe.check(path)?;
+        let base = path.parent().map(Path::to_owned).unwrap_or_default();
+        Ok((recipe, base))
+    }
+
+    fn check(&self, path: &Path) -> Result<(), RecipeError> {
+        let invalid = |field: &'static str, rule: &str| RecipeError::Invalid {
+            path: path.to_owned(),
+            field,
+            rule: rule.to_owned(),
+        };
+        if let Recipe::Niah(niah) = self {
+            if !(0.0..=100.0).contains(&niah.depth_percent) {
+                return Err(invalid("depth_percent", "must be in [0, 100]"));
+            }
+            if niah.prompt_tokens < 200 {
+                return Err(invalid("prompt_tokens", "must be at least 200"));
+            }
+            if niah.needle.trim().is_empty() || niah.question.trim().is_empty() {
+                return Err(invalid("needle", "needle and question must not be empty"));
+            }
+        }
+        Ok(())
+    }
+
+    /// Builds the prompt. `essays` (sorted) are needed by `niah` only; `base` resolves `text`'s file.
+    pub fn build(
+        &self,
+        tokenizer: &ChatTokenizer,
+        essays: &[PathBuf],
+        base: &Path,
+    ) -> Result<BuiltPrompt, RecipeError> {
+        match self {
+            Recipe::Niah(niah) => build_niah(niah, tokenizer, essays),
+            Recipe::Chat(chat) => {
+                let mut messages = Vec::new();
+                if let Some(system) = &chat.system {
+                    messages.push(ChatMessage {
+                        role: "system".into(),
+                        content: system.clone(),
+                    });
+                }
+                messages.push(ChatMessage {
+                    role: "user".into(),
+                    content: chat.message.clone(),
+                });
+                Ok(BuiltPrompt {
+                    ids: tokenizer.encode(&ChatTokenizer::chat_prompt(&messages)),
+                    spans: Vec::new(),
+                    generate: chat.generate,
+                })
+            }
+            Recipe::Text(text) => {
+                let path = base.join(&text.file);
+                let content = std::fs::read_to_string(&path)
+                    .map_err(|source| RecipeError::Io { path, source })?;
+                let mut ids = tokenizer.encode(&content);
+                if let Some(max) = text.max_tokens {
+                    ids.truncate(max);
+                }
+                Ok(BuiltPrompt {
+                    ids,
+                    spans: Vec::new(),
+                    generate: text.generate,
+                })
+            }
+        }
+    }
+}
+
+/// The needlehaystack prompt (system, context with the needle, question) in token space: the
+/// context is truncated to fit `prompt_tokens`, and the needle is inserted after the last token
+/// ending in '.' before `depth_percent` of the context (needlehaystack backs up to a '.' token;
+/// we accept any token whose text ends with '.', a deliberate widening for BPE merges like "etc.").
+fn build_niah(
+    niah: &NiahRecipe,
+    tokenizer: &ChatTokenizer,
+    essays: &[PathBuf],
+) -> Result<BuiltPrompt, RecipeError> {
+    let prefix = tokenizer.encode(&format!(
+        "{}<|im_start|>user\n",
+        ChatTokenizer::chat_turn("system", NIAH_SYSTEM)
+    ));
+    let between = tokenizer.encode("<|im_end|>\n<|im_start|>user\n");
+    let question = tokenizer.encode(&niah.question);
+    let closing = tokenizer.encode(&format!(
+        "{NIAH_QUESTION_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
+    ));
+    let needle = tokenizer.encode(&format!("\n{}\n", niah.needle.trim()));
+    let overhead = prefix.len() + between.len() + question.len() + closing.len() + needle.len();
+    let needed = niah.prompt_tokens.saturating_sub(overhead);
+    let mut text = String::new();
+    let mut context = Vec::new();
+    for essay in essays {
+        let essay_text = std::fs::read_to_string(essay).map_err(|source| RecipeError::Io {
+            path: essay.clone(),
+            source,
+        })?;
+        text.push_str(&essay_text);
+        context = tokenizer.encode(&text);
+        if context.len() >= needed {
+            break;
+        }
+    }
+    if context.len() < needed {
+        return Err(RecipeError::HaystackTooShort {
+            available: context.len(),
+            needed,
+        });
+    }
+    context.truncate(needed);
+    let mut insertion = if niah.depth_percent >= 100.0 {
+        context.len()
+    } else {
+        (context.len() as f64 * niah.depth_percent / 100.0) as usize
+    };
+    if niah.depth_percent < 100.0 {
+        while insertion > 0 && !tokenizer.token_text(context[insertion - 1]).ends_with('.') {
+            insertion -= 1;
+        }
+    }
+    let mut ids = prefix;
+    ids.extend_from_slice(&context[..insertion]);
+    let needle_span = Span {
+        name: "needle".into(),
+        start: ids.len(),
+        end: ids.len() + needle.len(),
+    };
+    ids.extend_from_slice(&needle);
+    ids.extend_from_slice(&context[insertion..]);
+    ids.extend_from_slice(&between);
+    let question_span = Span {
+        name: "question".into(),
+        start: ids.len(),
+        end: ids.len() + question.len(),
+    };
+    ids.extend_from_slice(&question);
+    ids.extend_from_slice(&closing);
+    Ok(BuiltPrompt {
+        ids,
+        spans: vec![needle_span, question_span],
+        generate: niah.generate,
+    })
+}

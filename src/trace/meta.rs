@@ -1,0 +1,227 @@
+//! The header metadata of a trace: the model's attention geometry, where the prompt ends, and the
+//! named spans (the needle, the question) that span-survival metrics look at.
+
+use super::TraceError;
+use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// The value of `__metadata__.format` this crate reads and writes.
+pub const FORMAT: &str = "kvtrace/1";
+
+/// A named half-open token range `[start, end)`.
+#[derive(Debug, Clone, PartialEq, Eq, Serialize, Deserialize)]
+pub struct Span {
+    /// The span's name, e.g. `needle`.
+    pub name: String,
+    /// First position.
+    pub start: usize,
+    /// One past the last position.
+    pub end: usize,
+}
+
+/// Everything the header says about a trace, checked against the contract.
+#[derive(Debug, Clone, PartialEq)]
+pub struct TraceMeta {
+    /// Free-form model id.
+    pub model: String,
+    /// Number of layers.
+    pub n_layers: usize,
+    /// Query heads per layer.
+    pub n_heads: usize,
+    /// Key/value heads per layer.
+    pub n_kv_heads: usize,
+    /// Dimension of one head.
+    pub head_dim: usize,
+    /// Positions `[0, prompt_len)` are the prompt.
+    pub prompt_len: usize,
+    /// Softmax scale (default `1/sqrt(head_dim)`).
+    pub scale: f32,
+    /// Attention logit soft-cap, if the model uses one.
+    pub softcap: Option<f32>,
+    /// Named spans.
+    pub spans: Vec<Span>,
+    /// Every other key of the header, kept as found (`prompt_text`, `source`, unknown keys).
+    pub extra: BTreeMap<String, String>,
+}
+
+impl TraceMeta {
+    /// Query heads that share one KV head.
+    pub fn group_size(&self) -> usize {
+        self.n_heads / self.n_kv_heads
+    }
+
+    /// The span of that name, if the trace records one.
+    pub fn span(&self, name: &str) -> Option<&Span> {
+        self.spans.iter().find(|span| span.name == name)
+    }
+
+    /// Parses and checks the header's `__metadata__` (everything but tensor-dependent rules).
+    pub fn from_header(
+        path: &Path,
+        header: Option<&std::collections::HashMap<String, String>>,
+    ) -> Result<Self, TraceError> {
+        let empty = std::collections::HashMap::new();
+        let header = header.unwrap_or(&empty);
+        let found_format = header.get("format").cloned();
+        if found_format.as_deref() != Some(FORMAT) {
+            return Err(TraceError::Format {
+                path: path.to_owned(),
+                found: found_format,
+            });
+        }
+        let required = |key: &'static str| {
+            header.get(key).ok_or_else(|| TraceError::MissingKey {
+                path: path.to_owned(),
+                key,
+            })
+        };
+        let integer = |key: &'static str| -> Result<usize, TraceError> {
+            let value = required(key)?;
+            value
+                .trim()
+                .parse::<usize>()
+                .map_err(|_| TraceError::BadValue {
+                    path: path.to_owned(),
+                    key,
+                    value: value.clone(),
+                    expected: "a non-negative decimal integer",
+                })
+        };
+        let float = |key: &'static str| -> Result<Option<f32>, TraceError> {
+            match header.get(key) {
+                None => Ok(None),
+                Some(value) => match value.trim().parse::<f32>() {
+                    Ok(parsed) if parsed.is_finite() && parsed > 0.0 => Ok(Some(parsed)),
+                    _ => Err(TraceError::BadValue {
+                        path: path.to_owned(),
+                        key,
+                        value: value.clone(),
+                        expected: "a positive finite number",
+                    }),
+                },
+            }
+        };
+        let model = required("model")?.clone();
+        let n_layers = integer("n_layers")?;
+        let n_heads = integer("n_heads")?;
+        let n_kv_heads = integer("n_kv_heads")?;
+        let head_dim = integer("head_dim")?;
+        let prompt_len = integer("prompt_len")?;
+        let rope = required("rope")?;
+        if rope != "post" {
+            return Err(TraceError::BadValue {
+                path: path.to_owned(),
+                key: "rope",
+                value: rope.clone(),
+                expected: "\"post\" (q and k stored after rotary embedding)",
+            });
+        }
+        if n_kv_heads == 0 || n_heads == 0 || n_heads % n_kv_heads != 0 {
+            return Err(TraceError::Heads {
+                path: path.to_owned(),
+                n_heads,
+                n_kv_heads,
+            });
+        }
+        for (key, value) in [("n_layers", n_layers), ("head_dim", head_dim)] {
+            if value == 0 {
+                return Err(TraceError::BadValue {
+                    path: path.to_owned(),
+                    key,
+                    value: "0".into(),
+                    expected: "a positive integer",
+                });
+            }
+        }
+        let scale = float("scale")?.unwrap_or(1.0 / (head_dim as f32).sqrt());
+        let softcap = float("softcap")?;
+        let spans = match header.get("spans") {
+            None => Vec::new(),
+            Some(text) => {
+                serde_json::from_str::<Vec<Span>>(text).map_err(|err| TraceError::Spans {
+                    path: path.to_owned(),
+                    detail: format!("not a JSON list of {{name, start, end}}: {err}"),
+                })?
+            }
+        };
+        const KNOWN: [&str; 11] = [
+            "format",
+            "model",
+            "n_layers",
+            "n_heads",
+            "n_kv_heads",
+            "head_dim",
+            "prompt_len",
+            "rope",
+            "scale",
+            "softcap",
+            "spans",
+        ];
+        let extra = header
+            .iter()
+            .filter(|(key, _)| !KNOWN.contains(&key.as_str()))
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect();
+        Ok(Self {
+            model,
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            prompt_len,
+            scale,
+            softcap,
+            spans,
+            extra,
+        })
+    }
+
+    /// Checks the rules that need T, the number of positions.
+    pub fn check_positions(&self, path: &Path, n_positions: usize) -> Result<(), TraceError> {
+        if self.prompt_len == 0 || self.prompt_len > n_positions {
+            return Err(TraceError::PromptLen {
+                path: path.to_owned(),
+                prompt_len: self.prompt_len,
+                n_positions,
+            });
+        }
+        for span in &self.spans {
+            if span.start >= span.end || span.end > n_positions {
+                return Err(TraceError::Spans {
+                    path: path.to_owned(),
+                    detail: format!(
+                        "span `{}` = [{}, {}) is empty or ends beyond T = {n_positions}",
+                        span.name, span.start, span.end
+                    ),
+                });
+            }
+        }
+        Ok(())
+    }
+
+    /// The header as written to a file: every value a string.
+    pub fn to_header(&self) -> std::collections::HashMap<String, String> {
+        let mut header: std::collections::HashMap<String, String> =
+            self.extra.clone().into_iter().collect();
+        header.insert("format".into(), FORMAT.into());
+        header.insert("model".into(), self.model.clone());
+        header.insert("n_layers".into(), self.n_layers.to_string());
+        header.insert("n_heads".into(), self.n_heads.to_string());
+        header.insert("n_kv_heads".into(), self.n_kv_heads.to_string());
+        header.insert("head_dim".into(), self.head_dim.to_string());
+        header.insert("prompt_len".into(), self.prompt_len.to_string());
+        header.insert("rope".into(), "post".into());
+        header.insert("scale".into(), format!("{:e}", self.scale));
+        if let Some(softcap) = self.softcap {
+            header.insert("softcap".into(), format!("{softcap:e}"));
+        }
+        if !self.spans.is_empty() {
+            header.insert(
+                "spans".into(),
+                serde_json::to_string(&self.spans).expect("spans serialise"),
+            );
+        }
+        header
+    }
+}

@@ -1,0 +1,17 @@
+//! The kvtrace/1 file format (`shared/design/trace-format.md`): one safetensors file holding, for
+//! every layer, the post-rotary query, key and (optionally) value vectors of every position.
+//!
+//! The reader is strict: it checks every rule of the contract before handing anything out, and it
+//! memory-maps the file and converts one layer at a time to f32, so replaying a trace never needs
+//! more than one layer in memory. The writer is exact: what it writes, the reader accepts, and
+//! the round trip is bit-identical for f32 storage.
+
+mod error;
+mod meta;
+mod reader;
+mod writer;
+
+pub use error::TraceError;
+pub use meta::{Span, TraceMeta, FORMAT};
+pub use reader::{LayerTensors, TraceReader};
+pub use writer::{StorageDtype, TraceWriter};

@@ -1,0 +1,268 @@
+//! The strict kvtrace/1 reader. Opening a trace checks the container, the header and the name,
+//! dtype and shape of every tensor; reading a layer converts it to f32 and checks that every
+//! value is finite. Nothing is read into memory before it is asked for.
+
+use super::{TraceError, TraceMeta};
+use memmap2::Mmap;
+use ndarray::{Array1, Array3};
+use safetensors::tensor::{Dtype, Metadata, TensorInfo};
+use safetensors::SafeTensors;
+use std::path::{Path, PathBuf};
+
+/// One layer's vectors, converted to f32.
+#[derive(Debug, Clone)]
+pub struct LayerTensors {
+    /// Queries, `[n_heads, T, head_dim]`.
+    pub q: Array3<f32>,
+    /// Keys, `[n_kv_heads, T, head_dim]`.
+    pub k: Array3<f32>,
+    /// Values, `[n_kv_heads, T, head_dim]`, when the trace has them.
+    pub v: Option<Array3<f32>>,
+}
+
+/// An open, validated trace.
+pub struct TraceReader {
+    path: PathBuf,
+    map: Mmap,
+    data_start: usize,
+    header: Metadata,
+    meta: TraceMeta,
+    n_positions: usize,
+    storage: Dtype,
+    has_values: bool,
+}
+
+impl std::fmt::Debug for TraceReader {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        f.debug_struct("TraceReader")
+            .field("path", &self.path)
+            .field("meta", &self.meta)
+            .field("n_positions", &self.n_positions)
+            .finish()
+    }
+}
+
+impl TraceReader {
+    /// Opens and validates a trace: every rule but finiteness, which is checked as layers are read.
+    pub fn open(path: impl AsRef<Path>) -> Result<Self, TraceError> {
+        let path = path.as_ref().to_owned();
+        let file = std::fs::File::open(&path).map_err(|source| TraceError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        // SAFETY: the map is read-only and private to this reader; a trace modified by another
+        // process while it is replayed is outside what any reader can defend against.
+        let map = unsafe { Mmap::map(&file) }.map_err(|source| TraceError::Io {
+            path: path.clone(),
+            source,
+        })?;
+        let (header_len, header) = SafeTensors::read_metadata(&map).map_err(|err| match err {
+            safetensors::SafeTensorError::MetadataIncompleteBuffer => {
+                TraceError::Truncated { path: path.clone() }
+            }
+            other => TraceError::Container {
+                path: path.clone(),
+                detail: other.to_string(),
+            },
+        })?;
+        let meta = TraceMeta::from_header(&path, header.metadata().as_ref())?;
+        let mut reader = Self {
+            path,
+            map,
+            data_start: 8 + header_len,
+            header,
+            meta,
+            n_positions: 0,
+            storage: Dtype::F32,
+            has_values: false,
+        };
+        reader.check_tensors()?;
+        Ok(reader)
+    }
+
+    fn check_tensors(&mut self) -> Result<(), TraceError> {
+        let tokens = self.info("tokens")?;
+        if !matches!(tokens.dtype, Dtype::I32 | Dtype::I64) {
+            return Err(self.dtype_error("tokens", tokens.dtype, "I32 or I64"));
+        }
+        if tokens.shape.len() != 1 {
+            return Err(TraceError::Shape {
+                path: self.path.clone(),
+                tensor: "tokens".into(),
+                found: tokens.shape.clone(),
+                expected: vec![tokens.shape.first().copied().unwrap_or(0)],
+                rule: "shape",
+            });
+        }
+        let n_positions = tokens.shape[0];
+        let meta = &self.meta;
+        let storage = self.info("layers.0.q")?.dtype;
+        if !matches!(storage, Dtype::F16 | Dtype::BF16 | Dtype::F32) {
+            return Err(self.dtype_error("layers.0.q", storage, "F16, BF16 or F32"));
+        }
+        let has_values = self.header.info("layers.0.v").is_some();
+        for layer in 0..meta.n_layers {
+            let mut expected = vec![
+                (format!("layers.{layer}.q"), meta.n_heads),
+                (format!("layers.{layer}.k"), meta.n_kv_heads),
+            ];
+            if has_values {
+                expected.push((format!("layers.{layer}.v"), meta.n_kv_heads));
+            }
+            for (name, heads) in expected {
+                let info = self.info(&name)?;
+                if info.dtype != storage {
+                    return Err(self.dtype_error(
+                        &name,
+                        info.dtype,
+                        &format!("{storage:?} (the dtype of layers.0.q)"),
+                    ));
+                }
+                let want = vec![heads, n_positions, meta.head_dim];
+                if info.shape != want {
+                    let same_t_only = info.shape.len() == 3
+                        && info.shape[0] == heads
+                        && info.shape[2] == meta.head_dim;
+                    return Err(TraceError::Shape {
+                        path: self.path.clone(),
+                        tensor: name,
+                        found: info.shape.clone(),
+                        expected: want,
+                        rule: if same_t_only {
+                            "same T in every layer and in `tokens`"
+                        } else {
+                            "shape [heads, T, head_dim]"
+                        },
+                    });
+                }
+            }
+        }
+        self.meta.check_positions(&self.path, n_positions)?;
+        self.n_positions = n_positions;
+        self.storage = storage;
+        self.has_values = has_values;
+        Ok(())
+    }
+
+    fn info(&self, name: &str) -> Result<&TensorInfo, TraceError> {
+        self.header
+            .info(name)
+            .ok_or_else(|| TraceError::MissingTensor {
+                path: self.path.clone(),
+                tensor: name.to_owned(),
+            })
+    }
+
+    fn dtype_error(&self, tensor: &str, found: Dtype, expected: &str) -> TraceError {
+        TraceError::Dtype {
+            path: self.path.clone(),
+            tensor: tensor.to_owned(),
+            found: format!("{found:?}"),
+            expected: expected.to_owned(),
+        }
+    }
+
+    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+        let (start, end) = info.data_offsets;
+        &self.map[self.data_start + start..self.data_start + end]
+    }
+
+    /// The file this reader reads.
+    pub fn path(&self) -> &Path {
+        &self.path
+    }
+
+    /// The validated header.
+    pub fn meta(&self) -> &TraceMeta {
+        &self.meta
+    }
+
+    /// T: prompt and generated positions together.
+    pub fn n_positions(&self) -> usize {
+        self.n_positions
+    }
+
+    /// Whether the trace stores values (needed for the output-error metric).
+    pub fn has_values(&self) -> bool {
+        self.has_values
+    }
+
+    /// The storage dtype of q, k and v, as safetensors names it (`F16`, `BF16`, `F32`).
+    pub fn storage_dtype(&self) -> String {
+        format!("{:?}", self.storage)
+    }
+
+    /// Size of the file in bytes.
+    pub fn file_len(&self) -> usize {
+        self.map.len()
+    }
+
+    /// The token ids.
+    pub fn tokens(&self) -> Result<Array1<i64>, TraceError> {
+        let info = self.info("tokens")?;
+        let bytes = self.bytes(info);
+        let ids: Vec<i64> = match info.dtype {
+            Dtype::I32 => bytes
+                .chunks_exact(4)
+                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
+                .collect(),
+            _ => bytes
+                .chunks_exact(8)
+                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
+                .collect(),
+        };
+        Ok(Array1::from(ids))
+    }
+
+    /// Reads one layer as f32, checking that every value is finite.
+    pub fn layer(&self, layer: usize) -> Result<LayerTensors, TraceError> {
+        if layer >= self.meta.n_layers {
+            return Err(TraceError::NoSuchLayer {
+                path: self.path.clone(),
+                layer,
+                n_layers: self.meta.n_layers,
+            });
+        }
+        let q = self.tensor(&format!("layers.{layer}.q"))?;
+        let k = self.tensor(&format!("layers.{layer}.k"))?;
+        let v = if self.has_values {
+            Some(self.tensor(&format!("layers.{layer}.v"))?)
+        } else {
+            None
+        };
+        Ok(LayerTensors { q, k, v })
+    }
+
+    fn tensor(&self, name: &str) -> Result<Array3<f32>, TraceError> {
+        let info = self.info(name)?;
+        let values = to_f32(self.bytes(info), info.dtype);
+        if let Some(index) = values.iter().position(|value| !value.is_finite()) {
+            return Err(TraceError::NonFinite {
+                path: self.path.clone(),
+                tensor: name.to_owned(),
+                index,
+                value: values[index].to_string(),
+            });
+        }
+        let shape = (info.shape[0], info.shape[1], info.shape[2]);
+        Ok(Array3::from_shape_vec(shape, values).expect("shape checked at open"))
+    }
+}
+
+/// Little-endian F16/BF16/F32 bytes to f32 (the data of a safetensors file need not be aligned).
+fn to_f32(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
+    match dtype {
+        Dtype::F16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        Dtype::BF16 => bytes
+            .chunks_exact(2)
+            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
+            .collect(),
+        _ => bytes
+            .chunks_exact(4)
+            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
+            .collect(),
+    }
+}
