@@ -62,6 +62,33 @@ pub fn entropy(probabilities: &[f32]) -> f64 {
         .sum()
 }
 
+/// Softmax attention of one query over the keys at `positions` (rows of `keys`, in that order).
+/// When `positions` is the prefix `0..n`, the keys are read as one contiguous block.
+pub fn attend_positions(
+    query: ArrayView1<f32>,
+    keys: ArrayView2<f32>,
+    positions: &[usize],
+    scale: f32,
+    softcap: Option<f32>,
+) -> Vec<f32> {
+    let n = positions.len();
+    if n > 0 && positions[n - 1] + 1 == n {
+        return attend(query, keys.slice(ndarray::s![..n, ..]), scale, softcap);
+    }
+    let mut weights: Vec<f32> = positions
+        .iter()
+        .map(|&position| {
+            let logit = keys.row(position).dot(&query) * scale;
+            match softcap {
+                Some(cap) => cap * (logit / cap).tanh(),
+                None => logit,
+            }
+        })
+        .collect();
+    softmax_in_place(&mut weights);
+    weights
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -15,4 +15,5 @@ pub mod export;
 pub mod inspect;
 pub mod model;
 pub mod recipe;
+pub mod replay;
 pub mod trace;

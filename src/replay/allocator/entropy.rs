@@ -1,0 +1,63 @@
+//! `entropy`: budgets from the trace's own attention, the data-driven schedule the PyramidKV paper
+//! motivates with funneling (§3) but does not implement. Layer l's weight is `exp(H_l)`, with H_l
+//! the mean entropy (nats) of the observation window's attention over the prompt: exp(H) is the
+//! perplexity, the effective number of tokens the layer attends to. The total `L * budget` is
+//! shared in proportion to the weights, each layer at least `sinks + window` and at most the
+//! prompt, by water-filling and largest remainder ([`super::distribute`]), so the mean is exactly
+//! the nominal budget whenever the prompt can hold it.
+
+use super::{distribute, AllocationInput, Allocator};
+
+/// Budgets proportional to attention perplexity.
+pub struct Entropy;
+
+impl Allocator for Entropy {
+    fn name(&self) -> &'static str {
+        "entropy"
+    }
+
+    fn needs_profile(&self) -> bool {
+        true
+    }
+
+    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+        let weights: Vec<f64> = input.profiles.iter().map(|p| p.entropy.exp()).collect();
+        distribute(
+            &weights,
+            input.budget * input.n_layers,
+            input.sinks + input.window,
+            input.prompt_len.max(input.budget),
+        )
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::LayerProfile;
+
+    #[test]
+    fn broader_layers_get_more() {
+        // Entropies ln 3 and ln 1: weights 3 and 1, so (2*100 - 2*8) = 184 splits 138 / 46.
+        let profiles = [
+            LayerProfile {
+                entropy: 3f64.ln(),
+                variance: 0.0,
+            },
+            LayerProfile {
+                entropy: 0.0,
+                variance: 0.0,
+            },
+        ];
+        let input = AllocationInput {
+            n_layers: 2,
+            budget: 100,
+            prompt_len: 1000,
+            window: 8,
+            sinks: 0,
+            profiles: &profiles,
+            mass_curves: &[],
+        };
+        assert_eq!(Entropy.allocate(&input), vec![146, 54]);
+    }
+}

@@ -1,0 +1,173 @@
+//! Budget allocators: how many tokens each layer's caches may keep. One allocator per file, the
+//! file name is the registry key. An allocator never ranks tokens; it may read the trace's own
+//! window-attention profile (`entropy`, `cake`) or the scorer's per-layer mass curves (`oracle`),
+//! which the engine computes for it when it asks.
+//!
+//! Budgets count every kept token of a cache, sinks and protected window included (PyramidKV's
+//! `max_capacity_prompt`). Each allocator's mean is the nominal budget unless its method's own
+//! rule differs (the official PyramidKV rounding overshoots); the replay always reports the real
+//! number of tokens kept.
+
+mod cake;
+mod entropy;
+mod flat;
+mod oracle;
+mod pyramid;
+mod pyramid_taper;
+
+use super::policy::{PolicyParams, Rounding};
+use super::{LayerProfile, PolicyError};
+
+/// The registered allocator names.
+pub const NAMES: [&str; 6] = [
+    "flat",
+    "pyramid",
+    "pyramid-taper",
+    "entropy",
+    "cake",
+    "oracle",
+];
+
+/// What an allocator may base its decision on.
+#[derive(Debug, Clone)]
+pub struct AllocationInput<'a> {
+    /// Layers.
+    pub n_layers: usize,
+    /// Nominal budget per cache.
+    pub budget: usize,
+    /// Prompt length n.
+    pub prompt_len: usize,
+    /// Protected recent tokens W.
+    pub window: usize,
+    /// Protected first tokens.
+    pub sinks: usize,
+    /// Per-layer window-attention profile (when `needs_profile`).
+    pub profiles: &'a [LayerProfile],
+    /// Per-layer retained mass against kept prompt tokens, index b = b tokens kept
+    /// (when `needs_mass_curves`).
+    pub mass_curves: &'a [Vec<f64>],
+}
+
+/// A way of splitting the memory among layers.
+pub trait Allocator: Send + Sync {
+    /// The registry key.
+    fn name(&self) -> &'static str;
+    /// Whether `allocate` reads `profiles`.
+    fn needs_profile(&self) -> bool {
+        false
+    }
+    /// Whether `allocate` reads `mass_curves`.
+    fn needs_mass_curves(&self) -> bool {
+        false
+    }
+    /// Per-layer budgets.
+    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize>;
+}
+
+/// Builds the allocator a policy names.
+pub fn build(params: &PolicyParams) -> Result<Box<dyn Allocator>, PolicyError> {
+    Ok(match params.allocator.as_str() {
+        "flat" => Box::new(flat::Flat),
+        "pyramid" => Box::new(pyramid::Pyramid {
+            beta: params.beta.unwrap_or(20.0),
+            exact_mean: params.rounding == Rounding::ExactMean,
+        }),
+        "pyramid-taper" => {
+            let beta = params.beta.unwrap_or(2.0);
+            if beta < 1.0 {
+                return Err(PolicyError::Param {
+                    field: "beta",
+                    value: beta.to_string(),
+                    rule: "pyramid-taper's steepness must be >= 1 (1 = flat)",
+                });
+            }
+            Box::new(pyramid_taper::PyramidTaper { beta })
+        }
+        "entropy" => Box::new(entropy::Entropy),
+        "cake" => Box::new(cake::Cake {
+            tau1: params.tau1,
+            tau2: params.tau2,
+        }),
+        "oracle" => Box::new(oracle::Oracle),
+        other => {
+            return Err(PolicyError::UnknownName {
+                kind: "allocator",
+                name: other.to_owned(),
+                valid: NAMES.join(", "),
+            })
+        }
+    })
+}
+
+/// Splits `total` tokens among layers in proportion to `weights`, each layer between `floor` and
+/// `cap`: every layer starts at `floor`, the rest is shared by weight, layers that would pass
+/// `cap` are capped and their excess re-shared among the others (water-filling), and the integer
+/// parts are completed by largest remainder (ties to the lower layer). The sum is exactly `total`
+/// whenever `floor * L <= total <= cap * L`.
+pub(crate) fn distribute(weights: &[f64], total: usize, floor: usize, cap: usize) -> Vec<usize> {
+    let n = weights.len();
+    let total = total.clamp(floor * n, cap * n);
+    let mut share = vec![floor as f64; n];
+    let mut capped = vec![false; n];
+    let mut remaining = (total - floor * n) as f64;
+    for _ in 0..=n {
+        let open_weight: f64 = (0..n)
+            .filter(|&l| !capped[l])
+            .map(|l| weights[l].max(0.0))
+            .sum();
+        let open: Vec<usize> = (0..n).filter(|&l| !capped[l]).collect();
+        if open.is_empty() || remaining <= 0.0 {
+            break;
+        }
+        let mut overflow = 0.0;
+        for &l in &open {
+            let part = if open_weight > 0.0 {
+                remaining * weights[l].max(0.0) / open_weight
+            } else {
+                remaining / open.len() as f64
+            };
+            share[l] += part;
+            if share[l] > cap as f64 {
+                overflow += share[l] - cap as f64;
+                share[l] = cap as f64;
+                capped[l] = true;
+            }
+        }
+        remaining = overflow;
+    }
+    let mut budgets: Vec<usize> = share.iter().map(|s| s.floor() as usize).collect();
+    let mut left = total.saturating_sub(budgets.iter().sum());
+    let mut order: Vec<usize> = (0..n).collect();
+    order.sort_by(|&a, &b| {
+        (share[b] - share[b].floor())
+            .total_cmp(&(share[a] - share[a].floor()))
+            .then(a.cmp(&b))
+    });
+    for &l in order.iter().cycle().take(n * 2) {
+        if left == 0 {
+            break;
+        }
+        if budgets[l] < cap {
+            budgets[l] += 1;
+            left -= 1;
+        }
+    }
+    budgets
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn distribute_hits_total_and_bounds() {
+        let budgets = distribute(&[1.0, 1.0, 2.0], 100, 10, 1000);
+        assert_eq!(budgets.iter().sum::<usize>(), 100);
+        // 70 shared 1:1:2 on top of 10 each: 27.5, 27.5, 45 -> remainders give the .5s out.
+        assert_eq!(budgets, vec![28, 27, 45]);
+        let capped = distribute(&[10.0, 1.0, 1.0], 90, 5, 40);
+        assert_eq!(capped.iter().sum::<usize>(), 90);
+        assert_eq!(capped[0], 40);
+        assert!(capped.iter().all(|b| (5..=40).contains(b)));
+    }
+}

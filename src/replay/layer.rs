@@ -1,0 +1,87 @@
+//! What a scorer may look at: one layer's vectors, the trace geometry, and the cache unit it scores.
+
+use ndarray::{ArrayView1, ArrayView2, ArrayView3, Axis};
+use std::ops::Range;
+
+/// One layer of a trace, as seen by scorers and metrics.
+#[derive(Debug, Clone, Copy)]
+pub struct LayerContext<'a> {
+    /// Layer index.
+    pub layer: usize,
+    /// Queries `[n_heads, T, d]`.
+    pub q: ArrayView3<'a, f32>,
+    /// Keys `[n_kv_heads, T, d]`.
+    pub k: ArrayView3<'a, f32>,
+    /// Values `[n_kv_heads, T, d]`, when the trace has them.
+    pub v: Option<ArrayView3<'a, f32>>,
+    /// Positions `[0, prompt_len)` are the prompt.
+    pub prompt_len: usize,
+    /// Softmax scale.
+    pub scale: f32,
+    /// Logit soft-cap.
+    pub softcap: Option<f32>,
+}
+
+impl<'a> LayerContext<'a> {
+    /// T.
+    pub fn n_positions(&self) -> usize {
+        self.q.shape()[1]
+    }
+
+    /// Query heads per KV head.
+    pub fn group_size(&self) -> usize {
+        self.q.shape()[0] / self.k.shape()[0]
+    }
+
+    /// Query `position` of query head `head`.
+    pub fn query(&self, head: usize, position: usize) -> ArrayView1<'a, f32> {
+        self.q
+            .index_axis_move(Axis(0), head)
+            .index_axis_move(Axis(0), position)
+    }
+
+    /// All keys of KV head `kv_head`, `[T, d]`.
+    pub fn keys(&self, kv_head: usize) -> ArrayView2<'a, f32> {
+        self.k.index_axis_move(Axis(0), kv_head)
+    }
+
+    /// All values of KV head `kv_head`, `[T, d]`.
+    pub fn values(&self, kv_head: usize) -> Option<ArrayView2<'a, f32>> {
+        self.v.map(|v| v.index_axis_move(Axis(0), kv_head))
+    }
+}
+
+/// One cache: a KV head with its group of query heads, or a single query head.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Unit {
+    /// Index of the cache within the layer.
+    pub index: usize,
+    /// The KV head whose keys it holds.
+    pub kv_head: usize,
+    /// The query heads that read it.
+    pub query_heads: Range<usize>,
+}
+
+impl Unit {
+    /// The caches of a layer under a granularity.
+    pub fn all(n_heads: usize, n_kv_heads: usize, per_query_head: bool) -> Vec<Unit> {
+        let group = n_heads / n_kv_heads;
+        if per_query_head {
+            (0..n_heads)
+                .map(|head| Unit {
+                    index: head,
+                    kv_head: head / group,
+                    query_heads: head..head + 1,
+                })
+                .collect()
+        } else {
+            (0..n_kv_heads)
+                .map(|kv_head| Unit {
+                    index: kv_head,
+                    kv_head,
+                    query_heads: kv_head * group..(kv_head + 1) * group,
+                })
+                .collect()
+        }
+    }
+}

@@ -1,0 +1,60 @@
+//! Per-layer statistics of the observation window's attention over the prompt, the input of the
+//! data-driven allocators (`entropy`, `cake`).
+//!
+//! For layer l, each query head h and each of the last W prompt queries t, `A[t]` is the causal
+//! softmax over keys `0..=t`. Entropy: the mean over heads and rows of `-sum_j A ln A` (nats).
+//! Variance (CAKE): per head, `sum_j Var_t A[t, j]` over the W rows (population variance, keys
+//! beyond a row's position counting as 0), then the mean over heads.
+
+use super::LayerContext;
+use crate::attention::{attend, entropy};
+use ndarray::s;
+use serde::Serialize;
+
+/// Window-attention statistics of one layer.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LayerProfile {
+    /// Mean row entropy, nats.
+    pub entropy: f64,
+    /// Mean over heads of the summed per-key variance across window rows.
+    pub variance: f64,
+}
+
+impl LayerProfile {
+    /// Computes the profile with the last `window` prompt queries.
+    pub fn measure(layer: &LayerContext<'_>, window: usize) -> Self {
+        let prompt_len = layer.prompt_len;
+        let window = window.clamp(1, prompt_len);
+        let n_heads = layer.q.shape()[0];
+        let group = layer.group_size();
+        let (mut entropy_total, mut variance_total) = (0.0f64, 0.0f64);
+        for head in 0..n_heads {
+            let keys = layer.keys(head / group);
+            let mut sum = vec![0.0f64; prompt_len];
+            let mut sum_sq = vec![0.0f64; prompt_len];
+            for position in prompt_len - window..prompt_len {
+                let weights = attend(
+                    layer.query(head, position),
+                    keys.slice(s![..=position, ..]),
+                    layer.scale,
+                    layer.softcap,
+                );
+                entropy_total += entropy(&weights);
+                for (j, &weight) in weights.iter().enumerate() {
+                    sum[j] += weight as f64;
+                    sum_sq[j] += (weight as f64).powi(2);
+                }
+            }
+            let rows = window as f64;
+            variance_total += sum
+                .iter()
+                .zip(&sum_sq)
+                .map(|(s, sq)| (sq / rows - (s / rows).powi(2)).max(0.0))
+                .sum::<f64>();
+        }
+        Self {
+            entropy: entropy_total / (n_heads * window) as f64,
+            variance: variance_total / n_heads as f64,
+        }
+    }
+}

@@ -1,0 +1,85 @@
+//! `key-proxy`: each new key used as a proxy query (the seed library's H2O-adapted rule, the
+//! selection of its "PyramidKV-adapted", shared/seeds/pyramidkv-adapted-library-doc.txt).
+//!
+//! Token 0 is stored with score 1.0. Token i: `attn = softmax(K_stored · k_i / sqrt(d))` over
+//! the stored keys, *not itself*; `scores += attn`; token i is appended with score 0. The engine
+//! then evicts the lowest score (sinks and window protected). The rule works on keys only, so
+//! under `--gqa query-head` every head of a group gets the same scores. Deviation: the library
+//! also re-rotates survivors' keys to close position gaps; a replay keeps original positions,
+//! since the measured quantity is the full model's attention. Softcap is not applied (the library
+//! has none).
+
+use super::{AlignedScores, ScoreState, Scorer};
+use crate::attention::attend_positions;
+use crate::replay::{LayerContext, Unit};
+use ndarray::ArrayView2;
+
+/// The key-as-query proxy scorer.
+pub struct KeyProxy;
+
+struct State<'a> {
+    keys: ArrayView2<'a, f32>,
+    scale: f32,
+    scores: AlignedScores,
+}
+
+impl Scorer for KeyProxy {
+    fn name(&self) -> &'static str {
+        "key-proxy"
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        Box::new(State {
+            keys: layer.keys(unit.kv_head),
+            scale: layer.scale,
+            scores: AlignedScores::default(),
+        })
+    }
+}
+
+impl ScoreState for State<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        let (&newest, stored) = cache
+            .split_last()
+            .expect("on_append sees a non-empty cache");
+        if stored.is_empty() {
+            self.scores.0.push(1.0);
+            return;
+        }
+        let attention =
+            attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None);
+        for (score, weight) in self.scores.0.iter_mut().zip(attention) {
+            *score += weight;
+        }
+        self.scores.0.push(0.0);
+    }
+
+    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
+        self.scores.copy_to(out);
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        self.scores.remove(index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn hand_computed_scores() {
+        // keys k0 = (1,0), k1 = (0,1), k2 = (1,1); scale 1.
+        // token 0: score 1. token 1: softmax over {k0·k1 = 0} = [1] -> scores [2, 0].
+        // token 2: logits k0·k2 = 1, k1·k2 = 1 -> [0.5, 0.5] -> scores [2.5, 0.5, 0].
+        let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], 3);
+        let layer = context(&q, &k, n);
+        let mut state = KeyProxy.start(&layer, &unit());
+        let scores = scores_after(state.as_mut(), 3);
+        assert_abs_diff_eq!(scores[0], 2.5, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], 0.5, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[2], 0.0, epsilon = 1e-6);
+    }
+}

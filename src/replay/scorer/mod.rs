@@ -1,0 +1,185 @@
+//! Eviction scorers: which tokens a cache keeps. One scorer per file, the file name is the
+//! registry key (`key_proxy.rs` is `key-proxy`). A scorer only ranks; how many tokens are kept is
+//! the allocator's business.
+//!
+//! A scorer consumes a stream: [`ScoreState::on_append`] sees each token as it enters the cache
+//! (its key arrives, its query attends), [`ScoreState::on_evict`] each eviction, and
+//! [`ScoreState::scores`] is asked whenever the engine must choose. Higher scores are kept.
+
+mod key_proxy;
+mod knorm;
+mod oracle_per_step;
+mod oracle_static;
+mod random;
+mod recency;
+mod snapkv;
+mod tova;
+mod true_query;
+
+use super::policy::{Aggregation, PolicyParams, Timing};
+use super::{LayerContext, PolicyError, Unit};
+use crate::attention::attend_positions;
+
+/// The registered scorer names, as configs spell them.
+pub const NAMES: [&str; 9] = [
+    "key-proxy",
+    "true-query",
+    "snapkv",
+    "tova",
+    "recency",
+    "knorm",
+    "random",
+    "oracle-static",
+    "oracle-per-step",
+];
+
+/// A way of ranking cached tokens.
+pub trait Scorer: Send + Sync {
+    /// The registry key.
+    fn name(&self) -> &'static str;
+    /// Whether the scorer is defined for this timing (SnapKV is one-shot).
+    fn supports(&self, _timing: Timing) -> bool {
+        true
+    }
+    /// Whether the kept set is re-chosen from the full cache at every decode step (the per-step
+    /// oracle), instead of evictions being permanent.
+    fn reselects(&self) -> bool {
+        false
+    }
+    /// A fresh state for one cache of one layer.
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a>;
+}
+
+/// The running state of a scorer for one cache.
+pub trait ScoreState {
+    /// The last entry of `cache` (positions in insertion order) has just been appended.
+    fn on_append(&mut self, cache: &[usize]);
+    /// Writes one score per entry of `cache` into `out` (cleared first); higher is kept.
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>);
+    /// Entry `index` of the cache has been evicted.
+    fn on_evict(&mut self, _index: usize) {}
+}
+
+/// Builds the scorer a policy names.
+pub fn build(params: &PolicyParams) -> Result<Box<dyn Scorer>, PolicyError> {
+    Ok(match params.scorer.as_str() {
+        "key-proxy" => Box::new(key_proxy::KeyProxy),
+        "true-query" => Box::new(true_query::TrueQuery { agg: params.agg }),
+        "snapkv" => Box::new(snapkv::SnapKv {
+            window: params.window,
+            kernel: params.kernel,
+            pool: params.pool,
+            agg: params.agg,
+        }),
+        "tova" => Box::new(tova::Tova { agg: params.agg }),
+        "recency" => Box::new(recency::Recency),
+        "knorm" => Box::new(knorm::Knorm),
+        "random" => Box::new(random::Random { seed: params.seed }),
+        "oracle-static" => Box::new(oracle_static::OracleStatic { agg: params.agg }),
+        "oracle-per-step" => Box::new(oracle_per_step::OraclePerStep { agg: params.agg }),
+        other => {
+            return Err(PolicyError::UnknownName {
+                kind: "scorer",
+                name: other.to_owned(),
+                valid: NAMES.join(", "),
+            })
+        }
+    })
+}
+
+/// Attention of the query at `position` of each of the unit's query heads over `cache`,
+/// aggregated over the group, one value per cache entry.
+pub(crate) fn group_attention(
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    position: usize,
+    cache: &[usize],
+    agg: Aggregation,
+) -> Vec<f32> {
+    let keys = layer.keys(unit.kv_head);
+    let per_head: Vec<Vec<f32>> = unit
+        .query_heads
+        .clone()
+        .map(|head| {
+            attend_positions(
+                layer.query(head, position),
+                keys,
+                cache,
+                layer.scale,
+                layer.softcap,
+            )
+        })
+        .collect();
+    (0..cache.len())
+        .map(|entry| agg.combine(per_head.iter().map(|weights| weights[entry])))
+        .collect()
+}
+
+/// Scores kept aligned with the cache: one per entry, removed on eviction.
+#[derive(Debug, Default, Clone)]
+pub(crate) struct AlignedScores(pub Vec<f32>);
+
+impl AlignedScores {
+    pub fn copy_to(&self, out: &mut Vec<f32>) {
+        out.clear();
+        out.extend_from_slice(&self.0);
+    }
+
+    pub fn remove(&mut self, index: usize) {
+        self.0.remove(index);
+    }
+}
+
+#[cfg(test)]
+pub(crate) mod testing {
+    //! A tiny hand-checkable layer for scorer tests.
+    use super::*;
+    use ndarray::Array3;
+
+    /// One head, d = 2, T positions, keys and queries given as rows.
+    pub fn layer_with(
+        q: &[[f32; 2]],
+        k: &[[f32; 2]],
+        prompt_len: usize,
+    ) -> (Array3<f32>, Array3<f32>, usize) {
+        let qa = Array3::from_shape_fn((1, q.len(), 2), |(_, t, d)| q[t][d]);
+        let ka = Array3::from_shape_fn((1, k.len(), 2), |(_, t, d)| k[t][d]);
+        (qa, ka, prompt_len)
+    }
+
+    pub fn context<'a>(
+        q: &'a Array3<f32>,
+        k: &'a Array3<f32>,
+        prompt_len: usize,
+    ) -> LayerContext<'a> {
+        LayerContext {
+            layer: 0,
+            q: q.view(),
+            k: k.view(),
+            v: None,
+            prompt_len,
+            scale: 1.0,
+            softcap: None,
+        }
+    }
+
+    pub fn unit() -> Unit {
+        Unit {
+            index: 0,
+            kv_head: 0,
+            query_heads: 0..1,
+        }
+    }
+
+    /// Appends positions 0..n one by one and returns the final scores.
+    pub fn scores_after(state: &mut dyn ScoreState, n: usize) -> Vec<f32> {
+        let mut cache = Vec::new();
+        for position in 0..n {
+            cache.push(position);
+            state.on_append(&cache);
+        }
+        let mut out = Vec::new();
+        state.scores(&cache, &mut out);
+        out
+    }
+}

@@ -1,0 +1,70 @@
+//! `oracle-static`: each token scored by the attention the *future decode queries* of the full
+//! model pay it (summed over decode steps, aggregated over the group). With `--timing prefill`
+//! this is the best single kept set for the whole decode ranked by total mass: an upper
+//! reference for one-shot scorers. It sees the future, so no real policy can implement it.
+
+use super::{group_attention, ScoreState, Scorer};
+use crate::replay::{Aggregation, LayerContext, Unit};
+
+/// Total future attention.
+pub struct OracleStatic {
+    pub(super) agg: Aggregation,
+}
+
+struct State {
+    future: Vec<f32>,
+}
+
+impl Scorer for OracleStatic {
+    fn name(&self) -> &'static str {
+        "oracle-static"
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        let n_positions = layer.n_positions();
+        let mut future = vec![0.0f32; n_positions];
+        for step in layer.prompt_len..n_positions {
+            let visible: Vec<usize> = (0..=step).collect();
+            let weights = group_attention(layer, unit, step, &visible, self.agg);
+            for (total, weight) in future.iter_mut().zip(weights) {
+                *total += weight;
+            }
+        }
+        Box::new(State { future })
+    }
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _cache: &[usize]) {}
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(cache.iter().map(|&position| self.future[position]));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn sums_decode_attention() {
+        // Prompt of 2, one decode query q2 = (1,0) over k = (1,0), (0,0), (0,0):
+        // [0.576117, 0.211942, 0.211942].
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]],
+            &[[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+            2,
+        );
+        let layer = context(&q, &k, n);
+        let mut state = OracleStatic {
+            agg: Aggregation::Mean,
+        }
+        .start(&layer, &unit());
+        let scores = scores_after(state.as_mut(), 2);
+        assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);
+    }
+}

@@ -1,0 +1,44 @@
+//! `recency`: StreamingLLM (Xiao et al., 2023, arXiv:2309.17453): keep the attention sinks (set
+//! with `--sinks`; the paper uses 4) and the most recent tokens. The score is the position, so the
+//! oldest unprotected token goes first.
+
+use super::{ScoreState, Scorer};
+use crate::replay::{LayerContext, Unit};
+
+/// Newer is better.
+pub struct Recency;
+
+struct State;
+
+impl Scorer for Recency {
+    fn name(&self) -> &'static str {
+        "recency"
+    }
+
+    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        Box::new(State)
+    }
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _cache: &[usize]) {}
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(cache.iter().map(|&position| position as f32));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+
+    #[test]
+    fn score_is_position() {
+        let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[0.0, 0.0]; 3], 3);
+        let layer = context(&q, &k, n);
+        let mut state = Recency.start(&layer, &unit());
+        assert_eq!(scores_after(state.as_mut(), 3), vec![0.0, 1.0, 2.0]);
+    }
+}

@@ -1,0 +1,169 @@
+//! `snapkv`: SnapKV's observation-window vote (Li et al., 2024, arXiv:2404.14469), as the official
+//! KVCache-Factory code computes it (shared/reference/policies.md): the last W prompt queries
+//! attend over all prompt keys (causally, so only inside the window does the mask bite), their
+//! weights are summed per head over the window, pooled along positions with a same-length 1-D
+//! kernel, and the group's pooled scores are aggregated (`--agg`, as kvpress and AdaKV do; under
+//! `--gqa query-head` each head keeps its own, as the official code's repeated K/V do).
+//! The window itself is always kept (the engine protects it).
+//!
+//! Pooling covers the keys `[0, n - W)` only, as the official code slices them; `avg` divides by
+//! the kernel including the zero padding (torch's `count_include_pad`), `max` ignores padding.
+//! One-shot: defined for `--timing prefill` only.
+
+use super::{AlignedScores, ScoreState, Scorer};
+use crate::attention::attend_positions;
+use crate::replay::{Aggregation, LayerContext, Pooling, Timing, Unit};
+
+/// SnapKV's pooled window attention.
+pub struct SnapKv {
+    pub(super) window: usize,
+    pub(super) kernel: usize,
+    pub(super) pool: Pooling,
+    pub(super) agg: Aggregation,
+}
+
+struct State<'a> {
+    layer: LayerContext<'a>,
+    unit: Unit,
+    window_start: usize,
+    kernel: usize,
+    pool: Pooling,
+    agg: Aggregation,
+    /// Per query head of the unit, per position, the window's summed attention.
+    sums: Vec<Vec<f32>>,
+    cached: AlignedScores,
+}
+
+impl Scorer for SnapKv {
+    fn name(&self) -> &'static str {
+        "snapkv"
+    }
+
+    fn supports(&self, timing: Timing) -> bool {
+        timing == Timing::Prefill
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        let prompt_len = layer.prompt_len;
+        Box::new(State {
+            layer: *layer,
+            unit: unit.clone(),
+            window_start: prompt_len.saturating_sub(self.window.max(1)),
+            kernel: self.kernel,
+            pool: self.pool,
+            agg: self.agg,
+            sums: vec![vec![0.0; prompt_len]; unit.query_heads.len()],
+            cached: AlignedScores::default(),
+        })
+    }
+}
+
+/// Same-length 1-D pooling with `kernel / 2` padding on each side.
+pub(crate) fn pool1d(values: &[f32], kernel: usize, pool: Pooling) -> Vec<f32> {
+    let half = kernel / 2;
+    (0..values.len())
+        .map(|centre| {
+            let lo = centre.saturating_sub(half);
+            let hi = (centre + half + 1).min(values.len());
+            let window = &values[lo..hi];
+            match pool {
+                Pooling::Avg => window.iter().sum::<f32>() / kernel as f32,
+                Pooling::Max => window.iter().copied().fold(f32::NEG_INFINITY, f32::max),
+            }
+        })
+        .collect()
+}
+
+impl ScoreState for State<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        let newest = *cache.last().expect("non-empty cache");
+        if newest < self.window_start || newest >= self.layer.prompt_len {
+            return;
+        }
+        let keys = self.layer.keys(self.unit.kv_head);
+        for (slot, head) in self.unit.query_heads.clone().enumerate() {
+            let weights = attend_positions(
+                self.layer.query(head, newest),
+                keys,
+                cache,
+                self.layer.scale,
+                self.layer.softcap,
+            );
+            for (&position, weight) in cache.iter().zip(weights) {
+                self.sums[slot][position] += weight;
+            }
+        }
+        self.cached.0.clear();
+    }
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        if self.cached.0.is_empty() {
+            let pooled: Vec<Vec<f32>> = self
+                .sums
+                .iter()
+                .map(|sums| pool1d(&sums[..self.window_start], self.kernel, self.pool))
+                .collect();
+            self.cached.0 = (0..self.layer.prompt_len)
+                .map(|position| {
+                    if position < self.window_start {
+                        self.agg.combine(pooled.iter().map(|p| p[position]))
+                    } else {
+                        f32::INFINITY
+                    }
+                })
+                .collect();
+        }
+        out.clear();
+        out.extend(cache.iter().map(|&position| {
+            self.cached
+                .0
+                .get(position)
+                .copied()
+                .unwrap_or(f32::INFINITY)
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn avg_pool_counts_padding() {
+        // torch.nn.functional.avg_pool1d([1,2,3], 3, stride 1, padding 1) = [1, 2, 5/3].
+        let pooled = pool1d(&[1.0, 2.0, 3.0], 3, Pooling::Avg);
+        assert_abs_diff_eq!(pooled[0], 1.0, epsilon = 1e-6);
+        assert_abs_diff_eq!(pooled[1], 2.0, epsilon = 1e-6);
+        assert_abs_diff_eq!(pooled[2], 5.0 / 3.0, epsilon = 1e-6);
+        assert_eq!(
+            pool1d(&[1.0, 5.0, 3.0, 0.0], 3, Pooling::Max),
+            vec![5.0, 5.0, 5.0, 3.0]
+        );
+    }
+
+    #[test]
+    fn window_vote_by_hand() {
+        // Prompt of 3, window 1: only query 2 = (1,0) votes over k = (1,0), (0,0), (0,0):
+        // logits [1, 0, 0] -> [e/(e+2), 1/(e+2), 1/(e+2)] = [0.576117, 0.211942, 0.211942].
+        // Kernel 1 (no pooling): scores of positions 0 and 1 are those weights; 2 is the window.
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0], [0.0, 0.0], [1.0, 0.0]],
+            &[[1.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+            3,
+        );
+        let layer = context(&q, &k, n);
+        let scorer = SnapKv {
+            window: 1,
+            kernel: 1,
+            pool: Pooling::Avg,
+            agg: Aggregation::Mean,
+        };
+        let mut state = scorer.start(&layer, &unit());
+        let scores = scores_after(state.as_mut(), 3);
+        assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);
+        assert!(scores[2].is_infinite());
+    }
+}

@@ -1,0 +1,72 @@
+//! `tova`: Token Omission Via Attention (Oren et al., 2024, arXiv:2401.06104): each step, the
+//! token with the lowest attention from the *current* query is evicted. Deviation: TOVA averages
+//! the weights over all heads of a layer and keeps one set per layer; here each cache (KV head,
+//! or query head) is scored by its own group's aggregated weights (`--agg`), so every scorer
+//! shares the same cache layout. Under `--timing prefill` the current query is the last prompt
+//! token's.
+
+use super::{group_attention, AlignedScores, ScoreState, Scorer};
+use crate::replay::{Aggregation, LayerContext, Unit};
+
+/// The current query's attention.
+pub struct Tova {
+    pub(super) agg: Aggregation,
+}
+
+struct State<'a> {
+    layer: LayerContext<'a>,
+    unit: Unit,
+    agg: Aggregation,
+    scores: AlignedScores,
+}
+
+impl Scorer for Tova {
+    fn name(&self) -> &'static str {
+        "tova"
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        Box::new(State {
+            layer: *layer,
+            unit: unit.clone(),
+            agg: self.agg,
+            scores: AlignedScores::default(),
+        })
+    }
+}
+
+impl ScoreState for State<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        let newest = *cache.last().expect("non-empty cache");
+        self.scores.0 = group_attention(&self.layer, &self.unit, newest, cache, self.agg);
+    }
+
+    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
+        self.scores.copy_to(out);
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        self.scores.remove(index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn only_the_current_query_counts() {
+        // q1 = (0,1) over k0 = (1,0), k1 = (0,1): logits [0, 1] -> [0.268941, 0.731059].
+        let (q, k, n) = layer_with(&[[5.0, 0.0], [0.0, 1.0]], &[[1.0, 0.0], [0.0, 1.0]], 2);
+        let layer = context(&q, &k, n);
+        let mut state = Tova {
+            agg: Aggregation::Mean,
+        }
+        .start(&layer, &unit());
+        let scores = scores_after(state.as_mut(), 2);
+        assert_abs_diff_eq!(scores[0], 0.268_941, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], 0.731_059, epsilon = 1e-6);
+    }
+}

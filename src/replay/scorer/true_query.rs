@@ -1,0 +1,79 @@
+//! `true-query`: H2O's heavy-hitter score (Zhang et al., NeurIPS 2023, arXiv:2306.14048), the
+//! cumulative attention each cached token has received from the real queries seen so far.
+//!
+//! At each appended position its query attends over the current cache (itself included, causal);
+//! the group's weights are aggregated (`--agg`) and added to the scores; a new token starts with
+//! its own self-attention. Unlike the 2025-01 H2O code, whose prefill scores let rows before the
+//! last window see future keys, attention here is always causal.
+
+use super::{group_attention, AlignedScores, ScoreState, Scorer};
+use crate::replay::{Aggregation, LayerContext, Unit};
+
+/// H2O's cumulative true-query attention.
+pub struct TrueQuery {
+    pub(super) agg: Aggregation,
+}
+
+struct State<'a> {
+    layer: LayerContext<'a>,
+    unit: Unit,
+    agg: Aggregation,
+    scores: AlignedScores,
+}
+
+impl Scorer for TrueQuery {
+    fn name(&self) -> &'static str {
+        "true-query"
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        Box::new(State {
+            layer: *layer,
+            unit: unit.clone(),
+            agg: self.agg,
+            scores: AlignedScores::default(),
+        })
+    }
+}
+
+impl ScoreState for State<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        let newest = *cache.last().expect("non-empty cache");
+        self.scores.0.push(0.0);
+        let attention = group_attention(&self.layer, &self.unit, newest, cache, self.agg);
+        for (score, weight) in self.scores.0.iter_mut().zip(attention) {
+            *score += weight;
+        }
+    }
+
+    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
+        self.scores.copy_to(out);
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        self.scores.remove(index);
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn hand_computed_scores() {
+        // q0 = (0,0), q1 = (1,0); k0 = (1,0), k1 = (0,0); scale 1.
+        // position 0 attends {0}: [1]. position 1: logits [1, 0] -> [e/(e+1), 1/(e+1)]
+        // = [0.731059, 0.268941]. Scores: [1.731059, 0.268941].
+        let (q, k, n) = layer_with(&[[0.0, 0.0], [1.0, 0.0]], &[[1.0, 0.0], [0.0, 0.0]], 2);
+        let layer = context(&q, &k, n);
+        let mut state = TrueQuery {
+            agg: Aggregation::Mean,
+        }
+        .start(&layer, &unit());
+        let scores = scores_after(state.as_mut(), 2);
+        assert_abs_diff_eq!(scores[0], 1.731_059, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], 0.268_941, epsilon = 1e-6);
+    }
+}

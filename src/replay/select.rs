@@ -1,0 +1,116 @@
+//! Turning scores into kept sets. One tie rule everywhere: on equal scores the lower position
+//! wins (is kept). The seed library's `np.argmin` evicts the first index on ties instead; that
+//! only differs on exact float ties, which its rule meets only when a softmax underflows to 0.
+
+use super::Unit;
+
+/// What one cache keeps.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub enum UnitKept {
+    /// Prefill timing: these prompt positions (sorted); every generated token is kept as well.
+    Fixed(Vec<usize>),
+    /// One kept set (sorted) per decode step, generated tokens included.
+    PerStep(Vec<Vec<usize>>),
+}
+
+impl UnitKept {
+    /// Whether `position` is kept when decode step `step` (position `prompt_len + step`) attends.
+    pub fn kept_positions(&self, step: usize, prompt_len: usize) -> Vec<usize> {
+        match self {
+            UnitKept::Fixed(prompt) => prompt
+                .iter()
+                .copied()
+                .chain(prompt_len..=prompt_len + step)
+                .collect(),
+            UnitKept::PerStep(steps) => steps[step].clone(),
+        }
+    }
+}
+
+/// Every cache of one layer: its unit, budget and kept sets.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct Kept {
+    /// The allocator's budget for the layer.
+    pub layer_budget: usize,
+    /// The caches.
+    pub units: Vec<Unit>,
+    /// The budget each cache had.
+    pub budgets: Vec<usize>,
+    /// What each kept.
+    pub kept: Vec<UnitKept>,
+}
+
+/// Orders `positions` for keeping: protected ones first (in position order), then by score,
+/// highest first, ties to the lower position.
+pub(crate) fn ranking(
+    positions: &[usize],
+    scores: &[f32],
+    is_protected: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let mut order: Vec<usize> = (0..positions.len()).collect();
+    order.sort_by(|&a, &b| {
+        let (pa, pb) = (positions[a], positions[b]);
+        is_protected(pb)
+            .cmp(&is_protected(pa))
+            .then_with(|| scores[b].total_cmp(&scores[a]))
+            .then_with(|| pa.cmp(&pb))
+    });
+    order.into_iter().map(|index| positions[index]).collect()
+}
+
+/// The `budget` positions to keep (sorted): protected ones, then the best scores.
+pub(crate) fn select_top(
+    positions: &[usize],
+    scores: &[f32],
+    budget: usize,
+    is_protected: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let mut kept = ranking(positions, scores, is_protected);
+    kept.truncate(budget);
+    kept.sort_unstable();
+    kept
+}
+
+/// The cache entry to evict: the lowest score outside the first `sinks` entries and the last
+/// `window` entries; on ties the later position goes. `None` when everything is protected.
+pub(crate) fn victim(
+    cache: &[usize],
+    scores: &[f32],
+    sinks: usize,
+    window: usize,
+) -> Option<usize> {
+    let end = cache.len().saturating_sub(window);
+    (sinks.min(end)..end).min_by(|&a, &b| {
+        scores[a]
+            .total_cmp(&scores[b])
+            .then_with(|| cache[b].cmp(&cache[a]))
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn protected_first_then_scores_then_lower_position() {
+        let positions = [0, 1, 2, 3, 4];
+        let scores = [0.0, 5.0, 1.0, 5.0, 9.0];
+        assert_eq!(
+            ranking(&positions, &scores, |p| p == 0),
+            vec![0, 4, 1, 3, 2]
+        );
+        assert_eq!(
+            select_top(&positions, &scores, 3, |p| p == 0),
+            vec![0, 1, 4]
+        );
+    }
+
+    #[test]
+    fn victim_skips_sinks_and_window() {
+        let cache = [0, 1, 2, 3, 4];
+        let scores = [0.0, 3.0, 2.0, 2.0, 0.0];
+        // sinks 1 protects entry 0, window 1 protects entry 4; 2 and 3 tie: the later goes.
+        assert_eq!(victim(&cache, &scores, 1, 1), Some(3));
+        assert_eq!(victim(&cache, &scores, 3, 2), None);
+    }
+}
