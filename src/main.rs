@@ -6,8 +6,13 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
 use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::export::{exporter, Format};
 use kvreplay::model::{Llama, Recorder};
 use kvreplay::recipe::Recipe;
+use kvreplay::replay::{
+    presets, replay_with_progress, Aggregation, Granularity, HeadBudget, PolicyParams, Pooling,
+    ReplayReport, Rounding, Timing, ValidPolicy,
+};
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::PathBuf;
 use std::process::ExitCode;
@@ -42,6 +47,32 @@ enum Command {
         #[arg(long, default_value_t = 512)]
         chunk: usize,
     },
+    /// Replay one policy on a trace and measure what it keeps.
+    Replay {
+        /// The trace file.
+        trace: PathBuf,
+        #[command(flatten)]
+        policy: PolicyArgs,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
+    /// Replay named presets of the classic methods at one budget and print one table.
+    Compare {
+        /// The trace file.
+        trace: PathBuf,
+        /// Nominal budget per cache.
+        #[arg(long, default_value_t = 128)]
+        budget: usize,
+        /// Comma-separated preset names.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "snapkv,pyramidkv,adakv,h2o,streamingllm,tova,h2o-adapted,pyramidkv-adapted,oracle"
+        )]
+        presets: Vec<String>,
+        #[command(flatten)]
+        output: OutputArgs,
+    },
     /// Print a trace's header, spans, sizes and per-layer attention entropy.
     Inspect {
         /// The trace file.
@@ -50,6 +81,127 @@ enum Command {
         #[arg(long, default_value_t = 8)]
         window: usize,
     },
+}
+
+/// A policy, flag by flag (defaults: flat + snapkv at prefill, W = 8, kernel 7).
+#[derive(clap::Args)]
+struct PolicyArgs {
+    /// How many tokens each layer keeps: flat, pyramid, pyramid-taper, entropy, cake, oracle.
+    #[arg(long, default_value = "flat")]
+    allocator: String,
+    /// Which tokens: key-proxy, true-query, snapkv, tova, recency, knorm, random, oracle-static, oracle-per-step.
+    #[arg(long, default_value = "snapkv")]
+    scorer: String,
+    /// When eviction happens.
+    #[arg(long, value_enum, default_value_t = Timing::Prefill)]
+    timing: Timing,
+    /// Nominal tokens per cache (mean over layers), sinks and window included.
+    #[arg(long, default_value_t = 128)]
+    budget: usize,
+    /// Protected recent tokens; SnapKV's observation window.
+    #[arg(long, default_value_t = 8)]
+    window: usize,
+    /// SnapKV pooling kernel (odd).
+    #[arg(long, default_value_t = 7)]
+    kernel: usize,
+    /// SnapKV pooling.
+    #[arg(long, value_enum, default_value_t = Pooling::Avg)]
+    pool: Pooling,
+    /// Protected first tokens (attention sinks).
+    #[arg(long, default_value_t = 0)]
+    sinks: usize,
+    /// pyramid: divisor (default 20); pyramid-taper: steepness >= 1 (default 2).
+    #[arg(long)]
+    beta: Option<f64>,
+    /// pyramid rounding.
+    #[arg(long, value_enum, default_value_t = Rounding::Official)]
+    rounding: Rounding,
+    /// Cache granularity under grouped-query attention.
+    #[arg(long, value_enum, default_value_t = Granularity::KvHead)]
+    gqa: Granularity,
+    /// Aggregation of a group's scores.
+    #[arg(long, value_enum, default_value_t = Aggregation::Mean)]
+    agg: Aggregation,
+    /// Split of a layer's budget among its caches.
+    #[arg(long, value_enum, default_value_t = HeadBudget::Uniform)]
+    heads: HeadBudget,
+    /// AdaKV floor.
+    #[arg(long, default_value_t = 0.2)]
+    alpha: f64,
+    /// CAKE entropy temperature.
+    #[arg(long, default_value_t = 1.0)]
+    tau1: f64,
+    /// CAKE variance temperature.
+    #[arg(long, default_value_t = 1.0)]
+    tau2: f64,
+    /// Seed of the random scorer.
+    #[arg(long, default_value_t = 0)]
+    seed: u64,
+    /// k of the top-k recall.
+    #[arg(long, default_value_t = 10)]
+    top_k: usize,
+}
+
+impl PolicyArgs {
+    fn params(&self) -> PolicyParams {
+        PolicyParams {
+            allocator: self.allocator.clone(),
+            scorer: self.scorer.clone(),
+            timing: self.timing,
+            budget: self.budget,
+            window: self.window,
+            kernel: self.kernel,
+            pool: self.pool,
+            sinks: self.sinks,
+            beta: self.beta,
+            rounding: self.rounding,
+            gqa: self.gqa,
+            agg: self.agg,
+            heads: self.heads,
+            alpha: self.alpha,
+            tau1: self.tau1,
+            tau2: self.tau2,
+            seed: self.seed,
+            top_k: self.top_k,
+        }
+    }
+}
+
+#[derive(clap::Args)]
+struct OutputArgs {
+    /// Output format.
+    #[arg(long, value_enum, default_value_t = Format::Markdown)]
+    format: Format,
+    /// Leave out the per-layer tables.
+    #[arg(long)]
+    no_layers: bool,
+    /// Worker threads (default: all cores); results do not depend on it.
+    #[arg(long)]
+    threads: Option<usize>,
+}
+
+fn replay_all(
+    trace: &TraceReader,
+    policies: &[ValidPolicy],
+    threads: Option<usize>,
+) -> Result<Vec<ReplayReport>> {
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(threads) = threads {
+        builder = builder.num_threads(threads);
+    }
+    let pool = builder.build().context("starting worker threads")?;
+    let layers = trace.meta().n_layers as u64;
+    let bar = progress_bar(layers * policies.len() as u64, "replay");
+    let reports = policies
+        .iter()
+        .map(|policy| {
+            bar.set_message(policy.label());
+            pool.install(|| replay_with_progress(trace, policy, &|| bar.inc(1)))
+                .with_context(|| format!("replaying {}", policy.label()))
+        })
+        .collect::<Result<Vec<_>>>()?;
+    bar.finish_and_clear();
+    Ok(reports)
 }
 
 fn progress_bar(total: u64, what: &str) -> ProgressBar {
@@ -128,6 +280,44 @@ fn run(cli: Cli) -> Result<()> {
                 captured.generated.len(),
                 started.elapsed().as_secs_f64(),
                 captured.generated_text
+            );
+        }
+        Command::Replay {
+            trace,
+            policy,
+            output,
+        } => {
+            let policy = policy.params().check()?;
+            let reader = TraceReader::open(&trace)?;
+            let reports = replay_all(&reader, &[policy], output.threads)?;
+            print!(
+                "{}",
+                exporter(output.format).export(&reports, !output.no_layers)
+            );
+        }
+        Command::Compare {
+            trace,
+            budget,
+            presets: names,
+            output,
+        } => {
+            let policies = names
+                .iter()
+                .map(|name| Ok(presets::preset(name, budget)?.check()?))
+                .collect::<Result<Vec<_>>>()?;
+            let reader = TraceReader::open(&trace)?;
+            let reports = replay_all(&reader, &policies, output.threads)?;
+            let labelled: Vec<ReplayReport> = reports
+                .into_iter()
+                .zip(&names)
+                .map(|(mut report, name)| {
+                    report.policy = format!("{name} ({})", report.policy);
+                    report
+                })
+                .collect();
+            print!(
+                "{}",
+                exporter(output.format).export(&labelled, !output.no_layers)
             );
         }
         Command::Inspect { trace, window } => {

@@ -1,10 +1,35 @@
-//! Turning results into text: one [`Table`] type rendered by exporters (markdown, CSV, JSON),
-//! in the manner of hyperfine's `Exporter`. Numbers are formatted here and nowhere else.
+//! Turning results into text: one [`Exporter`] trait with an implementation per format
+//! (markdown, CSV, JSON), in the manner of hyperfine's exporters, over one [`Table`] type.
+//! Numbers are formatted here and nowhere else.
 
+mod csv;
+mod json;
+mod markdown;
+mod replay;
 mod table;
 
+pub use csv::Csv;
+pub use json::Json;
+pub use markdown::Markdown;
+pub use replay::{layer_table, summary_table};
 pub use table::{Format, Table};
 
+use crate::replay::ReplayReport;
+
+/// Renders replay reports.
+pub trait Exporter {
+    /// The text of `reports`; `per_layer` adds each report's layer breakdown.
+    fn export(&self, reports: &[ReplayReport], per_layer: bool) -> String;
+}
+
+/// The exporter for a format.
+pub fn exporter(format: Format) -> Box<dyn Exporter> {
+    match format {
+        Format::Markdown => Box::new(Markdown),
+        Format::Csv => Box::new(Csv),
+        Format::Json => Box::new(Json),
+    }
+}
 use crate::inspect::entropy_profile;
 use crate::trace::{TraceError, TraceReader};
 

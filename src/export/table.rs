@@ -11,6 +11,8 @@ pub enum Format {
     Markdown,
     /// RFC 4180 CSV.
     Csv,
+    /// JSON.
+    Json,
 }
 
 /// Headers and rows of text cells.
@@ -48,12 +50,46 @@ impl Table {
         self.rows.push(row);
     }
 
-    /// Renders the table.
+    /// A copy with a first column `header` holding `value` in every row.
+    pub fn prefixed(mut self, header: &str, value: &str) -> Self {
+        self.headers.insert(0, header.to_owned());
+        for row in &mut self.rows {
+            row.insert(0, value.to_owned());
+        }
+        self
+    }
+
+    /// Appends the rows of a table with the same headers.
+    pub fn append(&mut self, other: Table) {
+        assert_eq!(
+            self.headers, other.headers,
+            "appended tables must share headers"
+        );
+        self.rows.extend(other.rows);
+    }
+
+    /// Renders the table (JSON: an array of objects keyed by header).
     pub fn render(&self, format: Format) -> String {
         match format {
             Format::Markdown => self.markdown(),
             Format::Csv => self.csv(),
+            Format::Json => self.json(),
         }
+    }
+
+    fn json(&self) -> String {
+        let rows: Vec<serde_json::Map<String, serde_json::Value>> = self
+            .rows
+            .iter()
+            .map(|row| {
+                self.headers
+                    .iter()
+                    .zip(row)
+                    .map(|(h, c)| (h.clone(), serde_json::Value::String(c.clone())))
+                    .collect()
+            })
+            .collect();
+        serde_json::to_string_pretty(&rows).expect("strings serialise") + "\n"
     }
 
     fn markdown(&self) -> String {

@@ -14,6 +14,7 @@ mod error;
 mod layer;
 pub mod metrics;
 mod policy;
+pub mod presets;
 mod profile;
 pub mod scorer;
 mod select;
