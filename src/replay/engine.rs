@@ -67,6 +67,68 @@ pub fn replay_with_progress(
     policy: &ValidPolicy,
     layer_done: &(dyn Fn() + Sync),
 ) -> Result<ReplayReport, PolicyError> {
+    let budgets = layer_budgets_with_progress(trace, policy, layer_done)?;
+    let units = units(trace, policy);
+    let meta = trace.meta();
+    let layers = for_each_layer(trace, layer_done, &|layer| {
+        let kept = replay_layer(&layer, &units, budgets[layer.layer], policy);
+        measure(&layer, &kept, &meta.spans, policy.params().top_k)
+    })?;
+    Ok(summarise(trace, policy, layers))
+}
+
+/// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].
+pub fn kept_sets(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    budgets: &[usize],
+    layer: usize,
+) -> Result<Kept, PolicyError> {
+    let tensors = trace.layer(layer)?;
+    Ok(replay_layer(
+        &context(trace, layer, &tensors),
+        &units(trace, policy),
+        budgets[layer],
+        policy,
+    ))
+}
+
+/// Per-layer budgets of `policy` on `trace`, after checking that the two fit together.
+pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
+    layer_budgets_with_progress(trace, policy, &|| {})
+}
+
+fn units(trace: &TraceReader, policy: &ValidPolicy) -> Vec<Unit> {
+    let meta = trace.meta();
+    Unit::all(
+        meta.n_heads,
+        meta.n_kv_heads,
+        policy.params().gqa == super::Granularity::QueryHead,
+    )
+}
+
+/// Runs `work` on every layer (in parallel) and returns the results in layer order.
+fn for_each_layer<T: Send>(
+    trace: &TraceReader,
+    layer_done: &(dyn Fn() + Sync),
+    work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
+) -> Result<Vec<T>, PolicyError> {
+    (0..trace.meta().n_layers)
+        .into_par_iter()
+        .map(|layer| {
+            let tensors = trace.layer(layer)?;
+            let result = work(context(trace, layer, &tensors));
+            layer_done();
+            Ok(result)
+        })
+        .collect()
+}
+
+fn layer_budgets_with_progress(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    layer_done: &(dyn Fn() + Sync),
+) -> Result<Vec<usize>, PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
@@ -85,43 +147,18 @@ pub fn replay_with_progress(
             params.window, params.sinks
         )));
     }
-    let units = Unit::all(
-        meta.n_heads,
-        meta.n_kv_heads,
-        params.gqa == super::Granularity::QueryHead,
-    );
-    let per_layer = |work: &(dyn Fn(LayerContext<'_>) -> Result<(), PolicyError> + Sync)| {
-        (0..meta.n_layers).into_par_iter().try_for_each(|layer| {
-            let tensors = trace.layer(layer)?;
-            work(context(trace, layer, &tensors))?;
-            layer_done();
-            Ok::<(), PolicyError>(())
-        })
-    };
+    let units = units(trace, policy);
     let profiles = if policy.allocator.needs_profile() {
-        let slots = std::sync::Mutex::new(vec![None; meta.n_layers]);
-        per_layer(&|layer| {
-            let profile = LayerProfile::measure(&layer, params.window.max(1));
-            slots.lock().expect("no panics hold the lock")[layer.layer] = Some(profile);
-            Ok(())
-        })?;
-        slots
-            .into_inner()
-            .expect("lock")
-            .into_iter()
-            .map(|p| p.expect("every layer"))
-            .collect()
+        for_each_layer(trace, layer_done, &|layer| {
+            LayerProfile::measure(&layer, params.window.max(1))
+        })?
     } else {
         Vec::new()
     };
     let mass_curves = if policy.allocator.needs_mass_curves() {
-        let slots = std::sync::Mutex::new(vec![Vec::new(); meta.n_layers]);
-        per_layer(&|layer| {
-            let curve = mass_curve(&layer, &units, policy);
-            slots.lock().expect("no panics hold the lock")[layer.layer] = curve;
-            Ok(())
-        })?;
-        slots.into_inner().expect("lock")
+        for_each_layer(trace, layer_done, &|layer| {
+            mass_curve(&layer, &units, policy)
+        })?
     } else {
         Vec::new()
     };
@@ -144,20 +181,7 @@ pub fn replay_with_progress(
             });
         }
     }
-    let slots = std::sync::Mutex::new(vec![None; meta.n_layers]);
-    per_layer(&|layer| {
-        let kept = replay_layer(&layer, &units, budgets[layer.layer], policy);
-        let report = measure(&layer, &kept, &meta.spans, params.top_k);
-        slots.lock().expect("no panics hold the lock")[layer.layer] = Some(report);
-        Ok(())
-    })?;
-    let layers: Vec<LayerReport> = slots
-        .into_inner()
-        .expect("lock")
-        .into_iter()
-        .map(|r| r.expect("every layer"))
-        .collect();
-    Ok(summarise(trace, policy, layers))
+    Ok(budgets)
 }
 
 fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>) -> ReplayReport {

@@ -1,0 +1,111 @@
+//! Shared helpers of the integration tests: tiny fixture traces the tests build themselves, and
+//! (in `reference`) a slow, obviously correct re-implementation of the replay to compare against.
+
+#![allow(dead_code)]
+
+pub mod reference;
+
+use kvreplay::trace::{Span, StorageDtype, TraceMeta, TraceWriter};
+use ndarray::Array3;
+use std::collections::BTreeMap;
+use std::path::Path;
+
+/// SplitMix64: a tiny seeded generator, so fixtures need no RNG crate.
+pub struct Rng(pub u64);
+
+impl Rng {
+    pub fn next_u64(&mut self) -> u64 {
+        self.0 = self.0.wrapping_add(0x9E37_79B9_7F4A_7C15);
+        let mut x = self.0;
+        x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+        x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+        x ^ (x >> 31)
+    }
+
+    /// A multiple of 0.25 in [-2, 2]: dot products are exact in f32, so the only rounding is in
+    /// the softmax, and identical keys tie exactly in every implementation.
+    pub fn quarter(&mut self) -> f32 {
+        (self.next_u64() % 17) as f32 * 0.25 - 2.0
+    }
+}
+
+/// The shape of a fixture.
+#[derive(Debug, Clone, Copy)]
+pub struct Shape {
+    pub n_layers: usize,
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub prompt_len: usize,
+    pub generated: usize,
+}
+
+impl Default for Shape {
+    fn default() -> Self {
+        Self {
+            n_layers: 2,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 4,
+            prompt_len: 20,
+            generated: 5,
+        }
+    }
+}
+
+/// The header of a fixture of this shape (a `needle` span in the middle of the prompt).
+pub fn meta(shape: Shape) -> TraceMeta {
+    let middle = shape.prompt_len / 2;
+    TraceMeta {
+        model: "fixture".into(),
+        n_layers: shape.n_layers,
+        n_heads: shape.n_heads,
+        n_kv_heads: shape.n_kv_heads,
+        head_dim: shape.head_dim,
+        prompt_len: shape.prompt_len,
+        scale: 1.0 / (shape.head_dim as f32).sqrt(),
+        softcap: None,
+        spans: vec![Span {
+            name: "needle".into(),
+            start: middle.saturating_sub(1),
+            end: middle + 2,
+        }],
+        extra: BTreeMap::new(),
+    }
+}
+
+/// The tensors of a random fixture: per layer q, k, v.
+pub fn tensors(shape: Shape, seed: u64) -> Vec<(Array3<f32>, Array3<f32>, Array3<f32>)> {
+    let mut rng = Rng(seed);
+    let t = shape.prompt_len + shape.generated;
+    (0..shape.n_layers)
+        .map(|_| {
+            let q =
+                Array3::from_shape_simple_fn((shape.n_heads, t, shape.head_dim), || rng.quarter());
+            let k = Array3::from_shape_simple_fn((shape.n_kv_heads, t, shape.head_dim), || {
+                rng.quarter()
+            });
+            let v = Array3::from_shape_simple_fn((shape.n_kv_heads, t, shape.head_dim), || {
+                rng.quarter()
+            });
+            (q, k, v)
+        })
+        .collect()
+}
+
+/// Writes a random fixture trace (f32 storage, values included) and returns its tensors.
+pub fn write_fixture(
+    path: &Path,
+    shape: Shape,
+    seed: u64,
+) -> Vec<(Array3<f32>, Array3<f32>, Array3<f32>)> {
+    let layers = tensors(shape, seed);
+    let t = shape.prompt_len + shape.generated;
+    let tokens: Vec<i64> = (0..t as i64).collect();
+    let mut writer = TraceWriter::new(meta(shape), StorageDtype::F32, tokens);
+    for (q, k, v) in &layers {
+        writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
+    }
+    writer.write(path).expect("fixture writes");
+    layers
+}

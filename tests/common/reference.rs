@@ -1,0 +1,376 @@
+//! A slow, obviously correct replay, written from the method descriptions alone (f64, plain
+//! loops, no shared code with the library), for differential tests.
+
+use ndarray::Array3;
+
+pub struct Layer<'a> {
+    pub q: &'a Array3<f32>,
+    pub k: &'a Array3<f32>,
+    pub v: &'a Array3<f32>,
+    pub prompt_len: usize,
+    pub scale: f64,
+}
+
+#[derive(Clone, Copy, PartialEq, Debug)]
+pub enum Agg {
+    Mean,
+    Max,
+    Sum,
+}
+
+pub struct Policy<'a> {
+    pub scorer: &'a str,
+    pub streaming: bool,
+    pub budget: usize,
+    pub window: usize,
+    pub sinks: usize,
+    pub kernel: usize,
+    pub max_pool: bool,
+    pub per_query_head: bool,
+    pub agg: Agg,
+}
+
+impl Layer<'_> {
+    fn t(&self) -> usize {
+        self.q.shape()[1]
+    }
+
+    fn group(&self) -> usize {
+        self.q.shape()[0] / self.k.shape()[0]
+    }
+
+    /// Softmax of query (head, at) over the keys at `positions` of kv head `kv`.
+    fn attention(&self, query: &[f64], kv: usize, positions: &[usize]) -> Vec<f64> {
+        let d = self.k.shape()[2];
+        let logits: Vec<f64> = positions
+            .iter()
+            .map(|&j| {
+                (0..d)
+                    .map(|x| query[x] * self.k[[kv, j, x]] as f64)
+                    .sum::<f64>()
+                    * self.scale
+            })
+            .collect();
+        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let exps: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+        let total: f64 = exps.iter().sum();
+        exps.iter().map(|e| e / total).collect()
+    }
+
+    fn query(&self, head: usize, at: usize) -> Vec<f64> {
+        (0..self.q.shape()[2])
+            .map(|x| self.q[[head, at, x]] as f64)
+            .collect()
+    }
+
+    fn key(&self, kv: usize, at: usize) -> Vec<f64> {
+        (0..self.k.shape()[2])
+            .map(|x| self.k[[kv, at, x]] as f64)
+            .collect()
+    }
+
+    /// The heads of a cache and its kv head.
+    fn cache_heads(&self, unit: usize, per_query_head: bool) -> (Vec<usize>, usize) {
+        if per_query_head {
+            (vec![unit], unit / self.group())
+        } else {
+            (
+                (unit * self.group()..(unit + 1) * self.group()).collect(),
+                unit,
+            )
+        }
+    }
+
+    fn combine(agg: Agg, values: &[f64]) -> f64 {
+        match agg {
+            Agg::Mean => values.iter().sum::<f64>() / values.len() as f64,
+            Agg::Max => values.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+            Agg::Sum => values.iter().sum(),
+        }
+    }
+
+    /// Group attention of the query at `at` over `positions`.
+    fn group_attention(
+        &self,
+        heads: &[usize],
+        kv: usize,
+        at: usize,
+        positions: &[usize],
+        agg: Agg,
+    ) -> Vec<f64> {
+        let rows: Vec<Vec<f64>> = heads
+            .iter()
+            .map(|&h| self.attention(&self.query(h, at), kv, positions))
+            .collect();
+        (0..positions.len())
+            .map(|i| Self::combine(agg, &rows.iter().map(|r| r[i]).collect::<Vec<_>>()))
+            .collect()
+    }
+}
+
+/// Keeps the `budget` best of `candidates` (protected first, then score, then lower position).
+fn top(
+    candidates: &[usize],
+    score: &dyn Fn(usize) -> f64,
+    budget: usize,
+    protected: &dyn Fn(usize) -> bool,
+) -> Vec<usize> {
+    let mut sorted = candidates.to_vec();
+    sorted.sort_by(|&a, &b| {
+        protected(b)
+            .cmp(&protected(a))
+            .then(score(b).partial_cmp(&score(a)).unwrap())
+            .then(a.cmp(&b))
+    });
+    sorted.truncate(budget);
+    sorted.sort();
+    sorted
+}
+
+/// Per cache, per decode step, the kept positions.
+pub fn kept(layer: &Layer, policy: &Policy) -> Vec<Vec<Vec<usize>>> {
+    let n = layer.prompt_len;
+    let t_total = layer.t();
+    let units = if policy.per_query_head {
+        layer.q.shape()[0]
+    } else {
+        layer.k.shape()[0]
+    };
+    (0..units)
+        .map(|unit| {
+            let (heads, kv) = layer.cache_heads(unit, policy.per_query_head);
+            if policy.scorer == "oracle-per-step" {
+                return (n..t_total)
+                    .map(|at| {
+                        let visible: Vec<usize> = (0..=at).collect();
+                        let p = layer.group_attention(&heads, kv, at, &visible, policy.agg);
+                        let limit = if policy.streaming { at + 1 } else { n };
+                        let mut kept = top(&visible[..limit], &|j| p[j], policy.budget, &|_| false);
+                        kept.extend(limit..=at);
+                        kept
+                    })
+                    .collect();
+            }
+            if policy.streaming {
+                streaming(layer, policy, &heads, kv)
+            } else {
+                let scores = prompt_scores(layer, policy, &heads, kv);
+                let candidates: Vec<usize> = (0..n).collect();
+                let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
+                let prompt = top(&candidates, &|j| scores[j], policy.budget, &protected);
+                (n..t_total)
+                    .map(|at| prompt.iter().cloned().chain(n..=at).collect())
+                    .collect()
+            }
+        })
+        .collect()
+}
+
+/// Scores of the prompt positions at prompt end, no eviction before.
+fn prompt_scores(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> Vec<f64> {
+    let n = layer.prompt_len;
+    match policy.scorer {
+        "snapkv" => {
+            let w = policy.window.max(1);
+            let per_head: Vec<Vec<f64>> = heads
+                .iter()
+                .map(|&h| {
+                    let mut sums = vec![0.0; n - w];
+                    for at in n - w..n {
+                        let visible: Vec<usize> = (0..=at).collect();
+                        let p = layer.attention(&layer.query(h, at), kv, &visible);
+                        for j in 0..n - w {
+                            sums[j] += p[j];
+                        }
+                    }
+                    let half = policy.kernel / 2;
+                    (0..n - w)
+                        .map(|c| {
+                            let vals: Vec<f64> = (c as isize - half as isize
+                                ..=c as isize + half as isize)
+                                .filter(|&i| i >= 0 && (i as usize) < n - w)
+                                .map(|i| sums[i as usize])
+                                .collect();
+                            if policy.max_pool {
+                                vals.iter().cloned().fold(f64::NEG_INFINITY, f64::max)
+                            } else {
+                                vals.iter().sum::<f64>() / policy.kernel as f64
+                            }
+                        })
+                        .collect()
+                })
+                .collect();
+            (0..n)
+                .map(|j| {
+                    if j < n - w {
+                        Layer::combine(
+                            policy.agg,
+                            &per_head.iter().map(|s| s[j]).collect::<Vec<_>>(),
+                        )
+                    } else {
+                        f64::INFINITY
+                    }
+                })
+                .collect()
+        }
+        _ => {
+            // Every other scorer is a stream; with no eviction its final scores are the same
+            // as the streaming rule's on the full prefix.
+            let mut scores = Vec::new();
+            let mut cache = Vec::new();
+            for at in 0..n {
+                cache.push(at);
+                stream_step(layer, policy, heads, kv, &cache, &mut scores);
+            }
+            finish_scores(layer, policy, heads, kv, &cache, &scores)
+        }
+    }
+}
+
+/// Updates running scores after `cache`'s last position arrived.
+fn stream_step(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    cache: &[usize],
+    scores: &mut Vec<f64>,
+) {
+    let at = *cache.last().unwrap();
+    match policy.scorer {
+        "key-proxy" => {
+            if cache.len() == 1 {
+                scores.push(1.0);
+            } else {
+                let p = layer.attention(&layer.key(kv, at), kv, &cache[..cache.len() - 1]);
+                for (s, w) in scores.iter_mut().zip(p) {
+                    *s += w;
+                }
+                scores.push(0.0);
+            }
+        }
+        "true-query" => {
+            scores.push(0.0);
+            let p = layer.group_attention(heads, kv, at, cache, policy.agg);
+            for (s, w) in scores.iter_mut().zip(p) {
+                *s += w;
+            }
+        }
+        "tova" => *scores = layer.group_attention(heads, kv, at, cache, policy.agg),
+        _ => scores.push(0.0),
+    }
+}
+
+/// The scores the engine compares, aligned with `cache`.
+fn finish_scores(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    cache: &[usize],
+    running: &[f64],
+) -> Vec<f64> {
+    let n = layer.prompt_len;
+    match policy.scorer {
+        "recency" => cache.iter().map(|&j| j as f64).collect(),
+        "knorm" => cache
+            .iter()
+            .map(|&j| -layer.key(kv, j).iter().map(|x| x * x).sum::<f64>().sqrt())
+            .collect(),
+        "oracle-static" => cache
+            .iter()
+            .map(|&j| {
+                (n..layer.t())
+                    .filter(|&at| at >= j)
+                    .map(|at| {
+                        let visible: Vec<usize> = (0..=at).collect();
+                        layer.group_attention(heads, kv, at, &visible, policy.agg)[j]
+                    })
+                    .sum()
+            })
+            .collect(),
+        _ => running.to_vec(),
+    }
+}
+
+fn streaming(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> Vec<Vec<usize>> {
+    let n = layer.prompt_len;
+    let mut cache: Vec<usize> = Vec::new();
+    let mut running: Vec<f64> = Vec::new();
+    let mut steps = Vec::new();
+    for at in 0..layer.t() {
+        cache.push(at);
+        stream_step(layer, policy, heads, kv, &cache, &mut running);
+        if cache.len() > policy.budget {
+            let scores = finish_scores(layer, policy, heads, kv, &cache, &running);
+            let end = cache.len() - policy.window;
+            let mut worst = policy.sinks;
+            for i in policy.sinks..end {
+                if scores[i] < scores[worst]
+                    || (scores[i] == scores[worst] && cache[i] > cache[worst])
+                {
+                    worst = i;
+                }
+            }
+            cache.remove(worst);
+            running.remove(worst);
+        }
+        if at >= n {
+            steps.push(cache.clone());
+        }
+    }
+    steps
+}
+
+/// Mean retained mass, top-k recall and output error of a layer's kept sets.
+pub fn metrics(
+    layer: &Layer,
+    kept: &[Vec<Vec<usize>>],
+    per_query_head: bool,
+    top_k: usize,
+) -> (f64, f64, f64) {
+    let n = layer.prompt_len;
+    let (mut mass, mut recall, mut error, mut count) = (0.0, 0.0, 0.0, 0.0);
+    let d = layer.v.shape()[2];
+    for head in 0..layer.q.shape()[0] {
+        let kv = head / layer.group();
+        let unit = if per_query_head { head } else { kv };
+        for at in n..layer.t() {
+            let set = &kept[unit][at - n];
+            let visible: Vec<usize> = (0..=at).collect();
+            let p = layer.attention(&layer.query(head, at), kv, &visible);
+            let retained: f64 = set.iter().map(|&j| p[j]).sum();
+            mass += retained;
+            let mut order = visible.clone();
+            order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
+            let k = top_k.min(order.len());
+            recall += order[..k].iter().filter(|j| set.contains(j)).count() as f64 / k as f64;
+            let full: Vec<f64> = (0..d)
+                .map(|x| {
+                    visible
+                        .iter()
+                        .map(|&j| p[j] * layer.v[[kv, j, x]] as f64)
+                        .sum()
+                })
+                .collect();
+            let part: Vec<f64> = (0..d)
+                .map(|x| {
+                    set.iter()
+                        .map(|&j| p[j] * layer.v[[kv, j, x]] as f64)
+                        .sum::<f64>()
+                        / retained
+                })
+                .collect();
+            let norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let diff = full
+                .iter()
+                .zip(&part)
+                .map(|(a, b)| (a - b).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            error += diff / norm;
+            count += 1.0;
+        }
+    }
+    (mass / count, recall / count, error / count)
+}

@@ -1,0 +1,367 @@
+//! The replay engine against a brute-force reference, hand-built cases and invariants.
+
+mod common;
+
+use common::reference::{self, Agg, Layer};
+use common::{write_fixture, Shape};
+use kvreplay::replay::{
+    kept_sets, layer_budgets, replay, Aggregation, Granularity, PolicyParams, Timing, UnitKept,
+};
+use kvreplay::trace::TraceReader;
+use proptest::prelude::*;
+use proptest::test_runner::{Config, RngSeed};
+
+const SCORERS: [&str; 8] = [
+    "key-proxy",
+    "true-query",
+    "snapkv",
+    "tova",
+    "recency",
+    "knorm",
+    "oracle-static",
+    "oracle-per-step",
+];
+
+fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
+    PolicyParams {
+        scorer: scorer.into(),
+        timing,
+        budget,
+        window: 2,
+        sinks: 1,
+        kernel: 3,
+        ..PolicyParams::default()
+    }
+}
+
+/// Every scorer, both timings, both cache granularities and all aggregations agree with the
+/// reference on kept sets and metrics (tolerance 1e-5: f32 engine against f64 reference).
+#[test]
+fn engine_matches_brute_force_reference() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let mut compared = 0;
+    for seed in 0..4u64 {
+        let path = dir.path().join(format!("fixture-{seed}.safetensors"));
+        let layers = write_fixture(&path, shape, seed);
+        let trace = TraceReader::open(&path).unwrap();
+        for scorer in SCORERS {
+            for timing in [Timing::Prefill, Timing::Streaming] {
+                if scorer == "snapkv" && timing == Timing::Streaming {
+                    continue;
+                }
+                for (gqa, agg, ref_agg) in [
+                    (Granularity::KvHead, Aggregation::Mean, Agg::Mean),
+                    (Granularity::KvHead, Aggregation::Max, Agg::Max),
+                    (Granularity::QueryHead, Aggregation::Sum, Agg::Sum),
+                ] {
+                    let budget = 6 + seed as usize;
+                    let policy = PolicyParams {
+                        gqa,
+                        agg,
+                        pool: if seed % 2 == 0 {
+                            kvreplay::replay::Pooling::Avg
+                        } else {
+                            kvreplay::replay::Pooling::Max
+                        },
+                        sinks: (seed % 2) as usize,
+                        ..params(scorer, timing, budget)
+                    }
+                    .check()
+                    .unwrap();
+                    let report = replay(&trace, &policy).unwrap();
+                    let budgets = layer_budgets(&trace, &policy).unwrap();
+                    for (index, (q, k, v)) in layers.iter().enumerate() {
+                        let layer = Layer {
+                            q,
+                            k,
+                            v,
+                            prompt_len: shape.prompt_len,
+                            scale: 0.5,
+                        };
+                        let reference_policy = reference::Policy {
+                            scorer,
+                            streaming: timing == Timing::Streaming,
+                            budget,
+                            window: 2,
+                            sinks: (seed % 2) as usize,
+                            kernel: 3,
+                            max_pool: seed % 2 == 1,
+                            per_query_head: gqa == Granularity::QueryHead,
+                            agg: ref_agg,
+                        };
+                        let expected = reference::kept(&layer, &reference_policy);
+                        let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
+                        for (unit, unit_kept) in kept.kept.iter().enumerate() {
+                            for step in 0..shape.generated {
+                                assert_eq!(
+                                    unit_kept.kept_positions(step, shape.prompt_len),
+                                    expected[unit][step],
+                                    "{scorer} {timing:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
+                                );
+                            }
+                        }
+                        let (mass, recall, error) = reference::metrics(
+                            &layer,
+                            &expected,
+                            gqa == Granularity::QueryHead,
+                            10,
+                        );
+                        let got = &report.layers[index];
+                        assert!(
+                            (got.retained_mass - mass).abs() < 1e-5,
+                            "{scorer}: {} vs {mass}",
+                            got.retained_mass
+                        );
+                        assert!(
+                            (got.topk_recall - recall).abs() < 1e-9,
+                            "{scorer}: {} vs {recall}",
+                            got.topk_recall
+                        );
+                        assert!(
+                            (got.output_error.unwrap() - error).abs() < 1e-5,
+                            "{scorer}: {:?} vs {error}",
+                            got.output_error
+                        );
+                        compared += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert_eq!(compared, 4 * 15 * 3 * 2);
+}
+
+/// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key
+/// 0. Full attention of q = 1 (scale 1) over keys [1, 2, 3, 0]: softmax = e^k / (e + e^2 + e^3 + 1)
+/// = [0.0871443, 0.2368828, 0.6439142, 0.0320586]. StreamingLLM with 1 sink and budget 2 keeps
+/// {0, 3}: mass 0.1192029.
+#[test]
+fn recency_by_hand() {
+    use kvreplay::trace::{StorageDtype, TraceMeta, TraceWriter};
+    use ndarray::Array3;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("hand.safetensors");
+    let meta = TraceMeta {
+        model: "hand".into(),
+        n_layers: 1,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 1,
+        prompt_len: 3,
+        scale: 1.0,
+        softcap: None,
+        spans: vec![],
+        extra: Default::default(),
+    };
+    let q = Array3::from_shape_vec((1, 4, 1), vec![0.0, 0.0, 0.0, 1.0]).unwrap();
+    let k = Array3::from_shape_vec((1, 4, 1), vec![1.0, 2.0, 3.0, 0.0]).unwrap();
+    let mut writer = TraceWriter::new(meta, StorageDtype::F32, vec![0, 1, 2, 3]);
+    writer.push_layer(q, k, None);
+    writer.write(&path).unwrap();
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = PolicyParams {
+        scorer: "recency".into(),
+        timing: Timing::Streaming,
+        budget: 2,
+        window: 0,
+        sinks: 1,
+        ..PolicyParams::default()
+    }
+    .check()
+    .unwrap();
+    let report = replay(&trace, &policy).unwrap();
+    assert!(
+        (report.retained_mass - 0.119_202_9).abs() < 1e-6,
+        "{}",
+        report.retained_mass
+    );
+    assert_eq!(report.mean_kept, 2.0);
+    assert_eq!(report.output_error, None);
+    // Top-2 of the full attention are positions 2 and 1, neither kept: recall 0.
+    let top2 = PolicyParams {
+        top_k: 2,
+        ..policy.params().clone()
+    }
+    .check()
+    .unwrap();
+    assert_eq!(replay(&trace, &top2).unwrap().topk_recall, 0.0);
+}
+
+/// The seed library's PyramidKV-adapted with beta = 1 is its H2O-adapted, bit for bit.
+#[test]
+fn pyramid_taper_beta_one_is_flat_key_proxy() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.safetensors");
+    write_fixture(
+        &path,
+        Shape {
+            n_layers: 4,
+            ..Shape::default()
+        },
+        9,
+    );
+    let trace = TraceReader::open(&path).unwrap();
+    let adapted = |allocator: &str| {
+        PolicyParams {
+            allocator: allocator.into(),
+            scorer: "key-proxy".into(),
+            timing: Timing::Streaming,
+            budget: 8,
+            sinks: 2,
+            window: 0,
+            beta: Some(1.0),
+            ..PolicyParams::default()
+        }
+        .check()
+        .unwrap()
+    };
+    let taper = replay(&trace, &adapted("pyramid-taper")).unwrap();
+    let flat = replay(&trace, &adapted("flat")).unwrap();
+    assert_eq!(taper.layers, flat.layers);
+}
+
+/// The library's known freeze: with grace (window) 0 a new token enters with score 0 and is
+/// evicted at once, so nothing generated is ever admitted past the budget.
+#[test]
+fn key_proxy_reproduces_the_freeze() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.safetensors");
+    let shape = Shape {
+        prompt_len: 30,
+        generated: 6,
+        ..Shape::default()
+    };
+    write_fixture(&path, shape, 3);
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = PolicyParams {
+        scorer: "key-proxy".into(),
+        timing: Timing::Streaming,
+        budget: 8,
+        sinks: 2,
+        window: 0,
+        ..PolicyParams::default()
+    }
+    .check()
+    .unwrap();
+    let budgets = layer_budgets(&trace, &policy).unwrap();
+    for layer in 0..shape.n_layers {
+        for unit in kept_sets(&trace, &policy, &budgets, layer).unwrap().kept {
+            let UnitKept::PerStep(steps) = unit else {
+                panic!("streaming keeps per step")
+            };
+            let admitted: usize = steps
+                .iter()
+                .map(|kept| kept.iter().filter(|&&p| p >= shape.prompt_len).count())
+                .sum();
+            // At most the newest token, which is evicted before the next one arrives.
+            assert!(steps.iter().all(|kept| kept
+                .iter()
+                .filter(|&&p| p >= shape.prompt_len)
+                .count()
+                <= 1));
+            assert!(admitted <= steps.len());
+        }
+    }
+}
+
+/// Results do not depend on the number of threads.
+#[test]
+fn bit_identical_across_thread_counts() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.safetensors");
+    write_fixture(
+        &path,
+        Shape {
+            n_layers: 6,
+            ..Shape::default()
+        },
+        11,
+    );
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = params("true-query", Timing::Streaming, 7).check().unwrap();
+    let run = |threads| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| replay(&trace, &policy).unwrap())
+    };
+    assert_eq!(run(1), run(3));
+}
+
+fn config() -> Config {
+    Config {
+        cases: 24,
+        failure_persistence: None,
+        rng_seed: RngSeed::Fixed(20261129),
+        ..Config::default()
+    }
+}
+
+proptest! {
+    #![proptest_config(config())]
+
+    /// kept <= budget, sinks and window always kept, mass in [0, 1], and the per-step oracle
+    /// never beaten at the same per-step budget.
+    #[test]
+    fn invariants(seed in 0u64..1000, budget in 3usize..16, sinks in 0usize..2, window in 0usize..2,
+                  scorer_index in 0usize..8, streaming in any::<bool>(), per_query_head in any::<bool>()) {
+        let scorer = SCORERS[scorer_index];
+        prop_assume!(!(scorer == "snapkv" && streaming));
+        let timing = if streaming { Timing::Streaming } else { Timing::Prefill };
+        let gqa = if per_query_head { Granularity::QueryHead } else { Granularity::KvHead };
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        let shape = Shape { prompt_len: 18, generated: 4, ..Shape::default() };
+        write_fixture(&path, shape, seed);
+        let trace = TraceReader::open(&path).unwrap();
+        let make = |scorer: &str| PolicyParams {
+            scorer: scorer.into(), timing, budget, sinks, window, gqa, kernel: 3,
+            ..PolicyParams::default()
+        }.check().unwrap();
+        let policy = make(scorer);
+        let report = replay(&trace, &policy).unwrap();
+        let oracle = replay(&trace, &make("oracle-per-step")).unwrap();
+        let budgets = layer_budgets(&trace, &policy).unwrap();
+        for layer in 0..shape.n_layers {
+            let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
+            for unit in &kept.kept {
+                for step in 0..shape.generated {
+                    let set = unit.kept_positions(step, shape.prompt_len);
+                    let prompt_kept = set.iter().filter(|&&p| p < shape.prompt_len).count();
+                    if streaming { prop_assert!(set.len() <= budget); } else { prop_assert!(prompt_kept <= budget); }
+                    let mut unique = set.clone();
+                    unique.dedup();
+                    prop_assert_eq!(&unique, &set);
+                    prop_assert!(set.iter().all(|&p| p <= shape.prompt_len + step));
+                    if scorer != "oracle-per-step" {
+                        for sink in 0..sinks { prop_assert!(set.contains(&sink)); }
+                    }
+                }
+            }
+            let layer_report = &report.layers[layer];
+            prop_assert!((0.0..=1.0 + 1e-6).contains(&layer_report.retained_mass));
+            // The oracle maximises the group-mean mass at each step; compare the layer means.
+            prop_assert!(oracle.layers[layer].retained_mass + 1e-6 >= layer_report.retained_mass,
+                "{} beat the oracle: {} > {}", scorer, layer_report.retained_mass, oracle.layers[layer].retained_mass);
+        }
+    }
+
+    /// A budget that holds the whole trace keeps all the mass.
+    #[test]
+    fn full_budget_keeps_everything(seed in 0u64..1000, scorer_index in 0usize..8, streaming in any::<bool>()) {
+        let scorer = SCORERS[scorer_index];
+        prop_assume!(!(scorer == "snapkv" && streaming));
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("p.safetensors");
+        let shape = Shape { prompt_len: 12, generated: 3, ..Shape::default() };
+        write_fixture(&path, shape, seed);
+        let trace = TraceReader::open(&path).unwrap();
+        let timing = if streaming { Timing::Streaming } else { Timing::Prefill };
+        let report = replay(&trace, &params(scorer, timing, 15).check().unwrap()).unwrap();
+        prop_assert!((report.retained_mass - 1.0).abs() < 1e-5);
+        prop_assert!((report.topk_recall - 1.0).abs() < 1e-12);
+        prop_assert!(report.output_error.unwrap() < 1e-5);
+    }
+}
