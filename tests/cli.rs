@@ -1,0 +1,232 @@
+//! The command line, end to end on fixture traces: tables (insta snapshots), JSON, and errors
+//! that name what is wrong and exit with code 2.
+
+mod common;
+
+use assert_cmd::Command;
+use common::{write_fixture, Shape};
+use predicates::str::contains;
+
+fn fixture() -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_fixture(
+        &dir.path().join("fixture.safetensors"),
+        Shape::default(),
+        42,
+    );
+    dir
+}
+
+fn kvreplay(dir: &tempfile::TempDir) -> Command {
+    let mut cmd = Command::cargo_bin("kvreplay").unwrap();
+    cmd.current_dir(dir.path());
+    cmd
+}
+
+fn stdout(cmd: &mut Command) -> String {
+    let output = cmd.assert().success().get_output().stdout.clone();
+    String::from_utf8(output).unwrap()
+}
+
+#[test]
+fn replay_markdown_table() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--scorer",
+        "true-query",
+        "--timing",
+        "streaming",
+        "--budget",
+        "8",
+        "--window",
+        "2",
+        "--sinks",
+        "1",
+    ]));
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn compare_presets_table() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "compare",
+        "fixture.safetensors",
+        "--budget",
+        "12",
+        "--no-layers",
+        "--presets",
+        "snapkv,pyramidkv,h2o,streamingllm,h2o-adapted,oracle",
+    ]));
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn inspect_report() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args(["inspect", "fixture.safetensors", "--window", "4"]));
+    insta::assert_snapshot!(out);
+}
+
+#[test]
+fn replay_json_has_the_documented_fields() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--budget",
+        "10",
+        "--format",
+        "json",
+    ]));
+    let json: serde_json::Value = serde_json::from_str(&out).unwrap();
+    for key in ["retained_mass", "topk_recall", "output_error", "mean_kept"] {
+        assert!(json[key].is_number(), "{key} missing in {out}");
+    }
+    let layers = json["layers"].as_array().unwrap();
+    assert_eq!(layers.len(), 2);
+    assert_eq!(layers[0]["retained_by_head"].as_array().unwrap().len(), 4);
+    assert_eq!(layers[0]["retained_by_step"].as_array().unwrap().len(), 5);
+}
+
+#[test]
+fn csv_per_layer_rows() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--budget",
+        "10",
+        "--format",
+        "csv",
+    ]));
+    let lines: Vec<&str> = out.lines().collect();
+    assert_eq!(
+        lines[0],
+        "policy,layer,budget,mean kept,retained mass,top-k recall,output error"
+    );
+    assert_eq!(lines.len(), 3);
+}
+
+#[test]
+fn unknown_names_list_the_valid_ones() {
+    let dir = fixture();
+    kvreplay(&dir)
+        .args(["replay", "fixture.safetensors", "--scorer", "h3o"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "unknown scorer `h3o`; valid: key-proxy, true-query, snapkv",
+        ));
+    kvreplay(&dir)
+        .args(["replay", "fixture.safetensors", "--allocator", "pyramids"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "unknown allocator `pyramids`; valid: flat, pyramid, pyramid-taper",
+        ));
+    kvreplay(&dir)
+        .args([
+            "compare",
+            "fixture.safetensors",
+            "--presets",
+            "snapkv,quest",
+        ])
+        .assert()
+        .code(2)
+        .stderr(contains("unknown preset `quest`"));
+}
+
+#[test]
+fn bad_parameters_exit_2_with_the_rule() {
+    let dir = fixture();
+    for (args, expected) in [
+        (vec!["--budget", "0"], "`budget` = 0: must be at least 1"),
+        (
+            vec!["--budget", "5", "--sinks", "4", "--window", "2"],
+            "budget 5 is below sinks 4 + window 2",
+        ),
+        (vec!["--kernel", "4"], "`kernel` = 4: must be odd"),
+        (vec!["--beta=-1"], "`beta` = -1"),
+        (vec!["--beta", "NaN"], "`beta` = NaN"),
+        (vec!["--alpha", "1.5"], "`alpha` = 1.5"),
+        (
+            vec!["--allocator", "pyramid-taper", "--beta", "0.5"],
+            "steepness must be >= 1",
+        ),
+        (
+            vec!["--timing", "streaming"],
+            "scorer `snapkv` selects once at prefill end",
+        ),
+        (
+            vec!["--window", "30", "--budget", "40"],
+            "window 30 + sinks 0 is longer than the prompt (20 tokens)",
+        ),
+    ] {
+        let mut full = vec!["replay", "fixture.safetensors"];
+        full.extend(args);
+        kvreplay(&dir)
+            .args(&full)
+            .assert()
+            .code(2)
+            .stderr(contains(expected));
+    }
+}
+
+#[test]
+fn bad_traces_exit_2_naming_the_file() {
+    let dir = fixture();
+    std::fs::write(dir.path().join("junk.safetensors"), b"junk").unwrap();
+    kvreplay(&dir)
+        .args(["replay", "junk.safetensors"])
+        .assert()
+        .code(2)
+        .stderr(contains("junk.safetensors: not a valid safetensors file"));
+    kvreplay(&dir)
+        .args(["inspect", "absent.safetensors"])
+        .assert()
+        .code(2)
+        .stderr(contains("absent.safetensors: cannot read trace"));
+}
+
+#[test]
+fn missing_assets_say_how_to_fetch() {
+    let dir = fixture();
+    std::fs::write(
+        dir.path().join("r.toml"),
+        "kind = \"chat\"\nmessage = \"hi\"\ngenerate = 1\n",
+    )
+    .unwrap();
+    kvreplay(&dir)
+        .env("KVREPLAY_HOME", dir.path().join("empty-home"))
+        .env("KVREPLAY_PYTHON", "/nonexistent/python3")
+        .args(["capture", "--recipe", "r.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("cannot run `/nonexistent/python3 -m pip`"));
+}
+
+#[test]
+fn bad_recipes_name_the_field() {
+    let dir = fixture();
+    std::fs::write(
+        dir.path().join("r.toml"),
+        "kind = \"niah\"\nprompt_tokens = 2000\n",
+    )
+    .unwrap();
+    kvreplay(&dir)
+        .args(["capture", "--recipe", "r.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "r.toml: invalid recipe: missing field `depth_percent`",
+        ));
+    std::fs::write(dir.path().join("k.toml"), "kind = \"haystack\"\n").unwrap();
+    kvreplay(&dir)
+        .args(["capture", "--recipe", "k.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("unknown variant `haystack`"));
+}

@@ -1,0 +1,344 @@
+//! kvtrace/1: round trips, and one test per validation rule of shared/design/trace-format.md, on
+//! small files built here.
+
+mod common;
+
+use common::{meta, tensors, write_fixture, Shape};
+use kvreplay::trace::{StorageDtype, TraceError, TraceReader, TraceWriter};
+use safetensors::tensor::{Dtype, TensorView};
+use std::collections::HashMap;
+use std::path::Path;
+
+#[test]
+fn f32_round_trip_is_exact() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    let shape = Shape::default();
+    let layers = write_fixture(&path, shape, 1);
+    let trace = TraceReader::open(&path).unwrap();
+    assert_eq!(trace.meta(), &meta(shape));
+    assert_eq!(trace.n_positions(), shape.prompt_len + shape.generated);
+    assert!(trace.has_values());
+    assert_eq!(
+        trace.tokens().unwrap().to_vec(),
+        (0..25).collect::<Vec<i64>>()
+    );
+    for (index, (q, k, v)) in layers.iter().enumerate() {
+        let read = trace.layer(index).unwrap();
+        assert_eq!(&read.q, q);
+        assert_eq!(&read.k, k);
+        assert_eq!(read.v.as_ref(), Some(v));
+    }
+}
+
+#[test]
+fn half_precision_round_trips_within_its_precision() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let layers = tensors(shape, 2);
+    // f16 has an 11-bit significand (relative error <= 2^-11); bf16 an 8-bit one (<= 2^-8).
+    for (storage, tolerance) in [
+        (StorageDtype::F16, 1.0 / 2048.0),
+        (StorageDtype::Bf16, 1.0 / 256.0),
+    ] {
+        let path = dir.path().join(format!("{storage:?}.safetensors"));
+        let mut writer = TraceWriter::new(meta(shape), storage, (0..25).collect());
+        for (q, k, _) in &layers {
+            writer.push_layer(q.clone(), k.clone(), None);
+        }
+        writer.write(&path).unwrap();
+        let trace = TraceReader::open(&path).unwrap();
+        assert!(!trace.has_values());
+        let read = trace.layer(1).unwrap();
+        for (got, want) in read.q.iter().zip(layers[1].0.iter()) {
+            assert!(
+                (got - want).abs() <= want.abs() * tolerance,
+                "{storage:?}: {got} vs {want}"
+            );
+        }
+    }
+}
+
+#[test]
+fn unknown_metadata_keys_are_kept() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    let shape = Shape::default();
+    let mut header = meta(shape);
+    header
+        .extra
+        .insert("lab_notes".into(), "captured on a Tuesday".into());
+    let mut writer = TraceWriter::new(header.clone(), StorageDtype::F32, (0..25).collect());
+    for (q, k, v) in tensors(shape, 3) {
+        writer.push_layer(q, k, Some(v));
+    }
+    writer.write(&path).unwrap();
+    assert_eq!(
+        TraceReader::open(&path).unwrap().meta().extra["lab_notes"],
+        "captured on a Tuesday"
+    );
+}
+
+/// Writes a safetensors file by hand, bypassing the writer's checks.
+fn raw(
+    path: &Path,
+    metadata: &HashMap<String, String>,
+    tensors: &[(String, Dtype, Vec<usize>, Vec<u8>)],
+) {
+    let views: Vec<(String, TensorView)> = tensors
+        .iter()
+        .map(|(name, dtype, shape, bytes)| {
+            (
+                name.clone(),
+                TensorView::new(*dtype, shape.clone(), bytes).unwrap(),
+            )
+        })
+        .collect();
+    safetensors::serialize_to_file(views, Some(metadata.clone()), path).unwrap();
+}
+
+fn f32_bytes(count: usize, value: f32) -> Vec<u8> {
+    (0..count).flat_map(|_| value.to_le_bytes()).collect()
+}
+
+/// A valid one-layer file (2 heads, 1 KV head, d 2, T 3, prompt 2) with `edit` applied.
+fn case(
+    edit: impl FnOnce(&mut HashMap<String, String>, &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>),
+) -> Result<TraceReader, TraceError> {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("case.safetensors");
+    let mut metadata: HashMap<String, String> = [
+        ("format", "kvtrace/1"),
+        ("model", "m"),
+        ("n_layers", "1"),
+        ("n_heads", "2"),
+        ("n_kv_heads", "1"),
+        ("head_dim", "2"),
+        ("prompt_len", "2"),
+        ("rope", "post"),
+    ]
+    .iter()
+    .map(|(k, v)| (k.to_string(), v.to_string()))
+    .collect();
+    let mut tensors = vec![
+        ("tokens".to_string(), Dtype::I32, vec![3], vec![0u8; 12]),
+        (
+            "layers.0.q".to_string(),
+            Dtype::F32,
+            vec![2, 3, 2],
+            f32_bytes(12, 0.5),
+        ),
+        (
+            "layers.0.k".to_string(),
+            Dtype::F32,
+            vec![1, 3, 2],
+            f32_bytes(6, 0.5),
+        ),
+    ];
+    edit(&mut metadata, &mut tensors);
+    raw(&path, &metadata, &tensors);
+    let reader = TraceReader::open(&path)?;
+    reader.layer(0)?;
+    Ok(reader)
+}
+
+fn message(result: Result<TraceReader, TraceError>) -> String {
+    match result {
+        Ok(_) => panic!("the case should have been rejected"),
+        Err(err) => err.to_string(),
+    }
+}
+
+#[test]
+fn the_valid_case_is_valid() {
+    case(|_, _| {}).unwrap();
+}
+
+#[test]
+fn rule_format_missing_or_wrong() {
+    assert!(message(case(|m, _| {
+        m.remove("format");
+    }))
+    .contains("`format` is None"));
+    assert!(message(case(|m, _| {
+        m.insert("format".into(), "kvtrace/2".into());
+    }))
+    .contains("\"kvtrace/2\""));
+}
+
+#[test]
+fn rule_required_keys() {
+    let text = message(case(|m, _| {
+        m.remove("head_dim");
+    }));
+    assert!(
+        text.contains("`head_dim` is missing") && text.contains("case.safetensors"),
+        "{text}"
+    );
+    assert!(message(case(|m, _| {
+        m.insert("n_layers".into(), "two".into());
+    }))
+    .contains("`n_layers` = \"two\" is not a non-negative decimal integer"));
+    assert!(message(case(|m, _| {
+        m.insert("rope".into(), "pre".into());
+    }))
+    .contains("`rope`"));
+}
+
+#[test]
+fn rule_grouped_query_heads() {
+    let text = message(case(|m, _| {
+        m.insert("n_kv_heads".into(), "3".into());
+    }));
+    assert!(
+        text.contains("n_heads = 2 is not a positive multiple of n_kv_heads = 3"),
+        "{text}"
+    );
+}
+
+#[test]
+fn rule_tensor_missing() {
+    let text = message(case(|_, t| {
+        t.retain(|(name, ..)| name != "layers.0.k");
+    }));
+    assert!(text.contains("tensor `layers.0.k` is missing"), "{text}");
+}
+
+#[test]
+fn rule_dtype() {
+    let text = message(case(|_, t| {
+        t[2] = (
+            "layers.0.k".into(),
+            Dtype::F64,
+            vec![1, 3, 2],
+            vec![0u8; 48],
+        );
+    }));
+    assert!(text.contains("`layers.0.k` has dtype F64"), "{text}");
+    let text = message(case(|_, t| {
+        t[0] = ("tokens".into(), Dtype::F32, vec![3], vec![0u8; 12]);
+    }));
+    assert!(
+        text.contains("`tokens` has dtype F32, expected I32 or I64"),
+        "{text}"
+    );
+}
+
+#[test]
+fn rule_shape_and_same_t() {
+    let text = message(case(|_, t| {
+        t[2] = (
+            "layers.0.k".into(),
+            Dtype::F32,
+            vec![2, 3, 2],
+            f32_bytes(12, 0.5),
+        );
+    }));
+    assert!(
+        text.contains("`layers.0.k` has shape [2, 3, 2], expected [1, 3, 2]"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        t[2] = (
+            "layers.0.k".into(),
+            Dtype::F32,
+            vec![1, 4, 2],
+            f32_bytes(8, 0.5),
+        );
+    }));
+    assert!(text.contains("same T in every layer"), "{text}");
+}
+
+#[test]
+fn rule_prompt_len_range() {
+    assert!(message(case(|m, _| {
+        m.insert("prompt_len".into(), "0".into());
+    }))
+    .contains("prompt_len = 0 is outside 1..=3"));
+    assert!(message(case(|m, _| {
+        m.insert("prompt_len".into(), "4".into());
+    }))
+    .contains("prompt_len = 4 is outside 1..=3"));
+}
+
+#[test]
+fn rule_spans_inside_the_trace() {
+    let text = message(case(|m, _| {
+        m.insert(
+            "spans".into(),
+            r#"[{"name":"needle","start":1,"end":9}]"#.into(),
+        );
+    }));
+    assert!(text.contains("span `needle` = [1, 9)"), "{text}");
+    assert!(message(case(|m, _| {
+        m.insert("spans".into(), "needle".into());
+    }))
+    .contains("not a JSON list"));
+}
+
+#[test]
+fn rule_finite_values() {
+    for bad in [f32::NAN, f32::INFINITY] {
+        let text = message(case(|_, t| {
+            let mut bytes = f32_bytes(12, 0.5);
+            bytes[20..24].copy_from_slice(&bad.to_le_bytes());
+            t[1] = ("layers.0.q".into(), Dtype::F32, vec![2, 3, 2], bytes);
+        }));
+        assert!(
+            text.contains("`layers.0.q` holds a non-finite value") && text.contains("flat index 5"),
+            "{text}"
+        );
+    }
+}
+
+#[test]
+fn rule_truncated_and_broken_containers() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    write_fixture(&path, Shape::default(), 4);
+    let bytes = std::fs::read(&path).unwrap();
+    let cut = dir.path().join("cut.safetensors");
+    std::fs::write(&cut, &bytes[..bytes.len() - 10]).unwrap();
+    let text = TraceReader::open(&cut).unwrap_err().to_string();
+    assert!(
+        text.contains("cut.safetensors") && text.contains("truncated"),
+        "{text}"
+    );
+    let junk = dir.path().join("junk.safetensors");
+    std::fs::write(&junk, b"this is not a safetensors file at all").unwrap();
+    assert!(TraceReader::open(&junk)
+        .unwrap_err()
+        .to_string()
+        .contains("rule: container"));
+    let long_header = dir.path().join("long.safetensors");
+    let mut header_beyond = 1_000_000u64.to_le_bytes().to_vec();
+    header_beyond.extend_from_slice(b"{}");
+    std::fs::write(&long_header, header_beyond).unwrap();
+    assert!(TraceReader::open(&long_header)
+        .unwrap_err()
+        .to_string()
+        .contains("rule: container"));
+    let missing = TraceReader::open(dir.path().join("absent.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        missing.contains("absent.safetensors: cannot read trace"),
+        "{missing}"
+    );
+}
+
+#[test]
+fn writer_refuses_inconsistent_layers() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let mut writer = TraceWriter::new(meta(shape), StorageDtype::F32, (0..25).collect());
+    let (q, k, _) = tensors(shape, 5).remove(0);
+    writer.push_layer(q, k, None);
+    let path = dir.path().join("w.safetensors");
+    let text = writer.write(&path).unwrap_err().to_string();
+    assert!(
+        text.contains("1 layers collected, header says n_layers = 2"),
+        "{text}"
+    );
+    assert!(!path.exists());
+}
