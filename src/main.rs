@@ -14,7 +14,7 @@ use kvreplay::replay::{
     ReplayReport, Rounding, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
-use std::path::PathBuf;
+use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
 #[derive(Parser)]
@@ -72,6 +72,13 @@ enum Command {
         presets: Vec<String>,
         #[command(flatten)]
         output: OutputArgs,
+    },
+    /// The first run: fetch the assets, capture traces/niah-2k.toml (once), inspect it and
+    /// compare the classic methods on it.
+    Demo {
+        /// Nominal budget per cache.
+        #[arg(long, default_value_t = 128)]
+        budget: usize,
     },
     /// Print a trace's header, spans, sizes and per-layer attention entropy.
     Inspect {
@@ -214,6 +221,119 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
     bar
 }
 
+fn fetch() -> Result<()> {
+    let report = Assets::from_env().fetch()?;
+    println!(
+        "model:  {} (sha256 verified)\nessays: {} ({} files){}",
+        report.model.display(),
+        report.essays.display(),
+        report.n_essays,
+        if report.downloaded {
+            ""
+        } else {
+            " (already fetched)"
+        }
+    );
+    Ok(())
+}
+
+fn capture_recipe(recipe: &Path, out: &Path, dtype: StorageDtype, chunk: usize) -> Result<()> {
+    let (parsed, base) = Recipe::load(recipe)?;
+    let assets = Assets::from_env();
+    let model_path = match assets.require_model() {
+        Ok(path) => path,
+        Err(_) => assets.fetch()?.model,
+    };
+    let essays = match parsed {
+        Recipe::Niah(_) => assets.require_essays()?,
+        _ => Vec::new(),
+    };
+    let model =
+        Llama::load(&model_path).with_context(|| format!("loading {}", model_path.display()))?;
+    let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
+    let options = CaptureOptions {
+        storage: dtype,
+        chunk,
+        recipe_name: recipe
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        model_id: model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.config().name.clone()),
+    };
+    let bar = progress_bar((prompt.ids.len() + prompt.generate) as u64, "capture");
+    let started = std::time::Instant::now();
+    let captured = capture(
+        &model,
+        &prompt,
+        &options,
+        Recorder::default(),
+        &mut |done, _| bar.set_position(done as u64),
+    )?;
+    bar.finish_and_clear();
+    captured.writer.write(out)?;
+    println!(
+        "{}: {} prompt + {} generated tokens in {:.1} s\ngenerated: {:?}",
+        out.display(),
+        prompt.ids.len(),
+        captured.generated.len(),
+        started.elapsed().as_secs_f64(),
+        captured.generated_text
+    );
+    Ok(())
+}
+
+fn compare(
+    reader: &TraceReader,
+    budget: usize,
+    names: &[String],
+    output: &OutputArgs,
+) -> Result<String> {
+    let policies = names
+        .iter()
+        .map(|name| Ok(presets::preset(name, budget)?.check()?))
+        .collect::<Result<Vec<_>>>()?;
+    let reports = replay_all(reader, &policies, output.threads)?;
+    let labelled: Vec<ReplayReport> = reports
+        .into_iter()
+        .zip(names)
+        .map(|(mut report, name)| {
+            report.policy = format!("{name} ({})", report.policy);
+            report
+        })
+        .collect();
+    Ok(exporter(output.format).export(&labelled, !output.no_layers))
+}
+
+/// The newcomer's first run: fetch, capture niah-2k (once), inspect it, compare the classic methods.
+fn demo(budget: usize) -> Result<()> {
+    fetch()?;
+    let recipe = Path::new("traces/niah-2k.toml");
+    let trace = recipe.with_extension("safetensors");
+    if trace.is_file() {
+        println!("{}: already captured", trace.display());
+    } else {
+        capture_recipe(recipe, &trace, StorageDtype::F16, 512)?;
+    }
+    let reader = TraceReader::open(&trace)?;
+    println!();
+    print!("{}", kvreplay::export::inspect_markdown(&reader, 8)?);
+    let steps = reader.n_positions() - reader.meta().prompt_len;
+    println!(
+        "\nThe classic methods at budget {budget} (means over layers, query heads and the {steps} decode steps):\n"
+    );
+    let output = OutputArgs {
+        format: Format::Markdown,
+        no_layers: true,
+        threads: None,
+    };
+    let names: Vec<String> = presets::NAMES.iter().map(|n| n.to_string()).collect();
+    print!("{}", compare(&reader, budget, &names, &output)?);
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Fetch => {
@@ -236,51 +356,8 @@ fn run(cli: Cli) -> Result<()> {
             dtype,
             chunk,
         } => {
-            let (parsed, base) = Recipe::load(&recipe)?;
-            let assets = Assets::from_env();
-            let model_path = match assets.require_model() {
-                Ok(path) => path,
-                Err(_) => assets.fetch()?.model,
-            };
-            let essays = match parsed {
-                Recipe::Niah(_) => assets.require_essays()?,
-                _ => Vec::new(),
-            };
-            let model = Llama::load(&model_path)
-                .with_context(|| format!("loading {}", model_path.display()))?;
-            let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
             let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
-            let options = CaptureOptions {
-                storage: dtype,
-                chunk,
-                recipe_name: recipe
-                    .file_name()
-                    .map(|n| n.to_string_lossy().into_owned())
-                    .unwrap_or_default(),
-                model_id: model_path
-                    .file_stem()
-                    .map(|s| s.to_string_lossy().into_owned())
-                    .unwrap_or_else(|| model.config().name.clone()),
-            };
-            let bar = progress_bar((prompt.ids.len() + prompt.generate) as u64, "capture");
-            let started = std::time::Instant::now();
-            let captured = capture(
-                &model,
-                &prompt,
-                &options,
-                Recorder::default(),
-                &mut |done, _| bar.set_position(done as u64),
-            )?;
-            bar.finish_and_clear();
-            captured.writer.write(&out)?;
-            println!(
-                "{}: {} prompt + {} generated tokens in {:.1} s\ngenerated: {:?}",
-                out.display(),
-                prompt.ids.len(),
-                captured.generated.len(),
-                started.elapsed().as_secs_f64(),
-                captured.generated_text
-            );
+            capture_recipe(&recipe, &out, dtype, chunk)?;
         }
         Command::Replay {
             trace,
@@ -301,25 +378,10 @@ fn run(cli: Cli) -> Result<()> {
             presets: names,
             output,
         } => {
-            let policies = names
-                .iter()
-                .map(|name| Ok(presets::preset(name, budget)?.check()?))
-                .collect::<Result<Vec<_>>>()?;
             let reader = TraceReader::open(&trace)?;
-            let reports = replay_all(&reader, &policies, output.threads)?;
-            let labelled: Vec<ReplayReport> = reports
-                .into_iter()
-                .zip(&names)
-                .map(|(mut report, name)| {
-                    report.policy = format!("{name} ({})", report.policy);
-                    report
-                })
-                .collect();
-            print!(
-                "{}",
-                exporter(output.format).export(&labelled, !output.no_layers)
-            );
+            print!("{}", compare(&reader, budget, &names, &output)?);
         }
+        Command::Demo { budget } => demo(budget)?,
         Command::Inspect { trace, window } => {
             let reader = TraceReader::open(&trace)?;
             print!("{}", kvreplay::export::inspect_markdown(&reader, window)?);

