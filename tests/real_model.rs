@@ -83,6 +83,7 @@ fn logits_match_the_independent_reference() {
         .enumerate()
         .max_by(|a, b| a.1.total_cmp(b.1))
         .unwrap();
+    eprintln!("top-1 {} logit {:.4}", best.0, best.1);
     assert_eq!(best.0, 7042);
     assert!((best.1 - 17.371).abs() < 0.01, "logit {}", best.1);
 }
