@@ -89,6 +89,109 @@ pub fn attend_positions(
     weights
 }
 
+/// Rows of causal logits `scale * q_t · k_j` (soft-capped when asked), `j <= t`, served one query
+/// position at a time but computed by matrix multiplication in blocks of [`CausalLogits::BLOCK`]
+/// rows, so a scorer that walks the prompt position by position runs at GEMM speed.
+#[derive(Debug)]
+pub struct CausalLogits<'a> {
+    queries: ArrayView2<'a, f32>,
+    keys: ArrayView2<'a, f32>,
+    scale: f32,
+    softcap: Option<f32>,
+    block_start: usize,
+    block: ndarray::Array2<f32>,
+}
+
+impl<'a> CausalLogits<'a> {
+    /// Rows computed per matrix multiplication.
+    pub const BLOCK: usize = 64;
+
+    /// Logits of `queries` `[T, d]` against `keys` `[T, d]`.
+    pub fn new(
+        queries: ArrayView2<'a, f32>,
+        keys: ArrayView2<'a, f32>,
+        scale: f32,
+        softcap: Option<f32>,
+    ) -> Self {
+        Self {
+            queries,
+            keys,
+            scale,
+            softcap,
+            block_start: usize::MAX,
+            block: ndarray::Array2::zeros((0, 0)),
+        }
+    }
+
+    /// The logits of query `position` over keys `0..=position`.
+    pub fn row(&mut self, position: usize) -> &[f32] {
+        let start = position / Self::BLOCK * Self::BLOCK;
+        if start != self.block_start {
+            let end = (start + Self::BLOCK).min(self.queries.nrows());
+            let rows = self.queries.slice(ndarray::s![start..end, ..]);
+            let keys = self.keys.slice(ndarray::s![..end, ..]);
+            let mut block = rows.dot(&keys.t());
+            let (scale, softcap) = (self.scale, self.softcap);
+            block.mapv_inplace(|dot| {
+                let logit = dot * scale;
+                match softcap {
+                    Some(cap) => cap * (logit / cap).tanh(),
+                    None => logit,
+                }
+            });
+            self.block = block;
+            self.block_start = start;
+        }
+        let row = self
+            .block
+            .row(position - start)
+            .to_slice()
+            .expect("standard layout");
+        &row[..=position]
+    }
+}
+
+/// The full causal attention of the decode queries, `[n_heads, T - prompt_len, T]` (keys after a
+/// query's position hold 0), computed once per layer and shared by every policy's metrics.
+pub fn decode_attention(
+    queries: ndarray::ArrayView3<f32>,
+    keys: ndarray::ArrayView3<f32>,
+    prompt_len: usize,
+    scale: f32,
+    softcap: Option<f32>,
+) -> ndarray::Array3<f32> {
+    let (n_heads, n_positions, _) = queries.dim();
+    let group = n_heads / keys.shape()[0];
+    let steps = n_positions - prompt_len;
+    let mut out = ndarray::Array3::<f32>::zeros((n_heads, steps, n_positions));
+    for head in 0..n_heads {
+        let q = queries.slice(ndarray::s![head, prompt_len.., ..]);
+        let k = keys.slice(ndarray::s![head / group, .., ..]);
+        let logits = q.dot(&k.t());
+        for step in 0..steps {
+            let position = prompt_len + step;
+            let mut row: Vec<f32> = logits
+                .row(step)
+                .iter()
+                .take(position + 1)
+                .map(|dot| {
+                    let logit = dot * scale;
+                    match softcap {
+                        Some(cap) => cap * (logit / cap).tanh(),
+                        None => logit,
+                    }
+                })
+                .collect();
+            softmax_in_place(&mut row);
+            out.slice_mut(ndarray::s![head, step, ..=position])
+                .iter_mut()
+                .zip(row)
+                .for_each(|(slot, weight)| *slot = weight);
+        }
+    }
+    out
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -114,6 +217,54 @@ mod tests {
         let capped = logits(query.view(), keys.view(), 1.0, Some(30.0));
         assert_abs_diff_eq!(capped[0], 30.0 * (100.0f32 / 30.0).tanh(), epsilon = 1e-5);
         assert!(capped[0] < 30.0);
+    }
+
+    #[test]
+    fn causal_logits_match_row_by_row_dots() {
+        let queries = ndarray::Array2::from_shape_fn((150, 3), |(t, d)| {
+            ((t * 7 + d * 3) % 11) as f32 * 0.1 - 0.5
+        });
+        let keys = ndarray::Array2::from_shape_fn((150, 3), |(t, d)| {
+            ((t * 5 + d) % 13) as f32 * 0.1 - 0.6
+        });
+        let mut rows = CausalLogits::new(queries.view(), keys.view(), 0.5, Some(2.0));
+        for position in [0, 1, 63, 64, 65, 149, 3] {
+            let direct = logits(
+                queries.row(position),
+                keys.slice(ndarray::s![..=position, ..]),
+                0.5,
+                Some(2.0),
+            );
+            let served = rows.row(position);
+            assert_eq!(served.len(), position + 1);
+            for (a, b) in served.iter().zip(&direct) {
+                assert_abs_diff_eq!(a, b, epsilon = 1e-5);
+            }
+        }
+    }
+
+    #[test]
+    fn decode_attention_matches_attend() {
+        let q =
+            ndarray::Array3::from_shape_fn((2, 9, 2), |(h, t, d)| (h + t * d) as f32 * 0.3 - 1.0);
+        let k = ndarray::Array3::from_shape_fn((1, 9, 2), |(_, t, d)| (t + d) as f32 * 0.2 - 0.7);
+        let all = decode_attention(q.view(), k.view(), 6, 0.7, None);
+        assert_eq!(all.dim(), (2, 3, 9));
+        for head in 0..2 {
+            for step in 0..3 {
+                let position = 6 + step;
+                let want = attend(
+                    q.slice(ndarray::s![head, position, ..]),
+                    k.slice(ndarray::s![0, ..=position, ..]),
+                    0.7,
+                    None,
+                );
+                for j in 0..9 {
+                    let expected = want.get(j).copied().unwrap_or(0.0);
+                    assert_abs_diff_eq!(all[[head, step, j]], expected, epsilon = 1e-6);
+                }
+            }
+        }
     }
 
     #[test]

@@ -10,7 +10,7 @@ use kvreplay::export::{exporter, Format};
 use kvreplay::model::{Llama, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{
-    presets, replay_with_progress, Aggregation, Granularity, HeadBudget, PolicyParams, Pooling,
+    presets, replay_many, Aggregation, Granularity, HeadBudget, PolicyParams, Pooling,
     ReplayReport, Rounding, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -198,15 +198,14 @@ fn replay_all(
     }
     let pool = builder.build().context("starting worker threads")?;
     let layers = trace.meta().n_layers as u64;
-    let bar = progress_bar(layers * policies.len() as u64, "replay");
-    let reports = policies
+    let passes = 1 + policies
         .iter()
-        .map(|policy| {
-            bar.set_message(policy.label());
-            pool.install(|| replay_with_progress(trace, policy, &|| bar.inc(1)))
-                .with_context(|| format!("replaying {}", policy.label()))
-        })
-        .collect::<Result<Vec<_>>>()?;
+        .map(|p| p.budget_passes() as u64)
+        .sum::<u64>();
+    let bar = progress_bar(layers * passes, "replay");
+    let reports = pool
+        .install(|| replay_many(trace, policies, &|| bar.inc(1)))
+        .context("replaying")?;
     bar.finish_and_clear();
     Ok(reports)
 }

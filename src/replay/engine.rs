@@ -1,9 +1,11 @@
-//! Runs a checked policy over a trace, layer by layer, and collects the measurements.
+//! Runs checked policies over a trace and collects the measurements.
 //!
-//! Order of work: (1) when the allocator asks, a first pass computes each layer's window profile
-//! or mass curve; (2) the allocator turns them into per-layer budgets; (3) each layer is replayed
-//! (in parallel; results collected in layer order, so bit-identical for any thread count) and
-//! measured by [`super::metrics::measure`].
+//! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
+//! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
+//! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
+//! the full attention of the decode queries is computed once and shared by every policy's
+//! metrics, and the policies and their caches run in parallel with rayon. Results are collected
+//! in order, so they are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
 use super::metrics::{measure, LayerReport, SpanReport};
@@ -11,9 +13,9 @@ use super::policy::{HeadBudget, Timing};
 use super::scorer::{ScoreState, Scorer};
 use super::select::{ranking, select_top, victim};
 use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
-use crate::attention::attend;
+use crate::attention::decode_attention;
 use crate::trace::{LayerTensors, TraceReader};
-use ndarray::s;
+use ndarray::Array3;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -56,25 +58,58 @@ fn context<'a>(trace: &TraceReader, layer: usize, tensors: &'a LayerTensors) -> 
     }
 }
 
-/// Replays `policy` on `trace`.
-pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport, PolicyError> {
-    replay_with_progress(trace, policy, &|| {})
+fn decode_of(layer: &LayerContext<'_>) -> Array3<f32> {
+    decode_attention(
+        layer.q,
+        layer.k,
+        layer.prompt_len,
+        layer.scale,
+        layer.softcap,
+    )
 }
 
-/// Replays `policy` on `trace`, calling `layer_done` after each layer of each pass.
-pub fn replay_with_progress(
+/// Replays `policy` on `trace`.
+pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport, PolicyError> {
+    let mut reports = replay_many(trace, std::slice::from_ref(policy), &|| {})?;
+    Ok(reports.pop().expect("one report per policy"))
+}
+
+/// Replays several policies in one pass over the trace, calling `layer_done` after each layer of
+/// each pass (budget passes count once per policy that needs one).
+pub fn replay_many(
     trace: &TraceReader,
-    policy: &ValidPolicy,
+    policies: &[ValidPolicy],
     layer_done: &(dyn Fn() + Sync),
-) -> Result<ReplayReport, PolicyError> {
-    let budgets = layer_budgets_with_progress(trace, policy, layer_done)?;
-    let units = units(trace, policy);
+) -> Result<Vec<ReplayReport>, PolicyError> {
+    let budgets = policies
+        .iter()
+        .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
+        .collect::<Result<Vec<_>, _>>()?;
     let meta = trace.meta();
-    let layers = for_each_layer(trace, layer_done, &|layer| {
-        let kept = replay_layer(&layer, &units, budgets[layer.layer], policy);
-        measure(&layer, &kept, &meta.spans, policy.params().top_k)
-    })?;
-    Ok(summarise(trace, policy, layers))
+    let mut per_policy: Vec<Vec<LayerReport>> =
+        vec![Vec::with_capacity(meta.n_layers); policies.len()];
+    for layer in 0..meta.n_layers {
+        let tensors = trace.layer(layer)?;
+        let context = context(trace, layer, &tensors);
+        let decode = decode_of(&context);
+        let reports: Vec<LayerReport> = policies
+            .par_iter()
+            .zip(&budgets)
+            .map(|(policy, budgets)| {
+                let kept = replay_layer(&context, &units(trace, policy), budgets[layer], policy);
+                measure(&context, &kept, &decode, &meta.spans, policy.params().top_k)
+            })
+            .collect();
+        for (slot, report) in per_policy.iter_mut().zip(reports) {
+            slot.push(report);
+        }
+        layer_done();
+    }
+    Ok(policies
+        .iter()
+        .zip(per_policy)
+        .map(|(policy, layers)| summarise(trace, policy, layers))
+        .collect())
 }
 
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].
@@ -107,14 +142,13 @@ fn units(trace: &TraceReader, policy: &ValidPolicy) -> Vec<Unit> {
     )
 }
 
-/// Runs `work` on every layer (in parallel) and returns the results in layer order.
+/// Runs `work` on every layer, one layer resident at a time, and returns the results in order.
 fn for_each_layer<T: Send>(
     trace: &TraceReader,
     layer_done: &(dyn Fn() + Sync),
     work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
 ) -> Result<Vec<T>, PolicyError> {
     (0..trace.meta().n_layers)
-        .into_par_iter()
         .map(|layer| {
             let tensors = trace.layer(layer)?;
             let result = work(context(trace, layer, &tensors));
@@ -217,12 +251,8 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
     }
 }
 
-/// Feeds the prompt to a fresh state without evicting; returns the state and its scores.
-fn score_prompt<'a>(
-    scorer: &dyn Scorer,
-    layer: &LayerContext<'a>,
-    unit: &Unit,
-) -> (Box<dyn ScoreState + 'a>, Vec<f32>) {
+/// Feeds the prompt to a fresh state without evicting; returns its scores.
+fn score_prompt<'a>(scorer: &dyn Scorer, layer: &LayerContext<'a>, unit: &Unit) -> Vec<f32> {
     let mut state = scorer.start(layer, unit);
     let mut cache = Vec::with_capacity(layer.n_positions());
     for position in 0..layer.prompt_len {
@@ -231,7 +261,61 @@ fn score_prompt<'a>(
     }
     let mut scores = Vec::new();
     state.scores(&cache, &mut scores);
-    (state, scores)
+    scores
+}
+
+/// Re-chooses the kept set at every decode step from the full cache (`oracle-per-step`).
+fn reselect_each_step(
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    budget: usize,
+    policy: &ValidPolicy,
+) -> UnitKept {
+    let prompt_len = layer.prompt_len;
+    let mut state: Box<dyn ScoreState> = policy.scorer.start(layer, unit);
+    let mut scores = Vec::new();
+    let mut cache: Vec<usize> = (0..prompt_len).collect();
+    let steps = (prompt_len..layer.n_positions())
+        .map(|position| {
+            cache.push(position);
+            state.on_append(&cache);
+            state.scores(&cache, &mut scores);
+            let limit = match policy.params().timing {
+                Timing::Prefill => prompt_len,
+                Timing::Streaming => position + 1,
+            };
+            let mut kept = select_top(&cache[..limit], &scores[..limit], budget, |_| false);
+            kept.extend(limit..=position);
+            kept
+        })
+        .collect();
+    UnitKept::PerStep(steps)
+}
+
+/// Streams every position through one cache of `budget` tokens, evicting the lowest score.
+fn stream(layer: &LayerContext<'_>, unit: &Unit, budget: usize, policy: &ValidPolicy) -> UnitKept {
+    let params = policy.params();
+    let prompt_len = layer.prompt_len;
+    let n_positions = layer.n_positions();
+    let mut state = policy.scorer.start(layer, unit);
+    let mut cache = Vec::with_capacity(budget + 1);
+    let mut scores = Vec::with_capacity(budget + 1);
+    let mut steps = Vec::with_capacity(n_positions - prompt_len);
+    for position in 0..n_positions {
+        cache.push(position);
+        state.on_append(&cache);
+        if cache.len() > budget {
+            state.scores(&cache, &mut scores);
+            if let Some(index) = victim(&cache, &scores, params.sinks, params.window) {
+                cache.remove(index);
+                state.on_evict(index);
+            }
+        }
+        if position >= prompt_len {
+            steps.push(cache.clone());
+        }
+    }
+    UnitKept::PerStep(steps)
 }
 
 /// Replays one layer: the kept sets of every cache.
@@ -244,15 +328,12 @@ fn replay_layer(
     let params = policy.params();
     let scorer = policy.scorer.as_ref();
     let prompt_len = layer.prompt_len;
-    let n_positions = layer.n_positions();
-    let protected_prompt =
-        |position: usize| position < params.sinks || position + params.window >= prompt_len;
     let mut budgets = vec![budget; units.len()];
     let kept = match (params.timing, scorer.reselects()) {
         (Timing::Prefill, false) => {
             let scored: Vec<Vec<f32>> = units
-                .iter()
-                .map(|unit| score_prompt(scorer, layer, unit).1)
+                .par_iter()
+                .map(|unit| score_prompt(scorer, layer, unit))
                 .collect();
             if params.heads == HeadBudget::Adakv {
                 budgets = adakv_budgets(
@@ -265,61 +346,23 @@ fn replay_layer(
                 );
             }
             let prompt: Vec<usize> = (0..prompt_len).collect();
+            let protected =
+                |position: usize| position < params.sinks || position + params.window >= prompt_len;
             scored
                 .iter()
                 .zip(&budgets)
                 .map(|(scores, &unit_budget)| {
-                    UnitKept::Fixed(select_top(&prompt, scores, unit_budget, protected_prompt))
+                    UnitKept::Fixed(select_top(&prompt, scores, unit_budget, protected))
                 })
                 .collect()
         }
-        (timing, true) => units
-            .iter()
-            .map(|unit| {
-                let mut state = scorer.start(layer, unit);
-                let mut scores = Vec::new();
-                let steps = (prompt_len..n_positions)
-                    .map(|position| {
-                        let cache: Vec<usize> = (0..=position).collect();
-                        state.on_append(&cache);
-                        state.scores(&cache, &mut scores);
-                        let limit = if timing == Timing::Prefill {
-                            prompt_len
-                        } else {
-                            position + 1
-                        };
-                        let mut kept =
-                            select_top(&cache[..limit], &scores[..limit], budget, |_| false);
-                        kept.extend(limit..=position);
-                        kept
-                    })
-                    .collect();
-                UnitKept::PerStep(steps)
-            })
+        (_, true) => units
+            .par_iter()
+            .map(|unit| reselect_each_step(layer, unit, budget, policy))
             .collect(),
         (Timing::Streaming, false) => units
-            .iter()
-            .map(|unit| {
-                let mut state = scorer.start(layer, unit);
-                let mut cache = Vec::with_capacity(budget + 1);
-                let mut scores = Vec::with_capacity(budget + 1);
-                let mut steps = Vec::with_capacity(n_positions - prompt_len);
-                for position in 0..n_positions {
-                    cache.push(position);
-                    state.on_append(&cache);
-                    if cache.len() > budget {
-                        state.scores(&cache, &mut scores);
-                        if let Some(index) = victim(&cache, &scores, params.sinks, params.window) {
-                            cache.remove(index);
-                            state.on_evict(index);
-                        }
-                    }
-                    if position >= prompt_len {
-                        steps.push(cache.clone());
-                    }
-                }
-                UnitKept::PerStep(steps)
-            })
+            .par_iter()
+            .map(|unit| stream(layer, unit, budget, policy))
             .collect(),
     };
     Kept {
@@ -376,27 +419,24 @@ pub(crate) fn adakv_budgets(
 fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) -> Vec<f64> {
     let params = policy.params();
     let prompt_len = layer.prompt_len;
-    let n_positions = layer.n_positions();
-    let n_heads = layer.q.shape()[0];
-    let samples = (n_heads * (n_positions - prompt_len)) as f64;
+    let decode = decode_of(layer);
+    let (n_heads, n_steps, _) = decode.dim();
+    let samples = (n_heads * n_steps) as f64;
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
     for unit in units {
-        let (_, scores) = score_prompt(policy.scorer.as_ref(), layer, unit);
+        let scores = score_prompt(policy.scorer.as_ref(), layer, unit);
         let order = ranking(&prompt, &scores, |position| {
             position < params.sinks || position + params.window >= prompt_len
         });
         let mut weight = vec![0.0f64; prompt_len];
-        let keys = layer.keys(unit.kv_head);
         for head in unit.query_heads.clone() {
-            for position in prompt_len..n_positions {
-                let weights = attend(
-                    layer.query(head, position),
-                    keys.slice(s![..=position, ..]),
-                    layer.scale,
-                    layer.softcap,
-                );
-                for (total, w) in weight.iter_mut().zip(&weights[..prompt_len]) {
+            for step in 0..n_steps {
+                for (total, w) in
+                    weight
+                        .iter_mut()
+                        .zip(decode.slice(ndarray::s![head, step, ..prompt_len]))
+                {
                     *total += *w as f64 / samples;
                 }
             }
@@ -408,4 +448,23 @@ fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) ->
         }
     }
     curve
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adakv_by_hand() {
+        // Two caches, prompt 6, no protection, cap 3, alpha 0.2: B = 3, F = 0. The top 6 of all
+        // scores: cache 0 has 4 of them (0.9, 0.8, 0.7, 0.6), cache 1 has 2 (0.95, 0.5).
+        // cap_0 = round(4 * 0.8) = 3, cap_1 = round(2 * 0.8) = 2 (1.6).
+        let scores = vec![
+            vec![0.9, 0.8, 0.7, 0.6, 0.1, 0.0],
+            vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
+        ];
+        assert_eq!(adakv_budgets(&scores, 3, 0, 0, 0.2, 6), vec![3, 2]);
+        // With alpha 1 every cache gets exactly the floor: B.
+        assert_eq!(adakv_budgets(&scores, 3, 0, 0, 1.0, 6), vec![3, 3]);
+    }
 }

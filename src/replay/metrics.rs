@@ -14,9 +14,8 @@
 //! layers (every layer has the same number of heads and steps, so this is the grand mean).
 
 use super::{Kept, LayerContext};
-use crate::attention::attend;
 use crate::trace::Span;
-use ndarray::s;
+use ndarray::{s, Array3};
 use serde::Serialize;
 
 /// Span survival, averaged over heads and decode steps.
@@ -62,7 +61,15 @@ pub struct LayerReport {
 }
 
 /// Measures one layer's kept sets.
-pub fn measure(layer: &LayerContext<'_>, kept: &Kept, spans: &[Span], top_k: usize) -> LayerReport {
+/// `decode` is the full attention of the decode queries, `[n_heads, steps, T]`
+/// ([`crate::attention::decode_attention`]), shared by every policy measured on this layer.
+pub fn measure(
+    layer: &LayerContext<'_>,
+    kept: &Kept,
+    decode: &Array3<f32>,
+    spans: &[Span],
+    top_k: usize,
+) -> LayerReport {
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
     let n_steps = n_positions - prompt_len;
@@ -75,7 +82,6 @@ pub fn measure(layer: &LayerContext<'_>, kept: &Kept, spans: &[Span], top_k: usi
     let mut in_set = vec![false; n_positions];
     let mut order: Vec<usize> = Vec::with_capacity(n_positions);
     for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-        let keys = layer.keys(unit.kv_head);
         let values = layer.values(unit.kv_head);
         let mut kept_total = 0usize;
         for step in 0..n_steps {
@@ -86,12 +92,10 @@ pub fn measure(layer: &LayerContext<'_>, kept: &Kept, spans: &[Span], top_k: usi
                 in_set[j] = true;
             }
             for head in unit.query_heads.clone() {
-                let weights = attend(
-                    layer.query(head, position),
-                    keys.slice(s![..=position, ..]),
-                    layer.scale,
-                    layer.softcap,
-                );
+                let weights = decode
+                    .slice(s![head, step, ..=position])
+                    .to_slice()
+                    .expect("standard layout");
                 let retained: f64 = kept_positions.iter().map(|&j| weights[j] as f64).sum();
                 retained_head_step[head][step] = retained;
                 let k = top_k.min(weights.len());

@@ -19,7 +19,7 @@ mod profile;
 pub mod scorer;
 mod select;
 
-pub use engine::{kept_sets, layer_budgets, replay, replay_with_progress, ReplayReport};
+pub use engine::{kept_sets, layer_budgets, replay, replay_many, ReplayReport};
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
 pub use metrics::{LayerReport, SpanReport};

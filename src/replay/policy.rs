@@ -265,6 +265,11 @@ impl ValidPolicy {
         &self.params
     }
 
+    /// Passes over the trace the allocator needs before the replay (0 or 1).
+    pub fn budget_passes(&self) -> usize {
+        usize::from(self.allocator.needs_profile() || self.allocator.needs_mass_curves())
+    }
+
     /// A short name, e.g. `pyramid+snapkv@prefill`.
     pub fn label(&self) -> String {
         format!(

@@ -162,6 +162,26 @@ impl TraceReader {
         }
     }
 
+    /// Tells the kernel the mapped pages of a tensor already converted are not needed any more,
+    /// so replaying a trace layer by layer keeps about one layer resident, not the whole file.
+    fn release(&self, info: &TensorInfo) {
+        let page = 4096;
+        let start = (self.data_start + info.data_offsets.0) / page * page;
+        let end = (self.data_start + info.data_offsets.1).div_ceil(page) * page;
+        let end = end.min(self.map.len());
+        if end > start {
+            // SAFETY: the map is a private read-only file mapping: dropped pages are read again
+            // from the file if touched, so no data can be lost or changed.
+            let _ = unsafe {
+                self.map.unchecked_advise_range(
+                    memmap2::UncheckedAdvice::DontNeed,
+                    start,
+                    end - start,
+                )
+            };
+        }
+    }
+
     fn bytes(&self, info: &TensorInfo) -> &[u8] {
         let (start, end) = info.data_offsets;
         &self.map[self.data_start + start..self.data_start + end]
@@ -236,6 +256,7 @@ impl TraceReader {
     fn tensor(&self, name: &str) -> Result<Array3<f32>, TraceError> {
         let info = self.info(name)?;
         let values = to_f32(self.bytes(info), info.dtype);
+        self.release(info);
         if let Some(index) = values.iter().position(|value| !value.is_finite()) {
             return Err(TraceError::NonFinite {
                 path: self.path.clone(),

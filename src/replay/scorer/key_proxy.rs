@@ -10,7 +10,7 @@
 //! has none).
 
 use super::{AlignedScores, ScoreState, Scorer};
-use crate::attention::attend_positions;
+use crate::attention::{attend_positions, softmax_in_place, CausalLogits};
 use crate::replay::{LayerContext, Unit};
 use ndarray::ArrayView2;
 
@@ -20,6 +20,8 @@ pub struct KeyProxy;
 struct State<'a> {
     keys: ArrayView2<'a, f32>,
     scale: f32,
+    /// K·Kᵀ rows while the cache is the whole prefix.
+    rows: CausalLogits<'a>,
     scores: AlignedScores,
 }
 
@@ -29,9 +31,11 @@ impl Scorer for KeyProxy {
     }
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+        let keys = layer.keys(unit.kv_head);
         Box::new(State {
-            keys: layer.keys(unit.kv_head),
+            keys,
             scale: layer.scale,
+            rows: CausalLogits::new(keys, keys, layer.scale, None),
             scores: AlignedScores::default(),
         })
     }
@@ -46,8 +50,13 @@ impl ScoreState for State<'_> {
             self.scores.0.push(1.0);
             return;
         }
-        let attention =
-            attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None);
+        let attention = if stored.len() == newest {
+            let mut weights = self.rows.row(newest)[..newest].to_vec();
+            softmax_in_place(&mut weights);
+            weights
+        } else {
+            attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None)
+        };
         for (score, weight) in self.scores.0.iter_mut().zip(attention) {
             *score += weight;
         }

@@ -18,7 +18,7 @@ mod true_query;
 
 use super::policy::{Aggregation, PolicyParams, Timing};
 use super::{LayerContext, PolicyError, Unit};
-use crate::attention::attend_positions;
+use crate::attention::{attend_positions, softmax_in_place, CausalLogits};
 
 /// The registered scorer names, as configs spell them.
 pub const NAMES: [&str; 9] = [
@@ -87,32 +87,74 @@ pub fn build(params: &PolicyParams) -> Result<Box<dyn Scorer>, PolicyError> {
     })
 }
 
-/// Attention of the query at `position` of each of the unit's query heads over `cache`,
-/// aggregated over the group, one value per cache entry.
-pub(crate) fn group_attention(
-    layer: &LayerContext<'_>,
-    unit: &Unit,
-    position: usize,
-    cache: &[usize],
-    agg: Aggregation,
-) -> Vec<f32> {
-    let keys = layer.keys(unit.kv_head);
-    let per_head: Vec<Vec<f32>> = unit
-        .query_heads
-        .clone()
-        .map(|head| {
-            attend_positions(
-                layer.query(head, position),
-                keys,
-                cache,
-                layer.scale,
-                layer.softcap,
-            )
-        })
-        .collect();
-    (0..cache.len())
-        .map(|entry| agg.combine(per_head.iter().map(|weights| weights[entry])))
-        .collect()
+/// The queries of one cache's heads, and their attention over a cache. While the cache is the
+/// whole prefix `0..=position` (prefill, or streaming before the first eviction) the logits come
+/// from block matrix multiplications ([`CausalLogits`]); once evictions have made it sparse, from
+/// one dot product per cached key, so a streaming step costs O(budget), not O(T).
+pub(crate) struct GroupQueries<'a> {
+    layer: LayerContext<'a>,
+    unit: Unit,
+    rows: Vec<CausalLogits<'a>>,
+}
+
+impl<'a> GroupQueries<'a> {
+    pub fn new(layer: &LayerContext<'a>, unit: &Unit) -> Self {
+        let keys = layer.keys(unit.kv_head);
+        let rows = unit
+            .query_heads
+            .clone()
+            .map(|head| {
+                CausalLogits::new(
+                    layer.q.index_axis_move(ndarray::Axis(0), head),
+                    keys,
+                    layer.scale,
+                    layer.softcap,
+                )
+            })
+            .collect();
+        Self {
+            layer: *layer,
+            unit: unit.clone(),
+            rows,
+        }
+    }
+
+    /// Attention of each head's query at `position` over `cache` (positions, ascending).
+    pub fn per_head(&mut self, position: usize, cache: &[usize]) -> Vec<Vec<f32>> {
+        let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
+        let keys = self.layer.keys(self.unit.kv_head);
+        self.unit
+            .query_heads
+            .clone()
+            .zip(self.rows.iter_mut())
+            .map(|(head, rows)| {
+                if is_prefix {
+                    let mut weights = rows.row(position).to_vec();
+                    softmax_in_place(&mut weights);
+                    weights
+                } else {
+                    attend_positions(
+                        self.layer.query(head, position),
+                        keys,
+                        cache,
+                        self.layer.scale,
+                        self.layer.softcap,
+                    )
+                }
+            })
+            .collect()
+    }
+
+    /// The same, aggregated over the group: one weight per cache entry.
+    pub fn aggregated(&mut self, position: usize, cache: &[usize], agg: Aggregation) -> Vec<f32> {
+        let per_head = self.per_head(position, cache);
+        if per_head.len() == 1 {
+            return per_head.into_iter().next().expect("one head");
+        }
+        (0..cache.len())
+            .map(|entry| agg.combine(per_head.iter().map(|weights| weights[entry])))
+            .collect()
+    }
 }
 
 /// Scores kept aligned with the cache: one per entry, removed on eviction.

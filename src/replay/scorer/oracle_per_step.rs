@@ -4,7 +4,7 @@
 //! query-head cache exactly; for a KV-head cache, on the group's mean retained mass with
 //! `--agg mean`).
 
-use super::{group_attention, AlignedScores, ScoreState, Scorer};
+use super::{GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// The current query's full attention, re-selected every step.
@@ -13,10 +13,8 @@ pub struct OraclePerStep {
 }
 
 struct State<'a> {
-    layer: LayerContext<'a>,
-    unit: Unit,
+    queries: GroupQueries<'a>,
     agg: Aggregation,
-    scores: AlignedScores,
 }
 
 impl Scorer for OraclePerStep {
@@ -30,21 +28,17 @@ impl Scorer for OraclePerStep {
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
         Box::new(State {
-            layer: *layer,
-            unit: unit.clone(),
+            queries: GroupQueries::new(layer, unit),
             agg: self.agg,
-            scores: AlignedScores::default(),
         })
     }
 }
 
 impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
-        let newest = *cache.last().expect("non-empty cache");
-        self.scores.0 = group_attention(&self.layer, &self.unit, newest, cache, self.agg);
-    }
+    fn on_append(&mut self, _cache: &[usize]) {}
 
-    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
-        self.scores.copy_to(out);
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        let newest = *cache.last().expect("non-empty cache");
+        *out = self.queries.aggregated(newest, cache, self.agg);
     }
 }

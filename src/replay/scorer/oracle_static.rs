@@ -3,7 +3,7 @@
 //! this is the best single kept set for the whole decode ranked by total mass: an upper
 //! reference for one-shot scorers. It sees the future, so no real policy can implement it.
 
-use super::{group_attention, ScoreState, Scorer};
+use super::{GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// Total future attention.
@@ -23,9 +23,11 @@ impl Scorer for OracleStatic {
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
         let n_positions = layer.n_positions();
         let mut future = vec![0.0f32; n_positions];
+        let mut queries = GroupQueries::new(layer, unit);
+        let mut visible: Vec<usize> = (0..layer.prompt_len).collect();
         for step in layer.prompt_len..n_positions {
-            let visible: Vec<usize> = (0..=step).collect();
-            let weights = group_attention(layer, unit, step, &visible, self.agg);
+            visible.push(step);
+            let weights = queries.aggregated(step, &visible, self.agg);
             for (total, weight) in future.iter_mut().zip(weights) {
                 *total += weight;
             }

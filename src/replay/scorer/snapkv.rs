@@ -10,8 +10,7 @@
 //! the kernel including the zero padding (torch's `count_include_pad`), `max` ignores padding.
 //! One-shot: defined for `--timing prefill` only.
 
-use super::{AlignedScores, ScoreState, Scorer};
-use crate::attention::attend_positions;
+use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Pooling, Timing, Unit};
 
 /// SnapKV's pooled window attention.
@@ -23,8 +22,8 @@ pub struct SnapKv {
 }
 
 struct State<'a> {
-    layer: LayerContext<'a>,
-    unit: Unit,
+    queries: GroupQueries<'a>,
+    prompt_len: usize,
     window_start: usize,
     kernel: usize,
     pool: Pooling,
@@ -46,8 +45,8 @@ impl Scorer for SnapKv {
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
         let prompt_len = layer.prompt_len;
         Box::new(State {
-            layer: *layer,
-            unit: unit.clone(),
+            queries: GroupQueries::new(layer, unit),
+            prompt_len,
             window_start: prompt_len.saturating_sub(self.window.max(1)),
             kernel: self.kernel,
             pool: self.pool,
@@ -77,20 +76,16 @@ pub(crate) fn pool1d(values: &[f32], kernel: usize, pool: Pooling) -> Vec<f32> {
 impl ScoreState for State<'_> {
     fn on_append(&mut self, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
-        if newest < self.window_start || newest >= self.layer.prompt_len {
+        if newest < self.window_start || newest >= self.prompt_len {
             return;
         }
-        let keys = self.layer.keys(self.unit.kv_head);
-        for (slot, head) in self.unit.query_heads.clone().enumerate() {
-            let weights = attend_positions(
-                self.layer.query(head, newest),
-                keys,
-                cache,
-                self.layer.scale,
-                self.layer.softcap,
-            );
+        for (sums, weights) in self
+            .sums
+            .iter_mut()
+            .zip(self.queries.per_head(newest, cache))
+        {
             for (&position, weight) in cache.iter().zip(weights) {
-                self.sums[slot][position] += weight;
+                sums[position] += weight;
             }
         }
         self.cached.0.clear();
@@ -103,7 +98,7 @@ impl ScoreState for State<'_> {
                 .iter()
                 .map(|sums| pool1d(&sums[..self.window_start], self.kernel, self.pool))
                 .collect();
-            self.cached.0 = (0..self.layer.prompt_len)
+            self.cached.0 = (0..self.prompt_len)
                 .map(|position| {
                     if position < self.window_start {
                         self.agg.combine(pooled.iter().map(|p| p[position]))

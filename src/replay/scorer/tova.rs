@@ -5,7 +5,7 @@
 //! shares the same cache layout. Under `--timing prefill` the current query is the last prompt
 //! token's.
 
-use super::{group_attention, AlignedScores, ScoreState, Scorer};
+use super::{GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// The current query's attention.
@@ -13,11 +13,10 @@ pub struct Tova {
     pub(super) agg: Aggregation,
 }
 
+/// Only the newest query matters, so its attention is computed when scores are asked for.
 struct State<'a> {
-    layer: LayerContext<'a>,
-    unit: Unit,
+    queries: GroupQueries<'a>,
     agg: Aggregation,
-    scores: AlignedScores,
 }
 
 impl Scorer for Tova {
@@ -27,26 +26,18 @@ impl Scorer for Tova {
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
         Box::new(State {
-            layer: *layer,
-            unit: unit.clone(),
+            queries: GroupQueries::new(layer, unit),
             agg: self.agg,
-            scores: AlignedScores::default(),
         })
     }
 }
 
 impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
+    fn on_append(&mut self, _cache: &[usize]) {}
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
         let newest = *cache.last().expect("non-empty cache");
-        self.scores.0 = group_attention(&self.layer, &self.unit, newest, cache, self.agg);
-    }
-
-    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
-        self.scores.copy_to(out);
-    }
-
-    fn on_evict(&mut self, index: usize) {
-        self.scores.remove(index);
+        *out = self.queries.aggregated(newest, cache, self.agg);
     }
 }
 

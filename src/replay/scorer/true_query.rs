@@ -6,7 +6,7 @@
 //! its own self-attention. Unlike the 2025-01 H2O code, whose prefill scores let rows before the
 //! last window see future keys, attention here is always causal.
 
-use super::{group_attention, AlignedScores, ScoreState, Scorer};
+use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// H2O's cumulative true-query attention.
@@ -15,8 +15,7 @@ pub struct TrueQuery {
 }
 
 struct State<'a> {
-    layer: LayerContext<'a>,
-    unit: Unit,
+    queries: GroupQueries<'a>,
     agg: Aggregation,
     scores: AlignedScores,
 }
@@ -28,8 +27,7 @@ impl Scorer for TrueQuery {
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
         Box::new(State {
-            layer: *layer,
-            unit: unit.clone(),
+            queries: GroupQueries::new(layer, unit),
             agg: self.agg,
             scores: AlignedScores::default(),
         })
@@ -40,7 +38,7 @@ impl ScoreState for State<'_> {
     fn on_append(&mut self, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
-        let attention = group_attention(&self.layer, &self.unit, newest, cache, self.agg);
+        let attention = self.queries.aggregated(newest, cache, self.agg);
         for (score, weight) in self.scores.0.iter_mut().zip(attention) {
             *score += weight;
         }
