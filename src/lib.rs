@@ -10,6 +10,7 @@
 
 pub mod assets;
 pub mod attention;
+pub mod bench;
 pub mod capture;
 pub mod export;
 pub mod inspect;

@@ -73,6 +73,31 @@ enum Command {
         #[command(flatten)]
         output: OutputArgs,
     },
+    /// Measure replay speed side by side: matmul peak, scoring kernel, the policy grid against
+    /// the NumPy reference (tests/reference/replay_numpy.py), streaming cost, memory, capture.
+    Bench {
+        /// The trace (niah-2k).
+        trace: PathBuf,
+        /// A longer trace for the streaming cost per token (niah-8k).
+        #[arg(long)]
+        long: Option<PathBuf>,
+        /// Budgets of the grid.
+        #[arg(
+            long,
+            value_delimiter = ',',
+            default_value = "64,128,256,512,1024,2048"
+        )]
+        budgets: Vec<usize>,
+        /// Python with NumPy (default: a venv in $KVREPLAY_HOME/bench-venv, made on first use).
+        #[arg(long)]
+        python: Option<PathBuf>,
+        /// Skip the NumPy reference.
+        #[arg(long)]
+        no_numpy: bool,
+        /// Prompt tokens for the capture-speed measurement (0: skip).
+        #[arg(long, default_value_t = 2000)]
+        capture_tokens: usize,
+    },
     /// The first run: fetch the assets, capture traces/niah-2k.toml (once), inspect it and
     /// compare the classic methods on it.
     Demo {
@@ -333,6 +358,184 @@ fn demo(budget: usize) -> Result<()> {
     Ok(())
 }
 
+/// A Python with NumPy for the bench: the one given, or a venv made once under $KVREPLAY_HOME.
+fn numpy_python(given: Option<PathBuf>) -> Result<PathBuf> {
+    if let Some(python) = given {
+        return Ok(python);
+    }
+    let venv = Assets::from_env().home().join("bench-venv");
+    let python = venv.join("bin/python");
+    let has_numpy = |python: &Path| {
+        std::process::Command::new(python)
+            .args(["-c", "import numpy"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !has_numpy(&python) {
+        let made = std::process::Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .context("running python3 -m venv")?;
+        anyhow::ensure!(made.success(), "python3 -m venv {} failed", venv.display());
+        let installed = std::process::Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "numpy==2.3.5",
+            ])
+            .status()
+            .context("installing numpy")?;
+        anyhow::ensure!(installed.success(), "pip install numpy failed (offline?)");
+    }
+    Ok(python)
+}
+
+fn bench(
+    trace_path: &Path,
+    long: Option<&Path>,
+    budgets: &[usize],
+    python: Option<PathBuf>,
+    no_numpy: bool,
+    capture_tokens: usize,
+) -> Result<()> {
+    use kvreplay::bench;
+    let trace = TraceReader::open(trace_path)?;
+    let meta = trace.meta();
+    let mut table = kvreplay::export::Table::new(["measure", "value"]);
+    let threads = rayon::current_num_threads();
+    table.push([
+        "trace".into(),
+        format!(
+            "{} ({} layers, T = {}, prompt {})",
+            trace_path.display(),
+            meta.n_layers,
+            trace.n_positions(),
+            meta.prompt_len
+        ),
+    ]);
+    table.push(["threads".into(), threads.to_string()]);
+    let peak = bench::matmul_peak();
+    table.push([
+        "matmul peak (f32, ndarray/matrixmultiply, all threads)".into(),
+        format!("{peak:.1} GFLOP/s"),
+    ]);
+    let (scoring, scoring_seconds) = bench::scoring_throughput(&trace)?;
+    table.push([
+        "attention scoring q·Kᵀ + softmax over the prompt (one thread)".into(),
+        format!(
+            "{scoring:.1} GFLOP/s = {:.0}% of peak ({scoring_seconds:.2} s)",
+            100.0 * scoring / peak
+        ),
+    ]);
+    let (reports, replay_seconds) = bench::replay_grid(&trace, budgets)?;
+    let rss = bench::peak_rss();
+    table.push([
+        format!(
+            "kvreplay grid ({} policies × {} budgets)",
+            bench::GRID_POLICIES.len(),
+            budgets.len()
+        ),
+        format!("{replay_seconds:.2} s"),
+    ]);
+    if !no_numpy {
+        let python = numpy_python(python)?;
+        let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/replay_numpy.py");
+        let budget_list = budgets
+            .iter()
+            .map(|b| b.to_string())
+            .collect::<Vec<_>>()
+            .join(",");
+        let output = std::process::Command::new(&python)
+            .arg(&script)
+            .arg(trace_path)
+            .args([
+                "--budgets",
+                &budget_list,
+                "--policies",
+                &bench::GRID_POLICIES.join(","),
+            ])
+            .output()
+            .with_context(|| format!("running {}", script.display()))?;
+        anyhow::ensure!(
+            output.status.success(),
+            "NumPy reference failed: {}",
+            String::from_utf8_lossy(&output.stderr)
+        );
+        let numpy: serde_json::Value = serde_json::from_slice(&output.stdout)?;
+        let mut worst = 0.0f64;
+        let mut index = 0;
+        for name in bench::GRID_POLICIES {
+            for budget in budgets {
+                let theirs = numpy["results"][name][budget.to_string()]
+                    .as_f64()
+                    .with_context(|| format!("NumPy result for {name} at {budget}"))?;
+                worst = worst.max((reports[index].retained_mass - theirs).abs());
+                index += 1;
+            }
+        }
+        // f32 here, f64/f32 there, and the order of sums differ; 1e-3 leaves room for a rare
+        // flipped near-tie, and nothing wrong stays under it.
+        anyhow::ensure!(
+            worst <= 1e-3,
+            "kvreplay and NumPy disagree: max |Δ retained mass| = {worst:.2e} > 1e-3"
+        );
+        let numpy_seconds = numpy["seconds"].as_f64().unwrap_or(f64::NAN);
+        table.push([
+            "NumPy reference grid (same trace, same metric)".into(),
+            format!("{numpy_seconds:.2} s"),
+        ]);
+        table.push([
+            "agreement: max |Δ retained mass| over the grid".into(),
+            format!("{worst:.1e} (tolerance 1e-3)"),
+        ]);
+        table.push([
+            "speed-up kvreplay / NumPy".into(),
+            format!("{:.1}×", numpy_seconds / replay_seconds),
+        ]);
+    }
+    table.push([
+        "peak resident memory after the grid".into(),
+        format!(
+            "{:.1} MB (one layer's q, k, v in f32: {:.1} MB)",
+            rss as f64 / 1e6,
+            bench::layer_bytes(&trace) as f64 / 1e6
+        ),
+    ]);
+    for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
+        let reader = TraceReader::open(path)?;
+        let cost = bench::streaming_cost(&reader, 256)?;
+        table.push([
+            format!(
+                "key-proxy streaming at budget 256, T = {}{label}",
+                reader.n_positions()
+            ),
+            format!("{cost:.2} µs per token per cache"),
+        ]);
+    }
+    if capture_tokens > 0 {
+        let assets = Assets::from_env();
+        let model = Llama::load(&assets.require_model()?)?;
+        let essays = assets.require_essays()?;
+        let text = std::fs::read_to_string(&essays[0])? + &std::fs::read_to_string(&essays[1])?;
+        let mut ids = model.tokenizer().encode(&text);
+        ids.truncate(capture_tokens);
+        let started = std::time::Instant::now();
+        let mut recorder = Recorder::default();
+        model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| {})?;
+        let seconds = started.elapsed().as_secs_f64();
+        table.push([
+            format!("capture prefill, {} tokens, recording q/k/v", ids.len()),
+            format!("{:.0} tokens/s", ids.len() as f64 / seconds),
+        ]);
+    }
+    print!("{}", table.render(Format::Markdown));
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Fetch => {
@@ -381,6 +584,21 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", compare(&reader, budget, &names, &output)?);
         }
         Command::Demo { budget } => demo(budget)?,
+        Command::Bench {
+            trace,
+            long,
+            budgets,
+            python,
+            no_numpy,
+            capture_tokens,
+        } => bench(
+            &trace,
+            long.as_deref(),
+            &budgets,
+            python,
+            no_numpy,
+            capture_tokens,
+        )?,
         Command::Inspect { trace, window } => {
             let reader = TraceReader::open(&trace)?;
             print!("{}", kvreplay::export::inspect_markdown(&reader, window)?);

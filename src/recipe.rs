@@ -124,13 +124,19 @@ impl Recipe {
             path: path.to_owned(),
             source,
         })?;
-        let recipe: Recipe = toml::from_str(&text).map_err(|err| RecipeError::Parse {
+        let recipe = Self::parse(&text, path)?;
+        let base = path.parent().map(Path::to_owned).unwrap_or_default();
+        Ok((recipe, base))
+    }
+
+    /// Parses and checks recipe text; `path` names it in errors.
+    pub fn parse(text: &str, path: &Path) -> Result<Self, RecipeError> {
+        let recipe: Recipe = toml::from_str(text).map_err(|err| RecipeError::Parse {
             path: path.to_owned(),
             detail: err.message().to_owned(),
         })?;
         recipe.check(path)?;
-        let base = path.parent().map(Path::to_owned).unwrap_or_default();
-        Ok((recipe, base))
+        Ok(recipe)
     }
 
     fn check(&self, path: &Path) -> Result<(), RecipeError> {
