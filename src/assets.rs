@@ -310,7 +310,9 @@ fn write_atomically(dest: &Path, source: &mut dyn Read) -> Result<(), AssetError
     if let Some(parent) = dest.parent() {
         std::fs::create_dir_all(parent).map_err(io_error(parent))?;
     }
-    let partial = dest.with_extension("partial");
+    // One temporary name per process: concurrent fetches (two test binaries, say) never write
+    // the same file, and the rename makes whichever finishes first visible whole.
+    let partial = dest.with_extension(format!("partial.{}", std::process::id()));
     let mut out = std::fs::File::create(&partial).map_err(io_error(&partial))?;
     std::io::copy(source, &mut out).map_err(io_error(&partial))?;
     std::fs::rename(&partial, dest).map_err(io_error(dest))

@@ -385,7 +385,7 @@ fn numpy_python(given: Option<PathBuf>) -> Result<PathBuf> {
                 "install",
                 "--quiet",
                 "--disable-pip-version-check",
-                "numpy==2.3.5",
+                "numpy==2.4.6",
             ])
             .status()
             .context("installing numpy")?;

@@ -155,7 +155,8 @@ fn a_failed_write_keeps_the_finished_trace() {
     write_fixture(&path, Shape::default(), 7);
     let finished = std::fs::read(&path).unwrap();
     // The temporary file cannot be created (a directory holds its name): the write fails...
-    std::fs::create_dir(dir.path().join("done.safetensors.partial")).unwrap();
+    let partial = format!("done.safetensors.partial.{}", std::process::id());
+    std::fs::create_dir(dir.path().join(partial)).unwrap();
     let shape = Shape::default();
     let mut writer = TraceWriter::new(common::meta(shape), StorageDtype::F32, (0..25).collect());
     for (q, k, v) in common::tensors(shape, 8) {

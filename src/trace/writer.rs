@@ -129,7 +129,7 @@ impl TraceWriter {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|err| fail(err.to_string()))?;
-        let partial = path.with_extension("safetensors.partial");
+        let partial = path.with_extension(format!("safetensors.partial.{}", std::process::id()));
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|err| fail(err.to_string()))?;
         }
