@@ -8,7 +8,7 @@
 //! in order, so they are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
-use super::metrics::{measure, LayerReport, SpanReport};
+use super::metrics::{measure, DecodeReference, LayerReport, SpanReport};
 use super::policy::{HeadBudget, Timing};
 use super::scorer::{ScoreState, Scorer};
 use super::select::{ranking, select_top, victim};
@@ -91,13 +91,25 @@ pub fn replay_many(
     for layer in 0..meta.n_layers {
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
-        let decode = decode_of(&context);
+        let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
+        let reference = DecodeReference::new(&context, max_top_k);
+        // One level of parallelism only: policies when there are several, else the caches of
+        // the one policy. Nested rayon loops let a waiting thread start another policy, and
+        // every started policy holds its scorer state: memory would grow with the grid.
+        let parallel_units = policies.len() == 1;
         let reports: Vec<LayerReport> = policies
             .par_iter()
             .zip(&budgets)
             .map(|(policy, budgets)| {
-                let kept = replay_layer(&context, &units(trace, policy), budgets[layer], policy);
-                measure(&context, &kept, &decode, &meta.spans, policy.params().top_k)
+                let units = units(trace, policy);
+                let kept = replay_layer(&context, &units, budgets[layer], policy, parallel_units);
+                measure(
+                    &context,
+                    &kept,
+                    &reference,
+                    &meta.spans,
+                    policy.params().top_k,
+                )
             })
             .collect();
         for (slot, report) in per_policy.iter_mut().zip(reports) {
@@ -125,6 +137,7 @@ pub fn kept_sets(
         &units(trace, policy),
         budgets[layer],
         policy,
+        true,
     ))
 }
 
@@ -318,12 +331,26 @@ fn stream(layer: &LayerContext<'_>, unit: &Unit, budget: usize, policy: &ValidPo
     UnitKept::PerStep(steps)
 }
 
+/// Maps over the caches, in parallel or not.
+fn map_units<T: Send>(
+    units: &[Unit],
+    parallel: bool,
+    work: impl Fn(&Unit) -> T + Sync + Send,
+) -> Vec<T> {
+    if parallel {
+        units.par_iter().map(work).collect()
+    } else {
+        units.iter().map(work).collect()
+    }
+}
+
 /// Replays one layer: the kept sets of every cache.
 fn replay_layer(
     layer: &LayerContext<'_>,
     units: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
+    parallel_units: bool,
 ) -> Kept {
     let params = policy.params();
     let scorer = policy.scorer.as_ref();
@@ -331,10 +358,9 @@ fn replay_layer(
     let mut budgets = vec![budget; units.len()];
     let kept = match (params.timing, scorer.reselects()) {
         (Timing::Prefill, false) => {
-            let scored: Vec<Vec<f32>> = units
-                .par_iter()
-                .map(|unit| score_prompt(scorer, layer, unit))
-                .collect();
+            let scored: Vec<Vec<f32>> = map_units(units, parallel_units, |unit| {
+                score_prompt(scorer, layer, unit)
+            });
             if params.heads == HeadBudget::Adakv {
                 budgets = adakv_budgets(
                     &scored,
@@ -356,14 +382,12 @@ fn replay_layer(
                 })
                 .collect()
         }
-        (_, true) => units
-            .par_iter()
-            .map(|unit| reselect_each_step(layer, unit, budget, policy))
-            .collect(),
-        (Timing::Streaming, false) => units
-            .par_iter()
-            .map(|unit| stream(layer, unit, budget, policy))
-            .collect(),
+        (_, true) => map_units(units, parallel_units, |unit| {
+            reselect_each_step(layer, unit, budget, policy)
+        }),
+        (Timing::Streaming, false) => map_units(units, parallel_units, |unit| {
+            stream(layer, unit, budget, policy)
+        }),
     };
     Kept {
         layer_budget: budget,

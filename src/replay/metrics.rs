@@ -60,13 +60,76 @@ pub struct LayerReport {
     pub spans: Vec<SpanReport>,
 }
 
-/// Measures one layer's kept sets.
-/// `decode` is the full attention of the decode queries, `[n_heads, steps, T]`
-/// ([`crate::attention::decode_attention`]), shared by every policy measured on this layer.
+/// What every policy is measured against on one layer, computed once and shared: the full
+/// causal attention of the decode queries, their full-cache attention outputs, and the order of
+/// their largest weights.
+#[derive(Debug, Clone)]
+pub struct DecodeReference {
+    /// `[n_heads, steps, T]` (keys after a query's position hold 0).
+    pub attention: Array3<f32>,
+    /// `o_full`, `[n_heads, steps, head_dim]`, when the trace has values (an f32 product
+    /// `attention · V`, relative error ~1e-6, stored as f64).
+    pub output: Option<Array3<f64>>,
+    /// Per `head * steps + step`, the `max_top_k` largest weights' positions, largest first,
+    /// ties to the lower position.
+    pub top: Vec<Vec<usize>>,
+}
+
+impl DecodeReference {
+    /// Computes the reference of one layer for top-k recalls up to `max_top_k`.
+    pub fn new(layer: &LayerContext<'_>, max_top_k: usize) -> Self {
+        let attention = crate::attention::decode_attention(
+            layer.q,
+            layer.k,
+            layer.prompt_len,
+            layer.scale,
+            layer.softcap,
+        );
+        let (n_heads, n_steps, _) = attention.dim();
+        let group = layer.group_size();
+        let mut top = Vec::with_capacity(n_heads * n_steps);
+        let output = layer.v.map(|v| {
+            let mut output = Array3::<f64>::zeros((n_heads, n_steps, v.shape()[2]));
+            for head in 0..n_heads {
+                let values = v.index_axis(ndarray::Axis(0), head / group);
+                let full = attention.index_axis(ndarray::Axis(0), head).dot(&values);
+                output
+                    .index_axis_mut(ndarray::Axis(0), head)
+                    .assign(&full.mapv(f64::from));
+            }
+            output
+        });
+        for head in 0..n_heads {
+            for step in 0..n_steps {
+                let position = layer.prompt_len + step;
+                let weights = attention.slice(s![head, step, ..=position]);
+                let weights = weights.to_slice().expect("standard layout");
+                let mut order: Vec<usize> = (0..weights.len()).collect();
+                let by_weight =
+                    |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
+                let k = max_top_k.min(order.len());
+                if k < order.len() {
+                    order.select_nth_unstable_by(k - 1, by_weight);
+                }
+                order.truncate(k);
+                order.sort_by(by_weight);
+                top.push(order);
+            }
+        }
+        Self {
+            attention,
+            output,
+            top,
+        }
+    }
+}
+
+/// Measures one layer's kept sets against the layer's shared [`DecodeReference`]. The cost per
+/// (head, step) is O(kept · head_dim): nothing here walks the evicted positions.
 pub fn measure(
     layer: &LayerContext<'_>,
     kept: &Kept,
-    decode: &Array3<f32>,
+    reference: &DecodeReference,
     spans: &[Span],
     top_k: usize,
 ) -> LayerReport {
@@ -80,7 +143,6 @@ pub fn measure(
     let mut span_totals = vec![(0.0f64, 0.0f64, 0.0f64); spans.len()];
     let mut kept_by_unit = Vec::with_capacity(kept.units.len());
     let mut in_set = vec![false; n_positions];
-    let mut order: Vec<usize> = Vec::with_capacity(n_positions);
     for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
         let values = layer.values(unit.kv_head);
         let mut kept_total = 0usize;
@@ -92,34 +154,26 @@ pub fn measure(
                 in_set[j] = true;
             }
             for head in unit.query_heads.clone() {
-                let weights = decode
+                let weights = reference
+                    .attention
                     .slice(s![head, step, ..=position])
                     .to_slice()
                     .expect("standard layout");
                 let retained: f64 = kept_positions.iter().map(|&j| weights[j] as f64).sum();
                 retained_head_step[head][step] = retained;
-                let k = top_k.min(weights.len());
-                order.clear();
-                order.extend(0..weights.len());
-                let by_weight =
-                    |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
-                if k < order.len() {
-                    order.select_nth_unstable_by(k - 1, by_weight);
-                }
-                recall_total += order[..k].iter().filter(|&&j| in_set[j]).count() as f64 / k as f64;
-                if let Some(values) = values {
-                    let dim = values.shape()[1];
-                    let mut full = vec![0.0f64; dim];
-                    let mut partial = vec![0.0f64; dim];
-                    for (j, &weight) in weights.iter().enumerate() {
-                        let target = if in_set[j] { &mut partial } else { &mut full };
-                        for (acc, &x) in target.iter_mut().zip(values.row(j)) {
-                            *acc += weight as f64 * x as f64;
+                let top = &reference.top[head * n_steps + step];
+                let k = top_k.min(top.len());
+                recall_total += top[..k].iter().filter(|&&j| in_set[j]).count() as f64 / k as f64;
+                if let (Some(values), Some(output)) = (values, reference.output.as_ref()) {
+                    let full = output.slice(s![head, step, ..]);
+                    let mut partial = vec![0.0f64; full.len()];
+                    for &j in &kept_positions {
+                        let weight = weights[j] as f64;
+                        let row = values.row(j);
+                        let row = row.to_slice().expect("standard layout");
+                        for (acc, &x) in partial.iter_mut().zip(row) {
+                            *acc += weight * x as f64;
                         }
-                    }
-                    // `full` holds the evicted part so far; add the kept part to complete it.
-                    for (f, p) in full.iter_mut().zip(&partial) {
-                        *f += p;
                     }
                     let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
                     let error = if retained > 0.0 && full_norm > 0.0 {

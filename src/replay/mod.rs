@@ -22,7 +22,7 @@ mod select;
 pub use engine::{kept_sets, layer_budgets, replay, replay_many, ReplayReport};
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
-pub use metrics::{LayerReport, SpanReport};
+pub use metrics::{DecodeReference, LayerReport, SpanReport};
 pub use policy::{
     Aggregation, Granularity, HeadBudget, PolicyParams, Pooling, Rounding, Timing, ValidPolicy,
 };

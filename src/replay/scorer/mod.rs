@@ -18,7 +18,7 @@ mod true_query;
 
 use super::policy::{Aggregation, PolicyParams, Timing};
 use super::{LayerContext, PolicyError, Unit};
-use crate::attention::{attend_positions, softmax_in_place, CausalLogits};
+use crate::attention::{softmax_in_place, sparse_logits, CausalLogits};
 
 /// The registered scorer names, as configs spell them.
 pub const NAMES: [&str; 9] = [
@@ -122,27 +122,38 @@ impl<'a> GroupQueries<'a> {
     /// Attention of each head's query at `position` over `cache` (positions, ascending).
     pub fn per_head(&mut self, position: usize, cache: &[usize]) -> Vec<Vec<f32>> {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
-        let keys = self.layer.keys(self.unit.kv_head);
-        self.unit
-            .query_heads
-            .clone()
-            .zip(self.rows.iter_mut())
-            .map(|(head, rows)| {
-                if is_prefix {
+        if is_prefix {
+            return self
+                .rows
+                .iter_mut()
+                .map(|rows| {
                     let mut weights = rows.row(position).to_vec();
                     softmax_in_place(&mut weights);
                     weights
-                } else {
-                    attend_positions(
-                        self.layer.query(head, position),
-                        keys,
-                        cache,
-                        self.layer.scale,
-                        self.layer.softcap,
-                    )
-                }
-            })
-            .collect()
+                })
+                .collect();
+        }
+        // A sparse cache (after evictions): one dot product per cached key and head, O(budget).
+        let keys = self.layer.keys(self.unit.kv_head);
+        let queries: Vec<Vec<f32>> = self
+            .unit
+            .query_heads
+            .clone()
+            .map(|head| self.layer.query(head, position).to_vec())
+            .collect();
+        let mut per_head = vec![Vec::with_capacity(cache.len()); queries.len()];
+        sparse_logits(
+            &queries,
+            keys,
+            cache,
+            self.layer.scale,
+            self.layer.softcap,
+            &mut per_head,
+        );
+        for weights in per_head.iter_mut() {
+            softmax_in_place(weights);
+        }
+        per_head
     }
 
     /// The same, aggregated over the group: one weight per cache entry.
