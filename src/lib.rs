@@ -12,6 +12,7 @@ pub mod assets;
 pub mod attention;
 pub mod bench;
 pub mod capture;
+pub mod experiment;
 pub mod export;
 pub mod inspect;
 pub mod model;

@@ -6,7 +6,9 @@ use clap::{Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
 use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::experiment::{report, run_sweep, stored_runs, Experiment};
 use kvreplay::export::{exporter, Format};
+use kvreplay::inspect::entropy_profile;
 use kvreplay::model::{Llama, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{
@@ -104,6 +106,22 @@ enum Command {
         /// Nominal budget per cache.
         #[arg(long, default_value_t = 128)]
         budget: usize,
+    },
+    /// Run an experiment file (resuming: finished runs are skipped) and write its report.
+    Sweep {
+        /// The experiment (experiments/<name>.toml).
+        experiment: PathBuf,
+        /// Where results go (results/<name>/ under it).
+        #[arg(long, default_value = "results")]
+        results: PathBuf,
+    },
+    /// Rebuild an experiment's report from its stored runs, running nothing.
+    Report {
+        /// The experiment (experiments/<name>.toml).
+        experiment: PathBuf,
+        /// Where results are.
+        #[arg(long, default_value = "results")]
+        results: PathBuf,
     },
     /// Print a trace's header, spans, sizes and per-layer attention entropy.
     Inspect {
@@ -536,6 +554,67 @@ fn bench(
     Ok(())
 }
 
+/// The trace files of an experiment: recipes are captured (once) next to themselves.
+fn experiment_traces(experiment: &Experiment, capture_missing: bool) -> Result<Vec<PathBuf>> {
+    experiment
+        .traces
+        .iter()
+        .map(|entry| {
+            if entry.extension().is_some_and(|e| e == "toml") {
+                let trace = entry.with_extension("safetensors");
+                if !trace.is_file() {
+                    anyhow::ensure!(
+                        capture_missing,
+                        "{}: not captured yet; run `kvreplay sweep` first",
+                        trace.display()
+                    );
+                    capture_recipe(entry, &trace, StorageDtype::F16, 512)?;
+                }
+                Ok(trace)
+            } else {
+                anyhow::ensure!(entry.is_file(), "{}: trace file not found", entry.display());
+                Ok(entry.clone())
+            }
+        })
+        .collect()
+}
+
+fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
+    let experiment = Experiment::load(path)?;
+    let traces = experiment_traces(&experiment, run_missing)?;
+    let results = results_root.join(&experiment.name);
+    if run_missing {
+        let bar = progress_bar(experiment.plan(&traces).len() as u64, &experiment.name);
+        let (ran, skipped) = run_sweep(&experiment, &traces, &results, &|done, _| {
+            bar.set_position(done as u64)
+        })?;
+        bar.finish_and_clear();
+        eprintln!(
+            "{}: {ran} runs done, {skipped} already there",
+            experiment.name
+        );
+    }
+    let runs = stored_runs(&experiment, &traces, &results)?;
+    let entropy = match experiment.entropy_window {
+        Some(window) => traces
+            .iter()
+            .map(|trace| {
+                Ok((
+                    trace.clone(),
+                    entropy_profile(&TraceReader::open(trace)?, window)?,
+                ))
+            })
+            .collect::<Result<Vec<_>>>()?,
+        None => Vec::new(),
+    };
+    let command = format!("kvreplay sweep {}", path.display());
+    print!(
+        "{}",
+        report::build(&experiment, &runs, &traces, &entropy, &results, &command)?
+    );
+    Ok(())
+}
+
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
         Command::Fetch => {
@@ -584,6 +663,14 @@ fn run(cli: Cli) -> Result<()> {
             print!("{}", compare(&reader, budget, &names, &output)?);
         }
         Command::Demo { budget } => demo(budget)?,
+        Command::Sweep {
+            experiment,
+            results,
+        } => sweep(&experiment, &results, true)?,
+        Command::Report {
+            experiment,
+            results,
+        } => sweep(&experiment, &results, false)?,
         Command::Bench {
             trace,
             long,

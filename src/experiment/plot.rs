@@ -1,0 +1,143 @@
+//! Figures of an experiment (plotters, PNG and SVG): retained mass against budget per method,
+//! the per-layer budget schedules, and the per-layer entropy profile. Text is drawn with the
+//! embedded DejaVu Sans (assets/DejaVuSans.ttf, Bitstream Vera licence), so plots render the same
+//! on a machine without fonts.
+
+use super::store::SweepError;
+use plotters::prelude::*;
+use std::path::{Path, PathBuf};
+use std::sync::Once;
+
+const FONT: &[u8] = include_bytes!("../../assets/DejaVuSans.ttf");
+
+fn register_font() {
+    static REGISTER: Once = Once::new();
+    REGISTER.call_once(|| {
+        let _ = plotters::style::register_font("sans-serif", FontStyle::Normal, FONT);
+    });
+}
+
+/// One named line: (x, y) points.
+pub(crate) type Series = (String, Vec<(f64, f64)>);
+
+fn plot_error(path: &Path, err: impl std::fmt::Display) -> SweepError {
+    SweepError::Io {
+        path: path.to_owned(),
+        detail: format!("cannot draw: {err}"),
+    }
+}
+
+/// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
+pub(crate) fn line_chart(
+    stem: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series],
+    log_x: bool,
+) -> Result<Vec<PathBuf>, SweepError> {
+    register_font();
+    let png = stem.with_extension("png");
+    let svg = stem.with_extension("svg");
+    draw(
+        &BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
+        title,
+        x_label,
+        y_label,
+        series,
+        log_x,
+    )
+    .map_err(|e| plot_error(&png, e))?;
+    draw(
+        &SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
+        title,
+        x_label,
+        y_label,
+        series,
+        log_x,
+    )
+    .map_err(|e| plot_error(&svg, e))?;
+    Ok(vec![png, svg])
+}
+
+fn draw<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series],
+    log_x: bool,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE)?;
+    let points = series.iter().flat_map(|(_, p)| p.iter());
+    let (mut x_min, mut x_max, mut y_min, mut y_max) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for (x, y) in points {
+        x_min = x_min.min(*x);
+        x_max = x_max.max(*x);
+        y_min = y_min.min(*y);
+        y_max = y_max.max(*y);
+    }
+    if x_min >= x_max {
+        x_max = x_min + 1.0;
+    }
+    let pad = ((y_max - y_min) * 0.05).max(1e-3);
+    let (y_min, y_max) = (y_min - pad, y_max + pad);
+    let mut builder = ChartBuilder::on(area);
+    builder
+        .caption(title, ("sans-serif", 22))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60);
+    let colours = [
+        &BLUE,
+        &RED,
+        &GREEN,
+        &MAGENTA,
+        &CYAN,
+        &BLACK,
+        &RGBColor(255, 140, 0),
+        &RGBColor(128, 0, 128),
+        &RGBColor(139, 69, 19),
+        &RGBColor(0, 128, 128),
+    ];
+    macro_rules! lines {
+        ($chart:expr) => {{
+            let mut chart = $chart;
+            chart
+                .configure_mesh()
+                .x_desc(x_label)
+                .y_desc(y_label)
+                .label_style(("sans-serif", 14))
+                .draw()?;
+            for (index, (name, points)) in series.iter().enumerate() {
+                let colour = colours[index % colours.len()];
+                chart
+                    .draw_series(LineSeries::new(
+                        points.iter().copied(),
+                        colour.stroke_width(2),
+                    ))?
+                    .label(name.as_str())
+                    .legend(move |(x, y)| {
+                        PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+                    });
+            }
+            chart
+                .configure_series_labels()
+                .background_style(WHITE.mix(0.85))
+                .border_style(BLACK)
+                .label_font(("sans-serif", 13))
+                .position(SeriesLabelPosition::LowerRight)
+                .draw()?;
+        }};
+    }
+    if log_x {
+        lines!(builder.build_cartesian_2d((x_min..x_max).log_scale(), y_min..y_max)?);
+    } else {
+        lines!(builder.build_cartesian_2d(x_min..x_max, y_min..y_max)?);
+    }
+    area.present()?;
+    Ok(())
+}

@@ -1,0 +1,394 @@
+//! The report of an experiment, from its stored runs: a markdown table of mean retained mass
+//! with 95% confidence intervals per method and budget (real memory beside it), paired
+//! comparisons (mean difference with its interval and a two-sided sign test), span survival,
+//! the entropy profile when asked, rows in Parquet and CSV (polars), and plots.
+//!
+//! Intervals: with one trace, Student-t over the (layer, query head, decode step) samples of
+//! retained mass. Those samples are correlated (the same needle, neighbouring steps), so the
+//! interval says how precisely this trace was measured, not how the method generalises; with
+//! several traces the interval is over per-trace means instead, and the report says which.
+
+use super::plot::{line_chart, Series};
+use super::store::{write_atomically, StoredRun, SweepError};
+use super::Experiment;
+use crate::export::{Format, Table};
+use crate::inspect::LayerEntropy;
+use polars::prelude::*;
+use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
+use std::path::{Path, PathBuf};
+
+/// Mean and 95% half-width of a sample (Student t; 0 half-width for fewer than two values).
+pub fn mean_ci(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    if values.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (mean, 0.0);
+    }
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    let t = StudentsT::new(0.0, 1.0, n - 1.0)
+        .expect("n > 1")
+        .inverse_cdf(0.975);
+    (mean, t * (variance / n).sqrt())
+}
+
+/// Two-sided sign test of paired differences (zeros dropped): p-value under Binomial(n, 1/2).
+pub fn sign_test(differences: &[f64]) -> f64 {
+    let positive = differences.iter().filter(|d| **d > 0.0).count() as u64;
+    let negative = differences.iter().filter(|d| **d < 0.0).count() as u64;
+    let n = positive + negative;
+    if n == 0 {
+        return 1.0;
+    }
+    let tail = Binomial::new(0.5, n)
+        .expect("valid")
+        .cdf(positive.min(negative));
+    (2.0 * tail).min(1.0)
+}
+
+fn samples(run: &StoredRun) -> Vec<f64> {
+    run.report
+        .retained
+        .iter()
+        .flatten()
+        .flatten()
+        .copied()
+        .collect()
+}
+
+/// Policy names in plan order, without repeats.
+fn names(experiment: &Experiment) -> Vec<String> {
+    let mut names: Vec<String> = Vec::new();
+    for (name, _) in &experiment.policies {
+        if !names.contains(name) {
+            names.push(name.clone());
+        }
+    }
+    names
+}
+
+fn find<'a>(
+    runs: &'a [StoredRun],
+    name: &str,
+    budget: usize,
+    trace: &str,
+) -> Option<&'a StoredRun> {
+    runs.iter()
+        .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
+}
+
+fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, SweepError> {
+    let column = |name: &str, values: Vec<f64>| Column::new(name.into(), values);
+    let mut frame = DataFrame::new_infer_height(vec![
+        Column::new(
+            "id".into(),
+            runs.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "trace".into(),
+            runs.iter().map(|r| r.trace.clone()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "policy".into(),
+            runs.iter().map(|r| r.name.clone()).collect::<Vec<_>>(),
+        ),
+        Column::new(
+            "budget".into(),
+            runs.iter()
+                .map(|r| r.report.nominal_budget as u64)
+                .collect::<Vec<_>>(),
+        ),
+        column(
+            "mean_kept",
+            runs.iter().map(|r| r.report.mean_kept).collect(),
+        ),
+        column(
+            "retained_mass",
+            runs.iter().map(|r| r.report.retained_mass).collect(),
+        ),
+        column(
+            "topk_recall",
+            runs.iter().map(|r| r.report.topk_recall).collect(),
+        ),
+        column(
+            "output_error",
+            runs.iter()
+                .map(|r| r.report.output_error.unwrap_or(f64::NAN))
+                .collect(),
+        ),
+    ])
+    .map_err(|e| SweepError::Io {
+        path: results.to_owned(),
+        detail: e.to_string(),
+    })?;
+    let mut written = Vec::new();
+    for (extension, parquet) in [("parquet", true), ("csv", false)] {
+        let path = results.join(format!("runs.{extension}"));
+        let mut bytes: Vec<u8> = Vec::new();
+        let outcome = if parquet {
+            ParquetWriter::new(&mut bytes)
+                .finish(&mut frame)
+                .map(|_| ())
+        } else {
+            CsvWriter::new(&mut bytes).finish(&mut frame)
+        };
+        outcome.map_err(|e| SweepError::Io {
+            path: path.clone(),
+            detail: e.to_string(),
+        })?;
+        write_atomically(&path, &bytes)?;
+        written.push(path);
+    }
+    Ok(written)
+}
+
+/// Builds the report: writes `report.md`, `runs.parquet`, `runs.csv` and the plots under
+/// `results`, and returns the markdown.
+pub fn build(
+    experiment: &Experiment,
+    runs: &[StoredRun],
+    traces: &[PathBuf],
+    entropy: &[(PathBuf, Vec<LayerEntropy>)],
+    results: &Path,
+    command: &str,
+) -> Result<String, SweepError> {
+    let names = names(experiment);
+    let trace_names: Vec<String> = traces.iter().map(|t| t.display().to_string()).collect();
+    let several = trace_names.len() > 1;
+    let mut out = format!(
+        "# {}\n\n{}\n\nProduced by `{command}` ({} runs on {}).\n\n",
+        experiment.name,
+        experiment.description.trim(),
+        runs.len(),
+        trace_names.join(", ")
+    );
+    if !runs.is_empty() {
+        out += &format!(
+            "Mean retained mass ± 95% CI half-width ({}), mean kept tokens per cache in brackets:\n\n",
+            if several {
+                "Student t over per-trace means"
+            } else {
+                "Student t over the layer × query head × decode step samples of one trace; they are correlated, so this is the precision of this measurement, not a generalisation claim"
+            }
+        );
+        let mut headers = vec!["policy".to_string()];
+        headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+        let mut table = Table::with_headers(headers);
+        let mut mass_series: Vec<Series> = Vec::new();
+        for name in &names {
+            let mut row = vec![name.clone()];
+            let mut points = Vec::new();
+            for &budget in &experiment.budgets {
+                let per_trace: Vec<&StoredRun> = trace_names
+                    .iter()
+                    .filter_map(|t| find(runs, name, budget, t))
+                    .collect();
+                if per_trace.is_empty() {
+                    row.push("—".into());
+                    continue;
+                }
+                let (mean, half) = if several {
+                    mean_ci(
+                        &per_trace
+                            .iter()
+                            .map(|r| r.report.retained_mass)
+                            .collect::<Vec<_>>(),
+                    )
+                } else {
+                    mean_ci(&samples(per_trace[0]))
+                };
+                let kept = per_trace.iter().map(|r| r.report.mean_kept).sum::<f64>()
+                    / per_trace.len() as f64;
+                row.push(format!("{mean:.4} ± {half:.4} ({kept:.0})"));
+                points.push((budget as f64, mean));
+            }
+            table.push(row);
+            mass_series.push((name.clone(), points));
+        }
+        out += &table.render(Format::Markdown);
+        if !experiment.compare.is_empty() {
+            out += "\nPaired comparisons on the same (trace, layer, head, step) positions: mean of a − b with its 95% CI, the share of positions where a keeps more, and a two-sided sign test:\n\n";
+            let mut paired = Table::new(["a", "b", "budget", "mean a − b", "a > b", "sign test p"]);
+            for pair in &experiment.compare {
+                for &budget in &experiment.budgets {
+                    let mut differences = Vec::new();
+                    for trace in &trace_names {
+                        if let (Some(a), Some(b)) = (
+                            find(runs, &pair.a, budget, trace),
+                            find(runs, &pair.b, budget, trace),
+                        ) {
+                            differences
+                                .extend(samples(a).iter().zip(samples(b)).map(|(x, y)| x - y));
+                        }
+                    }
+                    if differences.is_empty() {
+                        continue;
+                    }
+                    let (mean, half) = mean_ci(&differences);
+                    let wins = differences.iter().filter(|d| **d > 0.0).count() as f64
+                        / differences.len() as f64;
+                    paired.push([
+                        pair.a.clone(),
+                        pair.b.clone(),
+                        budget.to_string(),
+                        format!("{mean:+.4} ± {half:.4}"),
+                        format!("{:.1}%", 100.0 * wins),
+                        format!("{:.2e}", sign_test(&differences)),
+                    ]);
+                }
+            }
+            out += &paired.render(Format::Markdown);
+        }
+        let span_names: Vec<String> = runs[0].report.spans.iter().map(|s| s.0.clone()).collect();
+        for (index, span) in span_names.iter().enumerate() {
+            out += &format!("\nSpan `{span}`: share of its tokens kept / share of its full-attention mass kept (mean over traces, layers, heads, steps):\n\n");
+            let mut headers = vec!["policy".to_string()];
+            headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+            let mut table = Table::with_headers(headers);
+            for name in &names {
+                let mut row = vec![name.clone()];
+                for &budget in &experiment.budgets {
+                    let values: Vec<(f64, f64)> = trace_names
+                        .iter()
+                        .filter_map(|t| find(runs, name, budget, t))
+                        .map(|r| {
+                            let (_, fraction, kept, full) = &r.report.spans[index];
+                            (*fraction, if *full > 0.0 { kept / full } else { 0.0 })
+                        })
+                        .collect();
+                    if values.is_empty() {
+                        row.push("—".into());
+                    } else {
+                        let n = values.len() as f64;
+                        row.push(format!(
+                            "{:.3} / {:.3}",
+                            values.iter().map(|v| v.0).sum::<f64>() / n,
+                            values.iter().map(|v| v.1).sum::<f64>() / n
+                        ));
+                    }
+                }
+                table.push(row);
+            }
+            out += &table.render(Format::Markdown);
+        }
+        let files = write_frames(runs, results)?;
+        let mut figures = line_chart(
+            &results.join("retained_mass_vs_budget"),
+            &format!("{}: retained attention mass", experiment.name),
+            "budget (tokens per cache)",
+            "mean retained mass",
+            &mass_series,
+            true,
+        )?;
+        let middle = experiment.budgets[experiment.budgets.len() / 2];
+        let schedules: Vec<Series> = names
+            .iter()
+            .filter_map(|name| find(runs, name, middle, &trace_names[0]).map(|r| (name, r)))
+            .map(|(name, run)| {
+                let points = run
+                    .report
+                    .layer_kept
+                    .iter()
+                    .enumerate()
+                    .map(|(l, k)| (l as f64, *k))
+                    .collect();
+                (name.clone(), points)
+            })
+            .collect();
+        figures.extend(line_chart(
+            &results.join("schedules"),
+            &format!("mean kept tokens per layer at budget {middle}"),
+            "layer",
+            "mean kept tokens per cache",
+            &schedules,
+            false,
+        )?);
+        out += &format!(
+            "\nFiles: {}.\n",
+            files
+                .iter()
+                .chain(&figures)
+                .map(|p| format!("`{}`", p.file_name().unwrap_or_default().to_string_lossy()))
+                .collect::<Vec<_>>()
+                .join(", ")
+        );
+    }
+    if !entropy.is_empty() {
+        out += "\nAttention entropy of the last prompt queries over the prompt, per layer (nats; normalised = / ln(keys attended)):\n\n";
+        let mut headers = vec!["layer".to_string()];
+        for (trace, _) in entropy {
+            let stem = trace
+                .file_stem()
+                .unwrap_or_default()
+                .to_string_lossy()
+                .into_owned();
+            headers.push(format!("{stem} entropy"));
+            headers.push(format!("{stem} normalised"));
+        }
+        let mut table = Table::with_headers(headers);
+        let layers = entropy[0].1.len();
+        for layer in 0..layers {
+            let mut row = vec![layer.to_string()];
+            for (_, profile) in entropy {
+                row.push(format!("{:.3}", profile[layer].entropy));
+                row.push(format!("{:.3}", profile[layer].normalized));
+            }
+            table.push(row);
+        }
+        out += &table.render(Format::Markdown);
+        let series: Vec<Series> = entropy
+            .iter()
+            .map(|(trace, profile)| {
+                (
+                    trace
+                        .file_stem()
+                        .unwrap_or_default()
+                        .to_string_lossy()
+                        .into_owned(),
+                    profile
+                        .iter()
+                        .map(|l| (l.layer as f64, l.entropy))
+                        .collect(),
+                )
+            })
+            .collect();
+        line_chart(
+            &results.join("entropy"),
+            "attention entropy per layer",
+            "layer",
+            "entropy (nats)",
+            &series,
+            false,
+        )?;
+        out += "\nFigure: `entropy.png`, `entropy.svg`.\n";
+    }
+    write_atomically(&results.join("report.md"), out.as_bytes())?;
+    Ok(out)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn interval_by_hand() {
+        // [1, 2, 3, 4]: mean 2.5, sd 1.290994, t(0.975, 3) = 3.182446 (scipy.stats.t.ppf),
+        // half-width = 3.182446 * 1.290994 / 2 = 2.054260.
+        let (mean, half) = mean_ci(&[1.0, 2.0, 3.0, 4.0]);
+        assert_abs_diff_eq!(mean, 2.5, epsilon = 1e-12);
+        assert_abs_diff_eq!(half, 2.054_260, epsilon = 1e-5);
+    }
+
+    #[test]
+    fn sign_test_by_hand() {
+        // 9 positive, 1 negative: p = 2 * P(X <= 1 | n = 10) = 2 * 11/1024 = 0.021484375.
+        let mut diffs = vec![1.0; 9];
+        diffs.push(-1.0);
+        diffs.push(0.0);
+        assert_abs_diff_eq!(sign_test(&diffs), 0.021_484_375, epsilon = 1e-12);
+        assert_eq!(sign_test(&[0.0, 0.0]), 1.0);
+    }
+}

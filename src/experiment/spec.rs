@@ -1,0 +1,292 @@
+//! The experiment file and its expansion into runs.
+
+use crate::replay::{presets, PolicyParams};
+use serde::Deserialize;
+use sha2::{Digest, Sha256};
+use std::collections::BTreeMap;
+use std::path::{Path, PathBuf};
+
+/// Errors of experiment files; each names the file and the key.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum ExperimentError {
+    /// The file cannot be read.
+    #[error("{path}: cannot read experiment: {source}")]
+    Io {
+        /// The experiment file.
+        path: PathBuf,
+        /// The failure.
+        source: std::io::Error,
+    },
+    /// Malformed TOML or an unknown top-level key.
+    #[error("{path}: invalid experiment: {detail}")]
+    Parse {
+        /// The experiment file.
+        path: PathBuf,
+        /// What is wrong.
+        detail: String,
+    },
+    /// A policy key that no policy has.
+    #[error("{path}: policy `{policy}`: unknown key `{key}`; valid: name, preset, {valid}")]
+    UnknownKey {
+        /// The experiment file.
+        path: PathBuf,
+        /// The policy's name.
+        policy: String,
+        /// The key.
+        key: String,
+        /// Valid keys.
+        valid: String,
+    },
+    /// A policy whose settings do not check.
+    #[error("{path}: policy `{policy}`: {detail}")]
+    Policy {
+        /// The experiment file.
+        path: PathBuf,
+        /// The policy's name.
+        policy: String,
+        /// The rule broken.
+        detail: String,
+    },
+}
+
+/// A paired comparison of two policies (by name) on the same trace positions.
+#[derive(Debug, Clone, PartialEq, Eq, Deserialize)]
+#[serde(deny_unknown_fields)]
+pub struct Comparison {
+    /// First policy.
+    pub a: String,
+    /// Second policy.
+    pub b: String,
+}
+
+#[derive(Debug, Deserialize)]
+#[serde(deny_unknown_fields)]
+struct ExperimentFile {
+    description: String,
+    traces: Vec<PathBuf>,
+    #[serde(default)]
+    budgets: Vec<usize>,
+    #[serde(default)]
+    entropy_window: Option<usize>,
+    #[serde(default)]
+    policy: Vec<toml::Table>,
+    #[serde(default)]
+    compare: Vec<Comparison>,
+}
+
+/// A parsed, checked experiment.
+#[derive(Debug, Clone)]
+pub struct Experiment {
+    /// The experiment's name (the file stem).
+    pub name: String,
+    /// What it answers.
+    pub description: String,
+    /// Trace files or recipes, relative to the working directory.
+    pub traces: Vec<PathBuf>,
+    /// Budgets, the shared axis.
+    pub budgets: Vec<usize>,
+    /// When set, the per-layer entropy profile (this many last prompt queries) is reported.
+    pub entropy_window: Option<usize>,
+    /// Every run to do on each trace: a display name and its parameters.
+    pub policies: Vec<(String, PolicyParams)>,
+    /// Paired comparisons.
+    pub compare: Vec<Comparison>,
+}
+
+/// One run: a policy at a budget on a trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct PlannedRun {
+    /// The run's id: a slug and a hash of the normalised settings and trace.
+    pub id: String,
+    /// The policy's display name.
+    pub name: String,
+    /// The trace file.
+    pub trace: PathBuf,
+    /// The parameters.
+    pub params: PolicyParams,
+}
+
+fn as_list(value: &toml::Value) -> Vec<toml::Value> {
+    match value {
+        toml::Value::Array(items) => items.clone(),
+        other => vec![other.clone()],
+    }
+}
+
+fn to_json(value: &toml::Value) -> serde_json::Value {
+    serde_json::to_value(value).unwrap_or(serde_json::Value::Null)
+}
+
+fn text(value: &toml::Value) -> String {
+    match value {
+        toml::Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+impl Experiment {
+    /// Reads and checks an experiment file: unknown keys and names are errors listing the valid
+    /// ones, and every expanded policy is checked before anything runs.
+    pub fn load(path: &Path) -> Result<Self, ExperimentError> {
+        let source = std::fs::read_to_string(path).map_err(|source| ExperimentError::Io {
+            path: path.to_owned(),
+            source,
+        })?;
+        let file: ExperimentFile =
+            toml::from_str(&source).map_err(|err| ExperimentError::Parse {
+                path: path.to_owned(),
+                detail: err.message().to_owned(),
+            })?;
+        let defaults = serde_json::to_value(PolicyParams::default()).expect("params serialise");
+        let fields: Vec<String> = defaults
+            .as_object()
+            .expect("object")
+            .keys()
+            .filter(|k| *k != "budget")
+            .cloned()
+            .collect();
+        let mut policies = Vec::new();
+        for table in &file.policy {
+            let name = table
+                .get("name")
+                .map(text)
+                .ok_or_else(|| ExperimentError::Parse {
+                    path: path.to_owned(),
+                    detail: "every [[policy]] needs a `name`".into(),
+                })?;
+            let policy_error = |detail: String| ExperimentError::Policy {
+                path: path.to_owned(),
+                policy: name.clone(),
+                detail,
+            };
+            let mut axes: Vec<(String, Vec<toml::Value>)> = Vec::new();
+            for (key, value) in table {
+                if key == "name" || key == "preset" {
+                    continue;
+                }
+                if !fields.contains(key) {
+                    return Err(ExperimentError::UnknownKey {
+                        path: path.to_owned(),
+                        policy: name.clone(),
+                        key: key.clone(),
+                        valid: fields.join(", "),
+                    });
+                }
+                axes.push((key.clone(), as_list(value)));
+            }
+            let mut combos: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
+            for (key, values) in &axes {
+                combos = combos
+                    .into_iter()
+                    .flat_map(|combo| {
+                        values.iter().map(move |value| {
+                            let mut next = combo.clone();
+                            next.push((key.clone(), value.clone()));
+                            next
+                        })
+                    })
+                    .collect();
+            }
+            for combo in combos {
+                for &budget in &file.budgets {
+                    let base = match table.get("preset") {
+                        Some(preset) => presets::preset(&text(preset), budget)
+                            .map_err(|err| policy_error(err.to_string()))?,
+                        None => PolicyParams {
+                            budget,
+                            ..PolicyParams::default()
+                        },
+                    };
+                    let mut json = serde_json::to_value(&base).expect("params serialise");
+                    let mut label = name.clone();
+                    for (key, value) in &combo {
+                        json[key] = to_json(value);
+                        if axes.iter().any(|(k, v)| k == key && v.len() > 1) {
+                            label = format!("{label} {key}={}", text(value));
+                        }
+                    }
+                    let params: PolicyParams = serde_json::from_value(json)
+                        .map_err(|err| policy_error(err.to_string()))?;
+                    params.clone().check().map_err(|err| {
+                        policy_error(format!("{label} at budget {budget}: {err}"))
+                    })?;
+                    policies.push((label, params));
+                }
+            }
+        }
+        let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
+        for pair in &file.compare {
+            for side in [&pair.a, &pair.b] {
+                if !names.contains(side) {
+                    return Err(ExperimentError::Parse {
+                        path: path.to_owned(),
+                        detail: format!(
+                            "[[compare]] names `{side}`, which is no policy here; policies: {}",
+                            {
+                                let mut unique = names.clone();
+                                unique.dedup();
+                                unique.join(", ")
+                            }
+                        ),
+                    });
+                }
+            }
+        }
+        Ok(Self {
+            name: path
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| "experiment".into()),
+            description: file.description,
+            traces: file.traces,
+            budgets: file.budgets,
+            entropy_window: file.entropy_window,
+            policies,
+            compare: file.compare,
+        })
+    }
+
+    /// Every run, for the given trace files (recipes already captured), in a stable order.
+    pub fn plan(&self, traces: &[PathBuf]) -> Vec<PlannedRun> {
+        let mut runs = Vec::new();
+        for trace in traces {
+            for (name, params) in &self.policies {
+                runs.push(PlannedRun {
+                    id: run_id(name, trace, params),
+                    name: name.clone(),
+                    trace: trace.clone(),
+                    params: params.clone(),
+                });
+            }
+        }
+        runs
+    }
+}
+
+/// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name and
+/// the trace's file name and size) makes the id unique and stable across runs and machines.
+fn run_id(name: &str, trace: &Path, params: &PolicyParams) -> String {
+    let settings: BTreeMap<String, serde_json::Value> =
+        serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
+            .expect("object");
+    let size = std::fs::metadata(trace).map(|m| m.len()).unwrap_or(0);
+    let trace_name = trace
+        .file_name()
+        .map(|n| n.to_string_lossy().into_owned())
+        .unwrap_or_default();
+    let normalised =
+        serde_json::to_string(&(name, &trace_name, size, settings)).expect("serialise");
+    let hash = format!("{:x}", Sha256::digest(normalised.as_bytes()));
+    let slug: String = format!("{name}-b{}", params.budget)
+        .chars()
+        .map(|c| {
+            if c.is_ascii_alphanumeric() || c == '-' {
+                c
+            } else {
+                '_'
+            }
+        })
+        .collect();
+    format!("{slug}-{}", &hash[..10])
+}

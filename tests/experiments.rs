@@ -1,0 +1,159 @@
+//! Experiment files: parsing rules, a sweep on a fixture trace, resuming, and the report.
+
+mod common;
+
+use assert_cmd::Command;
+use common::{write_fixture, Shape};
+use predicates::str::contains;
+
+const EXPERIMENT: &str = r#"
+description = "fixture sweep"
+traces = ["fixture.safetensors"]
+budgets = [6, 10]
+
+[[policy]]
+name = "snapkv"
+preset = "snapkv"
+window = 2
+
+[[policy]]
+name = "tq"
+scorer = "true-query"
+timing = ["prefill", "streaming"]
+window = 2
+
+[[compare]]
+a = "tq timing=prefill"
+b = "snapkv"
+"#;
+
+fn setup(experiment: &str) -> tempfile::TempDir {
+    let dir = tempfile::tempdir().unwrap();
+    write_fixture(&dir.path().join("fixture.safetensors"), Shape::default(), 5);
+    std::fs::write(dir.path().join("e.toml"), experiment).unwrap();
+    dir
+}
+
+fn kvreplay(dir: &tempfile::TempDir) -> Command {
+    let mut cmd = Command::cargo_bin("kvreplay").unwrap();
+    cmd.current_dir(dir.path());
+    cmd
+}
+
+#[test]
+fn sweep_writes_report_rows_and_plots_then_resumes() {
+    let dir = setup(EXPERIMENT);
+    let first = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let report = String::from_utf8(first.get_output().stdout.clone()).unwrap();
+    assert!(String::from_utf8_lossy(&first.get_output().stderr)
+        .contains("e: 6 runs done, 0 already there"));
+    let results = dir.path().join("results/e");
+    for file in [
+        "report.md",
+        "runs.csv",
+        "runs.parquet",
+        "retained_mass_vs_budget.png",
+        "retained_mass_vs_budget.svg",
+        "schedules.png",
+    ] {
+        assert!(results.join(file).is_file(), "{file} missing");
+    }
+    assert_eq!(std::fs::read_dir(results.join("runs")).unwrap().count(), 6);
+    let csv = std::fs::read_to_string(results.join("runs.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 7);
+    assert!(
+        csv.starts_with("id,trace,policy,budget,mean_kept,retained_mass,topk_recall,output_error")
+    );
+    insta::assert_snapshot!(report);
+    // A rerun skips everything and prints the same report.
+    let second = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    assert!(String::from_utf8_lossy(&second.get_output().stderr)
+        .contains("e: 0 runs done, 6 already there"));
+    assert_eq!(
+        String::from_utf8(second.get_output().stdout.clone()).unwrap(),
+        report
+    );
+    // A lost run (killed before its rename) is redone alone; a stray partial file is ignored.
+    let runs: Vec<_> = std::fs::read_dir(results.join("runs"))
+        .unwrap()
+        .map(|e| e.unwrap().path())
+        .collect();
+    std::fs::remove_file(&runs[0]).unwrap();
+    std::fs::write(results.join("runs/stray.partial.123"), b"{half").unwrap();
+    let third = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    assert!(String::from_utf8_lossy(&third.get_output().stderr)
+        .contains("e: 1 runs done, 5 already there"));
+    assert_eq!(
+        String::from_utf8(third.get_output().stdout.clone()).unwrap(),
+        report
+    );
+}
+
+#[test]
+fn report_agrees_with_replay() {
+    let dir = setup(EXPERIMENT);
+    kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let replay = kvreplay(&dir)
+        .args([
+            "replay",
+            "fixture.safetensors",
+            "--budget",
+            "6",
+            "--window",
+            "2",
+            "--format",
+            "json",
+        ])
+        .assert()
+        .success();
+    let json: serde_json::Value = serde_json::from_slice(&replay.get_output().stdout).unwrap();
+    let mass = json["retained_mass"].as_f64().unwrap();
+    let csv = std::fs::read_to_string(dir.path().join("results/e/runs.csv")).unwrap();
+    let row = csv
+        .lines()
+        .find(|l| l.contains(",snapkv,6,"))
+        .expect("snapkv at 6");
+    let stored: f64 = row.split(',').nth(5).unwrap().parse().unwrap();
+    assert!((stored - mass).abs() < 1e-12, "{stored} vs {mass}");
+}
+
+#[test]
+fn unknown_keys_and_names_are_listed() {
+    let dir = setup(&EXPERIMENT.replace("window = 2\n\n[[policy]]", "windw = 2\n\n[[policy]]"));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(
+            contains("policy `snapkv`: unknown key `windw`; valid: name, preset,")
+                .and(contains("window")),
+        );
+    let dir = setup(&EXPERIMENT.replace("preset = \"snapkv\"", "preset = \"snapkvv\""));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("unknown preset `snapkvv`"));
+    let dir = setup(&EXPERIMENT.replace("b = \"snapkv\"", "b = \"flat\""));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "[[compare]] names `flat`, which is no policy here",
+        ));
+    let dir = setup(&EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10]\nbudget = 3"));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("unknown field `budget`"));
+    let dir = setup(&EXPERIMENT.replace("scorer = \"true-query\"", "scorer = \"h3o\""));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("unknown scorer `h3o`"));
+}
+
+use predicates::prelude::*;
