@@ -154,6 +154,10 @@ pub fn build(
     results: &Path,
     command: &str,
 ) -> Result<String, SweepError> {
+    std::fs::create_dir_all(results).map_err(|e| SweepError::Io {
+        path: results.to_owned(),
+        detail: format!("cannot create directory: {e}"),
+    })?;
     let names = names(experiment);
     let trace_names: Vec<String> = traces.iter().map(|t| t.display().to_string()).collect();
     let several = trace_names.len() > 1;

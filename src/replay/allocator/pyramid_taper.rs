@@ -7,7 +7,9 @@
 //! water-fill: raise values below floor to floor, take the excess from the unclamped layers in
 //! proportion to (b_l - floor), repeat up to L times;  return max(round(b_l), floor)
 //! ```
-//! beta is a steepness >= 1 (1 = flat), not PyramidKV's divisor. `round` is Python's
+//! beta is a steepness >= 1 (1 = flat), not PyramidKV's divisor. Deviation, only when a
+//! protected window is set (the library has none): the floor is `max(n_sink + 1, n_sink + W)`,
+//! so no layer's budget falls below the tokens it must keep. `round` is Python's
 //! round-half-to-even, as in the library. With the `key-proxy` scorer and `streaming` timing this
 //! is the library's PyramidKV-adapted; with beta = 1 it is its H2O-adapted.
 
@@ -24,13 +26,15 @@ impl Allocator for PyramidTaper {
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        taper(input.n_layers, input.budget as f64, input.sinks, self.beta)
+        let floor = (input.sinks + 1).max(input.sinks + input.window);
+        taper(input.n_layers, input.budget as f64, floor, self.beta)
     }
 }
 
-/// The library's `pyramid_budgets(n_layers, avg_budget, n_sink, beta)`.
-pub(crate) fn taper(layers: usize, avg: f64, sinks: usize, beta: f64) -> Vec<usize> {
-    let floor = (sinks + 1) as f64;
+/// The library's `pyramid_budgets(n_layers, avg_budget, n_sink, beta)`, with its floor
+/// `n_sink + 1` passed as `floor`.
+pub(crate) fn taper(layers: usize, avg: f64, floor: usize, beta: f64) -> Vec<usize> {
+    let floor = floor as f64;
     if layers == 0 {
         return Vec::new();
     }
@@ -78,15 +82,15 @@ mod tests {
     fn library_doc_example() {
         // The seed library's doc: 12 layers, avg_budget = 512, beta = 2.0 (n_sink = 4).
         assert_eq!(
-            taper(12, 512.0, 4, 2.0),
+            taper(12, 512.0, 5, 2.0),
             vec![1019, 927, 835, 742, 650, 558, 466, 374, 282, 189, 97, 5]
         );
     }
 
     #[test]
     fn beta_one_is_flat_and_steep_schedules_keep_the_floor_and_mean() {
-        assert_eq!(taper(30, 128.0, 4, 1.0), vec![128; 30]);
-        let steep = taper(30, 128.0, 4, 3.0);
+        assert_eq!(taper(30, 128.0, 5, 1.0), vec![128; 30]);
+        let steep = taper(30, 128.0, 5, 3.0);
         assert!(steep.iter().all(|b| *b >= 5));
         let mean = steep.iter().sum::<usize>() as f64 / 30.0;
         assert!((mean - 128.0).abs() < 1.0, "mean {mean}");
