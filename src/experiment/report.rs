@@ -239,7 +239,10 @@ pub fn build(
                         budget.to_string(),
                         format!("{mean:+.4} ± {half:.4}"),
                         format!("{:.1}%", 100.0 * wins),
-                        format!("{:.2e}", sign_test(&differences)),
+                        match sign_test(&differences) {
+                            p if p == 0.0 => "< 1e-300".into(),
+                            p => format!("{p:.2e}"),
+                        },
                     ]);
                 }
             }

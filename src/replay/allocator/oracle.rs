@@ -1,39 +1,36 @@
 //! `oracle`: the allocation across layers that maximises retained mass for the chosen scorer at
 //! the same total memory, an upper reference for schedules. The engine hands it, per layer, the
 //! retained mass (mean over heads and decode steps) as a function of the number of prompt tokens
-//! kept in the scorer's own order. Starting every layer at `sinks + window`, tokens are given one
-//! at a time to the layer whose curve gains most (ties to the lower layer) until the total is
-//! `L * budget`. Greedy marginal allocation is optimal when the curves are concave, which they
-//! are to the extent the scorer ranks tokens by their future mass; it needs the future decode
-//! queries, so no real policy can implement it. Prefill timing only.
+//! kept in the scorer's own order. The curves are not concave (a sink token ranked late makes one
+//! step worth more than the steps before it), so a token-by-token greedy can starve a layer; we
+//! take each curve's upper concave envelope, starting from `sinks + window`, and hand out its
+//! segments in decreasing order of slope (ties to the lower layer) until the total is
+//! `L * budget`. That is optimal for the envelopes, and exact on the curves at every envelope
+//! vertex; only the last, partly given segment can fall short of the envelope. It needs the
+//! future decode queries, so no real policy can implement it. Prefill timing only.
 
 use super::{AllocationInput, Allocator};
-use std::cmp::Ordering;
-use std::collections::BinaryHeap;
 
-/// Greedy marginal-gain allocation on the scorer's mass curves.
+/// Concave-envelope allocation on the scorer's mass curves.
 pub struct Oracle;
 
-#[derive(PartialEq)]
-struct Gain {
-    gain: f64,
-    layer: usize,
-}
-
-impl Eq for Gain {}
-
-impl PartialOrd for Gain {
-    fn partial_cmp(&self, other: &Self) -> Option<Ordering> {
-        Some(self.cmp(other))
+/// The vertices `(kept, mass)` of the upper concave envelope of `curve[start..]`.
+fn upper_envelope(curve: &[f64], start: usize) -> Vec<(usize, f64)> {
+    let mut hull: Vec<(usize, f64)> = Vec::new();
+    for (x, &y) in curve.iter().enumerate().skip(start) {
+        while hull.len() >= 2 {
+            let (x1, y1) = hull[hull.len() - 2];
+            let (x2, y2) = hull[hull.len() - 1];
+            // Drop the middle point when it lies on or below the chord from (x1, y1) to (x, y).
+            if (y2 - y1) * (x - x1) as f64 <= (y - y1) * (x2 - x1) as f64 {
+                hull.pop();
+            } else {
+                break;
+            }
+        }
+        hull.push((x, y));
     }
-}
-
-impl Ord for Gain {
-    fn cmp(&self, other: &Self) -> Ordering {
-        self.gain
-            .total_cmp(&other.gain)
-            .then_with(|| other.layer.cmp(&self.layer))
-    }
+    hull
 }
 
 impl Allocator for Oracle {
@@ -50,26 +47,21 @@ impl Allocator for Oracle {
         let start = (input.sinks + input.window).min(input.prompt_len);
         let mut budgets = vec![start; curves.len()];
         let mut left = (input.budget * curves.len()).saturating_sub(start * curves.len());
-        let gain = |layer: usize, kept: usize| curves[layer][kept + 1] - curves[layer][kept];
-        let mut heap: BinaryHeap<Gain> = (0..curves.len())
-            .filter(|&l| start < curves[l].len() - 1)
-            .map(|layer| Gain {
-                gain: gain(layer, start),
-                layer,
-            })
-            .collect();
-        while left > 0 {
-            let Some(Gain { layer, .. }) = heap.pop() else {
-                break;
-            };
-            budgets[layer] += 1;
-            left -= 1;
-            if budgets[layer] < curves[layer].len() - 1 {
-                heap.push(Gain {
-                    gain: gain(layer, budgets[layer]),
-                    layer,
-                });
+        let mut segments: Vec<(f64, usize, usize)> = Vec::new();
+        for (layer, curve) in curves.iter().enumerate() {
+            for pair in upper_envelope(curve, start).windows(2) {
+                let ((x0, y0), (x1, y1)) = (pair[0], pair[1]);
+                segments.push(((y1 - y0) / (x1 - x0) as f64, layer, x1 - x0));
             }
+        }
+        segments.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)));
+        for (_, layer, length) in segments {
+            if left == 0 {
+                break;
+            }
+            let given = length.min(left);
+            budgets[layer] += given;
+            left -= given;
         }
         budgets
     }
@@ -96,5 +88,30 @@ mod tests {
             mass_curves: &curves,
         };
         assert_eq!(Oracle.allocate(&input), vec![4, 2]);
+    }
+
+    #[test]
+    fn looks_past_a_flat_start() {
+        // Layer 1 gains nothing for its first token, then 0.5 at once (a late sink): greedy
+        // token by token would give everything to layer 0 (0.1 per token); the envelope sees
+        // 0.25 per token over two tokens and gives layer 1 its two.
+        let curves = vec![
+            (0..=10).map(|b| 0.1 * b as f64).collect::<Vec<_>>(),
+            vec![0.0, 0.0, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5, 0.5],
+        ];
+        let input = AllocationInput {
+            n_layers: 2,
+            budget: 2,
+            prompt_len: 10,
+            window: 0,
+            sinks: 0,
+            profiles: &[],
+            mass_curves: &curves,
+        };
+        assert_eq!(Oracle.allocate(&input), vec![2, 2]);
+        assert_eq!(
+            upper_envelope(&curves[1], 0),
+            vec![(0, 0.0), (2, 0.5), (10, 0.5)]
+        );
     }
 }
