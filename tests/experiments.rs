@@ -157,3 +157,37 @@ fn unknown_keys_and_names_are_listed() {
 }
 
 use predicates::prelude::*;
+
+#[test]
+fn unwritable_results_directory_exits_2() {
+    let dir = setup(EXPERIMENT);
+    std::fs::write(dir.path().join("blocked"), b"a file where the results directory should be").unwrap();
+    kvreplay(&dir)
+        .args(["sweep", "e.toml", "--results", "blocked"])
+        .assert()
+        .code(2)
+        .stderr(contains("blocked/e"));
+}
+
+mod parser_never_panics {
+    use proptest::prelude::*;
+    use proptest::test_runner::{Config, RngSeed};
+
+    proptest! {
+        #![proptest_config(Config { cases: 200, failure_persistence: None, rng_seed: RngSeed::Fixed(4), ..Config::default() })]
+
+        /// Random edits of a valid experiment file: a clean error or a valid experiment, never a panic.
+        #[test]
+        fn mangled_experiment_files(edits in prop::collection::vec((any::<prop::sample::Index>(), any::<char>()), 1..6)) {
+            let mut text: Vec<char> = super::EXPERIMENT.chars().collect();
+            for (index, c) in edits {
+                let at = index.index(text.len());
+                text[at] = c;
+            }
+            let dir = tempfile::tempdir().unwrap();
+            let path = dir.path().join("m.toml");
+            std::fs::write(&path, text.into_iter().collect::<String>()).unwrap();
+            let _ = kvreplay::experiment::Experiment::load(&path);
+        }
+    }
+}
