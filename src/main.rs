@@ -607,10 +607,31 @@ fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
             .collect::<Result<Vec<_>>>()?,
         None => Vec::new(),
     };
+    let needle_grid: Vec<report::NeedleCell> = experiment
+        .traces
+        .iter()
+        .zip(&traces)
+        .filter_map(|(entry, trace)| match Recipe::load(entry) {
+            Ok((Recipe::Niah(niah), _)) => Some(report::NeedleCell {
+                trace: trace.clone(),
+                length: niah.prompt_tokens,
+                depth: niah.depth_percent,
+            }),
+            _ => None,
+        })
+        .collect();
     let command = format!("kvreplay sweep {}", path.display());
     print!(
         "{}",
-        report::build(&experiment, &runs, &traces, &entropy, &results, &command)?
+        report::build(
+            &experiment,
+            &runs,
+            &traces,
+            &entropy,
+            &needle_grid,
+            &results,
+            &command
+        )?
     );
     Ok(())
 }

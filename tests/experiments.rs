@@ -161,7 +161,11 @@ use predicates::prelude::*;
 #[test]
 fn unwritable_results_directory_exits_2() {
     let dir = setup(EXPERIMENT);
-    std::fs::write(dir.path().join("blocked"), b"a file where the results directory should be").unwrap();
+    std::fs::write(
+        dir.path().join("blocked"),
+        b"a file where the results directory should be",
+    )
+    .unwrap();
     kvreplay(&dir)
         .args(["sweep", "e.toml", "--results", "blocked"])
         .assert()

@@ -141,3 +141,98 @@ where
     area.present()?;
     Ok(())
 }
+
+/// A heatmap of `values[row][column]` in [0, 1] (rows bottom to top), each cell labelled with its
+/// value, into `<stem>.png` and `<stem>.svg`.
+pub(crate) fn heatmap(
+    stem: &Path,
+    title: &str,
+    columns: &[String],
+    rows: &[String],
+    values: &[Vec<f64>],
+    x_label: &str,
+    y_label: &str,
+) -> Result<Vec<PathBuf>, SweepError> {
+    register_font();
+    let png = stem.with_extension("png");
+    let svg = stem.with_extension("svg");
+    draw_heatmap(
+        &BitMapBackend::new(&png, (720, 560)).into_drawing_area(),
+        title,
+        columns,
+        rows,
+        values,
+        x_label,
+        y_label,
+    )
+    .map_err(|e| plot_error(&png, e))?;
+    draw_heatmap(
+        &SVGBackend::new(&svg, (720, 560)).into_drawing_area(),
+        title,
+        columns,
+        rows,
+        values,
+        x_label,
+        y_label,
+    )
+    .map_err(|e| plot_error(&svg, e))?;
+    Ok(vec![png, svg])
+}
+
+/// Red (0) through yellow to green (1).
+fn colour(value: f64) -> RGBColor {
+    let v = value.clamp(0.0, 1.0);
+    let (r, g) = if v < 0.5 {
+        (1.0, 2.0 * v)
+    } else {
+        (2.0 * (1.0 - v), 1.0)
+    };
+    RGBColor((r * 220.0) as u8 + 20, (g * 200.0) as u8 + 30, 60)
+}
+
+fn draw_heatmap<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    title: &str,
+    columns: &[String],
+    rows: &[String],
+    values: &[Vec<f64>],
+    x_label: &str,
+    y_label: &str,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    area.fill(&WHITE)?;
+    let mut chart = ChartBuilder::on(area)
+        .caption(title, ("sans-serif", 20))
+        .margin(12)
+        .x_label_area_size(40)
+        .y_label_area_size(60)
+        .build_cartesian_2d(0..columns.len(), 0..rows.len())?;
+    chart
+        .configure_mesh()
+        .disable_mesh()
+        .x_desc(x_label)
+        .y_desc(y_label)
+        .x_labels(columns.len())
+        .y_labels(rows.len())
+        .x_label_formatter(&|x| columns.get(*x).cloned().unwrap_or_default())
+        .y_label_formatter(&|y| rows.get(*y).cloned().unwrap_or_default())
+        .label_style(("sans-serif", 14))
+        .draw()?;
+    for (row, cells) in values.iter().enumerate() {
+        for (column, value) in cells.iter().enumerate() {
+            chart.draw_series(std::iter::once(Rectangle::new(
+                [(column, row), (column + 1, row + 1)],
+                colour(*value).filled(),
+            )))?;
+            chart.draw_series(std::iter::once(Text::new(
+                format!("{value:.2}"),
+                (column, row + 1),
+                ("sans-serif", 15).into_font(),
+            )))?;
+        }
+    }
+    area.present()?;
+    Ok(())
+}

@@ -8,7 +8,7 @@
 //! interval says how precisely this trace was measured, not how the method generalises; with
 //! several traces the interval is over per-trace means instead, and the report says which.
 
-use super::plot::{line_chart, Series};
+use super::plot::{heatmap, line_chart, Series};
 use super::store::{write_atomically, StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
@@ -144,6 +144,91 @@ fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, Swee
     Ok(written)
 }
 
+/// One trace of a needle grid: its file, context length (prompt tokens) and needle depth (%).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NeedleCell {
+    /// The trace file.
+    pub trace: PathBuf,
+    /// Prompt tokens asked for.
+    pub length: usize,
+    /// Needle depth in percent.
+    pub depth: f64,
+}
+
+/// Per policy, the share of the needle's full-attention mass that survives at `budget`, as a
+/// depth × length table and heatmap (the PyramidKV paper's figure 5 layout).
+fn needle_section(
+    experiment: &Experiment,
+    runs: &[StoredRun],
+    grid: &[NeedleCell],
+    budget: usize,
+    results: &Path,
+) -> Result<String, SweepError> {
+    let mut lengths: Vec<usize> = grid.iter().map(|c| c.length).collect();
+    lengths.sort_unstable();
+    lengths.dedup();
+    let mut depths: Vec<f64> = grid.iter().map(|c| c.depth).collect();
+    depths.sort_by(f64::total_cmp);
+    depths.dedup();
+    let mut out = format!(
+        "\nNeedle survival at budget {budget}: share of the needle's full-attention mass the kept set holds (mean over layers, heads and decode steps), by context length and needle depth:\n"
+    );
+    let mut figures = Vec::new();
+    for name in names(experiment) {
+        let mut values = vec![vec![f64::NAN; lengths.len()]; depths.len()];
+        for cell in grid {
+            let trace = cell.trace.display().to_string();
+            if let Some(run) = find(runs, &name, budget, &trace) {
+                if let Some((_, _, kept, full)) = run.report.spans.iter().find(|s| s.0 == "needle")
+                {
+                    let row = depths
+                        .iter()
+                        .position(|d| *d == cell.depth)
+                        .expect("listed");
+                    let column = lengths
+                        .iter()
+                        .position(|l| *l == cell.length)
+                        .expect("listed");
+                    values[row][column] = if *full > 0.0 { kept / full } else { 0.0 };
+                }
+            }
+        }
+        let mut headers = vec![format!("{name}: depth \\ length")];
+        headers.extend(lengths.iter().map(|l| l.to_string()));
+        let mut table = Table::with_headers(headers);
+        for (row, depth) in depths.iter().enumerate().rev() {
+            let mut cells = vec![format!("{depth}%")];
+            cells.extend(values[row].iter().map(|v| format!("{v:.3}")));
+            table.push(cells);
+        }
+        out += "\n";
+        out += &table.render(Format::Markdown);
+        let slug: String = name
+            .chars()
+            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+            .collect();
+        figures.extend(heatmap(
+            &results.join(format!("needle_{slug}")),
+            &format!("{name}: needle mass kept at budget {budget}"),
+            &lengths.iter().map(|l| l.to_string()).collect::<Vec<_>>(),
+            &depths.iter().map(|d| format!("{d}%")).collect::<Vec<_>>(),
+            &values,
+            "context length (prompt tokens)",
+            "needle depth",
+        )?);
+    }
+    out += &format!(
+        "\nFigures: {}.\n",
+        figures
+            .iter()
+            .filter(|p| p.extension().is_some_and(|e| e == "png"))
+            .map(|p| format!("`{}`", p.file_name().unwrap_or_default().to_string_lossy()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
+    Ok(out)
+}
+
 /// Builds the report: writes `report.md`, `runs.parquet`, `runs.csv` and the plots under
 /// `results`, and returns the markdown.
 pub fn build(
@@ -151,6 +236,7 @@ pub fn build(
     runs: &[StoredRun],
     traces: &[PathBuf],
     entropy: &[(PathBuf, Vec<LayerEntropy>)],
+    needle_grid: &[NeedleCell],
     results: &Path,
     command: &str,
 ) -> Result<String, SweepError> {
@@ -321,6 +407,9 @@ pub fn build(
                 .collect::<Vec<_>>()
                 .join(", ")
         );
+    }
+    if let (Some(budget), false) = (experiment.heatmap_budget, needle_grid.is_empty()) {
+        out += &needle_section(experiment, runs, needle_grid, budget, results)?;
     }
     if !entropy.is_empty() {
         out += "\nAttention entropy of the last prompt queries over the prompt, per layer (nats; normalised = / ln(keys attended)):\n\n";

@@ -70,6 +70,8 @@ struct ExperimentFile {
     #[serde(default)]
     entropy_window: Option<usize>,
     #[serde(default)]
+    heatmap_budget: Option<usize>,
+    #[serde(default)]
     policy: Vec<toml::Table>,
     #[serde(default)]
     compare: Vec<Comparison>,
@@ -88,6 +90,8 @@ pub struct Experiment {
     pub budgets: Vec<usize>,
     /// When set, the per-layer entropy profile (this many last prompt queries) is reported.
     pub entropy_window: Option<usize>,
+    /// When set, needle heatmaps (context length × depth) at this budget.
+    pub heatmap_budget: Option<usize>,
     /// Every run to do on each trace: a display name and its parameters.
     pub policies: Vec<(String, PolicyParams)>,
     /// Paired comparisons.
@@ -215,6 +219,17 @@ impl Experiment {
                 }
             }
         }
+        if let Some(budget) = file.heatmap_budget {
+            if !file.budgets.contains(&budget) {
+                return Err(ExperimentError::Parse {
+                    path: path.to_owned(),
+                    detail: format!(
+                        "heatmap_budget = {budget} is not one of the budgets {:?}",
+                        file.budgets
+                    ),
+                });
+            }
+        }
         let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
         for pair in &file.compare {
             for side in [&pair.a, &pair.b] {
@@ -242,6 +257,7 @@ impl Experiment {
             traces: file.traces,
             budgets: file.budgets,
             entropy_window: file.entropy_window,
+            heatmap_budget: file.heatmap_budget,
             policies,
             compare: file.compare,
         })
