@@ -638,20 +638,7 @@ fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
 
 fn run(cli: Cli) -> Result<()> {
     match cli.command {
-        Command::Fetch => {
-            let report = Assets::from_env().fetch()?;
-            println!(
-                "model:  {} (sha256 verified)\nessays: {} ({} files){}",
-                report.model.display(),
-                report.essays.display(),
-                report.n_essays,
-                if report.downloaded {
-                    ""
-                } else {
-                    "\n(already fetched)"
-                }
-            );
-        }
+        Command::Fetch => fetch()?,
         Command::Capture {
             recipe,
             out,

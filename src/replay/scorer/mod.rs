@@ -168,6 +168,31 @@ impl<'a> GroupQueries<'a> {
     }
 }
 
+/// Scores of the newest query's attention over the cache, computed when asked for: TOVA's score,
+/// and the per-step oracle's (which differs only in re-selecting from the full cache).
+pub(crate) struct CurrentQuery<'a> {
+    queries: GroupQueries<'a>,
+    agg: Aggregation,
+}
+
+impl<'a> CurrentQuery<'a> {
+    pub fn new(layer: &LayerContext<'a>, unit: &Unit, agg: Aggregation) -> Self {
+        Self {
+            queries: GroupQueries::new(layer, unit),
+            agg,
+        }
+    }
+}
+
+impl ScoreState for CurrentQuery<'_> {
+    fn on_append(&mut self, _cache: &[usize]) {}
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        let newest = *cache.last().expect("non-empty cache");
+        *out = self.queries.aggregated(newest, cache, self.agg);
+    }
+}
+
 /// Scores kept aligned with the cache: one per entry, removed on eviction.
 #[derive(Debug, Default, Clone)]
 pub(crate) struct AlignedScores(pub Vec<f32>);

@@ -4,17 +4,12 @@
 //! query-head cache exactly; for a KV-head cache, on the group's mean retained mass with
 //! `--agg mean`).
 
-use super::{GroupQueries, ScoreState, Scorer};
+use super::{CurrentQuery, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// The current query's full attention, re-selected every step.
 pub struct OraclePerStep {
     pub(super) agg: Aggregation,
-}
-
-struct State<'a> {
-    queries: GroupQueries<'a>,
-    agg: Aggregation,
 }
 
 impl Scorer for OraclePerStep {
@@ -27,18 +22,6 @@ impl Scorer for OraclePerStep {
     }
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
-        Box::new(State {
-            queries: GroupQueries::new(layer, unit),
-            agg: self.agg,
-        })
-    }
-}
-
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, _cache: &[usize]) {}
-
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
-        let newest = *cache.last().expect("non-empty cache");
-        *out = self.queries.aggregated(newest, cache, self.agg);
+        Box::new(CurrentQuery::new(layer, unit, self.agg))
     }
 }

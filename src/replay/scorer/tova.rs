@@ -5,18 +5,12 @@
 //! shares the same cache layout. Under `--timing prefill` the current query is the last prompt
 //! token's.
 
-use super::{GroupQueries, ScoreState, Scorer};
+use super::{CurrentQuery, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Unit};
 
 /// The current query's attention.
 pub struct Tova {
     pub(super) agg: Aggregation,
-}
-
-/// Only the newest query matters, so its attention is computed when scores are asked for.
-struct State<'a> {
-    queries: GroupQueries<'a>,
-    agg: Aggregation,
 }
 
 impl Scorer for Tova {
@@ -25,19 +19,7 @@ impl Scorer for Tova {
     }
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
-        Box::new(State {
-            queries: GroupQueries::new(layer, unit),
-            agg: self.agg,
-        })
-    }
-}
-
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, _cache: &[usize]) {}
-
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
-        let newest = *cache.last().expect("non-empty cache");
-        *out = self.queries.aggregated(newest, cache, self.agg);
+        Box::new(CurrentQuery::new(layer, unit, self.agg))
     }
 }
 
