@@ -179,8 +179,11 @@ pub(crate) fn heatmap(
     Ok(vec![png, svg])
 }
 
-/// Red (0) through yellow to green (1).
+/// Red (0) through yellow to green (1); grey where there is no value.
 fn colour(value: f64) -> RGBColor {
+    if value.is_nan() {
+        return RGBColor(200, 200, 200);
+    }
     let v = value.clamp(0.0, 1.0);
     let (r, g) = if v < 0.5 {
         (1.0, 2.0 * v)
@@ -226,8 +229,9 @@ where
                 [(column, row), (column + 1, row + 1)],
                 colour(*value).filled(),
             )))?;
+            let label = if value.is_nan() { "n/a".to_string() } else { format!("{value:.2}") };
             chart.draw_series(std::iter::once(Text::new(
-                format!("{value:.2}"),
+                label,
                 (column, row + 1),
                 ("sans-serif", 15).into_font(),
             )))?;

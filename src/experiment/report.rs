@@ -198,7 +198,13 @@ fn needle_section(
         let mut table = Table::with_headers(headers);
         for (row, depth) in depths.iter().enumerate().rev() {
             let mut cells = vec![format!("{depth}%")];
-            cells.extend(values[row].iter().map(|v| format!("{v:.3}")));
+            cells.extend(values[row].iter().map(|v| {
+                if v.is_nan() {
+                    "—".to_string()
+                } else {
+                    format!("{v:.3}")
+                }
+            }));
             table.push(cells);
         }
         out += "\n";
