@@ -211,7 +211,14 @@ where
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60)
-        .build_cartesian_2d(0..columns.len(), 0..rows.len())?;
+        .build_cartesian_2d(
+            (0..columns.len()).into_segmented(),
+            (0..rows.len()).into_segmented(),
+        )?;
+    let name_of = |names: &[String], value: &SegmentValue<usize>| match value {
+        SegmentValue::CenterOf(index) => names.get(*index).cloned().unwrap_or_default(),
+        _ => String::new(),
+    };
     chart
         .configure_mesh()
         .disable_mesh()
@@ -219,20 +226,23 @@ where
         .y_desc(y_label)
         .x_labels(columns.len())
         .y_labels(rows.len())
-        .x_label_formatter(&|x| columns.get(*x).cloned().unwrap_or_default())
-        .y_label_formatter(&|y| rows.get(*y).cloned().unwrap_or_default())
+        .x_label_formatter(&|x| name_of(columns, x))
+        .y_label_formatter(&|y| name_of(rows, y))
         .label_style(("sans-serif", 14))
         .draw()?;
     for (row, cells) in values.iter().enumerate() {
         for (column, value) in cells.iter().enumerate() {
             chart.draw_series(std::iter::once(Rectangle::new(
-                [(column, row), (column + 1, row + 1)],
+                [
+                    (SegmentValue::Exact(column), SegmentValue::Exact(row)),
+                    (SegmentValue::Exact(column + 1), SegmentValue::Exact(row + 1)),
+                ],
                 colour(*value).filled(),
             )))?;
             let label = if value.is_nan() { "n/a".to_string() } else { format!("{value:.2}") };
             chart.draw_series(std::iter::once(Text::new(
                 label,
-                (column, row + 1),
+                (SegmentValue::CenterOf(column), SegmentValue::CenterOf(row)),
                 ("sans-serif", 15).into_font(),
             )))?;
         }
