@@ -235,11 +235,18 @@ where
             chart.draw_series(std::iter::once(Rectangle::new(
                 [
                     (SegmentValue::Exact(column), SegmentValue::Exact(row)),
-                    (SegmentValue::Exact(column + 1), SegmentValue::Exact(row + 1)),
+                    (
+                        SegmentValue::Exact(column + 1),
+                        SegmentValue::Exact(row + 1),
+                    ),
                 ],
                 colour(*value).filled(),
             )))?;
-            let label = if value.is_nan() { "n/a".to_string() } else { format!("{value:.2}") };
+            let label = if value.is_nan() {
+                "n/a".to_string()
+            } else {
+                format!("{value:.2}")
+            };
             chart.draw_series(std::iter::once(Text::new(
                 label,
                 (SegmentValue::CenterOf(column), SegmentValue::CenterOf(row)),
