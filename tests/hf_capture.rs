@@ -1,0 +1,168 @@
+//! The Python capture (`traces/capture_hf.py`, transformers with an attention hook) against the
+//! native capture, on the same GGUF and the same recipes: same token ids and spans, q/k/v within
+//! 1e-3 (observed ~3e-5: two f32 implementations), and kvreplay's metrics within 1e-3.
+//! The Python environment (torch, transformers, gguf; ~3 GB) is made once in
+//! `$KVREPLAY_HF_PYTHON`'s venv or `$KVREPLAY_HOME/hf-venv`; `.ci/run` keeps it in its cache.
+
+use kvreplay::assets::Assets;
+use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::model::{Llama, Recorder};
+use kvreplay::recipe::Recipe;
+use kvreplay::replay::{presets, replay};
+use kvreplay::trace::{StorageDtype, TraceReader};
+use std::path::{Path, PathBuf};
+use std::process::Command;
+
+fn python() -> PathBuf {
+    if let Some(python) = std::env::var_os("KVREPLAY_HF_PYTHON") {
+        return PathBuf::from(python);
+    }
+    let venv = Assets::from_env().home().join("hf-venv");
+    let python = venv.join("bin/python");
+    let ready = Command::new(&python)
+        .args(["-c", "import torch, transformers, gguf"])
+        .status()
+        .is_ok_and(|s| s.success());
+    if !ready {
+        let made = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .unwrap();
+        assert!(made.success(), "python3 -m venv {} failed", venv.display());
+        let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/requirements-hf.txt");
+        let installed = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "-r",
+            ])
+            .arg(&requirements)
+            .status()
+            .unwrap();
+        assert!(
+            installed.success(),
+            "pip install -r {} failed (offline?)",
+            requirements.display()
+        );
+    }
+    python
+}
+
+fn native(model: &Llama, recipe: &Path, essays: &[PathBuf], out: &Path) {
+    let (parsed, base) = Recipe::load(recipe).unwrap();
+    let prompt = parsed.build(model.tokenizer(), essays, &base).unwrap();
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk: 512,
+        recipe_name: "test".into(),
+        model_id: "native".into(),
+    };
+    let captured = capture(
+        model,
+        &prompt,
+        &options,
+        Recorder::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    captured.writer.write(out).unwrap();
+}
+
+#[test]
+fn python_capture_matches_native_capture() {
+    let assets = Assets::from_env();
+    assets.fetch().expect("assets");
+    let model_path = assets.model_path();
+    let model = Llama::load(&model_path).unwrap();
+    let essays = assets.require_essays().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let niah = dir.path().join("niah-small.toml");
+    std::fs::write(
+        &niah,
+        "kind = \"niah\"\nprompt_tokens = 400\ndepth_percent = 40.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\ngenerate = 8\n",
+    )
+    .unwrap();
+    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capital.toml");
+    let python = python();
+    for recipe in [chat.as_path(), niah.as_path()] {
+        let native_path = dir.path().join("native.safetensors");
+        let hf_path = dir.path().join("hf.safetensors");
+        native(&model, recipe, &essays, &native_path);
+        let status = Command::new(&python)
+            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+            .arg("--model")
+            .arg(model_path.parent().unwrap())
+            .arg("--gguf-file")
+            .arg(model_path.file_name().unwrap())
+            .arg("--recipe")
+            .arg(recipe)
+            .arg("--out")
+            .arg(&hf_path)
+            .args(["--dtype", "f32"])
+            .arg("--essays")
+            .arg(assets.essays_dir())
+            .status()
+            .unwrap();
+        assert!(
+            status.success(),
+            "capture_hf.py failed on {}",
+            recipe.display()
+        );
+        let (ours, theirs) = (
+            TraceReader::open(&native_path).unwrap(),
+            TraceReader::open(&hf_path).unwrap(),
+        );
+        assert_eq!(
+            ours.tokens().unwrap(),
+            theirs.tokens().unwrap(),
+            "{}",
+            recipe.display()
+        );
+        assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
+        assert_eq!(ours.meta().spans, theirs.meta().spans);
+        assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
+        let mut worst = 0.0f32;
+        for layer in 0..ours.meta().n_layers {
+            let (a, b) = (ours.layer(layer).unwrap(), theirs.layer(layer).unwrap());
+            for (x, y) in [
+                (&a.q, &b.q),
+                (&a.k, &b.k),
+                (a.v.as_ref().unwrap(), b.v.as_ref().unwrap()),
+            ] {
+                worst = worst.max(
+                    x.iter()
+                        .zip(y.iter())
+                        .map(|(p, q)| (p - q).abs())
+                        .fold(0.0, f32::max),
+                );
+            }
+        }
+        eprintln!(
+            "{}: max |Δ| over q, k, v of 30 layers = {worst:e}",
+            recipe.display()
+        );
+        assert!(
+            worst < 1e-3,
+            "{}: q/k/v differ by {worst}",
+            recipe.display()
+        );
+        for name in ["snapkv", "h2o", "streamingllm", "h2o-adapted", "oracle"] {
+            let policy = presets::preset(name, 16).unwrap().check().unwrap();
+            let (a, b) = (
+                replay(&ours, &policy).unwrap(),
+                replay(&theirs, &policy).unwrap(),
+            );
+            assert!(
+                (a.retained_mass - b.retained_mass).abs() < 1e-3,
+                "{name}: {} vs {}",
+                a.retained_mass,
+                b.retained_mass
+            );
+            assert!((a.topk_recall - b.topk_recall).abs() < 1e-3, "{name}");
+        }
+    }
+}

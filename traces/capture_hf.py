@@ -1,0 +1,166 @@
+#!/usr/bin/env python3
+"""Capture a kvtrace/1 trace from any Hugging Face causal LM (transformers >= 5).
+
+    python traces/capture_hf.py --model MODEL --recipe traces/niah-2k.toml --out trace.safetensors
+        [--gguf-file FILE.gguf] [--dtype f16|bf16|f32] [--device cpu|cuda] [--layers 0,1,2]
+        [--generate N] [--chunk 512]
+
+MODEL is a hub id or a local directory; with --gguf-file the weights come from that GGUF inside it
+(e.g. --model ~/.cache/kvreplay/smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf). The recipe
+is one of kvreplay's (`niah`, `chat`, `text`) and is built exactly as the native capture builds
+it, in token space. Recording: a wrapping attention function is registered with transformers'
+AttentionInterface (with the eager mask registered for it, so prefill stays causal); it stores
+each layer's post-rotary q, the new positions' k and v, then runs eager attention. Scoring in
+kvreplay is always f32; --dtype only sets the storage. The header carries the model's own heads,
+head_dim, scale and soft-cap.
+"""
+import argparse
+import json
+import os
+import tomllib
+
+import torch
+from safetensors.torch import save_file
+from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
+from transformers.masking_utils import AttentionMaskInterface, eager_mask
+from transformers.models.llama.modeling_llama import eager_attention_forward
+
+NIAH_SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
+NIAH_SUFFIX = " Don't give information outside the document or repeat your findings"
+DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
+
+RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...]}
+LAYERS = None
+
+
+def kvtrace_attention(module, query, key, value, attention_mask, **kwargs):
+    layer = module.layer_idx
+    if LAYERS is None or layer in LAYERS:
+        new = query.shape[2]
+        slot = RECORD.setdefault(layer, {"q": [], "k": [], "v": []})
+        slot["q"].append(query[0].detach().float().cpu())
+        slot["k"].append(key[0, :, -new:].detach().float().cpu())
+        slot["v"].append(value[0, :, -new:].detach().float().cpu())
+    return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def turn(role, content):
+    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
+
+
+def encode(tokenizer, text):
+    return tokenizer.encode(text, add_special_tokens=False)
+
+
+def build(recipe, base, tokenizer, essays_dir):
+    kind = recipe["kind"]
+    if kind == "chat":
+        text = turn("system", recipe.get("system", DEFAULT_SYSTEM)) + turn("user", recipe["message"])
+        return encode(tokenizer, text + "<|im_start|>assistant\n"), []
+    if kind == "text":
+        with open(os.path.join(base, recipe["file"]), encoding="utf-8") as f:
+            ids = encode(tokenizer, f.read())
+        return ids[: recipe.get("max_tokens", len(ids))], []
+    assert kind == "niah", f"unknown recipe kind {kind}"
+    prefix = encode(tokenizer, turn("system", NIAH_SYSTEM) + "<|im_start|>user\n")
+    between = encode(tokenizer, "<|im_end|>\n<|im_start|>user\n")
+    question = encode(tokenizer, recipe["question"])
+    closing = encode(tokenizer, NIAH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n")
+    needle = encode(tokenizer, "\n" + recipe["needle"].strip() + "\n")
+    needed = max(0, recipe["prompt_tokens"] - len(prefix) - len(between) - len(question) - len(closing) - len(needle))
+    text, context = "", []
+    for name in sorted(f for f in os.listdir(essays_dir) if f.endswith(".txt")):
+        with open(os.path.join(essays_dir, name), encoding="utf-8") as f:
+            text += f.read()
+        context = encode(tokenizer, text)
+        if len(context) >= needed:
+            break
+    context = context[:needed]
+    depth = recipe["depth_percent"]
+    at = len(context) if depth >= 100 else int(len(context) * depth / 100)
+    if depth < 100:
+        while at > 0 and not tokenizer.decode([context[at - 1]]).endswith("."):
+            at -= 1
+    ids = prefix + context[:at]
+    spans = [{"name": "needle", "start": len(ids), "end": len(ids) + len(needle)}]
+    ids += needle + context[at:] + between
+    spans.append({"name": "question", "start": len(ids), "end": len(ids) + len(question)})
+    return ids + question + closing, spans
+
+
+def main():
+    global LAYERS
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True)
+    p.add_argument("--gguf-file")
+    p.add_argument("--recipe", required=True)
+    p.add_argument("--out", required=True)
+    p.add_argument("--dtype", choices=["f16", "bf16", "f32"], default="f16")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--layers", help="comma-separated layer subset (default: all)")
+    p.add_argument("--generate", type=int, help="greedy tokens (default: the recipe's)")
+    p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--essays", default=os.path.join(os.environ.get("KVREPLAY_HOME", os.path.expanduser("~/.cache/kvreplay")), "PaulGrahamEssays"))
+    args = p.parse_args()
+    AttentionInterface.register("kvtrace", kvtrace_attention)
+    AttentionMaskInterface.register("kvtrace", eager_mask)
+    kwargs = {"gguf_file": args.gguf_file} if args.gguf_file else {}
+    tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
+    model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="kvtrace", **kwargs).to(args.device).eval()
+    config = model.config
+    n_layers = config.num_hidden_layers
+    if args.layers:
+        LAYERS = {int(x) for x in args.layers.split(",")}
+    with open(args.recipe, "rb") as f:
+        recipe = tomllib.load(f)
+    ids, spans = build(recipe, os.path.dirname(args.recipe), tokenizer, args.essays)
+    generate = args.generate if args.generate is not None else recipe["generate"]
+    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    generated, past = [], None
+    with torch.no_grad():
+        for start in range(0, len(ids), args.chunk):
+            piece = torch.tensor([ids[start : start + args.chunk]], device=args.device)
+            out = model(input_ids=piece, past_key_values=past, use_cache=True)
+            past = out.past_key_values
+        while len(generated) < generate:
+            token = int(out.logits[0, -1].argmax())
+            if token == end_of_turn:
+                break
+            generated.append(token)
+            out = model(input_ids=torch.tensor([[token]], device=args.device), past_key_values=past, use_cache=True)
+            past = out.past_key_values
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    layers = sorted(RECORD)
+    storage = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
+    tensors = {"tokens": torch.tensor(ids + generated, dtype=torch.int64)}
+    for index, layer in enumerate(layers):
+        for kind in ("q", "k", "v"):
+            tensors[f"layers.{index}.{kind}"] = torch.cat(RECORD[layer][kind], dim=1).to(storage).contiguous()
+    scale = model.model.layers[0].self_attn.scaling
+    meta = {
+        "format": "kvtrace/1",
+        "model": args.model + (f"/{args.gguf_file}" if args.gguf_file else ""),
+        "n_layers": str(len(layers)),
+        "n_heads": str(config.num_attention_heads),
+        "n_kv_heads": str(config.num_key_value_heads),
+        "head_dim": str(head_dim),
+        "prompt_len": str(len(ids)),
+        "rope": "post",
+        "scale": repr(float(scale)),
+        "prompt_text": tokenizer.decode(ids),
+        "generated_text": tokenizer.decode(generated),
+        "source": f"traces/capture_hf.py (transformers, attention hook); recipe {os.path.basename(args.recipe)}; chunk {args.chunk}; storage {args.dtype}; layers {layers if LAYERS else 'all'}",
+    }
+    if spans:
+        meta["spans"] = json.dumps(spans)
+    softcap = getattr(config, "attn_logit_softcapping", None)
+    if softcap:
+        meta["softcap"] = repr(float(softcap))
+    partial = args.out + f".partial.{os.getpid()}"
+    save_file(tensors, partial, metadata=meta)
+    os.replace(partial, args.out)
+    print(f"{args.out}: {len(ids)} prompt + {len(generated)} generated tokens, {len(layers)} layers\ngenerated: {tokenizer.decode(generated)!r}")
+
+
+if __name__ == "__main__":
+    main()
