@@ -421,7 +421,11 @@ fn bench(
     capture_tokens: usize,
 ) -> Result<()> {
     use kvreplay::bench;
+    let baseline = bench::peak_rss();
     let trace = TraceReader::open(trace_path)?;
+    let single = presets::preset("snapkv", 128)?.check()?;
+    kvreplay::replay::replay(&trace, &single)?;
+    let single_growth = bench::peak_rss().saturating_sub(baseline);
     let meta = trace.meta();
     let mut table = kvreplay::export::Table::new(["measure", "value"]);
     let threads = rayon::current_num_threads();
@@ -515,6 +519,14 @@ fn bench(
             format!("{:.1}×", numpy_seconds / replay_seconds),
         ]);
     }
+    table.push([
+        "one replay (snapkv, budget 128): peak resident memory above the process baseline".into(),
+        format!(
+            "{:.1} MB = {:.2}× one layer's q, k, v in f32",
+            single_growth as f64 / 1e6,
+            single_growth as f64 / bench::layer_bytes(&trace) as f64
+        ),
+    ]);
     table.push([
         "peak resident memory after the grid".into(),
         format!(
