@@ -152,14 +152,6 @@ impl Assets {
         Self { home, python }
     }
 
-    /// Assets under an explicit directory.
-    pub fn at(home: impl Into<PathBuf>, python: impl Into<String>) -> Self {
-        Self {
-            home: home.into(),
-            python: python.into(),
-        }
-    }
-
     /// The asset directory.
     pub fn home(&self) -> &Path {
         &self.home

@@ -39,13 +39,8 @@ pub struct KvCache {
 
 impl KvCache {
     /// Positions cached so far.
-    pub fn len(&self) -> usize {
+    fn len(&self) -> usize {
         self.layers.first().map_or(0, |(k, _)| k.dims()[1])
-    }
-
-    /// Whether nothing is cached yet.
-    pub fn is_empty(&self) -> bool {
-        self.len() == 0
     }
 }
 

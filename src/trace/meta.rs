@@ -51,11 +51,6 @@ impl TraceMeta {
         self.n_heads / self.n_kv_heads
     }
 
-    /// The span of that name, if the trace records one.
-    pub fn span(&self, name: &str) -> Option<&Span> {
-        self.spans.iter().find(|span| span.name == name)
-    }
-
     /// Parses and checks the header's `__metadata__` (everything but tensor-dependent rules).
     pub fn from_header(
         path: &Path,
