@@ -6,7 +6,7 @@
 //! (the prompt) as `entropy`. CAKE's own token score (mean + gamma * variance) is not a scorer
 //! here yet: pair this allocator with any scorer.
 
-use super::{distribute, AllocationInput, Allocator};
+use super::{AllocationInput, Allocator};
 
 /// Entropy × variance preference.
 pub struct Cake {
@@ -31,12 +31,7 @@ impl Allocator for Cake {
                 p.entropy.max(0.0).powf(1.0 / self.tau1) * p.variance.max(0.0).powf(1.0 / self.tau2)
             })
             .collect();
-        distribute(
-            &weights,
-            input.budget * input.n_layers,
-            input.sinks + input.window,
-            input.prompt_len.max(input.budget),
-        )
+        input.share_by_weight(&weights)
     }
 }
 

@@ -3,10 +3,10 @@
 //! the mean entropy (nats) of the observation window's attention over the prompt: exp(H) is the
 //! perplexity, the effective number of tokens the layer attends to. The total `L * budget` is
 //! shared in proportion to the weights, each layer at least `sinks + window` and at most the
-//! prompt, by water-filling and largest remainder ([`super::distribute`]), so the mean is exactly
-//! the nominal budget whenever the prompt can hold it.
+//! prompt, by water-filling and largest remainder, so the mean is exactly
+//! the nominal budget whenever the prompt can hold it ([`AllocationInput::share_by_weight`]).
 
-use super::{distribute, AllocationInput, Allocator};
+use super::{AllocationInput, Allocator};
 
 /// Budgets proportional to attention perplexity.
 pub struct Entropy;
@@ -22,12 +22,7 @@ impl Allocator for Entropy {
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
         let weights: Vec<f64> = input.profiles.iter().map(|p| p.entropy.exp()).collect();
-        distribute(
-            &weights,
-            input.budget * input.n_layers,
-            input.sinks + input.window,
-            input.prompt_len.max(input.budget),
-        )
+        input.share_by_weight(&weights)
     }
 }
 

@@ -48,6 +48,20 @@ pub struct AllocationInput<'a> {
     pub mass_curves: &'a [Vec<f64>],
 }
 
+impl AllocationInput<'_> {
+    /// The total `L * budget` shared in proportion to `weights`, each layer between the
+    /// protected tokens (`sinks + window`) and the prompt ([`distribute`]): the rule of the
+    /// data-driven allocators.
+    pub fn share_by_weight(&self, weights: &[f64]) -> Vec<usize> {
+        distribute(
+            weights,
+            self.budget * self.n_layers,
+            self.sinks + self.window,
+            self.prompt_len.max(self.budget),
+        )
+    }
+}
+
 /// A way of splitting the memory among layers.
 pub trait Allocator: Send + Sync {
     /// The registry key.
