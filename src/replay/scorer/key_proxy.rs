@@ -57,9 +57,7 @@ impl ScoreState for State<'_> {
         } else {
             attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None)
         };
-        for (score, weight) in self.scores.0.iter_mut().zip(attention) {
-            *score += weight;
-        }
+        self.scores.accumulate(attention);
         self.scores.0.push(0.0);
     }
 

@@ -203,6 +203,13 @@ impl AlignedScores {
         out.extend_from_slice(&self.0);
     }
 
+    /// Adds one weight per entry (cumulative scores: H2O, the key-as-query proxy).
+    pub fn accumulate(&mut self, weights: impl IntoIterator<Item = f32>) {
+        for (score, weight) in self.0.iter_mut().zip(weights) {
+            *score += weight;
+        }
+    }
+
     pub fn remove(&mut self, index: usize) {
         self.0.remove(index);
     }

@@ -38,10 +38,8 @@ impl ScoreState for State<'_> {
     fn on_append(&mut self, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
-        let attention = self.queries.aggregated(newest, cache, self.agg);
-        for (score, weight) in self.scores.0.iter_mut().zip(attention) {
-            *score += weight;
-        }
+        self.scores
+            .accumulate(self.queries.aggregated(newest, cache, self.agg));
     }
 
     fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
