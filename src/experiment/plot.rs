@@ -27,6 +27,21 @@ fn plot_error(path: &Path, err: impl std::fmt::Display) -> SweepError {
     }
 }
 
+/// Draws a figure with `$draw(area, args...)` into `<stem>.png` and `<stem>.svg` and returns the
+/// two paths (a macro: the drawing functions are generic over the backend).
+macro_rules! draw_both {
+    ($stem:expr, $size:expr, $draw:ident($($arg:expr),*)) => {{
+        register_font();
+        let png = $stem.with_extension("png");
+        let svg = $stem.with_extension("svg");
+        $draw(&BitMapBackend::new(&png, $size).into_drawing_area(), $($arg),*)
+            .map_err(|e| plot_error(&png, e))?;
+        $draw(&SVGBackend::new(&svg, $size).into_drawing_area(), $($arg),*)
+            .map_err(|e| plot_error(&svg, e))?;
+        Ok(vec![png, svg])
+    }};
+}
+
 /// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
 pub(crate) fn line_chart(
     stem: &Path,
@@ -36,28 +51,11 @@ pub(crate) fn line_chart(
     series: &[Series],
     log_x: bool,
 ) -> Result<Vec<PathBuf>, SweepError> {
-    register_font();
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
-    draw(
-        &BitMapBackend::new(&png, (900, 560)).into_drawing_area(),
-        title,
-        x_label,
-        y_label,
-        series,
-        log_x,
+    draw_both!(
+        stem,
+        (900, 560),
+        draw(title, x_label, y_label, series, log_x)
     )
-    .map_err(|e| plot_error(&png, e))?;
-    draw(
-        &SVGBackend::new(&svg, (900, 560)).into_drawing_area(),
-        title,
-        x_label,
-        y_label,
-        series,
-        log_x,
-    )
-    .map_err(|e| plot_error(&svg, e))?;
-    Ok(vec![png, svg])
 }
 
 fn draw<DB: DrawingBackend>(
@@ -153,30 +151,11 @@ pub(crate) fn heatmap(
     x_label: &str,
     y_label: &str,
 ) -> Result<Vec<PathBuf>, SweepError> {
-    register_font();
-    let png = stem.with_extension("png");
-    let svg = stem.with_extension("svg");
-    draw_heatmap(
-        &BitMapBackend::new(&png, (720, 560)).into_drawing_area(),
-        title,
-        columns,
-        rows,
-        values,
-        x_label,
-        y_label,
+    draw_both!(
+        stem,
+        (720, 560),
+        draw_heatmap(title, columns, rows, values, x_label, y_label)
     )
-    .map_err(|e| plot_error(&png, e))?;
-    draw_heatmap(
-        &SVGBackend::new(&svg, (720, 560)).into_drawing_area(),
-        title,
-        columns,
-        rows,
-        values,
-        x_label,
-        y_label,
-    )
-    .map_err(|e| plot_error(&svg, e))?;
-    Ok(vec![png, svg])
 }
 
 /// Red (0) through yellow to green (1); grey where there is no value.
