@@ -2,7 +2,8 @@
 //! scorers and the metrics cannot disagree: scaled (optionally soft-capped) dot-product logits,
 //! a numerically stable softmax, entropy. All in f32 with f64 accumulation where sums are long.
 
-use ndarray::{ArrayView1, ArrayView2};
+use ndarray::linalg::general_mat_mul;
+use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2};
 
 /// Logits of one query against rows of `keys`: `scale * q·k_j`, soft-capped when asked
 /// (`softcap * tanh(x / softcap)`, Gemma-2's rule).
@@ -212,104 +213,148 @@ pub fn attend_positions(
     weights
 }
 
-/// Rows of causal logits `scale * q_t · k_j` (soft-capped when asked), `j <= t`, served one query
-/// position at a time but computed by matrix multiplication in blocks of [`CausalLogits::BLOCK`]
-/// rows, so a scorer that walks the prompt position by position runs at GEMM speed.
+/// Causal logits `scale * q_{h,t} · k_j` (soft-capped when asked), `j <= t`, of the query heads of
+/// one GQA group over their shared keys, served one (head, position) row at a time but computed
+/// by matrix multiplication: the group's queries for a block of positions are stacked into one
+/// product of [`CausalLogits::BLOCK_ROWS`] rows (GEMM speed whatever the group size), whose
+/// output buffer is reused from block to block. That buffer is a prefix scorer's working memory:
+/// `BLOCK_ROWS · T` floats per cache being scored, a few per cent of a layer.
 #[derive(Debug)]
 pub struct CausalLogits<'a> {
-    queries: ArrayView2<'a, f32>,
+    /// `[heads, T, d]`.
+    queries: ArrayView3<'a, f32>,
+    /// `[T, d]`.
     keys: ArrayView2<'a, f32>,
     scale: f32,
     softcap: Option<f32>,
+    positions_per_block: usize,
     block_start: usize,
-    block: ndarray::Array2<f32>,
+    /// Positions and keys of the current block.
+    block_positions: usize,
+    block_keys: usize,
+    /// The current block's queries, head-major: `[heads * block_positions, d]`.
+    stacked: Array2<f32>,
+    /// The current block's logits, `[heads * block_positions, block_keys]`.
+    logits: Vec<f32>,
 }
 
 impl<'a> CausalLogits<'a> {
-    /// Rows computed per matrix multiplication.
-    pub const BLOCK: usize = 64;
+    /// Rows (heads × positions) computed per matrix multiplication.
+    pub const BLOCK_ROWS: usize = 64;
 
-    /// Logits of `queries` `[T, d]` against `keys` `[T, d]`.
+    /// Logits of `queries` `[heads, T, d]` against `keys` `[T, d]`.
     pub fn new(
-        queries: ArrayView2<'a, f32>,
+        queries: ArrayView3<'a, f32>,
         keys: ArrayView2<'a, f32>,
         scale: f32,
         softcap: Option<f32>,
     ) -> Self {
+        let (heads, _, head_dim) = queries.dim();
+        let positions_per_block = (Self::BLOCK_ROWS / heads.max(1)).max(1);
         Self {
             queries,
             keys,
             scale,
             softcap,
+            positions_per_block,
             block_start: usize::MAX,
-            block: ndarray::Array2::zeros((0, 0)),
+            block_positions: 0,
+            block_keys: 0,
+            stacked: Array2::zeros((heads * positions_per_block, head_dim)),
+            logits: Vec::new(),
         }
     }
 
-    /// The logits of query `position` over keys `0..=position`.
-    pub fn row(&mut self, position: usize) -> &[f32] {
-        let start = position / Self::BLOCK * Self::BLOCK;
+    /// Positions per block (`BLOCK_ROWS` shared by the heads).
+    pub fn positions_per_block(&self) -> usize {
+        self.positions_per_block
+    }
+
+    /// The logits of head `head`'s query at `position` over keys `0..=position`.
+    pub fn row(&mut self, head: usize, position: usize) -> &[f32] {
+        let start = position / self.positions_per_block * self.positions_per_block;
         if start != self.block_start {
-            let end = (start + Self::BLOCK).min(self.queries.nrows());
-            let rows = self.queries.slice(ndarray::s![start..end, ..]);
-            let keys = self.keys.slice(ndarray::s![..end, ..]);
-            let mut block = rows.dot(&keys.t());
-            let (scale, softcap) = (self.scale, self.softcap);
-            block.mapv_inplace(|dot| {
-                let logit = dot * scale;
-                match softcap {
-                    Some(cap) => cap * (logit / cap).tanh(),
-                    None => logit,
-                }
-            });
-            self.block = block;
-            self.block_start = start;
+            self.compute_block(start);
         }
-        let row = self
-            .block
-            .row(position - start)
-            .to_slice()
-            .expect("standard layout");
-        &row[..=position]
+        let offset = (head * self.block_positions + position - start) * self.block_keys;
+        &self.logits[offset..=offset + position]
+    }
+
+    fn compute_block(&mut self, start: usize) {
+        let (heads, n_positions, head_dim) = self.queries.dim();
+        let end = (start + self.positions_per_block).min(n_positions);
+        let positions = end - start;
+        let rows = heads * positions;
+        for head in 0..heads {
+            self.stacked
+                .slice_mut(s![head * positions..(head + 1) * positions, ..])
+                .assign(&self.queries.slice(s![head, start..end, ..]));
+        }
+        let needed = rows * end;
+        if self.logits.len() < needed {
+            // Grow without copying (the old block is not needed), at most to the last block's size.
+            let largest = heads * self.positions_per_block * n_positions;
+            let size = needed.max(2 * self.logits.len()).min(largest);
+            self.logits = Vec::new();
+            self.logits = vec![0.0; size];
+        }
+        let mut block = ArrayViewMut2::from_shape((rows, end), &mut self.logits[..needed])
+            .expect("buffer sized above");
+        general_mat_mul(
+            1.0,
+            &self.stacked.slice(s![..rows, ..head_dim]),
+            &self.keys.slice(s![..end, ..]).t(),
+            0.0,
+            &mut block,
+        );
+        let (scale, softcap) = (self.scale, self.softcap);
+        block.mapv_inplace(|dot| {
+            let logit = dot * scale;
+            match softcap {
+                Some(cap) => cap * (logit / cap).tanh(),
+                None => logit,
+            }
+        });
+        self.block_start = start;
+        self.block_positions = positions;
+        self.block_keys = end;
     }
 }
 
-/// The full causal attention of the decode queries, `[n_heads, T - prompt_len, T]` (keys after a
-/// query's position hold 0), computed once per layer and shared by every policy's metrics.
+/// The full causal attention of the decode queries of some query heads over their shared keys,
+/// `[heads, T - prompt_len, T]` (keys after a query's position hold 0): `queries` `[heads, T, d]`,
+/// `keys` `[T, d]`. The replay engine computes it once per KV group and layer and shares it
+/// between every policy's metrics.
 pub fn decode_attention(
-    queries: ndarray::ArrayView3<f32>,
-    keys: ndarray::ArrayView3<f32>,
+    queries: ArrayView3<f32>,
+    keys: ArrayView2<f32>,
     prompt_len: usize,
     scale: f32,
     softcap: Option<f32>,
 ) -> ndarray::Array3<f32> {
     let (n_heads, n_positions, _) = queries.dim();
-    let group = n_heads / keys.shape()[0];
     let steps = n_positions - prompt_len;
     let mut out = ndarray::Array3::<f32>::zeros((n_heads, steps, n_positions));
     for head in 0..n_heads {
-        let q = queries.slice(ndarray::s![head, prompt_len.., ..]);
-        let k = keys.slice(ndarray::s![head / group, .., ..]);
-        let logits = q.dot(&k.t());
-        for step in 0..steps {
-            let position = prompt_len + step;
-            let mut row: Vec<f32> = logits
-                .row(step)
-                .iter()
-                .take(position + 1)
-                .map(|dot| {
-                    let logit = dot * scale;
-                    match softcap {
-                        Some(cap) => cap * (logit / cap).tanh(),
-                        None => logit,
-                    }
-                })
-                .collect();
-            softmax_in_place(&mut row);
-            out.slice_mut(ndarray::s![head, step, ..=position])
-                .iter_mut()
-                .zip(row)
-                .for_each(|(slot, weight)| *slot = weight);
+        let mut rows = out.index_axis_mut(ndarray::Axis(0), head);
+        general_mat_mul(
+            1.0,
+            &queries.slice(s![head, prompt_len.., ..]),
+            &keys.t(),
+            0.0,
+            &mut rows,
+        );
+        for (step, mut row) in rows.outer_iter_mut().enumerate() {
+            let row = row.as_slice_mut().expect("standard layout");
+            let (visible, future) = row.split_at_mut(prompt_len + step + 1);
+            for logit in visible.iter_mut() {
+                *logit *= scale;
+                if let Some(cap) = softcap {
+                    *logit = cap * (*logit / cap).tanh();
+                }
+            }
+            softmax_in_place(visible);
+            future.fill(0.0);
         }
     }
     out
@@ -350,18 +395,26 @@ mod tests {
         let keys = ndarray::Array2::from_shape_fn((150, 3), |(t, d)| {
             ((t * 5 + d) % 13) as f32 * 0.1 - 0.6
         });
-        let mut rows = CausalLogits::new(queries.view(), keys.view(), 0.5, Some(2.0));
-        for position in [0, 1, 63, 64, 65, 149, 3] {
-            let direct = logits(
-                queries.row(position),
-                keys.slice(ndarray::s![..=position, ..]),
-                0.5,
-                Some(2.0),
-            );
-            let served = rows.row(position);
-            assert_eq!(served.len(), position + 1);
-            for (a, b) in served.iter().zip(&direct) {
-                assert_abs_diff_eq!(a, b, epsilon = 1e-5);
+        // Three heads share the keys: 21 positions per block, so the positions below cross
+        // block edges, go back to an earlier block, and end in the short last block.
+        let heads = ndarray::Array3::from_shape_fn((3, 150, 3), |(h, t, d)| {
+            queries[[t, d]] * (h as f32 + 1.0) - 0.1 * h as f32
+        });
+        let mut rows = CausalLogits::new(heads.view(), keys.view(), 0.5, Some(2.0));
+        assert_eq!(rows.positions_per_block(), 21);
+        for position in [0, 1, 20, 21, 22, 63, 64, 65, 149, 147, 3] {
+            for head in [2, 0, 1] {
+                let direct = logits(
+                    heads.slice(ndarray::s![head, position, ..]),
+                    keys.slice(ndarray::s![..=position, ..]),
+                    0.5,
+                    Some(2.0),
+                );
+                let served = rows.row(head, position);
+                assert_eq!(served.len(), position + 1);
+                for (a, b) in served.iter().zip(&direct) {
+                    assert_abs_diff_eq!(a, b, epsilon = 1e-5);
+                }
             }
         }
     }
@@ -370,7 +423,7 @@ mod tests {
     fn decode_attention_matches_attend() {
         let q =
             ndarray::Array3::from_shape_fn((2, 9, 2), |(h, t, d)| (h + t * d) as f32 * 0.3 - 1.0);
-        let k = ndarray::Array3::from_shape_fn((1, 9, 2), |(_, t, d)| (t + d) as f32 * 0.2 - 0.7);
+        let k = ndarray::Array2::from_shape_fn((9, 2), |(t, d)| (t + d) as f32 * 0.2 - 0.7);
         let all = decode_attention(q.view(), k.view(), 6, 0.7, None);
         assert_eq!(all.dim(), (2, 3, 9));
         for head in 0..2 {
@@ -378,7 +431,7 @@ mod tests {
                 let position = 6 + step;
                 let want = attend(
                     q.slice(ndarray::s![head, position, ..]),
-                    k.slice(ndarray::s![0, ..=position, ..]),
+                    k.slice(ndarray::s![..=position, ..]),
                     0.7,
                     None,
                 );

@@ -51,32 +51,37 @@ pub fn matmul_peak() -> f64 {
 }
 
 /// The attention-scoring kernel (q·Kᵀ by blocks and the causal softmax of every prompt row, for
-/// every layer and query head, as the prefill scorers walk it): multiply-add GFLOP/s actually
-/// executed, and seconds.
+/// every layer and query head, as the prefill scorers walk it: the heads of a GQA group share one
+/// product per block): multiply-add GFLOP/s actually executed, and seconds.
 pub fn scoring_throughput(trace: &TraceReader) -> Result<(f64, f64), PolicyError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
+    let group = meta.group_size();
     let mut flops = 0.0f64;
     let mut seconds = 0.0f64;
     for layer in 0..meta.n_layers {
         let tensors = trace.layer(layer)?;
         let started = Instant::now();
         let mut sink = 0.0f32;
-        for head in 0..meta.n_heads {
-            let queries = tensors.q.slice(s![head, .., ..]);
-            let keys = tensors.k.slice(s![head / meta.group_size(), .., ..]);
+        let mut buffer = Vec::with_capacity(prompt_len);
+        for kv_head in 0..meta.n_kv_heads {
+            let queries = tensors
+                .q
+                .slice(s![kv_head * group..(kv_head + 1) * group, .., ..]);
+            let keys = tensors.k.slice(s![kv_head, .., ..]);
             let mut rows = CausalLogits::new(queries, keys, meta.scale, meta.softcap);
-            let mut buffer = Vec::with_capacity(prompt_len);
+            let block = rows.positions_per_block();
             for position in 0..prompt_len {
-                buffer.clear();
-                buffer.extend_from_slice(rows.row(position));
-                softmax_in_place(&mut buffer);
-                sink += buffer[0];
+                for head in 0..group {
+                    buffer.clear();
+                    buffer.extend_from_slice(rows.row(head, position));
+                    softmax_in_place(&mut buffer);
+                    sink += buffer[0];
+                }
             }
-            let block = CausalLogits::BLOCK;
             for start in (0..prompt_len).step_by(block) {
                 let end = (start + block).min(trace.n_positions());
-                flops += 2.0 * ((end - start) * end * meta.head_dim) as f64;
+                flops += 2.0 * (group * (end - start) * end * meta.head_dim) as f64;
             }
         }
         std::hint::black_box(sink);
@@ -125,10 +130,125 @@ pub fn layer_bytes(trace: &TraceReader) -> usize {
     (meta.n_heads + meta.n_kv_heads + values) * trace.n_positions() * meta.head_dim * 4
 }
 
-/// Peak resident memory of this process so far, in bytes.
-pub fn peak_rss() -> usize {
-    // SAFETY: getrusage only writes the struct it is given.
-    let mut usage: libc::rusage = unsafe { std::mem::zeroed() };
-    unsafe { libc::getrusage(libc::RUSAGE_SELF, &mut usage) };
-    usage.ru_maxrss as usize * 1024
+/// Resident memory of this process, `(current, peak)` in bytes (Linux: VmRSS and VmHWM of
+/// /proc/self/status).
+pub fn resident() -> Option<(usize, usize)> {
+    let status = std::fs::read_to_string("/proc/self/status").ok()?;
+    let field = |name: &str| {
+        status
+            .lines()
+            .find_map(|line| line.strip_prefix(name))
+            .and_then(|rest| {
+                rest.trim()
+                    .trim_end_matches("kB")
+                    .trim()
+                    .parse::<usize>()
+                    .ok()
+            })
+            .map(|kib| kib * 1024)
+    };
+    Some((field("VmRSS:")?, field("VmHWM:")?))
+}
+
+/// How far some work raised this process's resident memory, in bytes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Growth {
+    /// Peak resident memory during the work, above what was resident just before it.
+    pub peak: usize,
+    /// What stays resident after it (for a replay: its results).
+    pub retained: usize,
+}
+
+impl Growth {
+    /// The peak less what stays resident after: the work's working memory.
+    pub fn working(&self) -> usize {
+        self.peak.saturating_sub(self.retained)
+    }
+}
+
+/// Runs `work` and measures how far it raised this process's resident memory above what was
+/// resident just before: the peak is reset first (writing 5 to /proc/self/clear_refs, Linux ≥
+/// 4.0), so code and libraries loaded by earlier work, and memory already returned, do not count.
+/// `None` where the peak cannot be reset.
+pub fn resident_growth<T>(work: impl FnOnce() -> T) -> (T, Option<Growth>) {
+    let reset = std::fs::write("/proc/self/clear_refs", "5").is_ok();
+    let before = resident();
+    let result = work();
+    let growth = match (reset, before, resident()) {
+        (true, Some((before, _)), Some((after, peak))) => Some(Growth {
+            peak: peak.saturating_sub(before),
+            retained: after.saturating_sub(before),
+        }),
+        _ => None,
+    };
+    (result, growth)
+}
+
+/// Replays each grid policy at `budget` once (loading the code it runs), then once more under
+/// [`resident_growth`]: per policy, the resident growth of one replay.
+pub fn replay_memory(
+    trace: &TraceReader,
+    budget: usize,
+) -> Result<Vec<(&'static str, Option<Growth>)>, PolicyError> {
+    let policies = GRID_POLICIES
+        .iter()
+        .map(|name| Ok((*name, grid_policy(name, budget)?.check()?)))
+        .collect::<Result<Vec<_>, PolicyError>>()?;
+    for (_, policy) in &policies {
+        crate::replay::replay(trace, policy)?;
+    }
+    policies
+        .iter()
+        .map(|(name, policy)| {
+            let (report, growth) = resident_growth(|| crate::replay::replay(trace, policy));
+            report.map(|_| (*name, growth))
+        })
+        .collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn resident_growth_sees_memory_touched_inside() {
+        let size = 48 << 20;
+        let (sum, growth) = resident_growth(|| {
+            let block = vec![1u8; size];
+            block.iter().map(|&b| b as usize).sum::<usize>()
+        });
+        assert_eq!(sum, size);
+        // Where the peak can be reset (Linux), all 48 MiB were resident at once inside. The
+        // kernel's resident counters are batched per thread (off by up to a few hundred KiB).
+        if let Some(growth) = growth {
+            assert!(growth.peak >= size - (1 << 20), "{growth:?}");
+            assert!(growth.working() <= growth.peak);
+        }
+    }
+
+    #[test]
+    fn layer_bytes_counts_q_k_v_in_f32() {
+        let meta = crate::trace::TraceMeta {
+            model: "fixture".into(),
+            n_layers: 1,
+            n_heads: 4,
+            n_kv_heads: 2,
+            head_dim: 8,
+            prompt_len: 5,
+            scale: 1.0,
+            softcap: None,
+            spans: Vec::new(),
+            extra: Default::default(),
+        };
+        let dir = tempfile::tempdir().expect("temp dir");
+        let path = dir.path().join("fixture.safetensors");
+        let mut writer =
+            crate::trace::TraceWriter::new(meta, crate::trace::StorageDtype::F16, (0..7).collect());
+        let zeros = |heads| ndarray::Array3::<f32>::zeros((heads, 7, 8));
+        writer.push_layer(zeros(4), zeros(2), Some(zeros(2)));
+        writer.write(&path).expect("fixture writes");
+        let trace = TraceReader::open(&path).expect("fixture opens");
+        // (4 + 2 + 2) heads × 7 positions × 8 dims × 4 bytes, whatever the storage dtype.
+        assert_eq!(layer_bytes(&trace), 8 * 7 * 8 * 4);
+    }
 }

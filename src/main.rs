@@ -421,11 +421,7 @@ fn bench(
     capture_tokens: usize,
 ) -> Result<()> {
     use kvreplay::bench;
-    let baseline = bench::peak_rss();
     let trace = TraceReader::open(trace_path)?;
-    let single = presets::preset("snapkv", 128)?.check()?;
-    kvreplay::replay::replay(&trace, &single)?;
-    let single_growth = bench::peak_rss().saturating_sub(baseline);
     let meta = trace.meta();
     let mut table = kvreplay::export::Table::new(["measure", "value"]);
     let threads = rayon::current_num_threads();
@@ -453,8 +449,8 @@ fn bench(
             100.0 * scoring / peak
         ),
     ]);
-    let (reports, replay_seconds) = bench::replay_grid(&trace, budgets)?;
-    let rss = bench::peak_rss();
+    let (grid, grid_growth) = bench::resident_growth(|| bench::replay_grid(&trace, budgets));
+    let (reports, replay_seconds) = grid?;
     table.push([
         format!(
             "kvreplay grid ({} policies × {} budgets)",
@@ -519,22 +515,6 @@ fn bench(
             format!("{:.1}×", numpy_seconds / replay_seconds),
         ]);
     }
-    table.push([
-        "one replay (snapkv, budget 128): peak resident memory above the process baseline".into(),
-        format!(
-            "{:.1} MB = {:.2}× one layer's q, k, v in f32",
-            single_growth as f64 / 1e6,
-            single_growth as f64 / bench::layer_bytes(&trace) as f64
-        ),
-    ]);
-    table.push([
-        "peak resident memory after the grid".into(),
-        format!(
-            "{:.1} MB (one layer's q, k, v in f32: {:.1} MB)",
-            rss as f64 / 1e6,
-            bench::layer_bytes(&trace) as f64 / 1e6
-        ),
-    ]);
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
         let cost = bench::streaming_cost(&reader, 256)?;
@@ -546,6 +526,37 @@ fn bench(
             format!("{cost:.2} µs per token per cache"),
         ]);
     }
+    let megabytes = |bytes: usize| bytes as f64 / 1e6;
+    let growth_cell = |growth: Option<bench::Growth>, layer: usize| match growth {
+        Some(growth) => format!(
+            "{:.1} MB = {:.2}× one layer's q, k, v in f32 ({:.1} MB) + {:.1} MB of results",
+            megabytes(growth.working()),
+            growth.working() as f64 / layer as f64,
+            megabytes(layer),
+            megabytes(growth.retained),
+        ),
+        None => "n/a (the peak cannot be reset: /proc/self/clear_refs)".into(),
+    };
+    for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
+        let reader = TraceReader::open(path)?;
+        let layer = bench::layer_bytes(&reader);
+        for (name, growth) in bench::replay_memory(&reader, 128)? {
+            table.push([
+                format!(
+                    "peak resident memory of one replay: {name} at budget 128, T = {}{label}",
+                    reader.n_positions()
+                ),
+                growth_cell(growth, layer),
+            ]);
+        }
+    }
+    table.push([
+        format!(
+            "peak resident memory of the grid run ({} policies in one pass, {threads} threads)",
+            reports.len()
+        ),
+        growth_cell(grid_growth, bench::layer_bytes(&trace)),
+    ]);
     if capture_tokens > 0 {
         let assets = Assets::from_env();
         let model = Llama::load(&assets.require_model()?)?;

@@ -3,21 +3,26 @@
 //! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
 //! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
 //! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
-//! the full attention of the decode queries is computed once and shared by every policy's
-//! metrics, and the policies and their caches run in parallel with rayon. Results are collected
-//! in order, so they are bit-identical for any thread count.
+//! one-shot kept sets are chosen for the whole layer, then the KV groups are measured one after
+//! another: a group's full decode attention is computed once and shared by every policy's
+//! metrics, and the policies run in parallel with rayon (a single policy runs its groups in
+//! parallel instead). Peak memory is one layer's f32 arrays plus, per thread, one group's decode
+//! attention or one cache's scoring buffers (a few per cent of a layer each). Measurements are
+//! summed in one fixed order, so results are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
-use super::metrics::{measure, DecodeReference, LayerReport, SpanReport};
+use super::metrics::{
+    measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
+};
 use super::policy::{HeadBudget, Timing};
 use super::scorer::{ScoreState, Scorer};
 use super::select::{ranking, select_top, victim};
 use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
 use crate::attention::decode_attention;
-use crate::trace::{LayerTensors, TraceReader};
-use ndarray::Array3;
+use crate::trace::{LayerTensors, Span, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
+use std::borrow::Cow;
 use std::collections::BTreeMap;
 
 /// The result of one replay.
@@ -58,16 +63,6 @@ fn context<'a>(trace: &TraceReader, layer: usize, tensors: &'a LayerTensors) -> 
     }
 }
 
-fn decode_of(layer: &LayerContext<'_>) -> Array3<f32> {
-    decode_attention(
-        layer.q,
-        layer.k,
-        layer.prompt_len,
-        layer.scale,
-        layer.softcap,
-    )
-}
-
 /// Replays `policy` on `trace`.
 pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport, PolicyError> {
     let mut reports = replay_many(trace, std::slice::from_ref(policy), &|| {})?;
@@ -91,27 +86,8 @@ pub fn replay_many(
     for layer in 0..meta.n_layers {
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
-        let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
-        let reference = DecodeReference::new(&context, max_top_k);
-        // One level of parallelism only: policies when there are several, else the caches of
-        // the one policy. Nested rayon loops let a waiting thread start another policy, and
-        // every started policy holds its scorer state: memory would grow with the grid.
-        let parallel_units = policies.len() == 1;
-        let reports: Vec<LayerReport> = policies
-            .par_iter()
-            .zip(&budgets)
-            .map(|(policy, budgets)| {
-                let units = units(trace, policy);
-                let kept = replay_layer(&context, &units, budgets[layer], policy, parallel_units);
-                measure(
-                    &context,
-                    &kept,
-                    &reference,
-                    &meta.spans,
-                    policy.params().top_k,
-                )
-            })
-            .collect();
+        let layer_budgets: Vec<usize> = budgets.iter().map(|budgets| budgets[layer]).collect();
+        let reports = measure_layer(&context, policies, &layer_budgets, &meta.spans);
         for (slot, report) in per_policy.iter_mut().zip(reports) {
             slot.push(report);
         }
@@ -124,6 +100,104 @@ pub fn replay_many(
         .collect())
 }
 
+/// Whether `policy` keeps one set per cache for the whole decode (prefill timing, no
+/// re-selection). Those sets are chosen for the whole layer at once (AdaKV shares a budget
+/// between the caches) and are small; the others change at every step and are computed group by
+/// group as they are measured, so they never pile up.
+fn is_one_shot(policy: &ValidPolicy) -> bool {
+    policy.params().timing == Timing::Prefill && !policy.scorer.reselects()
+}
+
+/// Replays and measures every policy on one layer, KV group by KV group. With several policies,
+/// each group's [`DecodeReference`] is computed once and shared by all of them while they run in
+/// parallel; a single policy runs its groups in parallel instead, each choosing its kept sets
+/// before computing its reference, so a thread never holds both a scorer's buffers and a
+/// reference. One level of parallelism only: nested rayon loops let a waiting thread start more
+/// work, and every started policy holds its scorer state, so memory would grow with the grid.
+fn measure_layer(
+    layer: &LayerContext<'_>,
+    policies: &[ValidPolicy],
+    budgets: &[usize],
+    spans: &[Span],
+) -> Vec<LayerReport> {
+    let single = policies.len() == 1;
+    let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
+    let one_shot: Vec<Option<Kept>> = policies
+        .par_iter()
+        .zip(budgets)
+        .zip(&units)
+        .map(|((policy, &budget), units)| {
+            is_one_shot(policy).then(|| one_shot_kept(layer, units, budget, policy, single))
+        })
+        .collect();
+    let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
+    // Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
+    let group_kept = |index: usize, kv_head: usize| -> Vec<(&Unit, Cow<'_, UnitKept>, usize)> {
+        match &one_shot[index] {
+            Some(kept) => kept
+                .units
+                .iter()
+                .zip(&kept.kept)
+                .zip(&kept.budgets)
+                .filter(|((unit, _), _)| unit.kv_head == kv_head)
+                .map(|((unit, unit_kept), &budget)| (unit, Cow::Borrowed(unit_kept), budget))
+                .collect(),
+            None => units[index]
+                .iter()
+                .filter(|unit| unit.kv_head == kv_head)
+                .map(|unit| {
+                    let unit_kept = per_step_kept(layer, unit, budgets[index], &policies[index]);
+                    (unit, Cow::Owned(unit_kept), budgets[index])
+                })
+                .collect(),
+        }
+    };
+    let measure_group =
+        |index: usize, kept: &[(&Unit, Cow<'_, UnitKept>, usize)], reference: &DecodeReference| {
+            let top_k = policies[index].params().top_k;
+            kept.iter()
+                .map(|(unit, unit_kept, budget)| {
+                    measure_unit(layer, unit, unit_kept, *budget, reference, spans, top_k)
+                })
+                .collect::<Vec<UnitMeasure>>()
+        };
+    let n_kv_heads = layer.k.shape()[0];
+    let mut accumulators: Vec<LayerAccumulator> = policies
+        .iter()
+        .map(|_| LayerAccumulator::new(layer, spans.len()))
+        .collect();
+    if single {
+        let per_group: Vec<Vec<UnitMeasure>> = (0..n_kv_heads)
+            .into_par_iter()
+            .map(|kv_head| {
+                let kept = group_kept(0, kv_head);
+                measure_group(0, &kept, &DecodeReference::new(layer, kv_head, max_top_k))
+            })
+            .collect();
+        for measure in per_group.iter().flatten() {
+            accumulators[0].add(measure);
+        }
+    } else {
+        for kv_head in 0..n_kv_heads {
+            let reference = DecodeReference::new(layer, kv_head, max_top_k);
+            accumulators
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(index, accumulator)| {
+                    let kept = group_kept(index, kv_head);
+                    for measure in measure_group(index, &kept, &reference) {
+                        accumulator.add(&measure);
+                    }
+                });
+        }
+    }
+    accumulators
+        .into_iter()
+        .zip(budgets)
+        .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
+        .collect()
+}
+
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].
 pub fn kept_sets(
     trace: &TraceReader,
@@ -132,13 +206,20 @@ pub fn kept_sets(
     layer: usize,
 ) -> Result<Kept, PolicyError> {
     let tensors = trace.layer(layer)?;
-    Ok(replay_layer(
-        &context(trace, layer, &tensors),
-        &units(trace, policy),
-        budgets[layer],
-        policy,
-        true,
-    ))
+    let context = context(trace, layer, &tensors);
+    let units = units(&context, policy);
+    let budget = budgets[layer];
+    if is_one_shot(policy) {
+        return Ok(one_shot_kept(&context, &units, budget, policy, true));
+    }
+    Ok(Kept {
+        layer_budget: budget,
+        budgets: vec![budget; units.len()],
+        kept: map_units(&units, true, |unit| {
+            per_step_kept(&context, unit, budget, policy)
+        }),
+        units,
+    })
 }
 
 /// Per-layer budgets of `policy` on `trace`, after checking that the two fit together.
@@ -146,11 +227,10 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
     layer_budgets_with_progress(trace, policy, &|| {})
 }
 
-fn units(trace: &TraceReader, policy: &ValidPolicy) -> Vec<Unit> {
-    let meta = trace.meta();
+fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
     Unit::all(
-        meta.n_heads,
-        meta.n_kv_heads,
+        layer.q.shape()[0],
+        layer.k.shape()[0],
         policy.params().gqa == super::Granularity::QueryHead,
     )
 }
@@ -194,7 +274,11 @@ fn layer_budgets_with_progress(
             params.window, params.sinks
         )));
     }
-    let units = units(trace, policy);
+    let units = Unit::all(
+        meta.n_heads,
+        meta.n_kv_heads,
+        params.gqa == super::Granularity::QueryHead,
+    );
     let profiles = if policy.allocator.needs_profile() {
         for_each_layer(trace, layer_done, &|layer| {
             LayerProfile::measure(&layer, params.window.max(1))
@@ -299,6 +383,7 @@ fn reselect_each_step(
             };
             let mut kept = select_top(&cache[..limit], &scores[..limit], budget, |_| false);
             kept.extend(limit..=position);
+            kept.shrink_to_fit();
             kept
         })
         .collect();
@@ -344,8 +429,8 @@ fn map_units<T: Send>(
     }
 }
 
-/// Replays one layer: the kept sets of every cache.
-fn replay_layer(
+/// The kept sets of a one-shot policy ([`is_one_shot`]) for every cache of one layer.
+fn one_shot_kept(
     layer: &LayerContext<'_>,
     units: &[Unit],
     budget: usize,
@@ -353,47 +438,52 @@ fn replay_layer(
     parallel_units: bool,
 ) -> Kept {
     let params = policy.params();
-    let scorer = policy.scorer.as_ref();
     let prompt_len = layer.prompt_len;
-    let mut budgets = vec![budget; units.len()];
-    let kept = match (params.timing, scorer.reselects()) {
-        (Timing::Prefill, false) => {
-            let scored: Vec<Vec<f32>> = map_units(units, parallel_units, |unit| {
-                score_prompt(scorer, layer, unit)
-            });
-            if params.heads == HeadBudget::Adakv {
-                budgets = adakv_budgets(
-                    &scored,
-                    budget,
-                    params.sinks,
-                    params.window,
-                    params.alpha,
-                    prompt_len,
-                );
-            }
-            let prompt: Vec<usize> = (0..prompt_len).collect();
-            let protected =
-                |position: usize| position < params.sinks || position + params.window >= prompt_len;
-            scored
-                .iter()
-                .zip(&budgets)
-                .map(|(scores, &unit_budget)| {
-                    UnitKept::Fixed(select_top(&prompt, scores, unit_budget, protected))
-                })
-                .collect()
-        }
-        (_, true) => map_units(units, parallel_units, |unit| {
-            reselect_each_step(layer, unit, budget, policy)
-        }),
-        (Timing::Streaming, false) => map_units(units, parallel_units, |unit| {
-            stream(layer, unit, budget, policy)
-        }),
+    let scored: Vec<Vec<f32>> = map_units(units, parallel_units, |unit| {
+        score_prompt(policy.scorer.as_ref(), layer, unit)
+    });
+    let budgets = if params.heads == HeadBudget::Adakv {
+        adakv_budgets(
+            &scored,
+            budget,
+            params.sinks,
+            params.window,
+            params.alpha,
+            prompt_len,
+        )
+    } else {
+        vec![budget; units.len()]
     };
+    let prompt: Vec<usize> = (0..prompt_len).collect();
+    let protected =
+        |position: usize| position < params.sinks || position + params.window >= prompt_len;
+    let kept = scored
+        .iter()
+        .zip(&budgets)
+        .map(|(scores, &unit_budget)| {
+            UnitKept::Fixed(select_top(&prompt, scores, unit_budget, protected))
+        })
+        .collect();
     Kept {
         layer_budget: budget,
         units: units.to_vec(),
         budgets,
         kept,
+    }
+}
+
+/// The kept sets, step by step, of one cache under a policy that is not one-shot: streaming
+/// eviction, or re-selection at every step.
+fn per_step_kept(
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    budget: usize,
+    policy: &ValidPolicy,
+) -> UnitKept {
+    if policy.scorer.reselects() {
+        reselect_each_step(layer, unit, budget, policy)
+    } else {
+        stream(layer, unit, budget, policy)
     }
 }
 
@@ -443,8 +533,8 @@ pub(crate) fn adakv_budgets(
 fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) -> Vec<f64> {
     let params = policy.params();
     let prompt_len = layer.prompt_len;
-    let decode = decode_of(layer);
-    let (n_heads, n_steps, _) = decode.dim();
+    let n_heads = layer.q.shape()[0];
+    let n_steps = layer.n_positions() - prompt_len;
     let samples = (n_heads * n_steps) as f64;
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
@@ -453,8 +543,15 @@ fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) ->
         let order = ranking(&prompt, &scores, |position| {
             position < params.sinks || position + params.window >= prompt_len
         });
+        let decode = decode_attention(
+            layer.q.slice(ndarray::s![unit.query_heads.clone(), .., ..]),
+            layer.keys(unit.kv_head),
+            prompt_len,
+            layer.scale,
+            layer.softcap,
+        );
         let mut weight = vec![0.0f64; prompt_len];
-        for head in unit.query_heads.clone() {
+        for head in 0..unit.query_heads.len() {
             for step in 0..n_steps {
                 for (total, w) in
                     weight

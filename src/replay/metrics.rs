@@ -13,10 +13,11 @@
 //! Layer figures are means over query heads and decode steps; overall figures are means over
 //! layers (every layer has the same number of heads and steps, so this is the grand mean).
 
-use super::{Kept, LayerContext};
+use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
-use ndarray::{s, Array3};
+use ndarray::{s, Array3, Axis};
 use serde::Serialize;
+use std::ops::Range;
 
 /// Span survival, averaged over heads and decode steps.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -60,51 +61,58 @@ pub struct LayerReport {
     pub spans: Vec<SpanReport>,
 }
 
-/// What every policy is measured against on one layer, computed once and shared: the full
-/// causal attention of the decode queries, their full-cache attention outputs, and the order of
-/// their largest weights.
+/// What every policy is measured against, for the query heads of one KV group: the full causal
+/// attention of their decode queries, their full-cache attention outputs, and the order of their
+/// largest weights. The engine computes it once per group and layer and shares it between all
+/// policies; groups are done one after another, so only a group's share of a layer's decode
+/// attention is ever held.
 #[derive(Debug, Clone)]
 pub struct DecodeReference {
-    /// `[n_heads, steps, T]` (keys after a query's position hold 0).
+    /// The query heads covered (one KV group).
+    pub heads: Range<usize>,
+    /// `[heads, steps, T]` (keys after a query's position hold 0).
     pub attention: Array3<f32>,
-    /// `o_full`, `[n_heads, steps, head_dim]`, when the trace has values (an f32 product
+    /// `o_full`, `[heads, steps, head_dim]`, when the trace has values (an f32 product
     /// `attention · V`, relative error ~1e-6, stored as f64).
     pub output: Option<Array3<f64>>,
-    /// Per `head * steps + step`, the `max_top_k` largest weights' positions, largest first,
-    /// ties to the lower position.
+    /// Per `(head - heads.start) * steps + step`, the `max_top_k` largest weights' positions,
+    /// largest first, ties to the lower position.
     pub top: Vec<Vec<usize>>,
 }
 
 impl DecodeReference {
-    /// Computes the reference of one layer for top-k recalls up to `max_top_k`.
-    pub fn new(layer: &LayerContext<'_>, max_top_k: usize) -> Self {
+    /// Computes the reference of KV head `kv_head`'s query heads for top-k recalls up to
+    /// `max_top_k`.
+    pub fn new(layer: &LayerContext<'_>, kv_head: usize, max_top_k: usize) -> Self {
+        let group = layer.group_size();
+        let heads = kv_head * group..(kv_head + 1) * group;
         let attention = crate::attention::decode_attention(
-            layer.q,
-            layer.k,
+            layer.q.slice(s![heads.clone(), .., ..]),
+            layer.keys(kv_head),
             layer.prompt_len,
             layer.scale,
             layer.softcap,
         );
-        let (n_heads, n_steps, _) = attention.dim();
-        let group = layer.group_size();
-        let mut top = Vec::with_capacity(n_heads * n_steps);
-        let output = layer.v.map(|v| {
-            let mut output = Array3::<f64>::zeros((n_heads, n_steps, v.shape()[2]));
-            for head in 0..n_heads {
-                let values = v.index_axis(ndarray::Axis(0), head / group);
-                let full = attention.index_axis(ndarray::Axis(0), head).dot(&values);
+        let n_steps = attention.dim().1;
+        let output = layer.values(kv_head).map(|values| {
+            let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
+            for head in 0..group {
+                let full = attention.index_axis(Axis(0), head).dot(&values);
                 output
-                    .index_axis_mut(ndarray::Axis(0), head)
+                    .index_axis_mut(Axis(0), head)
                     .assign(&full.mapv(f64::from));
             }
             output
         });
-        for head in 0..n_heads {
+        let mut top = Vec::with_capacity(group * n_steps);
+        let mut order: Vec<usize> = Vec::with_capacity(layer.n_positions());
+        for head in 0..group {
             for step in 0..n_steps {
                 let position = layer.prompt_len + step;
                 let weights = attention.slice(s![head, step, ..=position]);
                 let weights = weights.to_slice().expect("standard layout");
-                let mut order: Vec<usize> = (0..weights.len()).collect();
+                order.clear();
+                order.extend(0..weights.len());
                 let by_weight =
                     |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
                 let k = max_top_k.min(order.len());
@@ -113,131 +121,230 @@ impl DecodeReference {
                 }
                 order.truncate(k);
                 order.sort_by(by_weight);
-                top.push(order);
+                top.push(order.clone());
             }
         }
         Self {
+            heads,
             attention,
             output,
             top,
         }
     }
+
+    /// The full attention of query head `head` at decode step `step` over keys `0..=position`.
+    fn weights(&self, head: usize, step: usize, position: usize) -> &[f32] {
+        self.attention
+            .slice(s![head - self.heads.start, step, ..=position])
+            .to_slice()
+            .expect("standard layout")
+    }
 }
 
-/// Measures one layer's kept sets against the layer's shared [`DecodeReference`]. The cost per
+/// One cache's measurements, kept per decode step and query head (step-major), so that a
+/// layer's figures are summed in one fixed order whatever order its caches were measured in.
+#[derive(Debug, Clone)]
+pub struct UnitMeasure {
+    /// The query heads reading the cache.
+    heads: Range<usize>,
+    /// The cache's budget.
+    budget: usize,
+    /// Cache size summed over decode steps.
+    kept_total: usize,
+    /// Per (step, head): retained mass, top-k recall, output error.
+    retained: Vec<f64>,
+    recall: Vec<f64>,
+    error: Vec<f64>,
+    /// Per (step, head, span): share of the span's tokens kept, kept mass, full mass.
+    spans: Vec<(f64, f64, f64)>,
+}
+
+/// Measures one cache's kept sets against its group's shared [`DecodeReference`]. The cost per
 /// (head, step) is O(kept · head_dim): nothing here walks the evicted positions.
-pub fn measure(
+pub fn measure_unit(
     layer: &LayerContext<'_>,
-    kept: &Kept,
+    unit: &Unit,
+    unit_kept: &UnitKept,
+    budget: usize,
     reference: &DecodeReference,
     spans: &[Span],
     top_k: usize,
-) -> LayerReport {
+) -> UnitMeasure {
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
     let n_steps = n_positions - prompt_len;
-    let n_heads = layer.q.shape()[0];
-    let mut retained_head_step = vec![vec![0.0f64; n_steps]; n_heads];
-    let mut recall_total = 0.0f64;
-    let mut error_total = 0.0f64;
-    let mut span_totals = vec![(0.0f64, 0.0f64, 0.0f64); spans.len()];
-    let mut kept_by_unit = Vec::with_capacity(kept.units.len());
+    let values = layer.values(unit.kv_head);
+    let samples = n_steps * unit.query_heads.len();
+    let mut measure = UnitMeasure {
+        heads: unit.query_heads.clone(),
+        budget,
+        kept_total: 0,
+        retained: Vec::with_capacity(samples),
+        recall: Vec::with_capacity(samples),
+        error: Vec::with_capacity(samples),
+        spans: Vec::with_capacity(samples * spans.len()),
+    };
     let mut in_set = vec![false; n_positions];
-    for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-        let values = layer.values(unit.kv_head);
-        let mut kept_total = 0usize;
-        for step in 0..n_steps {
-            let position = prompt_len + step;
-            let kept_positions = unit_kept.kept_positions(step, prompt_len);
-            kept_total += kept_positions.len();
-            for &j in &kept_positions {
-                in_set[j] = true;
-            }
-            for head in unit.query_heads.clone() {
-                let weights = reference
-                    .attention
-                    .slice(s![head, step, ..=position])
-                    .to_slice()
-                    .expect("standard layout");
-                let retained: f64 = kept_positions.iter().map(|&j| weights[j] as f64).sum();
-                retained_head_step[head][step] = retained;
-                let top = &reference.top[head * n_steps + step];
-                let k = top_k.min(top.len());
-                recall_total += top[..k].iter().filter(|&&j| in_set[j]).count() as f64 / k as f64;
-                if let (Some(values), Some(output)) = (values, reference.output.as_ref()) {
-                    let full = output.slice(s![head, step, ..]);
-                    let mut partial = vec![0.0f64; full.len()];
-                    for &j in &kept_positions {
-                        let weight = weights[j] as f64;
-                        let row = values.row(j);
-                        let row = row.to_slice().expect("standard layout");
-                        for (acc, &x) in partial.iter_mut().zip(row) {
-                            *acc += weight * x as f64;
-                        }
+    let mut partial = Vec::new();
+    for step in 0..n_steps {
+        let position = prompt_len + step;
+        let kept_positions = unit_kept.kept_positions(step, prompt_len);
+        measure.kept_total += kept_positions.len();
+        for &j in &kept_positions {
+            in_set[j] = true;
+        }
+        for head in unit.query_heads.clone() {
+            let weights = reference.weights(head, step, position);
+            let retained: f64 = kept_positions.iter().map(|&j| weights[j] as f64).sum();
+            let local = head - reference.heads.start;
+            let top = &reference.top[local * n_steps + step];
+            let k = top_k.min(top.len());
+            measure.retained.push(retained);
+            measure
+                .recall
+                .push(top[..k].iter().filter(|&&j| in_set[j]).count() as f64 / k as f64);
+            let mut error = 0.0;
+            if let (Some(values), Some(output)) = (values, reference.output.as_ref()) {
+                let full = output.slice(s![local, step, ..]);
+                partial.clear();
+                partial.resize(full.len(), 0.0f64);
+                for &j in &kept_positions {
+                    let weight = weights[j] as f64;
+                    let row = values.row(j);
+                    let row = row.to_slice().expect("standard layout");
+                    for (acc, &x) in partial.iter_mut().zip(row) {
+                        *acc += weight * x as f64;
                     }
-                    let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
-                    let error = if retained > 0.0 && full_norm > 0.0 {
-                        full.iter()
-                            .zip(&partial)
-                            .map(|(f, p)| (f - p / retained).powi(2))
-                            .sum::<f64>()
-                            .sqrt()
-                            / full_norm
-                    } else {
-                        1.0
-                    };
-                    error_total += error;
                 }
-                for (span, totals) in spans.iter().zip(span_totals.iter_mut()) {
-                    let end = span.end.min(position + 1);
-                    let (mut kept_count, mut kept_mass, mut full_mass) = (0usize, 0.0f64, 0.0f64);
-                    for j in span.start..end {
-                        full_mass += weights[j] as f64;
-                        if in_set[j] {
-                            kept_count += 1;
-                            kept_mass += weights[j] as f64;
-                        }
-                    }
-                    totals.0 += kept_count as f64 / (span.end - span.start) as f64;
-                    totals.1 += kept_mass;
-                    totals.2 += full_mass;
-                }
+                let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
+                error = if retained > 0.0 && full_norm > 0.0 {
+                    full.iter()
+                        .zip(&partial)
+                        .map(|(f, p)| (f - p / retained).powi(2))
+                        .sum::<f64>()
+                        .sqrt()
+                        / full_norm
+                } else {
+                    1.0
+                };
             }
-            for &j in &kept_positions {
-                in_set[j] = false;
+            measure.error.push(error);
+            for span in spans {
+                let end = span.end.min(position + 1);
+                let (mut kept_count, mut kept_mass, mut full_mass) = (0usize, 0.0f64, 0.0f64);
+                for j in span.start..end {
+                    full_mass += weights[j] as f64;
+                    if in_set[j] {
+                        kept_count += 1;
+                        kept_mass += weights[j] as f64;
+                    }
+                }
+                measure.spans.push((
+                    kept_count as f64 / (span.end - span.start) as f64,
+                    kept_mass,
+                    full_mass,
+                ));
             }
         }
-        kept_by_unit.push(kept_total as f64 / n_steps as f64);
+        for &j in &kept_positions {
+            in_set[j] = false;
+        }
     }
-    let samples = (n_heads * n_steps) as f64;
-    let retained_by_head: Vec<f64> = retained_head_step
-        .iter()
-        .map(|steps| steps.iter().sum::<f64>() / n_steps as f64)
-        .collect();
-    let retained_by_step: Vec<f64> = (0..n_steps)
-        .map(|step| retained_head_step.iter().map(|h| h[step]).sum::<f64>() / n_heads as f64)
-        .collect();
-    LayerReport {
-        layer: layer.layer,
-        budget: kept.layer_budget,
-        unit_budgets: kept.budgets.clone(),
-        mean_kept: kept_by_unit.iter().sum::<f64>() / kept_by_unit.len() as f64,
-        kept_by_unit,
-        retained_mass: retained_by_head.iter().sum::<f64>() / n_heads as f64,
-        topk_recall: recall_total / samples,
-        output_error: layer.v.map(|_| error_total / samples),
-        retained_by_head,
-        retained_by_step,
-        retained_head_step,
-        spans: spans
+    measure
+}
+
+/// A layer's measurements being summed, cache by cache in cache order.
+#[derive(Debug, Clone)]
+pub struct LayerAccumulator {
+    n_steps: usize,
+    retained_head_step: Vec<Vec<f64>>,
+    recall_total: f64,
+    error_total: f64,
+    span_totals: Vec<(f64, f64, f64)>,
+    unit_budgets: Vec<usize>,
+    kept_by_unit: Vec<f64>,
+}
+
+impl LayerAccumulator {
+    /// An empty sum for a layer of `layer`'s geometry with `n_spans` spans.
+    pub fn new(layer: &LayerContext<'_>, n_spans: usize) -> Self {
+        let n_steps = layer.n_positions() - layer.prompt_len;
+        Self {
+            n_steps,
+            retained_head_step: vec![vec![0.0; n_steps]; layer.q.shape()[0]],
+            recall_total: 0.0,
+            error_total: 0.0,
+            span_totals: vec![(0.0, 0.0, 0.0); n_spans],
+            unit_budgets: Vec::new(),
+            kept_by_unit: Vec::new(),
+        }
+    }
+
+    /// Adds the next cache's measurements.
+    pub fn add(&mut self, unit: &UnitMeasure) {
+        let n_heads = unit.heads.len();
+        let n_spans = self.span_totals.len();
+        for step in 0..self.n_steps {
+            for (offset, head) in unit.heads.clone().enumerate() {
+                let sample = step * n_heads + offset;
+                self.retained_head_step[head][step] = unit.retained[sample];
+                self.recall_total += unit.recall[sample];
+                self.error_total += unit.error[sample];
+                let spans = &unit.spans[sample * n_spans..(sample + 1) * n_spans];
+                for (totals, span) in self.span_totals.iter_mut().zip(spans) {
+                    totals.0 += span.0;
+                    totals.1 += span.1;
+                    totals.2 += span.2;
+                }
+            }
+        }
+        self.unit_budgets.push(unit.budget);
+        self.kept_by_unit
+            .push(unit.kept_total as f64 / self.n_steps as f64);
+    }
+
+    /// The layer's report.
+    pub fn report(
+        self,
+        layer: &LayerContext<'_>,
+        layer_budget: usize,
+        spans: &[Span],
+    ) -> LayerReport {
+        let n_steps = self.n_steps;
+        let n_heads = self.retained_head_step.len();
+        let samples = (n_heads * n_steps) as f64;
+        let retained_by_head: Vec<f64> = self
+            .retained_head_step
             .iter()
-            .zip(span_totals)
-            .map(|(span, (fraction, kept_mass, full_mass))| SpanReport {
-                name: span.name.clone(),
-                kept_fraction: fraction / samples,
-                kept_mass: kept_mass / samples,
-                full_mass: full_mass / samples,
+            .map(|steps| steps.iter().sum::<f64>() / n_steps as f64)
+            .collect();
+        let retained_by_step: Vec<f64> = (0..n_steps)
+            .map(|step| {
+                self.retained_head_step.iter().map(|h| h[step]).sum::<f64>() / n_heads as f64
             })
-            .collect(),
+            .collect();
+        LayerReport {
+            layer: layer.layer,
+            budget: layer_budget,
+            unit_budgets: self.unit_budgets,
+            mean_kept: self.kept_by_unit.iter().sum::<f64>() / self.kept_by_unit.len() as f64,
+            kept_by_unit: self.kept_by_unit,
+            retained_mass: retained_by_head.iter().sum::<f64>() / n_heads as f64,
+            topk_recall: self.recall_total / samples,
+            output_error: layer.v.map(|_| self.error_total / samples),
+            retained_by_head,
+            retained_by_step,
+            retained_head_step: self.retained_head_step,
+            spans: spans
+                .iter()
+                .zip(self.span_totals)
+                .map(|(span, (fraction, kept_mass, full_mass))| SpanReport {
+                    name: span.name.clone(),
+                    kept_fraction: fraction / samples,
+                    kept_mass: kept_mass / samples,
+                    full_mass: full_mass / samples,
+                })
+                .collect(),
+        }
     }
 }

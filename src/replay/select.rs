@@ -67,6 +67,7 @@ pub(crate) fn select_top(
 ) -> Vec<usize> {
     let mut kept = ranking(positions, scores, is_protected);
     kept.truncate(budget);
+    kept.shrink_to_fit();
     kept.sort_unstable();
     kept
 }

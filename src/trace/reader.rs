@@ -1,12 +1,20 @@
 //! The strict kvtrace/1 reader. Opening a trace checks the container, the header and the name,
 //! dtype and shape of every tensor; reading a layer converts it to f32 and checks that every
 //! value is finite. Nothing is read into memory before it is asked for.
+//!
+//! The file is memory-mapped only to validate its header, then unmapped; tensors are read with
+//! positioned reads through a small buffer and converted as they arrive. Mapping the data would
+//! put the page cache's folios (megabytes at a time on kernels with large folios) into the
+//! process's resident memory; read this way, a layer costs its f32 arrays and nothing else,
+//! while the file stays in the page cache, shared and reclaimable.
 
 use super::{TraceError, TraceMeta};
 use memmap2::Mmap;
 use ndarray::{Array1, Array3};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
+use std::fs::File;
+use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
 
 /// One layer's vectors, converted to f32.
@@ -23,7 +31,8 @@ pub struct LayerTensors {
 /// An open, validated trace.
 pub struct TraceReader {
     path: PathBuf,
-    map: Mmap,
+    file: File,
+    file_len: usize,
     data_start: usize,
     header: Metadata,
     meta: TraceMeta,
@@ -66,9 +75,12 @@ impl TraceReader {
             },
         })?;
         let meta = TraceMeta::from_header(&path, header.metadata().as_ref())?;
+        let file_len = map.len();
+        drop(map);
         let mut reader = Self {
             path,
-            map,
+            file,
+            file_len,
             data_start: 8 + header_len,
             header,
             meta,
@@ -162,29 +174,27 @@ impl TraceReader {
         }
     }
 
-    /// Tells the kernel the mapped pages of a tensor already converted are not needed any more,
-    /// so replaying a trace layer by layer keeps about one layer resident, not the whole file.
-    fn release(&self, info: &TensorInfo) {
-        let page = 4096;
-        let start = (self.data_start + info.data_offsets.0) / page * page;
-        let end = (self.data_start + info.data_offsets.1).div_ceil(page) * page;
-        let end = end.min(self.map.len());
-        if end > start {
-            // SAFETY: the map is a private read-only file mapping: dropped pages are read again
-            // from the file if touched, so no data can be lost or changed.
-            let _ = unsafe {
-                self.map.unchecked_advise_range(
-                    memmap2::UncheckedAdvice::DontNeed,
-                    start,
-                    end - start,
-                )
-            };
-        }
-    }
-
-    fn bytes(&self, info: &TensorInfo) -> &[u8] {
+    /// The data of a tensor, read in chunks of [`CHUNK`] bytes, each handed to `consume`.
+    fn read_chunks(
+        &self,
+        info: &TensorInfo,
+        mut consume: impl FnMut(&[u8]),
+    ) -> Result<(), TraceError> {
         let (start, end) = info.data_offsets;
-        &self.map[self.data_start + start..self.data_start + end]
+        let mut buffer = vec![0u8; CHUNK.min(end - start)];
+        let mut offset = start;
+        while offset < end {
+            let chunk = &mut buffer[..CHUNK.min(end - offset)];
+            self.file
+                .read_exact_at(chunk, (self.data_start + offset) as u64)
+                .map_err(|source| TraceError::Io {
+                    path: self.path.clone(),
+                    source,
+                })?;
+            consume(chunk);
+            offset += chunk.len();
+        }
+        Ok(())
     }
 
     /// The file this reader reads.
@@ -214,23 +224,25 @@ impl TraceReader {
 
     /// Size of the file in bytes.
     pub fn file_len(&self) -> usize {
-        self.map.len()
+        self.file_len
     }
 
     /// The token ids.
     pub fn tokens(&self) -> Result<Array1<i64>, TraceError> {
         let info = self.info("tokens")?;
-        let bytes = self.bytes(info);
-        let ids: Vec<i64> = match info.dtype {
-            Dtype::I32 => bytes
-                .chunks_exact(4)
-                .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64)
-                .collect(),
-            _ => bytes
-                .chunks_exact(8)
-                .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes")))
-                .collect(),
-        };
+        let mut ids: Vec<i64> = Vec::with_capacity(info.shape[0]);
+        self.read_chunks(info, |bytes| match info.dtype {
+            Dtype::I32 => ids.extend(
+                bytes
+                    .chunks_exact(4)
+                    .map(|c| i32::from_le_bytes([c[0], c[1], c[2], c[3]]) as i64),
+            ),
+            _ => ids.extend(
+                bytes
+                    .chunks_exact(8)
+                    .map(|c| i64::from_le_bytes(c.try_into().expect("8 bytes"))),
+            ),
+        })?;
         Ok(Array1::from(ids))
     }
 
@@ -255,8 +267,8 @@ impl TraceReader {
 
     fn tensor(&self, name: &str) -> Result<Array3<f32>, TraceError> {
         let info = self.info(name)?;
-        let values = to_f32(self.bytes(info), info.dtype);
-        self.release(info);
+        let mut values = Vec::with_capacity(info.shape.iter().product());
+        self.read_chunks(info, |bytes| extend_f32(&mut values, bytes, info.dtype))?;
         if let Some(index) = values.iter().position(|value| !value.is_finite()) {
             return Err(TraceError::NonFinite {
                 path: self.path.clone(),
@@ -270,20 +282,27 @@ impl TraceReader {
     }
 }
 
-/// Little-endian F16/BF16/F32 bytes to f32 (the data of a safetensors file need not be aligned).
-fn to_f32(bytes: &[u8], dtype: Dtype) -> Vec<f32> {
+/// Bytes per read: a multiple of every element size, small beside a layer.
+const CHUNK: usize = 256 << 10;
+
+/// Appends little-endian F16/BF16/F32 bytes as f32 (the data of a safetensors file need not be
+/// aligned).
+fn extend_f32(values: &mut Vec<f32>, bytes: &[u8], dtype: Dtype) {
     match dtype {
-        Dtype::F16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        Dtype::BF16 => bytes
-            .chunks_exact(2)
-            .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32())
-            .collect(),
-        _ => bytes
-            .chunks_exact(4)
-            .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]]))
-            .collect(),
+        Dtype::F16 => values.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        Dtype::BF16 => values.extend(
+            bytes
+                .chunks_exact(2)
+                .map(|c| half::bf16::from_le_bytes([c[0], c[1]]).to_f32()),
+        ),
+        _ => values.extend(
+            bytes
+                .chunks_exact(4)
+                .map(|c| f32::from_le_bytes([c[0], c[1], c[2], c[3]])),
+        ),
     }
 }

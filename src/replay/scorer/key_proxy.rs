@@ -12,7 +12,7 @@
 use super::{AlignedScores, ScoreState, Scorer};
 use crate::attention::{attend_positions, softmax_in_place, CausalLogits};
 use crate::replay::{LayerContext, Unit};
-use ndarray::ArrayView2;
+use ndarray::{ArrayView2, Axis};
 
 /// The key-as-query proxy scorer.
 pub struct KeyProxy;
@@ -35,7 +35,7 @@ impl Scorer for KeyProxy {
         Box::new(State {
             keys,
             scale: layer.scale,
-            rows: CausalLogits::new(keys, keys, layer.scale, None),
+            rows: CausalLogits::new(keys.insert_axis(Axis(0)), keys, layer.scale, None),
             scores: AlignedScores::default(),
         })
     }
@@ -51,7 +51,7 @@ impl ScoreState for State<'_> {
             return;
         }
         let attention = if stored.len() == newest {
-            let mut weights = self.rows.row(newest)[..newest].to_vec();
+            let mut weights = self.rows.row(0, newest)[..newest].to_vec();
             softmax_in_place(&mut weights);
             weights
         } else {

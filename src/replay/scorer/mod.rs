@@ -94,28 +94,23 @@ pub fn build(params: &PolicyParams) -> Result<Box<dyn Scorer>, PolicyError> {
 pub(crate) struct GroupQueries<'a> {
     layer: LayerContext<'a>,
     unit: Unit,
-    rows: Vec<CausalLogits<'a>>,
+    rows: CausalLogits<'a>,
 }
 
 impl<'a> GroupQueries<'a> {
     pub fn new(layer: &LayerContext<'a>, unit: &Unit) -> Self {
-        let keys = layer.keys(unit.kv_head);
-        let rows = unit
-            .query_heads
-            .clone()
-            .map(|head| {
-                CausalLogits::new(
-                    layer.q.index_axis_move(ndarray::Axis(0), head),
-                    keys,
-                    layer.scale,
-                    layer.softcap,
-                )
-            })
-            .collect();
+        let queries = layer
+            .q
+            .slice_move(ndarray::s![unit.query_heads.clone(), .., ..]);
         Self {
             layer: *layer,
             unit: unit.clone(),
-            rows,
+            rows: CausalLogits::new(
+                queries,
+                layer.keys(unit.kv_head),
+                layer.scale,
+                layer.softcap,
+            ),
         }
     }
 
@@ -123,11 +118,9 @@ impl<'a> GroupQueries<'a> {
     pub fn per_head(&mut self, position: usize, cache: &[usize]) -> Vec<Vec<f32>> {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
         if is_prefix {
-            return self
-                .rows
-                .iter_mut()
-                .map(|rows| {
-                    let mut weights = rows.row(position).to_vec();
+            return (0..self.unit.query_heads.len())
+                .map(|head| {
+                    let mut weights = self.rows.row(head, position).to_vec();
                     softmax_in_place(&mut weights);
                     weights
                 })
