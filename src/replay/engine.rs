@@ -91,6 +91,8 @@ pub fn replay_many(
         for (slot, report) in per_policy.iter_mut().zip(reports) {
             slot.push(report);
         }
+        drop(tensors);
+        return_free_memory();
         layer_done();
     }
     Ok(policies
@@ -98,6 +100,18 @@ pub fn replay_many(
         .zip(per_policy)
         .map(|(policy, layers)| summarise(trace, policy, layers))
         .collect())
+}
+
+/// Hands the memory freed by a layer's work back to the system. glibc keeps freed blocks of its
+/// per-thread arenas resident, and the reports allocated among them pin them: without this, a
+/// 36-policy pass over niah-2k grew resident memory by 34 MB for 4 MB of live results; with it,
+/// by 18 MB. (Only glibc's own heap is touched: harmless under another global allocator.)
+fn return_free_memory() {
+    #[cfg(all(target_os = "linux", target_env = "gnu"))]
+    // SAFETY: malloc_trim only returns free memory of glibc's arenas to the system.
+    unsafe {
+        libc::malloc_trim(0);
+    }
 }
 
 /// Whether `policy` keeps one set per cache for the whole decode (prefill timing, no
