@@ -312,21 +312,18 @@ impl<'a> CausalLogits<'a> {
         }
         let mut block = ArrayViewMut2::from_shape((rows, end), &mut self.logits[..needed])
             .expect("buffer sized above");
+        // The GEMM applies the scale to each finished dot product (`alpha · Σ`): the same single
+        // rounding as `dot * scale`, without another pass over the block.
         general_mat_mul(
-            1.0,
+            self.scale,
             &self.stacked.slice(s![..rows, ..head_dim]),
             &self.keys.slice(s![..end, ..]).t(),
             0.0,
             &mut block,
         );
-        let (scale, softcap) = (self.scale, self.softcap);
-        block.mapv_inplace(|dot| {
-            let logit = dot * scale;
-            match softcap {
-                Some(cap) => cap * (logit / cap).tanh(),
-                None => logit,
-            }
-        });
+        if let Some(cap) = self.softcap {
+            block.mapv_inplace(|logit| cap * (logit / cap).tanh());
+        }
         self.block_start = start;
         self.block_positions = positions;
         self.block_keys = end;
@@ -350,7 +347,7 @@ pub fn decode_attention(
     for head in 0..n_heads {
         let mut rows = out.index_axis_mut(ndarray::Axis(0), head);
         general_mat_mul(
-            1.0,
+            scale,
             &queries.slice(s![head, prompt_len.., ..]),
             &keys.t(),
             0.0,
@@ -359,9 +356,8 @@ pub fn decode_attention(
         for (step, mut row) in rows.outer_iter_mut().enumerate() {
             let row = row.as_slice_mut().expect("standard layout");
             let (visible, future) = row.split_at_mut(prompt_len + step + 1);
-            for logit in visible.iter_mut() {
-                *logit *= scale;
-                if let Some(cap) = softcap {
+            if let Some(cap) = softcap {
+                for logit in visible.iter_mut() {
                     *logit = cap * (*logit / cap).tanh();
                 }
             }

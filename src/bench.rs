@@ -52,43 +52,58 @@ pub fn matmul_peak() -> f64 {
 
 /// The attention-scoring kernel (q·Kᵀ by blocks and the causal softmax of every prompt row, for
 /// every layer and query head, as the prefill scorers walk it: the heads of a GQA group share one
-/// product per block): multiply-add GFLOP/s actually executed, and seconds.
+/// product per block): multiply-add GFLOP/s actually executed, and seconds. Each layer is timed
+/// [`SCORING_REPEATS`] times and its fastest run counts, as the matmul peak is a best run: on a
+/// shared machine, other tenants otherwise decide the ratio.
 pub fn scoring_throughput(trace: &TraceReader) -> Result<(f64, f64), PolicyError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
     let group = meta.group_size();
     let mut flops = 0.0f64;
     let mut seconds = 0.0f64;
+    let mut buffer = Vec::with_capacity(prompt_len);
     for layer in 0..meta.n_layers {
         let tensors = trace.layer(layer)?;
-        let started = Instant::now();
-        let mut sink = 0.0f32;
-        let mut buffer = Vec::with_capacity(prompt_len);
-        for kv_head in 0..meta.n_kv_heads {
-            let queries = tensors
-                .q
-                .slice(s![kv_head * group..(kv_head + 1) * group, .., ..]);
-            let keys = tensors.k.slice(s![kv_head, .., ..]);
-            let mut rows = CausalLogits::new(queries, keys, meta.scale, meta.softcap);
-            let block = rows.positions_per_block();
-            for position in 0..prompt_len {
-                for head in 0..group {
-                    buffer.clear();
-                    buffer.extend_from_slice(rows.row(head, position));
-                    softmax_in_place(&mut buffer);
-                    sink += buffer[0];
+        let mut fastest = f64::INFINITY;
+        for _ in 0..SCORING_REPEATS {
+            let started = Instant::now();
+            let mut sink = 0.0f32;
+            for kv_head in 0..meta.n_kv_heads {
+                let queries = tensors
+                    .q
+                    .slice(s![kv_head * group..(kv_head + 1) * group, .., ..]);
+                let keys = tensors.k.slice(s![kv_head, .., ..]);
+                let mut rows = CausalLogits::new(queries, keys, meta.scale, meta.softcap);
+                for position in 0..prompt_len {
+                    for head in 0..group {
+                        buffer.clear();
+                        buffer.extend_from_slice(rows.row(head, position));
+                        softmax_in_place(&mut buffer);
+                        sink += buffer[0];
+                    }
                 }
             }
-            for start in (0..prompt_len).step_by(block) {
-                let end = (start + block).min(trace.n_positions());
-                flops += 2.0 * (group * (end - start) * end * meta.head_dim) as f64;
-            }
+            std::hint::black_box(sink);
+            fastest = fastest.min(started.elapsed().as_secs_f64());
         }
-        std::hint::black_box(sink);
-        seconds += started.elapsed().as_secs_f64();
+        seconds += fastest;
+        let block = CausalLogits::new(
+            tensors.q.slice(s![..group, .., ..]),
+            tensors.k.slice(s![0, .., ..]),
+            meta.scale,
+            meta.softcap,
+        )
+        .positions_per_block();
+        for start in (0..prompt_len).step_by(block) {
+            let end = (start + block).min(trace.n_positions());
+            flops += 2.0 * (meta.n_kv_heads * group * (end - start) * end * meta.head_dim) as f64;
+        }
     }
     Ok((flops / seconds / 1e9, seconds))
 }
+
+/// Timed runs per layer in [`scoring_throughput`].
+pub const SCORING_REPEATS: usize = 3;
 
 /// Replays the grid; returns the reports (in grid order: policies outer, budgets inner) and seconds.
 pub fn replay_grid(
