@@ -507,7 +507,7 @@ fn bench(
             format!("{numpy_seconds:.2} s"),
         ]);
         table.push([
-            "agreement: max |Δ retained mass| over the grid".into(),
+            "agreement: largest Δ retained mass over the grid (absolute)".into(),
             format!("{worst:.1e} (tolerance 1e-3)"),
         ]);
         table.push([
