@@ -11,6 +11,7 @@
 pub mod allocator;
 mod engine;
 mod error;
+mod kept;
 mod layer;
 pub mod metrics;
 mod policy;
