@@ -17,7 +17,6 @@ use super::metrics::{
 };
 use super::select::ranking;
 use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
-use crate::attention::decode_attention;
 use crate::trace::{LayerTensors, Span, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -279,11 +278,6 @@ fn layer_budgets_with_progress(
             params.window, params.sinks
         )));
     }
-    let units = Unit::all(
-        meta.n_heads,
-        meta.n_kv_heads,
-        params.gqa == super::Granularity::QueryHead,
-    );
     let profiles = if policy.allocator.needs_profile() {
         for_each_layer(trace, layer_done, &|layer| {
             LayerProfile::measure(&layer, params.window.max(1))
@@ -292,9 +286,7 @@ fn layer_budgets_with_progress(
         Vec::new()
     };
     let mass_curves = if policy.allocator.needs_mass_curves() {
-        for_each_layer(trace, layer_done, &|layer| {
-            mass_curve(&layer, &units, policy)
-        })?
+        for_each_layer(trace, layer_done, &|layer| mass_curve(&layer, policy))?
     } else {
         Vec::new()
     };
@@ -356,7 +348,7 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt
 /// tokens kept in the scorer's order, index b = b tokens; generated tokens are left out (they are
 /// the same for every budget).
-fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) -> Vec<f64> {
+fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let params = policy.params();
     let prompt_len = layer.prompt_len;
     let n_heads = layer.q.shape()[0];
@@ -364,18 +356,12 @@ fn mass_curve(layer: &LayerContext<'_>, units: &[Unit], policy: &ValidPolicy) ->
     let samples = (n_heads * n_steps) as f64;
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
-    for unit in units {
+    for unit in &units(layer, policy) {
         let scores = score_prompt(policy.scorer.as_ref(), layer, unit);
         let order = ranking(&prompt, &scores, |position| {
             position < params.sinks || position + params.window >= prompt_len
         });
-        let decode = decode_attention(
-            layer.q.slice(ndarray::s![unit.query_heads.clone(), .., ..]),
-            layer.keys(unit.kv_head),
-            prompt_len,
-            layer.scale,
-            layer.softcap,
-        );
+        let decode = layer.decode_attention(unit.query_heads.clone());
         let mut weight = vec![0.0f64; prompt_len];
         for head in 0..unit.query_heads.len() {
             for step in 0..n_steps {

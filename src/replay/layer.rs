@@ -1,6 +1,6 @@
 //! What a scorer may look at: one layer's vectors, the trace geometry, and the cache unit it scores.
 
-use ndarray::{ArrayView1, ArrayView2, ArrayView3, Axis};
+use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
 use std::ops::Range;
 
 /// One layer of a trace, as seen by scorers and metrics.
@@ -43,6 +43,20 @@ impl<'a> LayerContext<'a> {
     /// All keys of KV head `kv_head`, `[T, d]`.
     pub fn keys(&self, kv_head: usize) -> ArrayView2<'a, f32> {
         self.k.index_axis_move(Axis(0), kv_head)
+    }
+
+    /// The full causal attention of the decode queries of query heads `heads` (one GQA group or
+    /// part of one), `[heads, T - prompt_len, T]`: what metrics and the oracle allocator measure
+    /// kept sets against.
+    pub fn decode_attention(&self, heads: Range<usize>) -> Array3<f32> {
+        let kv_head = heads.start / self.group_size();
+        crate::attention::decode_attention(
+            self.q.slice(s![heads, .., ..]),
+            self.keys(kv_head),
+            self.prompt_len,
+            self.scale,
+            self.softcap,
+        )
     }
 
     /// All values of KV head `kv_head`, `[T, d]`.

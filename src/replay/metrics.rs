@@ -86,13 +86,7 @@ impl DecodeReference {
     pub fn new(layer: &LayerContext<'_>, kv_head: usize, max_top_k: usize) -> Self {
         let group = layer.group_size();
         let heads = kv_head * group..(kv_head + 1) * group;
-        let attention = crate::attention::decode_attention(
-            layer.q.slice(s![heads.clone(), .., ..]),
-            layer.keys(kv_head),
-            layer.prompt_len,
-            layer.scale,
-            layer.softcap,
-        );
+        let attention = layer.decode_attention(heads.clone());
         let n_steps = attention.dim().1;
         let output = layer.values(kv_head).map(|values| {
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
