@@ -10,7 +10,7 @@
 //! has none).
 
 use super::{AlignedScores, ScoreState, Scorer};
-use crate::attention::{attend_positions, softmax_in_place, CausalLogits};
+use crate::attention::{attend_positions, softmax, CausalLogits};
 use crate::replay::{LayerContext, Unit};
 use ndarray::{ArrayView2, Axis};
 
@@ -51,9 +51,7 @@ impl ScoreState for State<'_> {
             return;
         }
         let attention = if stored.len() == newest {
-            let mut weights = self.rows.row(0, newest)[..newest].to_vec();
-            softmax_in_place(&mut weights);
-            weights
+            softmax(&self.rows.row(0, newest)[..newest])
         } else {
             attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None)
         };

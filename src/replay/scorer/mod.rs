@@ -18,7 +18,7 @@ mod true_query;
 
 use super::policy::{Aggregation, PolicyParams, Timing};
 use super::{LayerContext, PolicyError, Unit};
-use crate::attention::{softmax_in_place, sparse_logits, CausalLogits};
+use crate::attention::{softmax, softmax_in_place, sparse_logits, CausalLogits};
 
 /// The registered scorer names, as configs spell them.
 pub const NAMES: [&str; 9] = [
@@ -119,11 +119,7 @@ impl<'a> GroupQueries<'a> {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
         if is_prefix {
             return (0..self.unit.query_heads.len())
-                .map(|head| {
-                    let mut weights = self.rows.row(head, position).to_vec();
-                    softmax_in_place(&mut weights);
-                    weights
-                })
+                .map(|head| softmax(self.rows.row(head, position)))
                 .collect();
         }
         // A sparse cache (after evictions): one dot product per cached key and head, O(budget).

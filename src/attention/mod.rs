@@ -2,8 +2,13 @@
 //! scorers and the metrics cannot disagree: scaled (optionally soft-capped) dot-product logits,
 //! a numerically stable softmax, entropy. All in f32 with f64 accumulation where sums are long.
 
-use ndarray::linalg::general_mat_mul;
-use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayView3, ArrayViewMut2};
+mod product;
+mod softmax;
+
+pub use product::{scaled_product, PackedKeys};
+pub use softmax::{softmax, softmax_in_place, softmax_into};
+
+use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayView3};
 
 /// Logits of one query against rows of `keys`: `scale * q·k_j`, soft-capped when asked
 /// (`softcap * tanh(x / softcap)`, Gemma-2's rule).
@@ -23,71 +28,6 @@ pub fn logits(
             }
         })
         .collect()
-}
-
-/// `e^x` for `x <= 88`, within 2 ulp (Cephes' `expf` polynomial), written without branches or
-/// calls so loops over it vectorise: softmax spends most of its time here. Inputs below -87
-/// return ~1.6e-38 instead of underflowing, which no softmax sum can notice.
-#[inline(always)]
-pub fn exp(x: f32) -> f32 {
-    const MAGIC: f32 = 12_582_912.0; // 1.5 * 2^23: adding it rounds to an integer
-    const LN2_HI: f32 = 0.693_359_4;
-    const LN2_LO: f32 = -2.121_944_4e-4;
-    let x = x.clamp(-87.0, 88.0);
-    let shifted = x * std::f32::consts::LOG2_E + MAGIC;
-    let n = shifted - MAGIC;
-    let exponent = shifted.to_bits().wrapping_sub(MAGIC.to_bits()) as i32;
-    let r = x - n * LN2_HI - n * LN2_LO;
-    let mut p = 1.987_569_2e-4f32;
-    p = p * r + 1.398_199_9e-3;
-    p = p * r + 8.333_452e-3;
-    p = p * r + 4.166_579_6e-2;
-    p = p * r + 1.666_666_5e-1;
-    p = p * r + 5.000_000_1e-1;
-    let e = p * r * r + r + 1.0;
-    e * f32::from_bits(((exponent + 127) as u32) << 23)
-}
-
-/// In-place softmax; an empty slice stays empty. Runs AVX2/FMA code where the processor has it
-/// (checked at run time), portable code elsewhere; both compute the same arithmetic.
-pub fn softmax_in_place(values: &mut [f32]) {
-    #[cfg(target_arch = "x86_64")]
-    if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
-        // SAFETY: the features were detected just above.
-        return unsafe { softmax_avx2(values) };
-    }
-    softmax_portable(values);
-}
-
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn softmax_avx2(values: &mut [f32]) {
-    softmax_portable(values);
-}
-
-#[inline(always)]
-fn softmax_portable(values: &mut [f32]) {
-    let max = values.iter().copied().fold(f32::NEG_INFINITY, f32::max);
-    for value in values.iter_mut() {
-        *value = exp(*value - max);
-    }
-    // Eight independent f64 lanes, so the sum vectorises instead of waiting on one dependent
-    // chain of additions (the order is fixed, so results do not depend on the machine).
-    let mut lanes = [0.0f64; 8];
-    let chunks = values.chunks_exact(8);
-    let tail: f64 = chunks.remainder().iter().map(|v| *v as f64).sum();
-    for chunk in chunks {
-        for lane in 0..8 {
-            lanes[lane] += chunk[lane] as f64;
-        }
-    }
-    let sum = ((lanes[0] + lanes[4]) + (lanes[1] + lanes[5]))
-        + ((lanes[2] + lanes[6]) + (lanes[3] + lanes[7]))
-        + tail;
-    let inv = (1.0 / sum) as f32;
-    for value in values.iter_mut() {
-        *value *= inv;
-    }
 }
 
 /// Softmax attention of one query over rows of `keys`.
@@ -227,16 +167,17 @@ pub fn attend_positions(
 
 /// Causal logits `scale * q_{h,t} · k_j` (soft-capped when asked), `j <= t`, of the query heads of
 /// one GQA group over their shared keys, served one (head, position) row at a time but computed
-/// by matrix multiplication: the group's queries for a block of positions are stacked into one
-/// product of [`CausalLogits::BLOCK_ROWS`] rows (GEMM speed whatever the group size), whose
-/// output buffer is reused from block to block. That buffer is a prefix scorer's working memory:
-/// `BLOCK_ROWS · T` floats per cache being scored, a few per cent of a layer.
+/// by matrix multiplication ([`scaled_product`]): the group's queries for a block of positions
+/// are stacked into one product of [`CausalLogits::BLOCK_ROWS`] rows (full register tiles
+/// whatever the group size), whose output buffer is reused from block to block. That buffer and
+/// the packed keys are a prefix scorer's working memory: `(BLOCK_ROWS + d) · T` floats per cache
+/// being scored at most, a few per cent of a layer.
 #[derive(Debug)]
 pub struct CausalLogits<'a> {
     /// `[heads, T, d]`.
     queries: ArrayView3<'a, f32>,
-    /// `[T, d]`.
-    keys: ArrayView2<'a, f32>,
+    /// `[T, d]`, packed for the product as blocks need them.
+    keys: PackedKeys<'a>,
     scale: f32,
     softcap: Option<f32>,
     positions_per_block: usize,
@@ -251,8 +192,9 @@ pub struct CausalLogits<'a> {
 }
 
 impl<'a> CausalLogits<'a> {
-    /// Rows (heads × positions) computed per matrix multiplication.
-    pub const BLOCK_ROWS: usize = 64;
+    /// Rows (heads × positions) computed per matrix multiplication: a multiple of the product's
+    /// 6-row tile for groups of 1, 2, 3, 4, 6, 8, 9 or 12 heads.
+    pub const BLOCK_ROWS: usize = 72;
 
     /// Logits of `queries` `[heads, T, d]` against `keys` `[T, d]`.
     pub fn new(
@@ -265,7 +207,7 @@ impl<'a> CausalLogits<'a> {
         let positions_per_block = (Self::BLOCK_ROWS / heads.max(1)).max(1);
         Self {
             queries,
-            keys,
+            keys: PackedKeys::new(keys),
             scale,
             softcap,
             positions_per_block,
@@ -310,19 +252,18 @@ impl<'a> CausalLogits<'a> {
             self.logits = Vec::new();
             self.logits = vec![0.0; size];
         }
-        let mut block = ArrayViewMut2::from_shape((rows, end), &mut self.logits[..needed])
-            .expect("buffer sized above");
-        // The GEMM applies the scale to each finished dot product (`alpha · Σ`): the same single
-        // rounding as `dot * scale`, without another pass over the block.
-        general_mat_mul(
+        let block = &mut self.logits[..needed];
+        scaled_product(
+            self.stacked.slice(s![..rows, ..head_dim]),
+            &mut self.keys,
+            end,
             self.scale,
-            &self.stacked.slice(s![..rows, ..head_dim]),
-            &self.keys.slice(s![..end, ..]).t(),
-            0.0,
-            &mut block,
+            block,
         );
         if let Some(cap) = self.softcap {
-            block.mapv_inplace(|logit| cap * (logit / cap).tanh());
+            for logit in block.iter_mut() {
+                *logit = cap * (*logit / cap).tanh();
+            }
         }
         self.block_start = start;
         self.block_positions = positions;
@@ -344,14 +285,15 @@ pub fn decode_attention(
     let (n_heads, n_positions, _) = queries.dim();
     let steps = n_positions - prompt_len;
     let mut out = ndarray::Array3::<f32>::zeros((n_heads, steps, n_positions));
+    let mut packed = PackedKeys::new(keys);
     for head in 0..n_heads {
         let mut rows = out.index_axis_mut(ndarray::Axis(0), head);
-        general_mat_mul(
+        scaled_product(
+            queries.slice(s![head, prompt_len.., ..]),
+            &mut packed,
+            n_positions,
             scale,
-            &queries.slice(s![head, prompt_len.., ..]),
-            &keys.t(),
-            0.0,
-            &mut rows,
+            rows.as_slice_mut().expect("standard layout"),
         );
         for (step, mut row) in rows.outer_iter_mut().enumerate() {
             let row = row.as_slice_mut().expect("standard layout");
@@ -403,14 +345,14 @@ mod tests {
         let keys = ndarray::Array2::from_shape_fn((150, 3), |(t, d)| {
             ((t * 5 + d) % 13) as f32 * 0.1 - 0.6
         });
-        // Three heads share the keys: 21 positions per block, so the positions below cross
+        // Three heads share the keys: 24 positions per block, so the positions below cross
         // block edges, go back to an earlier block, and end in the short last block.
         let heads = ndarray::Array3::from_shape_fn((3, 150, 3), |(h, t, d)| {
             queries[[t, d]] * (h as f32 + 1.0) - 0.1 * h as f32
         });
         let mut rows = CausalLogits::new(heads.view(), keys.view(), 0.5, Some(2.0));
-        assert_eq!(rows.positions_per_block(), 21);
-        for position in [0, 1, 20, 21, 22, 63, 64, 65, 149, 147, 3] {
+        assert_eq!(rows.positions_per_block(), 24);
+        for position in [0, 1, 23, 24, 25, 71, 72, 73, 149, 145, 3] {
             for head in [2, 0, 1] {
                 let direct = logits(
                     heads.slice(ndarray::s![head, position, ..]),
@@ -457,20 +399,6 @@ mod tests {
         let b: Vec<f32> = (0..67).map(|i| 1.0 - i as f32 * 0.125).collect();
         let plain: f32 = a.iter().zip(&b).map(|(x, y)| x * y).sum();
         assert_abs_diff_eq!(dot(&a, &b), plain, epsilon = 1e-3);
-    }
-
-    #[test]
-    fn exp_is_within_two_ulp() {
-        let mut x = -87.0f32;
-        while x < 88.0 {
-            let (fast, exact) = (exp(x), x.exp());
-            assert!(
-                (fast - exact).abs() <= 2.5 * f32::EPSILON * exact,
-                "exp({x}): {fast} vs {exact}"
-            );
-            x += 0.0137;
-        }
-        assert_eq!(exp(0.0), 1.0);
     }
 
     #[test]
