@@ -31,6 +31,21 @@ fn f32_round_trip_is_exact() {
     }
 }
 
+/// A trace is shareable data: it gets the mode of any new file in its directory (safetensors'
+/// own temporary file is 0600).
+#[cfg(unix)]
+#[test]
+fn traces_get_the_mode_of_a_new_file() {
+    use std::os::unix::fs::PermissionsExt;
+    let dir = tempfile::tempdir().unwrap();
+    let mode = |path: &Path| std::fs::metadata(path).unwrap().permissions().mode() & 0o777;
+    let plain = dir.path().join("plain");
+    std::fs::File::create(&plain).unwrap();
+    let path = dir.path().join("t.safetensors");
+    write_fixture(&path, Shape::default(), 1);
+    assert_eq!(mode(&path), mode(&plain));
+}
+
 #[test]
 fn half_precision_round_trips_within_its_precision() {
     let dir = tempfile::tempdir().unwrap();

@@ -133,8 +133,16 @@ impl TraceWriter {
         if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
             std::fs::create_dir_all(parent).map_err(|err| fail(err.to_string()))?;
         }
+        // safetensors writes through a temporary file of its own, created with mode 0600: the
+        // trace gets the mode any new file gets here (0644 under the usual umask), like the
+        // tool's other outputs, so it can be shared.
+        let permissions = std::fs::File::create(&partial)
+            .and_then(|file| file.metadata())
+            .map(|metadata| metadata.permissions())
+            .map_err(|err| fail(err.to_string()))?;
         safetensors::serialize_to_file(views, Some(meta.to_header()), &partial)
             .map_err(|err| fail(err.to_string()))?;
+        std::fs::set_permissions(&partial, permissions).map_err(|err| fail(err.to_string()))?;
         std::fs::rename(&partial, path).map_err(|err| fail(err.to_string()))
     }
 }
