@@ -6,8 +6,8 @@
 //! compiler vectorised the portable loops poorly (NaN-aware max, a shuffled f64 sum, a separate
 //! pass per step): it makes three passes (max; exp, store and sum; scale) where the portable
 //! code makes four, and `softmax_into` saves the copy a scorer would otherwise make. On
-//! niah-2k's prompt rows this took the softmax from ~0.75 s to ~0.3 s of the bench's 30-layer
-//! scoring kernel (the multiply-adds alone were ~0.25 s of that).
+//! niah-2k's prompt rows this took the softmax from ~0.75 s to ~0.45 s of the bench's 30-layer
+//! scoring kernel (perf; the product takes ~0.93 s); what is left is exp's arithmetic.
 
 /// In-place softmax; an empty slice stays empty. Inputs must be finite (traces are checked on
 /// load); an entry more than 87 below the largest gets ~1.6e-38 / sum, not 0.
