@@ -19,7 +19,7 @@ use ndarray::ArrayView2;
 const PANEL: usize = 16;
 /// Query rows per register tile: 6 rows × 2 vectors = 12 accumulators, plus two key vectors
 /// and one broadcast query value, fit AVX2's 16 registers.
-pub const TILE_ROWS: usize = 6;
+const TILE_ROWS: usize = 6;
 
 /// One dimension of one panel: the sixteen keys' values there, on their own cache line.
 #[derive(Debug, Clone, Copy)]
@@ -79,7 +79,7 @@ impl<'a> PackedKeys<'a> {
 }
 
 /// `out[r · n_keys + j] = scale · rows[r] · keys[j]` for every row of `rows` `[R, d]` and the
-/// first `n_keys` keys. Full register tiles need `R` to be a multiple of [`TILE_ROWS`].
+/// first `n_keys` keys. Full register tiles need `R` to be a multiple of 6.
 pub fn scaled_product(
     rows: ArrayView2<f32>,
     keys: &mut PackedKeys,
