@@ -96,39 +96,46 @@ fn fold_lanes(lanes: [f64; 8], tail: f64) -> f64 {
         + tail
 }
 
-/// The sum of the values that do not fill a lane group, in order.
+/// The largest of `values` (`-inf` when empty); no NaN handling (inputs are finite).
 #[inline(always)]
-fn tail_sum(tail: &[f32]) -> f64 {
-    tail.iter().map(|value| *value as f64).sum()
+fn largest(values: impl Iterator<Item = f32>) -> f32 {
+    values.fold(
+        f32::NEG_INFINITY,
+        |max, value| if value > max { value } else { max },
+    )
+}
+
+/// Divides the exponentials in `values` by their sum: the eight lanes of the whole groups of
+/// eight, then the remaining values in order, folded in the one order both code paths use.
+#[inline(always)]
+fn normalise(values: &mut [f32], lanes: [f64; 8]) {
+    let tail: f64 = values[values.len() / 8 * 8..]
+        .iter()
+        .map(|value| *value as f64)
+        .sum();
+    let inv = (1.0 / fold_lanes(lanes, tail)) as f32;
+    for value in values.iter_mut() {
+        *value *= inv;
+    }
 }
 
 /// # Safety
 /// As [`softmax_raw`].
 unsafe fn softmax_portable(source: *const f32, destination: *mut f32, len: usize) {
     // SAFETY (whole body): indices stay below `len`; each element is read before it is written.
-    let max = (0..len)
-        .map(|i| unsafe { *source.add(i) })
-        .fold(
-            f32::NEG_INFINITY,
-            |max, value| if value > max { value } else { max },
-        );
+    let max = largest((0..len).map(|i| unsafe { *source.add(i) }));
     for i in 0..len {
         unsafe { *destination.add(i) = exp(*source.add(i) - max) };
     }
     let values = unsafe { std::slice::from_raw_parts_mut(destination, len) };
     // Eight independent f64 lanes (an addition chain per lane, not one for the whole row).
     let mut lanes = [0.0f64; 8];
-    let chunks = values.chunks_exact(8);
-    let tail = tail_sum(chunks.remainder());
-    for chunk in chunks {
+    for chunk in values.chunks_exact(8) {
         for lane in 0..8 {
             lanes[lane] += chunk[lane] as f64;
         }
     }
-    let inv = (1.0 / fold_lanes(lanes, tail)) as f32;
-    for value in values.iter_mut() {
-        *value *= inv;
-    }
+    normalise(values, lanes);
 }
 
 #[cfg(target_arch = "x86_64")]
@@ -167,10 +174,7 @@ mod avx2 {
             _mm256_storeu_pd(lanes.as_mut_ptr(), low);
             _mm256_storeu_pd(lanes.as_mut_ptr().add(4), high);
         }
-        let inv = (1.0 / fold_lanes(lanes, tail_sum(&values[whole..]))) as f32;
-        for value in values.iter_mut() {
-            *value *= inv;
-        }
+        normalise(values, lanes);
     }
 
     /// The largest of `len` floats (`-inf` when empty), four vectors of eight per step.
@@ -192,14 +196,8 @@ mod avx2 {
         let mut eight = [0.0f32; 8];
         // SAFETY: `eight` holds eight floats.
         unsafe { _mm256_storeu_ps(eight.as_mut_ptr(), folded) };
-        (whole..len)
-            // SAFETY: `i < len`.
-            .map(|i| unsafe { *source.add(i) })
-            .chain(eight)
-            .fold(
-                f32::NEG_INFINITY,
-                |max, value| if value > max { value } else { max },
-            )
+        // SAFETY: `i < len`.
+        largest((whole..len).map(|i| unsafe { *source.add(i) }).chain(eight))
     }
 
     /// [`super::exp`] on eight lanes.
