@@ -4,11 +4,164 @@
 //! whose numbers must agree first), the streaming cost per token, peak resident memory and
 //! capture speed. The library measures; the CLI prints.
 
+use crate::assets::{AssetError, Assets};
 use crate::attention::{scaled_product, softmax_into, CausalLogits, PackedKeys};
-use crate::replay::{presets, replay_many, PolicyError, PolicyParams, ReplayReport, Timing};
+use crate::model::{Llama, ModelError, Recorder};
+use crate::replay::{
+    presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
+};
 use crate::trace::TraceReader;
 use ndarray::{s, Array2};
+use std::path::{Path, PathBuf};
+use std::process::Command;
 use std::time::Instant;
+
+/// What can stop the bench.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum BenchError {
+    /// A replay failed.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The NumPy reference could not be set up or run, or disagrees.
+    #[error("NumPy reference: {0}")]
+    Reference(String),
+    /// The model or the essays for the capture speed are missing.
+    #[error(transparent)]
+    Asset(#[from] AssetError),
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+}
+
+/// The NumPy reference's grid: its time and how far its retained mass is from kvreplay's.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct NumpyGrid {
+    /// Seconds the reference took for the grid.
+    pub seconds: f64,
+    /// Largest |Δ retained mass| between it and kvreplay over the grid.
+    pub worst_difference: f64,
+}
+
+/// Largest |Δ retained mass| the NumPy reference may differ by. f32 here, f64/f32 there, and the
+/// order of sums differ; 1e-3 leaves room for a rare flipped near-tie, and nothing wrong stays
+/// under it.
+pub const NUMPY_TOLERANCE: f64 = 1e-3;
+
+/// A Python with NumPy for the reference: the one given, or a venv made once under
+/// `$KVREPLAY_HOME/bench-venv` with a pinned NumPy.
+pub fn numpy_python(given: Option<PathBuf>) -> Result<PathBuf, BenchError> {
+    if let Some(python) = given {
+        return Ok(python);
+    }
+    let venv = Assets::from_env().home().join("bench-venv");
+    let python = venv.join("bin/python");
+    let has_numpy = |python: &Path| {
+        Command::new(python)
+            .args(["-c", "import numpy"])
+            .status()
+            .is_ok_and(|s| s.success())
+    };
+    if !has_numpy(&python) {
+        let fail = |what: String| BenchError::Reference(what);
+        let made = Command::new("python3")
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .map_err(|e| fail(format!("running python3 -m venv: {e}")))?;
+        if !made.success() {
+            return Err(fail(format!("python3 -m venv {} failed", venv.display())));
+        }
+        let installed = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+                "numpy==2.4.6",
+            ])
+            .status()
+            .map_err(|e| fail(format!("installing numpy: {e}")))?;
+        if !installed.success() {
+            return Err(fail("pip install numpy failed (offline?)".into()));
+        }
+    }
+    Ok(python)
+}
+
+/// Runs the NumPy reference (`tests/reference/replay_numpy.py`) on the grid and compares its
+/// retained mass with `reports` (grid order: policies outer, budgets inner).
+pub fn numpy_grid(
+    python: &Path,
+    trace: &Path,
+    budgets: &[usize],
+    reports: &[ReplayReport],
+) -> Result<NumpyGrid, BenchError> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/replay_numpy.py");
+    let budget_list: Vec<String> = budgets.iter().map(|b| b.to_string()).collect();
+    let output = Command::new(python)
+        .arg(&script)
+        .arg(trace)
+        .args([
+            "--budgets",
+            &budget_list.join(","),
+            "--policies",
+            &GRID_POLICIES.join(","),
+        ])
+        .output()
+        .map_err(|e| BenchError::Reference(format!("running {}: {e}", script.display())))?;
+    if !output.status.success() {
+        return Err(BenchError::Reference(
+            String::from_utf8_lossy(&output.stderr).into_owned(),
+        ));
+    }
+    let numpy: serde_json::Value = serde_json::from_slice(&output.stdout)
+        .map_err(|e| BenchError::Reference(format!("its output is not JSON: {e}")))?;
+    let mut worst = 0.0f64;
+    let mut index = 0;
+    for name in GRID_POLICIES {
+        for budget in budgets {
+            let theirs = numpy["results"][name][budget.to_string()]
+                .as_f64()
+                .ok_or_else(|| {
+                    BenchError::Reference(format!("no result for {name} at {budget}"))
+                })?;
+            worst = worst.max((reports[index].retained_mass - theirs).abs());
+            index += 1;
+        }
+    }
+    if worst > NUMPY_TOLERANCE {
+        return Err(BenchError::Reference(format!(
+            "kvreplay and NumPy disagree: max |Δ retained mass| = {worst:.2e} > {NUMPY_TOLERANCE:.0e}"
+        )));
+    }
+    Ok(NumpyGrid {
+        seconds: numpy["seconds"].as_f64().unwrap_or(f64::NAN),
+        worst_difference: worst,
+    })
+}
+
+/// Prefill tokens per second of the native model recording q/k/v, on the first `tokens` tokens of
+/// two haystack essays. Returns the tokens used and the speed.
+pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
+    let assets = Assets::from_env();
+    let model = Llama::load(&assets.require_model()?)?;
+    let essays = assets.require_essays()?;
+    let read = |path: &Path| {
+        std::fs::read_to_string(path).map_err(|e| {
+            BenchError::Reference(format!("{}: cannot read essay: {e}", path.display()))
+        })
+    };
+    let text = read(&essays[0])? + &read(&essays[1])?;
+    let mut ids = model.tokenizer().encode(&text);
+    ids.truncate(tokens);
+    let started = Instant::now();
+    let mut recorder = Recorder::default();
+    model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| {})?;
+    let seconds = started.elapsed().as_secs_f64();
+    Ok((ids.len(), ids.len() as f64 / seconds))
+}
 
 /// The grid of the bench: (name, budget) pairs and their policies.
 pub const GRID_POLICIES: [&str; 6] = [
@@ -137,6 +290,7 @@ pub const SCORING_REPEATS: usize = 5;
 pub fn replay_grid(
     trace: &TraceReader,
     budgets: &[usize],
+    layer_done: LayerDone<'_>,
 ) -> Result<(Vec<ReplayReport>, f64), PolicyError> {
     let policies = GRID_POLICIES
         .iter()
@@ -144,19 +298,23 @@ pub fn replay_grid(
         .map(|params| params.and_then(|p| p.check()))
         .collect::<Result<Vec<_>, _>>()?;
     let started = Instant::now();
-    let reports = replay_many(trace, &policies, &|| {})?;
+    let reports = replay_many(trace, &policies, layer_done)?;
     Ok((reports, started.elapsed().as_secs_f64()))
 }
 
 /// Microseconds per token per cache of key-proxy streaming eviction at `budget`.
-pub fn streaming_cost(trace: &TraceReader, budget: usize) -> Result<f64, PolicyError> {
+pub fn streaming_cost(
+    trace: &TraceReader,
+    budget: usize,
+    layer_done: LayerDone<'_>,
+) -> Result<f64, PolicyError> {
     let policy = PolicyParams {
         timing: Timing::Streaming,
         ..grid_policy("key-proxy", budget)?
     }
     .check()?;
     let started = Instant::now();
-    replay_many(trace, std::slice::from_ref(&policy), &|| {})?;
+    replay_many(trace, std::slice::from_ref(&policy), layer_done)?;
     let meta = trace.meta();
     let tokens = (trace.n_positions() * meta.n_kv_heads * meta.n_layers) as f64;
     Ok(started.elapsed().as_secs_f64() / tokens * 1e6)
@@ -232,18 +390,21 @@ pub fn resident_growth<T>(work: impl FnOnce() -> T) -> (T, Option<Growth>) {
 pub fn replay_memory(
     trace: &TraceReader,
     budget: usize,
+    layer_done: LayerDone<'_>,
 ) -> Result<Vec<(&'static str, Option<Growth>)>, PolicyError> {
     let policies = GRID_POLICIES
         .iter()
         .map(|name| Ok((*name, grid_policy(name, budget)?.check()?)))
         .collect::<Result<Vec<_>, PolicyError>>()?;
+    let replay =
+        |policy: &ValidPolicy| replay_many(trace, std::slice::from_ref(policy), layer_done);
     for (_, policy) in &policies {
-        crate::replay::replay(trace, policy)?;
+        replay(policy)?;
     }
     policies
         .iter()
         .map(|(name, policy)| {
-            let (report, growth) = resident_growth(|| crate::replay::replay(trace, policy));
+            let (report, growth) = resident_growth(|| replay(policy));
             report.map(|_| (*name, growth))
         })
         .collect()

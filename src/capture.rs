@@ -1,10 +1,12 @@
 //! Native capture: run a recipe's prompt through the model, greedy-decode, and write what every
 //! layer's attention saw as a kvtrace/1 file.
 
+use crate::assets::{AssetError, Assets};
 use crate::model::{Llama, ModelError, Recorder};
-use crate::recipe::BuiltPrompt;
+use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
 use std::collections::BTreeMap;
+use std::path::Path;
 
 /// How to capture.
 #[derive(Debug, Clone, PartialEq)]
@@ -29,6 +31,65 @@ pub enum CaptureError {
     /// The trace could not be assembled or written.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// The recipe is invalid.
+    #[error(transparent)]
+    Recipe(#[from] RecipeError),
+    /// The model or the essays are missing or could not be fetched.
+    #[error(transparent)]
+    Asset(#[from] AssetError),
+}
+
+/// What a recipe's capture wrote.
+#[derive(Debug, Clone, PartialEq)]
+pub struct CaptureSummary {
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Generated tokens.
+    pub generated_tokens: usize,
+    /// The generated text.
+    pub generated_text: String,
+}
+
+/// Captures recipe file `recipe` with the native model into `out`, fetching the assets first if
+/// they are missing. `progress(done, total)` counts tokens.
+pub fn capture_recipe(
+    recipe: &Path,
+    out: &Path,
+    storage: StorageDtype,
+    chunk: usize,
+    progress: &mut dyn FnMut(usize, usize),
+) -> Result<CaptureSummary, CaptureError> {
+    let (parsed, base) = Recipe::load(recipe)?;
+    let assets = Assets::from_env();
+    let model_path = match assets.require_model() {
+        Ok(path) => path,
+        Err(_) => assets.fetch()?.model,
+    };
+    let essays = match parsed {
+        Recipe::Niah(_) => assets.require_essays()?,
+        _ => Vec::new(),
+    };
+    let model = Llama::load(&model_path)?;
+    let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
+    let options = CaptureOptions {
+        storage,
+        chunk,
+        recipe_name: recipe
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        model_id: model_path
+            .file_stem()
+            .map(|s| s.to_string_lossy().into_owned())
+            .unwrap_or_else(|| model.config().name.clone()),
+    };
+    let captured = capture(&model, &prompt, &options, Recorder::default(), progress)?;
+    captured.writer.write(out)?;
+    Ok(CaptureSummary {
+        prompt_tokens: prompt.ids.len(),
+        generated_tokens: captured.generated.len(),
+        generated_text: captured.generated_text,
+    })
 }
 
 /// A finished capture, not yet written.

@@ -148,13 +148,43 @@ fn bad_parameters_exit_2_with_the_rule() {
             vec!["--budget", "5", "--sinks", "4", "--window", "2"],
             "budget 5 is below sinks 4 + window 2",
         ),
-        (vec!["--kernel", "4"], "`kernel` = 4: must be odd"),
-        (vec!["--beta=-1"], "`beta` = -1"),
-        (vec!["--beta", "NaN"], "`beta` = NaN"),
-        (vec!["--alpha", "1.5"], "`alpha` = 1.5"),
+        (
+            vec!["--kernel", "4"],
+            "scorer `snapkv`: setting `kernel` = 4: must be odd",
+        ),
+        (
+            vec!["--allocator", "pyramid", "--beta=-1"],
+            "allocator `pyramid`: setting `beta` = -1: must be a positive finite number",
+        ),
+        (
+            vec!["--allocator", "pyramid", "--beta", "NaN"],
+            "setting `beta` = NaN: expected f64",
+        ),
+        (
+            vec!["--heads", "adakv", "--alpha", "1.5"],
+            "head split `adakv`: setting `alpha` = 1.5: must be in [0, 1]",
+        ),
         (
             vec!["--allocator", "pyramid-taper", "--beta", "0.5"],
-            "steepness must be >= 1",
+            "steepness must be a finite number >= 1",
+        ),
+        (
+            vec!["--pool", "median"],
+            "scorer `snapkv`: setting `pool` = median: expected `avg` or `max`",
+        ),
+        // A setting the chosen methods do not take names them, what they take, and its owners.
+        (
+            vec!["--beta", "2"],
+            "setting `beta` is not taken by allocator `flat` (no settings), scorer `snapkv` (kernel, pool, agg) or head split `uniform` (no settings); it is a setting of allocator `pyramid`, allocator `pyramid-taper`",
+        ),
+        (
+            vec!["--scorer", "recency", "--agg", "max"],
+            "setting `agg` is not taken by",
+        ),
+        // Old spellings name the new one.
+        (
+            vec!["--scorer", "oracle-per-step"],
+            "scorer `oracle-per-step` was renamed: the per-step oracle is the `tova` scorer under `--timing per-step`",
         ),
         (
             vec!["--timing", "streaming"],
@@ -184,6 +214,13 @@ fn bad_traces_exit_2_naming_the_file() {
         .assert()
         .code(2)
         .stderr(contains("junk.safetensors: not a valid safetensors file"));
+    kvreplay(&dir)
+        .args(["replay", "."])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            ".: cannot read trace: is a directory, not a trace file",
+        ));
     kvreplay(&dir)
         .args(["inspect", "absent.safetensors"])
         .assert()

@@ -8,7 +8,7 @@ mod common;
 
 use common::{write_fixture, Shape};
 use kvreplay::replay::{
-    presets, replay, replay_many, Granularity, HeadBudget, PolicyParams, Timing, ValidPolicy,
+    presets, replay, replay_many, Granularity, PolicyParams, Timing, ValidPolicy,
 };
 use kvreplay::trace::TraceReader;
 use std::alloc::{GlobalAlloc, Layout, System};
@@ -103,7 +103,7 @@ fn policies() -> Vec<(String, PolicyParams)> {
         PolicyParams {
             scorer: "true-query".into(),
             gqa: Granularity::QueryHead,
-            heads: HeadBudget::Uniform,
+            heads: "uniform".into(),
             timing: Timing::Prefill,
             budget: 512,
             ..base.clone()

@@ -5,37 +5,41 @@ mod common;
 use common::reference::{self, Agg, Layer};
 use common::{write_fixture, Shape};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, Aggregation, Granularity, PolicyParams, Timing, UnitKept,
+    kept_sets, layer_budgets, replay, scorer, settings, Granularity, PolicyError, PolicyParams,
+    Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 
-const SCORERS: [&str; 8] = [
-    "key-proxy",
-    "true-query",
-    "snapkv",
-    "tova",
-    "recency",
-    "knorm",
-    "oracle-static",
-    "oracle-per-step",
-];
-
 fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
-    PolicyParams {
+    let base = PolicyParams {
         scorer: scorer.into(),
         timing,
         budget,
         window: 2,
         sinks: 1,
-        kernel: 3,
         ..PolicyParams::default()
+    };
+    if scorer == "snapkv" {
+        base.with("kernel", 3)
+    } else {
+        base
     }
 }
 
-/// Every scorer, both timings, both cache granularities and all aggregations agree with the
-/// reference on kept sets and metrics (tolerance 1e-5: f32 engine against f64 reference).
+/// The scorer's method declaration.
+fn declared(
+    scorer: &str,
+) -> &'static kvreplay::replay::settings::Method<dyn kvreplay::replay::scorer::Scorer> {
+    settings::find(scorer::REGISTRY, scorer).expect("registered")
+}
+
+/// Every registered scorer, every timing it supports, both cache granularities and all
+/// aggregations (for the scorers that aggregate a group) agree with the reference on kept sets
+/// and metrics (tolerance 1e-5: f32 engine against f64 reference). The scorers and timings come
+/// from the registry: a new scorer is compared as soon as it is registered, and fails here until
+/// the reference has its rule.
 #[test]
 fn engine_matches_brute_force_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -45,30 +49,34 @@ fn engine_matches_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
-        for scorer in SCORERS {
-            for timing in [Timing::Prefill, Timing::Streaming] {
-                if scorer == "snapkv" && timing == Timing::Streaming {
-                    continue;
-                }
+        for method in scorer::REGISTRY {
+            let scorer = method.name;
+            for timing in Timing::ALL {
                 for (gqa, agg, ref_agg) in [
-                    (Granularity::KvHead, Aggregation::Mean, Agg::Mean),
-                    (Granularity::KvHead, Aggregation::Max, Agg::Max),
-                    (Granularity::QueryHead, Aggregation::Sum, Agg::Sum),
+                    (Granularity::KvHead, "mean", Agg::Mean),
+                    (Granularity::KvHead, "max", Agg::Max),
+                    (Granularity::QueryHead, "sum", Agg::Sum),
                 ] {
                     let budget = 6 + seed as usize;
-                    let policy = PolicyParams {
+                    let mut policy = PolicyParams {
                         gqa,
-                        agg,
-                        pool: if seed % 2 == 0 {
-                            kvreplay::replay::Pooling::Avg
-                        } else {
-                            kvreplay::replay::Pooling::Max
-                        },
                         sinks: (seed % 2) as usize,
                         ..params(scorer, timing, budget)
+                    };
+                    if declared(scorer).takes("agg") {
+                        policy = policy.with("agg", agg);
                     }
-                    .check()
-                    .unwrap();
+                    if declared(scorer).takes("pool") {
+                        policy = policy.with("pool", if seed % 2 == 0 { "avg" } else { "max" });
+                    }
+                    if declared(scorer).takes("seed") {
+                        policy = policy.with("seed", seed);
+                    }
+                    let policy = match policy.check() {
+                        Ok(policy) => policy,
+                        Err(PolicyError::Unsupported { .. }) => continue,
+                        Err(other) => panic!("{scorer} {timing:?}: {other}"),
+                    };
                     let report = replay(&trace, &policy).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
@@ -81,7 +89,9 @@ fn engine_matches_brute_force_reference() {
                         };
                         let reference_policy = reference::Policy {
                             scorer,
-                            streaming: timing == Timing::Streaming,
+                            timing: timing.name(),
+                            layer: index,
+                            seed,
                             budget,
                             window: 2,
                             sinks: (seed % 2) as usize,
@@ -129,7 +139,8 @@ fn engine_matches_brute_force_reference() {
             }
         }
     }
-    assert_eq!(compared, 4 * 15 * 3 * 2);
+    // Every scorer ran under at least one timing, in three layouts, on both layers of 4 fixtures.
+    assert!(compared >= 4 * scorer::REGISTRY.len() * 3 * 2, "{compared}");
 }
 
 /// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key
@@ -202,22 +213,18 @@ fn pyramid_taper_beta_one_is_flat_key_proxy() {
         9,
     );
     let trace = TraceReader::open(&path).unwrap();
-    let adapted = |allocator: &str| {
-        PolicyParams {
-            allocator: allocator.into(),
-            scorer: "key-proxy".into(),
-            timing: Timing::Streaming,
-            budget: 8,
-            sinks: 2,
-            window: 0,
-            beta: Some(1.0),
-            ..PolicyParams::default()
-        }
-        .check()
-        .unwrap()
+    let adapted = |allocator: &str| PolicyParams {
+        allocator: allocator.into(),
+        scorer: "key-proxy".into(),
+        timing: Timing::Streaming,
+        budget: 8,
+        sinks: 2,
+        window: 0,
+        ..PolicyParams::default()
     };
-    let taper = replay(&trace, &adapted("pyramid-taper")).unwrap();
-    let flat = replay(&trace, &adapted("flat")).unwrap();
+    let taper = adapted("pyramid-taper").with("beta", 1.0).check().unwrap();
+    let taper = replay(&trace, &taper).unwrap();
+    let flat = replay(&trace, &adapted("flat").check().unwrap()).unwrap();
     assert_eq!(taper.layers, flat.layers);
 }
 
@@ -306,23 +313,28 @@ proptest! {
     /// never beaten at the same per-step budget.
     #[test]
     fn invariants(seed in 0u64..1000, budget in 3usize..16, sinks in 0usize..2, window in 0usize..2,
-                  scorer_index in 0usize..8, streaming in any::<bool>(), per_query_head in any::<bool>()) {
-        let scorer = SCORERS[scorer_index];
-        prop_assume!(!(scorer == "snapkv" && streaming));
-        let timing = if streaming { Timing::Streaming } else { Timing::Prefill };
+                  scorer_index in 0usize..scorer::REGISTRY.len(), timing_index in 0usize..Timing::ALL.len(),
+                  per_query_head in any::<bool>()) {
+        let scorer = scorer::REGISTRY[scorer_index].name;
+        let timing = Timing::ALL[timing_index];
+        let whole_cache = matches!(timing, Timing::Streaming | Timing::PerStep);
         let gqa = if per_query_head { Granularity::QueryHead } else { Granularity::KvHead };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");
         let shape = Shape { prompt_len: 18, generated: 4, ..Shape::default() };
         write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
-        let make = |scorer: &str| PolicyParams {
-            scorer: scorer.into(), timing, budget, sinks, window, gqa, kernel: 3,
-            ..PolicyParams::default()
-        }.check().unwrap();
-        let policy = make(scorer);
+        let policy = match (PolicyParams { gqa, sinks, window, ..params(scorer, timing, budget) }).check() {
+            Ok(policy) => policy,
+            Err(PolicyError::Unsupported { .. }) => return Ok(()),
+            Err(other) => panic!("{scorer} {timing:?}: {other}"),
+        };
         let report = replay(&trace, &policy).unwrap();
-        let oracle = replay(&trace, &make("oracle-per-step")).unwrap();
+        // The per-step oracle at the same per-step budget, unprotected: the current query's top
+        // tokens from everything this timing may choose from.
+        let oracle_timing = if whole_cache { Timing::PerStep } else { Timing::PerStepPrompt };
+        let oracle = PolicyParams { gqa, window: 0, sinks: 0, ..params("tova", oracle_timing, budget) };
+        let oracle = replay(&trace, &oracle.check().unwrap()).unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
         for layer in 0..shape.n_layers {
             let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
@@ -330,14 +342,12 @@ proptest! {
                 for step in 0..shape.generated {
                     let set = unit.kept_positions(step, shape.prompt_len);
                     let prompt_kept = set.iter().filter(|&&p| p < shape.prompt_len).count();
-                    if streaming { prop_assert!(set.len() <= budget); } else { prop_assert!(prompt_kept <= budget); }
+                    if whole_cache { prop_assert!(set.len() <= budget); } else { prop_assert!(prompt_kept <= budget); }
                     let mut unique = set.clone();
                     unique.dedup();
                     prop_assert_eq!(&unique, &set);
                     prop_assert!(set.iter().all(|&p| p <= shape.prompt_len + step));
-                    if scorer != "oracle-per-step" {
-                        for sink in 0..sinks { prop_assert!(set.contains(&sink)); }
-                    }
+                    for sink in 0..sinks { prop_assert!(set.contains(&sink)); }
                 }
             }
             let layer_report = &report.layers[layer];
@@ -350,16 +360,17 @@ proptest! {
 
     /// A budget that holds the whole trace keeps all the mass.
     #[test]
-    fn full_budget_keeps_everything(seed in 0u64..1000, scorer_index in 0usize..8, streaming in any::<bool>()) {
-        let scorer = SCORERS[scorer_index];
-        prop_assume!(!(scorer == "snapkv" && streaming));
+    fn full_budget_keeps_everything(seed in 0u64..1000, scorer_index in 0usize..scorer::REGISTRY.len(),
+                                    timing_index in 0usize..Timing::ALL.len()) {
+        let scorer = scorer::REGISTRY[scorer_index].name;
+        let timing = Timing::ALL[timing_index];
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");
         let shape = Shape { prompt_len: 12, generated: 3, ..Shape::default() };
         write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
-        let timing = if streaming { Timing::Streaming } else { Timing::Prefill };
-        let report = replay(&trace, &params(scorer, timing, 15).check().unwrap()).unwrap();
+        let Ok(policy) = params(scorer, timing, 15).check() else { return Ok(()) };
+        let report = replay(&trace, &policy).unwrap();
         prop_assert!((report.retained_mass - 1.0).abs() < 1e-5);
         prop_assert!((report.topk_recall - 1.0).abs() < 1e-12);
         prop_assert!(report.output_error.unwrap() < 1e-5);

@@ -1,7 +1,7 @@
 //! Declarative experiments: a TOML file in `experiments/` names traces (trace files, or recipes
 //! captured on first use), a list of budgets, and policies whose list-valued settings expand to a
 //! cartesian product (ChampSim's `--join product`). Every run has a deterministic id (a slug and a
-//! hash of its normalised settings and trace), is written atomically to
+//! hash of its normalised settings and of its trace's content), is written atomically to
 //! `results/<experiment>/runs/<id>.json`, and is skipped when already there, so an interrupted
 //! sweep resumes where it stopped. [`report`] turns the stored runs into tables with confidence
 //! intervals, paired comparisons, Parquet/CSV rows and plots.
@@ -10,6 +10,8 @@ mod plot;
 pub mod report;
 mod spec;
 mod store;
+mod traces;
 
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
 pub use store::{run_sweep, stored_runs, StoredReport, StoredRun, SweepError, SweepProgress};
+pub use traces::{Capture, TraceFile};

@@ -9,10 +9,12 @@
 //! several traces the interval is over per-trace means instead, and the report says which.
 
 use super::plot::{heatmap, line_chart, Series};
-use super::store::{write_atomically, StoredRun, SweepError};
-use super::Experiment;
+use super::store::{stored_runs, write_atomically, StoredRun, SweepError};
+use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};
-use crate::inspect::LayerEntropy;
+use crate::inspect::entropy_profile;
+use crate::replay::PolicyError;
+use crate::trace::TraceReader;
 use polars::prelude::*;
 use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
 use std::path::{Path, PathBuf};
@@ -235,14 +237,12 @@ fn needle_section(
     Ok(out)
 }
 
-/// Builds the report: writes `report.md`, `runs.parquet`, `runs.csv` and the plots under
-/// `results`, and returns the markdown.
+/// Builds the experiment's report from its stored runs, section by section, writes it (with its
+/// Parquet/CSV rows and figures) under `results`, and returns the Markdown. `command` is the
+/// command line to name in it.
 pub fn build(
     experiment: &Experiment,
-    runs: &[StoredRun],
-    traces: &[PathBuf],
-    entropy: &[(PathBuf, Vec<LayerEntropy>)],
-    needle_grid: &[NeedleCell],
+    traces: &[TraceFile],
     results: &Path,
     command: &str,
 ) -> Result<String, SweepError> {
@@ -250,9 +250,11 @@ pub fn build(
         path: results.to_owned(),
         detail: format!("cannot create directory: {e}"),
     })?;
-    let names = names(experiment);
-    let trace_names: Vec<String> = traces.iter().map(|t| t.display().to_string()).collect();
-    let several = trace_names.len() > 1;
+    let runs = stored_runs(experiment, traces, results)?;
+    let trace_names: Vec<String> = traces
+        .iter()
+        .map(|t| t.path.display().to_string())
+        .collect();
     let mut out = format!(
         "# {}\n\n{}\n\nProduced by `{command}` ({} runs on {}).\n\n",
         experiment.name,
@@ -261,149 +263,20 @@ pub fn build(
         trace_names.join(", ")
     );
     if !runs.is_empty() {
-        out += &format!(
-            "Mean retained mass ± 95% CI half-width ({}), mean kept tokens per cache in brackets:\n\n",
-            if several {
-                "Student t over per-trace means"
-            } else {
-                "Student t over the layer × query head × decode step samples of one trace; they are correlated, so this is the precision of this measurement, not a generalisation claim"
-            }
-        );
-        let mut headers = vec!["policy".to_string()];
-        headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
-        let mut table = Table::with_headers(headers);
-        let mut mass_series: Vec<Series> = Vec::new();
-        for name in &names {
-            let mut row = vec![name.clone()];
-            let mut points = Vec::new();
-            for &budget in &experiment.budgets {
-                let per_trace: Vec<&StoredRun> = trace_names
-                    .iter()
-                    .filter_map(|t| find(runs, name, budget, t))
-                    .collect();
-                if per_trace.is_empty() {
-                    row.push("—".into());
-                    continue;
-                }
-                let (mean, half) = if several {
-                    mean_ci(
-                        &per_trace
-                            .iter()
-                            .map(|r| r.report.retained_mass)
-                            .collect::<Vec<_>>(),
-                    )
-                } else {
-                    mean_ci(&samples(per_trace[0]))
-                };
-                let kept = per_trace.iter().map(|r| r.report.mean_kept).sum::<f64>()
-                    / per_trace.len() as f64;
-                row.push(format!("{mean:.4} ± {half:.4} ({kept:.0})"));
-                points.push((budget as f64, mean));
-            }
-            table.push(row);
-            mass_series.push((name.clone(), points));
-        }
-        out += &table.render(Format::Markdown);
-        if !experiment.compare.is_empty() {
-            out += "\nPaired comparisons on the same (trace, layer, head, step) positions: mean of a − b with its 95% CI, the share of positions where a keeps more, and a two-sided sign test:\n\n";
-            let mut paired = Table::new(["a", "b", "budget", "mean a − b", "a > b", "sign test p"]);
-            for pair in &experiment.compare {
-                for &budget in &experiment.budgets {
-                    let mut differences = Vec::new();
-                    for trace in &trace_names {
-                        if let (Some(a), Some(b)) = (
-                            find(runs, &pair.a, budget, trace),
-                            find(runs, &pair.b, budget, trace),
-                        ) {
-                            differences
-                                .extend(samples(a).iter().zip(samples(b)).map(|(x, y)| x - y));
-                        }
-                    }
-                    if differences.is_empty() {
-                        continue;
-                    }
-                    let (mean, half) = mean_ci(&differences);
-                    let wins = differences.iter().filter(|d| **d > 0.0).count() as f64
-                        / differences.len() as f64;
-                    paired.push([
-                        pair.a.clone(),
-                        pair.b.clone(),
-                        budget.to_string(),
-                        format!("{mean:+.4} ± {half:.4}"),
-                        format!("{:.1}%", 100.0 * wins),
-                        match sign_test(&differences) {
-                            p if p == 0.0 => "< 1e-300".into(),
-                            p => format!("{p:.2e}"),
-                        },
-                    ]);
-                }
-            }
-            out += &paired.render(Format::Markdown);
-        }
-        let span_names: Vec<String> = runs[0].report.spans.iter().map(|s| s.0.clone()).collect();
-        for (index, span) in span_names.iter().enumerate() {
-            out += &format!("\nSpan `{span}`: share of its tokens kept / share of its full-attention mass kept (mean over traces, layers, heads, steps):\n\n");
-            let mut headers = vec!["policy".to_string()];
-            headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
-            let mut table = Table::with_headers(headers);
-            for name in &names {
-                let mut row = vec![name.clone()];
-                for &budget in &experiment.budgets {
-                    let values: Vec<(f64, f64)> = trace_names
-                        .iter()
-                        .filter_map(|t| find(runs, name, budget, t))
-                        .map(|r| {
-                            let (_, fraction, kept, full) = &r.report.spans[index];
-                            (*fraction, if *full > 0.0 { kept / full } else { 0.0 })
-                        })
-                        .collect();
-                    if values.is_empty() {
-                        row.push("—".into());
-                    } else {
-                        let n = values.len() as f64;
-                        row.push(format!(
-                            "{:.3} / {:.3}",
-                            values.iter().map(|v| v.0).sum::<f64>() / n,
-                            values.iter().map(|v| v.1).sum::<f64>() / n
-                        ));
-                    }
-                }
-                table.push(row);
-            }
-            out += &table.render(Format::Markdown);
-        }
-        let files = write_frames(runs, results)?;
-        let mut figures = line_chart(
-            &results.join("retained_mass_vs_budget"),
-            &format!("{}: retained attention mass", experiment.name),
-            "budget (tokens per cache)",
-            "mean retained mass",
+        let names = names(experiment);
+        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names);
+        out += &mass;
+        out += &paired_section(experiment, &runs, &trace_names);
+        out += &span_sections(experiment, &names, &runs, &trace_names);
+        let files = write_frames(&runs, results)?;
+        let figures = figures_of_runs(
+            experiment,
+            &names,
+            &runs,
+            &trace_names,
             &mass_series,
-            true,
+            results,
         )?;
-        let middle = experiment.budgets[experiment.budgets.len() / 2];
-        let schedules: Vec<Series> = names
-            .iter()
-            .filter_map(|name| find(runs, name, middle, &trace_names[0]).map(|r| (name, r)))
-            .map(|(name, run)| {
-                let points = run
-                    .report
-                    .layer_kept
-                    .iter()
-                    .enumerate()
-                    .map(|(l, k)| (l as f64, *k))
-                    .collect();
-                (name.clone(), points)
-            })
-            .collect();
-        figures.extend(line_chart(
-            &results.join("schedules"),
-            &format!("mean kept tokens per layer at budget {middle}"),
-            "layer",
-            "mean kept tokens per cache",
-            &schedules,
-            false,
-        )?);
         out += &format!(
             "\nFiles: {}.\n",
             files
@@ -414,59 +287,259 @@ pub fn build(
                 .join(", ")
         );
     }
+    let needle_grid = experiment.needle_cells(traces);
     if let (Some(budget), false) = (experiment.heatmap_budget, needle_grid.is_empty()) {
-        out += &needle_section(experiment, runs, needle_grid, budget, results)?;
+        out += &needle_section(experiment, &runs, &needle_grid, budget, results)?;
     }
-    if !entropy.is_empty() {
-        out += "\nAttention entropy of the last prompt queries over the prompt, per layer (nats; normalised = / ln(keys attended)):\n\n";
-        let mut headers = vec!["layer".to_string()];
-        for (trace, _) in entropy {
-            let stem = trace
-                .file_stem()
-                .unwrap_or_default()
-                .to_string_lossy()
-                .into_owned();
-            headers.push(format!("{stem} entropy"));
-            headers.push(format!("{stem} normalised"));
+    if let Some(window) = experiment.entropy_window {
+        out += &entropy_section(traces, window, results)?;
+    }
+    write_atomically(&results.join("report.md"), out.as_bytes())?;
+    Ok(out)
+}
+
+/// The retained-mass table (mean ± CI, kept tokens) and its series for the figure.
+fn mass_section(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+) -> (String, Vec<Series>) {
+    let several = trace_names.len() > 1;
+    let mut out = format!(
+        "Mean retained mass ± 95% CI half-width ({}), mean kept tokens per cache in brackets:\n\n",
+        if several {
+            "Student t over per-trace means"
+        } else {
+            "Student t over the layer × query head × decode step samples of one trace; they are correlated, so this is the precision of this measurement, not a generalisation claim"
         }
-        let mut table = Table::with_headers(headers);
-        let layers = entropy[0].1.len();
-        for layer in 0..layers {
-            let mut row = vec![layer.to_string()];
-            for (_, profile) in entropy {
-                row.push(format!("{:.3}", profile[layer].entropy));
-                row.push(format!("{:.3}", profile[layer].normalized));
+    );
+    let mut table = budget_table(experiment);
+    let mut mass_series: Vec<Series> = Vec::new();
+    for name in names {
+        let mut row = vec![name.clone()];
+        let mut points = Vec::new();
+        for &budget in &experiment.budgets {
+            let per_trace: Vec<&StoredRun> = trace_names
+                .iter()
+                .filter_map(|t| find(runs, name, budget, t))
+                .collect();
+            if per_trace.is_empty() {
+                row.push("—".into());
+                continue;
+            }
+            let (mean, half) = if several {
+                mean_ci(
+                    &per_trace
+                        .iter()
+                        .map(|r| r.report.retained_mass)
+                        .collect::<Vec<_>>(),
+                )
+            } else {
+                mean_ci(&samples(per_trace[0]))
+            };
+            let kept =
+                per_trace.iter().map(|r| r.report.mean_kept).sum::<f64>() / per_trace.len() as f64;
+            row.push(format!("{mean:.4} ± {half:.4} ({kept:.0})"));
+            points.push((budget as f64, mean));
+        }
+        table.push(row);
+        mass_series.push((name.clone(), points));
+    }
+    out += &table.render(Format::Markdown);
+    (out, mass_series)
+}
+
+/// A table with a `policy` column and one column per budget.
+fn budget_table(experiment: &Experiment) -> Table {
+    let mut headers = vec!["policy".to_string()];
+    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    Table::with_headers(headers)
+}
+
+/// The paired comparisons (`[[compare]]`), or nothing.
+fn paired_section(experiment: &Experiment, runs: &[StoredRun], trace_names: &[String]) -> String {
+    if experiment.compare.is_empty() {
+        return String::new();
+    }
+    let mut out = "\nPaired comparisons on the same (trace, layer, head, step) positions: mean of a − b with its 95% CI, the share of positions where a keeps more, and a two-sided sign test:\n\n".to_string();
+    let mut paired = Table::new(["a", "b", "budget", "mean a − b", "a > b", "sign test p"]);
+    for pair in &experiment.compare {
+        for &budget in &experiment.budgets {
+            let mut differences = Vec::new();
+            for trace in trace_names {
+                if let (Some(a), Some(b)) = (
+                    find(runs, &pair.a, budget, trace),
+                    find(runs, &pair.b, budget, trace),
+                ) {
+                    differences.extend(samples(a).iter().zip(samples(b)).map(|(x, y)| x - y));
+                }
+            }
+            if differences.is_empty() {
+                continue;
+            }
+            let (mean, half) = mean_ci(&differences);
+            let wins =
+                differences.iter().filter(|d| **d > 0.0).count() as f64 / differences.len() as f64;
+            paired.push([
+                pair.a.clone(),
+                pair.b.clone(),
+                budget.to_string(),
+                format!("{mean:+.4} ± {half:.4}"),
+                format!("{:.1}%", 100.0 * wins),
+                match sign_test(&differences) {
+                    p if p == 0.0 => "< 1e-300".into(),
+                    p => format!("{p:.2e}"),
+                },
+            ]);
+        }
+    }
+    out += &paired.render(Format::Markdown);
+    out
+}
+
+/// One table per named span of the traces: tokens kept / mass kept.
+fn span_sections(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+) -> String {
+    let mut out = String::new();
+    let span_names: Vec<String> = runs[0].report.spans.iter().map(|s| s.0.clone()).collect();
+    for (index, span) in span_names.iter().enumerate() {
+        out += &format!("\nSpan `{span}`: share of its tokens kept / share of its full-attention mass kept (mean over traces, layers, heads, steps):\n\n");
+        let mut table = budget_table(experiment);
+        for name in names {
+            let mut row = vec![name.clone()];
+            for &budget in &experiment.budgets {
+                let values: Vec<(f64, f64)> = trace_names
+                    .iter()
+                    .filter_map(|t| find(runs, name, budget, t))
+                    .map(|r| {
+                        let (_, fraction, kept, full) = &r.report.spans[index];
+                        (*fraction, if *full > 0.0 { kept / full } else { 0.0 })
+                    })
+                    .collect();
+                if values.is_empty() {
+                    row.push("—".into());
+                } else {
+                    let n = values.len() as f64;
+                    row.push(format!(
+                        "{:.3} / {:.3}",
+                        values.iter().map(|v| v.0).sum::<f64>() / n,
+                        values.iter().map(|v| v.1).sum::<f64>() / n
+                    ));
+                }
             }
             table.push(row);
         }
         out += &table.render(Format::Markdown);
-        let series: Vec<Series> = entropy
-            .iter()
-            .map(|(trace, profile)| {
-                (
-                    trace
-                        .file_stem()
-                        .unwrap_or_default()
-                        .to_string_lossy()
-                        .into_owned(),
-                    profile
-                        .iter()
-                        .map(|l| (l.layer as f64, l.entropy))
-                        .collect(),
-                )
-            })
-            .collect();
-        line_chart(
-            &results.join("entropy"),
-            "attention entropy per layer",
-            "layer",
-            "entropy (nats)",
-            &series,
-            false,
-        )?;
-        out += "\nFigure: `entropy.png`, `entropy.svg`.\n";
     }
-    write_atomically(&results.join("report.md"), out.as_bytes())?;
+    out
+}
+
+/// The retained-mass-vs-budget and per-layer schedule figures; returns their files.
+fn figures_of_runs(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+    mass_series: &[Series],
+    results: &Path,
+) -> Result<Vec<PathBuf>, SweepError> {
+    let mut figures = line_chart(
+        &results.join("retained_mass_vs_budget"),
+        &format!("{}: retained attention mass", experiment.name),
+        "budget (tokens per cache)",
+        "mean retained mass",
+        mass_series,
+        true,
+    )?;
+    let middle = experiment.budgets[experiment.budgets.len() / 2];
+    let schedules: Vec<Series> = names
+        .iter()
+        .filter_map(|name| find(runs, name, middle, &trace_names[0]).map(|r| (name, r)))
+        .map(|(name, run)| {
+            let points = run
+                .report
+                .layer_kept
+                .iter()
+                .enumerate()
+                .map(|(l, k)| (l as f64, *k))
+                .collect();
+            (name.clone(), points)
+        })
+        .collect();
+    figures.extend(line_chart(
+        &results.join("schedules"),
+        &format!("mean kept tokens per layer at budget {middle}"),
+        "layer",
+        "mean kept tokens per cache",
+        &schedules,
+        false,
+    )?);
+    Ok(figures)
+}
+
+/// The per-layer attention entropy of each trace's last `window` prompt queries, and its figure.
+fn entropy_section(
+    traces: &[TraceFile],
+    window: usize,
+    results: &Path,
+) -> Result<String, SweepError> {
+    let entropy = traces
+        .iter()
+        .map(|trace| {
+            let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
+            let profile = entropy_profile(&reader, window).map_err(PolicyError::from)?;
+            Ok((trace.path.clone(), profile))
+        })
+        .collect::<Result<Vec<_>, SweepError>>()?;
+    let mut out = "\nAttention entropy of the last prompt queries over the prompt, per layer (nats; normalised = / ln(keys attended)):\n\n".to_string();
+    let stem = |trace: &Path| {
+        trace
+            .file_stem()
+            .unwrap_or_default()
+            .to_string_lossy()
+            .into_owned()
+    };
+    let mut headers = vec!["layer".to_string()];
+    for (trace, _) in &entropy {
+        headers.push(format!("{} entropy", stem(trace)));
+        headers.push(format!("{} normalised", stem(trace)));
+    }
+    let mut table = Table::with_headers(headers);
+    for layer in 0..entropy[0].1.len() {
+        let mut row = vec![layer.to_string()];
+        for (_, profile) in &entropy {
+            row.push(format!("{:.3}", profile[layer].entropy));
+            row.push(format!("{:.3}", profile[layer].normalized));
+        }
+        table.push(row);
+    }
+    out += &table.render(Format::Markdown);
+    let series: Vec<Series> = entropy
+        .iter()
+        .map(|(trace, profile)| {
+            (
+                stem(trace),
+                profile
+                    .iter()
+                    .map(|l| (l.layer as f64, l.entropy))
+                    .collect(),
+            )
+        })
+        .collect();
+    line_chart(
+        &results.join("entropy"),
+        "attention entropy per layer",
+        "layer",
+        "entropy (nats)",
+        &series,
+        false,
+    )?;
+    out += "\nFigure: `entropy.png`, `entropy.svg`.\n";
     Ok(out)
 }
 

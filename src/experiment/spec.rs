@@ -1,6 +1,7 @@
 //! The experiment file and its expansion into runs.
 
-use crate::replay::{presets, PolicyParams};
+use super::TraceFile;
+use crate::replay::{allocator, head_split, presets, scorer, PolicyParams, COMMON_KEYS};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -142,23 +143,38 @@ impl Experiment {
                 path: path.to_owned(),
                 detail: err.message().to_owned(),
             })?;
-        let defaults = serde_json::to_value(PolicyParams::default()).expect("params serialise");
-        let fields: Vec<String> = defaults
-            .as_object()
-            .expect("object")
-            .keys()
-            .filter(|k| *k != "budget")
-            .cloned()
-            .collect();
+        let parse_error = |detail: String| ExperimentError::Parse {
+            path: path.to_owned(),
+            detail,
+        };
+        if file.budgets.is_empty() {
+            return Err(parse_error(
+                "`budgets` is empty: give at least one budget".into(),
+            ));
+        }
+        if let Some(budget) = first_repeat(&file.budgets) {
+            return Err(parse_error(format!(
+                "budget {budget} is listed twice in `budgets`"
+            )));
+        }
+        if file.policy.is_empty() {
+            return Err(parse_error(
+                "no [[policy]]: an experiment needs at least one policy".into(),
+            ));
+        }
         let mut policies = Vec::new();
+        let mut table_names: Vec<String> = Vec::new();
         for table in &file.policy {
             let name = table
                 .get("name")
                 .map(text)
-                .ok_or_else(|| ExperimentError::Parse {
-                    path: path.to_owned(),
-                    detail: "every [[policy]] needs a `name`".into(),
-                })?;
+                .ok_or_else(|| parse_error("every [[policy]] needs a `name`".into()))?;
+            if table_names.contains(&name) {
+                return Err(parse_error(format!(
+                    "two [[policy]] tables are named `{name}`: names must be unique (the report has one row per name)"
+                )));
+            }
+            table_names.push(name.clone());
             let policy_error = |detail: String| ExperimentError::Policy {
                 path: path.to_owned(),
                 policy: name.clone(),
@@ -169,15 +185,30 @@ impl Experiment {
                 if key == "name" || key == "preset" {
                     continue;
                 }
-                if !fields.contains(key) {
+                if !is_policy_key(key) {
                     return Err(ExperimentError::UnknownKey {
                         path: path.to_owned(),
                         policy: name.clone(),
                         key: key.clone(),
-                        valid: fields.join(", "),
+                        valid: format!(
+                            "{}, or a method's own setting (`kvreplay methods` lists them)",
+                            COMMON_KEYS
+                                .iter()
+                                .filter(|k| **k != "budget")
+                                .copied()
+                                .collect::<Vec<_>>()
+                                .join(", ")
+                        ),
                     });
                 }
-                axes.push((key.clone(), as_list(value)));
+                let values = as_list(value);
+                if let Some(repeat) = first_repeat(&values) {
+                    return Err(policy_error(format!(
+                        "`{key}` lists {} twice",
+                        text(repeat)
+                    )));
+                }
+                axes.push((key.clone(), values));
             }
             let mut combos: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
             for (key, values) in &axes {
@@ -264,14 +295,14 @@ impl Experiment {
     }
 
     /// Every run, for the given trace files (recipes already captured), in a stable order.
-    pub fn plan(&self, traces: &[PathBuf]) -> Vec<PlannedRun> {
+    pub fn plan(&self, traces: &[TraceFile]) -> Vec<PlannedRun> {
         let mut runs = Vec::new();
         for trace in traces {
             for (name, params) in &self.policies {
                 runs.push(PlannedRun {
                     id: run_id(name, trace, params),
                     name: name.clone(),
-                    trace: trace.clone(),
+                    trace: trace.path.clone(),
                     params: params.clone(),
                 });
             }
@@ -280,19 +311,38 @@ impl Experiment {
     }
 }
 
-/// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name and
-/// the trace's file name and size) makes the id unique and stable across runs and machines.
-fn run_id(name: &str, trace: &Path, params: &PolicyParams) -> String {
+/// The first value that appears twice in `values`.
+fn first_repeat<T: PartialEq>(values: &[T]) -> Option<&T> {
+    values
+        .iter()
+        .enumerate()
+        .find(|(index, value)| values[..*index].contains(value))
+        .map(|(_, value)| value)
+}
+
+/// Whether `key` can be set in a `[[policy]]` table: a common setting other than `budget` (the
+/// top-level `budgets` list sets it), or a setting some registered method declares.
+fn is_policy_key(key: &str) -> bool {
+    (key != "budget" && COMMON_KEYS.contains(&key))
+        || allocator::REGISTRY.iter().any(|m| m.takes(key))
+        || scorer::REGISTRY.iter().any(|m| m.takes(key))
+        || head_split::REGISTRY.iter().any(|m| m.takes(key))
+}
+
+/// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name, the
+/// trace's file name and the sha256 of its content) makes the id unique and stable across runs
+/// and machines, and different for a re-captured trace whose content differs.
+fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams) -> String {
     let settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");
-    let size = std::fs::metadata(trace).map(|m| m.len()).unwrap_or(0);
     let trace_name = trace
+        .path
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let normalised =
-        serde_json::to_string(&(name, &trace_name, size, settings)).expect("serialise");
+        serde_json::to_string(&(name, &trace_name, &trace.sha256, settings)).expect("serialise");
     let hash = format!("{:x}", Sha256::digest(normalised.as_bytes()));
     let slug: String = format!("{name}-b{}", params.budget)
         .chars()

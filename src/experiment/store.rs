@@ -1,8 +1,9 @@
 //! Running the planned runs and storing them: one JSON file per run, written to a temporary name
 //! and renamed, so a killed sweep leaves only finished runs, and a rerun skips them.
 
-use super::{Experiment, PlannedRun};
-use crate::replay::{replay_many, PolicyError, ReplayReport};
+use super::{Experiment, PlannedRun, TraceFile};
+use crate::capture::CaptureError;
+use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
 use std::path::{Path, PathBuf};
@@ -16,6 +17,9 @@ pub struct StoredRun {
     pub name: String,
     /// The trace file.
     pub trace: String,
+    /// sha256 of the trace's content when the run was computed.
+    #[serde(default)]
+    pub trace_sha256: String,
     /// The measurements.
     pub report: StoredReport,
 }
@@ -89,6 +93,21 @@ pub enum SweepError {
         /// What failed.
         detail: String,
     },
+    /// A recipe could not be captured.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// Runs are stored for another content of a trace than the one there now.
+    #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
+    TraceChanged {
+        /// The trace file.
+        trace: PathBuf,
+        /// How many stored runs belong to its old content.
+        count: usize,
+        /// The start of the digest they were computed on.
+        stored: String,
+        /// The start of its digest now.
+        now: String,
+    },
 }
 
 /// Progress of a sweep: `(done, total)` after each batch, done counting skipped runs.
@@ -117,13 +136,15 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepErr
 }
 
 /// Runs every planned run not stored yet under `results` (policies of one trace in batches that
-/// share each layer's reading and decode attention), storing each as it finishes. Returns how
-/// many runs were run and how many were already there.
+/// share each layer's reading and decode attention), storing each as it finishes; `layer_done`
+/// is called after each layer of each pass. Returns how many runs were run and how many were
+/// already there.
 pub fn run_sweep(
     experiment: &Experiment,
-    traces: &[PathBuf],
+    traces: &[TraceFile],
     results: &Path,
     progress: SweepProgress<'_>,
+    layer_done: LayerDone<'_>,
 ) -> Result<(usize, usize), SweepError> {
     const BATCH: usize = 12;
     let planned = experiment.plan(traces);
@@ -136,22 +157,24 @@ pub fn run_sweep(
     let mut done = skipped;
     progress(done, total);
     for trace in traces {
-        let of_trace: Vec<&&PlannedRun> = pending.iter().filter(|r| &r.trace == trace).collect();
+        let of_trace: Vec<&&PlannedRun> =
+            pending.iter().filter(|r| r.trace == trace.path).collect();
         if of_trace.is_empty() {
             continue;
         }
-        let reader = TraceReader::open(trace).map_err(PolicyError::from)?;
+        let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
         for batch in of_trace.chunks(BATCH) {
             let policies = batch
                 .iter()
                 .map(|run| run.params.clone().check())
                 .collect::<Result<Vec<_>, _>>()?;
-            let reports = replay_many(&reader, &policies, &|| {})?;
+            let reports = replay_many(&reader, &policies, layer_done)?;
             for (run, report) in batch.iter().zip(&reports) {
                 let stored = StoredRun {
                     id: run.id.clone(),
                     name: run.name.clone(),
-                    trace: trace.display().to_string(),
+                    trace: trace.path.display().to_string(),
+                    trace_sha256: trace.sha256.clone(),
                     report: StoredReport::from(report),
                 };
                 let json = serde_json::to_vec(&stored).expect("runs serialise");
@@ -164,26 +187,73 @@ pub fn run_sweep(
     Ok((total - skipped, skipped))
 }
 
-/// The stored runs of the experiment's plan, in plan order (missing ones left out).
+/// The stored runs of the experiment's plan, in plan order (missing ones left out). When runs are
+/// missing because their trace changed since they were stored (other runs of the same trace file
+/// are stored for another content), that is an error: a report would mix or drop them silently.
 pub fn stored_runs(
     experiment: &Experiment,
-    traces: &[PathBuf],
+    traces: &[TraceFile],
     results: &Path,
 ) -> Result<Vec<StoredRun>, SweepError> {
-    experiment
-        .plan(traces)
+    let plan = experiment.plan(traces);
+    let (present, missing): (Vec<&PlannedRun>, Vec<&PlannedRun>) = plan
         .iter()
-        .map(|run| run_path(results, &run.id))
-        .filter(|path| path.is_file())
-        .map(|path| {
-            let bytes = std::fs::read(&path).map_err(|e| SweepError::Io {
-                path: path.clone(),
-                detail: e.to_string(),
-            })?;
-            serde_json::from_slice(&bytes).map_err(|e| SweepError::Io {
-                path: path.clone(),
-                detail: format!("not a stored run (delete it to rerun): {e}"),
-            })
-        })
+        .partition(|run| run_path(results, &run.id).is_file());
+    if !missing.is_empty() {
+        check_not_stale(traces, results)?;
+    }
+    present
+        .iter()
+        .map(|run| read_run(&run_path(results, &run.id)))
         .collect()
+}
+
+fn read_run(path: &Path) -> Result<StoredRun, SweepError> {
+    let bytes = std::fs::read(path).map_err(|e| SweepError::Io {
+        path: path.to_owned(),
+        detail: e.to_string(),
+    })?;
+    serde_json::from_slice(&bytes).map_err(|e| SweepError::Io {
+        path: path.to_owned(),
+        detail: format!("not a stored run (delete it to rerun): {e}"),
+    })
+}
+
+/// Fails when stored runs of one of `traces` were computed on other content than it has now.
+fn check_not_stale(traces: &[TraceFile], results: &Path) -> Result<(), SweepError> {
+    let Ok(entries) = std::fs::read_dir(results.join("runs")) else {
+        return Ok(());
+    };
+    let mut stale: Vec<(usize, String)> = vec![(0, String::new()); traces.len()];
+    for entry in entries.flatten() {
+        let path = entry.path();
+        if path.extension().is_none_or(|e| e != "json") {
+            continue;
+        }
+        let Ok(run) = read_run(&path) else { continue };
+        for (trace, (count, stored)) in traces.iter().zip(stale.iter_mut()) {
+            if run.trace == trace.path.display().to_string() && run.trace_sha256 != trace.sha256 {
+                *count += 1;
+                *stored = run.trace_sha256.clone();
+            }
+        }
+    }
+    match traces.iter().zip(stale).find(|(_, (count, _))| *count > 0) {
+        Some((trace, (count, stored))) => Err(SweepError::TraceChanged {
+            trace: trace.path.clone(),
+            count,
+            stored: short(&stored),
+            now: short(&trace.sha256),
+        }),
+        None => Ok(()),
+    }
+}
+
+/// The first 12 hex digits of a digest (or `none` for runs stored before digests were kept).
+fn short(digest: &str) -> String {
+    if digest.is_empty() {
+        "none".into()
+    } else {
+        digest.chars().take(12).collect()
+    }
 }

@@ -5,12 +5,14 @@
 mod csv;
 mod json;
 mod markdown;
+mod methods;
 mod replay;
 mod table;
 
 pub use csv::Csv;
 pub use json::Json;
 pub use markdown::Markdown;
+pub use methods::methods_markdown;
 pub use replay::{layer_table, summary_table};
 pub use table::{Format, Table};
 

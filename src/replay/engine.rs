@@ -48,7 +48,12 @@ pub struct ReplayReport {
     pub layers: Vec<LayerReport>,
 }
 
-fn context<'a>(trace: &TraceReader, layer: usize, tensors: &'a LayerTensors) -> LayerContext<'a> {
+/// Layer `layer` of `trace` as scorers and metrics see it.
+pub fn context<'a>(
+    trace: &TraceReader,
+    layer: usize,
+    tensors: &'a LayerTensors,
+) -> LayerContext<'a> {
     let meta = trace.meta();
     LayerContext {
         layer,
@@ -67,12 +72,16 @@ pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport,
     Ok(reports.pop().expect("one report per policy"))
 }
 
+/// Called after each layer of each pass over a trace, once that layer's memory is freed: a
+/// progress bar, or the binary handing freed memory back to the system.
+pub type LayerDone<'a> = &'a (dyn Fn() + Sync);
+
 /// Replays several policies in one pass over the trace, calling `layer_done` after each layer of
 /// each pass (budget passes count once per policy that needs one).
 pub fn replay_many(
     trace: &TraceReader,
     policies: &[ValidPolicy],
-    layer_done: &(dyn Fn() + Sync),
+    layer_done: LayerDone<'_>,
 ) -> Result<Vec<ReplayReport>, PolicyError> {
     let budgets = policies
         .iter()
@@ -90,7 +99,6 @@ pub fn replay_many(
             slot.push(report);
         }
         drop(tensors);
-        return_free_memory();
         layer_done();
     }
     Ok(policies
@@ -98,18 +106,6 @@ pub fn replay_many(
         .zip(per_policy)
         .map(|(policy, layers)| summarise(trace, policy, layers))
         .collect())
-}
-
-/// Hands the memory freed by a layer's work back to the system. glibc keeps freed blocks of its
-/// per-thread arenas resident, and the reports allocated among them pin them: without this, a
-/// 36-policy pass over niah-2k grew resident memory by 34 MB for 4 MB of live results; with it,
-/// by 18 MB. (Only glibc's own heap is touched: harmless under another global allocator.)
-fn return_free_memory() {
-    #[cfg(all(target_os = "linux", target_env = "gnu"))]
-    // SAFETY: malloc_trim only returns free memory of glibc's arenas to the system.
-    unsafe {
-        libc::malloc_trim(0);
-    }
 }
 
 /// Replays and measures every policy on one layer, KV group by KV group. With several policies,
@@ -242,7 +238,7 @@ fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
 /// Runs `work` on every layer, one layer resident at a time, and returns the results in order.
 fn for_each_layer<T: Send>(
     trace: &TraceReader,
-    layer_done: &(dyn Fn() + Sync),
+    layer_done: LayerDone<'_>,
     work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
 ) -> Result<Vec<T>, PolicyError> {
     (0..trace.meta().n_layers)
@@ -258,7 +254,7 @@ fn for_each_layer<T: Send>(
 fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
-    layer_done: &(dyn Fn() + Sync),
+    layer_done: LayerDone<'_>,
 ) -> Result<Vec<usize>, PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
@@ -272,7 +268,7 @@ fn layer_budgets_with_progress(
             "the trace has no generated tokens (prompt_len = T): metrics are measured on decode queries; capture with generate > 0".into(),
         ));
     }
-    if params.window + params.sinks > prompt_len {
+    if params.protection().tokens() > prompt_len {
         return Err(mismatch(format!(
             "window {} + sinks {} is longer than the prompt ({prompt_len} tokens)",
             params.window, params.sinks
@@ -294,13 +290,12 @@ fn layer_budgets_with_progress(
         n_layers: meta.n_layers,
         budget: params.budget,
         prompt_len,
-        window: params.window,
-        sinks: params.sinks,
+        protect: params.protection(),
         profiles: &profiles,
         mass_curves: &mass_curves,
     });
     for (layer, &budget) in budgets.iter().enumerate() {
-        if budget < params.sinks + params.window || budget == 0 {
+        if budget < params.protection().tokens() || budget == 0 {
             return Err(PolicyError::BudgetBelowProtected {
                 budget,
                 sinks: params.sinks,
@@ -349,7 +344,7 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
 /// tokens kept in the scorer's order, index b = b tokens; generated tokens are left out (they are
 /// the same for every budget).
 fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
-    let params = policy.params();
+    let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_heads = layer.q.shape()[0];
     let n_steps = layer.n_positions() - prompt_len;
@@ -357,9 +352,9 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
     for unit in &units(layer, policy) {
-        let scores = score_prompt(policy.scorer.as_ref(), layer, unit);
+        let scores = score_prompt(policy.scorer.as_ref(), layer, unit, protect);
         let order = ranking(&prompt, &scores, |position| {
-            position < params.sinks || position + params.window >= prompt_len
+            protect.covers(position, prompt_len)
         });
         let decode = layer.decode_attention(unit.query_heads.clone());
         let mut weight = vec![0.0f64; prompt_len];

@@ -6,15 +6,45 @@ use crate::trace::TraceError;
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
 pub enum PolicyError {
-    /// An allocator or scorer name not in the registry.
+    /// A method name not in its axis's registry.
     #[error("unknown {kind} `{name}`; valid: {valid}")]
     UnknownName {
-        /// `allocator` or `scorer`.
+        /// The axis: `allocator`, `scorer`, `head split` or `preset`.
         kind: &'static str,
         /// The name given.
         name: String,
         /// The registered names.
         valid: String,
+    },
+    /// A name that was renamed, with its new spelling.
+    #[error("{old} was renamed: {new}")]
+    Renamed {
+        /// The old name.
+        old: String,
+        /// The new spelling.
+        new: String,
+    },
+    /// A method setting that none of the chosen methods takes.
+    #[error("setting `{key}` is not taken by {chosen}; {owners}")]
+    UnknownSetting {
+        /// The key given.
+        key: String,
+        /// The chosen methods and the settings each takes.
+        chosen: String,
+        /// Which methods do take it.
+        owners: String,
+    },
+    /// A method setting of the wrong type or out of range.
+    #[error("{method}: setting `{key}` = {value}: {rule}")]
+    Setting {
+        /// The method, e.g. "allocator `pyramid`".
+        method: String,
+        /// The setting.
+        key: String,
+        /// Its value.
+        value: String,
+        /// The rule or the type expected.
+        rule: String,
     },
     /// A parameter out of range.
     #[error("parameter `{field}` = {value}: {rule}")]

@@ -1,19 +1,18 @@
 //! Choosing the kept sets of one layer's caches, the scorer driven as a stream of steps: one-shot
-//! selection at the end of the prompt (with AdaKV's head-wise budgets), streaming eviction from
-//! the first token over budget, and the per-step oracle's re-selection from the full cache.
+//! selection at the end of the prompt (budgets shared among caches by the head split), streaming
+//! eviction from the first token over budget, and re-selection at every decode step.
 
-use super::policy::{HeadBudget, Timing};
+use super::policy::{Protection, Timing};
 use super::scorer::{ScoreState, Scorer};
 use super::select::{select_top, victim};
 use super::{Kept, LayerContext, Unit, UnitKept, ValidPolicy};
 use rayon::prelude::*;
 
-/// Whether `policy` keeps one set per cache for the whole decode (prefill timing, no
-/// re-selection). Those sets are chosen for the whole layer at once (AdaKV shares a budget
+/// Whether `policy` keeps one set per cache for the whole decode (prefill timing). Those sets are chosen for the whole layer at once (AdaKV shares a budget
 /// between the caches) and are small; the others change at every step and are computed group by
 /// group as they are measured, so they never pile up.
 pub(crate) fn is_one_shot(policy: &ValidPolicy) -> bool {
-    policy.params().timing == Timing::Prefill && !policy.scorer.reselects()
+    policy.params().timing == Timing::Prefill
 }
 
 /// Feeds the prompt to a fresh state without evicting; returns its scores.
@@ -21,8 +20,9 @@ pub(crate) fn score_prompt<'a>(
     scorer: &dyn Scorer,
     layer: &LayerContext<'a>,
     unit: &Unit,
+    protect: Protection,
 ) -> Vec<f32> {
-    let mut state = scorer.start(layer, unit);
+    let mut state = scorer.start(layer, unit, protect);
     let mut cache = Vec::with_capacity(layer.n_positions());
     for position in 0..layer.prompt_len {
         cache.push(position);
@@ -33,7 +33,9 @@ pub(crate) fn score_prompt<'a>(
     scores
 }
 
-/// Re-chooses the kept set at every decode step from the full cache (`oracle-per-step`).
+/// Re-chooses the kept set at every decode step from the full cache (`per-step`), or from the
+/// prompt with every generated token kept (`per-step-prompt`); the first `sinks` and the last
+/// `window` of the positions it chooses from are always kept.
 fn reselect_each_step(
     layer: &LayerContext<'_>,
     unit: &Unit,
@@ -41,19 +43,25 @@ fn reselect_each_step(
     policy: &ValidPolicy,
 ) -> UnitKept {
     let prompt_len = layer.prompt_len;
-    let mut state: Box<dyn ScoreState> = policy.scorer.start(layer, unit);
+    let protect = policy.protection();
+    let mut state: Box<dyn ScoreState> = policy.scorer.start(layer, unit, protect);
     let mut scores = Vec::new();
-    let mut cache: Vec<usize> = (0..prompt_len).collect();
+    let mut cache: Vec<usize> = Vec::with_capacity(layer.n_positions());
+    for position in 0..prompt_len {
+        cache.push(position);
+        state.on_append(&cache);
+    }
     let steps = (prompt_len..layer.n_positions())
         .map(|position| {
             cache.push(position);
             state.on_append(&cache);
             state.scores(&cache, &mut scores);
             let limit = match policy.params().timing {
-                Timing::Prefill => prompt_len,
-                Timing::Streaming => position + 1,
+                Timing::PerStepPrompt => prompt_len,
+                _ => position + 1,
             };
-            let mut kept = select_top(&cache[..limit], &scores[..limit], budget, |_| false);
+            let protected = |position: usize| protect.covers(position, limit);
+            let mut kept = select_top(&cache[..limit], &scores[..limit], budget, protected);
             kept.extend(limit..=position);
             kept.shrink_to_fit();
             kept
@@ -64,10 +72,10 @@ fn reselect_each_step(
 
 /// Streams every position through one cache of `budget` tokens, evicting the lowest score.
 fn stream(layer: &LayerContext<'_>, unit: &Unit, budget: usize, policy: &ValidPolicy) -> UnitKept {
-    let params = policy.params();
+    let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
-    let mut state = policy.scorer.start(layer, unit);
+    let mut state = policy.scorer.start(layer, unit, protect);
     let mut cache = Vec::with_capacity(budget + 1);
     let mut scores = Vec::with_capacity(budget + 1);
     let mut steps = Vec::with_capacity(n_positions - prompt_len);
@@ -76,7 +84,7 @@ fn stream(layer: &LayerContext<'_>, unit: &Unit, budget: usize, policy: &ValidPo
         state.on_append(&cache);
         if cache.len() > budget {
             state.scores(&cache, &mut scores);
-            if let Some(index) = victim(&cache, &scores, params.sinks, params.window) {
+            if let Some(index) = victim(&cache, &scores, protect) {
                 cache.remove(index);
                 state.on_evict(index);
             }
@@ -109,26 +117,16 @@ pub(crate) fn one_shot_kept(
     policy: &ValidPolicy,
     parallel_units: bool,
 ) -> Kept {
-    let params = policy.params();
+    let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let scored: Vec<Vec<f32>> = map_units(units, parallel_units, |unit| {
-        score_prompt(policy.scorer.as_ref(), layer, unit)
+        score_prompt(policy.scorer.as_ref(), layer, unit, protect)
     });
-    let budgets = if params.heads == HeadBudget::Adakv {
-        adakv_budgets(
-            &scored,
-            budget,
-            params.sinks,
-            params.window,
-            params.alpha,
-            prompt_len,
-        )
-    } else {
-        vec![budget; units.len()]
-    };
+    let budgets = policy
+        .heads
+        .split(budget, &scored, units.len(), prompt_len, protect);
     let prompt: Vec<usize> = (0..prompt_len).collect();
-    let protected =
-        |position: usize| position < params.sinks || position + params.window >= prompt_len;
+    let protected = |position: usize| protect.covers(position, prompt_len);
     let kept = scored
         .iter()
         .zip(&budgets)
@@ -152,68 +150,9 @@ pub(crate) fn per_step_kept(
     budget: usize,
     policy: &ValidPolicy,
 ) -> UnitKept {
-    if policy.scorer.reselects() {
+    if policy.params().timing.reselects() {
         reselect_each_step(layer, unit, budget, policy)
     } else {
         stream(layer, unit, budget, policy)
-    }
-}
-
-/// AdaKV's head-wise budgets (Feng et al., 2024, arXiv:2407.11550; FFY0/AdaKV): with
-/// `B = cap - protected` and floor `F = int(B * alpha)`, the top `H * B` scores of all caches
-/// together are counted per cache (`cnt_h`), and cache h gets `round(cnt_h * (1 - alpha) + F)`
-/// plus the protected tokens. Protected positions (sinks, window) do not compete. Ties: higher
-/// score first, then the lower cache, then the lower position.
-fn adakv_budgets(
-    scores: &[Vec<f32>],
-    cap: usize,
-    sinks: usize,
-    window: usize,
-    alpha: f64,
-    prompt_len: usize,
-) -> Vec<usize> {
-    let protected = sinks + window;
-    let selectable = cap.saturating_sub(protected);
-    let floor = (selectable as f64 * alpha) as usize;
-    let mut all: Vec<(f32, usize, usize)> = scores
-        .iter()
-        .enumerate()
-        .flat_map(|(unit, unit_scores)| {
-            unit_scores
-                .iter()
-                .enumerate()
-                .filter(move |(position, _)| *position >= sinks && position + window < prompt_len)
-                .map(move |(position, score)| (*score, unit, position))
-        })
-        .collect();
-    all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
-    let mut counts = vec![0usize; scores.len()];
-    for (_, unit, _) in all.iter().take(scores.len() * selectable) {
-        counts[*unit] += 1;
-    }
-    counts
-        .into_iter()
-        .map(|count| {
-            (count as f64 * (1.0 - alpha) + floor as f64).round_ties_even() as usize + protected
-        })
-        .collect()
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-
-    #[test]
-    fn adakv_by_hand() {
-        // Two caches, prompt 6, no protection, cap 3, alpha 0.2: B = 3, F = 0. The top 6 of all
-        // scores: cache 0 has 4 of them (0.9, 0.8, 0.7, 0.6), cache 1 has 2 (0.95, 0.5).
-        // cap_0 = round(4 * 0.8) = 3, cap_1 = round(2 * 0.8) = 2 (1.6).
-        let scores = vec![
-            vec![0.9, 0.8, 0.7, 0.6, 0.1, 0.0],
-            vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
-        ];
-        assert_eq!(adakv_budgets(&scores, 3, 0, 0, 0.2, 6), vec![3, 2]);
-        // With alpha 1 every cache gets exactly the floor: B.
-        assert_eq!(adakv_budgets(&scores, 3, 0, 0, 1.0, 6), vec![3, 3]);
     }
 }

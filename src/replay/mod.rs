@@ -1,6 +1,8 @@
-//! The replay engine: a policy (an [`allocator`] deciding how many tokens each layer and cache
-//! keeps, a [`scorer`] deciding which, and a [`Timing`] deciding when) is run over a trace, and
-//! [`metrics`] measure what the kept sets cost the full cache's attention.
+//! The replay engine: a policy (an [`allocator`] deciding how many tokens each layer keeps, a
+//! [`head_split`] sharing a layer's budget among its caches, a [`scorer`] deciding which tokens,
+//! and a [`Timing`] deciding when) is run over a trace, and [`metrics`] measure what the kept sets
+//! cost the full cache's attention. Each axis is a registry of methods that declare their own
+//! settings ([`settings`]).
 //!
 //! Policies consume a stream of steps: for each cache, tokens are appended one at a time and a
 //! scorer state sees every append (a new key arrives; its query attends) and every eviction. The
@@ -11,6 +13,7 @@
 pub mod allocator;
 mod engine;
 mod error;
+pub mod head_split;
 mod kept;
 mod layer;
 pub mod metrics;
@@ -19,13 +22,16 @@ pub mod presets;
 mod profile;
 pub mod scorer;
 mod select;
+pub mod settings;
 
-pub use engine::{kept_sets, layer_budgets, replay, replay_many, ReplayReport};
+pub use allocator::Rounding;
+pub use engine::{context, kept_sets, layer_budgets, replay, replay_many, LayerDone, ReplayReport};
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
 pub use metrics::{DecodeReference, LayerReport, SpanReport};
 pub use policy::{
-    Aggregation, Granularity, HeadBudget, PolicyParams, Pooling, Rounding, Timing, ValidPolicy,
+    Aggregation, Granularity, PolicyParams, Protection, Timing, ValidPolicy, COMMON_KEYS,
 };
 pub use profile::LayerProfile;
+pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};

@@ -2,21 +2,79 @@
 //! ([`ValidPolicy`]): every rule is checked once, before any layer is read (linfa's ParamGuard).
 
 use super::allocator::{self, Allocator};
+use super::head_split::{self, HeadSplit};
 use super::scorer::{self, Scorer};
+use super::settings::{self, Method, SettingError};
 use super::PolicyError;
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
-/// When eviction happens.
+/// When the kept set is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Timing {
     /// One-shot at the end of the prompt; generated tokens are appended and never evicted
     /// (SnapKV, PyramidKV, AdaKV, CAKE).
     Prefill,
-    /// From the first token over budget, every token, prefill and decode alike (H2O,
-    /// StreamingLLM, TOVA, the seed library's adapted methods).
+    /// From the first token over budget, every token, prefill and decode alike: evictions are
+    /// permanent (H2O, StreamingLLM, TOVA, the seed library's adapted methods).
     Streaming,
+    /// Re-chosen at every decode step from the whole cache so far, prompt and generated tokens:
+    /// nothing is evicted for good (dynamic sparse attention; with the `tova` scorer, the per-step
+    /// oracle).
+    PerStep,
+    /// Re-chosen at every decode step among the prompt tokens; generated tokens are all kept, and
+    /// the budget counts prompt tokens as under `prefill`.
+    PerStepPrompt,
+}
+
+impl Timing {
+    /// Every timing, in listing order.
+    pub const ALL: [Timing; 4] = [
+        Timing::Prefill,
+        Timing::Streaming,
+        Timing::PerStep,
+        Timing::PerStepPrompt,
+    ];
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Timing::Prefill => "prefill",
+            Timing::Streaming => "streaming",
+            Timing::PerStep => "per-step",
+            Timing::PerStepPrompt => "per-step-prompt",
+        }
+    }
+
+    /// Whether the kept set is re-chosen at every decode step.
+    pub fn reselects(self) -> bool {
+        matches!(self, Timing::PerStep | Timing::PerStepPrompt)
+    }
+}
+
+/// Tokens a policy never evicts: the first `sinks` and the most recent `window` of a cache
+/// (SnapKV's observation window is this window).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default)]
+pub struct Protection {
+    /// First positions always kept (attention sinks).
+    pub sinks: usize,
+    /// Most recent positions always kept.
+    pub window: usize,
+}
+
+impl Protection {
+    /// How many tokens are protected.
+    pub fn tokens(self) -> usize {
+        self.sinks + self.window
+    }
+
+    /// Whether entry `index` of a cache of `len` entries (or position `index` of a prompt of
+    /// `len` tokens) is protected.
+    pub fn covers(self, index: usize, len: usize) -> bool {
+        index < self.sinks || index + self.window >= len
+    }
 }
 
 /// The unit that owns a cache.
@@ -31,7 +89,7 @@ pub enum Granularity {
 }
 
 /// How a GQA group's query-head scores become one score per cached token.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Aggregation {
     /// Mean over the group (default; kvpress, AdaKV).
@@ -64,109 +122,144 @@ impl Aggregation {
     }
 }
 
-/// SnapKV's 1-D pooling of window scores.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Pooling {
-    /// Average pooling; the zero padding counts (divides by the kernel), as torch's avg_pool1d.
-    Avg,
-    /// Max pooling (the PyramidKV paper's runs).
-    Max,
-}
-
-/// PyramidKV's rounding of its linear schedule.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum Rounding {
-    /// The official code's floor division (its mean overshoots the nominal budget).
-    Official,
-    /// The same line, rounded by largest remainder so the mean is exactly the budget.
-    ExactMean,
-}
-
-/// How a layer's budget is split among its caches.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
-#[serde(rename_all = "kebab-case")]
-pub enum HeadBudget {
-    /// Every cache of the layer gets the layer's budget.
-    Uniform,
-    /// AdaKV's head-wise rule (arXiv:2407.11550), with floor `alpha`.
-    Adakv,
-}
-
-/// A policy as given on the command line or in an experiment file.
+/// A policy as given on the command line or in an experiment file: the methods of each axis by
+/// name, the settings every policy has, and the chosen methods' own settings by key.
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
-#[serde(deny_unknown_fields, default)]
+#[serde(default)]
 pub struct PolicyParams {
     /// Allocator name (registry key).
     pub allocator: String,
     /// Scorer name (registry key).
     pub scorer: String,
-    /// When eviction happens.
+    /// Head split name (registry key).
+    pub heads: String,
+    /// When the kept set is chosen.
     pub timing: Timing,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
-    /// Recent tokens always kept; also SnapKV's observation window.
-    pub window: usize,
-    /// SnapKV's pooling kernel (odd).
-    pub kernel: usize,
-    /// SnapKV's pooling.
-    pub pool: Pooling,
     /// First positions always kept (attention sinks).
     pub sinks: usize,
-    /// `pyramid`: the divisor beta of the official code (default 20); `pyramid-taper`: the
-    /// steepness >= 1 of the seed library (default 2).
-    pub beta: Option<f64>,
-    /// `pyramid` rounding.
-    pub rounding: Rounding,
+    /// Recent tokens always kept; also SnapKV's observation window.
+    pub window: usize,
     /// Cache granularity under grouped-query attention.
     pub gqa: Granularity,
-    /// Aggregation of a group's scores.
-    pub agg: Aggregation,
-    /// Split of a layer's budget among its caches.
-    pub heads: HeadBudget,
-    /// AdaKV's floor (share of each head's budget guaranteed).
-    pub alpha: f64,
-    /// CAKE's entropy temperature.
-    pub tau1: f64,
-    /// CAKE's variance temperature.
-    pub tau2: f64,
-    /// Seed of the `random` scorer.
-    pub seed: u64,
     /// k of the top-k recall metric.
     pub top_k: usize,
+    /// The chosen methods' own settings (each method's declared parameters), by key.
+    #[serde(flatten)]
+    pub settings: BTreeMap<String, Value>,
 }
+
+/// The keys every policy has, beside its methods' own settings.
+pub const COMMON_KEYS: [&str; 9] = [
+    "allocator",
+    "scorer",
+    "heads",
+    "timing",
+    "budget",
+    "sinks",
+    "window",
+    "gqa",
+    "top_k",
+];
 
 impl Default for PolicyParams {
     fn default() -> Self {
         Self {
             allocator: "flat".into(),
             scorer: "snapkv".into(),
+            heads: "uniform".into(),
             timing: Timing::Prefill,
             budget: 128,
-            window: 8,
-            kernel: 7,
-            pool: Pooling::Avg,
             sinks: 0,
-            beta: None,
-            rounding: Rounding::Official,
+            window: 8,
             gqa: Granularity::KvHead,
-            agg: Aggregation::Mean,
-            heads: HeadBudget::Uniform,
-            alpha: 0.2,
-            tau1: 1.0,
-            tau2: 1.0,
-            seed: 0,
             top_k: 10,
+            settings: BTreeMap::new(),
         }
     }
+}
+
+impl PolicyParams {
+    /// The same policy with method setting `key` set to `value`.
+    pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
+        self.settings.insert(key.to_owned(), value.into());
+        self
+    }
+
+    /// What is protected from eviction.
+    pub fn protection(&self) -> Protection {
+        Protection {
+            sinks: self.sinks,
+            window: self.window,
+        }
+    }
+}
+
+/// One chosen method of each axis, with the settings it runs with.
+struct Chosen<'r, T: ?Sized> {
+    axis: &'static str,
+    method: &'r Method<T>,
+}
+
+impl<T: ?Sized> Chosen<'_, T> {
+    fn label(&self) -> String {
+        format!("{} `{}`", self.axis, self.method.name)
+    }
+}
+
+/// Looks `name` up in `registry`, or says what the valid names are (and, for names that were
+/// renamed, the new spelling).
+fn lookup<'r, T: ?Sized>(
+    axis: &'static str,
+    registry: &'r [Method<T>],
+    name: &str,
+) -> Result<Chosen<'r, T>, PolicyError> {
+    let method = settings::find(registry, name).ok_or_else(|| match renamed(axis, name) {
+        Some(spelling) => PolicyError::Renamed {
+            old: format!("{axis} `{name}`"),
+            new: spelling,
+        },
+        None => PolicyError::UnknownName {
+            kind: axis,
+            name: name.to_owned(),
+            valid: settings::names(registry),
+        },
+    })?;
+    Ok(Chosen { axis, method })
+}
+
+/// Old spellings users may have in scripts, with their new ones.
+fn renamed(axis: &str, name: &str) -> Option<String> {
+    match (axis, name) {
+        ("scorer", "oracle-per-step") => Some(
+            "the per-step oracle is the `tova` scorer under `--timing per-step` (preset `oracle`); \
+             under `--timing prefill` it was `--timing per-step-prompt`"
+                .into(),
+        ),
+        _ => None,
+    }
+}
+
+fn build<T: ?Sized>(
+    chosen: &Chosen<'_, T>,
+    given: &Map<String, Value>,
+) -> Result<Box<T>, PolicyError> {
+    (chosen.method.build)(given).map_err(|SettingError { key, value, rule }| PolicyError::Setting {
+        method: chosen.label(),
+        key,
+        value,
+        rule,
+    })
 }
 
 /// A checked policy: the only thing the engine runs.
 pub struct ValidPolicy {
     params: PolicyParams,
+    settings: BTreeMap<String, String>,
     pub(crate) allocator: Box<dyn Allocator>,
     pub(crate) scorer: Box<dyn Scorer>,
+    pub(crate) heads: Box<dyn HeadSplit>,
 }
 
 impl std::fmt::Debug for ValidPolicy {
@@ -188,7 +281,7 @@ impl PolicyParams {
         if self.budget == 0 {
             return Err(invalid("budget", "0".into(), "must be at least 1"));
         }
-        if self.budget < self.sinks + self.window {
+        if self.budget < self.protection().tokens() {
             return Err(PolicyError::BudgetBelowProtected {
                 budget: self.budget,
                 sinks: self.sinks,
@@ -196,73 +289,124 @@ impl PolicyParams {
                 layer: None,
             });
         }
-        if self.kernel == 0 || self.kernel % 2 == 0 {
-            return Err(invalid(
-                "kernel",
-                self.kernel.to_string(),
-                "must be odd (same-length pooling needs a centred kernel)",
-            ));
-        }
-        if let Some(beta) = self.beta {
-            if !beta.is_finite() || beta <= 0.0 {
-                return Err(invalid(
-                    "beta",
-                    beta.to_string(),
-                    "must be a positive finite number",
-                ));
-            }
-        }
-        if !(0.0..=1.0).contains(&self.alpha) {
-            return Err(invalid(
-                "alpha",
-                self.alpha.to_string(),
-                "must be in [0, 1]",
-            ));
-        }
-        for (field, tau) in [("tau1", self.tau1), ("tau2", self.tau2)] {
-            if !tau.is_finite() || tau <= 0.0 {
-                return Err(invalid(
-                    field,
-                    tau.to_string(),
-                    "must be a positive finite number",
-                ));
-            }
-        }
         if self.top_k == 0 {
             return Err(invalid("top_k", "0".into(), "must be at least 1"));
         }
-        let allocator = allocator::build(&self)?;
-        let scorer = scorer::build(&self)?;
-        if !scorer.supports(self.timing) {
-            return Err(PolicyError::Unsupported {
-                what: format!("scorer `{}`", self.scorer),
-                rule: "selects once at prefill end: use --timing prefill",
-            });
+        let allocator = lookup("allocator", allocator::REGISTRY, &self.allocator)?;
+        let scorer = lookup("scorer", scorer::REGISTRY, &self.scorer)?;
+        let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
+        let given: Map<String, Value> = self.settings.clone().into_iter().collect();
+        for key in given.keys() {
+            let taken =
+                allocator.method.takes(key) || scorer.method.takes(key) || heads.method.takes(key);
+            if !taken {
+                return Err(PolicyError::UnknownSetting {
+                    key: key.clone(),
+                    chosen: format!(
+                        "{} ({}), {} ({}) or {} ({})",
+                        allocator.label(),
+                        allocator.method.keys(),
+                        scorer.label(),
+                        scorer.method.keys(),
+                        heads.label(),
+                        heads.method.keys()
+                    ),
+                    owners: owners(key),
+                });
+            }
         }
-        if self.heads == HeadBudget::Adakv && self.timing != Timing::Prefill {
-            return Err(PolicyError::Unsupported {
-                what: "--heads adakv".into(),
-                rule: "allocates head budgets from prefill scores: use --timing prefill",
-            });
+        let mut settings = self.common_settings();
+        for resolved in [
+            allocator.method.resolve(&given),
+            scorer.method.resolve(&given),
+            heads.method.resolve(&given),
+        ] {
+            settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
-        if allocator.needs_mass_curves() && (self.timing != Timing::Prefill || scorer.reselects()) {
-            return Err(PolicyError::Unsupported {
-                what: format!("allocator `{}`", self.allocator),
-                rule: "needs a one-shot ranking: use --timing prefill and a scorer other than oracle-per-step",
-            });
-        }
-        Ok(ValidPolicy {
+        let policy = ValidPolicy {
+            allocator: build(&allocator, &given)?,
+            scorer: build(&scorer, &given)?,
+            heads: build(&heads, &given)?,
+            settings,
             params: self,
-            allocator,
-            scorer,
-        })
+        };
+        policy.check_combination()
+    }
+
+    /// The common settings as text.
+    fn common_settings(&self) -> BTreeMap<String, String> {
+        let value = serde_json::to_value(self).expect("params serialise");
+        value
+            .as_object()
+            .expect("params are an object")
+            .iter()
+            .filter(|(key, _)| COMMON_KEYS.contains(&key.as_str()))
+            .map(|(key, value)| (key.clone(), settings::text(value)))
+            .collect()
+    }
+}
+
+/// Which methods of any axis take `key`, for the error that names a setting nobody chosen takes.
+fn owners(key: &str) -> String {
+    let mut owners: Vec<String> = Vec::new();
+    owners.extend(
+        allocator::REGISTRY
+            .iter()
+            .filter(|m| m.takes(key))
+            .map(|m| format!("allocator `{}`", m.name)),
+    );
+    owners.extend(
+        scorer::REGISTRY
+            .iter()
+            .filter(|m| m.takes(key))
+            .map(|m| format!("scorer `{}`", m.name)),
+    );
+    owners.extend(
+        head_split::REGISTRY
+            .iter()
+            .filter(|m| m.takes(key))
+            .map(|m| format!("head split `{}`", m.name)),
+    );
+    if owners.is_empty() {
+        "no method takes it".into()
+    } else {
+        format!("it is a setting of {}", owners.join(", "))
     }
 }
 
 impl ValidPolicy {
+    /// Rules between axes.
+    fn check_combination(self) -> Result<Self, PolicyError> {
+        let params = &self.params;
+        if !self.scorer.supports(params.timing) {
+            return Err(PolicyError::Unsupported {
+                what: format!("scorer `{}`", params.scorer),
+                rule: "selects once at prefill end: use --timing prefill",
+            });
+        }
+        if self.heads.needs_scores() && params.timing != Timing::Prefill {
+            return Err(PolicyError::Unsupported {
+                what: format!("head split `{}`", params.heads),
+                rule: "shares head budgets from prefill scores: use --timing prefill",
+            });
+        }
+        if self.allocator.needs_mass_curves() && params.timing != Timing::Prefill {
+            return Err(PolicyError::Unsupported {
+                what: format!("allocator `{}`", params.allocator),
+                rule: "needs a one-shot ranking: use --timing prefill",
+            });
+        }
+        Ok(self)
+    }
+
     /// The checked parameters.
     pub fn params(&self) -> &PolicyParams {
         &self.params
+    }
+
+    /// What is protected from eviction.
+    pub fn protection(&self) -> Protection {
+        self.params.protection()
     }
 
     /// Passes over the trace the allocator needs before the replay (0 or 1).
@@ -276,27 +420,13 @@ impl ValidPolicy {
             "{}+{}@{}",
             self.params.allocator,
             self.params.scorer,
-            match self.params.timing {
-                Timing::Prefill => "prefill",
-                Timing::Streaming => "streaming",
-            }
+            self.params.timing.name()
         )
     }
 
-    /// The settings as text, in a stable order, for reports.
+    /// Every setting it runs with, as text in a stable order: the common ones and each chosen
+    /// method's own (defaults included), for reports.
     pub fn settings(&self) -> BTreeMap<String, String> {
-        let value = serde_json::to_value(&self.params).expect("params serialise");
-        value
-            .as_object()
-            .expect("params are an object")
-            .iter()
-            .map(|(key, value)| {
-                let text = match value {
-                    serde_json::Value::String(s) => s.clone(),
-                    other => other.to_string(),
-                };
-                (key.clone(), text)
-            })
-            .collect()
+        self.settings.clone()
     }
 }

@@ -1,10 +1,10 @@
 //! Named presets for the classic methods, each a [`PolicyParams`] as its reference code runs it
-//! (shared/reference/policies.md). A preset fixes the allocator, scorer, timing and protection;
+//! (docs/policies.md gives each one's source). A preset fixes the allocator, scorer, timing and protection;
 //! the budget (and anything else) stays the caller's.
 
-use super::{HeadBudget, PolicyError, PolicyParams, Pooling, Timing};
+use super::{PolicyError, PolicyParams, Timing};
 
-/// The preset names.
+/// The preset names (`oracle-per-step` is also accepted, as `oracle`).
 pub const NAMES: [&str; 10] = [
     "snapkv",
     "pyramidkv",
@@ -37,12 +37,12 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         // PyramidKV: the official schedule (beta 20) with SnapKV's selection, max-pool as in the paper's runs.
         "pyramidkv" => PolicyParams {
             allocator: "pyramid".into(),
-            pool: Pooling::Max,
             ..base
-        },
+        }
+        .with("pool", "max"),
         // AdaKV: SnapKV scores, head-wise budgets with floor 0.2.
         "adakv" => PolicyParams {
-            heads: HeadBudget::Adakv,
+            heads: "adakv".into(),
             ..base
         },
         // CAKE's layer preference over SnapKV's selection.
@@ -61,11 +61,15 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         // The seed library's PyramidKV-adapted: the same with its tapered schedule, beta 2.
         "pyramidkv-adapted" => PolicyParams {
             allocator: "pyramid-taper".into(),
-            beta: Some(2.0),
             ..streaming("key-proxy", 4.min(budget.saturating_sub(1)), 0)
+        }
+        .with("beta", 2.0),
+        // The per-step oracle: the current query's attention, re-chosen from the whole cache at
+        // every step; the bound no causal policy beats at this budget.
+        "oracle" | "oracle-per-step" => PolicyParams {
+            timing: Timing::PerStep,
+            ..streaming("tova", 0, 0)
         },
-        // The per-step oracle: the bound no causal policy beats at this budget.
-        "oracle" => streaming("oracle-per-step", 0, 0),
         other => {
             return Err(PolicyError::UnknownName {
                 kind: "preset",

@@ -2,7 +2,9 @@
 //! data-driven allocators (`entropy`, `cake`).
 //!
 //! For layer l, each query head h and each of the last W prompt queries t, `A[t]` is the causal
-//! softmax over keys `0..=t`. Entropy: the mean over heads and rows of `-sum_j A ln A` (nats).
+//! softmax over keys `0..=t`. Entropy: the mean over heads and rows of `-sum_j A ln A` (nats);
+//! normalised entropy: the same with each row's entropy divided by ln(t + 1), the entropy of a
+//! uniform row (1 for the first position).
 //! Variance (CAKE): per head, `sum_j Var_t A[t, j]` over the W rows (population variance, keys
 //! beyond a row's position counting as 0), then the mean over heads.
 
@@ -16,6 +18,8 @@ use serde::Serialize;
 pub struct LayerProfile {
     /// Mean row entropy, nats.
     pub entropy: f64,
+    /// Mean row entropy over the uniform row's, ln(keys attended): 1 = uniform.
+    pub normalized: f64,
     /// Mean over heads of the summed per-key variance across window rows.
     pub variance: f64,
 }
@@ -27,7 +31,7 @@ impl LayerProfile {
         let window = window.clamp(1, prompt_len);
         let n_heads = layer.q.shape()[0];
         let group = layer.group_size();
-        let (mut entropy_total, mut variance_total) = (0.0f64, 0.0f64);
+        let (mut entropy_total, mut normalized_total, mut variance_total) = (0.0f64, 0.0, 0.0);
         for head in 0..n_heads {
             let keys = layer.keys(head / group);
             let mut sum = vec![0.0f64; prompt_len];
@@ -39,7 +43,13 @@ impl LayerProfile {
                     layer.scale,
                     layer.softcap,
                 );
-                entropy_total += entropy(&weights);
+                let row_entropy = entropy(&weights);
+                entropy_total += row_entropy;
+                normalized_total += if position > 0 {
+                    row_entropy / ((position + 1) as f64).ln()
+                } else {
+                    1.0
+                };
                 for (j, &weight) in weights.iter().enumerate() {
                     sum[j] += weight as f64;
                     sum_sq[j] += (weight as f64).powi(2);
@@ -54,6 +64,7 @@ impl LayerProfile {
         }
         Self {
             entropy: entropy_total / (n_heads * window) as f64,
+            normalized: normalized_total / (n_heads * window) as f64,
             variance: variance_total / n_heads as f64,
         }
     }

@@ -2,7 +2,7 @@
 //! wins (is kept). The seed library's `np.argmin` evicts the first index on ties instead; that
 //! only differs on exact float ties, which its rule meets only when a softmax underflows to 0.
 
-use super::Unit;
+use super::{Protection, Unit};
 
 /// What one cache keeps.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -72,16 +72,12 @@ pub(crate) fn select_top(
     kept
 }
 
-/// The cache entry to evict: the lowest score outside the first `sinks` entries and the last
-/// `window` entries; on ties the later position goes. `None` when everything is protected.
-pub(crate) fn victim(
-    cache: &[usize],
-    scores: &[f32],
-    sinks: usize,
-    window: usize,
-) -> Option<usize> {
-    let end = cache.len().saturating_sub(window);
-    (sinks.min(end)..end).min_by(|&a, &b| {
+/// The cache entry to evict: the lowest score outside the entries `protect` covers (the first
+/// `sinks`, the last `window`); on ties the later position goes. `None` when everything is
+/// protected.
+pub(crate) fn victim(cache: &[usize], scores: &[f32], protect: Protection) -> Option<usize> {
+    let end = cache.len().saturating_sub(protect.window);
+    (protect.sinks.min(end)..end).min_by(|&a, &b| {
         scores[a]
             .total_cmp(&scores[b])
             .then_with(|| cache[b].cmp(&cache[a]))
@@ -111,7 +107,27 @@ mod tests {
         let cache = [0, 1, 2, 3, 4];
         let scores = [0.0, 3.0, 2.0, 2.0, 0.0];
         // sinks 1 protects entry 0, window 1 protects entry 4; 2 and 3 tie: the later goes.
-        assert_eq!(victim(&cache, &scores, 1, 1), Some(3));
-        assert_eq!(victim(&cache, &scores, 3, 2), None);
+        assert_eq!(
+            victim(
+                &cache,
+                &scores,
+                Protection {
+                    sinks: 1,
+                    window: 1
+                }
+            ),
+            Some(3)
+        );
+        assert_eq!(
+            victim(
+                &cache,
+                &scores,
+                Protection {
+                    sinks: 3,
+                    window: 2
+                }
+            ),
+            None
+        );
     }
 }

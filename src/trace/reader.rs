@@ -55,6 +55,15 @@ impl TraceReader {
     /// Opens and validates a trace: every rule but finiteness, which is checked as layers are read.
     pub fn open(path: impl AsRef<Path>) -> Result<Self, TraceError> {
         let path = path.as_ref().to_owned();
+        if path.is_dir() {
+            return Err(TraceError::Io {
+                path,
+                source: std::io::Error::new(
+                    std::io::ErrorKind::IsADirectory,
+                    "is a directory, not a trace file",
+                ),
+            });
+        }
         let file = std::fs::File::open(&path).map_err(|source| TraceError::Io {
             path: path.clone(),
             source,

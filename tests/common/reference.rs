@@ -20,7 +20,11 @@ pub enum Agg {
 
 pub struct Policy<'a> {
     pub scorer: &'a str,
-    pub streaming: bool,
+    /// `prefill`, `streaming`, `per-step` or `per-step-prompt`.
+    pub timing: &'a str,
+    /// Layer index and seed of the `random` scorer.
+    pub layer: usize,
+    pub seed: u64,
     pub budget: usize,
     pub window: usize,
     pub sinks: usize,
@@ -139,22 +143,34 @@ pub fn kept(layer: &Layer, policy: &Policy) -> Vec<Vec<Vec<usize>>> {
     (0..units)
         .map(|unit| {
             let (heads, kv) = layer.cache_heads(unit, policy.per_query_head);
-            if policy.scorer == "oracle-per-step" {
+            if policy.timing.starts_with("per-step") {
                 return (n..t_total)
                     .map(|at| {
-                        let visible: Vec<usize> = (0..=at).collect();
-                        let p = layer.group_attention(&heads, kv, at, &visible, policy.agg);
-                        let limit = if policy.streaming { at + 1 } else { n };
-                        let mut kept = top(&visible[..limit], &|j| p[j], policy.budget, &|_| false);
+                        // Every position so far streams in with nothing evicted; the kept set
+                        // is chosen afresh from those scores.
+                        let mut cache = Vec::new();
+                        let mut running = Vec::new();
+                        for j in 0..=at {
+                            cache.push(j);
+                            stream_step(layer, policy, &heads, kv, unit, &cache, &mut running);
+                        }
+                        let p = finish_scores(layer, policy, &heads, kv, unit, &cache, &running);
+                        let limit = if policy.timing == "per-step" {
+                            at + 1
+                        } else {
+                            n
+                        };
+                        let protected = |j: usize| j < policy.sinks || j + policy.window >= limit;
+                        let mut kept = top(&cache[..limit], &|j| p[j], policy.budget, &protected);
                         kept.extend(limit..=at);
                         kept
                     })
                     .collect();
             }
-            if policy.streaming {
-                streaming(layer, policy, &heads, kv)
+            if policy.timing == "streaming" {
+                streaming(layer, policy, &heads, kv, unit)
             } else {
-                let scores = prompt_scores(layer, policy, &heads, kv);
+                let scores = prompt_scores(layer, policy, &heads, kv, unit);
                 let candidates: Vec<usize> = (0..n).collect();
                 let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
                 let prompt = top(&candidates, &|j| scores[j], policy.budget, &protected);
@@ -167,7 +183,13 @@ pub fn kept(layer: &Layer, policy: &Policy) -> Vec<Vec<Vec<usize>>> {
 }
 
 /// Scores of the prompt positions at prompt end, no eviction before.
-fn prompt_scores(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> Vec<f64> {
+fn prompt_scores(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    unit: usize,
+) -> Vec<f64> {
     let n = layer.prompt_len;
     match policy.scorer {
         "snapkv" => {
@@ -220,9 +242,9 @@ fn prompt_scores(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> 
             let mut cache = Vec::new();
             for at in 0..n {
                 cache.push(at);
-                stream_step(layer, policy, heads, kv, &cache, &mut scores);
+                stream_step(layer, policy, heads, kv, unit, &cache, &mut scores);
             }
-            finish_scores(layer, policy, heads, kv, &cache, &scores)
+            finish_scores(layer, policy, heads, kv, unit, &cache, &scores)
         }
     }
 }
@@ -233,6 +255,7 @@ fn stream_step(
     policy: &Policy,
     heads: &[usize],
     kv: usize,
+    _unit: usize,
     cache: &[usize],
     scores: &mut Vec<f64>,
 ) {
@@ -267,12 +290,22 @@ fn finish_scores(
     policy: &Policy,
     heads: &[usize],
     kv: usize,
+    unit: usize,
     cache: &[usize],
     running: &[f64],
 ) -> Vec<f64> {
     let n = layer.prompt_len;
     match policy.scorer {
         "recency" => cache.iter().map(|&j| j as f64).collect(),
+        "random" => {
+            // SplitMix64 of (seed, layer, cache, position), top 24 bits as a fraction.
+            let stream =
+                splitmix64(splitmix64(policy.seed ^ (policy.layer as u64) << 32) ^ unit as u64);
+            cache
+                .iter()
+                .map(|&j| (splitmix64(stream ^ j as u64) >> 40) as f64 / (1u64 << 24) as f64)
+                .collect()
+        }
         "knorm" => cache
             .iter()
             .map(|&j| -layer.key(kv, j).iter().map(|x| x * x).sum::<f64>().sqrt())
@@ -293,16 +326,29 @@ fn finish_scores(
     }
 }
 
-fn streaming(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> Vec<Vec<usize>> {
+fn splitmix64(mut x: u64) -> u64 {
+    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+fn streaming(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    unit: usize,
+) -> Vec<Vec<usize>> {
     let n = layer.prompt_len;
     let mut cache: Vec<usize> = Vec::new();
     let mut running: Vec<f64> = Vec::new();
     let mut steps = Vec::new();
     for at in 0..layer.t() {
         cache.push(at);
-        stream_step(layer, policy, heads, kv, &cache, &mut running);
+        stream_step(layer, policy, heads, kv, unit, &cache, &mut running);
         if cache.len() > policy.budget {
-            let scores = finish_scores(layer, policy, heads, kv, &cache, &running);
+            let scores = finish_scores(layer, policy, heads, kv, unit, &cache, &running);
             let end = cache.len() - policy.window;
             let mut worst = policy.sinks;
             for i in policy.sinks..end {

@@ -6,17 +6,24 @@
 //! (the prompt) as `entropy`. CAKE's own token score (mean + gamma * variance) is not a scorer
 //! here yet: pair this allocator with any scorer.
 
-use super::{AllocationInput, Allocator};
+use super::{positive_finite, AllocationInput, Allocator};
+use crate::replay::settings::Broken;
 
-/// Entropy × variance preference.
-pub struct Cake {
-    pub(super) tau1: f64,
-    pub(super) tau2: f64,
+crate::settings! {
+    /// CAKE's layer preference, entropy x variance of the window attention (Qin et al., ICLR
+    /// 2025, arXiv:2503.12491; antgroup/cakekv).
+    pub struct Cake = "cake" {
+        /// CAKE's entropy temperature tau1: `pref = H^(1/tau1) * V^(1/tau2)`.
+        tau1: f64 = 1.0,
+        /// CAKE's variance temperature tau2.
+        tau2: f64 = 1.0,
+    }
 }
 
 impl Allocator for Cake {
-    fn name(&self) -> &'static str {
-        "cake"
+    fn check(&self) -> Result<(), Broken> {
+        positive_finite("tau1", self.tau1)?;
+        positive_finite("tau2", self.tau2)
     }
 
     fn needs_profile(&self) -> bool {
@@ -46,10 +53,12 @@ mod tests {
         let profiles = [
             LayerProfile {
                 entropy: 2.0,
+                normalized: 0.0,
                 variance: 1.0,
             },
             LayerProfile {
                 entropy: 1.0,
+                normalized: 0.0,
                 variance: 1.0,
             },
         ];
@@ -57,8 +66,10 @@ mod tests {
             n_layers: 2,
             budget: 100,
             prompt_len: 1000,
-            window: 8,
-            sinks: 0,
+            protect: crate::replay::Protection {
+                sinks: 0,
+                window: 8,
+            },
             profiles: &profiles,
             mass_curves: &[],
         };

@@ -8,14 +8,13 @@
 
 use super::{AllocationInput, Allocator};
 
-/// Budgets proportional to attention perplexity.
-pub struct Entropy;
+crate::settings! {
+    /// Budgets proportional to each layer's attention perplexity exp(H) over the observation
+    /// window (the funneling the PyramidKV paper describes, made data-driven).
+    pub struct Entropy = "entropy" {}
+}
 
 impl Allocator for Entropy {
-    fn name(&self) -> &'static str {
-        "entropy"
-    }
-
     fn needs_profile(&self) -> bool {
         true
     }
@@ -37,10 +36,12 @@ mod tests {
         let profiles = [
             LayerProfile {
                 entropy: 3f64.ln(),
+                normalized: 0.0,
                 variance: 0.0,
             },
             LayerProfile {
                 entropy: 0.0,
+                normalized: 0.0,
                 variance: 0.0,
             },
         ];
@@ -48,11 +49,13 @@ mod tests {
             n_layers: 2,
             budget: 100,
             prompt_len: 1000,
-            window: 8,
-            sinks: 0,
+            protect: crate::replay::Protection {
+                sinks: 0,
+                window: 8,
+            },
             profiles: &profiles,
             mass_curves: &[],
         };
-        assert_eq!(Entropy.allocate(&input), vec![146, 54]);
+        assert_eq!(Entropy {}.allocate(&input), vec![146, 54]);
     }
 }

@@ -2,14 +2,12 @@
 
 use super::{AllocationInput, Allocator};
 
-/// Uniform budgets.
-pub struct Flat;
+crate::settings! {
+    /// Every layer the same budget (SnapKV, H2O, StreamingLLM as published).
+    pub struct Flat = "flat" {}
+}
 
 impl Allocator for Flat {
-    fn name(&self) -> &'static str {
-        "flat"
-    }
-
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
         vec![input.budget; input.n_layers]
     }

@@ -8,25 +8,20 @@
 //! rule differs (the official PyramidKV rounding overshoots); the replay always reports the real
 //! number of tokens kept.
 
-mod cake;
-mod entropy;
-mod flat;
-mod oracle;
-mod pyramid;
-mod pyramid_taper;
+use super::settings::Broken;
+use super::{LayerProfile, Protection};
 
-use super::policy::{PolicyParams, Rounding};
-use super::{LayerProfile, PolicyError};
+crate::registry! {
+    Allocator:
+    flat::Flat,
+    pyramid::Pyramid,
+    pyramid_taper::PyramidTaper,
+    entropy::Entropy,
+    cake::Cake,
+    oracle::Oracle,
+}
 
-/// The registered allocator names.
-pub const NAMES: [&str; 6] = [
-    "flat",
-    "pyramid",
-    "pyramid-taper",
-    "entropy",
-    "cake",
-    "oracle",
-];
+pub use pyramid::Rounding;
 
 /// What an allocator may base its decision on.
 #[derive(Debug, Clone)]
@@ -37,10 +32,8 @@ pub struct AllocationInput<'a> {
     pub budget: usize,
     /// Prompt length n.
     pub prompt_len: usize,
-    /// Protected recent tokens W.
-    pub window: usize,
-    /// Protected first tokens.
-    pub sinks: usize,
+    /// The protected tokens (sinks and the recent window W).
+    pub protect: Protection,
     /// Per-layer window-attention profile (when `needs_profile`).
     pub profiles: &'a [LayerProfile],
     /// Per-layer retained mass against kept prompt tokens, index b = b tokens kept
@@ -56,7 +49,7 @@ impl AllocationInput<'_> {
         distribute(
             weights,
             self.budget * self.n_layers,
-            self.sinks + self.window,
+            self.protect.tokens(),
             self.prompt_len.max(self.budget),
         )
     }
@@ -64,8 +57,10 @@ impl AllocationInput<'_> {
 
 /// A way of splitting the memory among layers.
 pub trait Allocator: Send + Sync {
-    /// The registry key.
-    fn name(&self) -> &'static str;
+    /// Rules its settings must follow beyond their types.
+    fn check(&self) -> Result<(), Broken> {
+        Ok(())
+    }
     /// Whether `allocate` reads `profiles`.
     fn needs_profile(&self) -> bool {
         false
@@ -78,39 +73,16 @@ pub trait Allocator: Send + Sync {
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize>;
 }
 
-/// Builds the allocator a policy names.
-pub fn build(params: &PolicyParams) -> Result<Box<dyn Allocator>, PolicyError> {
-    Ok(match params.allocator.as_str() {
-        "flat" => Box::new(flat::Flat),
-        "pyramid" => Box::new(pyramid::Pyramid {
-            beta: params.beta.unwrap_or(20.0),
-            exact_mean: params.rounding == Rounding::ExactMean,
-        }),
-        "pyramid-taper" => {
-            let beta = params.beta.unwrap_or(2.0);
-            if beta < 1.0 {
-                return Err(PolicyError::Param {
-                    field: "beta",
-                    value: beta.to_string(),
-                    rule: "pyramid-taper's steepness must be >= 1 (1 = flat)",
-                });
-            }
-            Box::new(pyramid_taper::PyramidTaper { beta })
-        }
-        "entropy" => Box::new(entropy::Entropy),
-        "cake" => Box::new(cake::Cake {
-            tau1: params.tau1,
-            tau2: params.tau2,
-        }),
-        "oracle" => Box::new(oracle::Oracle),
-        other => {
-            return Err(PolicyError::UnknownName {
-                kind: "allocator",
-                name: other.to_owned(),
-                valid: NAMES.join(", "),
-            })
-        }
-    })
+/// `value` must be a positive finite number.
+pub(crate) fn positive_finite(key: &'static str, value: f64) -> Result<(), Broken> {
+    if value.is_finite() && value > 0.0 {
+        Ok(())
+    } else {
+        Err(Broken {
+            key,
+            rule: "must be a positive finite number",
+        })
+    }
 }
 
 /// Splits `total` tokens among layers in proportion to `weights`, each layer between `floor` and

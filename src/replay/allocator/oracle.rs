@@ -11,8 +11,11 @@
 
 use super::{AllocationInput, Allocator};
 
-/// Concave-envelope allocation on the scorer's mass curves.
-pub struct Oracle;
+crate::settings! {
+    /// The allocation across layers that maximises retained mass for the chosen scorer at the
+    /// same total memory (it sees the future decode queries: a reference, not a policy).
+    pub struct Oracle = "oracle" {}
+}
 
 /// The vertices `(kept, mass)` of the upper concave envelope of `curve[start..]`.
 fn upper_envelope(curve: &[f64], start: usize) -> Vec<(usize, f64)> {
@@ -34,17 +37,13 @@ fn upper_envelope(curve: &[f64], start: usize) -> Vec<(usize, f64)> {
 }
 
 impl Allocator for Oracle {
-    fn name(&self) -> &'static str {
-        "oracle"
-    }
-
     fn needs_mass_curves(&self) -> bool {
         true
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
         let curves = input.mass_curves;
-        let start = (input.sinks + input.window).min(input.prompt_len);
+        let start = input.protect.tokens().min(input.prompt_len);
         let mut budgets = vec![start; curves.len()];
         let mut left = (input.budget * curves.len()).saturating_sub(start * curves.len());
         let mut segments: Vec<(f64, usize, usize)> = Vec::new();
@@ -82,12 +81,14 @@ mod tests {
             n_layers: 2,
             budget: 3,
             prompt_len: 10,
-            window: 0,
-            sinks: 0,
+            protect: crate::replay::Protection {
+                sinks: 0,
+                window: 0,
+            },
             profiles: &[],
             mass_curves: &curves,
         };
-        assert_eq!(Oracle.allocate(&input), vec![4, 2]);
+        assert_eq!(Oracle {}.allocate(&input), vec![4, 2]);
     }
 
     #[test]
@@ -103,12 +104,14 @@ mod tests {
             n_layers: 2,
             budget: 2,
             prompt_len: 10,
-            window: 0,
-            sinks: 0,
+            protect: crate::replay::Protection {
+                sinks: 0,
+                window: 0,
+            },
             profiles: &[],
             mass_curves: &curves,
         };
-        assert_eq!(Oracle.allocate(&input), vec![2, 2]);
+        assert_eq!(Oracle {}.allocate(&input), vec![2, 2]);
         assert_eq!(
             upper_envelope(&curves[1], 0),
             vec![(0, 0.0), (2, 0.5), (10, 0.5)]

@@ -1,5 +1,6 @@
 //! `pyramid`: PyramidKV's linear per-layer schedule (Cai et al., 2024, arXiv:2406.02069), as the
-//! official code computes it (KVCache-Factory `pyramidkv_utils.py`; shared/reference/policies.md):
+//! official code computes it (KVCache-Factory `pyramidkv/pyramidkv_utils.py`, `PyramidKVCluster`;
+//! docs/policies.md):
 //!
 //! ```text
 //! B = cap - W;  min = B // beta;  max = 2B - min;  if max >= n - W: max = n - W; min = 2B - max
@@ -8,24 +9,42 @@
 //! ```
 //! `rounding = official` keeps the floor divisions, so the mean overshoots B (L = 30, cap = 64,
 //! W = 8: mean 74.5); `exact-mean` rounds the same line by largest remainder so the mean is B.
-//! The paper's text uses m where the code uses L - 1 (KVCache-Factory issue #36); we follow the code.
+//! The paper's text uses m where the code uses L - 1 (reported on KVCache-Factory's tracker as #36); we follow the code.
 
-use super::{AllocationInput, Allocator};
+use super::{positive_finite, AllocationInput, Allocator};
+use crate::replay::settings::Broken;
 
-/// PyramidKV's linear schedule.
-pub struct Pyramid {
-    pub(super) beta: f64,
-    pub(super) exact_mean: bool,
+crate::settings! {
+    /// PyramidKV's linear per-layer schedule, as the official code computes it (Cai et al., 2024,
+    /// arXiv:2406.02069; KVCache-Factory `pyramidkv/pyramidkv_utils.py` lines 360-370).
+    pub struct Pyramid = "pyramid" {
+        /// The divisor beta of the official code: the last layer keeps `(cap - W) // beta`
+        /// selected tokens (`pyramidkv_utils.py` line 360; 20 in the paper's runs).
+        beta: f64 = 20.0,
+        /// `official` keeps the code's floor divisions (its mean overshoots the budget);
+        /// `exact-mean` rounds the same line by largest remainder so the mean is the budget.
+        rounding: Rounding = Rounding::Official,
+    }
+}
+
+/// PyramidKV's rounding of its linear schedule.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Rounding {
+    /// The official code's floor division (its mean overshoots the nominal budget).
+    Official,
+    /// The same line, rounded by largest remainder so the mean is exactly the budget.
+    ExactMean,
 }
 
 impl Allocator for Pyramid {
-    fn name(&self) -> &'static str {
-        "pyramid"
+    fn check(&self) -> Result<(), Broken> {
+        positive_finite("beta", self.beta)
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
         let (cap, window, n, layers) =
-            (input.budget, input.window, input.prompt_len, input.n_layers);
+            (input.budget, input.protect.window, input.prompt_len, input.n_layers);
         let selected = cap.saturating_sub(window);
         if n < cap || n < 2 * selected || layers < 2 {
             return vec![cap; layers];
@@ -36,7 +55,7 @@ impl Allocator for Pyramid {
             max = n - window;
             min = 2 * selected - max;
         }
-        if !self.exact_mean {
+        if self.rounding == Rounding::Official {
             let steps = (max - min) / (layers - 1);
             return (0..layers).map(|l| max - l * steps + window).collect();
         }
@@ -67,14 +86,20 @@ mod tests {
             n_layers: layers,
             budget: cap,
             prompt_len: n,
-            window: 8,
-            sinks: 0,
+            protect: crate::replay::Protection {
+                sinks: 0,
+                window: 8,
+            },
             profiles: &[],
             mass_curves: &[],
         };
         Pyramid {
             beta: 20.0,
-            exact_mean,
+            rounding: if exact_mean {
+                Rounding::ExactMean
+            } else {
+                Rounding::Official
+            },
         }
         .allocate(&input)
     }

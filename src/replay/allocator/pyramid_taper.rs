@@ -1,5 +1,5 @@
-//! `pyramid-taper`: the seed library's "PyramidKV-adapted" schedule
-//! (shared/seeds/pyramidkv-adapted-library-doc.txt; formula in shared/reference/policies.md):
+//! `pyramid-taper`: the "PyramidKV-adapted" schedule of the VeloxQuant-MLX library (the seed
+//! library of docs/policies.md, whose documentation gives this formula):
 //!
 //! ```text
 //! floor = n_sink + 1;  span = (avg - floor) * (beta - 1);  hi = avg + span;  lo = avg - span
@@ -14,19 +14,30 @@
 //! is the library's PyramidKV-adapted; with beta = 1 it is its H2O-adapted.
 
 use super::{AllocationInput, Allocator};
+use crate::replay::settings::Broken;
 
-/// The seed library's tapered pyramid.
-pub struct PyramidTaper {
-    pub(super) beta: f64,
+crate::settings! {
+    /// The VeloxQuant-MLX library's "PyramidKV-adapted" schedule: a tapered line around the mean
+    /// budget, water-filled above a floor (docs/policies.md).
+    pub struct PyramidTaper = "pyramid-taper" {
+        /// The library's `pyramid_beta`: a steepness >= 1 (1 = flat), not PyramidKV's divisor.
+        beta: f64 = 2.0,
+    }
 }
 
 impl Allocator for PyramidTaper {
-    fn name(&self) -> &'static str {
-        "pyramid-taper"
+    fn check(&self) -> Result<(), Broken> {
+        if !self.beta.is_finite() || self.beta < 1.0 {
+            return Err(Broken {
+                key: "beta",
+                rule: "pyramid-taper's steepness must be a finite number >= 1 (1 = flat)",
+            });
+        }
+        Ok(())
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        let floor = (input.sinks + 1).max(input.sinks + input.window);
+        let floor = (input.protect.sinks + 1).max(input.protect.tokens());
         taper(input.n_layers, input.budget as f64, floor, self.beta)
     }
 }

@@ -1,5 +1,5 @@
-//! `key-proxy`: each new key used as a proxy query (the seed library's H2O-adapted rule, the
-//! selection of its "PyramidKV-adapted", shared/seeds/pyramidkv-adapted-library-doc.txt).
+//! `key-proxy`: each new key used as a proxy query (the H2O-adapted rule of the VeloxQuant-MLX
+//! library, the selection of its "PyramidKV-adapted"; docs/policies.md quotes its documentation).
 //!
 //! Token 0 is stored with score 1.0. Token i: `attn = softmax(K_stored · k_i / sqrt(d))` over
 //! the stored keys, *not itself*; `scores += attn`; token i is appended with score 0. The engine
@@ -11,11 +11,14 @@
 
 use super::{AlignedScores, ScoreState, Scorer};
 use crate::attention::{attend_positions, softmax, CausalLogits};
-use crate::replay::{LayerContext, Unit};
+use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::{ArrayView2, Axis};
 
-/// The key-as-query proxy scorer.
-pub struct KeyProxy;
+crate::settings! {
+    /// Each new key as its own query (the VeloxQuant-MLX library's H2O-adapted rule, the
+    /// selection of its PyramidKV-adapted); cumulative, new tokens enter at score 0.
+    pub struct KeyProxy = "key-proxy" {}
+}
 
 struct State<'a> {
     keys: ArrayView2<'a, f32>,
@@ -26,11 +29,12 @@ struct State<'a> {
 }
 
 impl Scorer for KeyProxy {
-    fn name(&self) -> &'static str {
-        "key-proxy"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         let keys = layer.keys(unit.kv_head);
         Box::new(State {
             keys,
@@ -81,7 +85,7 @@ mod tests {
         // token 2: logits k0·k2 = 1, k1·k2 = 1 -> [0.5, 0.5] -> scores [2.5, 0.5, 0].
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
-        let mut state = KeyProxy.start(&layer, &unit());
+        let mut state = KeyProxy {}.start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), 3);
         assert_abs_diff_eq!(scores[0], 2.5, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.5, epsilon = 1e-6);

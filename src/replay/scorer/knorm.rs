@@ -2,22 +2,26 @@
 //! `KnormPress` scores `-keys.norm(dim=-1)`). Uses keys only, so it needs no queries at all.
 
 use super::{ScoreState, Scorer};
-use crate::replay::{LayerContext, Unit};
+use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::ArrayView2;
 
-/// Low key norm is kept.
-pub struct Knorm;
+crate::settings! {
+    /// Keep the keys of smallest L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress
+    /// `KnormPress`).
+    pub struct Knorm = "knorm" {}
+}
 
 struct State<'a> {
     keys: ArrayView2<'a, f32>,
 }
 
 impl Scorer for Knorm {
-    fn name(&self) -> &'static str {
-        "knorm"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         Box::new(State {
             keys: layer.keys(unit.kv_head),
         })
@@ -45,7 +49,7 @@ mod tests {
     fn negative_norm() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 2], &[[3.0, 4.0], [0.0, 1.0]], 2);
         let layer = context(&q, &k, n);
-        let mut state = Knorm.start(&layer, &unit());
+        let mut state = Knorm {}.start(&layer, &unit(), Protection::default());
         assert_eq!(scores_after(state.as_mut(), 2), vec![-5.0, -1.0]);
     }
 }

@@ -6,48 +6,43 @@
 //! (its key arrives, its query attends), [`ScoreState::on_evict`] each eviction, and
 //! [`ScoreState::scores`] is asked whenever the engine must choose. Higher scores are kept.
 
-mod key_proxy;
-mod knorm;
-mod oracle_per_step;
-mod oracle_static;
-mod random;
-mod recency;
-mod snapkv;
-mod tova;
-mod true_query;
-
-use super::policy::{Aggregation, PolicyParams, Timing};
-use super::{LayerContext, PolicyError, Unit};
+use super::policy::{Aggregation, Protection, Timing};
+use super::settings::Broken;
+use super::{LayerContext, Unit};
 use crate::attention::{softmax, softmax_in_place, sparse_logits, CausalLogits};
 
-/// The registered scorer names, as configs spell them.
-pub const NAMES: [&str; 9] = [
-    "key-proxy",
-    "true-query",
-    "snapkv",
-    "tova",
-    "recency",
-    "knorm",
-    "random",
-    "oracle-static",
-    "oracle-per-step",
-];
+crate::registry! {
+    Scorer:
+    key_proxy::KeyProxy,
+    true_query::TrueQuery,
+    snapkv::SnapKv,
+    tova::Tova,
+    recency::Recency,
+    knorm::Knorm,
+    random::Random,
+    oracle_static::OracleStatic,
+}
+
+pub use snapkv::Pooling;
 
 /// A way of ranking cached tokens.
 pub trait Scorer: Send + Sync {
-    /// The registry key.
-    fn name(&self) -> &'static str;
+    /// Rules its settings must follow beyond their types.
+    fn check(&self) -> Result<(), Broken> {
+        Ok(())
+    }
     /// Whether the scorer is defined for this timing (SnapKV is one-shot).
     fn supports(&self, _timing: Timing) -> bool {
         true
     }
-    /// Whether the kept set is re-chosen from the full cache at every decode step (the per-step
-    /// oracle), instead of evictions being permanent.
-    fn reselects(&self) -> bool {
-        false
-    }
-    /// A fresh state for one cache of one layer.
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a>;
+    /// A fresh state for one cache of one layer; `protect` is the policy's protection (SnapKV's
+    /// observation window is its window).
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Box<dyn ScoreState + 'a>;
 }
 
 /// The running state of a scorer for one cache.
@@ -58,33 +53,6 @@ pub trait ScoreState {
     fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>);
     /// Entry `index` of the cache has been evicted.
     fn on_evict(&mut self, _index: usize) {}
-}
-
-/// Builds the scorer a policy names.
-pub fn build(params: &PolicyParams) -> Result<Box<dyn Scorer>, PolicyError> {
-    Ok(match params.scorer.as_str() {
-        "key-proxy" => Box::new(key_proxy::KeyProxy),
-        "true-query" => Box::new(true_query::TrueQuery { agg: params.agg }),
-        "snapkv" => Box::new(snapkv::SnapKv {
-            window: params.window,
-            kernel: params.kernel,
-            pool: params.pool,
-            agg: params.agg,
-        }),
-        "tova" => Box::new(tova::Tova { agg: params.agg }),
-        "recency" => Box::new(recency::Recency),
-        "knorm" => Box::new(knorm::Knorm),
-        "random" => Box::new(random::Random { seed: params.seed }),
-        "oracle-static" => Box::new(oracle_static::OracleStatic { agg: params.agg }),
-        "oracle-per-step" => Box::new(oracle_per_step::OraclePerStep { agg: params.agg }),
-        other => {
-            return Err(PolicyError::UnknownName {
-                kind: "scorer",
-                name: other.to_owned(),
-                valid: NAMES.join(", "),
-            })
-        }
-    })
 }
 
 /// The queries of one cache's heads, and their attention over a cache. While the cache is the
@@ -157,8 +125,8 @@ impl<'a> GroupQueries<'a> {
     }
 }
 
-/// Scores of the newest query's attention over the cache, computed when asked for: TOVA's score,
-/// and the per-step oracle's (which differs only in re-selecting from the full cache).
+/// Scores of the newest query's attention over the cache, computed when asked for: TOVA's score
+/// (under the `per-step` timing, the per-step oracle's).
 pub(crate) struct CurrentQuery<'a> {
     queries: GroupQueries<'a>,
     agg: Aggregation,

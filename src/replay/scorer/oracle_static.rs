@@ -4,11 +4,16 @@
 //! reference for one-shot scorers. It sees the future, so no real policy can implement it.
 
 use super::{GroupQueries, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Unit};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
-/// Total future attention.
-pub struct OracleStatic {
-    pub(super) agg: Aggregation,
+crate::settings! {
+    /// The attention the future decode queries pay each token, summed over the decode (sees the
+    /// future: a reference, not a policy).
+    pub struct OracleStatic = "oracle-static" {
+        /// How a GQA group's query-head scores become one per cached token: `mean`, `max` or
+        /// `sum` (kvpress and AdaKV average the group).
+        agg: Aggregation = Aggregation::Mean,
+    }
 }
 
 struct State {
@@ -16,11 +21,12 @@ struct State {
 }
 
 impl Scorer for OracleStatic {
-    fn name(&self) -> &'static str {
-        "oracle-static"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         let n_positions = layer.n_positions();
         let mut future = vec![0.0f32; n_positions];
         let mut queries = GroupQueries::new(layer, unit);
@@ -64,7 +70,7 @@ mod tests {
         let mut state = OracleStatic {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit());
+        .start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), 2);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);

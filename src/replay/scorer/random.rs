@@ -3,11 +3,14 @@
 //! evaluation order or thread count.
 
 use super::{ScoreState, Scorer};
-use crate::replay::{LayerContext, Unit};
+use crate::replay::{LayerContext, Protection, Unit};
 
-/// Uniformly random scores.
-pub struct Random {
-    pub(super) seed: u64,
+crate::settings! {
+    /// A seeded uniform score per (layer, cache, position): the floor every scorer must clear.
+    pub struct Random = "random" {
+        /// The seed of the SplitMix64 hash that gives each score.
+        seed: u64 = 0,
+    }
 }
 
 struct State {
@@ -23,11 +26,12 @@ fn splitmix64(mut x: u64) -> u64 {
 }
 
 impl Scorer for Random {
-    fn name(&self) -> &'static str {
-        "random"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         let stream =
             splitmix64(splitmix64(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })
@@ -54,9 +58,9 @@ mod tests {
     fn seeded_and_in_unit_interval() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 64], &[[0.0, 0.0]; 64], 64);
         let layer = context(&q, &k, n);
-        let first = scores_after(Random { seed: 7 }.start(&layer, &unit()).as_mut(), 64);
-        let again = scores_after(Random { seed: 7 }.start(&layer, &unit()).as_mut(), 64);
-        let other = scores_after(Random { seed: 8 }.start(&layer, &unit()).as_mut(), 64);
+        let first = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
+        let again = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
+        let other = scores_after(Random { seed: 8 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
         assert_eq!(first, again);
         assert_ne!(first, other);
         assert!(first.iter().all(|s| (0.0..1.0).contains(s)));

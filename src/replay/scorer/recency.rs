@@ -3,19 +3,23 @@
 //! oldest unprotected token goes first.
 
 use super::{ScoreState, Scorer};
-use crate::replay::{LayerContext, Unit};
+use crate::replay::{LayerContext, Protection, Unit};
 
-/// Newer is better.
-pub struct Recency;
+crate::settings! {
+    /// StreamingLLM's rule: the sinks (`sinks`) and the most recent tokens (Xiao et al., 2023,
+    /// arXiv:2309.17453).
+    pub struct Recency = "recency" {}
+}
 
 struct State;
 
 impl Scorer for Recency {
-    fn name(&self) -> &'static str {
-        "recency"
-    }
-
-    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        _layer: &LayerContext<'a>,
+        _unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         Box::new(State)
     }
 }
@@ -38,7 +42,7 @@ mod tests {
     fn score_is_position() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[0.0, 0.0]; 3], 3);
         let layer = context(&q, &k, n);
-        let mut state = Recency.start(&layer, &unit());
+        let mut state = Recency {}.start(&layer, &unit(), Protection::default());
         assert_eq!(scores_after(state.as_mut(), 3), vec![0.0, 1.0, 2.0]);
     }
 }

@@ -1,5 +1,5 @@
 //! `snapkv`: SnapKV's observation-window vote (Li et al., 2024, arXiv:2404.14469), as the official
-//! KVCache-Factory code computes it (shared/reference/policies.md): the last W prompt queries
+//! KVCache-Factory code computes it (docs/policies.md): the last W prompt queries
 //! attend over all prompt keys (causally, so only inside the window does the mask bite), their
 //! weights are summed per head over the window, pooled along positions with a same-length 1-D
 //! kernel, and the group's pooled scores are aggregated (`--agg`, as kvpress and AdaKV do; under
@@ -11,14 +11,33 @@
 //! One-shot: defined for `--timing prefill` only.
 
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Pooling, Timing, Unit};
+use crate::replay::settings::Broken;
+use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
 
-/// SnapKV's pooled window attention.
-pub struct SnapKv {
-    pub(super) window: usize,
-    pub(super) kernel: usize,
-    pub(super) pool: Pooling,
-    pub(super) agg: Aggregation,
+crate::settings! {
+    /// SnapKV's observation-window vote, pooled (Li et al., 2024, arXiv:2404.14469;
+    /// KVCache-Factory `pyramidkv/pyramidkv_utils.py` lines 273-299). The observation window is
+    /// the policy's protected `window`.
+    pub struct SnapKv = "snapkv" {
+        /// The pooling kernel (odd; `kernel_size`, 7 in the PyramidKV paper's runs).
+        kernel: usize = 7,
+        /// `avg` (torch's avg_pool1d, zero padding counted: the class default) or `max` (the
+        /// PyramidKV paper's runs).
+        pool: Pooling = Pooling::Avg,
+        /// How a GQA group's query-head scores become one per cached token: `mean`, `max` or
+        /// `sum` (kvpress and AdaKV average the group).
+        agg: Aggregation = Aggregation::Mean,
+    }
+}
+
+/// SnapKV's 1-D pooling of window scores.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Pooling {
+    /// Average pooling; the zero padding counts (divides by the kernel), as torch's avg_pool1d.
+    Avg,
+    /// Max pooling (the PyramidKV paper's runs).
+    Max,
 }
 
 struct State<'a> {
@@ -34,20 +53,31 @@ struct State<'a> {
 }
 
 impl Scorer for SnapKv {
-    fn name(&self) -> &'static str {
-        "snapkv"
-    }
-
     fn supports(&self, timing: Timing) -> bool {
         timing == Timing::Prefill
     }
 
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn check(&self) -> Result<(), Broken> {
+        if self.kernel % 2 == 0 {
+            return Err(Broken {
+                key: "kernel",
+                rule: "must be odd (same-length pooling needs a centred kernel)",
+            });
+        }
+        Ok(())
+    }
+
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         let prompt_len = layer.prompt_len;
         Box::new(State {
             queries: GroupQueries::new(layer, unit),
             prompt_len,
-            window_start: prompt_len.saturating_sub(self.window.max(1)),
+            window_start: prompt_len.saturating_sub(protect.window.max(1)),
             kernel: self.kernel,
             pool: self.pool,
             agg: self.agg,
@@ -150,12 +180,15 @@ mod tests {
         );
         let layer = context(&q, &k, n);
         let scorer = SnapKv {
-            window: 1,
             kernel: 1,
             pool: Pooling::Avg,
             agg: Aggregation::Mean,
         };
-        let mut state = scorer.start(&layer, &unit());
+        let protect = Protection {
+            sinks: 0,
+            window: 1,
+        };
+        let mut state = scorer.start(&layer, &unit(), protect);
         let scores = scores_after(state.as_mut(), 3);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);

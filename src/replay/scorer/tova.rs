@@ -6,19 +6,25 @@
 //! token's.
 
 use super::{CurrentQuery, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Unit};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
-/// The current query's attention.
-pub struct Tova {
-    pub(super) agg: Aggregation,
+crate::settings! {
+    /// TOVA: the current query's attention (Oren et al., 2024, arXiv:2401.06104). Under the
+    /// `per-step` timing it is the per-step oracle.
+    pub struct Tova = "tova" {
+        /// How a GQA group's query-head scores become one per cached token: `mean`, `max` or
+        /// `sum` (kvpress and AdaKV average the group).
+        agg: Aggregation = Aggregation::Mean,
+    }
 }
 
 impl Scorer for Tova {
-    fn name(&self) -> &'static str {
-        "tova"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         Box::new(CurrentQuery::new(layer, unit, self.agg))
     }
 }
@@ -37,7 +43,7 @@ mod tests {
         let mut state = Tova {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit());
+        .start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), 2);
         assert_abs_diff_eq!(scores[0], 0.268_941, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.731_059, epsilon = 1e-6);

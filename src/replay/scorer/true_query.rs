@@ -7,11 +7,16 @@
 //! last window see future keys, attention here is always causal.
 
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Unit};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
-/// H2O's cumulative true-query attention.
-pub struct TrueQuery {
-    pub(super) agg: Aggregation,
+crate::settings! {
+    /// H2O's heavy-hitter score: the attention each cached token has received from the real
+    /// queries so far (Zhang et al., NeurIPS 2023, arXiv:2306.14048).
+    pub struct TrueQuery = "true-query" {
+        /// How a GQA group's query-head scores become one per cached token: `mean`, `max` or
+        /// `sum` (kvpress and AdaKV average the group).
+        agg: Aggregation = Aggregation::Mean,
+    }
 }
 
 struct State<'a> {
@@ -21,11 +26,12 @@ struct State<'a> {
 }
 
 impl Scorer for TrueQuery {
-    fn name(&self) -> &'static str {
-        "true-query"
-    }
-
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(
+        &self,
+        layer: &LayerContext<'a>,
+        unit: &Unit,
+        _protect: Protection,
+    ) -> Box<dyn ScoreState + 'a> {
         Box::new(State {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
@@ -67,7 +73,7 @@ mod tests {
         let mut state = TrueQuery {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit());
+        .start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), 2);
         assert_abs_diff_eq!(scores[0], 1.731_059, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.268_941, epsilon = 1e-6);

@@ -1,0 +1,93 @@
+//! `kvreplay methods`: every registered method of every axis, with its parameters, defaults and
+//! source, straight from the registries, and the presets built on them.
+
+use crate::replay::settings::{self, Method};
+use crate::replay::{allocator, head_split, presets, scorer, Timing};
+use std::fmt::Write;
+
+/// The listing, as Markdown.
+pub fn methods_markdown() -> String {
+    let mut out = String::from(
+        "# Methods\n\nEvery policy has the common settings `allocator`, `scorer`, `heads`, `timing`, \
+         `budget`, `sinks`, `window`, `gqa` and `top_k`; each chosen method adds its own, listed \
+         below with their defaults. A setting that none of the chosen methods takes is an error.\n",
+    );
+    axis(
+        &mut out,
+        "Allocators (`allocator`): how many tokens each layer keeps",
+        allocator::REGISTRY,
+    );
+    axis(
+        &mut out,
+        "Head splits (`heads`): how a layer's budget is shared among its caches",
+        head_split::REGISTRY,
+    );
+    axis(
+        &mut out,
+        "Scorers (`scorer`): which tokens",
+        scorer::REGISTRY,
+    );
+    out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
+    for timing in Timing::ALL {
+        let _ = writeln!(out, "- `{}`: {}", timing.name(), timing_about(timing));
+    }
+    out += "\n## Presets (`preset`, `kvreplay compare --presets`)\n\n";
+    for name in presets::NAMES {
+        let params = presets::preset(name, 128).expect("every listed preset builds");
+        let mut own: Vec<String> = params
+            .settings
+            .iter()
+            .map(|(key, value)| format!("{key} = {}", settings::text(value)))
+            .collect();
+        own.sort();
+        let _ = writeln!(
+            out,
+            "- `{name}`: allocator `{}`, scorer `{}`, heads `{}`, timing `{}`, sinks {}, window {}{}",
+            params.allocator,
+            params.scorer,
+            params.heads,
+            params.timing.name(),
+            params.sinks,
+            params.window,
+            if own.is_empty() {
+                String::new()
+            } else {
+                format!(", {}", own.join(", "))
+            }
+        );
+    }
+    out
+}
+
+fn timing_about(timing: Timing) -> &'static str {
+    match timing {
+        Timing::Prefill => "once at the end of the prompt; generated tokens are kept",
+        Timing::Streaming => "every token over budget evicts one, prompt and decode alike",
+        Timing::PerStep => {
+            "re-chosen at every decode step from the whole cache (nothing is lost for good)"
+        }
+        Timing::PerStepPrompt => {
+            "re-chosen at every decode step among the prompt tokens; generated tokens are kept"
+        }
+    }
+}
+
+fn axis<T: ?Sized>(out: &mut String, title: &str, registry: &[Method<T>]) {
+    let _ = writeln!(out, "\n## {title}\n");
+    for method in registry {
+        let _ = writeln!(out, "### `{}`\n\n{}\n", method.name, method.about.trim());
+        let defaults = (method.defaults)();
+        for param in method.params {
+            let _ = writeln!(
+                out,
+                "- `{}` (default `{}`): {}",
+                param.key,
+                settings::text(&defaults[param.key]),
+                param.doc.trim()
+            );
+        }
+        if !method.params.is_empty() {
+            out.push('\n');
+        }
+    }
+}

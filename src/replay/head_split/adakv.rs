@@ -1,0 +1,94 @@
+//! `adakv`: AdaKV's head-wise budgets (Feng et al., 2024, arXiv:2407.11550; FFY0/AdaKV, the same
+//! rule as KVCache-Factory's `AdaKVCluster`, `pyramidkv/pyramidkv_utils.py` lines 1041-1053):
+//! with `B = cap - protected` and floor `F = int(B * alpha)`, the top `H * B` scores of all caches
+//! together are counted per cache (`cnt_h`), and cache h gets `round(cnt_h * (1 - alpha) + F)`
+//! plus the protected tokens. Protected positions (sinks, window) do not compete. Ties: higher
+//! score first, then the lower cache, then the lower position. torch.round rounds half to even,
+//! and so does this.
+
+use super::HeadSplit;
+use crate::replay::policy::Protection;
+use crate::replay::settings::Broken;
+
+crate::settings! {
+    /// AdaKV's head-wise budgets: a cache's share follows how many of the layer's top scores it
+    /// holds, above a guaranteed floor (Feng et al., 2024, arXiv:2407.11550).
+    pub struct Adakv = "adakv" {
+        /// The floor: the share of each cache's budget guaranteed to it (`floor_ratio`, 0.2 in
+        /// KVCache-Factory's `init_adakv`, `pyramidkv_utils.py` line 1421).
+        alpha: f64 = 0.2,
+    }
+}
+
+impl HeadSplit for Adakv {
+    fn check(&self) -> Result<(), Broken> {
+        if (0.0..=1.0).contains(&self.alpha) {
+            Ok(())
+        } else {
+            Err(Broken {
+                key: "alpha",
+                rule: "must be in [0, 1]",
+            })
+        }
+    }
+
+    fn needs_scores(&self) -> bool {
+        true
+    }
+
+    fn split(
+        &self,
+        cap: usize,
+        scores: &[Vec<f32>],
+        _n_caches: usize,
+        prompt_len: usize,
+        protect: Protection,
+    ) -> Vec<usize> {
+        let protected = protect.tokens();
+        let selectable = cap.saturating_sub(protected);
+        let floor = (selectable as f64 * self.alpha) as usize;
+        let mut all: Vec<(f32, usize, usize)> = scores
+            .iter()
+            .enumerate()
+            .flat_map(|(unit, unit_scores)| {
+                unit_scores
+                    .iter()
+                    .enumerate()
+                    .filter(move |(position, _)| !protect.covers(*position, prompt_len))
+                    .map(move |(position, score)| (*score, unit, position))
+            })
+            .collect();
+        all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
+        let mut counts = vec![0usize; scores.len()];
+        for (_, unit, _) in all.iter().take(scores.len() * selectable) {
+            counts[*unit] += 1;
+        }
+        counts
+            .into_iter()
+            .map(|count| {
+                (count as f64 * (1.0 - self.alpha) + floor as f64).round_ties_even() as usize
+                    + protected
+            })
+            .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn adakv_by_hand() {
+        // Two caches, prompt 6, no protection, cap 3, alpha 0.2: B = 3, F = 0. The top 6 of all
+        // scores: cache 0 has 4 of them (0.9, 0.8, 0.7, 0.6), cache 1 has 2 (0.95, 0.5).
+        // cap_0 = round(4 * 0.8) = 3, cap_1 = round(2 * 0.8) = 2 (1.6).
+        let scores = vec![
+            vec![0.9, 0.8, 0.7, 0.6, 0.1, 0.0],
+            vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
+        ];
+        let none = Protection::default();
+        assert_eq!(Adakv { alpha: 0.2 }.split(3, &scores, 2, 6, none), vec![3, 2]);
+        // With alpha 1 every cache gets exactly the floor: B.
+        assert_eq!(Adakv { alpha: 1.0 }.split(3, &scores, 2, 6, none), vec![3, 3]);
+    }
+}

@@ -1,0 +1,35 @@
+//! Head splits: how a layer's budget is shared among its caches (KV heads, or query heads). One
+//! split per file, the file name is the registry key. A split sees every cache's prompt scores
+//! (the scorer's ranking at the end of the prompt) and the policy's protection; it never ranks
+//! tokens itself. Splits that read scores are one-shot: they run at the end of the prompt.
+
+use super::policy::Protection;
+use super::settings::Broken;
+
+crate::registry! {
+    HeadSplit:
+    uniform::Uniform,
+    adakv::Adakv,
+}
+
+/// A way of sharing a layer's budget among its caches.
+pub trait HeadSplit: Send + Sync {
+    /// Rules its settings must follow beyond their types.
+    fn check(&self) -> Result<(), Broken> {
+        Ok(())
+    }
+    /// Whether `split` reads the caches' prompt scores (then the policy must be one-shot).
+    fn needs_scores(&self) -> bool {
+        false
+    }
+    /// Each cache's budget, given the layer's `budget`, one score per prompt position per cache
+    /// (empty when `needs_scores` is false), the prompt length and the protection.
+    fn split(
+        &self,
+        budget: usize,
+        scores: &[Vec<f32>],
+        n_caches: usize,
+        prompt_len: usize,
+        protect: Protection,
+    ) -> Vec<usize>;
+}

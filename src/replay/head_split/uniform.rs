@@ -1,0 +1,22 @@
+//! `uniform`: every cache of a layer gets the layer's budget (SnapKV, PyramidKV, H2O as published).
+
+use super::HeadSplit;
+use crate::replay::policy::Protection;
+
+crate::settings! {
+    /// Every cache of a layer gets the layer's budget.
+    pub struct Uniform = "uniform" {}
+}
+
+impl HeadSplit for Uniform {
+    fn split(
+        &self,
+        budget: usize,
+        _scores: &[Vec<f32>],
+        n_caches: usize,
+        _prompt_len: usize,
+        _protect: Protection,
+    ) -> Vec<usize> {
+        vec![budget; n_caches]
+    }
+}

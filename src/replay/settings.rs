@@ -1,0 +1,288 @@
+//! Method settings as data. Every pluggable method (allocator, scorer, head split) declares its
+//! parameters once, in its own file, with [`settings!`](crate::settings): a struct whose fields
+//! are the config keys, each with a default and a doc line saying what it means and where it comes
+//! from. One line in its axis's [`registry!`](crate::registry) makes the method known by its name;
+//! the experiment parser, the command-line flags and their help, `kvreplay methods`, and the errors
+//! for an unknown name or for a setting the chosen method does not take all follow from these
+//! declarations.
+
+use serde::{de::DeserializeOwned, Serialize};
+use serde_json::{Map, Value};
+
+/// One declared parameter of a method.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Param {
+    /// The config key; the command-line flag is the key with `-` for `_`.
+    pub key: &'static str,
+    /// What it means and where it comes from.
+    pub doc: &'static str,
+}
+
+/// A method's declaration: its name and its parameters, each with a default.
+pub trait Declared: Serialize + DeserializeOwned + Default + Send + Sync + 'static {
+    /// The registry key (the file name, `_` spelled `-`).
+    const NAME: &'static str;
+    /// One paragraph: what the method does and its source.
+    const ABOUT: &'static str;
+    /// Every parameter, in declaration order.
+    const PARAMS: &'static [Param];
+}
+
+/// A rule a method's checked settings broke.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Broken {
+    /// The parameter.
+    pub key: &'static str,
+    /// The rule, e.g. "must be odd".
+    pub rule: &'static str,
+}
+
+/// Why settings could not become a method.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct SettingError {
+    /// The parameter.
+    pub key: String,
+    /// The value given, as text.
+    pub value: String,
+    /// The rule or the type expected.
+    pub rule: String,
+}
+
+/// A registered method of one axis; `T` is the axis's trait object (`dyn Allocator`, ...).
+pub struct Method<T: ?Sized> {
+    /// The registry key.
+    pub name: &'static str,
+    /// What it does and its source.
+    pub about: &'static str,
+    /// Its parameters.
+    pub params: &'static [Param],
+    /// Its defaults, as config values.
+    pub defaults: fn() -> Map<String, Value>,
+    /// Builds it from settings that it declares (checked).
+    pub build: fn(&Map<String, Value>) -> Result<Box<T>, SettingError>,
+}
+
+impl<T: ?Sized> Method<T> {
+    /// Whether it declares `key`.
+    pub fn takes(&self, key: &str) -> bool {
+        self.params.iter().any(|param| param.key == key)
+    }
+
+    /// Its parameter keys, comma-separated, or `no settings`.
+    pub fn keys(&self) -> String {
+        if self.params.is_empty() {
+            return "no settings".into();
+        }
+        let keys: Vec<&str> = self.params.iter().map(|param| param.key).collect();
+        keys.join(", ")
+    }
+
+    /// Its defaults overlaid with the given settings it declares: every value it will run with.
+    pub fn resolve(&self, given: &Map<String, Value>) -> Map<String, Value> {
+        let mut settings = (self.defaults)();
+        for (key, value) in given {
+            if self.takes(key) {
+                settings.insert(key.clone(), value.clone());
+            }
+        }
+        settings
+    }
+}
+
+/// The defaults of `S` as config values.
+pub fn defaults<S: Declared>() -> Map<String, Value> {
+    match serde_json::to_value(S::default()).expect("settings serialise") {
+        Value::Object(map) => map,
+        other => panic!("settings of {} serialise to {other}, not a table", S::NAME),
+    }
+}
+
+/// Parses the settings of `S` from `given` (keys it declares; the rest are ignored): defaults
+/// first, then each given value, so a value of the wrong type is named by its key.
+pub fn parse<S: Declared>(given: &Map<String, Value>) -> Result<S, SettingError> {
+    let mut settings = defaults::<S>();
+    for (key, value) in given {
+        if !S::PARAMS.iter().any(|param| param.key == key) {
+            continue;
+        }
+        settings.insert(key.clone(), value.clone());
+        serde_json::from_value::<S>(Value::Object(settings.clone())).map_err(|err| {
+            SettingError {
+                key: key.clone(),
+                value: text(value),
+                rule: expected(&err.to_string()),
+            }
+        })?;
+    }
+    Ok(serde_json::from_value(Value::Object(settings)).expect("checked value by value"))
+}
+
+/// A config value as a person wrote it (strings without quotes).
+pub fn text(value: &Value) -> String {
+    match value {
+        Value::String(s) => s.clone(),
+        other => other.to_string(),
+    }
+}
+
+/// The "expected ..." part of a serde message, which names the type or the variants.
+fn expected(message: &str) -> String {
+    match message.find("expected") {
+        Some(start) => message[start..].to_owned(),
+        None => message.to_owned(),
+    }
+}
+
+/// A setting given on the command line, as a config value: a number where it reads as one
+/// (integers stay integers), else the text.
+pub fn from_flag(text: &str) -> Value {
+    if let Ok(integer) = text.parse::<u64>() {
+        return Value::from(integer);
+    }
+    if let Ok(integer) = text.parse::<i64>() {
+        return Value::from(integer);
+    }
+    match text.parse::<f64>() {
+        Ok(number) if number.is_finite() => Value::from(number),
+        _ => Value::from(text),
+    }
+}
+
+/// Declares a method's settings struct: its registry name, what it does, and each field with its
+/// doc line and default. The struct derives serde (unknown keys rejected, missing keys defaulted)
+/// and implements [`Declared`].
+///
+/// ```ignore
+/// settings! {
+///     /// PyramidKV's linear schedule (arXiv:2406.02069).
+///     pub struct Pyramid = "pyramid" {
+///         /// The divisor beta of the official code.
+///         beta: f64 = 20.0,
+///     }
+/// }
+/// ```
+#[macro_export]
+macro_rules! settings {
+    (
+        $(#[doc = $about:literal])+
+        $vis:vis struct $name:ident = $key:literal {
+            $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr ),* $(,)?
+        }
+    ) => {
+        $(#[doc = $about])+
+        #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
+        #[serde(deny_unknown_fields, default)]
+        $vis struct $name {
+            $( $(#[doc = $doc])+ pub $field: $ty, )*
+        }
+
+        impl Default for $name {
+            fn default() -> Self {
+                Self { $( $field: $default, )* }
+            }
+        }
+
+        impl $crate::replay::settings::Declared for $name {
+            const NAME: &'static str = $key;
+            const ABOUT: &'static str = concat!($($about),+);
+            const PARAMS: &'static [$crate::replay::settings::Param] = &[
+                $( $crate::replay::settings::Param {
+                    key: stringify!($field),
+                    doc: concat!($($doc),+),
+                }, )*
+            ];
+        }
+    };
+}
+
+/// Declares an axis's methods: one line per method, `module::Type`, in listing order. Declares
+/// the modules and `REGISTRY`, the list every lookup, flag and listing reads. Each type implements
+/// [`Declared`] (through [`settings!`](crate::settings)) and the axis's trait.
+#[macro_export]
+macro_rules! registry {
+    ($axis:ident: $( $module:ident :: $method:ident ),+ $(,)?) => {
+        $( mod $module; )+
+
+        /// Every registered method of this axis, in listing order.
+        pub const REGISTRY: &[$crate::replay::settings::Method<dyn $axis>] = &[
+            $( $crate::replay::settings::Method {
+                name: <$module::$method as $crate::replay::settings::Declared>::NAME,
+                about: <$module::$method as $crate::replay::settings::Declared>::ABOUT,
+                params: <$module::$method as $crate::replay::settings::Declared>::PARAMS,
+                defaults: $crate::replay::settings::defaults::<$module::$method>,
+                build: |given| {
+                    let method = $crate::replay::settings::parse::<$module::$method>(given)?;
+                    $axis::check(&method).map_err(|broken| $crate::replay::settings::SettingError {
+                        key: broken.key.to_owned(),
+                        value: given
+                            .get(broken.key)
+                            .map($crate::replay::settings::text)
+                            .unwrap_or_else(|| "its default".into()),
+                        rule: broken.rule.to_owned(),
+                    })?;
+                    Ok(Box::new(method))
+                },
+            }, )+
+        ];
+    };
+}
+
+/// The method of `registry` called `name`.
+pub fn find<'r, T: ?Sized>(registry: &'r [Method<T>], name: &str) -> Option<&'r Method<T>> {
+    registry.iter().find(|method| method.name == name)
+}
+
+/// The names of `registry`, comma-separated.
+pub fn names<T: ?Sized>(registry: &[Method<T>]) -> String {
+    let names: Vec<&str> = registry.iter().map(|method| method.name).collect();
+    names.join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    crate::settings! {
+        /// A test method.
+        pub struct Toy = "toy" {
+            /// A count.
+            count: usize = 3,
+            /// A weight.
+            weight: f64 = 0.5,
+        }
+    }
+
+    #[test]
+    fn defaults_docs_and_parsing_follow_the_declaration() {
+        assert_eq!(Toy::NAME, "toy");
+        assert_eq!(Toy::PARAMS[0].key, "count");
+        assert_eq!(Toy::PARAMS[1].doc.trim(), "A weight.");
+        let defaults = defaults::<Toy>();
+        assert_eq!(defaults["count"], Value::from(3));
+        let mut given = Map::new();
+        given.insert("weight".into(), Value::from(2));
+        given.insert("not-mine".into(), Value::from("x"));
+        let toy = parse::<Toy>(&given).unwrap();
+        assert_eq!(
+            toy,
+            Toy {
+                count: 3,
+                weight: 2.0
+            }
+        );
+        given.insert("count".into(), Value::from("many"));
+        let err = parse::<Toy>(&given).unwrap_err();
+        assert_eq!(err.key, "count");
+        assert_eq!(err.value, "many");
+        assert!(err.rule.starts_with("expected usize"), "{}", err.rule);
+    }
+
+    #[test]
+    fn flags_read_as_numbers_where_they_can() {
+        assert_eq!(from_flag("7"), Value::from(7u64));
+        assert_eq!(from_flag("-1"), Value::from(-1i64));
+        assert_eq!(from_flag("2.5"), Value::from(2.5));
+        assert_eq!(from_flag("max"), Value::from("max"));
+        assert_eq!(from_flag("inf"), Value::from("inf"));
+    }
+}
