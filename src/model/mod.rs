@@ -5,7 +5,7 @@
 //! Why our own forward instead of a framework's model zoo: capture needs a hook inside attention,
 //! and the same forward will later run eviction policies live. candle-core reads the GGUF and
 //! supplies the tensor kernels; the weights are dequantised to f32 once at load (f32 GEMM is ~15×
-//! faster than candle's quantised Q4_1 matmul on this machine, see shared/reference/assets.md).
+//! faster than candle's quantised Q4_1 matmul on this machine, see docs/assets.md).
 //!
 //! Rotary convention: llama.cpp's converter permutes the rows of `attn_q`/`attn_k` so that
 //! *interleaved* rotary pairs work on them. We undo that permutation at load and apply the

@@ -1,4 +1,4 @@
-//! The kvtrace/1 file format (`shared/design/trace-format.md`): one safetensors file holding, for
+//! The kvtrace/1 file format (`docs/trace-format.md`): one safetensors file holding, for
 //! every layer, the post-rotary query, key and (optionally) value vectors of every position.
 //!
 //! The reader is strict: it checks every rule of the contract before handing anything out, and it

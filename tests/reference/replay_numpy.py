@@ -1,7 +1,7 @@
 #!/usr/bin/env python3
 """The NumPy replay a researcher would write, for `kvreplay bench`: same trace, same metric (mean
 retained mass over layers, query heads and decode steps), same policies, written independently
-from the method descriptions (shared/reference/policies.md) with NumPy only.
+from the method descriptions (docs/policies.md) with NumPy only.
 
 Usage: replay_numpy.py TRACE --budgets 64,128 --policies snapkv,pyramidkv,... > results.json
 Prints {"results": {policy: {budget: mass}}, "seconds": s} as JSON.

@@ -106,7 +106,8 @@ mod tests {
 
     #[test]
     fn official_test_vectors() {
-        // shared/reference/policies.md / issue 3: L = 32, W = 8, n = 8000, beta 20.
+        // The official formula (docs/policies.md) by hand, L = 32, W = 8, n = 8000, beta 20: at
+        // cap 128, B = 120, min = 6, max = 234, steps = 7: 242 ... 25, sum 32 * 242 - 7 * 496.
         for (cap, first, last, total) in [
             (128, 242, 25, 4272),
             (512, 991, 61, 16832),
