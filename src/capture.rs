@@ -121,12 +121,30 @@ pub fn capture(
         Some(&mut recorder),
         &mut |done| progress(done, total),
     )?;
+    let writer = trace_writer(model, prompt, &generated, &recorder, options)?;
+    let generated_text = model.tokenizer().decode(&generated);
+    Ok(Captured {
+        writer,
+        generated,
+        generated_text,
+        recorder,
+    })
+}
+
+/// The kvtrace/1 file of a run: `prompt` and the `generated` tokens fed back, with what `recorder`
+/// saw of every layer.
+pub fn trace_writer(
+    model: &Llama,
+    prompt: &BuiltPrompt,
+    generated: &[u32],
+    recorder: &Recorder,
+    options: &CaptureOptions,
+) -> Result<TraceWriter, CaptureError> {
     let config = model.config();
     let tokenizer = model.tokenizer();
-    let generated_text = tokenizer.decode(&generated);
     let mut extra = BTreeMap::new();
     extra.insert("prompt_text".into(), tokenizer.decode(&prompt.ids));
-    extra.insert("generated_text".into(), generated_text.clone());
+    extra.insert("generated_text".into(), tokenizer.decode(generated));
     extra.insert(
         "source".into(),
         format!(
@@ -161,10 +179,5 @@ pub fn capture(
         let (q, k, v) = recorder.layer(layer)?;
         writer.push_layer(q, k, Some(v));
     }
-    Ok(Captured {
-        writer,
-        generated,
-        generated_text,
-        recorder,
-    })
+    Ok(writer)
 }

@@ -15,6 +15,7 @@ pub mod capture;
 pub mod experiment;
 pub mod export;
 pub mod inspect;
+pub mod live;
 pub mod model;
 pub mod recipe;
 pub mod replay;

@@ -8,6 +8,8 @@ use kvreplay::assets::Assets;
 use kvreplay::capture;
 use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
 use kvreplay::export::{exporter, Format};
+use kvreplay::model::Llama;
+use kvreplay::recipe::Recipe;
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
     allocator, head_split, presets, replay_many, scorer, Granularity, PolicyParams, ReplayReport,
@@ -55,6 +57,23 @@ enum Command {
         policy: PolicyArgs,
         #[command(flatten)]
         output: OutputArgs,
+    },
+    /// Run a recipe live under one policy (prefill timing): the policy holds the model's real KV
+    /// cache, and what the model then does (next-token KL, top-1 agreement, log-probability lost,
+    /// free-running text and task success) is printed beside the open-loop metrics.
+    Live {
+        /// The recipe TOML (traces/<name>.toml): live mode runs the model, so it needs a recipe,
+        /// not a trace.
+        #[arg(long)]
+        recipe: PathBuf,
+        #[command(flatten)]
+        policy: PolicyArgs,
+        /// Output format (json includes every step and the open-loop report).
+        #[arg(long, value_enum, default_value_t = Format::Markdown)]
+        format: Format,
+        /// Prefill chunk size in tokens.
+        #[arg(long, default_value_t = 512)]
+        chunk: usize,
     },
     /// Replay named presets of the classic methods at one budget and print one table.
     Compare {
@@ -355,6 +374,33 @@ fn compare(
     Ok(exporter(output.format).export(&labelled, !output.no_layers))
 }
 
+/// A live run of `recipe` under `policy`, as text.
+fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Result<String> {
+    anyhow::ensure!(
+        recipe.extension().is_some_and(|e| e == "toml"),
+        "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
+        recipe.display()
+    );
+    let (parsed, base) = Recipe::load(recipe)?;
+    let assets = Assets::from_env();
+    let model_path = match assets.require_model() {
+        Ok(path) => path,
+        Err(_) => assets.fetch()?.model,
+    };
+    let essays = match parsed {
+        Recipe::Niah(_) => assets.require_essays()?,
+        _ => Vec::new(),
+    };
+    let model = Llama::load(&model_path)?;
+    let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
+    let scratch = std::env::temp_dir();
+    let report = kvreplay::live::live(&model, &prompt, policy, chunk, &scratch)?;
+    Ok(match format {
+        Format::Json => serde_json::to_string_pretty(&report)? + "\n",
+        _ => kvreplay::export::live_table(&report, format),
+    })
+}
+
 /// The newcomer's first run: fetch, capture niah-2k (once), inspect it, compare the classic methods.
 fn demo(budget: usize) -> Result<()> {
     fetch()?;
@@ -566,6 +612,18 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
                 exporter(output.format).export(&reports, !output.no_layers)
             );
         }
+        Command::Live {
+            recipe,
+            policy,
+            format,
+            chunk,
+        } => {
+            let flags = matches
+                .subcommand_matches("live")
+                .expect("the live subcommand");
+            let policy = policy.params(flags).check()?;
+            print!("{}", live(&recipe, &policy, format, chunk)?);
+        }
         Command::Compare {
             trace,
             budget,
@@ -651,6 +709,7 @@ fn main() -> ExitCode {
     set_mmap_threshold(MMAP_THRESHOLD);
     let matches = Cli::command()
         .mut_subcommand("replay", |replay| replay.args(method_flags()))
+        .mut_subcommand("live", |live| live.args(method_flags()))
         .get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,

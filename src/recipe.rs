@@ -71,6 +71,10 @@ pub struct NiahRecipe {
     pub needle: String,
     /// The retrieval question.
     pub question: String,
+    /// The needle's key phrase: a generation that contains it answered the question (closed-loop
+    /// task success).
+    #[serde(default)]
+    pub answer: Option<String>,
     /// Greedy tokens to generate.
     pub generate: usize,
 }
@@ -108,6 +112,8 @@ pub struct BuiltPrompt {
     pub spans: Vec<Span>,
     /// Tokens to generate.
     pub generate: usize,
+    /// What a correct generation contains, when the recipe says.
+    pub answer: Option<String>,
 }
 
 /// The needlehaystack system message.
@@ -184,6 +190,7 @@ impl Recipe {
                     ids: tokenizer.encode(&ChatTokenizer::chat_prompt(&messages)),
                     spans: Vec::new(),
                     generate: chat.generate,
+                    answer: None,
                 })
             }
             Recipe::Text(text) => {
@@ -198,6 +205,7 @@ impl Recipe {
                     ids,
                     spans: Vec::new(),
                     generate: text.generate,
+                    answer: None,
                 })
             }
         }
@@ -276,5 +284,6 @@ fn build_niah(
         ids,
         spans: vec![needle_span, question_span],
         generate: niah.generate,
+        answer: niah.answer.clone(),
     })
 }

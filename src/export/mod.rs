@@ -4,6 +4,7 @@
 
 mod csv;
 mod json;
+mod live;
 mod markdown;
 mod methods;
 mod replay;
@@ -11,6 +12,7 @@ mod table;
 
 pub use csv::Csv;
 pub use json::Json;
+pub use live::live_table;
 pub use markdown::Markdown;
 pub use methods::methods_markdown;
 pub use replay::{layer_table, summary_table};

@@ -31,16 +31,41 @@ pub struct Llama {
     inv_freq: Vec<f32>,
 }
 
-/// The keys and values seen so far, per layer, `[n_kv_heads, positions, head_dim]`.
-#[derive(Default)]
+/// The keys and values seen so far, per layer, `[n_kv_heads, positions, head_dim]`. Cloning is
+/// cheap (tensors share their storage; a forward pass makes new ones).
+#[derive(Default, Clone)]
 pub struct KvCache {
     layers: Vec<(Tensor, Tensor)>,
+    /// The position of the next token (the entries cached, unless some were removed).
+    next_position: usize,
 }
 
 impl KvCache {
     /// Positions cached so far.
-    fn len(&self) -> usize {
+    pub fn len(&self) -> usize {
         self.layers.first().map_or(0, |(k, _)| k.dims()[1])
+    }
+
+    /// Whether nothing is cached yet.
+    pub fn is_empty(&self) -> bool {
+        self.len() == 0
+    }
+
+    /// The same cache holding only the entries `positions` (ascending) in every layer and head:
+    /// the keys keep the rotation of their original positions, as an evicting cache's survivors
+    /// do, and the next token still gets the next position.
+    pub fn retain(&self, positions: &[usize]) -> Result<KvCache, ModelError> {
+        let index: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
+        let index = Tensor::from_vec(index, positions.len(), &Device::Cpu)?;
+        let layers = self
+            .layers
+            .iter()
+            .map(|(k, v)| Ok((k.index_select(&index, 1)?, v.index_select(&index, 1)?)))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(KvCache {
+            layers,
+            next_position: self.next_position,
+        })
     }
 }
 
@@ -228,30 +253,43 @@ impl Llama {
         &self,
         ids: &[u32],
         cache: &mut KvCache,
+        recorder: Option<&mut Recorder>,
+    ) -> Result<Vec<f32>, ModelError> {
+        self.forward_masked(ids, cache, recorder, None)
+    }
+
+    /// [`forward`](Self::forward) where, in layer l, query head h does not attend to the
+    /// positions `evicted[l][h]` (a KV-cache policy's evictions: the keys stay in the cache, the
+    /// attention masks them, so each head can keep its own set). With nothing evicted the result
+    /// is bit-identical to `forward`.
+    pub fn forward_masked(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
         mut recorder: Option<&mut Recorder>,
+        evicted: Option<&Evicted>,
     ) -> Result<Vec<f32>, ModelError> {
         let config = &self.config;
         let n = ids.len();
-        let start = cache.len();
+        let past = cache.len();
+        let start = cache.next_position;
         let (n_heads, n_kv, head_dim) = (config.n_heads, config.n_kv_heads, config.head_dim());
         let ids_tensor = Tensor::from_vec(ids.to_vec(), n, &Device::Cpu)?;
         let mut x = self.embedding.embedding(&ids_tensor)?;
         let (cos, sin) = self.rotary_tables(start, n)?;
-        let total = start + n;
+        let total = past + n;
         let mask: Vec<f32> = (0..n)
             .flat_map(|i| {
-                (0..total).map(move |j| {
-                    if j > start + i {
-                        f32::NEG_INFINITY
-                    } else {
-                        0.0
-                    }
-                })
+                (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
             })
             .collect();
-        let mask = Tensor::from_vec(mask, (n, total), &Device::Cpu)?;
+        let causal = Tensor::from_vec(mask.clone(), (n, total), &Device::Cpu)?;
         let scale = 1.0 / (head_dim as f64).sqrt();
         for (layer, block) in self.blocks.iter().enumerate() {
+            let mask = match evicted.and_then(|evicted| evicted.get(layer)) {
+                Some(heads) => head_mask(&mask, heads, n_heads, n, total)?,
+                None => causal.clone(),
+            };
             let h = self.rms_norm(&x, &block.attn_norm)?;
             let q = Self::rotate(
                 &Self::split_heads(&h.matmul(&block.wq)?, n_heads)?,
@@ -300,6 +338,7 @@ impl Llama {
             let gated = (h.matmul(&block.gate)?.silu()? * h.matmul(&block.up)?)?;
             x = (x + gated.matmul(&block.down)?)?;
         }
+        cache.next_position = start + n;
         let last = x.narrow(0, n - 1, 1)?;
         let last = self.rms_norm(&last, &self.output_norm)?;
         let logits = last.matmul(&self.output)?.squeeze(0)?;
@@ -336,6 +375,31 @@ impl Llama {
         }
         Ok(generated)
     }
+}
+
+/// Per layer, per query head, the positions a policy has evicted.
+pub type Evicted = Vec<Vec<Vec<usize>>>;
+
+/// The causal mask `[n, total]` repeated per query head, with each head's evicted positions
+/// masked in every row: `[n_heads, n, total]`.
+fn head_mask(
+    causal: &[f32],
+    evicted: &[Vec<usize>],
+    n_heads: usize,
+    n: usize,
+    total: usize,
+) -> Result<Tensor, ModelError> {
+    let mut mask = Vec::with_capacity(n_heads * n * total);
+    for head in 0..n_heads {
+        let start = mask.len();
+        mask.extend_from_slice(causal);
+        for &position in evicted.get(head).map(Vec::as_slice).unwrap_or_default() {
+            for row in 0..n {
+                mask[start + row * total + position] = f32::NEG_INFINITY;
+            }
+        }
+    }
+    Ok(Tensor::from_vec(mask, (n_heads, n, total), &Device::Cpu)?)
 }
 
 /// Index of the largest value; the lowest index wins ties.

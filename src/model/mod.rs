@@ -19,5 +19,6 @@ mod tokenizer;
 
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
-pub use llama::{KvCache, Llama, Recorder};
+pub(crate) use llama::argmax;
+pub use llama::{Evicted, KvCache, Llama, Recorder};
 pub use tokenizer::{ChatMessage, ChatTokenizer};

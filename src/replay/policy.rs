@@ -409,6 +409,11 @@ impl ValidPolicy {
         self.params.protection()
     }
 
+    /// Whether any of its methods reads queries beyond the current position (an oracle).
+    pub fn reads_future(&self) -> bool {
+        self.scorer.reads_future() || self.allocator.reads_future()
+    }
+
     /// Passes over the trace the allocator needs before the replay (0 or 1).
     pub fn budget_passes(&self) -> usize {
         usize::from(self.allocator.needs_profile() || self.allocator.needs_mass_curves())

@@ -61,6 +61,10 @@ pub trait Allocator: Send + Sync {
     fn check(&self) -> Result<(), Broken> {
         Ok(())
     }
+    /// Whether it reads queries beyond the current position (an oracle): only such methods may.
+    fn reads_future(&self) -> bool {
+        false
+    }
     /// Whether `allocate` reads `profiles`.
     fn needs_profile(&self) -> bool {
         false

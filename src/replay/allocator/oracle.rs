@@ -37,6 +37,10 @@ fn upper_envelope(curve: &[f64], start: usize) -> Vec<(usize, f64)> {
 }
 
 impl Allocator for Oracle {
+    fn reads_future(&self) -> bool {
+        true
+    }
+
     fn needs_mass_curves(&self) -> bool {
         true
     }

@@ -31,6 +31,10 @@ pub trait Scorer: Send + Sync {
     fn check(&self) -> Result<(), Broken> {
         Ok(())
     }
+    /// Whether it reads queries beyond the current position (an oracle): only such methods may.
+    fn reads_future(&self) -> bool {
+        false
+    }
     /// Whether the scorer is defined for this timing (SnapKV is one-shot).
     fn supports(&self, _timing: Timing) -> bool {
         true

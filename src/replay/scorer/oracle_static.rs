@@ -21,6 +21,10 @@ struct State {
 }
 
 impl Scorer for OracleStatic {
+    fn reads_future(&self) -> bool {
+        true
+    }
+
     fn start<'a>(
         &self,
         layer: &LayerContext<'a>,

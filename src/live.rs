@@ -1,0 +1,280 @@
+//! Closed loop: a policy holds the native model's real KV cache while the model runs, and what the
+//! model then does is measured against the same model with its full cache.
+//!
+//! One live run of a recipe under a policy:
+//! 1. **Full run.** The prompt is prefilled and `generate` tokens are decoded greedily with the
+//!    full cache, recording every layer's q, k, v (as a capture does) and the next-token
+//!    distribution of every step.
+//! 2. **Kept sets.** The run's recording, written as an f32 kvtrace/1 file in a scratch directory,
+//!    goes through the same engine code as an open-loop replay (`layer_budgets`, `kept_sets`), so
+//!    a live run chooses exactly what a replay of that trace chooses. Under the `prefill` timing
+//!    the choice reads only the prompt's vectors, which the full run and the live run share (the
+//!    eviction happens after the prefill); oracles that need future queries read them from the
+//!    full run, and the report says so.
+//! 3. **Teacher-forced.** From the prefilled cache, the full run's tokens are fed back with each
+//!    query head masked off its evicted positions; at each step the policy's next-token
+//!    distribution is compared with the full run's: KL(p_full ‖ p_policy), top-1 agreement, and
+//!    the log-probability lost on the full run's token. Step 0's distribution comes from the
+//!    prefill itself (identical in both runs) and is left out.
+//! 4. **Free-running.** From the same prefilled cache, greedy decoding under the policy: its text,
+//!    and task success (the recipe's `answer` in the text, or, without one, the same text as the
+//!    full run).
+//!
+//! The other timings change the cache during the prefill (streaming) or at every step
+//! (re-selection), so later layers' queries drift from the full run's: they are refused until the
+//! live model runs them itself.
+
+use crate::capture::{trace_writer, CaptureError, CaptureOptions};
+use crate::model::{argmax, Evicted, KvCache, Llama, ModelError, Recorder};
+use crate::recipe::BuiltPrompt;
+use crate::replay::{
+    kept_sets, layer_budgets, replay, PolicyError, ReplayReport, Timing, ValidPolicy,
+};
+use crate::trace::{StorageDtype, TraceReader};
+use serde::Serialize;
+use std::path::Path;
+
+/// Errors of a live run.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum LiveError {
+    /// The model failed.
+    #[error(transparent)]
+    Model(#[from] ModelError),
+    /// The full run could not be recorded.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// The policy failed on the full run's recording.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// The policy cannot run live yet.
+    #[error("live mode: {0}")]
+    Unsupported(String),
+}
+
+/// One teacher-forced decode step.
+#[derive(Debug, Clone, Copy, PartialEq, Serialize)]
+pub struct LiveStep {
+    /// KL(p_full ‖ p_policy) of the next-token distributions, nats.
+    pub kl: f64,
+    /// Whether the policy's most likely token is the full run's.
+    pub top1: bool,
+    /// log p_full(token) − log p_policy(token) for the full run's token.
+    pub logprob_lost: f64,
+}
+
+/// What a policy did to the running model.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LiveReport {
+    /// The policy's label.
+    pub policy: String,
+    /// The full run's greedy text.
+    pub full_text: String,
+    /// The policy's free-running greedy text.
+    pub text: String,
+    /// Task success of the free-running text, when the recipe defines one (an `answer`, or the
+    /// full run's text for recipes without one).
+    pub answer_ok: bool,
+    /// Whether the full run itself succeeded (a policy can only lose what the model had).
+    pub full_answer_ok: bool,
+    /// Teacher-forced steps 1.. (step 0 comes from the shared prefill).
+    pub steps: Vec<LiveStep>,
+    /// Mean KL over the teacher-forced steps.
+    pub kl: f64,
+    /// Share of steps whose top-1 token agrees.
+    pub top1: f64,
+    /// Mean log-probability lost.
+    pub logprob_lost: f64,
+    /// Whether the kept sets read the full run's future queries (an oracle).
+    pub uses_full_run_future: bool,
+    /// The open-loop replay of the same policy on the full run's recording.
+    pub open_loop: ReplayReport,
+}
+
+/// The full-cache run: its tokens, the next-token logits before each, and its cache after the
+/// prefill.
+struct FullRun {
+    prefilled: KvCache,
+    prefill_logits: Vec<f32>,
+    tokens: Vec<u32>,
+    /// `logits[i]` predicts `tokens[i + 1]`.
+    logits: Vec<Vec<f32>>,
+}
+
+fn full_run(
+    model: &Llama,
+    prompt: &BuiltPrompt,
+    chunk: usize,
+    recorder: &mut Recorder,
+) -> Result<FullRun, ModelError> {
+    let mut cache = KvCache::default();
+    let mut prefill_logits = Vec::new();
+    for piece in prompt.ids.chunks(chunk.max(1)) {
+        prefill_logits = model.forward(piece, &mut cache, Some(recorder))?;
+    }
+    let prefilled = cache.clone();
+    let mut tokens = Vec::new();
+    let mut logits = Vec::new();
+    let mut next = argmax(&prefill_logits);
+    while tokens.len() < prompt.generate && next != model.tokenizer().end_of_turn() {
+        tokens.push(next);
+        let step = model.forward(&[next], &mut cache, Some(recorder))?;
+        next = argmax(&step);
+        logits.push(step);
+    }
+    Ok(FullRun {
+        prefilled,
+        prefill_logits,
+        tokens,
+        logits,
+    })
+}
+
+/// Natural log-softmax in f64.
+fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
+    let total: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
+    let log_total = total.ln() + max;
+    logits.iter().map(|&x| x as f64 - log_total).collect()
+}
+
+/// Compares the policy's next-token logits with the full run's, for the full run's `token`.
+pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
+    let (p, q) = (log_softmax(full), log_softmax(policy));
+    let kl = p
+        .iter()
+        .zip(&q)
+        .map(|(lp, lq)| lp.exp() * (lp - lq))
+        .sum::<f64>()
+        .max(0.0);
+    LiveStep {
+        kl,
+        top1: argmax(policy) == argmax(full),
+        logprob_lost: p[token as usize] - q[token as usize],
+    }
+}
+
+/// Per layer and query head, the prompt positions the policy's kept sets leave out.
+fn evicted_positions(trace: &TraceReader, policy: &ValidPolicy) -> Result<Evicted, PolicyError> {
+    let meta = trace.meta();
+    let budgets = layer_budgets(trace, policy)?;
+    (0..meta.n_layers)
+        .map(|layer| {
+            let kept = kept_sets(trace, policy, &budgets, layer)?;
+            let mut heads = vec![Vec::new(); meta.n_heads];
+            for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+                let kept_prompt = unit_kept.kept_positions(0, meta.prompt_len);
+                let mut keep = vec![false; meta.prompt_len];
+                for &position in kept_prompt.iter().filter(|&&p| p < meta.prompt_len) {
+                    keep[position] = true;
+                }
+                let gone: Vec<usize> = (0..meta.prompt_len).filter(|&p| !keep[p]).collect();
+                for head in unit.query_heads.clone() {
+                    heads[head] = gone.clone();
+                }
+            }
+            Ok(heads)
+        })
+        .collect()
+}
+
+/// Runs `prompt` live under `policy` (prefill timing) and measures it against the full cache.
+/// The full run's recording is written to `scratch` (a directory) while the kept sets are chosen,
+/// and removed after.
+pub fn live(
+    model: &Llama,
+    prompt: &BuiltPrompt,
+    policy: &ValidPolicy,
+    chunk: usize,
+    scratch: &Path,
+) -> Result<LiveReport, LiveError> {
+    if policy.params().timing != Timing::Prefill {
+        return Err(LiveError::Unsupported(format!(
+            "timing `{}` changes the cache while the prompt runs; live mode runs `prefill` so far",
+            policy.params().timing.name()
+        )));
+    }
+    let mut recorder = Recorder::default();
+    let full = full_run(model, prompt, chunk, &mut recorder)?;
+    if full.tokens.len() < 2 {
+        return Err(LiveError::Unsupported(
+            "the full run generated fewer than 2 tokens: nothing to compare".into(),
+        ));
+    }
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk,
+        recipe_name: "live".into(),
+        model_id: model.config().name.clone(),
+    };
+    let path = scratch.join(format!("live-{}.safetensors", std::process::id()));
+    trace_writer(model, prompt, &full.tokens, &recorder, &options)?
+        .write(&path)
+        .map_err(CaptureError::from)?;
+    drop(recorder);
+    let chosen = TraceReader::open(&path)
+        .map_err(PolicyError::from)
+        .and_then(|trace| Ok((evicted_positions(&trace, policy)?, replay(&trace, policy)?)));
+    let _ = std::fs::remove_file(&path);
+    let (evicted, open_loop) = chosen?;
+
+    let mut cache = full.prefilled.clone();
+    let mut steps = Vec::with_capacity(full.tokens.len() - 1);
+    for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {
+        let logits = model.forward_masked(&[token], &mut cache, None, Some(&evicted))?;
+        steps.push(compare_step(
+            &full.logits[index],
+            &logits,
+            full.tokens[index + 1],
+        ));
+    }
+
+    let mut cache = full.prefilled.clone();
+    let mut generated = Vec::new();
+    let mut next = argmax(&full.prefill_logits);
+    while generated.len() < prompt.generate && next != model.tokenizer().end_of_turn() {
+        generated.push(next);
+        let logits = model.forward_masked(&[next], &mut cache, None, Some(&evicted))?;
+        next = argmax(&logits);
+    }
+    let tokenizer = model.tokenizer();
+    let full_text = tokenizer.decode(&full.tokens);
+    let text = tokenizer.decode(&generated);
+    let success = |candidate: &str| match &prompt.answer {
+        Some(answer) => candidate.contains(answer.as_str()),
+        None => candidate == full_text,
+    };
+    let n = steps.len() as f64;
+    Ok(LiveReport {
+        policy: policy.label(),
+        answer_ok: success(&text),
+        full_answer_ok: success(&full_text),
+        kl: steps.iter().map(|s| s.kl).sum::<f64>() / n,
+        top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
+        logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,
+        uses_full_run_future: policy.reads_future(),
+        steps,
+        full_text,
+        text,
+        open_loop,
+    })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn kl_and_lost_logprob_by_hand() {
+        // p = softmax([0, ln 3]) = [0.25, 0.75]; q = softmax([0, 0]) = [0.5, 0.5].
+        // KL(p || q) = 0.25 ln(0.5) + 0.75 ln(1.5) = 0.130812; token 1: ln 0.75 - ln 0.5 = 0.405465.
+        let step = compare_step(&[0.0, 3f32.ln()], &[0.0, 0.0], 1);
+        assert_abs_diff_eq!(step.kl, 0.130_812, epsilon = 1e-6);
+        assert_abs_diff_eq!(step.logprob_lost, 0.405_465, epsilon = 1e-6);
+        // Equal tops: argmax of [0, 0] is index 0, of p index 1.
+        assert!(!step.top1);
+        let same = compare_step(&[1.0, 2.0, 0.5], &[1.0, 2.0, 0.5], 2);
+        assert_eq!((same.kl, same.top1, same.logprob_lost), (0.0, true, 0.0));
+    }
+}

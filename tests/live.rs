@@ -1,0 +1,148 @@
+//! Closed loop on the real model: a policy that keeps everything reproduces the full run exactly,
+//! a live run chooses exactly what an open-loop replay of the same run's trace chooses, reruns are
+//! bit-identical, and masking evicted keys equals physically removing them from the cache.
+
+use kvreplay::assets::Assets;
+use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::live::live;
+use kvreplay::model::{KvCache, Llama, Recorder};
+use kvreplay::recipe::{BuiltPrompt, Recipe};
+use kvreplay::replay::{replay, PolicyParams, Timing};
+use kvreplay::trace::{StorageDtype, TraceReader};
+use std::sync::OnceLock;
+
+fn model() -> &'static Llama {
+    static MODEL: OnceLock<Llama> = OnceLock::new();
+    MODEL.get_or_init(|| {
+        let assets = Assets::from_env();
+        assets
+            .fetch()
+            .unwrap_or_else(|err| panic!("the real-model tests need the assets: {err}"));
+        Llama::load(&assets.model_path()).expect("the GGUF loads")
+    })
+}
+
+/// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
+fn capital() -> BuiltPrompt {
+    let (recipe, base) = Recipe::load(std::path::Path::new("traces/capital.toml")).unwrap();
+    recipe.build(model().tokenizer(), &[], &base).unwrap()
+}
+
+fn snapkv(budget: usize) -> PolicyParams {
+    PolicyParams {
+        budget,
+        window: 4,
+        ..PolicyParams::default()
+    }
+}
+
+#[test]
+fn keeping_everything_reproduces_the_full_run_exactly() {
+    let scratch = tempfile::tempdir().unwrap();
+    let policy = snapkv(4096).check().unwrap();
+    let report = live(model(), &capital(), &policy, 512, scratch.path()).unwrap();
+    // Nothing is masked, so every logit is computed as in the full run: exactly equal.
+    assert!(report
+        .steps
+        .iter()
+        .all(|s| s.kl == 0.0 && s.top1 && s.logprob_lost == 0.0));
+    assert_eq!(report.text, report.full_text);
+    assert_eq!(report.full_text, "The capital of France is Paris.");
+    assert!(report.answer_ok && report.full_answer_ok);
+    assert!((report.open_loop.retained_mass - 1.0).abs() < 1e-6);
+    // The scratch recording is gone.
+    let left: Vec<_> = std::fs::read_dir(scratch.path())
+        .unwrap()
+        .map(|e| e.unwrap().file_name())
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
+}
+
+#[test]
+fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
+    let scratch = tempfile::tempdir().unwrap();
+    let prompt = capital();
+    let policy = snapkv(12).check().unwrap();
+    let first = live(model(), &prompt, &policy, 512, scratch.path()).unwrap();
+    // A lossy budget changes what the model does.
+    assert!(first.kl > 0.0);
+    // The open-loop replay of an f32 capture of the same recipe: the same kept sets and metrics.
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk: 512,
+        recipe_name: "test".into(),
+        model_id: "test".into(),
+    };
+    let captured = capture(
+        model(),
+        &prompt,
+        &options,
+        Recorder::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let path = scratch.path().join("capital.safetensors");
+    captured.writer.write(&path).unwrap();
+    let mut open_loop = replay(&TraceReader::open(&path).unwrap(), &policy).unwrap();
+    open_loop.trace = first.open_loop.trace.clone();
+    assert_eq!(open_loop, first.open_loop);
+    // Bit-identical rerun, with another chunk size for the prefill too.
+    let again = live(model(), &prompt, &policy, 512, scratch.path()).unwrap();
+    assert_eq!(again, first);
+    // Other timings change the cache while the prompt runs: refused, naming the timing.
+    let streaming = PolicyParams {
+        scorer: "true-query".into(),
+        timing: Timing::Streaming,
+        ..snapkv(12)
+    };
+    let err = live(
+        model(),
+        &prompt,
+        &streaming.check().unwrap(),
+        512,
+        scratch.path(),
+    )
+    .unwrap_err();
+    assert!(err.to_string().contains("timing `streaming`"), "{err}");
+}
+
+#[test]
+fn masking_evicted_keys_equals_removing_them() {
+    // Evict the same positions in every layer and head: the masked forward over the full cache
+    // and the plain forward over a cache holding only the survivors must agree (the survivors
+    // keep their rotation either way, and the new token gets position n in both). Only the order
+    // of float sums differs: tolerance 1e-4 on logits of magnitude ~20.
+    let model = model();
+    let prompt = capital();
+    let mut cache = KvCache::default();
+    model.forward(&prompt.ids, &mut cache, None).unwrap();
+    let n = prompt.ids.len();
+    let evicted: Vec<usize> = (3..n - 6).filter(|p| p % 3 != 0).collect();
+    let kept: Vec<usize> = (0..n).filter(|p| !evicted.contains(p)).collect();
+    let config = model.config();
+    let per_head = vec![vec![evicted.clone(); config.n_heads]; config.n_layers];
+    let mut masked_cache = cache.clone();
+    let masked = model
+        .forward_masked(&[504], &mut masked_cache, None, Some(&per_head))
+        .unwrap();
+    let mut pruned = cache.retain(&kept).unwrap();
+    assert_eq!(pruned.len(), kept.len());
+    let removed = model.forward(&[504], &mut pruned, None).unwrap();
+    let worst = masked
+        .iter()
+        .zip(&removed)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(worst < 1e-4, "masked and removed differ by {worst}");
+    let unmasked = model.forward(&[504], &mut cache.clone(), None).unwrap();
+    let moved = masked
+        .iter()
+        .zip(&unmasked)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    assert!(
+        moved > 1e-2,
+        "evicting {} positions moves the logits ({moved})",
+        evicted.len()
+    );
+}
