@@ -32,7 +32,8 @@ use crate::replay::{
 };
 use crate::trace::{StorageDtype, TraceReader};
 use serde::Serialize;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Errors of a live run.
 #[derive(Debug, thiserror::Error)]
@@ -154,6 +155,17 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
     }
 }
 
+/// Live mode runs the prefill timing so far: the others change the cache while the prompt runs.
+pub fn check_timing(policy: &ValidPolicy) -> Result<(), LiveError> {
+    match policy.params().timing {
+        Timing::Prefill => Ok(()),
+        other => Err(LiveError::Unsupported(format!(
+            "timing `{}` changes the cache while the prompt runs; live mode runs `prefill` so far",
+            other.name()
+        ))),
+    }
+}
+
 /// Per layer and query head, the prompt positions the policy's kept sets leave out.
 fn evicted_positions(trace: &TraceReader, policy: &ValidPolicy) -> Result<Evicted, PolicyError> {
     let meta = trace.meta();
@@ -178,9 +190,115 @@ fn evicted_positions(trace: &TraceReader, policy: &ValidPolicy) -> Result<Evicte
         .collect()
 }
 
-/// Runs `prompt` live under `policy` (prefill timing) and measures it against the full cache.
-/// The full run's recording is written to `scratch` (a directory) while the kept sets are chosen,
-/// and removed after.
+/// A recipe's full-cache run, shared by every policy run live on it: the cache after the
+/// prefill, the full continuation with its next-token logits, and its recording as an f32 trace
+/// in a scratch file (removed when the session is dropped).
+pub struct LiveSession<'m> {
+    model: &'m Llama,
+    prompt: BuiltPrompt,
+    full: FullRun,
+    trace: TraceReader,
+    path: PathBuf,
+}
+
+impl<'m> LiveSession<'m> {
+    /// Runs `prompt` with the full cache (prefill in chunks of `chunk` tokens) and records it in
+    /// a scratch file under `scratch`.
+    pub fn start(
+        model: &'m Llama,
+        prompt: &BuiltPrompt,
+        chunk: usize,
+        scratch: &Path,
+    ) -> Result<Self, LiveError> {
+        let mut recorder = Recorder::default();
+        let full = full_run(model, prompt, chunk, &mut recorder)?;
+        if full.tokens.len() < 2 {
+            return Err(LiveError::Unsupported(
+                "the full run generated fewer than 2 tokens: nothing to compare".into(),
+            ));
+        }
+        let options = CaptureOptions {
+            storage: StorageDtype::F32,
+            chunk,
+            recipe_name: "live".into(),
+            model_id: model.config().name.clone(),
+        };
+        static SESSIONS: AtomicUsize = AtomicUsize::new(0);
+        let path = scratch.join(format!(
+            "live-{}-{}.safetensors",
+            std::process::id(),
+            SESSIONS.fetch_add(1, Ordering::Relaxed)
+        ));
+        trace_writer(model, prompt, &full.tokens, &recorder, &options)?
+            .write(&path)
+            .map_err(CaptureError::from)?;
+        drop(recorder);
+        let trace = TraceReader::open(&path).map_err(PolicyError::from)?;
+        Ok(Self {
+            model,
+            prompt: prompt.clone(),
+            full,
+            trace,
+            path,
+        })
+    }
+
+    /// Runs the prompt live under `policy` (prefill timing) and measures it against the full run.
+    pub fn run(&self, policy: &ValidPolicy) -> Result<LiveReport, LiveError> {
+        check_timing(policy)?;
+        let (model, full) = (self.model, &self.full);
+        let evicted = evicted_positions(&self.trace, policy)?;
+        let open_loop = replay(&self.trace, policy)?;
+        let mut cache = full.prefilled.clone();
+        let mut steps = Vec::with_capacity(full.tokens.len() - 1);
+        for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {
+            let logits = model.forward_masked(&[token], &mut cache, None, Some(&evicted))?;
+            steps.push(compare_step(
+                &full.logits[index],
+                &logits,
+                full.tokens[index + 1],
+            ));
+        }
+        let mut cache = full.prefilled.clone();
+        let mut generated = Vec::new();
+        let mut next = argmax(&full.prefill_logits);
+        while generated.len() < self.prompt.generate && next != model.tokenizer().end_of_turn() {
+            generated.push(next);
+            let logits = model.forward_masked(&[next], &mut cache, None, Some(&evicted))?;
+            next = argmax(&logits);
+        }
+        let tokenizer = model.tokenizer();
+        let full_text = tokenizer.decode(&full.tokens);
+        let text = tokenizer.decode(&generated);
+        let success = |candidate: &str| match &self.prompt.answer {
+            Some(answer) => candidate.contains(answer.as_str()),
+            None => candidate == full_text,
+        };
+        let n = steps.len() as f64;
+        Ok(LiveReport {
+            policy: policy.label(),
+            answer_ok: success(&text),
+            full_answer_ok: success(&full_text),
+            kl: steps.iter().map(|s| s.kl).sum::<f64>() / n,
+            top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
+            logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,
+            uses_full_run_future: policy.reads_future(),
+            steps,
+            full_text,
+            text,
+            open_loop,
+        })
+    }
+}
+
+impl Drop for LiveSession<'_> {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_file(&self.path);
+    }
+}
+
+/// Runs `prompt` live under `policy` (prefill timing) and measures it against the full cache:
+/// a [`LiveSession`] of one policy.
 pub fn live(
     model: &Llama,
     prompt: &BuiltPrompt,
@@ -188,76 +306,8 @@ pub fn live(
     chunk: usize,
     scratch: &Path,
 ) -> Result<LiveReport, LiveError> {
-    if policy.params().timing != Timing::Prefill {
-        return Err(LiveError::Unsupported(format!(
-            "timing `{}` changes the cache while the prompt runs; live mode runs `prefill` so far",
-            policy.params().timing.name()
-        )));
-    }
-    let mut recorder = Recorder::default();
-    let full = full_run(model, prompt, chunk, &mut recorder)?;
-    if full.tokens.len() < 2 {
-        return Err(LiveError::Unsupported(
-            "the full run generated fewer than 2 tokens: nothing to compare".into(),
-        ));
-    }
-    let options = CaptureOptions {
-        storage: StorageDtype::F32,
-        chunk,
-        recipe_name: "live".into(),
-        model_id: model.config().name.clone(),
-    };
-    let path = scratch.join(format!("live-{}.safetensors", std::process::id()));
-    trace_writer(model, prompt, &full.tokens, &recorder, &options)?
-        .write(&path)
-        .map_err(CaptureError::from)?;
-    drop(recorder);
-    let chosen = TraceReader::open(&path)
-        .map_err(PolicyError::from)
-        .and_then(|trace| Ok((evicted_positions(&trace, policy)?, replay(&trace, policy)?)));
-    let _ = std::fs::remove_file(&path);
-    let (evicted, open_loop) = chosen?;
-
-    let mut cache = full.prefilled.clone();
-    let mut steps = Vec::with_capacity(full.tokens.len() - 1);
-    for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {
-        let logits = model.forward_masked(&[token], &mut cache, None, Some(&evicted))?;
-        steps.push(compare_step(
-            &full.logits[index],
-            &logits,
-            full.tokens[index + 1],
-        ));
-    }
-
-    let mut cache = full.prefilled.clone();
-    let mut generated = Vec::new();
-    let mut next = argmax(&full.prefill_logits);
-    while generated.len() < prompt.generate && next != model.tokenizer().end_of_turn() {
-        generated.push(next);
-        let logits = model.forward_masked(&[next], &mut cache, None, Some(&evicted))?;
-        next = argmax(&logits);
-    }
-    let tokenizer = model.tokenizer();
-    let full_text = tokenizer.decode(&full.tokens);
-    let text = tokenizer.decode(&generated);
-    let success = |candidate: &str| match &prompt.answer {
-        Some(answer) => candidate.contains(answer.as_str()),
-        None => candidate == full_text,
-    };
-    let n = steps.len() as f64;
-    Ok(LiveReport {
-        policy: policy.label(),
-        answer_ok: success(&text),
-        full_answer_ok: success(&full_text),
-        kl: steps.iter().map(|s| s.kl).sum::<f64>() / n,
-        top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
-        logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,
-        uses_full_run_future: policy.reads_future(),
-        steps,
-        full_text,
-        text,
-        open_loop,
-    })
+    check_timing(policy)?;
+    LiveSession::start(model, prompt, chunk, scratch)?.run(policy)
 }
 
 #[cfg(test)]

@@ -146,3 +146,67 @@ fn masking_evicted_keys_equals_removing_them() {
         evicted.len()
     );
 }
+
+#[test]
+fn a_closed_loop_sweep_stores_outcomes_and_reports_the_calibration() {
+    model();
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::copy(
+        root.join("traces/capital.toml"),
+        dir.path().join("capital.toml"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("c.toml"),
+        r#"
+description = "closed-loop fixture"
+traces = ["capital.toml"]
+budgets = [8, 24]
+closed_loop = true
+
+[[policy]]
+name = "snapkv"
+preset = "snapkv"
+window = 4
+
+[[policy]]
+name = "recency"
+scorer = "recency"
+window = 4
+"#,
+    )
+    .unwrap();
+    let assert = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["sweep", "c.toml"])
+        .assert()
+        .success();
+    let report = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
+    assert!(report.contains("Closed loop: the policy holds the model's real KV cache"));
+    assert!(report.contains("Rank correlations between open-loop metrics and closed-loop outcomes"));
+    let csv = std::fs::read_to_string(dir.path().join("results/c/runs.csv")).unwrap();
+    assert!(csv
+        .lines()
+        .next()
+        .unwrap()
+        .ends_with("kl,top1,logprob_lost,answer_ok,full_answer_ok,text"));
+    assert_eq!(csv.lines().count(), 5);
+    assert!(dir.path().join("results/c/calibration.png").is_file());
+    // A closed-loop experiment on a trace file, or with a streaming policy, is refused.
+    std::fs::write(
+        dir.path().join("bad.toml"),
+        "description = \"x\"\ntraces = [\"capital.safetensors\"]\nbudgets = [8]\nclosed_loop = true\n[[policy]]\nname = \"a\"\npreset = \"snapkv\"\n",
+    )
+    .unwrap();
+    assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["sweep", "bad.toml"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "every entry of `traces` must be a recipe",
+        ));
+}

@@ -4,8 +4,11 @@
 //! hash of its normalised settings and of its trace's content), is written atomically to
 //! `results/<experiment>/runs/<id>.json`, and is skipped when already there, so an interrupted
 //! sweep resumes where it stopped. [`report`] turns the stored runs into tables with confidence
-//! intervals, paired comparisons, Parquet/CSV rows and plots.
+//! intervals, paired comparisons, Parquet/CSV rows and plots. With `closed_loop = true` every run
+//! is also run live in the model ([`crate::live`]) and the report adds the [`calibration`] of
+//! open-loop metrics against closed-loop outcomes.
 
+pub mod calibration;
 mod plot;
 pub mod report;
 mod spec;
@@ -13,5 +16,7 @@ mod store;
 mod traces;
 
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
-pub use store::{run_sweep, stored_runs, StoredReport, StoredRun, SweepError, SweepProgress};
+pub use store::{
+    run_sweep, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError, SweepProgress,
+};
 pub use traces::{Capture, TraceFile};

@@ -42,6 +42,15 @@ macro_rules! draw_both {
     }};
 }
 
+/// How a series is drawn.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Mark {
+    /// Joined by lines.
+    Lines,
+    /// One dot per point (a scatter plot).
+    Dots,
+}
+
 /// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
 pub(crate) fn line_chart(
     stem: &Path,
@@ -54,7 +63,22 @@ pub(crate) fn line_chart(
     draw_both!(
         stem,
         (900, 560),
-        draw(title, x_label, y_label, series, log_x)
+        draw(title, x_label, y_label, series, log_x, Mark::Lines)
+    )
+}
+
+/// Draws `series` as dots (one colour per series) into `<stem>.png` and `<stem>.svg`.
+pub(crate) fn scatter(
+    stem: &Path,
+    title: &str,
+    x_label: &str,
+    y_label: &str,
+    series: &[Series],
+) -> Result<Vec<PathBuf>, SweepError> {
+    draw_both!(
+        stem,
+        (900, 560),
+        draw(title, x_label, y_label, series, false, Mark::Dots)
     )
 }
 
@@ -65,6 +89,7 @@ fn draw<DB: DrawingBackend>(
     y_label: &str,
     series: &[Series],
     log_x: bool,
+    mark: Mark,
 ) -> Result<(), Box<dyn std::error::Error>>
 where
     DB::ErrorType: 'static,
@@ -112,15 +137,20 @@ where
                 .draw()?;
             for (index, (name, points)) in series.iter().enumerate() {
                 let colour = colours[index % colours.len()];
-                chart
-                    .draw_series(LineSeries::new(
+                let drawn = match mark {
+                    Mark::Lines => chart.draw_series(LineSeries::new(
                         points.iter().copied(),
                         colour.stroke_width(2),
-                    ))?
-                    .label(name.as_str())
-                    .legend(move |(x, y)| {
-                        PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
-                    });
+                    ))?,
+                    Mark::Dots => chart.draw_series(
+                        points
+                            .iter()
+                            .map(|&point| Circle::new(point, 3, colour.filled())),
+                    )?,
+                };
+                drawn.label(name.as_str()).legend(move |(x, y)| {
+                    PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
+                });
             }
             chart
                 .configure_series_labels()

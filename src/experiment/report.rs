@@ -8,8 +8,9 @@
 //! interval says how precisely this trace was measured, not how the method generalises; with
 //! several traces the interval is over per-trace means instead, and the report says which.
 
+use super::calibration;
 use super::plot::{heatmap, line_chart, Series};
-use super::store::{stored_runs, write_atomically, StoredRun, SweepError};
+use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
 use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};
 use crate::inspect::entropy_profile;
@@ -83,7 +84,7 @@ fn find<'a>(
 
 fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, SweepError> {
     let column = |name: &str, values: Vec<f64>| Column::new(name.into(), values);
-    let mut frame = DataFrame::new_infer_height(vec![
+    let mut columns = vec![
         Column::new(
             "id".into(),
             runs.iter().map(|r| r.id.clone()).collect::<Vec<_>>(),
@@ -120,8 +121,31 @@ fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, Swee
                 .map(|r| r.report.output_error.unwrap_or(f64::NAN))
                 .collect(),
         ),
-    ])
-    .map_err(|e| SweepError::Io {
+    ];
+    if runs.iter().all(|r| r.closed_loop.is_some()) {
+        let closed: Vec<&ClosedLoop> = runs.iter().filter_map(|r| r.closed_loop.as_ref()).collect();
+        columns.extend([
+            column("kl", closed.iter().map(|c| c.kl).collect()),
+            column("top1", closed.iter().map(|c| c.top1).collect()),
+            column(
+                "logprob_lost",
+                closed.iter().map(|c| c.logprob_lost).collect(),
+            ),
+            Column::new(
+                "answer_ok".into(),
+                closed.iter().map(|c| c.answer_ok).collect::<Vec<_>>(),
+            ),
+            Column::new(
+                "full_answer_ok".into(),
+                closed.iter().map(|c| c.full_answer_ok).collect::<Vec<_>>(),
+            ),
+            Column::new(
+                "text".into(),
+                closed.iter().map(|c| c.text.clone()).collect::<Vec<_>>(),
+            ),
+        ]);
+    }
+    let mut frame = DataFrame::new_infer_height(columns).map_err(|e| SweepError::Io {
         path: results.to_owned(),
         detail: e.to_string(),
     })?;
@@ -269,7 +293,7 @@ pub fn build(
         out += &paired_section(experiment, &runs, &trace_names);
         out += &span_sections(experiment, &names, &runs, &trace_names);
         let files = write_frames(&runs, results)?;
-        let figures = figures_of_runs(
+        let mut figures = figures_of_runs(
             experiment,
             &names,
             &runs,
@@ -277,6 +301,12 @@ pub fn build(
             &mass_series,
             results,
         )?;
+        if runs.iter().all(|r| r.closed_loop.is_some()) {
+            let (text, plots) =
+                calibration::section(experiment, &names, &runs, &trace_names, results)?;
+            out += &text;
+            figures.extend(plots);
+        }
         out += &format!(
             "\nFiles: {}.\n",
             files

@@ -76,6 +76,8 @@ struct ExperimentFile {
     policy: Vec<toml::Table>,
     #[serde(default)]
     compare: Vec<Comparison>,
+    #[serde(default)]
+    closed_loop: bool,
 }
 
 /// A parsed, checked experiment.
@@ -97,6 +99,9 @@ pub struct Experiment {
     pub policies: Vec<(String, PolicyParams)>,
     /// Paired comparisons.
     pub compare: Vec<Comparison>,
+    /// Whether every run is also run live in the model (closed loop): traces must be recipes and
+    /// policies one-shot at prefill end.
+    pub closed_loop: bool,
 }
 
 /// One run: a policy at a budget on a trace.
@@ -279,6 +284,31 @@ impl Experiment {
                 }
             }
         }
+        if file.closed_loop {
+            if let Some(trace) = file
+                .traces
+                .iter()
+                .find(|t| t.extension().is_none_or(|e| e != "toml"))
+            {
+                return Err(parse_error(format!(
+                    "closed_loop = true runs the model, so every entry of `traces` must be a recipe (.toml); `{}` is not",
+                    trace.display()
+                )));
+            }
+            if let Some((label, params)) = policies
+                .iter()
+                .find(|(_, p)| p.timing != crate::replay::Timing::Prefill)
+            {
+                return Err(ExperimentError::Policy {
+                    path: path.to_owned(),
+                    policy: label.clone(),
+                    detail: format!(
+                        "closed_loop = true runs timing `prefill` so far; this policy has `{}`",
+                        params.timing.name()
+                    ),
+                });
+            }
+        }
         Ok(Self {
             name: path
                 .file_stem()
@@ -291,6 +321,7 @@ impl Experiment {
             heatmap_budget: file.heatmap_budget,
             policies,
             compare: file.compare,
+            closed_loop: file.closed_loop,
         })
     }
 

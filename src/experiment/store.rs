@@ -2,7 +2,11 @@
 //! and renamed, so a killed sweep leaves only finished runs, and a rerun skips them.
 
 use super::{Experiment, PlannedRun, TraceFile};
+use crate::assets::{AssetError, Assets};
 use crate::capture::CaptureError;
+use crate::live::{LiveError, LiveReport, LiveSession};
+use crate::model::{Llama, ModelError};
+use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
@@ -22,6 +26,42 @@ pub struct StoredRun {
     pub trace_sha256: String,
     /// The measurements.
     pub report: StoredReport,
+    /// What the model did under the policy, for closed-loop experiments.
+    #[serde(default)]
+    pub closed_loop: Option<ClosedLoop>,
+}
+
+/// The closed-loop outcomes of a run (see [`crate::live`]).
+#[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
+pub struct ClosedLoop {
+    /// Mean KL(p_full ‖ p_policy) over the teacher-forced steps.
+    pub kl: f64,
+    /// Share of teacher-forced steps whose top-1 token agrees.
+    pub top1: f64,
+    /// Mean log-probability lost on the full run's tokens.
+    pub logprob_lost: f64,
+    /// Whether the free-running text succeeds.
+    pub answer_ok: bool,
+    /// Whether the full-cache text succeeds.
+    pub full_answer_ok: bool,
+    /// The free-running text.
+    pub text: String,
+    /// Whether the kept sets read the full run's future queries (an oracle).
+    pub uses_full_run_future: bool,
+}
+
+impl From<&LiveReport> for ClosedLoop {
+    fn from(live: &LiveReport) -> Self {
+        Self {
+            kl: live.kl,
+            top1: live.top1,
+            logprob_lost: live.logprob_lost,
+            answer_ok: live.answer_ok,
+            full_answer_ok: live.full_answer_ok,
+            text: live.text.clone(),
+            uses_full_run_future: live.uses_full_run_future,
+        }
+    }
 }
 
 /// The parts of a [`ReplayReport`] the reports use (retained mass per layer, head and step
@@ -96,6 +136,18 @@ pub enum SweepError {
     /// A recipe could not be captured.
     #[error(transparent)]
     Capture(#[from] CaptureError),
+    /// A closed-loop run failed.
+    #[error(transparent)]
+    Live(#[from] LiveError),
+    /// The model or the essays for a closed-loop run are missing.
+    #[error(transparent)]
+    Asset(#[from] AssetError),
+    /// A recipe of a closed-loop run is invalid.
+    #[error(transparent)]
+    Recipe(#[from] RecipeError),
+    /// The model could not be loaded.
+    #[error(transparent)]
+    Model(#[from] ModelError),
     /// Runs are stored for another content of a trace than the one there now.
     #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
     TraceChanged {
@@ -156,10 +208,32 @@ pub fn run_sweep(
     let skipped = total - pending.len();
     let mut done = skipped;
     progress(done, total);
-    for trace in traces {
+    let mut model: Option<Llama> = None;
+    for (entry, trace) in experiment.traces.iter().zip(traces) {
         let of_trace: Vec<&&PlannedRun> =
             pending.iter().filter(|r| r.trace == trace.path).collect();
         if of_trace.is_empty() {
+            continue;
+        }
+        if experiment.closed_loop {
+            if model.is_none() {
+                model = Some(load_model()?);
+            }
+            let model = model.as_ref().expect("loaded above");
+            let prompt = build_prompt(entry, model)?;
+            let session = LiveSession::start(model, &prompt, 512, &std::env::temp_dir())?;
+            for run in of_trace {
+                let live = session.run(&run.params.clone().check()?)?;
+                store(
+                    results,
+                    run,
+                    trace,
+                    &live.open_loop,
+                    Some(ClosedLoop::from(&live)),
+                )?;
+                done += 1;
+                progress(done, total);
+            }
             continue;
         }
         let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
@@ -170,21 +244,53 @@ pub fn run_sweep(
                 .collect::<Result<Vec<_>, _>>()?;
             let reports = replay_many(&reader, &policies, layer_done)?;
             for (run, report) in batch.iter().zip(&reports) {
-                let stored = StoredRun {
-                    id: run.id.clone(),
-                    name: run.name.clone(),
-                    trace: trace.path.display().to_string(),
-                    trace_sha256: trace.sha256.clone(),
-                    report: StoredReport::from(report),
-                };
-                let json = serde_json::to_vec(&stored).expect("runs serialise");
-                write_atomically(&run_path(results, &run.id), &json)?;
+                store(results, run, trace, report, None)?;
             }
             done += batch.len();
             progress(done, total);
         }
     }
     Ok((total - skipped, skipped))
+}
+
+/// Writes one finished run.
+fn store(
+    results: &Path,
+    run: &PlannedRun,
+    trace: &TraceFile,
+    report: &ReplayReport,
+    closed_loop: Option<ClosedLoop>,
+) -> Result<(), SweepError> {
+    let stored = StoredRun {
+        id: run.id.clone(),
+        name: run.name.clone(),
+        trace: trace.path.display().to_string(),
+        trace_sha256: trace.sha256.clone(),
+        report: StoredReport::from(report),
+        closed_loop,
+    };
+    let json = serde_json::to_vec(&stored).expect("runs serialise");
+    write_atomically(&run_path(results, &run.id), &json)
+}
+
+/// The native model, loaded once per sweep when a closed-loop run needs it.
+fn load_model() -> Result<Llama, SweepError> {
+    let assets = Assets::from_env();
+    let path = match assets.require_model() {
+        Ok(path) => path,
+        Err(_) => assets.fetch()?.model,
+    };
+    Ok(Llama::load(&path)?)
+}
+
+/// The prompt of a recipe file.
+fn build_prompt(recipe: &Path, model: &Llama) -> Result<BuiltPrompt, SweepError> {
+    let (parsed, base) = Recipe::load(recipe)?;
+    let essays = match parsed {
+        Recipe::Niah(_) => Assets::from_env().require_essays()?,
+        _ => Vec::new(),
+    };
+    Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }
 
 /// The stored runs of the experiment's plan, in plan order (missing ones left out). When runs are

@@ -1,0 +1,400 @@
+//! How far open-loop numbers predict closed-loop behaviour: for a closed-loop experiment, the
+//! report's calibration section. Every run is one point (policy, budget, trace) with its open-loop
+//! metrics (retained mass, top-k recall, output error) and its closed-loop outcomes (KL of the
+//! next-token distributions, top-1 agreement, log-probability lost, task success).
+//!
+//! - Rank correlations: Spearman's ρ (Pearson on average ranks) and Kendall's τ-b (ties counted as
+//!   in scipy's `kendalltau`), pooled over all points and per trace, each with a 95% percentile
+//!   bootstrap interval (2,000 resamples of the points, a seeded SplitMix64 stream, so reports are
+//!   reproducible).
+//! - Rankings: per (trace, budget), the policies ordered by open-loop retained mass (high first)
+//!   and by closed-loop KL (low first); Kendall's τ-b between the two orders, and whether both put
+//!   the same policy first.
+//! - Disagreements: the pairs of policies on one (trace, budget) where the higher retained mass
+//!   came with the higher KL by the widest margins.
+
+use super::plot::{scatter, Series};
+use super::store::{StoredRun, SweepError};
+use super::Experiment;
+use crate::export::{Format, Table};
+use std::path::{Path, PathBuf};
+
+/// Average ranks (1-based; ties share the mean of their ranks).
+pub fn ranks(values: &[f64]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    let mut ranks = vec![0.0; values.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let mut end = start + 1;
+        while end < order.len() && values[order[end]] == values[order[start]] {
+            end += 1;
+        }
+        let rank = (start + end + 1) as f64 / 2.0;
+        for &index in &order[start..end] {
+            ranks[index] = rank;
+        }
+        start = end;
+    }
+    ranks
+}
+
+fn pearson(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx).powi(2);
+        syy += (b - my).powi(2);
+    }
+    if sxx == 0.0 || syy == 0.0 {
+        return f64::NAN;
+    }
+    sxy / (sxx * syy).sqrt()
+}
+
+/// Spearman's rank correlation (NaN when either side is constant).
+pub fn spearman(x: &[f64], y: &[f64]) -> f64 {
+    pearson(&ranks(x), &ranks(y))
+}
+
+/// Kendall's τ-b: `(concordant - discordant) / sqrt((n0 - ties_x) (n0 - ties_y))` over all pairs
+/// (NaN when either side is constant).
+pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
+    let (mut concordant, mut discordant, mut ties_x, mut ties_y, mut pairs) =
+        (0i64, 0i64, 0i64, 0i64, 0i64);
+    for i in 0..x.len() {
+        for j in i + 1..x.len() {
+            pairs += 1;
+            let (dx, dy) = (x[i] - x[j], y[i] - y[j]);
+            if dx == 0.0 {
+                ties_x += 1;
+            }
+            if dy == 0.0 {
+                ties_y += 1;
+            }
+            if dx == 0.0 || dy == 0.0 {
+                continue;
+            }
+            if (dx > 0.0) == (dy > 0.0) {
+                concordant += 1;
+            } else {
+                discordant += 1;
+            }
+        }
+    }
+    let denominator = (((pairs - ties_x) * (pairs - ties_y)) as f64).sqrt();
+    if denominator == 0.0 {
+        return f64::NAN;
+    }
+    (concordant - discordant) as f64 / denominator
+}
+
+/// SplitMix64: the seeded stream of the bootstrap.
+fn splitmix64(state: &mut u64) -> u64 {
+    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
+    let mut x = *state;
+    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
+    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
+    x ^ (x >> 31)
+}
+
+/// Resamples of the bootstrap.
+pub const BOOTSTRAP_RESAMPLES: usize = 2000;
+
+/// `statistic` of the points and its 95% percentile-bootstrap interval (resamples whose
+/// statistic is undefined are left out).
+pub fn bootstrap(
+    x: &[f64],
+    y: &[f64],
+    statistic: fn(&[f64], &[f64]) -> f64,
+    seed: u64,
+) -> (f64, f64, f64) {
+    let n = x.len();
+    let value = statistic(x, y);
+    let mut state = seed;
+    let mut estimates = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
+    let (mut rx, mut ry) = (vec![0.0; n], vec![0.0; n]);
+    for _ in 0..BOOTSTRAP_RESAMPLES {
+        for slot in 0..n {
+            let pick = (splitmix64(&mut state) % n as u64) as usize;
+            rx[slot] = x[pick];
+            ry[slot] = y[pick];
+        }
+        let estimate = statistic(&rx, &ry);
+        if estimate.is_finite() {
+            estimates.push(estimate);
+        }
+    }
+    if estimates.is_empty() {
+        return (value, f64::NAN, f64::NAN);
+    }
+    estimates.sort_by(f64::total_cmp);
+    let at = |q: f64| estimates[((estimates.len() - 1) as f64 * q).round() as usize];
+    (value, at(0.025), at(0.975))
+}
+
+/// An open-loop metric of a run.
+type OpenMetric = (&'static str, fn(&StoredRun) -> Option<f64>);
+/// A closed-loop outcome of a run.
+type Outcome = (&'static str, fn(&StoredRun) -> f64);
+
+const OPEN: [OpenMetric; 3] = [
+    ("retained mass", |r| Some(r.report.retained_mass)),
+    ("top-k recall", |r| Some(r.report.topk_recall)),
+    ("output error", |r| r.report.output_error),
+];
+
+fn closed(run: &StoredRun) -> &super::ClosedLoop {
+    run.closed_loop.as_ref().expect("closed-loop runs")
+}
+
+const OUTCOMES: [Outcome; 4] = [
+    ("KL full‖policy", |r| closed(r).kl),
+    ("top-1 agreement", |r| closed(r).top1),
+    ("logprob lost", |r| closed(r).logprob_lost),
+    ("answer ok", |r| f64::from(u8::from(closed(r).answer_ok))),
+];
+
+fn interval((value, low, high): (f64, f64, f64)) -> String {
+    format!("{value:+.3} [{low:+.3}, {high:+.3}]")
+}
+
+/// The calibration section of a closed-loop experiment's report, and its scatter plot.
+pub fn section(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+    results: &Path,
+) -> Result<(String, Vec<PathBuf>), SweepError> {
+    let mut out = outcome_table(experiment, names, runs, trace_names);
+    out += &correlations(runs, trace_names);
+    out += &rankings(experiment, names, runs, trace_names);
+    let series: Vec<Series> = names
+        .iter()
+        .map(|name| {
+            let points = runs
+                .iter()
+                .filter(|r| &r.name == name)
+                .map(|r| (r.report.retained_mass, closed(r).kl))
+                .collect();
+            (name.clone(), points)
+        })
+        .collect();
+    let figures = scatter(
+        &results.join("calibration"),
+        "open-loop retained mass against closed-loop KL (one dot per policy, budget, trace)",
+        "retained mass (open loop)",
+        "KL(p_full ‖ p_policy), nats (closed loop)",
+        &series,
+    )?;
+    Ok((out, figures))
+}
+
+/// Per policy and budget, over traces: mean KL, top-1 agreement, and the answers kept.
+fn outcome_table(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+) -> String {
+    let full_ok = runs
+        .iter()
+        .filter(|r| r.name == names[0] && r.report.nominal_budget == experiment.budgets[0])
+        .filter(|r| closed(r).full_answer_ok)
+        .count();
+    let out = format!(
+        "\nClosed loop: the policy holds the model's real KV cache. Mean KL(p_full ‖ p_policy) of the next-token distributions / top-1 agreement, teacher-forced along the full-cache continuation, and the answers the free-running policy still gives (the full cache answers {full_ok} of {} traces):\n\n",
+        trace_names.len()
+    );
+    let mut headers = vec!["policy".to_string()];
+    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    let mut table = Table::with_headers(headers);
+    for name in names {
+        let mut row = vec![name.clone()];
+        for &budget in &experiment.budgets {
+            let of: Vec<&StoredRun> = runs
+                .iter()
+                .filter(|r| &r.name == name && r.report.nominal_budget == budget)
+                .collect();
+            if of.is_empty() {
+                row.push("—".into());
+                continue;
+            }
+            let n = of.len() as f64;
+            row.push(format!(
+                "{:.3} / {:.2} / {}",
+                of.iter().map(|r| closed(r).kl).sum::<f64>() / n,
+                of.iter().map(|r| closed(r).top1).sum::<f64>() / n,
+                of.iter().filter(|r| closed(r).answer_ok).count()
+            ));
+        }
+        table.push(row);
+    }
+    out + &table.render(Format::Markdown)
+}
+
+/// Pooled and per-trace rank correlations with bootstrap intervals.
+fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
+    let mut out = format!(
+        "\nRank correlations between open-loop metrics and closed-loop outcomes, pooled over all {} (policy, budget, trace) points: Spearman ρ and Kendall τ-b, each with its 95% bootstrap interval ({BOOTSTRAP_RESAMPLES} resamples, seeded):\n\n",
+        runs.len()
+    );
+    let mut table = Table::new([
+        "open-loop metric",
+        "closed-loop outcome",
+        "Spearman ρ",
+        "Kendall τ-b",
+    ]);
+    for (index, (metric, value)) in OPEN.iter().enumerate() {
+        let Some(x) = runs.iter().map(value).collect::<Option<Vec<f64>>>() else {
+            continue;
+        };
+        for (outcome_index, (outcome, outcome_value)) in OUTCOMES.iter().enumerate() {
+            let y: Vec<f64> = runs.iter().map(outcome_value).collect();
+            let seed = (index * OUTCOMES.len() + outcome_index) as u64;
+            table.push([
+                metric.to_string(),
+                outcome.to_string(),
+                interval(bootstrap(&x, &y, spearman, seed)),
+                interval(bootstrap(&x, &y, kendall, seed)),
+            ]);
+        }
+    }
+    out += &table.render(Format::Markdown);
+    out += "\nPer trace: retained mass against KL (a good open-loop metric has ρ near −1):\n\n";
+    let mut table = Table::new(["trace", "points", "Spearman ρ", "Kendall τ-b"]);
+    for (index, trace) in trace_names.iter().enumerate() {
+        let of: Vec<&StoredRun> = runs.iter().filter(|r| &r.trace == trace).collect();
+        let x: Vec<f64> = of.iter().map(|r| r.report.retained_mass).collect();
+        let y: Vec<f64> = of.iter().map(|r| closed(r).kl).collect();
+        let seed = 1000 + index as u64;
+        table.push([
+            trace.clone(),
+            of.len().to_string(),
+            interval(bootstrap(&x, &y, spearman, seed)),
+            interval(bootstrap(&x, &y, kendall, seed)),
+        ]);
+    }
+    out + &table.render(Format::Markdown)
+}
+
+/// Per budget: does ranking the policies by open-loop mass give their closed-loop KL order?
+fn rankings(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    trace_names: &[String],
+) -> String {
+    let mut out = "\nRankings of the policies on each (trace, budget): Kendall τ-b between the order by open-loop retained mass (high first) and by closed-loop KL (low first), mean over traces; and on how many traces both orders put the same policy first:\n\n".to_string();
+    let mut table = Table::new(["budget", "mean τ-b of the two orders", "same best policy"]);
+    let mut disagreements: Vec<(f64, String)> = Vec::new();
+    for &budget in &experiment.budgets {
+        let (mut taus, mut same_best, mut cells) = (Vec::new(), 0, 0);
+        for trace in trace_names {
+            let of: Vec<&StoredRun> = names
+                .iter()
+                .filter_map(|name| {
+                    runs.iter().find(|r| {
+                        &r.name == name && &r.trace == trace && r.report.nominal_budget == budget
+                    })
+                })
+                .collect();
+            if of.len() < 2 {
+                continue;
+            }
+            cells += 1;
+            let mass: Vec<f64> = of.iter().map(|r| r.report.retained_mass).collect();
+            let kl: Vec<f64> = of.iter().map(|r| -closed(r).kl).collect();
+            let tau = kendall(&mass, &kl);
+            if tau.is_finite() {
+                taus.push(tau);
+            }
+            let best = |values: &[f64]| {
+                (0..values.len())
+                    .max_by(|&a, &b| values[a].total_cmp(&values[b]).then(b.cmp(&a)))
+                    .expect("two or more")
+            };
+            if best(&mass) == best(&kl) {
+                same_best += 1;
+            }
+            for a in 0..of.len() {
+                for b in 0..of.len() {
+                    let (ma, mb) = (mass[a], mass[b]);
+                    let (ka, kb) = (closed(of[a]).kl, closed(of[b]).kl);
+                    if ma > mb && ka > kb {
+                        disagreements.push((
+                            (ma - mb) * (ka - kb),
+                            format!(
+                                "| {trace} | {budget} | {} keeps more mass ({ma:.4} vs {mb:.4}) but drifts more (KL {ka:.3} vs {kb:.3}) than {} |",
+                                of[a].name, of[b].name
+                            ),
+                        ));
+                    }
+                }
+            }
+        }
+        let mean = taus.iter().sum::<f64>() / taus.len().max(1) as f64;
+        table.push([
+            budget.to_string(),
+            format!("{mean:+.3}"),
+            format!("{same_best} of {cells}"),
+        ]);
+    }
+    out += &table.render(Format::Markdown);
+    disagreements.sort_by(|a, b| b.0.total_cmp(&a.0).then_with(|| a.1.cmp(&b.1)));
+    if !disagreements.is_empty() {
+        out += "\nThe widest disagreements (mass gap × KL gap):\n\n| trace | budget | what happened |\n|---|---|---|\n";
+        for (_, line) in disagreements.iter().take(8) {
+            out += line;
+            out.push('\n');
+        }
+    }
+    out
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn rank_correlations_by_hand() {
+        // x = [1, 2, 3], y = [1, 3, 2]: Spearman 1 - 6 * 2 / (3 * 8) = 0.5; Kendall: pairs
+        // (1,2) and (1,3) concordant, (2,3) discordant: 1/3.
+        assert_abs_diff_eq!(
+            spearman(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
+            0.5,
+            epsilon = 1e-12
+        );
+        assert_abs_diff_eq!(
+            kendall(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
+            1.0 / 3.0,
+            epsilon = 1e-12
+        );
+        // With a tie in x = [1, 2, 2, 3], y = [1, 2, 3, 4]: average ranks [1, 2.5, 2.5, 4];
+        // ρ = 4.5 / sqrt(4.5 * 5) = 0.948683; τ-b = 5 / sqrt(5 * 6) = 0.912871.
+        let (x, y) = ([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(ranks(&x), vec![1.0, 2.5, 2.5, 4.0]);
+        assert_abs_diff_eq!(spearman(&x, &y), 0.948_683, epsilon = 1e-6);
+        assert_abs_diff_eq!(kendall(&x, &y), 0.912_871, epsilon = 1e-6);
+        assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan());
+    }
+
+    #[test]
+    fn bootstrap_is_seeded_and_brackets_a_perfect_correlation() {
+        let x: Vec<f64> = (0..30).map(f64::from).collect();
+        let y: Vec<f64> = x.iter().map(|v| -2.0 * v).collect();
+        let (value, low, high) = bootstrap(&x, &y, spearman, 7);
+        assert_eq!((value, low, high), (-1.0, -1.0, -1.0));
+        let noisy: Vec<f64> = x.iter().map(|v| (v * 7.0) % 11.0).collect();
+        assert_eq!(
+            bootstrap(&x, &noisy, kendall, 3),
+            bootstrap(&x, &noisy, kendall, 3)
+        );
+        let (value, low, high) = bootstrap(&x, &noisy, kendall, 3);
+        assert!(low <= value && value <= high, "{low} {value} {high}");
+    }
+}
