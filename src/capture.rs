@@ -50,6 +50,26 @@ pub struct CaptureSummary {
     pub generated_text: String,
 }
 
+/// The native model, fetching the assets first if they are missing.
+pub fn load_model() -> Result<Llama, CaptureError> {
+    let assets = Assets::from_env();
+    let path = match assets.require_model() {
+        Ok(path) => path,
+        Err(_) => assets.fetch()?.model,
+    };
+    Ok(Llama::load(&path)?)
+}
+
+/// The prompt recipe file `recipe` builds for `model` (needle recipes read the essays).
+pub fn build_prompt(recipe: &Path, model: &Llama) -> Result<BuiltPrompt, CaptureError> {
+    let (parsed, base) = Recipe::load(recipe)?;
+    let essays = match parsed {
+        Recipe::Niah(_) => Assets::from_env().require_essays()?,
+        _ => Vec::new(),
+    };
+    Ok(parsed.build(model.tokenizer(), &essays, &base)?)
+}
+
 /// Captures recipe file `recipe` with the native model into `out`, fetching the assets first if
 /// they are missing. `progress(done, total)` counts tokens.
 pub fn capture_recipe(
@@ -59,18 +79,9 @@ pub fn capture_recipe(
     chunk: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CaptureSummary, CaptureError> {
-    let (parsed, base) = Recipe::load(recipe)?;
-    let assets = Assets::from_env();
-    let model_path = match assets.require_model() {
-        Ok(path) => path,
-        Err(_) => assets.fetch()?.model,
-    };
-    let essays = match parsed {
-        Recipe::Niah(_) => assets.require_essays()?,
-        _ => Vec::new(),
-    };
-    let model = Llama::load(&model_path)?;
-    let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
+    let model = load_model()?;
+    let prompt = build_prompt(recipe, &model)?;
+    let model_path = Assets::from_env().model_path();
     let options = CaptureOptions {
         storage,
         chunk,

@@ -248,7 +248,9 @@ impl<'m> LiveSession<'m> {
         check_timing(policy)?;
         let (model, full) = (self.model, &self.full);
         let evicted = evicted_positions(&self.trace, policy)?;
-        let open_loop = replay(&self.trace, policy)?;
+        let mut open_loop = replay(&self.trace, policy)?;
+        // The scratch file is gone after the session: name what it was.
+        open_loop.trace = "the full-cache run's f32 recording".into();
         let mut cache = full.prefilled.clone();
         let mut steps = Vec::with_capacity(full.tokens.len() - 1);
         for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {

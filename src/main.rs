@@ -8,8 +8,6 @@ use kvreplay::assets::Assets;
 use kvreplay::capture;
 use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
 use kvreplay::export::{exporter, Format};
-use kvreplay::model::Llama;
-use kvreplay::recipe::Recipe;
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
     allocator, head_split, presets, replay_many, scorer, Granularity, PolicyParams, ReplayReport,
@@ -381,18 +379,8 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
         recipe.display()
     );
-    let (parsed, base) = Recipe::load(recipe)?;
-    let assets = Assets::from_env();
-    let model_path = match assets.require_model() {
-        Ok(path) => path,
-        Err(_) => assets.fetch()?.model,
-    };
-    let essays = match parsed {
-        Recipe::Niah(_) => assets.require_essays()?,
-        _ => Vec::new(),
-    };
-    let model = Llama::load(&model_path)?;
-    let prompt = parsed.build(model.tokenizer(), &essays, &base)?;
+    let model = capture::load_model()?;
+    let prompt = capture::build_prompt(recipe, &model)?;
     let scratch = std::env::temp_dir();
     let report = kvreplay::live::live(&model, &prompt, policy, chunk, &scratch)?;
     Ok(match format {

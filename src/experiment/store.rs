@@ -2,11 +2,9 @@
 //! and renamed, so a killed sweep leaves only finished runs, and a rerun skips them.
 
 use super::{Experiment, PlannedRun, TraceFile};
-use crate::assets::{AssetError, Assets};
-use crate::capture::CaptureError;
+use crate::capture::{self, CaptureError};
 use crate::live::{LiveError, LiveReport, LiveSession};
-use crate::model::{Llama, ModelError};
-use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
+use crate::model::Llama;
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
@@ -139,15 +137,6 @@ pub enum SweepError {
     /// A closed-loop run failed.
     #[error(transparent)]
     Live(#[from] LiveError),
-    /// The model or the essays for a closed-loop run are missing.
-    #[error(transparent)]
-    Asset(#[from] AssetError),
-    /// A recipe of a closed-loop run is invalid.
-    #[error(transparent)]
-    Recipe(#[from] RecipeError),
-    /// The model could not be loaded.
-    #[error(transparent)]
-    Model(#[from] ModelError),
     /// Runs are stored for another content of a trace than the one there now.
     #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
     TraceChanged {
@@ -217,10 +206,10 @@ pub fn run_sweep(
         }
         if experiment.closed_loop {
             if model.is_none() {
-                model = Some(load_model()?);
+                model = Some(capture::load_model()?);
             }
             let model = model.as_ref().expect("loaded above");
-            let prompt = build_prompt(entry, model)?;
+            let prompt = capture::build_prompt(entry, model)?;
             let session = LiveSession::start(model, &prompt, 512, &std::env::temp_dir())?;
             for run in of_trace {
                 let live = session.run(&run.params.clone().check()?)?;
@@ -271,26 +260,6 @@ fn store(
     };
     let json = serde_json::to_vec(&stored).expect("runs serialise");
     write_atomically(&run_path(results, &run.id), &json)
-}
-
-/// The native model, loaded once per sweep when a closed-loop run needs it.
-fn load_model() -> Result<Llama, SweepError> {
-    let assets = Assets::from_env();
-    let path = match assets.require_model() {
-        Ok(path) => path,
-        Err(_) => assets.fetch()?.model,
-    };
-    Ok(Llama::load(&path)?)
-}
-
-/// The prompt of a recipe file.
-fn build_prompt(recipe: &Path, model: &Llama) -> Result<BuiltPrompt, SweepError> {
-    let (parsed, base) = Recipe::load(recipe)?;
-    let essays = match parsed {
-        Recipe::Niah(_) => Assets::from_env().require_essays()?,
-        _ => Vec::new(),
-    };
-    Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }
 
 /// The stored runs of the experiment's plan, in plan order (missing ones left out). When runs are

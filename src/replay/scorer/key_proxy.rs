@@ -9,7 +9,7 @@
 //! since the measured quantity is the full model's attention. Softcap is not applied (the library
 //! has none).
 
-use super::{AlignedScores, ScoreState, Scorer};
+use super::{Started, AlignedScores, ScoreState, Scorer};
 use crate::attention::{attend_positions, softmax, CausalLogits};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::{ArrayView2, Axis};
@@ -29,12 +29,7 @@ struct State<'a> {
 }
 
 impl Scorer for KeyProxy {
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         let keys = layer.keys(unit.kv_head);
         Box::new(State {
             keys,

@@ -1,7 +1,7 @@
 //! `knorm`: keep the keys of *smallest* L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress's
 //! `KnormPress` scores `-keys.norm(dim=-1)`). Uses keys only, so it needs no queries at all.
 
-use super::{ScoreState, Scorer};
+use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::ArrayView2;
 
@@ -16,12 +16,7 @@ struct State<'a> {
 }
 
 impl Scorer for Knorm {
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         Box::new(State {
             keys: layer.keys(unit.kv_head),
         })

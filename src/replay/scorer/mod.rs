@@ -41,13 +41,11 @@ pub trait Scorer: Send + Sync {
     }
     /// A fresh state for one cache of one layer; `protect` is the policy's protection (SnapKV's
     /// observation window is its window).
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        protect: Protection,
-    ) -> Box<dyn ScoreState + 'a>;
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a>;
 }
+
+/// A scorer's state for one cache, as `start` returns it.
+pub type Started<'a> = Box<dyn ScoreState + 'a>;
 
 /// The running state of a scorer for one cache.
 pub trait ScoreState {

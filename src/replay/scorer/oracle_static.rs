@@ -3,7 +3,7 @@
 //! this is the best single kept set for the whole decode ranked by total mass: an upper
 //! reference for one-shot scorers. It sees the future, so no real policy can implement it.
 
-use super::{GroupQueries, ScoreState, Scorer};
+use super::{Started, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -25,12 +25,7 @@ impl Scorer for OracleStatic {
         true
     }
 
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         let n_positions = layer.n_positions();
         let mut future = vec![0.0f32; n_positions];
         let mut queries = GroupQueries::new(layer, unit);

@@ -2,7 +2,7 @@
 //! must clear. The score is a SplitMix64 hash of those and `--seed`, so it does not depend on
 //! evaluation order or thread count.
 
-use super::{ScoreState, Scorer};
+use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -26,12 +26,7 @@ fn splitmix64(mut x: u64) -> u64 {
 }
 
 impl Scorer for Random {
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         let stream =
             splitmix64(splitmix64(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })

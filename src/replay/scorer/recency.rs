@@ -2,7 +2,7 @@
 //! with `--sinks`; the paper uses 4) and the most recent tokens. The score is the position, so the
 //! oldest unprotected token goes first.
 
-use super::{ScoreState, Scorer};
+use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -14,12 +14,7 @@ crate::settings! {
 struct State;
 
 impl Scorer for Recency {
-    fn start<'a>(
-        &self,
-        _layer: &LayerContext<'a>,
-        _unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit, _: Protection) -> Started<'a> {
         Box::new(State)
     }
 }

@@ -10,7 +10,7 @@
 //! the kernel including the zero padding (torch's `count_include_pad`), `max` ignores padding.
 //! One-shot: defined for `--timing prefill` only.
 
-use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
+use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
 
@@ -67,12 +67,7 @@ impl Scorer for SnapKv {
         Ok(())
     }
 
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a> {
         let prompt_len = layer.prompt_len;
         Box::new(State {
             queries: GroupQueries::new(layer, unit),

@@ -5,7 +5,7 @@
 //! shares the same cache layout. Under `--timing prefill` the current query is the last prompt
 //! token's.
 
-use super::{CurrentQuery, ScoreState, Scorer};
+use super::{CurrentQuery, Scorer, Started};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -19,12 +19,7 @@ crate::settings! {
 }
 
 impl Scorer for Tova {
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         Box::new(CurrentQuery::new(layer, unit, self.agg))
     }
 }

@@ -6,7 +6,7 @@
 //! its own self-attention. Unlike the 2025-01 H2O code, whose prefill scores let rows before the
 //! last window see future keys, attention here is always causal.
 
-use super::{AlignedScores, GroupQueries, ScoreState, Scorer};
+use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -26,12 +26,7 @@ struct State<'a> {
 }
 
 impl Scorer for TrueQuery {
-    fn start<'a>(
-        &self,
-        layer: &LayerContext<'a>,
-        unit: &Unit,
-        _protect: Protection,
-    ) -> Box<dyn ScoreState + 'a> {
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
         Box::new(State {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
