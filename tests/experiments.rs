@@ -195,3 +195,55 @@ mod parser_never_panics {
         }
     }
 }
+
+#[test]
+fn experiments_that_would_lose_or_measure_nothing_are_refused() {
+    for (edit, rule) in [
+        // Two policies with one name: the report would show one row.
+        (
+            EXPERIMENT.replace("name = \"tq\"", "name = \"snapkv\""),
+            "two [[policy]] tables are named `snapkv`",
+        ),
+        (
+            EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10, 6]"),
+            "budget 6 is listed twice",
+        ),
+        (
+            EXPERIMENT.replace("budgets = [6, 10]", "budgets = []"),
+            "`budgets` is empty",
+        ),
+        (
+            "description = \"x\"\ntraces = [\"fixture.safetensors\"]\nbudgets = [6]\n".to_string(),
+            "no [[policy]] and no `entropy_window`",
+        ),
+        (
+            EXPERIMENT.replace("timing = [\"prefill\", \"streaming\"]", "timing = [\"prefill\", \"prefill\"]"),
+            "`timing` lists prefill twice",
+        ),
+    ] {
+        let dir = setup(&edit);
+        kvreplay(&dir)
+            .args(["sweep", "e.toml"])
+            .assert()
+            .code(2)
+            .stderr(contains("e.toml").and(contains(rule)));
+        assert!(!dir.path().join("results").exists(), "nothing written for {rule}");
+    }
+}
+
+#[test]
+fn runs_are_bound_to_the_trace_content() {
+    let dir = setup(EXPERIMENT);
+    kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    // Re-capture the trace with other content under the same name and size.
+    write_fixture(&dir.path().join("fixture.safetensors"), Shape::default(), 6);
+    kvreplay(&dir)
+        .args(["report", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("fixture.safetensors: the trace changed since 6 stored runs were computed on it"));
+    // A sweep computes the runs for the new content, and the report is whole again.
+    let swept = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    assert!(String::from_utf8_lossy(&swept.get_output().stderr).contains("e: 6 runs done, 0 already there"));
+    kvreplay(&dir).args(["report", "e.toml"]).assert().success();
+}

@@ -152,20 +152,25 @@ impl Experiment {
             path: path.to_owned(),
             detail,
         };
-        if file.budgets.is_empty() {
+        if file.policy.is_empty() && file.entropy_window.is_none() {
             return Err(parse_error(
-                "`budgets` is empty: give at least one budget".into(),
+                "no [[policy]] and no `entropy_window`: the experiment measures nothing".into(),
+            ));
+        }
+        if !file.policy.is_empty() && file.budgets.is_empty() {
+            return Err(parse_error(
+                "`budgets` is empty: the policies need at least one budget".into(),
+            ));
+        }
+        if file.policy.is_empty() && !file.budgets.is_empty() {
+            return Err(parse_error(
+                "`budgets` are given but no [[policy]] runs at them".into(),
             ));
         }
         if let Some(budget) = first_repeat(&file.budgets) {
             return Err(parse_error(format!(
                 "budget {budget} is listed twice in `budgets`"
             )));
-        }
-        if file.policy.is_empty() {
-            return Err(parse_error(
-                "no [[policy]]: an experiment needs at least one policy".into(),
-            ));
         }
         let mut policies = Vec::new();
         let mut table_names: Vec<String> = Vec::new();
