@@ -192,20 +192,32 @@ fn axis_help<T: ?Sized>(what: &str, registry: &[Method<T>]) -> String {
 /// One flag per method setting key of every registry (`--beta`, `--kernel`, ...), its help naming
 /// each method that takes it, with its meaning and default.
 fn method_flags() -> Vec<clap::Arg> {
-    let mut keys: Vec<(&'static str, Vec<String>)> = Vec::new();
+    // Per key, the methods that take it with the meaning and default each gives it; methods
+    // that agree on both share one line of help.
+    type Meaning = (String, Vec<String>);
+    let mut keys: Vec<(&'static str, Vec<Meaning>)> = Vec::new();
     let mut add = |axis: &str,
                    name: &str,
                    params: &[settings::Param],
                    defaults: serde_json::Map<String, serde_json::Value>| {
         for param in params {
-            let line = format!(
-                "{axis} `{name}`: {} (default {})",
+            let meaning = format!(
+                "{} (default {})",
                 param.doc.trim(),
                 settings::text(&defaults[param.key])
             );
-            match keys.iter_mut().find(|(key, _)| *key == param.key) {
-                Some((_, lines)) => lines.push(line),
-                None => keys.push((param.key, vec![line])),
+            let method = format!("{axis} `{name}`");
+            let index = match keys.iter().position(|(key, _)| *key == param.key) {
+                Some(index) => index,
+                None => {
+                    keys.push((param.key, Vec::new()));
+                    keys.len() - 1
+                }
+            };
+            let meanings = &mut keys[index].1;
+            match meanings.iter_mut().find(|(text, _)| *text == meaning) {
+                Some((_, methods)) => methods.push(method),
+                None => meanings.push((meaning, vec![method])),
             }
         }
     };
@@ -224,11 +236,15 @@ fn method_flags() -> Vec<clap::Arg> {
         );
     }
     keys.into_iter()
-        .map(|(key, lines)| {
+        .map(|(key, meanings)| {
+            let help: Vec<String> = meanings
+                .into_iter()
+                .map(|(meaning, methods)| format!("{}: {meaning}", methods.join(", ")))
+                .collect();
             clap::Arg::new(key)
                 .long(key.replace('_', "-"))
                 .value_name("VALUE")
-                .help(lines.join("; "))
+                .help(help.join("; "))
                 .help_heading("Method settings")
         })
         .collect()

@@ -217,7 +217,10 @@ fn experiments_that_would_lose_or_measure_nothing_are_refused() {
             "no [[policy]] and no `entropy_window`",
         ),
         (
-            EXPERIMENT.replace("timing = [\"prefill\", \"streaming\"]", "timing = [\"prefill\", \"prefill\"]"),
+            EXPERIMENT.replace(
+                "timing = [\"prefill\", \"streaming\"]",
+                "timing = [\"prefill\", \"prefill\"]",
+            ),
             "`timing` lists prefill twice",
         ),
     ] {
@@ -227,7 +230,10 @@ fn experiments_that_would_lose_or_measure_nothing_are_refused() {
             .assert()
             .code(2)
             .stderr(contains("e.toml").and(contains(rule)));
-        assert!(!dir.path().join("results").exists(), "nothing written for {rule}");
+        assert!(
+            !dir.path().join("results").exists(),
+            "nothing written for {rule}"
+        );
     }
 }
 
@@ -241,9 +247,12 @@ fn runs_are_bound_to_the_trace_content() {
         .args(["report", "e.toml"])
         .assert()
         .code(2)
-        .stderr(contains("fixture.safetensors: the trace changed since 6 stored runs were computed on it"));
+        .stderr(contains(
+            "fixture.safetensors: the trace changed since 6 stored runs were computed on it",
+        ));
     // A sweep computes the runs for the new content, and the report is whole again.
     let swept = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
-    assert!(String::from_utf8_lossy(&swept.get_output().stderr).contains("e: 6 runs done, 0 already there"));
+    assert!(String::from_utf8_lossy(&swept.get_output().stderr)
+        .contains("e: 6 runs done, 0 already there"));
     kvreplay(&dir).args(["report", "e.toml"]).assert().success();
 }

@@ -196,7 +196,7 @@ impl PolicyParams {
     }
 }
 
-/// One chosen method of each axis, with the settings it runs with.
+/// A chosen method and the axis it was chosen on, for error messages.
 struct Chosen<'r, T: ?Sized> {
     axis: &'static str,
     method: &'r Method<T>,
