@@ -2,10 +2,10 @@
 //! selection at the end of the prompt (budgets shared among caches by the head split), streaming
 //! eviction from the first token over budget, and re-selection at every decode step.
 
-use super::policy::{Protection, Timing};
 use super::scorer::{ScoreState, Scorer};
 use super::select::{select_top, victim};
 use super::{Kept, LayerContext, Unit, UnitKept, ValidPolicy};
+use super::{Protection, Timing};
 use rayon::prelude::*;
 
 /// Whether `policy` keeps one set per cache for the whole decode (prefill timing). Those sets are chosen for the whole layer at once (AdaKV shares a budget

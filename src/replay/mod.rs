@@ -16,22 +16,26 @@ mod error;
 pub mod head_split;
 mod kept;
 mod layer;
+mod layout;
 pub mod metrics;
 mod policy;
 pub mod presets;
 mod profile;
+mod protection;
 pub mod scorer;
 mod select;
 pub mod settings;
+mod timing;
 
 pub use allocator::Rounding;
 pub use engine::{context, kept_sets, layer_budgets, replay, replay_many, LayerDone, ReplayReport};
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
+pub use layout::{Aggregation, Granularity};
 pub use metrics::{DecodeReference, LayerReport, SpanReport};
-pub use policy::{
-    Aggregation, Granularity, PolicyParams, Protection, Timing, ValidPolicy, COMMON_KEYS,
-};
+pub use policy::{PolicyParams, ValidPolicy, COMMON_KEYS};
 pub use profile::LayerProfile;
+pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
+pub use timing::Timing;

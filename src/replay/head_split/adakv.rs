@@ -7,7 +7,7 @@
 //! and so does this.
 
 use super::HeadSplit;
-use crate::replay::policy::Protection;
+use crate::replay::Protection;
 use crate::replay::settings::Broken;
 
 crate::settings! {

@@ -3,8 +3,8 @@
 //! (the scorer's ranking at the end of the prompt) and the policy's protection; it never ranks
 //! tokens itself. Splits that read scores are one-shot: they run at the end of the prompt.
 
-use super::policy::Protection;
 use super::settings::Broken;
+use super::Protection;
 
 crate::registry! {
     HeadSplit:

@@ -1,7 +1,7 @@
 //! `uniform`: every cache of a layer gets the layer's budget (SnapKV, PyramidKV, H2O as published).
 
 use super::HeadSplit;
-use crate::replay::policy::Protection;
+use crate::replay::Protection;
 
 crate::settings! {
     /// Every cache of a layer gets the layer's budget.

@@ -6,8 +6,8 @@
 //! (its key arrives, its query attends), [`ScoreState::on_evict`] each eviction, and
 //! [`ScoreState::scores`] is asked whenever the engine must choose. Higher scores are kept.
 
-use super::policy::{Aggregation, Protection, Timing};
 use super::settings::Broken;
+use super::{Aggregation, Protection, Timing};
 use super::{LayerContext, Unit};
 use crate::attention::{softmax, softmax_in_place, sparse_logits, CausalLogits};
 
