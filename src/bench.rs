@@ -9,6 +9,7 @@ use crate::attention::{scaled_product, softmax_into, CausalLogits, PackedKeys};
 use crate::model::{Llama, ModelError, Recorder};
 use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
+    RETAINED_MASS,
 };
 use crate::trace::TraceReader;
 use ndarray::{s, Array2};
@@ -127,7 +128,8 @@ pub fn numpy_grid(
                 .ok_or_else(|| {
                     BenchError::Reference(format!("no result for {name} at {budget}"))
                 })?;
-            worst = worst.max((reports[index].retained_mass - theirs).abs());
+            let ours = reports[index].metric(RETAINED_MASS).unwrap_or(f64::NAN);
+            worst = worst.max((ours - theirs).abs());
             index += 1;
         }
     }

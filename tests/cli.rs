@@ -87,8 +87,10 @@ fn replay_json_has_the_documented_fields() {
     }
     let layers = json["layers"].as_array().unwrap();
     assert_eq!(layers.len(), 2);
-    assert_eq!(layers[0]["retained_by_head"].as_array().unwrap().len(), 4);
-    assert_eq!(layers[0]["retained_by_step"].as_array().unwrap().len(), 5);
+    // Each metric per query head and decode step.
+    let samples = &layers[0]["samples"]["retained_mass"];
+    assert_eq!(samples.as_array().unwrap().len(), 4);
+    assert_eq!(samples[0].as_array().unwrap().len(), 5);
 }
 
 #[test]

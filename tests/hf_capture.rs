@@ -157,12 +157,16 @@ fn python_capture_matches_native_capture() {
                 replay(&theirs, &policy).unwrap(),
             );
             assert!(
-                (a.retained_mass - b.retained_mass).abs() < 1e-3,
+                (a.metric("retained_mass").unwrap() - b.metric("retained_mass").unwrap()).abs()
+                    < 1e-3,
                 "{name}: {} vs {}",
-                a.retained_mass,
-                b.retained_mass
+                a.metric("retained_mass").unwrap(),
+                b.metric("retained_mass").unwrap()
             );
-            assert!((a.topk_recall - b.topk_recall).abs() < 1e-3, "{name}");
+            assert!(
+                (a.metric("topk_recall").unwrap() - b.metric("topk_recall").unwrap()).abs() < 1e-3,
+                "{name}"
+            );
         }
     }
 }

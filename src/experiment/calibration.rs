@@ -17,6 +17,7 @@ use super::plot::{scatter, Series};
 use super::store::{StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
+use crate::replay::{metrics, RETAINED_MASS};
 use std::path::{Path, PathBuf};
 
 /// Average ranks (1-based; ties share the mean of their ranks).
@@ -135,16 +136,13 @@ pub fn bootstrap(
     (value, at(0.025), at(0.975))
 }
 
-/// An open-loop metric of a run.
-type OpenMetric = (&'static str, fn(&StoredRun) -> Option<f64>);
 /// A closed-loop outcome of a run.
 type Outcome = (&'static str, fn(&StoredRun) -> f64);
 
-const OPEN: [OpenMetric; 3] = [
-    ("retained mass", |r| Some(r.report.retained_mass)),
-    ("top-k recall", |r| Some(r.report.topk_recall)),
-    ("output error", |r| r.report.output_error),
-];
+/// The open-loop retained mass of a run.
+fn mass(run: &StoredRun) -> f64 {
+    run.report.metric(RETAINED_MASS).unwrap_or(f64::NAN)
+}
 
 fn closed(run: &StoredRun) -> &super::ClosedLoop {
     run.closed_loop.as_ref().expect("closed-loop runs")
@@ -178,7 +176,7 @@ pub fn section(
             let points = runs
                 .iter()
                 .filter(|r| &r.name == name)
-                .map(|r| (r.report.retained_mass, closed(r).kl))
+                .map(|r| (mass(r), closed(r).kl))
                 .collect();
             (name.clone(), points)
         })
@@ -248,15 +246,19 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         "Spearman ρ",
         "Kendall τ-b",
     ]);
-    for (index, (metric, value)) in OPEN.iter().enumerate() {
-        let Some(x) = runs.iter().map(value).collect::<Option<Vec<f64>>>() else {
+    for (index, metric) in metrics::REGISTRY.iter().enumerate() {
+        let Some(x) = runs
+            .iter()
+            .map(|r| r.report.metric(metric.id()))
+            .collect::<Option<Vec<f64>>>()
+        else {
             continue;
         };
         for (outcome_index, (outcome, outcome_value)) in OUTCOMES.iter().enumerate() {
             let y: Vec<f64> = runs.iter().map(outcome_value).collect();
             let seed = (index * OUTCOMES.len() + outcome_index) as u64;
             table.push([
-                metric.to_string(),
+                metric.title().to_string(),
                 outcome.to_string(),
                 interval(bootstrap(&x, &y, spearman, seed)),
                 interval(bootstrap(&x, &y, kendall, seed)),
@@ -268,7 +270,7 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
     let mut table = Table::new(["trace", "points", "Spearman ρ", "Kendall τ-b"]);
     for (index, trace) in trace_names.iter().enumerate() {
         let of: Vec<&StoredRun> = runs.iter().filter(|r| &r.trace == trace).collect();
-        let x: Vec<f64> = of.iter().map(|r| r.report.retained_mass).collect();
+        let x: Vec<f64> = of.iter().map(|r| mass(r)).collect();
         let y: Vec<f64> = of.iter().map(|r| closed(r).kl).collect();
         let seed = 1000 + index as u64;
         table.push([
@@ -306,7 +308,7 @@ fn rankings(
                 continue;
             }
             cells += 1;
-            let mass: Vec<f64> = of.iter().map(|r| r.report.retained_mass).collect();
+            let mass: Vec<f64> = of.iter().map(|r| mass(r)).collect();
             let kl: Vec<f64> = of.iter().map(|r| -closed(r).kl).collect();
             let tau = kendall(&mass, &kl);
             if tau.is_finite() {

@@ -14,7 +14,7 @@ use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepEr
 use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};
 use crate::inspect::entropy_profile;
-use crate::replay::PolicyError;
+use crate::replay::{metrics, PolicyError, RETAINED_MASS};
 use crate::trace::TraceReader;
 use polars::prelude::*;
 use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
@@ -51,9 +51,9 @@ pub fn sign_test(differences: &[f64]) -> f64 {
     (2.0 * tail).min(1.0)
 }
 
+/// The retained-mass samples of a run (layer, query head, decode step).
 fn samples(run: &StoredRun) -> Vec<f64> {
-    run.report
-        .retained
+    run.report.samples[RETAINED_MASS]
         .iter()
         .flatten()
         .flatten()
@@ -107,21 +107,14 @@ fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, Swee
             "mean_kept",
             runs.iter().map(|r| r.report.mean_kept).collect(),
         ),
-        column(
-            "retained_mass",
-            runs.iter().map(|r| r.report.retained_mass).collect(),
-        ),
-        column(
-            "topk_recall",
-            runs.iter().map(|r| r.report.topk_recall).collect(),
-        ),
-        column(
-            "output_error",
-            runs.iter()
-                .map(|r| r.report.output_error.unwrap_or(f64::NAN))
-                .collect(),
-        ),
     ];
+    columns.extend(metrics::REGISTRY.iter().map(|metric| {
+        let values = runs
+            .iter()
+            .map(|r| r.report.metric(metric.id()).unwrap_or(f64::NAN))
+            .collect();
+        column(metric.id(), values)
+    }));
     if runs.iter().all(|r| r.closed_loop.is_some()) {
         let closed: Vec<&ClosedLoop> = runs.iter().filter_map(|r| r.closed_loop.as_ref()).collect();
         columns.extend([
@@ -362,7 +355,7 @@ fn mass_section(
                 mean_ci(
                     &per_trace
                         .iter()
-                        .map(|r| r.report.retained_mass)
+                        .map(|r| r.report.metric(RETAINED_MASS).unwrap_or(f64::NAN))
                         .collect::<Vec<_>>(),
                 )
             } else {

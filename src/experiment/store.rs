@@ -8,6 +8,7 @@ use crate::model::Llama;
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
+use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 
 /// A finished run as stored on disk.
@@ -62,50 +63,65 @@ impl From<&LiveReport> for ClosedLoop {
     }
 }
 
-/// The parts of a [`ReplayReport`] the reports use (retained mass per layer, head and step
-/// included, for confidence intervals and paired tests).
+/// The parts of a [`ReplayReport`] the reports use: every metric's mean, per layer, and per
+/// layer, query head and decode step (for confidence intervals and paired tests).
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 pub struct StoredReport {
     /// Nominal budget.
     pub nominal_budget: usize,
     /// Timing, allocator, scorer... as text.
-    pub settings: std::collections::BTreeMap<String, String>,
-    /// Mean retained mass.
-    pub retained_mass: f64,
-    /// Mean top-k recall.
-    pub topk_recall: f64,
-    /// Mean output error.
-    pub output_error: Option<f64>,
+    pub settings: BTreeMap<String, String>,
+    /// Each metric's mean, by id.
+    #[serde(flatten)]
+    pub metrics: BTreeMap<String, f64>,
     /// Mean kept tokens.
     pub mean_kept: f64,
     /// Per layer: budget and mean kept.
     pub layer_budgets: Vec<usize>,
     /// Per layer: mean kept.
     pub layer_kept: Vec<f64>,
-    /// Per layer: retained mass.
-    pub layer_retained: Vec<f64>,
-    /// Retained mass per layer, query head and decode step.
-    pub retained: Vec<Vec<Vec<f64>>>,
+    /// Each metric per layer, by id.
+    pub layer_metrics: BTreeMap<String, Vec<f64>>,
+    /// Each metric per layer, query head and decode step, by id.
+    pub samples: BTreeMap<String, Vec<Vec<Vec<f64>>>>,
     /// Span survival: name, kept fraction, kept mass, full mass.
     pub spans: Vec<(String, f64, f64, f64)>,
 }
 
+impl StoredReport {
+    /// The mean of metric `id`, if it was measured.
+    pub fn metric(&self, id: &str) -> Option<f64> {
+        self.metrics.get(id).copied()
+    }
+}
+
 impl From<&ReplayReport> for StoredReport {
     fn from(report: &ReplayReport) -> Self {
+        let per_layer =
+            |id: &String| -> Vec<f64> { report.layers.iter().map(|l| l.metrics[id]).collect() };
+        let samples = |id: &String| -> Vec<Vec<Vec<f64>>> {
+            report
+                .layers
+                .iter()
+                .map(|l| l.samples[id].clone())
+                .collect()
+        };
         Self {
             nominal_budget: report.nominal_budget,
             settings: report.settings.clone(),
-            retained_mass: report.retained_mass,
-            topk_recall: report.topk_recall,
-            output_error: report.output_error,
+            metrics: report.metrics.clone(),
             mean_kept: report.mean_kept,
             layer_budgets: report.layers.iter().map(|l| l.budget).collect(),
             layer_kept: report.layers.iter().map(|l| l.mean_kept).collect(),
-            layer_retained: report.layers.iter().map(|l| l.retained_mass).collect(),
-            retained: report
-                .layers
-                .iter()
-                .map(|l| l.retained_head_step.clone())
+            layer_metrics: report
+                .metrics
+                .keys()
+                .map(|id| (id.clone(), per_layer(id)))
+                .collect(),
+            samples: report
+                .metrics
+                .keys()
+                .map(|id| (id.clone(), samples(id)))
                 .collect(),
             spans: report
                 .spans

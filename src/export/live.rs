@@ -3,27 +3,40 @@
 
 use super::{Format, Table};
 use crate::live::LiveReport;
+use crate::replay::metrics::REGISTRY;
 
 /// One row: the policy, its open-loop metrics and its closed-loop outcomes; then the texts.
 pub fn live_table(report: &LiveReport, format: Format) -> String {
     let open = &report.open_loop;
-    let mut table = Table::new([
-        "policy",
-        "budget",
-        "mean kept",
-        "retained mass (open loop)",
-        "top-k recall (open loop)",
-        "KL full‖policy",
-        "top-1 agreement",
-        "logprob lost",
-        "answer ok",
-    ]);
-    table.push([
+    let mut headers = vec!["policy".to_string(), "budget".into(), "mean kept".into()];
+    headers.extend(
+        REGISTRY
+            .iter()
+            .filter(|metric| open.metric(metric.id()).is_some())
+            .map(|metric| format!("{} (open loop)", metric.title())),
+    );
+    headers.extend(
+        [
+            "KL full‖policy",
+            "top-1 agreement",
+            "logprob lost",
+            "answer ok",
+        ]
+        .map(String::from),
+    );
+    let mut table = Table::with_headers(headers);
+    let mut row = vec![
         report.policy.clone(),
         open.nominal_budget.to_string(),
         format!("{:.1}", open.mean_kept),
-        format!("{:.4}", open.retained_mass),
-        format!("{:.4}", open.topk_recall),
+    ];
+    row.extend(
+        REGISTRY
+            .iter()
+            .filter_map(|metric| open.metric(metric.id()))
+            .map(|value| format!("{value:.4}")),
+    );
+    row.extend([
         format!("{:.4}", report.kl),
         format!("{:.4}", report.top1),
         format!("{:.4}", report.logprob_lost),
@@ -32,6 +45,7 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
             report.answer_ok, report.full_answer_ok
         ),
     ]);
+    table.push(row);
     let mut out = table.render(format);
     if format == Format::Markdown {
         out += &format!(

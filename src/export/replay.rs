@@ -1,20 +1,32 @@
-//! Tables of replay results: one summary row per policy, and a per-layer breakdown.
+//! Tables of replay results: one summary row per policy, and a per-layer breakdown. The metric
+//! columns come from the metrics registry, in its order.
 
 use super::Table;
+use crate::replay::metrics::REGISTRY;
 use crate::replay::ReplayReport;
+use std::collections::BTreeMap;
 
 fn fixed(value: f64) -> String {
     format!("{value:.4}")
 }
 
-/// The columns every table shares: mean kept, retained mass, top-k recall, output error.
-fn metric_cells(mean_kept: f64, retained: f64, recall: f64, error: Option<f64>) -> [String; 4] {
-    [
-        format!("{mean_kept:.1}"),
-        fixed(retained),
-        fixed(recall),
-        error.map_or("n/a".into(), fixed),
-    ]
+/// The headers every table shares after its first columns: mean kept, then each metric.
+fn metric_headers(first: &[&str]) -> Vec<String> {
+    let mut headers: Vec<String> = first.iter().map(|h| h.to_string()).collect();
+    headers.push("mean kept".into());
+    headers.extend(REGISTRY.iter().map(|metric| metric.title().to_string()));
+    headers
+}
+
+/// The cells of those columns: `n/a` for a metric not measured.
+fn metric_cells(mean_kept: f64, metrics: &BTreeMap<String, f64>) -> Vec<String> {
+    let mut cells = vec![format!("{mean_kept:.1}")];
+    cells.extend(
+        REGISTRY
+            .iter()
+            .map(|metric| metrics.get(metric.id()).map_or("n/a".into(), |v| fixed(*v))),
+    );
+    cells
 }
 
 /// One row per report: the overall figures, and the needle's survival when the trace has one.
@@ -23,17 +35,7 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
         .first()
         .map(|r| r.spans.iter().map(|s| s.name.clone()).collect())
         .unwrap_or_default();
-    let mut headers: Vec<String> = [
-        "policy",
-        "budget",
-        "mean kept",
-        "retained mass",
-        "top-k recall",
-        "output error",
-    ]
-    .iter()
-    .map(|h| h.to_string())
-    .collect();
+    let mut headers = metric_headers(&["policy", "budget"]);
     for name in &span_names {
         headers.push(format!("{name} kept"));
         headers.push(format!("{name} mass kept/full"));
@@ -41,12 +43,7 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
     let mut table = Table::with_headers(headers);
     for report in reports {
         let mut row = vec![report.policy.clone(), report.nominal_budget.to_string()];
-        row.extend(metric_cells(
-            report.mean_kept,
-            report.retained_mass,
-            report.topk_recall,
-            report.output_error,
-        ));
+        row.extend(metric_cells(report.mean_kept, &report.metrics));
         for span in &report.spans {
             row.push(fixed(span.kept_fraction));
             row.push(format!("{:.4}/{:.4}", span.kept_mass, span.full_mass));
@@ -58,22 +55,10 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
 
 /// One row per layer of one report.
 pub fn layer_table(report: &ReplayReport) -> Table {
-    let mut table = Table::new([
-        "layer",
-        "budget",
-        "mean kept",
-        "retained mass",
-        "top-k recall",
-        "output error",
-    ]);
+    let mut table = Table::with_headers(metric_headers(&["layer", "budget"]));
     for layer in &report.layers {
         let mut row = vec![layer.layer.to_string(), layer.budget.to_string()];
-        row.extend(metric_cells(
-            layer.mean_kept,
-            layer.retained_mass,
-            layer.topk_recall,
-            layer.output_error,
-        ));
+        row.extend(metric_cells(layer.mean_kept, &layer.metrics));
         table.push(row);
     }
     table

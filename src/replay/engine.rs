@@ -34,12 +34,9 @@ pub struct ReplayReport {
     pub settings: BTreeMap<String, String>,
     /// The nominal budget per cache.
     pub nominal_budget: usize,
-    /// Mean retained mass over layers, heads and decode steps.
-    pub retained_mass: f64,
-    /// Mean top-k recall.
-    pub topk_recall: f64,
-    /// Mean relative output error (when the trace has values).
-    pub output_error: Option<f64>,
+    /// Each metric's mean over layers (of its layer means), by id.
+    #[serde(flatten)]
+    pub metrics: BTreeMap<String, f64>,
     /// Mean cache size over layers, caches and decode steps.
     pub mean_kept: f64,
     /// Span survival, mean over layers.
@@ -63,6 +60,13 @@ pub fn context<'a>(
         prompt_len: meta.prompt_len,
         scale: meta.scale,
         softcap: meta.softcap,
+    }
+}
+
+impl ReplayReport {
+    /// The mean of metric `id` over layers, if it was measured.
+    pub fn metric(&self, id: &str) -> Option<f64> {
+        self.metrics.get(id).copied()
     }
 }
 
@@ -327,13 +331,11 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
         policy: policy.label(),
         settings: policy.settings(),
         nominal_budget: policy.params().budget,
-        retained_mass: mean(&|l| l.retained_mass),
-        topk_recall: mean(&|l| l.topk_recall),
-        output_error: layers
-            .iter()
-            .map(|l| l.output_error)
-            .sum::<Option<f64>>()
-            .map(|total| total / n),
+        metrics: layers[0]
+            .metrics
+            .keys()
+            .map(|id| (id.clone(), mean(&|l| l.metrics[id])))
+            .collect(),
         mean_kept: mean(&|l| l.mean_kept),
         spans,
         layers,

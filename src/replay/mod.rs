@@ -32,7 +32,7 @@ pub use engine::{context, kept_sets, layer_budgets, replay, replay_many, LayerDo
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
 pub use layout::{Aggregation, Granularity};
-pub use metrics::{DecodeReference, LayerReport, SpanReport};
+pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
 pub use policy::{PolicyParams, ValidPolicy, COMMON_KEYS};
 pub use profile::LayerProfile;
 pub use protection::Protection;

@@ -1,23 +1,80 @@
 //! What a kept set costs, measured on the full model's decode queries.
 //!
-//! For layer l, query head h and decode step t (query position `prompt_len + t`), with `p` the
-//! full causal softmax over keys `0..=position` and `S` the positions h's cache keeps:
-//! - retained mass `sum_{j in S} p_j` (attention recall; CateKV);
-//! - top-k recall: the share of `p`'s k largest (ties to the lower position) that are in S (Quest);
-//! - output error `|o_full - o_kept| / |o_full|`, `o_full = sum_j p_j v_j`, `o_kept` the same over
-//!   S renormalised by the retained mass (MagicPIG); 1 when nothing of mass is kept;
-//! - span survival: the share of a span's tokens in S, and the full attention mass on the span
-//!   that S keeps, next to the mass on the whole span;
-//! - memory: the cache's size at each decode step.
+//! A sample is one query head h of layer l at decode step t (query position `prompt_len + t`),
+//! with `p` the full causal softmax over keys `0..=position` and `S` the positions h's cache
+//! keeps. Each [`Metric`] is one file and one line of [`REGISTRY`], and is carried by its id
+//! through the layer and run reports, stored runs, Parquet/CSV columns, Markdown and JSON:
+//! retained mass (`retained_mass.rs`), top-k recall (`topk_recall.rs`), output error
+//! (`output_error.rs`). Beside them: span survival (the share of a span's tokens in S, and the full
+//! attention mass on the span that S keeps, next to the mass on the whole span) and memory (the
+//! cache's size at each decode step).
 //!
-//! Layer figures are means over query heads and decode steps; overall figures are means over
-//! layers (every layer has the same number of heads and steps, so this is the grand mean).
+//! Layer figures are means over query heads of each head's mean over decode steps; overall
+//! figures are means over layers (every layer has the same number of heads and steps, so this is
+//! the grand mean).
 
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
-use ndarray::{s, Array3, Axis};
+use ndarray::{s, Array3, ArrayView1, ArrayView2, Axis};
 use serde::Serialize;
+use std::collections::BTreeMap;
 use std::ops::Range;
+
+/// Declares the metrics, one line each (`module::Type`), in column order: the modules and
+/// [`REGISTRY`].
+macro_rules! metrics {
+    ($( $module:ident :: $metric:ident ),+ $(,)?) => {
+        $( mod $module; )+
+
+        /// Every metric, in the order of the columns that show them.
+        pub const REGISTRY: &[&dyn Metric] = &[ $( &$module::$metric ),+ ];
+    };
+}
+
+metrics! {
+    retained_mass::RetainedMass,
+    topk_recall::TopkRecall,
+    output_error::OutputError,
+}
+
+/// The id of retained mass, the metric experiment tables and confidence intervals are built on.
+pub const RETAINED_MASS: &str = "retained_mass";
+
+/// A measurement of one sample: one query head's kept set at one decode step, against the full
+/// model's attention.
+pub trait Metric: Send + Sync {
+    /// The id: the key in JSON, stored runs and Parquet/CSV columns.
+    fn id(&self) -> &'static str;
+    /// The column title in tables.
+    fn title(&self) -> &'static str;
+    /// Whether it needs the trace's values (traces without them leave it out).
+    fn needs_values(&self) -> bool {
+        false
+    }
+    /// Its value on one sample.
+    fn sample(&self, sample: &Sample<'_>) -> f64;
+}
+
+/// What a metric sees of one sample.
+pub struct Sample<'a> {
+    /// The full causal attention of the query over keys `0..=position`.
+    pub weights: &'a [f32],
+    /// The kept positions.
+    pub kept: &'a [usize],
+    /// Per position `0..T`, whether it is kept.
+    pub in_set: &'a [bool],
+    /// The positions of the largest full-attention weights, largest first (ties to the lower
+    /// position), at least `top_k` of them where the prefix has that many.
+    pub top: &'a [usize],
+    /// k of the top-k recall.
+    pub top_k: usize,
+    /// The full-attention mass on the kept positions (summed in kept order).
+    pub kept_mass: f64,
+    /// The values of the cache's KV head `[T, d]`, when the trace has them.
+    pub values: Option<ArrayView2<'a, f32>>,
+    /// The full-cache attention output `o_full` of the query, when the trace has values.
+    pub full_output: Option<ArrayView1<'a, f64>>,
+}
 
 /// Span survival, averaged over heads and decode steps.
 #[derive(Debug, Clone, PartialEq, Serialize)]
@@ -45,20 +102,21 @@ pub struct LayerReport {
     pub mean_kept: f64,
     /// Mean cache size of each cache.
     pub kept_by_unit: Vec<f64>,
-    /// Mean retained mass.
-    pub retained_mass: f64,
-    /// Mean top-k recall.
-    pub topk_recall: f64,
-    /// Mean relative output error, when the trace has values.
-    pub output_error: Option<f64>,
-    /// Retained mass per query head (mean over steps).
-    pub retained_by_head: Vec<f64>,
-    /// Retained mass per decode step (mean over heads).
-    pub retained_by_step: Vec<f64>,
-    /// Retained mass per query head and decode step.
-    pub retained_head_step: Vec<Vec<f64>>,
+    /// Each metric's mean over query heads (of its mean over decode steps), by id; a metric that
+    /// needs values is absent from traces without them.
+    #[serde(flatten)]
+    pub metrics: BTreeMap<String, f64>,
+    /// Each metric per query head and decode step, by id.
+    pub samples: BTreeMap<String, Vec<Vec<f64>>>,
     /// Span survival.
     pub spans: Vec<SpanReport>,
+}
+
+impl LayerReport {
+    /// The mean of metric `id`, if it was measured.
+    pub fn metric(&self, id: &str) -> Option<f64> {
+        self.metrics.get(id).copied()
+    }
 }
 
 /// What every policy is measured against, for the query heads of one KV group: the full causal
@@ -145,10 +203,8 @@ pub struct UnitMeasure {
     budget: usize,
     /// Cache size summed over decode steps.
     kept_total: usize,
-    /// Per (step, head): retained mass, top-k recall, output error.
-    retained: Vec<f64>,
-    recall: Vec<f64>,
-    error: Vec<f64>,
+    /// Per metric of [`REGISTRY`] (empty for one not measured), per (step, head), its value.
+    metrics: Vec<Vec<f64>>,
     /// Per (step, head, span): share of the span's tokens kept, kept mass, full mass.
     spans: Vec<(f64, f64, f64)>,
 }
@@ -169,17 +225,19 @@ pub fn measure_unit(
     let n_steps = n_positions - prompt_len;
     let values = layer.values(unit.kv_head);
     let samples = n_steps * unit.query_heads.len();
+    let has_values = values.is_some();
+    let measured = move |metric: &&dyn Metric| has_values || !metric.needs_values();
     let mut measure = UnitMeasure {
         heads: unit.query_heads.clone(),
         budget,
         kept_total: 0,
-        retained: Vec::with_capacity(samples),
-        recall: Vec::with_capacity(samples),
-        error: Vec::with_capacity(samples),
+        metrics: REGISTRY
+            .iter()
+            .map(|metric| Vec::with_capacity(if measured(metric) { samples } else { 0 }))
+            .collect(),
         spans: Vec::with_capacity(samples * spans.len()),
     };
     let mut in_set = vec![false; n_positions];
-    let mut partial = Vec::new();
     for step in 0..n_steps {
         let position = prompt_len + step;
         let kept_positions = unit_kept.kept_positions(step, prompt_len);
@@ -189,40 +247,25 @@ pub fn measure_unit(
         }
         for head in unit.query_heads.clone() {
             let weights = reference.weights(head, step, position);
-            let retained: f64 = kept_positions.iter().map(|&j| weights[j] as f64).sum();
             let local = head - reference.heads.start;
-            let top = &reference.top[local * n_steps + step];
-            let k = top_k.min(top.len());
-            measure.retained.push(retained);
-            measure
-                .recall
-                .push(top[..k].iter().filter(|&&j| in_set[j]).count() as f64 / k as f64);
-            let mut error = 0.0;
-            if let (Some(values), Some(output)) = (values, reference.output.as_ref()) {
-                let full = output.slice(s![local, step, ..]);
-                partial.clear();
-                partial.resize(full.len(), 0.0f64);
-                for &j in &kept_positions {
-                    let weight = weights[j] as f64;
-                    let row = values.row(j);
-                    let row = row.to_slice().expect("standard layout");
-                    for (acc, &x) in partial.iter_mut().zip(row) {
-                        *acc += weight * x as f64;
-                    }
+            let sample = Sample {
+                weights,
+                kept: &kept_positions,
+                in_set: &in_set,
+                top: &reference.top[local * n_steps + step],
+                top_k,
+                kept_mass: kept_positions.iter().map(|&j| weights[j] as f64).sum(),
+                values: values.as_ref().map(|values| values.view()),
+                full_output: reference
+                    .output
+                    .as_ref()
+                    .map(|output| output.slice(s![local, step, ..])),
+            };
+            for (metric, out) in REGISTRY.iter().zip(&mut measure.metrics) {
+                if measured(metric) {
+                    out.push(metric.sample(&sample));
                 }
-                let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
-                error = if retained > 0.0 && full_norm > 0.0 {
-                    full.iter()
-                        .zip(&partial)
-                        .map(|(f, p)| (f - p / retained).powi(2))
-                        .sum::<f64>()
-                        .sqrt()
-                        / full_norm
-                } else {
-                    1.0
-                };
             }
-            measure.error.push(error);
             for span in spans {
                 let end = span.end.min(position + 1);
                 let (mut kept_count, mut kept_mass, mut full_mass) = (0usize, 0.0f64, 0.0f64);
@@ -251,9 +294,9 @@ pub fn measure_unit(
 #[derive(Debug, Clone)]
 pub struct LayerAccumulator {
     n_steps: usize,
-    retained_head_step: Vec<Vec<f64>>,
-    recall_total: f64,
-    error_total: f64,
+    n_heads: usize,
+    /// Per metric of [`REGISTRY`] (empty for one not measured), per query head and step.
+    metrics: Vec<Vec<Vec<f64>>>,
     span_totals: Vec<(f64, f64, f64)>,
     unit_budgets: Vec<usize>,
     kept_by_unit: Vec<f64>,
@@ -263,11 +306,11 @@ impl LayerAccumulator {
     /// An empty sum for a layer of `layer`'s geometry with `n_spans` spans.
     pub fn new(layer: &LayerContext<'_>, n_spans: usize) -> Self {
         let n_steps = layer.n_positions() - layer.prompt_len;
+        let n_heads = layer.q.shape()[0];
         Self {
             n_steps,
-            retained_head_step: vec![vec![0.0; n_steps]; layer.q.shape()[0]],
-            recall_total: 0.0,
-            error_total: 0.0,
+            n_heads,
+            metrics: vec![Vec::new(); REGISTRY.len()],
             span_totals: vec![(0.0, 0.0, 0.0); n_spans],
             unit_budgets: Vec::new(),
             kept_by_unit: Vec::new(),
@@ -278,18 +321,25 @@ impl LayerAccumulator {
     pub fn add(&mut self, unit: &UnitMeasure) {
         let n_heads = unit.heads.len();
         let n_spans = self.span_totals.len();
-        for step in 0..self.n_steps {
-            for (offset, head) in unit.heads.clone().enumerate() {
-                let sample = step * n_heads + offset;
-                self.retained_head_step[head][step] = unit.retained[sample];
-                self.recall_total += unit.recall[sample];
-                self.error_total += unit.error[sample];
-                let spans = &unit.spans[sample * n_spans..(sample + 1) * n_spans];
-                for (totals, span) in self.span_totals.iter_mut().zip(spans) {
-                    totals.0 += span.0;
-                    totals.1 += span.1;
-                    totals.2 += span.2;
+        for (matrix, samples) in self.metrics.iter_mut().zip(&unit.metrics) {
+            if samples.is_empty() {
+                continue;
+            }
+            if matrix.is_empty() {
+                *matrix = vec![vec![0.0; self.n_steps]; self.n_heads];
+            }
+            for step in 0..self.n_steps {
+                for (offset, head) in unit.heads.clone().enumerate() {
+                    matrix[head][step] = samples[step * n_heads + offset];
                 }
+            }
+        }
+        for sample in 0..self.n_steps * n_heads {
+            let spans = &unit.spans[sample * n_spans..(sample + 1) * n_spans];
+            for (totals, span) in self.span_totals.iter_mut().zip(spans) {
+                totals.0 += span.0;
+                totals.1 += span.1;
+                totals.2 += span.2;
             }
         }
         self.unit_budgets.push(unit.budget);
@@ -304,31 +354,31 @@ impl LayerAccumulator {
         layer_budget: usize,
         spans: &[Span],
     ) -> LayerReport {
-        let n_steps = self.n_steps;
-        let n_heads = self.retained_head_step.len();
+        let (n_steps, n_heads) = (self.n_steps, self.n_heads);
         let samples = (n_heads * n_steps) as f64;
-        let retained_by_head: Vec<f64> = self
-            .retained_head_step
-            .iter()
-            .map(|steps| steps.iter().sum::<f64>() / n_steps as f64)
-            .collect();
-        let retained_by_step: Vec<f64> = (0..n_steps)
-            .map(|step| {
-                self.retained_head_step.iter().map(|h| h[step]).sum::<f64>() / n_heads as f64
-            })
-            .collect();
+        let mut metrics = BTreeMap::new();
+        let mut per_sample = BTreeMap::new();
+        for (metric, matrix) in REGISTRY.iter().zip(self.metrics) {
+            if matrix.is_empty() {
+                continue;
+            }
+            let by_head = matrix
+                .iter()
+                .map(|steps| steps.iter().sum::<f64>() / n_steps as f64);
+            metrics.insert(
+                metric.id().to_owned(),
+                by_head.sum::<f64>() / n_heads as f64,
+            );
+            per_sample.insert(metric.id().to_owned(), matrix);
+        }
         LayerReport {
             layer: layer.layer,
             budget: layer_budget,
             unit_budgets: self.unit_budgets,
             mean_kept: self.kept_by_unit.iter().sum::<f64>() / self.kept_by_unit.len() as f64,
             kept_by_unit: self.kept_by_unit,
-            retained_mass: retained_by_head.iter().sum::<f64>() / n_heads as f64,
-            topk_recall: self.recall_total / samples,
-            output_error: layer.v.map(|_| self.error_total / samples),
-            retained_by_head,
-            retained_by_step,
-            retained_head_step: self.retained_head_step,
+            metrics,
+            samples: per_sample,
             spans: spans
                 .iter()
                 .zip(self.span_totals)

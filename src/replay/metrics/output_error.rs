@@ -1,0 +1,47 @@
+//! `output_error`: the relative error of the attention output, `|o_full - o_kept| / |o_full|`,
+//! with `o_full = sum_j p_j v_j` and `o_kept` the same sum over the kept positions renormalised
+//! by the kept mass (MagicPIG, arXiv:2410.16179); 1 when nothing of mass is kept. Traces without
+//! values leave it out.
+
+use super::{Metric, Sample};
+
+/// Relative error of the attention output.
+pub struct OutputError;
+
+impl Metric for OutputError {
+    fn id(&self) -> &'static str {
+        "output_error"
+    }
+
+    fn title(&self) -> &'static str {
+        "output error"
+    }
+
+    fn needs_values(&self) -> bool {
+        true
+    }
+
+    fn sample(&self, sample: &Sample<'_>) -> f64 {
+        let (Some(values), Some(full)) = (sample.values, sample.full_output) else {
+            return f64::NAN;
+        };
+        let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
+        if sample.kept_mass <= 0.0 || full_norm <= 0.0 {
+            return 1.0;
+        }
+        // Per dimension, the kept positions' weighted values summed in kept order.
+        let squared: f64 = full
+            .iter()
+            .enumerate()
+            .map(|(dim, f)| {
+                let partial: f64 = sample
+                    .kept
+                    .iter()
+                    .map(|&j| sample.weights[j] as f64 * values[[j, dim]] as f64)
+                    .fold(0.0, |acc, x| acc + x);
+                (f - partial / sample.kept_mass).powi(2)
+            })
+            .sum();
+        squared.sqrt() / full_norm
+    }
+}
