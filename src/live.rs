@@ -27,9 +27,7 @@
 use crate::capture::{trace_writer, CaptureError, CaptureOptions};
 use crate::model::{argmax, Evicted, KvCache, Llama, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
-use crate::replay::{
-    kept_sets, layer_budgets, replay, PolicyError, ReplayReport, Timing, ValidPolicy,
-};
+use crate::replay::{replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy};
 use crate::trace::{StorageDtype, TraceReader};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
@@ -166,26 +164,25 @@ pub fn check_timing(policy: &ValidPolicy) -> Result<(), LiveError> {
     }
 }
 
-/// Per layer and query head, the prompt positions the policy's kept sets leave out.
-fn evicted_positions(trace: &TraceReader, policy: &ValidPolicy) -> Result<Evicted, PolicyError> {
-    let meta = trace.meta();
-    let budgets = layer_budgets(trace, policy)?;
-    (0..meta.n_layers)
+/// Per layer and query head, the prompt positions a policy's kept sets (one [`Kept`] per layer)
+/// leave out.
+fn evicted_positions(kept: &[Kept], n_heads: usize, prompt_len: usize) -> Evicted {
+    kept.iter()
         .map(|layer| {
-            let kept = kept_sets(trace, policy, &budgets, layer)?;
-            let mut heads = vec![Vec::new(); meta.n_heads];
-            for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-                let kept_prompt = unit_kept.kept_positions(0, meta.prompt_len);
-                let mut keep = vec![false; meta.prompt_len];
-                for &position in kept_prompt.iter().filter(|&&p| p < meta.prompt_len) {
-                    keep[position] = true;
+            let mut heads = vec![Vec::new(); n_heads];
+            for (unit, unit_kept) in layer.units.iter().zip(&layer.kept) {
+                let mut keep = vec![false; prompt_len];
+                for &position in unit_kept.kept_positions(0, prompt_len).iter() {
+                    if position < prompt_len {
+                        keep[position] = true;
+                    }
                 }
-                let gone: Vec<usize> = (0..meta.prompt_len).filter(|&p| !keep[p]).collect();
+                let gone: Vec<usize> = (0..prompt_len).filter(|&p| !keep[p]).collect();
                 for head in unit.query_heads.clone() {
                     heads[head] = gone.clone();
                 }
             }
-            Ok(heads)
+            heads
         })
         .collect()
 }
@@ -245,16 +242,41 @@ impl<'m> LiveSession<'m> {
 
     /// Runs the prompt live under `policy` (prefill timing) and measures it against the full run.
     pub fn run(&self, policy: &ValidPolicy) -> Result<LiveReport, LiveError> {
-        check_timing(policy)?;
+        let mut reports = self.run_many(std::slice::from_ref(policy))?;
+        Ok(reports.pop().expect("one report per policy"))
+    }
+
+    /// [`run`](Self::run) for several policies: their kept sets and open-loop metrics come from
+    /// one replay pass over the recording, then each decodes live in turn.
+    pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<LiveReport>, LiveError> {
+        for policy in policies {
+            check_timing(policy)?;
+        }
+        let meta = self.trace.meta();
+        replay_keeping(&self.trace, policies)?
+            .into_iter()
+            .zip(policies)
+            .map(|((mut open_loop, kept), policy)| {
+                // The scratch file is gone after the session: name what it was.
+                open_loop.trace = "the full-cache run's f32 recording".into();
+                let evicted = evicted_positions(&kept, meta.n_heads, meta.prompt_len);
+                self.decode(policy, &evicted, open_loop)
+            })
+            .collect()
+    }
+
+    /// Teacher-forced and free-running decoding with `evicted` masked.
+    fn decode(
+        &self,
+        policy: &ValidPolicy,
+        evicted: &Evicted,
+        open_loop: ReplayReport,
+    ) -> Result<LiveReport, LiveError> {
         let (model, full) = (self.model, &self.full);
-        let evicted = evicted_positions(&self.trace, policy)?;
-        let mut open_loop = replay(&self.trace, policy)?;
-        // The scratch file is gone after the session: name what it was.
-        open_loop.trace = "the full-cache run's f32 recording".into();
         let mut cache = full.prefilled.clone();
         let mut steps = Vec::with_capacity(full.tokens.len() - 1);
         for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {
-            let logits = model.forward_masked(&[token], &mut cache, None, Some(&evicted))?;
+            let logits = model.forward_masked(&[token], &mut cache, None, Some(evicted))?;
             steps.push(compare_step(
                 &full.logits[index],
                 &logits,
@@ -266,7 +288,7 @@ impl<'m> LiveSession<'m> {
         let mut next = argmax(&full.prefill_logits);
         while generated.len() < self.prompt.generate && next != model.tokenizer().end_of_turn() {
             generated.push(next);
-            let logits = model.forward_masked(&[next], &mut cache, None, Some(&evicted))?;
+            let logits = model.forward_masked(&[next], &mut cache, None, Some(evicted))?;
             next = argmax(&logits);
         }
         let tokenizer = model.tokenizer();

@@ -4,7 +4,7 @@
 
 use kvreplay::assets::Assets;
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::live::live;
+use kvreplay::live::{live, LiveSession};
 use kvreplay::model::{KvCache, Llama, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, PolicyParams, Timing};
@@ -89,6 +89,21 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
     // Bit-identical rerun, with another chunk size for the prefill too.
     let again = live(model(), &prompt, &policy, 512, scratch.path()).unwrap();
     assert_eq!(again, first);
+    // Several policies in one session (one replay pass) give each its own run's report.
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let other = || {
+        PolicyParams {
+            scorer: "knorm".into(),
+            ..snapkv(12)
+        }
+        .check()
+        .unwrap()
+    };
+    let both = session
+        .run_many(&[snapkv(12).check().unwrap(), other()])
+        .unwrap();
+    assert_eq!(both[0], first);
+    assert_eq!(both[1], session.run(&other()).unwrap());
     // Other timings change the cache while the prompt runs: refused, naming the timing.
     let streaming = PolicyParams {
         scorer: "true-query".into(),

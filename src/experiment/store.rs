@@ -227,16 +227,16 @@ pub fn run_sweep(
             let model = model.as_ref().expect("loaded above");
             let prompt = capture::build_prompt(entry, model)?;
             let session = LiveSession::start(model, &prompt, 512, &std::env::temp_dir())?;
-            for run in of_trace {
-                let live = session.run(&run.params.clone().check()?)?;
-                store(
-                    results,
-                    run,
-                    trace,
-                    &live.open_loop,
-                    Some(ClosedLoop::from(&live)),
-                )?;
-                done += 1;
+            for batch in of_trace.chunks(BATCH) {
+                let policies = batch
+                    .iter()
+                    .map(|run| run.params.clone().check())
+                    .collect::<Result<Vec<_>, _>>()?;
+                for (run, live) in batch.iter().zip(session.run_many(&policies)?) {
+                    let closed = Some(ClosedLoop::from(&live));
+                    store(results, run, trace, &live.open_loop, closed)?;
+                }
+                done += batch.len();
                 progress(done, total);
             }
             continue;

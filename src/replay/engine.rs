@@ -87,6 +87,30 @@ pub fn replay_many(
     policies: &[ValidPolicy],
     layer_done: LayerDone<'_>,
 ) -> Result<Vec<ReplayReport>, PolicyError> {
+    replay_pass(trace, policies, layer_done, &mut |_, _| {})
+}
+
+/// [`replay_many`] for one-shot (prefill-timing) policies, also returning each policy's kept sets
+/// per layer: what a live run masks, chosen in the same pass that measures them.
+pub fn replay_keeping(
+    trace: &TraceReader,
+    policies: &[ValidPolicy],
+) -> Result<Vec<(ReplayReport, Vec<Kept>)>, PolicyError> {
+    let mut kept: Vec<Vec<Kept>> = vec![Vec::new(); policies.len()];
+    let reports = replay_pass(trace, policies, &|| {}, &mut |index, layer_kept| {
+        kept[index].push(layer_kept)
+    })?;
+    Ok(reports.into_iter().zip(kept).collect())
+}
+
+/// One pass over the trace for `policies`; `keep(index, kept)` receives policy `index`'s one-shot
+/// kept sets of each layer in layer order.
+fn replay_pass(
+    trace: &TraceReader,
+    policies: &[ValidPolicy],
+    layer_done: LayerDone<'_>,
+    keep: &mut dyn FnMut(usize, Kept),
+) -> Result<Vec<ReplayReport>, PolicyError> {
     let budgets = policies
         .iter()
         .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
@@ -98,9 +122,14 @@ pub fn replay_many(
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
         let layer_budgets: Vec<usize> = budgets.iter().map(|budgets| budgets[layer]).collect();
-        let reports = measure_layer(&context, policies, &layer_budgets, &meta.spans);
+        let (reports, one_shot) = measure_layer(&context, policies, &layer_budgets, &meta.spans);
         for (slot, report) in per_policy.iter_mut().zip(reports) {
             slot.push(report);
+        }
+        for (index, kept) in one_shot.into_iter().enumerate() {
+            if let Some(kept) = kept {
+                keep(index, kept);
+            }
         }
         drop(tensors);
         layer_done();
@@ -123,7 +152,7 @@ fn measure_layer(
     policies: &[ValidPolicy],
     budgets: &[usize],
     spans: &[Span],
-) -> Vec<LayerReport> {
+) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
     let single = policies.len() == 1;
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
     let one_shot: Vec<Option<Kept>> = policies
@@ -195,11 +224,12 @@ fn measure_layer(
                 });
         }
     }
-    accumulators
+    let reports = accumulators
         .into_iter()
         .zip(budgets)
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
-        .collect()
+        .collect();
+    (reports, one_shot)
 }
 
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].

@@ -28,7 +28,9 @@ pub mod settings;
 mod timing;
 
 pub use allocator::Rounding;
-pub use engine::{context, kept_sets, layer_budgets, replay, replay_many, LayerDone, ReplayReport};
+pub use engine::{
+    context, kept_sets, layer_budgets, replay, replay_keeping, replay_many, LayerDone, ReplayReport,
+};
 pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
 pub use layout::{Aggregation, Granularity};
