@@ -195,17 +195,18 @@ macro_rules! settings {
     };
 }
 
-/// Declares an axis's methods: one line per method, `module::Type`, in listing order. Declares
-/// the modules and `REGISTRY`, the list every lookup, flag and listing reads. Each type implements
-/// [`Declared`] (through [`settings!`](crate::settings)) and the axis's trait.
+/// Declares an axis's methods: one line per method, `module::Type`, in listing order (a line may
+/// carry attributes, e.g. `#[cfg(test)]`). Declares the modules and `REGISTRY`, the list every
+/// lookup, flag and listing reads. Each type implements [`Declared`] (through
+/// [`settings!`](crate::settings)) and the axis's trait.
 #[macro_export]
 macro_rules! registry {
-    ($axis:ident: $( $module:ident :: $method:ident ),+ $(,)?) => {
-        $( mod $module; )+
+    ($axis:ident: $( $(#[$attr:meta])* $module:ident :: $method:ident ),+ $(,)?) => {
+        $( $(#[$attr])* mod $module; )+
 
         /// Every registered method of this axis, in listing order.
         pub const REGISTRY: &[$crate::replay::settings::Method<dyn $axis>] = &[
-            $( $crate::replay::settings::Method {
+            $( $(#[$attr])* $crate::replay::settings::Method {
                 name: <$module::$method as $crate::replay::settings::Declared>::NAME,
                 about: <$module::$method as $crate::replay::settings::Declared>::ABOUT,
                 params: <$module::$method as $crate::replay::settings::Declared>::PARAMS,

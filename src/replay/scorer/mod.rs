@@ -21,6 +21,8 @@ crate::registry! {
     knorm::Knorm,
     random::Random,
     oracle_static::OracleStatic,
+    #[cfg(test)]
+    toy::Toy,
 }
 
 pub use snapkv::Pooling;

@@ -1,0 +1,111 @@
+//! `toy`: a scorer that exists only in the library's own tests, added exactly as
+//! docs/architecture.md says (this file and one registry line), to show that a new method is then
+//! replayed, named in errors, takes its settings from its declaration and is listed by
+//! `kvreplay methods`. Its rule: even positions score `weight`, odd positions 0.
+
+use super::{ScoreState, Scorer, Started};
+use crate::replay::settings::Broken;
+use crate::replay::{LayerContext, Protection, Unit};
+
+crate::settings! {
+    /// Keeps even positions first (a test fixture, not a method).
+    pub struct Toy = "toy" {
+        /// The score of an even position (> 0).
+        weight: f64 = 1.0,
+    }
+}
+
+struct State {
+    weight: f32,
+}
+
+impl Scorer for Toy {
+    fn check(&self) -> Result<(), Broken> {
+        if self.weight > 0.0 {
+            Ok(())
+        } else {
+            Err(Broken {
+                key: "weight",
+                rule: "must be positive",
+            })
+        }
+    }
+
+    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit, _: Protection) -> Started<'a> {
+        Box::new(State {
+            weight: self.weight as f32,
+        })
+    }
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _cache: &[usize]) {}
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        out.extend(cache.iter().map(|p| if p % 2 == 0 { self.weight } else { 0.0 }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use crate::replay::{kept_sets, layer_budgets, replay, PolicyParams};
+    use crate::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
+    use ndarray::Array3;
+
+    fn policy() -> PolicyParams {
+        PolicyParams {
+            scorer: "toy".into(),
+            budget: 3,
+            window: 0,
+            ..PolicyParams::default()
+        }
+    }
+
+    #[test]
+    fn a_new_scorer_is_replayed_named_and_listed() {
+        // A one-layer, one-head trace: prompt of 8, two generated tokens.
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("toy.safetensors");
+        let meta = TraceMeta {
+            model: "toy".into(),
+            n_layers: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            prompt_len: 8,
+            scale: 1.0,
+            softcap: None,
+            spans: Vec::new(),
+            extra: Default::default(),
+        };
+        let q = Array3::from_shape_fn((1, 10, 2), |(_, t, d)| (t + d) as f32 * 0.1);
+        let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..10).collect());
+        writer.push_layer(q.clone(), q.clone(), Some(q));
+        writer.write(&path).unwrap();
+        let trace = TraceReader::open(&path).unwrap();
+        // Replayed: the three kept prompt positions are the first even ones.
+        let checked = policy().with("weight", 2.0).check().unwrap();
+        let budgets = layer_budgets(&trace, &checked).unwrap();
+        let kept = kept_sets(&trace, &checked, &budgets, 0).unwrap();
+        assert_eq!(kept.kept[0].kept_positions(0, 8), vec![0, 2, 4, 8]);
+        assert!(replay(&trace, &checked).is_ok());
+        // Its setting is checked by its own rule, and named with it.
+        let err = policy().with("weight", -1.0).check().unwrap_err().to_string();
+        assert_eq!(err, "scorer `toy`: setting `weight` = -1.0: must be positive");
+        // A setting it does not take names it and what it takes.
+        let err = policy().with("kernel", 3).check().unwrap_err().to_string();
+        assert!(err.contains("scorer `toy` (weight)"), "{err}");
+        // Unknown names list it among the valid ones; `kvreplay methods` lists it.
+        let err = PolicyParams {
+            scorer: "toys".into(),
+            ..policy()
+        }
+        .check()
+        .unwrap_err()
+        .to_string();
+        assert!(err.contains("oracle-static, toy"), "{err}");
+        let listing = crate::export::methods_markdown();
+        assert!(listing.contains("### `toy`") && listing.contains("- `weight` (default `1.0`)"));
+    }
+}
