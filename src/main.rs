@@ -10,8 +10,8 @@ use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
 use kvreplay::export::{exporter, Format};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
-    allocator, head_split, presets, replay_many, scorer, Granularity, PolicyParams, ReplayReport,
-    Timing, ValidPolicy,
+    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, PolicyParams,
+    ReplayReport, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
@@ -196,17 +196,14 @@ fn method_flags() -> Vec<clap::Arg> {
     // that agree on both share one line of help.
     type Meaning = (String, Vec<String>);
     let mut keys: Vec<(&'static str, Vec<Meaning>)> = Vec::new();
-    let mut add = |axis: &str,
-                   name: &str,
-                   params: &[settings::Param],
-                   defaults: serde_json::Map<String, serde_json::Value>| {
-        for param in params {
+    for method in all_methods() {
+        let defaults = (method.defaults)();
+        for param in method.params {
             let meaning = format!(
                 "{} (default {})",
                 param.doc.trim(),
                 settings::text(&defaults[param.key])
             );
-            let method = format!("{axis} `{name}`");
             let index = match keys.iter().position(|(key, _)| *key == param.key) {
                 Some(index) => index,
                 None => {
@@ -216,24 +213,10 @@ fn method_flags() -> Vec<clap::Arg> {
             };
             let meanings = &mut keys[index].1;
             match meanings.iter_mut().find(|(text, _)| *text == meaning) {
-                Some((_, methods)) => methods.push(method),
-                None => meanings.push((meaning, vec![method])),
+                Some((_, methods)) => methods.push(method.label()),
+                None => meanings.push((meaning, vec![method.label()])),
             }
         }
-    };
-    for method in allocator::REGISTRY {
-        add("allocator", method.name, method.params, (method.defaults)());
-    }
-    for method in scorer::REGISTRY {
-        add("scorer", method.name, method.params, (method.defaults)());
-    }
-    for method in head_split::REGISTRY {
-        add(
-            "head split",
-            method.name,
-            method.params,
-            (method.defaults)(),
-        );
     }
     keys.into_iter()
         .map(|(key, meanings)| {

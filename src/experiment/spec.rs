@@ -1,7 +1,7 @@
 //! The experiment file and its expansion into runs.
 
 use super::TraceFile;
-use crate::replay::{allocator, head_split, presets, scorer, PolicyParams, COMMON_KEYS};
+use crate::replay::{all_methods, presets, PolicyParams, COMMON_KEYS};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -360,9 +360,7 @@ fn first_repeat<T: PartialEq>(values: &[T]) -> Option<&T> {
 /// top-level `budgets` list sets it), or a setting some registered method declares.
 fn is_policy_key(key: &str) -> bool {
     (key != "budget" && COMMON_KEYS.contains(&key))
-        || allocator::REGISTRY.iter().any(|m| m.takes(key))
-        || scorer::REGISTRY.iter().any(|m| m.takes(key))
-        || head_split::REGISTRY.iter().any(|m| m.takes(key))
+        || all_methods().iter().any(|method| method.takes(key))
 }
 
 /// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name, the

@@ -35,7 +35,7 @@ pub use error::PolicyError;
 pub use layer::{LayerContext, Unit};
 pub use layout::{Aggregation, Granularity};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
-pub use policy::{PolicyParams, ValidPolicy, COMMON_KEYS};
+pub use policy::{all_methods, PolicyParams, ValidPolicy, COMMON_KEYS};
 pub use profile::LayerProfile;
 pub use protection::Protection;
 pub use scorer::Pooling;

@@ -4,7 +4,7 @@
 use super::allocator::{self, Allocator};
 use super::head_split::{self, HeadSplit};
 use super::scorer::{self, Scorer};
-use super::settings::{self, Method, SettingError};
+use super::settings::{self, Described, Method, SettingError};
 use super::{Granularity, PolicyError, Protection, Timing};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -234,27 +234,21 @@ impl PolicyParams {
     }
 }
 
+/// Every registered method of every axis: allocators, scorers, head splits.
+pub fn all_methods() -> Vec<Described> {
+    let mut methods = settings::describe("allocator", allocator::REGISTRY);
+    methods.extend(settings::describe("scorer", scorer::REGISTRY));
+    methods.extend(settings::describe("head split", head_split::REGISTRY));
+    methods
+}
+
 /// Which methods of any axis take `key`, for the error that names a setting nobody chosen takes.
 fn owners(key: &str) -> String {
-    let mut owners: Vec<String> = Vec::new();
-    owners.extend(
-        allocator::REGISTRY
-            .iter()
-            .filter(|m| m.takes(key))
-            .map(|m| format!("allocator `{}`", m.name)),
-    );
-    owners.extend(
-        scorer::REGISTRY
-            .iter()
-            .filter(|m| m.takes(key))
-            .map(|m| format!("scorer `{}`", m.name)),
-    );
-    owners.extend(
-        head_split::REGISTRY
-            .iter()
-            .filter(|m| m.takes(key))
-            .map(|m| format!("head split `{}`", m.name)),
-    );
+    let owners: Vec<String> = all_methods()
+        .iter()
+        .filter(|method| method.takes(key))
+        .map(Described::label)
+        .collect();
     if owners.is_empty() {
         "no method takes it".into()
     } else {

@@ -228,6 +228,47 @@ macro_rules! registry {
     };
 }
 
+/// A registered method of any axis, as listings and flags see it.
+#[derive(Clone, Copy)]
+pub struct Described {
+    /// The axis: `allocator`, `scorer` or `head split`.
+    pub axis: &'static str,
+    /// The registry key.
+    pub name: &'static str,
+    /// What it does and its source.
+    pub about: &'static str,
+    /// Its parameters.
+    pub params: &'static [Param],
+    /// Its defaults.
+    pub defaults: fn() -> Map<String, Value>,
+}
+
+impl Described {
+    /// Whether it declares `key`.
+    pub fn takes(&self, key: &str) -> bool {
+        self.params.iter().any(|param| param.key == key)
+    }
+
+    /// `axis `name``, for messages.
+    pub fn label(&self) -> String {
+        format!("{} `{}`", self.axis, self.name)
+    }
+}
+
+/// The methods of `registry`, described, on `axis`.
+pub fn describe<T: ?Sized>(axis: &'static str, registry: &[Method<T>]) -> Vec<Described> {
+    registry
+        .iter()
+        .map(|method| Described {
+            axis,
+            name: method.name,
+            about: method.about,
+            params: method.params,
+            defaults: method.defaults,
+        })
+        .collect()
+}
+
 /// The method of `registry` called `name`.
 pub fn find<'r, T: ?Sized>(registry: &'r [Method<T>], name: &str) -> Option<&'r Method<T>> {
     registry.iter().find(|method| method.name == name)
