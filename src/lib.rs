@@ -9,6 +9,7 @@
 #![warn(missing_docs)]
 
 pub mod assets;
+pub mod atomic;
 pub mod attention;
 pub mod bench;
 pub mod capture;

@@ -174,22 +174,12 @@ fn run_path(results: &Path, id: &str) -> PathBuf {
     results.join("runs").join(format!("{id}.json"))
 }
 
-/// Writes `bytes` to `path` through a temporary file and a rename.
+/// Writes `bytes` to `path` through a temporary file and a rename ([`crate::atomic`]).
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepError> {
-    let fail = |detail: String| SweepError::Io {
+    crate::atomic::write(path, bytes).map_err(|e| SweepError::Io {
         path: path.to_owned(),
-        detail,
-    };
-    if let Some(parent) = path.parent() {
-        std::fs::create_dir_all(parent)
-            .map_err(|e| fail(format!("cannot create directory: {e}")))?;
-    }
-    let partial = path.with_extension(format!("partial.{}", std::process::id()));
-    std::fs::write(&partial, bytes).map_err(|e| {
-        let _ = std::fs::remove_file(&partial);
-        fail(format!("cannot write: {e}"))
-    })?;
-    std::fs::rename(&partial, path).map_err(|e| fail(format!("cannot rename into place: {e}")))
+        detail: format!("cannot write: {e}"),
+    })
 }
 
 /// Runs every planned run not stored yet under `results` (policies of one trace in batches that

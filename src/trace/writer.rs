@@ -129,20 +129,15 @@ impl TraceWriter {
             })
             .collect::<Result<Vec<_>, _>>()
             .map_err(|err| fail(err.to_string()))?;
-        let partial = path.with_extension(format!("safetensors.partial.{}", std::process::id()));
-        if let Some(parent) = path.parent().filter(|p| !p.as_os_str().is_empty()) {
-            std::fs::create_dir_all(parent).map_err(|err| fail(err.to_string()))?;
-        }
-        // safetensors writes through a temporary file of its own, created with mode 0600: the
-        // trace gets the mode any new file gets here (0644 under the usual umask), like the
-        // tool's other outputs, so it can be shared.
-        let permissions = std::fs::File::create(&partial)
-            .and_then(|file| file.metadata())
-            .map(|metadata| metadata.permissions())
-            .map_err(|err| fail(err.to_string()))?;
-        safetensors::serialize_to_file(views, Some(meta.to_header()), &partial)
-            .map_err(|err| fail(err.to_string()))?;
-        std::fs::set_permissions(&partial, permissions).map_err(|err| fail(err.to_string()))?;
-        std::fs::rename(&partial, path).map_err(|err| fail(err.to_string()))
+        crate::atomic::write_with(path, |partial| {
+            // safetensors writes through a temporary file of its own, created with mode 0600:
+            // the trace gets the mode any new file gets here (0644 under the usual umask), like
+            // the tool's other outputs, so it can be shared.
+            let permissions = std::fs::File::create(partial)?.metadata()?.permissions();
+            safetensors::serialize_to_file(views, Some(meta.to_header()), partial)
+                .map_err(std::io::Error::other)?;
+            std::fs::set_permissions(partial, permissions)
+        })
+        .map_err(|err| fail(err.to_string()))
     }
 }
