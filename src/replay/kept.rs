@@ -16,14 +16,21 @@ pub(crate) fn is_one_shot(policy: &ValidPolicy) -> bool {
 }
 
 /// Feeds the prompt to a fresh state without evicting; returns its scores.
+/// A scorer that does not declare it reads the future sees the prompt only: the generated
+/// positions are cut from its layer, so looking beyond the prompt is impossible, not just unused.
 pub(crate) fn score_prompt<'a>(
     scorer: &dyn Scorer,
     layer: &LayerContext<'a>,
     unit: &Unit,
     protect: Protection,
 ) -> Vec<f32> {
-    let mut state = scorer.start(layer, unit, protect);
-    let mut cache = Vec::with_capacity(layer.n_positions());
+    let layer = if scorer.reads_future() {
+        *layer
+    } else {
+        layer.through(layer.prompt_len)
+    };
+    let mut state = scorer.start(&layer, unit, protect);
+    let mut cache = Vec::with_capacity(layer.prompt_len);
     for position in 0..layer.prompt_len {
         cache.push(position);
         state.on_append(&cache);

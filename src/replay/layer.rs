@@ -28,6 +28,17 @@ impl<'a> LayerContext<'a> {
         self.q.shape()[1]
     }
 
+    /// The same layer with positions `end..` cut off: what a causal method may see when the
+    /// newest token is `end - 1`.
+    pub fn through(&self, end: usize) -> Self {
+        Self {
+            q: self.q.slice_move(s![.., ..end, ..]),
+            k: self.k.slice_move(s![.., ..end, ..]),
+            v: self.v.map(|v| v.slice_move(s![.., ..end, ..])),
+            ..*self
+        }
+    }
+
     /// Query heads per KV head.
     pub fn group_size(&self) -> usize {
         self.q.shape()[0] / self.k.shape()[0]
