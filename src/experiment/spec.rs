@@ -336,7 +336,7 @@ impl Experiment {
         for trace in traces {
             for (name, params) in &self.policies {
                 runs.push(PlannedRun {
-                    id: run_id(name, trace, params),
+                    id: run_id(name, trace, params, self.closed_loop),
                     name: name.clone(),
                     trace: trace.path.clone(),
                     params: params.clone(),
@@ -364,9 +364,10 @@ fn is_policy_key(key: &str) -> bool {
 }
 
 /// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name, the
-/// trace's file name and the sha256 of its content) makes the id unique and stable across runs
-/// and machines, and different for a re-captured trace whose content differs.
-fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams) -> String {
+/// trace's file name and the sha256 of its content; for closed-loop runs, of its recipe too)
+/// makes the id unique and stable across runs and machines, and different for a re-captured
+/// trace whose content differs.
+fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: bool) -> String {
     let settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");
@@ -375,8 +376,9 @@ fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams) -> String {
         .file_name()
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
-    let normalised =
-        serde_json::to_string(&(name, &trace_name, &trace.sha256, settings)).expect("serialise");
+    let recipe = closed_loop.then_some(&trace.recipe_sha256);
+    let normalised = serde_json::to_string(&(name, &trace_name, &trace.sha256, settings, recipe))
+        .expect("serialise");
     let hash = format!("{:x}", Sha256::digest(normalised.as_bytes()));
     let slug: String = format!("{name}-b{}", params.budget)
         .chars()

@@ -8,17 +8,20 @@ use crate::capture::CaptureError;
 use crate::recipe::Recipe;
 use std::path::{Path, PathBuf};
 
-/// A trace file of an experiment and the sha256 of its content.
+/// A trace file of an experiment and the sha256 of its content (and of its recipe's, when it was
+/// made from one: a closed-loop run also depends on what the recipe asks, e.g. its `answer`).
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct TraceFile {
     /// The file.
     pub path: PathBuf,
     /// sha256 of its bytes, lower-case hex.
     pub sha256: String,
+    /// sha256 of the recipe file it was captured from, if any.
+    pub recipe_sha256: Option<String>,
 }
 
 impl TraceFile {
-    /// Hashes the file at `path`.
+    /// Hashes the file at `path` (a trace, or a recipe).
     pub fn identify(path: &Path) -> Result<Self, SweepError> {
         if path.is_dir() {
             return Err(SweepError::Io {
@@ -33,6 +36,7 @@ impl TraceFile {
         Ok(Self {
             path: path.to_owned(),
             sha256,
+            recipe_sha256: None,
         })
     }
 }
@@ -72,7 +76,11 @@ impl Experiment {
                         }
                     }
                 }
-                TraceFile::identify(&trace)
+                let mut file = TraceFile::identify(&trace)?;
+                if is_recipe {
+                    file.recipe_sha256 = Some(TraceFile::identify(entry)?.sha256);
+                }
+                Ok(file)
             })
             .collect()
     }
