@@ -378,6 +378,7 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
         recipe.display()
     );
+    kvreplay::live::check_timing(policy)?;
     let model = capture::load_model()?;
     let prompt = capture::build_prompt(recipe, &model)?;
     let scratch = std::env::temp_dir();

@@ -269,3 +269,35 @@ fn bad_recipes_name_the_field() {
         .code(2)
         .stderr(contains("unknown variant `haystack`"));
 }
+
+#[test]
+fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
+    let dir = fixture();
+    kvreplay(&dir)
+        .args(["live", "--recipe", "fixture.safetensors"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "fixture.safetensors: live mode runs the model on a recipe (a .toml file), not on a trace",
+        ));
+    std::fs::write(
+        dir.path().join("r.toml"),
+        "kind = \"chat\"\nmessage = \"hi\"\ngenerate = 4\n",
+    )
+    .unwrap();
+    kvreplay(&dir)
+        .args([
+            "live",
+            "--recipe",
+            "r.toml",
+            "--scorer",
+            "true-query",
+            "--timing",
+            "streaming",
+        ])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "live mode: timing `streaming` changes the cache while the prompt runs",
+        ));
+}
