@@ -157,7 +157,11 @@ where
                 .background_style(WHITE.mix(0.85))
                 .border_style(BLACK)
                 .label_font(("sans-serif", 13))
-                .position(SeriesLabelPosition::LowerRight)
+                .position(match mark {
+                    // Dots of high mass and low drift fill the lower right of a scatter.
+                    Mark::Dots => SeriesLabelPosition::UpperRight,
+                    Mark::Lines => SeriesLabelPosition::LowerRight,
+                })
                 .draw()?;
         }};
     }
