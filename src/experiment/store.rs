@@ -5,7 +5,7 @@ use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture::{self, CaptureError};
 use crate::live::{LiveError, LiveReport, LiveSession};
 use crate::model::Llama;
-use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport};
+use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
@@ -210,42 +210,66 @@ pub fn run_sweep(
         if of_trace.is_empty() {
             continue;
         }
-        if experiment.closed_loop {
-            if model.is_none() {
-                model = Some(capture::load_model()?);
-            }
-            let model = model.as_ref().expect("loaded above");
+        let runner = if experiment.closed_loop {
+            let model = match &mut model {
+                Some(model) => model,
+                empty => empty.insert(capture::load_model()?),
+            };
             let prompt = capture::build_prompt(entry, model)?;
-            let session = LiveSession::start(model, &prompt, 512, &std::env::temp_dir())?;
-            for batch in of_trace.chunks(BATCH) {
-                let policies = batch
-                    .iter()
-                    .map(|run| run.params.clone().check())
-                    .collect::<Result<Vec<_>, _>>()?;
-                for (run, live) in batch.iter().zip(session.run_many(&policies)?) {
-                    let closed = Some(ClosedLoop::from(&live));
-                    store(results, run, trace, &live.open_loop, closed)?;
-                }
-                done += batch.len();
-                progress(done, total);
-            }
-            continue;
-        }
-        let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
+            Runner::Live(LiveSession::start(
+                model,
+                &prompt,
+                512,
+                &std::env::temp_dir(),
+            )?)
+        } else {
+            Runner::Replay(TraceReader::open(&trace.path).map_err(PolicyError::from)?)
+        };
         for batch in of_trace.chunks(BATCH) {
             let policies = batch
                 .iter()
                 .map(|run| run.params.clone().check())
                 .collect::<Result<Vec<_>, _>>()?;
-            let reports = replay_many(&reader, &policies, layer_done)?;
-            for (run, report) in batch.iter().zip(&reports) {
-                store(results, run, trace, report, None)?;
+            for (run, (report, closed_loop)) in batch.iter().zip(runner.run(&policies, layer_done)?)
+            {
+                store(results, run, trace, &report, closed_loop)?;
             }
             done += batch.len();
             progress(done, total);
         }
     }
     Ok((total - skipped, skipped))
+}
+
+/// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
+/// recipe (closed loop).
+enum Runner<'m> {
+    Replay(TraceReader),
+    Live(LiveSession<'m>),
+}
+
+impl Runner<'_> {
+    /// Each policy's open-loop report, and its closed-loop outcomes when run live.
+    fn run(
+        &self,
+        policies: &[ValidPolicy],
+        layer_done: LayerDone<'_>,
+    ) -> Result<Vec<(ReplayReport, Option<ClosedLoop>)>, SweepError> {
+        Ok(match self {
+            Runner::Replay(reader) => replay_many(reader, policies, layer_done)?
+                .into_iter()
+                .map(|report| (report, None))
+                .collect(),
+            Runner::Live(session) => session
+                .run_many(policies)?
+                .into_iter()
+                .map(|live| {
+                    let closed = ClosedLoop::from(&live);
+                    (live.open_loop, Some(closed))
+                })
+                .collect(),
+        })
+    }
 }
 
 /// Writes one finished run.
