@@ -112,15 +112,15 @@ fn full_run(
         prefill_logits = model.forward(piece, &mut cache, Some(recorder))?;
     }
     let prefilled = cache.clone();
-    let mut tokens = Vec::new();
     let mut logits = Vec::new();
-    let mut next = argmax(&prefill_logits);
-    while tokens.len() < prompt.generate && next != model.tokenizer().end_of_turn() {
-        tokens.push(next);
-        let step = model.forward(&[next], &mut cache, Some(recorder))?;
-        next = argmax(&step);
-        logits.push(step);
-    }
+    let tokens = model.decode_greedy(
+        &mut cache,
+        &prefill_logits,
+        prompt.generate,
+        Some(recorder),
+        None,
+        &mut |step| logits.push(step.to_vec()),
+    )?;
     Ok(FullRun {
         prefilled,
         prefill_logits,
@@ -283,14 +283,14 @@ impl<'m> LiveSession<'m> {
                 full.tokens[index + 1],
             ));
         }
-        let mut cache = full.prefilled.clone();
-        let mut generated = Vec::new();
-        let mut next = argmax(&full.prefill_logits);
-        while generated.len() < self.prompt.generate && next != model.tokenizer().end_of_turn() {
-            generated.push(next);
-            let logits = model.forward_masked(&[next], &mut cache, None, Some(evicted))?;
-            next = argmax(&logits);
-        }
+        let generated = model.decode_greedy(
+            &mut full.prefilled.clone(),
+            &full.prefill_logits,
+            self.prompt.generate,
+            None,
+            Some(evicted),
+            &mut |_| {},
+        )?;
         let tokenizer = model.tokenizer();
         let full_text = tokenizer.decode(&full.tokens);
         let text = tokenizer.decode(&generated);

@@ -363,15 +363,32 @@ impl Llama {
             logits = self.forward(piece, &mut cache, recorder.as_deref_mut())?;
             progress(cache.len());
         }
+        let mut done = cache.len();
+        self.decode_greedy(&mut cache, &logits, max_new, recorder, None, &mut |_| {
+            done += 1;
+            progress(done)
+        })
+    }
+
+    /// Greedy decoding from `cache`, whose last logits are `logits`: up to `max_new` tokens,
+    /// stopping before `<|im_end|>`, each fed back (masked by `evicted` when given). Calls
+    /// `on_logits` with the logits after each fed token; returns the tokens.
+    pub fn decode_greedy(
+        &self,
+        cache: &mut KvCache,
+        logits: &[f32],
+        max_new: usize,
+        mut recorder: Option<&mut Recorder>,
+        evicted: Option<&Evicted>,
+        on_logits: &mut dyn FnMut(&[f32]),
+    ) -> Result<Vec<u32>, ModelError> {
         let mut generated = Vec::new();
-        while generated.len() < max_new {
-            let next = argmax(&logits);
-            if next == self.tokenizer.end_of_turn() {
-                break;
-            }
+        let mut next = argmax(logits);
+        while generated.len() < max_new && next != self.tokenizer.end_of_turn() {
             generated.push(next);
-            logits = self.forward(&[next], &mut cache, recorder.as_deref_mut())?;
-            progress(cache.len());
+            let step = self.forward_masked(&[next], cache, recorder.as_deref_mut(), evicted)?;
+            on_logits(&step);
+            next = argmax(&step);
         }
         Ok(generated)
     }
