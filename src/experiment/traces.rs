@@ -6,6 +6,8 @@ use super::{Experiment, SweepError};
 use crate::assets::sha256_file;
 use crate::capture::CaptureError;
 use crate::recipe::Recipe;
+use sha2::{Digest, Sha256};
+use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// A trace file of an experiment and the sha256 of its content (and of its recipe's, when it was
@@ -21,23 +23,62 @@ pub struct TraceFile {
 }
 
 impl TraceFile {
-    /// Hashes the file at `path` (a trace, or a recipe).
+    /// Identifies the trace file at `path` by its content.
     pub fn identify(path: &Path) -> Result<Self, SweepError> {
-        if path.is_dir() {
-            return Err(SweepError::Io {
-                path: path.to_owned(),
-                detail: "is a directory, not a trace file".into(),
-            });
-        }
-        let sha256 = sha256_file(path).map_err(|err| SweepError::Io {
+        let fail = |detail: String| SweepError::Io {
             path: path.to_owned(),
-            detail: err.to_string(),
-        })?;
+            detail,
+        };
+        if path.is_dir() {
+            return Err(fail("is a directory, not a trace file".into()));
+        }
+        let sha256 = content_sha256(path).map_err(|err| fail(err.to_string()))?;
         Ok(Self {
             path: path.to_owned(),
             sha256,
             recipe_sha256: None,
         })
+    }
+}
+
+/// sha256 of a safetensors file's content: its header with keys in sorted order (the writer's
+/// header is a hash map, so two writes of the same tensors and metadata order its keys
+/// differently), then its data bytes. Not a safetensors header: the file's bytes as they are.
+fn content_sha256(path: &Path) -> std::io::Result<String> {
+    let mut file = std::io::BufReader::new(std::fs::File::open(path)?);
+    let mut hasher = Sha256::new();
+    let mut length = [0u8; 8];
+    let header = match file.read_exact(&mut length) {
+        Ok(()) => {
+            let mut header = vec![0u8; u64::from_le_bytes(length).min(100 << 20) as usize];
+            file.read_exact(&mut header)
+                .ok()
+                .and_then(|()| serde_json::from_slice::<serde_json::Value>(&header).ok())
+        }
+        Err(_) => None,
+    };
+    match header {
+        // serde_json's maps are ordered by key, so this is the canonical header.
+        Some(json) => hasher.update(json.to_string().as_bytes()),
+        None => {
+            file = std::io::BufReader::new(std::fs::File::open(path)?);
+        }
+    }
+    std::io::copy(&mut file, &mut HashWriter(&mut hasher))?;
+    Ok(format!("{:x}", hasher.finalize()))
+}
+
+/// Feeds what is written to a hasher.
+struct HashWriter<'a>(&'a mut Sha256);
+
+impl std::io::Write for HashWriter<'_> {
+    fn write(&mut self, bytes: &[u8]) -> std::io::Result<usize> {
+        self.0.update(bytes);
+        Ok(bytes.len())
+    }
+
+    fn flush(&mut self) -> std::io::Result<()> {
+        Ok(())
     }
 }
 
@@ -78,7 +119,11 @@ impl Experiment {
                 }
                 let mut file = TraceFile::identify(&trace)?;
                 if is_recipe {
-                    file.recipe_sha256 = Some(TraceFile::identify(entry)?.sha256);
+                    let recipe = sha256_file(entry).map_err(|err| SweepError::Io {
+                        path: entry.clone(),
+                        detail: err.to_string(),
+                    })?;
+                    file.recipe_sha256 = Some(recipe);
                 }
                 Ok(file)
             })
@@ -99,5 +144,53 @@ impl Experiment {
                 _ => None,
             })
             .collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::trace::{StorageDtype, TraceMeta, TraceWriter};
+    use ndarray::Array3;
+
+    fn write(path: &Path, value: f32) {
+        let mut extra = std::collections::BTreeMap::new();
+        for key in ["prompt_text", "generated_text", "source", "a", "b", "c"] {
+            extra.insert(key.to_string(), format!("{key} text"));
+        }
+        let meta = TraceMeta {
+            model: "m".into(),
+            n_layers: 1,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 2,
+            prompt_len: 2,
+            scale: 1.0,
+            softcap: None,
+            spans: Vec::new(),
+            extra,
+        };
+        let q = Array3::from_elem((1, 3, 2), value);
+        let mut writer = TraceWriter::new(meta, StorageDtype::F32, vec![1, 2, 3]);
+        writer.push_layer(q.clone(), q, None);
+        writer.write(path).unwrap();
+    }
+
+    #[test]
+    fn identity_is_the_content_not_the_header_order() {
+        let dir = tempfile::tempdir().unwrap();
+        let paths: Vec<PathBuf> = (0..4)
+            .map(|i| dir.path().join(format!("t{i}.safetensors")))
+            .collect();
+        for path in &paths {
+            write(path, 0.5);
+        }
+        let ids: Vec<String> = paths
+            .iter()
+            .map(|p| TraceFile::identify(p).unwrap().sha256)
+            .collect();
+        assert!(ids.iter().all(|id| *id == ids[0]), "{ids:?}");
+        write(&paths[0], 0.25);
+        assert_ne!(TraceFile::identify(&paths[0]).unwrap().sha256, ids[1]);
     }
 }
