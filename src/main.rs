@@ -10,7 +10,7 @@ use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
 use kvreplay::export::{exporter, Format};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
-    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, PolicyParams,
+    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Order, PolicyParams,
     ReplayReport, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -167,6 +167,9 @@ struct PolicyArgs {
     /// When the kept set is chosen.
     #[arg(long, value_enum, default_value_t = Timing::Prefill)]
     timing: Timing,
+    /// Under a streaming timing: whether a step's query attends before or after its eviction.
+    #[arg(long, value_enum, default_value_t = Order::EvictFirst)]
+    order: Order,
     /// Nominal tokens per cache (mean over layers), sinks and window included.
     #[arg(long, default_value_t = 128)]
     budget: usize,
@@ -248,6 +251,7 @@ impl PolicyArgs {
             scorer: self.scorer.clone(),
             heads: self.heads.clone(),
             timing: self.timing,
+            order: self.order,
             budget: self.budget,
             window: self.window,
             sinks: self.sinks,

@@ -9,7 +9,7 @@ use std::fmt::Write;
 pub fn methods_markdown() -> String {
     let mut out = String::from(
         "# Methods\n\nEvery policy has the common settings `allocator`, `scorer`, `heads`, `timing`, \
-         `budget`, `sinks`, `window`, `gqa` and `top_k`; each chosen method adds its own, listed \
+         `order`, `budget`, `sinks`, `window`, `gqa` and `top_k`; each chosen method adds its own, listed \
          below with their defaults. A setting that none of the chosen methods takes is an error.\n",
     );
     axis(
@@ -63,6 +63,9 @@ fn timing_about(timing: Timing) -> &'static str {
     match timing {
         Timing::Prefill => "once at the end of the prompt; generated tokens are kept",
         Timing::Streaming => "every token over budget evicts one, prompt and decode alike",
+        Timing::PrefillThenStream => {
+            "the prompt runs in full, is cut to the budget at its end, then every generated token over budget evicts one"
+        }
         Timing::PerStep => {
             "re-chosen at every decode step from the whole cache (nothing is lost for good)"
         }

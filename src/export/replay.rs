@@ -10,17 +10,19 @@ fn fixed(value: f64) -> String {
     format!("{value:.4}")
 }
 
-/// The headers every table shares after its first columns: mean kept, then each metric.
+/// The headers every table shares after its first columns: mean kept per cache, KV entries per
+/// layer (memory in one unit for every layout), then each metric.
 fn metric_headers(first: &[&str]) -> Vec<String> {
     let mut headers: Vec<String> = first.iter().map(|h| h.to_string()).collect();
     headers.push("mean kept".into());
+    headers.push("KV entries/layer".into());
     headers.extend(REGISTRY.iter().map(|metric| metric.title().to_string()));
     headers
 }
 
 /// The cells of those columns: `n/a` for a metric not measured.
-fn metric_cells(mean_kept: f64, metrics: &BTreeMap<String, f64>) -> Vec<String> {
-    let mut cells = vec![format!("{mean_kept:.1}")];
+fn metric_cells(mean_kept: f64, kv_entries: f64, metrics: &BTreeMap<String, f64>) -> Vec<String> {
+    let mut cells = vec![format!("{mean_kept:.1}"), format!("{kv_entries:.1}")];
     cells.extend(
         REGISTRY
             .iter()
@@ -43,7 +45,7 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
     let mut table = Table::with_headers(headers);
     for report in reports {
         let mut row = vec![report.policy.clone(), report.nominal_budget.to_string()];
-        row.extend(metric_cells(report.mean_kept, &report.metrics));
+        row.extend(metric_cells(report.mean_kept, report.kv_entries, &report.metrics));
         for span in &report.spans {
             row.push(fixed(span.kept_fraction));
             row.push(format!("{:.4}/{:.4}", span.kept_mass, span.full_mass));
@@ -58,7 +60,7 @@ pub fn layer_table(report: &ReplayReport) -> Table {
     let mut table = Table::with_headers(metric_headers(&["layer", "budget"]));
     for layer in &report.layers {
         let mut row = vec![layer.layer.to_string(), layer.budget.to_string()];
-        row.extend(metric_cells(layer.mean_kept, &layer.metrics));
+        row.extend(metric_cells(layer.mean_kept, layer.kv_entries, &layer.metrics));
         table.push(row);
     }
     table

@@ -11,7 +11,9 @@
 //! summed in one fixed order, so results are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
-use super::kept::{is_one_shot, map_units, one_shot_kept, per_step_kept, score_prompt};
+use super::kept::{
+    is_whole_layer, map_units, per_step_kept, score_prompt, selection_groups, whole_layer_kept,
+};
 use super::metrics::{
     measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
 };
@@ -39,6 +41,11 @@ pub struct ReplayReport {
     pub metrics: BTreeMap<String, f64>,
     /// Mean cache size over layers, caches and decode steps.
     pub mean_kept: f64,
+    /// KV entries stored per layer, mean over layers and decode steps: one unit of memory for
+    /// every layout (a query-head cache counts its repeated K/V).
+    pub kv_entries: f64,
+    /// The same in bytes at the trace's dtype: `kv_entries * 2 * head_dim * element bytes`.
+    pub kv_bytes: f64,
     /// Span survival, mean over layers.
     pub spans: Vec<SpanReport>,
     /// Per-layer measurements.
@@ -122,11 +129,11 @@ fn replay_pass(
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
         let layer_budgets: Vec<usize> = budgets.iter().map(|budgets| budgets[layer]).collect();
-        let (reports, one_shot) = measure_layer(&context, policies, &layer_budgets, &meta.spans);
+        let (reports, whole_layer) = measure_layer(&context, policies, &layer_budgets, &meta.spans);
         for (slot, report) in per_policy.iter_mut().zip(reports) {
             slot.push(report);
         }
-        for (index, kept) in one_shot.into_iter().enumerate() {
+        for (index, kept) in whole_layer.into_iter().enumerate() {
             if let Some(kept) = kept {
                 keep(index, kept);
             }
@@ -155,18 +162,18 @@ fn measure_layer(
 ) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
     let single = policies.len() == 1;
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
-    let one_shot: Vec<Option<Kept>> = policies
+    let whole_layer: Vec<Option<Kept>> = policies
         .par_iter()
         .zip(budgets)
         .zip(&units)
         .map(|((policy, &budget), units)| {
-            is_one_shot(policy).then(|| one_shot_kept(layer, units, budget, policy, single))
+            is_whole_layer(policy).then(|| whole_layer_kept(layer, units, budget, policy, single))
         })
         .collect();
     let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
     // Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
     let group_kept = |index: usize, kv_head: usize| -> Vec<(&Unit, Cow<'_, UnitKept>, usize)> {
-        match &one_shot[index] {
+        match &whole_layer[index] {
             Some(kept) => kept
                 .units
                 .iter()
@@ -179,7 +186,8 @@ fn measure_layer(
                 .iter()
                 .filter(|unit| unit.kv_head == kv_head)
                 .map(|unit| {
-                    let unit_kept = per_step_kept(layer, unit, budgets[index], &policies[index]);
+                    let group = std::slice::from_ref(unit);
+                    let unit_kept = per_step_kept(layer, group, budgets[index], &policies[index]);
                     (unit, Cow::Owned(unit_kept), budgets[index])
                 })
                 .collect(),
@@ -229,7 +237,7 @@ fn measure_layer(
         .zip(budgets)
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
         .collect();
-    (reports, one_shot)
+    (reports, whole_layer)
 }
 
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].
@@ -243,14 +251,14 @@ pub fn kept_sets(
     let context = context(trace, layer, &tensors);
     let units = units(&context, policy);
     let budget = budgets[layer];
-    if is_one_shot(policy) {
-        return Ok(one_shot_kept(&context, &units, budget, policy, true));
+    if is_whole_layer(policy) {
+        return Ok(whole_layer_kept(&context, &units, budget, policy, true));
     }
     Ok(Kept {
         layer_budget: budget,
         budgets: vec![budget; units.len()],
         kept: map_units(&units, true, |unit| {
-            per_step_kept(&context, unit, budget, policy)
+            per_step_kept(&context, std::slice::from_ref(unit), budget, policy)
         }),
         units,
     })
@@ -367,6 +375,9 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
             .map(|id| (id.clone(), mean(&|l| l.metrics[id])))
             .collect(),
         mean_kept: mean(&|l| l.mean_kept),
+        kv_entries: mean(&|l| l.kv_entries),
+        kv_bytes: mean(&|l| l.kv_entries)
+            * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
         spans,
         layers,
     }
@@ -374,7 +385,7 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
 
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt
 /// tokens kept in the scorer's order, index b = b tokens; generated tokens are left out (they are
-/// the same for every budget).
+/// the same for every budget). Caches that choose together (`gqa = layer`) share one order.
 fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
@@ -383,28 +394,30 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let samples = (n_heads * n_steps) as f64;
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
-    for unit in &units(layer, policy) {
-        let scores = score_prompt(policy.scorer.as_ref(), layer, unit, protect);
+    let units = units(layer, policy);
+    for group in selection_groups(&units, policy) {
+        let scores = score_prompt(policy.scorer.as_ref(), layer, group, protect);
         let order = ranking(&prompt, &scores, |position| {
             protect.covers(position, prompt_len)
         });
-        let decode = layer.decode_attention(unit.query_heads.clone());
-        let mut weight = vec![0.0f64; prompt_len];
-        for head in 0..unit.query_heads.len() {
-            for step in 0..n_steps {
-                for (total, w) in
-                    weight
+        for unit in group {
+            let decode = layer.decode_attention(unit.query_heads.clone());
+            let mut weight = vec![0.0f64; prompt_len];
+            for head in 0..unit.query_heads.len() {
+                for step in 0..n_steps {
+                    for (total, w) in weight
                         .iter_mut()
                         .zip(decode.slice(ndarray::s![head, step, ..prompt_len]))
-                {
-                    *total += *w as f64 / samples;
+                    {
+                        *total += *w as f64 / samples;
+                    }
                 }
             }
-        }
-        let mut running = 0.0;
-        for (rank, position) in order.iter().enumerate() {
-            running += weight[*position];
-            curve[rank + 1] += running;
+            let mut running = 0.0;
+            for (rank, position) in order.iter().enumerate() {
+                running += weight[*position];
+                curve[rank + 1] += running;
+            }
         }
     }
     curve

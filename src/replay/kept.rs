@@ -1,10 +1,11 @@
 //! Choosing the kept sets of one layer's caches, the scorer driven as a stream of steps: one-shot
 //! selection at the end of the prompt (budgets shared among caches by the head split), streaming
-//! eviction from the first token over budget, and re-selection at every decode step.
+//! eviction from the first token over budget or from the end of the prompt, and re-selection at
+//! every decode step. Under `gqa = layer` the layer's caches choose one kept set together.
 
-use super::scorer::{ScoreState, Scorer};
+use super::scorer::{ScoreState, Scorer, Started};
 use super::select::{select_top, victim};
-use super::{Kept, LayerContext, Unit, UnitKept, ValidPolicy};
+use super::{Granularity, Kept, LayerContext, Order, Unit, UnitKept, ValidPolicy};
 use super::{Protection, Timing};
 use rayon::prelude::*;
 
@@ -15,13 +16,84 @@ pub(crate) fn is_one_shot(policy: &ValidPolicy) -> bool {
     policy.params().timing == Timing::Prefill
 }
 
+/// Whether `policy`'s kept sets are chosen for the whole layer at once: one-shot policies, and
+/// any policy whose caches share one kept set (`gqa = layer`).
+pub(crate) fn is_whole_layer(policy: &ValidPolicy) -> bool {
+    is_one_shot(policy) || policy.params().gqa == Granularity::Layer
+}
+
+/// The caches that choose one kept set together: each cache alone, or under `gqa = layer` all of
+/// the layer's (KV-head) caches as one.
+pub(crate) fn selection_groups<'u>(units: &'u [Unit], policy: &ValidPolicy) -> Vec<&'u [Unit]> {
+    if policy.params().gqa == Granularity::Layer {
+        vec![units]
+    } else {
+        units.chunks(1).collect()
+    }
+}
+
+/// Several caches scored as one (`gqa = layer`): an entry's score is the mean of the caches'
+/// scores, summed in cache order.
+struct Shared<'a> {
+    states: Vec<Started<'a>>,
+    buffer: Vec<f32>,
+}
+
+impl ScoreState for Shared<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        for state in &mut self.states {
+            state.on_append(cache);
+        }
+    }
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        out.resize(cache.len(), 0.0);
+        for state in &mut self.states {
+            state.scores(cache, &mut self.buffer);
+            for (total, score) in out.iter_mut().zip(&self.buffer) {
+                *total += score;
+            }
+        }
+        let n = self.states.len() as f32;
+        for total in out.iter_mut() {
+            *total /= n;
+        }
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        for state in &mut self.states {
+            state.on_evict(index);
+        }
+    }
+}
+
+/// A fresh scorer state for a group of caches that choose together.
+fn start_group<'a>(
+    scorer: &dyn Scorer,
+    layer: &LayerContext<'a>,
+    group: &[Unit],
+    protect: Protection,
+) -> Started<'a> {
+    match group {
+        [unit] => scorer.start(layer, unit, protect),
+        _ => Box::new(Shared {
+            states: group
+                .iter()
+                .map(|unit| scorer.start(layer, unit, protect))
+                .collect(),
+            buffer: Vec::new(),
+        }),
+    }
+}
+
 /// Feeds the prompt to a fresh state without evicting; returns its scores.
 /// A scorer that does not declare it reads the future sees the prompt only: the generated
 /// positions are cut from its layer, so looking beyond the prompt is impossible, not just unused.
 pub(crate) fn score_prompt<'a>(
     scorer: &dyn Scorer,
     layer: &LayerContext<'a>,
-    unit: &Unit,
+    group: &[Unit],
     protect: Protection,
 ) -> Vec<f32> {
     let layer = if scorer.reads_future() {
@@ -29,7 +101,7 @@ pub(crate) fn score_prompt<'a>(
     } else {
         layer.through(layer.prompt_len)
     };
-    let mut state = scorer.start(&layer, unit, protect);
+    let mut state = start_group(scorer, &layer, group, protect);
     let mut cache = Vec::with_capacity(layer.prompt_len);
     for position in 0..layer.prompt_len {
         cache.push(position);
@@ -45,13 +117,13 @@ pub(crate) fn score_prompt<'a>(
 /// `window` of the positions it chooses from are always kept.
 fn reselect_each_step(
     layer: &LayerContext<'_>,
-    unit: &Unit,
+    group: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
 ) -> UnitKept {
     let prompt_len = layer.prompt_len;
     let protect = policy.protection();
-    let mut state: Box<dyn ScoreState> = policy.scorer.start(layer, unit, protect);
+    let mut state = start_group(policy.scorer.as_ref(), layer, group, protect);
     let mut scores = Vec::new();
     let mut cache: Vec<usize> = Vec::with_capacity(layer.n_positions());
     for position in 0..prompt_len {
@@ -77,30 +149,64 @@ fn reselect_each_step(
     UnitKept::PerStep(steps)
 }
 
-/// Streams every position through one cache of `budget` tokens, evicting the lowest score.
-fn stream(layer: &LayerContext<'_>, unit: &Unit, budget: usize, policy: &ValidPolicy) -> UnitKept {
+/// Streams every position through one cache of `budget` tokens, evicting the lowest score: from
+/// the first token over budget (`streaming`), or, under `prefill-then-stream`, after the whole
+/// prompt has been scored once and cut to the budget at its end. Under `order = attend-first` a
+/// decode query attends over the cache before that step's eviction (`budget + 1` tokens).
+fn stream(layer: &LayerContext<'_>, group: &[Unit], budget: usize, policy: &ValidPolicy) -> UnitKept {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
-    let mut state = policy.scorer.start(layer, unit, protect);
-    let mut cache = Vec::with_capacity(budget + 1);
+    let cut_at_prompt_end = policy.params().timing == Timing::PrefillThenStream;
+    let attend_first = policy.params().order == Order::AttendFirst;
+    let mut state = start_group(policy.scorer.as_ref(), layer, group, protect);
+    let mut cache = Vec::with_capacity(if cut_at_prompt_end { prompt_len } else { budget + 1 });
     let mut scores = Vec::with_capacity(budget + 1);
     let mut steps = Vec::with_capacity(n_positions - prompt_len);
     for position in 0..n_positions {
         cache.push(position);
         state.on_append(&cache);
-        if cache.len() > budget {
+        let decoding = position >= prompt_len;
+        if decoding && attend_first {
+            steps.push(cache.clone());
+        }
+        if cut_at_prompt_end && position + 1 == prompt_len {
+            cut(&mut cache, state.as_mut(), &mut scores, budget, protect);
+        } else if (decoding || !cut_at_prompt_end) && cache.len() > budget {
             state.scores(&cache, &mut scores);
             if let Some(index) = victim(&cache, &scores, protect) {
                 cache.remove(index);
                 state.on_evict(index);
             }
         }
-        if position >= prompt_len {
+        if decoding && !attend_first {
             steps.push(cache.clone());
         }
     }
     UnitKept::PerStep(steps)
+}
+
+/// Cuts the whole prompt to its `budget` best entries at once (the one-shot selection of
+/// [`select_top`]), telling the state of every eviction, last entry first.
+fn cut(
+    cache: &mut Vec<usize>,
+    state: &mut dyn ScoreState,
+    scores: &mut Vec<f32>,
+    budget: usize,
+    protect: Protection,
+) {
+    if cache.len() <= budget {
+        return;
+    }
+    state.scores(cache, scores);
+    let len = cache.len();
+    let kept = select_top(cache, scores, budget, |position| protect.covers(position, len));
+    for index in (0..cache.len()).rev() {
+        if kept.binary_search(&cache[index]).is_err() {
+            cache.remove(index);
+            state.on_evict(index);
+        }
+    }
 }
 
 /// Maps over the caches, in parallel or not.
@@ -116,6 +222,19 @@ pub(crate) fn map_units<T: Send>(
     }
 }
 
+/// Maps over groups of caches that choose together, in parallel or not.
+fn map_groups<T: Send>(
+    groups: &[&[Unit]],
+    parallel: bool,
+    work: impl Fn(&[Unit]) -> T + Sync + Send,
+) -> Vec<T> {
+    if parallel {
+        groups.par_iter().map(|group| work(group)).collect()
+    } else {
+        groups.iter().map(|group| work(group)).collect()
+    }
+}
+
 /// The kept sets of a one-shot policy ([`is_one_shot`]) for every cache of one layer.
 pub(crate) fn one_shot_kept(
     layer: &LayerContext<'_>,
@@ -126,21 +245,24 @@ pub(crate) fn one_shot_kept(
 ) -> Kept {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
-    let scored: Vec<Vec<f32>> = map_units(units, parallel_units, |unit| {
-        score_prompt(policy.scorer.as_ref(), layer, unit, protect)
+    let groups = selection_groups(units, policy);
+    let scored: Vec<Vec<f32>> = map_groups(&groups, parallel_units, |group| {
+        score_prompt(policy.scorer.as_ref(), layer, group, protect)
     });
-    let budgets = policy
+    let group_budgets = policy
         .heads
-        .split(budget, &scored, units.len(), prompt_len, protect);
+        .split(budget, &scored, groups.len(), prompt_len, protect);
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let protected = |position: usize| protect.covers(position, prompt_len);
-    let kept = scored
-        .iter()
-        .zip(&budgets)
-        .map(|(scores, &unit_budget)| {
-            UnitKept::Fixed(select_top(&prompt, scores, unit_budget, protected))
-        })
-        .collect();
+    let mut kept = Vec::with_capacity(units.len());
+    let mut budgets = Vec::with_capacity(units.len());
+    for ((scores, &group_budget), group) in scored.iter().zip(&group_budgets).zip(&groups) {
+        let set = select_top(&prompt, scores, group_budget, protected);
+        for _ in group.iter() {
+            kept.push(UnitKept::Fixed(set.clone()));
+            budgets.push(group_budget);
+        }
+    }
     Kept {
         layer_budget: budget,
         units: units.to_vec(),
@@ -149,17 +271,38 @@ pub(crate) fn one_shot_kept(
     }
 }
 
-/// The kept sets, step by step, of one cache under a policy that is not one-shot: streaming
-/// eviction, or re-selection at every step.
+/// The kept sets of a policy chosen for the whole layer at once ([`is_whole_layer`]): one-shot
+/// sets, or the one streaming or re-selecting set all caches share under `gqa = layer`.
+pub(crate) fn whole_layer_kept(
+    layer: &LayerContext<'_>,
+    units: &[Unit],
+    budget: usize,
+    policy: &ValidPolicy,
+    parallel_units: bool,
+) -> Kept {
+    if is_one_shot(policy) {
+        return one_shot_kept(layer, units, budget, policy, parallel_units);
+    }
+    let shared = per_step_kept(layer, units, budget, policy);
+    Kept {
+        layer_budget: budget,
+        units: units.to_vec(),
+        budgets: vec![budget; units.len()],
+        kept: vec![shared; units.len()],
+    }
+}
+
+/// The kept sets, step by step, of one cache (or of a group of caches that choose together)
+/// under a policy that is not one-shot: streaming eviction, or re-selection at every step.
 pub(crate) fn per_step_kept(
     layer: &LayerContext<'_>,
-    unit: &Unit,
+    group: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
 ) -> UnitKept {
     if policy.params().timing.reselects() {
-        reselect_each_step(layer, unit, budget, policy)
+        reselect_each_step(layer, group, budget, policy)
     } else {
-        stream(layer, unit, budget, policy)
+        stream(layer, group, budget, policy)
     }
 }

@@ -1,5 +1,6 @@
-//! The cache layout under grouped-query attention: which unit owns a cache (a KV head or a query
-//! head) and how a group's query-head scores become one score per cached token.
+//! The cache layout under grouped-query attention: which unit owns a cache (a KV head, a query
+//! head, or the whole layer) and how a group's query-head scores become one score per cached
+//! token.
 
 use serde::{Deserialize, Serialize};
 
@@ -12,6 +13,10 @@ pub enum Granularity {
     /// One cache per query head, K/V repeated (the official SnapKV/PyramidKV code); memory is
     /// counted per query head.
     QueryHead,
+    /// One kept set for the whole layer, shared by every KV head (TOVA's): the layer's score is
+    /// the mean over its KV groups of each group's aggregated score (with `agg = mean`, the mean
+    /// over all query heads).
+    Layer,
 }
 
 /// How a GQA group's query-head scores become one score per cached token.

@@ -40,4 +40,4 @@ pub use profile::LayerProfile;
 pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
-pub use timing::Timing;
+pub use timing::{Order, Timing};

@@ -5,7 +5,7 @@ use super::allocator::{self, Allocator};
 use super::head_split::{self, HeadSplit};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
-use super::{Granularity, PolicyError, Protection, Timing};
+use super::{Granularity, Order, PolicyError, Protection, Timing};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -23,6 +23,8 @@ pub struct PolicyParams {
     pub heads: String,
     /// When the kept set is chosen.
     pub timing: Timing,
+    /// Under a streaming timing, whether a step's query attends before or after its eviction.
+    pub order: Order,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
     /// First positions always kept (attention sinks).
@@ -39,11 +41,12 @@ pub struct PolicyParams {
 }
 
 /// The keys every policy has, beside its methods' own settings.
-pub const COMMON_KEYS: [&str; 9] = [
+pub const COMMON_KEYS: [&str; 10] = [
     "allocator",
     "scorer",
     "heads",
     "timing",
+    "order",
     "budget",
     "sinks",
     "window",
@@ -58,6 +61,7 @@ impl Default for PolicyParams {
             scorer: "snapkv".into(),
             heads: "uniform".into(),
             timing: Timing::Prefill,
+            order: Order::EvictFirst,
             budget: 128,
             sinks: 0,
             window: 8,
@@ -264,6 +268,12 @@ impl ValidPolicy {
             return Err(PolicyError::Unsupported {
                 what: format!("scorer `{}`", params.scorer),
                 rule: "selects once at prefill end: use --timing prefill",
+            });
+        }
+        if params.order == Order::AttendFirst && !params.timing.streams() {
+            return Err(PolicyError::Unsupported {
+                what: format!("order `{}`", params.order.name()),
+                rule: "orders a streaming eviction: use --timing streaming or prefill-then-stream",
             });
         }
         if self.heads.needs_scores() && params.timing != Timing::Prefill {

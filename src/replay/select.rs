@@ -1,6 +1,7 @@
-//! Turning scores into kept sets. One tie rule everywhere: on equal scores the lower position
-//! wins (is kept). The seed library's `np.argmin` evicts the first index on ties instead; that
-//! only differs on exact float ties, which its rule meets only when a softmax underflows to 0.
+//! Turning scores into kept sets. Ties: a selection of the best keeps the lower position
+//! (torch.topk leaves the order of equal values unspecified; this is the rule a stable sort
+//! gives); a streaming eviction evicts the first minimum, the lower position, as `np.argmin` and
+//! `torch.argmin` do in the seed library and in H2O's code.
 
 use super::{Protection, Unit};
 
@@ -73,14 +74,14 @@ pub(crate) fn select_top(
 }
 
 /// The cache entry to evict: the lowest score outside the entries `protect` covers (the first
-/// `sinks`, the last `window`); on ties the later position goes. `None` when everything is
-/// protected.
+/// `sinks`, the last `window`); on ties the first (lowest position) goes, as `argmin` does.
+/// `None` when everything is protected.
 pub(crate) fn victim(cache: &[usize], scores: &[f32], protect: Protection) -> Option<usize> {
     let end = cache.len().saturating_sub(protect.window);
     (protect.sinks.min(end)..end).min_by(|&a, &b| {
         scores[a]
             .total_cmp(&scores[b])
-            .then_with(|| cache[b].cmp(&cache[a]))
+            .then_with(|| cache[a].cmp(&cache[b]))
     })
 }
 
@@ -106,7 +107,7 @@ mod tests {
     fn victim_skips_sinks_and_window() {
         let cache = [0, 1, 2, 3, 4];
         let scores = [0.0, 3.0, 2.0, 2.0, 0.0];
-        // sinks 1 protects entry 0, window 1 protects entry 4; 2 and 3 tie: the later goes.
+        // sinks 1 protects entry 0, window 1 protects entry 4; 2 and 3 tie: the first goes.
         assert_eq!(
             victim(
                 &cache,
@@ -116,7 +117,7 @@ mod tests {
                     window: 1
                 }
             ),
-            Some(3)
+            Some(2)
         );
         assert_eq!(
             victim(

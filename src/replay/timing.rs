@@ -1,5 +1,7 @@
-//! When a policy chooses its kept set: once at the end of the prompt, as tokens stream in, or
-//! afresh at every decode step.
+//! When a policy chooses its kept set: once at the end of the prompt, as tokens stream in, once
+//! at the end of the prompt and then as generated tokens stream in, or afresh at every decode
+//! step; and, in a cache that evicts as tokens arrive, whether a step's query attends before or
+//! after that step's eviction.
 
 use serde::{Deserialize, Serialize};
 
@@ -11,8 +13,12 @@ pub enum Timing {
     /// (SnapKV, PyramidKV, AdaKV, CAKE).
     Prefill,
     /// From the first token over budget, every token, prefill and decode alike: evictions are
-    /// permanent (H2O, StreamingLLM, TOVA, the seed library's adapted methods).
+    /// permanent (StreamingLLM, the seed library's adapted methods).
     Streaming,
+    /// The prompt runs with its full cache; at its end the whole prompt is scored once and cut to
+    /// the budget, then every generated token over budget evicts one (H2O's and TOVA's own
+    /// generation code).
+    PrefillThenStream,
     /// Re-chosen at every decode step from the whole cache so far, prompt and generated tokens:
     /// nothing is evicted for good (dynamic sparse attention; with the `tova` scorer, the per-step
     /// oracle).
@@ -24,9 +30,10 @@ pub enum Timing {
 
 impl Timing {
     /// Every timing, in listing order.
-    pub const ALL: [Timing; 4] = [
+    pub const ALL: [Timing; 5] = [
         Timing::Prefill,
         Timing::Streaming,
+        Timing::PrefillThenStream,
         Timing::PerStep,
         Timing::PerStepPrompt,
     ];
@@ -36,6 +43,7 @@ impl Timing {
         match self {
             Timing::Prefill => "prefill",
             Timing::Streaming => "streaming",
+            Timing::PrefillThenStream => "prefill-then-stream",
             Timing::PerStep => "per-step",
             Timing::PerStepPrompt => "per-step-prompt",
         }
@@ -44,5 +52,33 @@ impl Timing {
     /// Whether the kept set is re-chosen at every decode step.
     pub fn reselects(self) -> bool {
         matches!(self, Timing::PerStep | Timing::PerStepPrompt)
+    }
+
+    /// Whether tokens are evicted one at a time as they arrive (during decoding at least).
+    pub fn streams(self) -> bool {
+        matches!(self, Timing::Streaming | Timing::PrefillThenStream)
+    }
+}
+
+/// In a cache that evicts as tokens arrive, what a step's query attends over.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Order {
+    /// The cache is cut back to the budget before the new query attends: it sees `budget`
+    /// tokens, its own included (StreamingLLM, the seed library).
+    #[default]
+    EvictFirst,
+    /// The new query attends over the `budget` kept tokens and itself, then one token is
+    /// evicted (H2O's `H2OKVCache_LayerWise`, TOVA's `TOVACache.reduce`).
+    AttendFirst,
+}
+
+impl Order {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Order::EvictFirst => "evict-first",
+            Order::AttendFirst => "attend-first",
+        }
     }
 }

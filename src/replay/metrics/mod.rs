@@ -7,7 +7,7 @@
 //! retained mass (`retained_mass.rs`), top-k recall (`topk_recall.rs`), output error
 //! (`output_error.rs`). Beside them: span survival (the share of a span's tokens in S, and the full
 //! attention mass on the span that S keeps, next to the mass on the whole span) and memory (the
-//! cache's size at each decode step).
+//! cache's size at each decode step, and the KV entries a layer stores).
 //!
 //! Layer figures are means over query heads of each head's mean over decode steps; overall
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
@@ -102,6 +102,10 @@ pub struct LayerReport {
     pub mean_kept: f64,
     /// Mean cache size of each cache.
     pub kept_by_unit: Vec<f64>,
+    /// KV entries the layer stores, mean over decode steps: the sum of its caches' sizes (a
+    /// query-head cache holds its own copy of the repeated K/V; under `gqa = layer` every KV head
+    /// holds the shared set), each entry one key and one value of `head_dim`.
+    pub kv_entries: f64,
     /// Each metric's mean over query heads (of its mean over decode steps), by id; a metric that
     /// needs values is absent from traces without them.
     #[serde(flatten)]
@@ -376,6 +380,7 @@ impl LayerAccumulator {
             budget: layer_budget,
             unit_budgets: self.unit_budgets,
             mean_kept: self.kept_by_unit.iter().sum::<f64>() / self.kept_by_unit.len() as f64,
+            kv_entries: self.kept_by_unit.iter().sum::<f64>(),
             kept_by_unit: self.kept_by_unit,
             metrics,
             samples: per_sample,
