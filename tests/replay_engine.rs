@@ -5,8 +5,8 @@ mod common;
 use common::reference::{self, Agg, Layer};
 use common::{write_fixture, Shape};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, scorer, settings, Granularity, PolicyError, PolicyParams,
-    Timing, UnitKept,
+    kept_sets, layer_budgets, replay, scorer, settings, Granularity, Order, PolicyError,
+    PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use proptest::prelude::*;
@@ -35,11 +35,11 @@ fn declared(
     settings::find(scorer::REGISTRY, scorer).expect("registered")
 }
 
-/// Every registered scorer, every timing it supports, both cache granularities and all
-/// aggregations (for the scorers that aggregate a group) agree with the reference on kept sets
-/// and metrics (tolerance 1e-5: f32 engine against f64 reference). The scorers and timings come
-/// from the registry: a new scorer is compared as soon as it is registered, and fails here until
-/// the reference has its rule.
+/// Every registered scorer, every timing it supports (streaming ones in both orders of attend and
+/// evict), all three cache granularities and all aggregations (for the scorers that aggregate a
+/// group) agree with the reference on kept sets and metrics (tolerance 1e-5: f32 engine against
+/// f64 reference). The scorers and timings come from the registry: a new scorer is compared as
+/// soon as it is registered, and fails here until the reference has its rule.
 #[test]
 fn engine_matches_brute_force_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -51,15 +51,25 @@ fn engine_matches_brute_force_reference() {
         let trace = TraceReader::open(&path).unwrap();
         for method in scorer::REGISTRY {
             let scorer = method.name;
-            for timing in Timing::ALL {
+            let timed = Timing::ALL.into_iter().flat_map(|timing| {
+                let orders: &[Order] = if timing.streams() {
+                    &[Order::EvictFirst, Order::AttendFirst]
+                } else {
+                    &[Order::EvictFirst]
+                };
+                orders.iter().map(move |&order| (timing, order))
+            });
+            for (timing, order) in timed {
                 for (gqa, agg, ref_agg) in [
                     (Granularity::KvHead, "mean", Agg::Mean),
                     (Granularity::KvHead, "max", Agg::Max),
                     (Granularity::QueryHead, "sum", Agg::Sum),
+                    (Granularity::Layer, "mean", Agg::Mean),
                 ] {
                     let budget = 6 + seed as usize;
                     let mut policy = PolicyParams {
                         gqa,
+                        order,
                         sinks: (seed % 2) as usize,
                         ..params(scorer, timing, budget)
                     };
@@ -98,6 +108,8 @@ fn engine_matches_brute_force_reference() {
                             kernel: 3,
                             max_pool: seed % 2 == 1,
                             per_query_head: gqa == Granularity::QueryHead,
+                            shared_layer: gqa == Granularity::Layer,
+                            attend_first: order == Order::AttendFirst,
                             agg: ref_agg,
                         };
                         let expected = reference::kept(&layer, &reference_policy);
@@ -107,7 +119,7 @@ fn engine_matches_brute_force_reference() {
                                 assert_eq!(
                                     unit_kept.kept_positions(step, shape.prompt_len),
                                     expected[unit][step],
-                                    "{scorer} {timing:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
+                                    "{scorer} {timing:?} {order:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
                                 );
                             }
                         }
@@ -139,8 +151,8 @@ fn engine_matches_brute_force_reference() {
             }
         }
     }
-    // Every scorer ran under at least one timing, in three layouts, on both layers of 4 fixtures.
-    assert!(compared >= 4 * scorer::REGISTRY.len() * 3 * 2, "{compared}");
+    // Every scorer ran under at least one timing, in four layouts, on both layers of 4 fixtures.
+    assert!(compared >= 4 * scorer::REGISTRY.len() * 4 * 2, "{compared}");
 }
 
 /// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key
@@ -312,31 +324,37 @@ fn config() -> Config {
 proptest! {
     #![proptest_config(config())]
 
-    /// kept <= budget, sinks and window always kept, mass in [0, 1], and the per-step oracle
-    /// never beaten at the same per-step budget.
+    /// kept <= budget (one more while an attend-first query attends), sinks and window always
+    /// kept, mass in [0, 1], and the per-step oracle never beaten at the same per-step budget.
     #[test]
     fn invariants(seed in 0u64..1000, budget in 3usize..16, sinks in 0usize..2, window in 0usize..2,
                   scorer_index in 0usize..scorer::REGISTRY.len(), timing_index in 0usize..Timing::ALL.len(),
-                  per_query_head in any::<bool>()) {
+                  gqa_index in 0usize..3, attend_first in any::<bool>()) {
         let scorer = scorer::REGISTRY[scorer_index].name;
         let timing = Timing::ALL[timing_index];
-        let whole_cache = matches!(timing, Timing::Streaming | Timing::PerStep);
-        let gqa = if per_query_head { Granularity::QueryHead } else { Granularity::KvHead };
+        let whole_cache = matches!(timing, Timing::Streaming | Timing::PerStep | Timing::PrefillThenStream);
+        let gqa = [Granularity::KvHead, Granularity::QueryHead, Granularity::Layer][gqa_index];
+        let order = if attend_first && timing.streams() { Order::AttendFirst } else { Order::EvictFirst };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");
         let shape = Shape { prompt_len: 18, generated: 4, ..Shape::default() };
         write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
-        let policy = match (PolicyParams { gqa, sinks, window, ..params(scorer, timing, budget) }).check() {
+        let policy = match (PolicyParams { gqa, order, sinks, window, ..params(scorer, timing, budget) }).check() {
             Ok(policy) => policy,
             Err(PolicyError::Unsupported { .. }) => return Ok(()),
             Err(other) => panic!("{scorer} {timing:?}: {other}"),
         };
         let report = replay(&trace, &policy).unwrap();
-        // The per-step oracle at the same per-step budget, unprotected: the current query's top
-        // tokens from everything this timing may choose from.
+        // What a decode query attends over: the budget, and the newest token too under
+        // attend-first.
+        let attended = budget + usize::from(order == Order::AttendFirst);
+        // The per-step oracle at the same per-step budget, unprotected, one cache per KV head (a
+        // shared layer set is one of the sets it may choose): the current query's top tokens from
+        // everything this timing may choose from.
         let oracle_timing = if whole_cache { Timing::PerStep } else { Timing::PerStepPrompt };
-        let oracle = PolicyParams { gqa, window: 0, sinks: 0, ..params("tova", oracle_timing, budget) };
+        let oracle_gqa = if gqa == Granularity::QueryHead { gqa } else { Granularity::KvHead };
+        let oracle = PolicyParams { gqa: oracle_gqa, window: 0, sinks: 0, ..params("tova", oracle_timing, attended) };
         let oracle = replay(&trace, &oracle.check().unwrap()).unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
         for layer in 0..shape.n_layers {
@@ -345,7 +363,7 @@ proptest! {
                 for step in 0..shape.generated {
                     let set = unit.kept_positions(step, shape.prompt_len);
                     let prompt_kept = set.iter().filter(|&&p| p < shape.prompt_len).count();
-                    if whole_cache { prop_assert!(set.len() <= budget); } else { prop_assert!(prompt_kept <= budget); }
+                    if whole_cache { prop_assert!(set.len() <= attended); } else { prop_assert!(prompt_kept <= budget); }
                     let mut unique = set.clone();
                     unique.dedup();
                     prop_assert_eq!(&unique, &set);

@@ -1,22 +1,39 @@
-//! Named presets for the classic methods, each a [`PolicyParams`] as its reference code runs it
-//! (docs/policies.md gives each one's source). A preset fixes the allocator, scorer, timing and protection;
-//! the budget (and anything else) stays the caller's.
+//! Named presets for the classic methods, each a [`PolicyParams`] as its reference code runs it:
+//! the cache layout, pooling, window, timing, order of attend and evict, and GQA handling of the
+//! code the method's paper ran (docs/policies.md gives each one's repository, commit, file and
+//! lines, and the parity test that checks it). Where kvpress implements a method differently, that
+//! is its own preset (`snapkv-kvpress`). A preset fixes everything but the budget.
 
-use super::{PolicyError, PolicyParams, Timing};
+use super::{Granularity, Order, PolicyError, PolicyParams, Timing};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 10] = [
+pub const NAMES: [&str; 12] = [
     "snapkv",
     "pyramidkv",
     "adakv",
     "cake",
     "h2o",
-    "streamingllm",
+    "h2o-kvcache-factory",
     "tova",
+    "streamingllm",
+    "snapkv-kvpress",
     "h2o-adapted",
     "pyramidkv-adapted",
     "oracle",
 ];
+
+/// KVCache-Factory's `run_longbench.py` settings for SnapKV, PyramidKV, H2O and AdaKV (lines
+/// 267-284): observation window 8, max pooling with kernel 7, and the default query-head cache
+/// layout (`repeat_kv` before compression, `maybe_repeat_kv_before_cache`).
+fn kvcache_factory(base: &PolicyParams) -> PolicyParams {
+    PolicyParams {
+        gqa: Granularity::QueryHead,
+        window: 8,
+        ..base.clone()
+    }
+    .with("pool", "max")
+    .with("kernel", 7)
+}
 
 /// The parameters of preset `name` at `budget`.
 pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
@@ -32,30 +49,63 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         ..base.clone()
     };
     Ok(match name {
-        // SnapKV: W = 8, avg-pool kernel 7 (the class default), flat.
-        "snapkv" => base,
-        // PyramidKV: the official schedule (beta 20) with SnapKV's selection, max-pool as in the paper's runs.
+        // SnapKV as the PyramidKV paper's runs (KVCache-Factory) run it.
+        "snapkv" => kvcache_factory(&base),
+        // PyramidKV: the official schedule (beta 20) with the same selection.
         "pyramidkv" => PolicyParams {
             allocator: "pyramid".into(),
-            ..base
-        }
-        .with("pool", "max"),
-        // AdaKV: SnapKV scores, head-wise budgets with floor 0.2.
+            ..kvcache_factory(&base)
+        },
+        // AdaKV (KVCache-Factory's `AdaKVCluster`): head-wise budgets, floor 0.2, normalised.
         "adakv" => PolicyParams {
             heads: "adakv".into(),
-            ..base
+            ..kvcache_factory(&base)
         },
         // CAKE's layer preference over SnapKV's selection.
         "cake" => PolicyParams {
             allocator: "cake".into(),
             ..base
         },
-        // H2O: cumulative true-query attention during generation, recent half protected.
-        "h2o" => streaming("true-query", 0, budget / 2),
-        // StreamingLLM: 4 sinks + the most recent tokens.
+        // H2O's own generation code (`H2OKVCache_LayerWise`): heavy hitters (half the budget) by
+        // all prompt queries' attention plus the recent half, then one eviction per decode step
+        // after the new query attends; per query head, as its pre-GQA code runs.
+        "h2o" => PolicyParams {
+            scorer: "true-query".into(),
+            timing: Timing::PrefillThenStream,
+            order: Order::AttendFirst,
+            gqa: Granularity::QueryHead,
+            window: budget - budget / 2,
+            ..base
+        },
+        // The PyramidKV paper's H2O baseline (KVCache-Factory's `H2OKVCluster`): one-shot at the
+        // end of the prompt by all prompt queries' attention, the window of 8 kept.
+        "h2o-kvcache-factory" => PolicyParams {
+            scorer: "true-query".into(),
+            gqa: Granularity::QueryHead,
+            window: 8,
+            ..base
+        },
+        // TOVA (`TOVACache.reduce`): the last query's attention averaged over all heads of the
+        // layer, one kept set per layer, cut after the prompt and one eviction per decode step.
+        "tova" => PolicyParams {
+            scorer: "tova".into(),
+            timing: Timing::PrefillThenStream,
+            order: Order::AttendFirst,
+            gqa: Granularity::Layer,
+            window: 0,
+            ..base
+        },
+        // StreamingLLM: 4 sinks + the most recent tokens, evicting before the new token attends.
         "streamingllm" => streaming("recency", 4.min(budget), 0),
-        // TOVA: the current query's attention, every step.
-        "tova" => streaming("tova", 0, 0),
+        // kvpress's `SnapKVPress`: window 64, avg-pool kernel 5, one cache per KV head scored by
+        // the group mean.
+        "snapkv-kvpress" => PolicyParams {
+            window: 64.min(budget),
+            ..base
+        }
+        .with("pool", "avg")
+        .with("kernel", 5)
+        .with("agg", "mean"),
         // The seed library's H2O-adapted: key-as-query proxy, 4 sinks, no grace window.
         "h2o-adapted" => streaming("key-proxy", 4.min(budget.saturating_sub(1)), 0),
         // The seed library's PyramidKV-adapted: the same with its tapered schedule, beta 2.
@@ -87,7 +137,7 @@ mod tests {
     #[test]
     fn every_preset_checks() {
         for name in NAMES {
-            for budget in [16, 128, 2048] {
+            for budget in [16, 17, 128, 2048] {
                 preset(name, budget)
                     .unwrap()
                     .check()

@@ -31,8 +31,15 @@ pub struct Policy<'a> {
     pub kernel: usize,
     pub max_pool: bool,
     pub per_query_head: bool,
+    /// One kept set for the whole layer (`gqa = layer`): scores are the mean over KV groups.
+    pub shared_layer: bool,
+    /// The decode query attends before the step's eviction (`order = attend-first`).
+    pub attend_first: bool,
     pub agg: Agg,
 }
+
+/// One cache's heads, KV head and index: a member of a group of caches that choose together.
+type Member = (Vec<usize>, usize, usize);
 
 impl Layer<'_> {
     fn t(&self) -> usize {
@@ -133,57 +140,78 @@ fn top(
 
 /// Per cache, per decode step, the kept positions.
 pub fn kept(layer: &Layer, policy: &Policy) -> Vec<Vec<Vec<usize>>> {
-    let n = layer.prompt_len;
-    let t_total = layer.t();
     let units = if policy.per_query_head {
         layer.q.shape()[0]
     } else {
         layer.k.shape()[0]
     };
+    let member = |unit: usize| {
+        let (heads, kv) = layer.cache_heads(unit, policy.per_query_head);
+        (heads, kv, unit)
+    };
+    if policy.shared_layer {
+        let members: Vec<Member> = (0..units).map(member).collect();
+        let shared = kept_by(layer, policy, &members);
+        return vec![shared; units];
+    }
     (0..units)
-        .map(|unit| {
-            let (heads, kv) = layer.cache_heads(unit, policy.per_query_head);
-            if policy.timing.starts_with("per-step") {
-                return (n..t_total)
-                    .map(|at| {
-                        // Every position so far streams in with nothing evicted; the kept set
-                        // is chosen afresh from those scores.
-                        let mut cache = Vec::new();
-                        let mut running = Vec::new();
-                        for j in 0..=at {
-                            cache.push(j);
-                            stream_step(layer, policy, &heads, kv, unit, &cache, &mut running);
-                        }
-                        let p = finish_scores(layer, policy, &heads, kv, unit, &cache, &running);
-                        let limit = if policy.timing == "per-step" {
-                            at + 1
-                        } else {
-                            n
-                        };
-                        let protected = |j: usize| j < policy.sinks || j + policy.window >= limit;
-                        let mut kept = top(&cache[..limit], &|j| p[j], policy.budget, &protected);
-                        kept.extend(limit..=at);
-                        kept
-                    })
-                    .collect();
-            }
-            if policy.timing == "streaming" {
-                streaming(layer, policy, &heads, kv, unit)
-            } else {
-                let scores = prompt_scores(layer, policy, &heads, kv, unit);
-                let candidates: Vec<usize> = (0..n).collect();
-                let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
-                let prompt = top(&candidates, &|j| scores[j], policy.budget, &protected);
-                (n..t_total)
-                    .map(|at| prompt.iter().cloned().chain(n..=at).collect())
-                    .collect()
-            }
-        })
+        .map(|unit| kept_by(layer, policy, &[member(unit)]))
         .collect()
 }
 
-/// Scores of the prompt positions at prompt end, no eviction before.
-fn prompt_scores(
+/// The kept sets of caches that choose together (one, or the whole layer's).
+fn kept_by(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>> {
+    let n = layer.prompt_len;
+    let t_total = layer.t();
+    if policy.timing.starts_with("per-step") {
+        return (n..t_total)
+            .map(|at| {
+                // Every position so far streams in with nothing evicted; the kept set is chosen
+                // afresh from those scores.
+                let mut cache = Vec::new();
+                let mut running = vec![Vec::new(); members.len()];
+                for j in 0..=at {
+                    cache.push(j);
+                    stream_step(layer, policy, members, &cache, &mut running);
+                }
+                let p = finish_scores(layer, policy, members, &cache, &running);
+                let limit = if policy.timing == "per-step" { at + 1 } else { n };
+                let protected = |j: usize| j < policy.sinks || j + policy.window >= limit;
+                let mut kept = top(&cache[..limit], &|j| p[j], policy.budget, &protected);
+                kept.extend(limit..=at);
+                kept
+            })
+            .collect();
+    }
+    if policy.timing == "streaming" || policy.timing == "prefill-then-stream" {
+        return streaming(layer, policy, members);
+    }
+    let scores = prompt_scores(layer, policy, members);
+    let candidates: Vec<usize> = (0..n).collect();
+    let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
+    let prompt = top(&candidates, &|j| scores[j], policy.budget, &protected);
+    (n..t_total)
+        .map(|at| prompt.iter().cloned().chain(n..=at).collect())
+        .collect()
+}
+
+/// The mean over members of each member's scores.
+fn mean_over(members: usize, scores: impl Fn(usize) -> Vec<f64>) -> Vec<f64> {
+    let all: Vec<Vec<f64>> = (0..members).map(scores).collect();
+    (0..all[0].len())
+        .map(|i| all.iter().map(|s| s[i]).sum::<f64>() / members as f64)
+        .collect()
+}
+
+/// Scores of the prompt positions at prompt end, no eviction before (the members' mean).
+fn prompt_scores(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<f64> {
+    mean_over(members.len(), |i| {
+        let (heads, kv, unit) = &members[i];
+        member_prompt_scores(layer, policy, heads, *kv, *unit)
+    })
+}
+
+fn member_prompt_scores(
     layer: &Layer,
     policy: &Policy,
     heads: &[usize],
@@ -238,24 +266,36 @@ fn prompt_scores(
         _ => {
             // Every other scorer is a stream; with no eviction its final scores are the same
             // as the streaming rule's on the full prefix.
-            let mut scores = Vec::new();
+            let members = [(heads.to_vec(), kv, unit)];
+            let mut running = vec![Vec::new()];
             let mut cache = Vec::new();
             for at in 0..n {
                 cache.push(at);
-                stream_step(layer, policy, heads, kv, unit, &cache, &mut scores);
+                stream_step(layer, policy, &members, &cache, &mut running);
             }
-            finish_scores(layer, policy, heads, kv, unit, &cache, &scores)
+            finish_scores(layer, policy, &members, &cache, &running)
         }
     }
 }
 
-/// Updates running scores after `cache`'s last position arrived.
+/// Updates every member's running scores after `cache`'s last position arrived.
 fn stream_step(
+    layer: &Layer,
+    policy: &Policy,
+    members: &[Member],
+    cache: &[usize],
+    running: &mut [Vec<f64>],
+) {
+    for ((heads, kv, _), scores) in members.iter().zip(running.iter_mut()) {
+        member_step(layer, policy, heads, *kv, cache, scores);
+    }
+}
+
+fn member_step(
     layer: &Layer,
     policy: &Policy,
     heads: &[usize],
     kv: usize,
-    _unit: usize,
     cache: &[usize],
     scores: &mut Vec<f64>,
 ) {
@@ -284,8 +324,21 @@ fn stream_step(
     }
 }
 
-/// The scores the engine compares, aligned with `cache`.
+/// The scores the engine compares, aligned with `cache`: the members' mean.
 fn finish_scores(
+    layer: &Layer,
+    policy: &Policy,
+    members: &[Member],
+    cache: &[usize],
+    running: &[Vec<f64>],
+) -> Vec<f64> {
+    mean_over(members.len(), |i| {
+        let (heads, kv, unit) = &members[i];
+        member_scores(layer, policy, heads, *kv, *unit, cache, &running[i])
+    })
+}
+
+fn member_scores(
     layer: &Layer,
     policy: &Policy,
     heads: &[usize],
@@ -333,35 +386,49 @@ fn splitmix64(mut x: u64) -> u64 {
     x ^ (x >> 31)
 }
 
-fn streaming(
-    layer: &Layer,
-    policy: &Policy,
-    heads: &[usize],
-    kv: usize,
-    unit: usize,
-) -> Vec<Vec<usize>> {
+fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>> {
     let n = layer.prompt_len;
+    let cut_at_prompt_end = policy.timing == "prefill-then-stream";
     let mut cache: Vec<usize> = Vec::new();
-    let mut running: Vec<f64> = Vec::new();
+    let mut running: Vec<Vec<f64>> = vec![Vec::new(); members.len()];
     let mut steps = Vec::new();
     for at in 0..layer.t() {
         cache.push(at);
-        stream_step(layer, policy, heads, kv, unit, &cache, &mut running);
-        if cache.len() > policy.budget {
-            let scores = finish_scores(layer, policy, heads, kv, unit, &cache, &running);
+        stream_step(layer, policy, members, &cache, &mut running);
+        if at >= n && policy.attend_first {
+            steps.push(cache.clone());
+        }
+        if cut_at_prompt_end && at + 1 == n {
+            if cache.len() > policy.budget {
+                // One-shot cut of the whole prompt to its best `budget`.
+                let scores = finish_scores(layer, policy, members, &cache, &running);
+                let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
+                let kept = top(&cache, &|j| scores[j], policy.budget, &protected);
+                for index in (0..cache.len()).rev() {
+                    if !kept.contains(&cache[index]) {
+                        cache.remove(index);
+                        for scores in running.iter_mut() {
+                            scores.remove(index);
+                        }
+                    }
+                }
+            }
+        } else if (at >= n || !cut_at_prompt_end) && cache.len() > policy.budget {
+            let scores = finish_scores(layer, policy, members, &cache, &running);
             let end = cache.len() - policy.window;
+            // The first minimum outside sinks and window goes (argmin).
             let mut worst = policy.sinks;
             for i in policy.sinks..end {
-                if scores[i] < scores[worst]
-                    || (scores[i] == scores[worst] && cache[i] > cache[worst])
-                {
+                if scores[i] < scores[worst] {
                     worst = i;
                 }
             }
             cache.remove(worst);
-            running.remove(worst);
+            for scores in running.iter_mut() {
+                scores.remove(worst);
+            }
         }
-        if at >= n {
+        if at >= n && !policy.attend_first {
             steps.push(cache.clone());
         }
     }
