@@ -10,8 +10,8 @@ use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
 use kvreplay::export::{exporter, Format};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
-    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Order, PolicyParams,
-    ReplayReport, Timing, ValidPolicy,
+    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Order,
+    PolicyParams, ReplayReport, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};

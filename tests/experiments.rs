@@ -101,6 +101,10 @@ fn report_agrees_with_replay() {
             "6",
             "--window",
             "2",
+            "--gqa",
+            "query-head",
+            "--pool",
+            "max",
             "--format",
             "json",
         ])

@@ -4,7 +4,10 @@
 //! The Python environment (torch, transformers, gguf; ~3 GB) is made once in
 //! `$KVREPLAY_HF_PYTHON`'s venv or `$KVREPLAY_HOME/hf-venv`; `.ci/run` keeps it in its cache.
 
+mod common;
+
 use kvreplay::assets::Assets;
+
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::model::{Llama, Recorder};
 use kvreplay::recipe::Recipe;
@@ -12,45 +15,6 @@ use kvreplay::replay::{presets, replay};
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
 use std::process::Command;
-
-fn python() -> PathBuf {
-    if let Some(python) = std::env::var_os("KVREPLAY_HF_PYTHON") {
-        return PathBuf::from(python);
-    }
-    let venv = Assets::from_env().home().join("hf-venv");
-    let python = venv.join("bin/python");
-    let ready = Command::new(&python)
-        .args(["-c", "import torch, transformers, gguf"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ready {
-        let made = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .unwrap();
-        assert!(made.success(), "python3 -m venv {} failed", venv.display());
-        let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/requirements-hf.txt");
-        let installed = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "-r",
-            ])
-            .arg(&requirements)
-            .status()
-            .unwrap();
-        assert!(
-            installed.success(),
-            "pip install -r {} failed (offline?)",
-            requirements.display()
-        );
-    }
-    python
-}
 
 fn native(model: &Llama, recipe: &Path, essays: &[PathBuf], out: &Path) {
     let (parsed, base) = Recipe::load(recipe).unwrap();
@@ -87,7 +51,7 @@ fn python_capture_matches_native_capture() {
     )
     .unwrap();
     let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capital.toml");
-    let python = python();
+    let python = common::torch_python();
     for recipe in [chat.as_path(), niah.as_path()] {
         let native_path = dir.path().join("native.safetensors");
         let hf_path = dir.path().join("hf.safetensors");

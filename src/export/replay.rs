@@ -45,7 +45,11 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
     let mut table = Table::with_headers(headers);
     for report in reports {
         let mut row = vec![report.policy.clone(), report.nominal_budget.to_string()];
-        row.extend(metric_cells(report.mean_kept, report.kv_entries, &report.metrics));
+        row.extend(metric_cells(
+            report.mean_kept,
+            report.kv_entries,
+            &report.metrics,
+        ));
         for span in &report.spans {
             row.push(fixed(span.kept_fraction));
             row.push(format!("{:.4}/{:.4}", span.kept_mass, span.full_mass));
@@ -60,7 +64,11 @@ pub fn layer_table(report: &ReplayReport) -> Table {
     let mut table = Table::with_headers(metric_headers(&["layer", "budget"]));
     for layer in &report.layers {
         let mut row = vec![layer.layer.to_string(), layer.budget.to_string()];
-        row.extend(metric_cells(layer.mean_kept, layer.kv_entries, &layer.metrics));
+        row.extend(metric_cells(
+            layer.mean_kept,
+            layer.kv_entries,
+            &layer.metrics,
+        ));
         table.push(row);
     }
     table

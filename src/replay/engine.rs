@@ -405,9 +405,10 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
             let mut weight = vec![0.0f64; prompt_len];
             for head in 0..unit.query_heads.len() {
                 for step in 0..n_steps {
-                    for (total, w) in weight
-                        .iter_mut()
-                        .zip(decode.slice(ndarray::s![head, step, ..prompt_len]))
+                    for (total, w) in
+                        weight
+                            .iter_mut()
+                            .zip(decode.slice(ndarray::s![head, step, ..prompt_len]))
                     {
                         *total += *w as f64 / samples;
                     }

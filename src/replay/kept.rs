@@ -153,14 +153,23 @@ fn reselect_each_step(
 /// the first token over budget (`streaming`), or, under `prefill-then-stream`, after the whole
 /// prompt has been scored once and cut to the budget at its end. Under `order = attend-first` a
 /// decode query attends over the cache before that step's eviction (`budget + 1` tokens).
-fn stream(layer: &LayerContext<'_>, group: &[Unit], budget: usize, policy: &ValidPolicy) -> UnitKept {
+fn stream(
+    layer: &LayerContext<'_>,
+    group: &[Unit],
+    budget: usize,
+    policy: &ValidPolicy,
+) -> UnitKept {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
     let cut_at_prompt_end = policy.params().timing == Timing::PrefillThenStream;
     let attend_first = policy.params().order == Order::AttendFirst;
     let mut state = start_group(policy.scorer.as_ref(), layer, group, protect);
-    let mut cache = Vec::with_capacity(if cut_at_prompt_end { prompt_len } else { budget + 1 });
+    let mut cache = Vec::with_capacity(if cut_at_prompt_end {
+        prompt_len
+    } else {
+        budget + 1
+    });
     let mut scores = Vec::with_capacity(budget + 1);
     let mut steps = Vec::with_capacity(n_positions - prompt_len);
     for position in 0..n_positions {
@@ -200,7 +209,9 @@ fn cut(
     }
     state.scores(cache, scores);
     let len = cache.len();
-    let kept = select_top(cache, scores, budget, |position| protect.covers(position, len));
+    let kept = select_top(cache, scores, budget, |position| {
+        protect.covers(position, len)
+    });
     for index in (0..cache.len()).rev() {
         if kept.binary_search(&cache[index]).is_err() {
             cache.remove(index);

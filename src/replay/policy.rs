@@ -24,6 +24,9 @@ pub struct PolicyParams {
     /// When the kept set is chosen.
     pub timing: Timing,
     /// Under a streaming timing, whether a step's query attends before or after its eviction.
+    /// Left out of the serialised form when it is the default, so that run ids computed before
+    /// it existed still name the same runs.
+    #[serde(skip_serializing_if = "Order::is_evict_first")]
     pub order: Order,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
@@ -228,13 +231,15 @@ impl PolicyParams {
     /// The common settings as text.
     fn common_settings(&self) -> BTreeMap<String, String> {
         let value = serde_json::to_value(self).expect("params serialise");
-        value
+        let mut common: BTreeMap<String, String> = value
             .as_object()
             .expect("params are an object")
             .iter()
             .filter(|(key, _)| COMMON_KEYS.contains(&key.as_str()))
             .map(|(key, value)| (key.clone(), settings::text(value)))
-            .collect()
+            .collect();
+        common.insert("order".into(), self.order.name().into());
+        common
     }
 }
 

@@ -74,6 +74,11 @@ pub enum Order {
 }
 
 impl Order {
+    /// Whether it is the default, `evict-first`.
+    pub fn is_evict_first(&self) -> bool {
+        *self == Order::EvictFirst
+    }
+
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {

@@ -223,7 +223,8 @@ impl TraceReader {
 
     /// Bytes of one stored element of q, k and v (2 for F16 and BF16, 4 for F32).
     pub fn element_bytes(&self) -> usize {
-        self.info("layers.0.k").map_or(4, |info| info.dtype.bitsize() / 8)
+        self.info("layers.0.k")
+            .map_or(4, |info| info.dtype.bitsize() / 8)
     }
 
     /// Whether the trace stores values (needed for the output-error metric).

@@ -175,7 +175,11 @@ fn kept_by(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>
                     stream_step(layer, policy, members, &cache, &mut running);
                 }
                 let p = finish_scores(layer, policy, members, &cache, &running);
-                let limit = if policy.timing == "per-step" { at + 1 } else { n };
+                let limit = if policy.timing == "per-step" {
+                    at + 1
+                } else {
+                    n
+                };
                 let protected = |j: usize| j < policy.sinks || j + policy.window >= limit;
                 let mut kept = top(&cache[..limit], &|j| p[j], policy.budget, &protected);
                 kept.extend(limit..=at);

@@ -1,0 +1,57 @@
+"""Shared by the parity transcriptions: reads a kvtrace/1 file (safetensors) into the tensor
+layout of Hugging Face attention code, and the one tie rule the transcriptions substitute for
+torch.topk.
+
+torch.topk (and a non-stable torch.sort) leave the order of equal values unspecified; torch's CPU
+topk returns them in heap order, which differs from run to run of the same sizes. Equal scores are
+common after SnapKV's max pooling, so a parity test needs one rule: `topk_stable` keeps the lower
+index among equal values (a stable descending sort), the rule kvreplay documents for every
+selection.
+"""
+import json
+
+import torch
+from safetensors import safe_open
+
+
+def load(path):
+    """(meta, layers): meta is the header's `__metadata__`; layers[l] = (q [1, H, T, d],
+    k [1, K, T, d]) in float32."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        layers = []
+        for layer in range(int(meta["n_layers"])):
+            q = f.get_tensor(f"layers.{layer}.q").float().unsqueeze(0)
+            k = f.get_tensor(f"layers.{layer}.k").float().unsqueeze(0)
+            layers.append((q, k))
+    return meta, layers
+
+
+def repeat_kv(hidden_states, n_rep):
+    """transformers' `repeat_kv` (as copied into KVCache-Factory, pyramidkv_utils.py lines
+    121-130): [b, K, T, d] -> [b, K * n_rep, T, d], query head h reading KV head h // n_rep."""
+    batch, num_key_value_heads, slen, head_dim = hidden_states.shape
+    if n_rep == 1:
+        return hidden_states
+    hidden_states = hidden_states[:, :, None, :, :].expand(batch, num_key_value_heads, n_rep, slen, head_dim)
+    return hidden_states.reshape(batch, num_key_value_heads * n_rep, slen, head_dim)
+
+
+def topk_stable(x, k):
+    """The indices of the k largest values along the last dim, equal values in index order: the
+    stand-in for `x.topk(k).indices`."""
+    return torch.sort(x, dim=-1, descending=True, stable=True).indices[..., :k]
+
+
+def causal_attention(q, k):
+    """Softmax of q k^T / sqrt(d) with the causal mask of a prefill ([b, H, T, T], float32)."""
+    head_dim = q.shape[-1]
+    t = q.shape[-2]
+    logits = torch.matmul(q, k.transpose(2, 3)) / (head_dim ** 0.5)
+    mask = torch.triu(torch.ones(t, t, dtype=torch.bool), diagonal=1)
+    logits = logits.masked_fill(mask, float("-inf"))
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)
+
+
+def emit(result):
+    print(json.dumps(result))
