@@ -29,20 +29,20 @@ const PROMPT: usize = 48;
 const GENERATED: usize = 6;
 
 /// A trace with continuous values in [-2, 2) (24-bit), so that only pooling makes exact ties.
-fn write_trace(path: &Path, seed: u64) {
+fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
     let meta = TraceMeta {
         model: "parity".into(),
         n_layers: LAYERS,
         n_heads: HEADS,
         n_kv_heads: KV_HEADS,
         head_dim: HEAD_DIM,
-        prompt_len: PROMPT,
+        prompt_len,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
         softcap: None,
         spans: vec![],
         extra: Default::default(),
     };
-    let t = PROMPT + GENERATED;
+    let t = prompt_len + GENERATED;
     let mut rng = Rng(seed);
     let mut value = || (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0;
     let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
@@ -177,6 +177,7 @@ fn check_streaming(
     per_head: bool,
 ) {
     let trace = TraceReader::open(trace_path).unwrap();
+    let prompt_len = trace.meta().prompt_len;
     let mut args = vec![trace_path.display().to_string()];
     args.extend(budgets.iter().map(usize::to_string));
     let official = reference(script, &args);
@@ -186,7 +187,7 @@ fn check_streaming(
             for (unit, unit_kept) in kept.kept.iter().enumerate() {
                 let steps = if per_head { &expected[unit] } else { expected };
                 for step in 0..GENERATED {
-                    let ours = unit_kept.kept_positions(step, PROMPT);
+                    let ours = unit_kept.kept_positions(step, prompt_len);
                     assert_eq!(
                         ours,
                         positions(&steps[step]),
@@ -204,7 +205,7 @@ fn kvcache_factory_presets_keep_what_its_code_keeps() {
     let (mut exact, mut total) = (0, 0);
     for seed in [1, 2] {
         let path = dir.path().join(format!("parity-{seed}.safetensors"));
-        write_trace(&path, seed);
+        write_trace(&path, seed, PROMPT);
         let (e, t) = check_one_shot(&path, &[16, 24, 40]);
         exact += e;
         total += t;
@@ -217,7 +218,7 @@ fn kvcache_factory_presets_keep_what_its_code_keeps() {
 fn h2o_keeps_what_its_generation_code_keeps() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("parity.safetensors");
-    write_trace(&path, 3);
+    write_trace(&path, 3, PROMPT);
     check_streaming(&path, "h2o", "h2o_real_drop.py", &[12, 21], true);
 }
 
@@ -225,6 +226,16 @@ fn h2o_keeps_what_its_generation_code_keeps() {
 fn tova_keeps_what_its_cache_keeps() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("parity.safetensors");
-    write_trace(&path, 4);
+    write_trace(&path, 4, PROMPT);
     check_streaming(&path, "tova", "tova_cache.py", &[12, 21], false);
+}
+
+/// CAKE's window is 32: a longer prompt, so that the budgets below cut it at its end
+/// (`budget + 32 < prompt`; shorter prompts are the documented deviation).
+#[test]
+fn cake_keeps_what_its_cache_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 5, 112);
+    check_streaming(&path, "cake", "cake.py", &[40, 48, 64], true);
 }

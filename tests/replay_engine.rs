@@ -21,7 +21,7 @@ fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
         sinks: 1,
         ..PolicyParams::default()
     };
-    if scorer == "snapkv" {
+    if declared(scorer).takes("kernel") {
         base.with("kernel", 3)
     } else {
         base

@@ -61,9 +61,15 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             heads: "adakv".into(),
             ..kvcache_factory(&base)
         },
-        // CAKE's layer preference over SnapKV's selection.
+        // CAKE (antgroup/cakekv): layer budgets by dispersion x variance, its own token score,
+        // window 32, one cache per KV head scored by the group mean, cut after the prompt and
+        // one eviction per decode step before the new query attends; tau 1 (the fallback for
+        // models its table does not list).
         "cake" => PolicyParams {
             allocator: "cake".into(),
+            scorer: "cake".into(),
+            timing: Timing::PrefillThenStream,
+            window: 32.min(budget),
             ..base
         },
         // H2O's own generation code (`H2OKVCache_LayerWise`): heavy hitters (half the budget) by

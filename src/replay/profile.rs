@@ -5,8 +5,12 @@
 //! softmax over keys `0..=t`. Entropy: the mean over heads and rows of `-sum_j A ln A` (nats);
 //! normalised entropy: the same with each row's entropy divided by ln(t + 1), the entropy of a
 //! uniform row (1 for the first position).
-//! Variance (CAKE): per head, `sum_j Var_t A[t, j]` over the W rows (population variance, keys
-//! beyond a row's position counting as 0), then the mean over heads.
+//! Variance: per head, `sum_j Var_t A[t, j]` over the W rows (population variance, keys beyond a
+//! row's position counting as 0), then the mean over heads.
+//! CAKE's own statistics (antgroup/cakekv `cake/model/modify_llama.py` lines 105-106, `calculate_entropy`
+//! in `cake/utils.py` lines 15-19) look only at the keys before the window, `j < n - W`, and are
+//! sums over heads: dispersion `-sum_{h,t,j} A ln(A + 1e-10)` and variance
+//! `sum_{h,j} Var_t A[t, j]` with torch.var's unbiased (W - 1) denominator.
 
 use super::LayerContext;
 use crate::attention::{attend, entropy};
@@ -22,6 +26,12 @@ pub struct LayerProfile {
     pub normalized: f64,
     /// Mean over heads of the summed per-key variance across window rows.
     pub variance: f64,
+    /// CAKE's dispersion: `-sum A ln(A + 1e-10)` over heads, window rows and keys before the
+    /// window.
+    pub cake_entropy: f64,
+    /// CAKE's variance: the unbiased variance across window rows, summed over heads and keys
+    /// before the window.
+    pub cake_variance: f64,
 }
 
 impl LayerProfile {
@@ -32,6 +42,8 @@ impl LayerProfile {
         let n_heads = layer.q.shape()[0];
         let group = layer.group_size();
         let (mut entropy_total, mut normalized_total, mut variance_total) = (0.0f64, 0.0, 0.0);
+        let (mut cake_entropy, mut cake_variance) = (0.0f64, 0.0f64);
+        let before_window = prompt_len - window;
         for head in 0..n_heads {
             let keys = layer.keys(head / group);
             let mut sum = vec![0.0f64; prompt_len];
@@ -54,18 +66,27 @@ impl LayerProfile {
                     sum[j] += weight as f64;
                     sum_sq[j] += (weight as f64).powi(2);
                 }
+                cake_entropy -= weights[..before_window]
+                    .iter()
+                    .map(|&w| w as f64 * (w as f64 + 1e-10).ln())
+                    .sum::<f64>();
             }
             let rows = window as f64;
-            variance_total += sum
+            let variances = sum
                 .iter()
                 .zip(&sum_sq)
-                .map(|(s, sq)| (sq / rows - (s / rows).powi(2)).max(0.0))
-                .sum::<f64>();
+                .map(|(s, sq)| (sq / rows - (s / rows).powi(2)).max(0.0));
+            variance_total += variances.clone().sum::<f64>();
+            if window > 1 {
+                cake_variance += variances.take(before_window).sum::<f64>() * rows / (rows - 1.0);
+            }
         }
         Self {
             entropy: entropy_total / (n_heads * window) as f64,
             normalized: normalized_total / (n_heads * window) as f64,
             variance: variance_total / n_heads as f64,
+            cake_entropy,
+            cake_variance,
         }
     }
 }

@@ -224,6 +224,7 @@ fn member_prompt_scores(
 ) -> Vec<f64> {
     let n = layer.prompt_len;
     match policy.scorer {
+        "cake" => cake_window_scores(layer, policy, heads, kv),
         "snapkv" => {
             let w = policy.window.max(1);
             let per_head: Vec<Vec<f64>> = heads
@@ -353,6 +354,7 @@ fn member_scores(
 ) -> Vec<f64> {
     let n = layer.prompt_len;
     match policy.scorer {
+        "cake" if *cache.last().unwrap() < n => cake_window_scores(layer, policy, heads, kv),
         "recency" => cache.iter().map(|&j| j as f64).collect(),
         "random" => {
             // SplitMix64 of (seed, layer, cache, position), top 24 bits as a fraction.
@@ -383,6 +385,62 @@ fn member_scores(
     }
 }
 
+/// CAKE's prompt-end score: per head, mean + 200 (its gamma) x unbiased variance of the last W
+/// queries' weights on each key before the window, average-pooled, the group aggregated.
+fn cake_window_scores(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize) -> Vec<f64> {
+    let n = layer.prompt_len;
+    let w = policy.window.max(1);
+    let per_head: Vec<Vec<f64>> = heads
+        .iter()
+        .map(|&h| {
+            let rows: Vec<Vec<f64>> = (n - w..n)
+                .map(|at| {
+                    let visible: Vec<usize> = (0..=at).collect();
+                    layer.attention(&layer.query(h, at), kv, &visible)
+                })
+                .collect();
+            let scores: Vec<f64> = (0..n - w)
+                .map(|j| {
+                    let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;
+                    let var = if w > 1 {
+                        rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>() / (w - 1) as f64
+                    } else {
+                        0.0
+                    };
+                    mean + 200.0 * var
+                })
+                .collect();
+            avg_pool(&scores, policy.kernel)
+        })
+        .collect();
+    (0..n)
+        .map(|j| {
+            if j < n - w {
+                Layer::combine(
+                    policy.agg,
+                    &per_head.iter().map(|p| p[j]).collect::<Vec<_>>(),
+                )
+            } else {
+                f64::INFINITY
+            }
+        })
+        .collect()
+}
+
+/// Same-length average pooling, the zero padding counted.
+fn avg_pool(values: &[f64], kernel: usize) -> Vec<f64> {
+    let half = kernel as isize / 2;
+    (0..values.len() as isize)
+        .map(|c| {
+            (c - half..=c + half)
+                .filter(|&i| i >= 0 && (i as usize) < values.len())
+                .map(|i| values[i as usize])
+                .sum::<f64>()
+                / kernel as f64
+        })
+        .collect()
+}
+
 fn splitmix64(mut x: u64) -> u64 {
     x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
     x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
@@ -395,9 +453,28 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
     let cut_at_prompt_end = policy.timing == "prefill-then-stream";
     let mut cache: Vec<usize> = Vec::new();
     let mut running: Vec<Vec<f64>> = vec![Vec::new(); members.len()];
+    // CAKE's official cache order per member (see `cake_decode`), kept while decoding.
+    let mut cake_orders: Vec<Vec<usize>> = vec![Vec::new(); members.len()];
     let mut steps = Vec::new();
     for at in 0..layer.t() {
+        if policy.scorer == "cake" && at == n {
+            for (order, (heads, kv, _)) in cake_orders.iter_mut().zip(members) {
+                let scores = cake_window_scores(layer, policy, heads, *kv);
+                *order = cache.clone();
+                let split = order
+                    .iter()
+                    .filter(|&&j| j < n - policy.window.max(1))
+                    .count();
+                order[..split]
+                    .sort_by(|&a, &b| scores[b].partial_cmp(&scores[a]).unwrap().then(a.cmp(&b)));
+            }
+        }
         cache.push(at);
+        if at >= n {
+            for order in cake_orders.iter_mut() {
+                order.push(at);
+            }
+        }
         stream_step(layer, policy, members, &cache, &mut running);
         if at >= n && policy.attend_first {
             steps.push(cache.clone());
@@ -418,7 +495,36 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                 }
             }
         } else if (at >= n || !cut_at_prompt_end) && cache.len() > policy.budget {
-            let scores = finish_scores(layer, policy, members, &cache, &running);
+            let cake_pooled: Vec<Vec<(usize, f64)>> = if policy.scorer == "cake" && at >= n {
+                members
+                    .iter()
+                    .zip(&cake_orders)
+                    .map(|((heads, kv, _), order)| {
+                        cake_decode(layer, policy, heads, *kv, &cache, order)
+                    })
+                    .collect()
+            } else {
+                Vec::new()
+            };
+            let scores = if cake_pooled.is_empty() {
+                finish_scores(layer, policy, members, &cache, &running)
+            } else {
+                cache
+                    .iter()
+                    .map(|j| {
+                        cake_pooled
+                            .iter()
+                            .map(|pooled| {
+                                pooled
+                                    .iter()
+                                    .find(|(p, _)| p == j)
+                                    .map_or(f64::INFINITY, |e| e.1)
+                            })
+                            .sum::<f64>()
+                            / members.len() as f64
+                    })
+                    .collect()
+            };
             let end = cache.len() - policy.window;
             // The first minimum outside sinks and window goes (argmin).
             let mut worst = policy.sinks;
@@ -427,9 +533,24 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                     worst = i;
                 }
             }
-            cache.remove(worst);
+            let evicted = cache.remove(worst);
             for scores in running.iter_mut() {
                 scores.remove(worst);
+            }
+            // CAKE gathers the survivors outside the window by descending pooled score.
+            for (order, pooled) in cake_orders.iter_mut().zip(&cake_pooled) {
+                let mut survivors: Vec<(usize, f64)> = pooled
+                    .iter()
+                    .cloned()
+                    .filter(|(p, _)| *p != evicted)
+                    .collect();
+                survivors.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+                let window = order[pooled.len()..].to_vec();
+                *order = survivors
+                    .into_iter()
+                    .map(|(p, _)| p)
+                    .chain(window)
+                    .collect();
             }
         }
         if at >= n && !policy.attend_first {
@@ -437,6 +558,42 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
         }
     }
     steps
+}
+
+/// CAKE while decoding: the newest query's attention over the cache, the entries outside the last W
+/// laid out in the official cache's order (`order`: by descending score after each cut, the window
+/// after them, new tokens last), average-pooled in that order, the group aggregated; returns
+/// (position, pooled score) in that order.
+fn cake_decode(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    cache: &[usize],
+    order: &[usize],
+) -> Vec<(usize, f64)> {
+    let at = *cache.last().unwrap();
+    let outside = order.len().saturating_sub(policy.window.max(1));
+    let per_head: Vec<Vec<f64>> = heads
+        .iter()
+        .map(|&h| {
+            let weights = layer.attention(&layer.query(h, at), kv, cache);
+            let laid_out: Vec<f64> = order[..outside]
+                .iter()
+                .map(|p| weights[cache.iter().position(|c| c == p).unwrap()])
+                .collect();
+            avg_pool(&laid_out, policy.kernel)
+        })
+        .collect();
+    (0..outside)
+        .map(|i| {
+            let combined = Layer::combine(
+                policy.agg,
+                &per_head.iter().map(|p| p[i]).collect::<Vec<_>>(),
+            );
+            (order[i], combined)
+        })
+        .collect()
 }
 
 /// Mean retained mass, top-k recall and output error of a layer's kept sets.

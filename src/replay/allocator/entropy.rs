@@ -38,11 +38,15 @@ mod tests {
                 entropy: 3f64.ln(),
                 normalized: 0.0,
                 variance: 0.0,
+                cake_entropy: 0.0,
+                cake_variance: 0.0,
             },
             LayerProfile {
                 entropy: 0.0,
                 normalized: 0.0,
                 variance: 0.0,
+                cake_entropy: 0.0,
+                cake_variance: 0.0,
             },
         ];
         let input = AllocationInput {

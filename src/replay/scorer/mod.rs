@@ -16,6 +16,7 @@ crate::registry! {
     key_proxy::KeyProxy,
     true_query::TrueQuery,
     snapkv::SnapKv,
+    cake::Cake,
     tova::Tova,
     recency::Recency,
     knorm::Knorm,

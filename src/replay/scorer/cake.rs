@@ -1,0 +1,257 @@
+//! `cake`: CAKE's token score (Qin et al., ICLR 2025, arXiv:2503.12491; antgroup/cakekv, commit
+//! c4675ce2, `cake/model/modify_llama.py` lines 111-120 and `cake/cake_cache.py` lines 294-324).
+//!
+//! At the end of the prompt, the last W queries (the policy's window) attend over the prompt
+//! (causally); per query head, a key's score is the mean of its W weights plus `gamma` times their
+//! unbiased variance, for the keys before the window; the scores are average-pooled (kernel 5,
+//! zero padding counted) and the group's pooled scores averaged (`agg`). While decoding, the
+//! cache is re-scored before each eviction by the newest query's attention over it (itself
+//! included), the entries outside the last W pooled the same way in the official cache's order;
+//! the last W are always kept. That order is not the positions': CAKE gathers the kept entries in
+//! `topk` order, highest score first (`cake_cache.py` lines 259 and 310), so after the prompt's cut
+//! and after every eviction the entries outside the window sit by descending score, the window
+//! after them in position order and each new token last; pooling mixes neighbours in that order,
+//! and this scorer keeps it. With W = 1 the variance is taken as 0 (torch's would be undefined).
+//! Defined for the `prefill` and `prefill-then-stream` timings.
+
+use super::snapkv::pool1d;
+use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
+use crate::replay::settings::Broken;
+use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
+
+crate::settings! {
+    /// CAKE's token score: mean + gamma x variance of the window's attention, pooled, and the
+    /// newest query's pooled attention while decoding (Qin et al., ICLR 2025, arXiv:2503.12491).
+    pub struct Cake = "cake" {
+        /// The weight of the variance (`--gamma`, 200 in `experiments/LongBench/pred_cake.py`).
+        gamma: f64 = 200.0,
+        /// The average-pooling kernel (odd; 5 in CAKE's code).
+        kernel: usize = 5,
+        /// How a GQA group's query-head scores become one per cached token (CAKE averages the
+        /// group after pooling).
+        agg: Aggregation = Aggregation::Mean,
+    }
+}
+
+struct State<'a> {
+    queries: GroupQueries<'a>,
+    prompt_len: usize,
+    window: usize,
+    gamma: f64,
+    kernel: usize,
+    agg: Aggregation,
+    /// Per query head, per key before the window: the sum of its window weights and of their
+    /// squares.
+    sums: Vec<Vec<(f64, f64)>>,
+    /// The engine's cache as last seen (positions, ascending).
+    cache: Vec<usize>,
+    /// While decoding, the official cache's order of the same positions.
+    order: Vec<usize>,
+    /// The pooled scores of the last decode step, by entry of `order`.
+    last_pooled: Vec<f32>,
+}
+
+impl Scorer for Cake {
+    fn check(&self) -> Result<(), Broken> {
+        if self.kernel % 2 == 0 {
+            return Err(Broken {
+                key: "kernel",
+                rule: "must be odd (same-length pooling needs a centred kernel)",
+            });
+        }
+        if !self.gamma.is_finite() || self.gamma < 0.0 {
+            return Err(Broken {
+                key: "gamma",
+                rule: "must be finite and at least 0",
+            });
+        }
+        Ok(())
+    }
+
+    fn supports(&self, timing: Timing) -> bool {
+        matches!(timing, Timing::Prefill | Timing::PrefillThenStream)
+    }
+
+    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a> {
+        let window = protect.window.clamp(1, layer.prompt_len);
+        let before_window = layer.prompt_len - window;
+        Box::new(State {
+            queries: GroupQueries::new(layer, unit),
+            prompt_len: layer.prompt_len,
+            window,
+            gamma: self.gamma,
+            kernel: self.kernel,
+            agg: self.agg,
+            sums: vec![vec![(0.0, 0.0); before_window]; unit.query_heads.len()],
+            cache: Vec::new(),
+            order: Vec::new(),
+            last_pooled: Vec::new(),
+        })
+    }
+}
+
+impl State<'_> {
+    /// Pools each head's scores and aggregates the group.
+    fn pooled(&self, per_head: &[Vec<f32>]) -> Vec<f32> {
+        let pooled: Vec<Vec<f32>> = per_head
+            .iter()
+            .map(|scores| pool1d(scores, self.kernel, Pooling::Avg))
+            .collect();
+        let len = pooled.first().map_or(0, Vec::len);
+        (0..len)
+            .map(|entry| self.agg.combine(pooled.iter().map(|p| p[entry])))
+            .collect()
+    }
+
+    /// The prompt-end score of every key before the window: mean + gamma * unbiased variance.
+    fn window_scores(&self) -> Vec<f32> {
+        let rows = self.window as f64;
+        let per_head: Vec<Vec<f32>> = self
+            .sums
+            .iter()
+            .map(|sums| {
+                sums.iter()
+                    .map(|&(sum, sum_sq)| {
+                        let mean = sum / rows;
+                        let variance = if self.window > 1 {
+                            ((sum_sq - rows * mean * mean) / (rows - 1.0)).max(0.0)
+                        } else {
+                            0.0
+                        };
+                        (mean + self.gamma * variance) as f32
+                    })
+                    .collect()
+            })
+            .collect();
+        self.pooled(&per_head)
+    }
+}
+
+impl State<'_> {
+    /// The official order of the cache the prompt's cut left: the entries before the window by
+    /// descending prompt-end score (`topk` order; equal scores by position), then the window.
+    fn order_after_cut(&self) -> Vec<usize> {
+        let scores = self.window_scores();
+        let before_window = self.prompt_len - self.window;
+        let mut order: Vec<usize> = self.cache.clone();
+        let split = order.partition_point(|&position| position < before_window);
+        order[..split].sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
+        order
+    }
+}
+
+impl ScoreState for State<'_> {
+    fn on_append(&mut self, cache: &[usize]) {
+        let newest = *cache.last().expect("non-empty cache");
+        if newest == self.prompt_len {
+            self.order = self.order_after_cut();
+        }
+        if newest >= self.prompt_len {
+            self.order.push(newest);
+        }
+        self.cache.clear();
+        self.cache.extend_from_slice(cache);
+        let before_window = self.prompt_len - self.window;
+        if newest < before_window || newest >= self.prompt_len {
+            return;
+        }
+        let per_head = self.queries.per_head(newest, cache);
+        for (sums, weights) in self.sums.iter_mut().zip(per_head) {
+            for (&position, weight) in cache.iter().zip(weights) {
+                if position < before_window {
+                    let weight = weight as f64;
+                    sums[position].0 += weight;
+                    sums[position].1 += weight * weight;
+                }
+            }
+        }
+    }
+
+    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+        let newest = *cache.last().expect("non-empty cache");
+        out.clear();
+        if newest < self.prompt_len {
+            let scores = self.window_scores();
+            out.extend(cache.iter().map(|&position| {
+                scores.get(position).copied().unwrap_or(f32::INFINITY)
+            }));
+            return;
+        }
+        // The newest query's weights, laid out in the official order, pooled outside the window.
+        let outside = self.order.len().saturating_sub(self.window);
+        let per_head: Vec<Vec<f32>> = self
+            .queries
+            .per_head(newest, cache)
+            .into_iter()
+            .map(|weights| {
+                self.order[..outside]
+                    .iter()
+                    .map(|position| weights[cache.binary_search(position).expect("cached")])
+                    .collect()
+            })
+            .collect();
+        self.last_pooled = self.pooled(&per_head);
+        out.resize(cache.len(), f32::INFINITY);
+        for (position, &score) in self.order[..outside].iter().zip(&self.last_pooled) {
+            out[cache.binary_search(position).expect("cached")] = score;
+        }
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        let position = self.cache.remove(index);
+        if self.order.is_empty() {
+            // The prompt's cut: the order is made when decoding starts.
+            return;
+        }
+        // A decode eviction (never of the window): the survivors outside the window are gathered
+        // in `topk` order.
+        let outside = self.last_pooled.len();
+        let mut survivors: Vec<(usize, f32)> = self.order[..outside]
+            .iter()
+            .copied()
+            .zip(self.last_pooled.iter().copied())
+            .filter(|&(p, _)| p != position)
+            .collect();
+        survivors.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let window: Vec<usize> = self.order[outside..].to_vec();
+        self.order = survivors.into_iter().map(|(p, _)| p).chain(window).collect();
+        self.last_pooled.clear();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn mean_plus_gamma_variance_by_hand() {
+        // Prompt of 4, window 2: queries 2 = (1,0) and 3 = (0,0) over keys k0 = (1,0), k1 = k2 =
+        // k3 = (0,0). Query 2 over keys 0..=2: logits [1, 0, 0] -> [e/(e+2), 1/(e+2), ...] =
+        // [0.576117, 0.211942]; query 3 over keys 0..=3: uniform, 0.25 each.
+        // Key 0: mean 0.413059, unbiased variance (0.576117 - 0.25)^2 / 2 = 0.053176.
+        // Key 1: mean 0.230971, variance (0.211942 - 0.25)^2 / 2 = 0.000724.
+        // gamma 1, kernel 1: [0.466235, 0.231695]; the window scores +inf.
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0], [0.0, 0.0], [1.0, 0.0], [0.0, 0.0]],
+            &[[1.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0]],
+            4,
+        );
+        let layer = context(&q, &k, n);
+        let scorer = Cake {
+            gamma: 1.0,
+            kernel: 1,
+            agg: Aggregation::Mean,
+        };
+        let protect = Protection {
+            sinks: 0,
+            window: 2,
+        };
+        let mut state = scorer.start(&layer, &unit(), protect);
+        let scores = scores_after(state.as_mut(), 4);
+        assert_abs_diff_eq!(scores[0], 0.466_235, epsilon = 1e-5);
+        assert_abs_diff_eq!(scores[1], 0.231_695, epsilon = 1e-5);
+        assert!(scores[2].is_infinite() && scores[3].is_infinite());
+    }
+}
