@@ -80,11 +80,11 @@ enum Command {
         /// Nominal budget per cache.
         #[arg(long, default_value_t = 128)]
         budget: usize,
-        /// Comma-separated preset names.
+        /// Comma-separated preset names (default: every preset).
         #[arg(
             long,
             value_delimiter = ',',
-            default_value = "snapkv,pyramidkv,adakv,h2o,streamingllm,tova,h2o-adapted,pyramidkv-adapted,oracle"
+            default_value = "snapkv,pyramidkv,adakv,cake,h2o,h2o-kvcache-factory,tova,streamingllm,snapkv-kvpress,h2o-adapted,pyramidkv-adapted,oracle"
         )]
         presets: Vec<String>,
         #[command(flatten)]

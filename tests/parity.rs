@@ -239,3 +239,43 @@ fn cake_keeps_what_its_cache_keeps() {
     write_trace(&path, 5, 112);
     check_streaming(&path, "cake", "cake.py", &[40, 48, 64], true);
 }
+
+/// kvpress's SnapKV keeps one cache per KV head with a window of 64: a longer prompt, budgets
+/// above the window.
+#[test]
+fn snapkv_kvpress_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 6, 112);
+    let trace = TraceReader::open(&path).unwrap();
+    let budgets = [72, 80, 96];
+    let mut args = vec![path.display().to_string()];
+    args.extend(budgets.iter().map(usize::to_string));
+    let official = reference("kvpress_snapkv.py", &args);
+    let mut exact = 0;
+    for budget in budgets {
+        for (layer, kept) in kvreplay_kept(&trace, "snapkv-kvpress", budget)
+            .iter()
+            .enumerate()
+        {
+            let expected = &official[budget.to_string()]["layers"][layer];
+            assert_eq!(kept.units.len(), KV_HEADS, "one cache per KV head");
+            for (unit, unit_kept) in kept.kept.iter().enumerate() {
+                let UnitKept::Fixed(ours) = unit_kept else {
+                    panic!("snapkv-kvpress is one-shot")
+                };
+                let theirs = positions(&expected["kept"][unit]);
+                let (same, close) = one_shot_matches(ours, &theirs, expected["scores"].get(unit));
+                assert!(
+                    close,
+                    "snapkv-kvpress at {budget}, layer {layer}, cache {unit}:\n ours     {ours:?}\n official {theirs:?}"
+                );
+                exact += usize::from(same);
+            }
+        }
+    }
+    assert!(
+        exact * 10 >= budgets.len() * LAYERS * KV_HEADS * 9,
+        "{exact} identical"
+    );
+}

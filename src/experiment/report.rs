@@ -82,7 +82,38 @@ fn find<'a>(
         .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
 }
 
-fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, SweepError> {
+/// Per trace file (as the runs name it), its query and KV heads.
+type Heads = std::collections::BTreeMap<String, (usize, usize)>;
+
+/// The head counts of every trace, read from their headers.
+fn heads_of(traces: &[TraceFile]) -> Result<Heads, SweepError> {
+    traces
+        .iter()
+        .map(|trace| {
+            let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
+            let meta = reader.meta();
+            Ok((
+                trace.path.display().to_string(),
+                (meta.n_heads, meta.n_kv_heads),
+            ))
+        })
+        .collect()
+}
+
+/// A run's KV entries per layer.
+fn kv_entries(run: &StoredRun, heads: &Heads) -> f64 {
+    heads
+        .get(&run.trace)
+        .map_or(f64::NAN, |&(n_heads, n_kv_heads)| {
+            run.report.kv_entries(n_heads, n_kv_heads)
+        })
+}
+
+fn write_frames(
+    runs: &[StoredRun],
+    heads: &Heads,
+    results: &Path,
+) -> Result<Vec<PathBuf>, SweepError> {
     let column = |name: &str, values: Vec<f64>| Column::new(name.into(), values);
     let mut columns = vec![
         Column::new(
@@ -106,6 +137,10 @@ fn write_frames(runs: &[StoredRun], results: &Path) -> Result<Vec<PathBuf>, Swee
         column(
             "mean_kept",
             runs.iter().map(|r| r.report.mean_kept).collect(),
+        ),
+        column(
+            "kv_entries",
+            runs.iter().map(|r| kv_entries(r, heads)).collect(),
         ),
     ];
     columns.extend(metrics::REGISTRY.iter().map(|metric| {
@@ -281,11 +316,12 @@ pub fn build(
     );
     if !runs.is_empty() {
         let names = names(experiment);
-        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names);
+        let heads = heads_of(traces)?;
+        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names, &heads);
         out += &mass;
         out += &paired_section(experiment, &runs, &trace_names);
         out += &span_sections(experiment, &names, &runs, &trace_names);
-        let files = write_frames(&runs, results)?;
+        let files = write_frames(&runs, &heads, results)?;
         let mut figures = figures_of_runs(
             experiment,
             &names,
@@ -321,16 +357,17 @@ pub fn build(
     Ok(out)
 }
 
-/// The retained-mass table (mean ± CI, kept tokens) and its series for the figure.
+/// The retained-mass table (mean ± CI, KV entries per layer) and its series for the figure.
 fn mass_section(
     experiment: &Experiment,
     names: &[String],
     runs: &[StoredRun],
     trace_names: &[String],
+    heads: &Heads,
 ) -> (String, Vec<Series>) {
     let several = trace_names.len() > 1;
     let mut out = format!(
-        "Mean retained mass ± 95% CI half-width ({}), mean kept tokens per cache in brackets:\n\n",
+        "Mean retained mass ± 95% CI half-width ({}), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n",
         if several {
             "Student t over per-trace means"
         } else {
@@ -361,9 +398,9 @@ fn mass_section(
             } else {
                 mean_ci(&samples(per_trace[0]))
             };
-            let kept =
-                per_trace.iter().map(|r| r.report.mean_kept).sum::<f64>() / per_trace.len() as f64;
-            row.push(format!("{mean:.4} ± {half:.4} ({kept:.0})"));
+            let entries = per_trace.iter().map(|r| kv_entries(r, heads)).sum::<f64>()
+                / per_trace.len() as f64;
+            row.push(format!("{mean:.4} ± {half:.4} ({entries:.0})"));
             points.push((budget as f64, mean));
         }
         table.push(row);

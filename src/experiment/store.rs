@@ -89,6 +89,15 @@ pub struct StoredReport {
 }
 
 impl StoredReport {
+    /// KV entries stored per layer (mean over layers and decode steps), the same unit for every
+    /// cache layout: the mean cache size times the caches per layer (one per query head under
+    /// `gqa = "query-head"`, one per KV head otherwise), for a trace of `n_heads` query and
+    /// `n_kv_heads` KV heads.
+    pub fn kv_entries(&self, n_heads: usize, n_kv_heads: usize) -> f64 {
+        let per_query_head = self.settings.get("gqa").map(String::as_str) == Some("query-head");
+        self.mean_kept * if per_query_head { n_heads } else { n_kv_heads } as f64
+    }
+
     /// The mean of metric `id`, if it was measured.
     pub fn metric(&self, id: &str) -> Option<f64> {
         self.metrics.get(id).copied()
