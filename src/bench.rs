@@ -175,12 +175,31 @@ pub const GRID_POLICIES: [&str; 6] = [
     "oracle",
 ];
 
-/// The policy of a grid name, as the NumPy reference implements it.
+/// The policy of a grid name, as the NumPy reference implements it (one cache per KV head, the
+/// group's mean; `tests/reference/replay_numpy.py`): the grid measures speed on fixed policies,
+/// so SnapKV, PyramidKV and H2O are spelled out here rather than taken from their presets, which
+/// follow each method's own code (query-head caches, H2O's prefill-then-stream).
 pub fn grid_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
-    match name {
-        "key-proxy" => presets::preset("h2o-adapted", budget),
-        other => presets::preset(other, budget),
-    }
+    let base = PolicyParams {
+        budget,
+        ..PolicyParams::default()
+    };
+    Ok(match name {
+        "snapkv" => base,
+        "pyramidkv" => PolicyParams {
+            allocator: "pyramid".into(),
+            ..base
+        }
+        .with("pool", "max"),
+        "h2o" => PolicyParams {
+            scorer: "true-query".into(),
+            timing: Timing::Streaming,
+            window: budget / 2,
+            ..base
+        },
+        "key-proxy" => presets::preset("h2o-adapted", budget)?,
+        other => presets::preset(other, budget)?,
+    })
 }
 
 /// Best GFLOP/s of single-precision matrix multiplication on one thread: ndarray/matrixmultiply
