@@ -139,6 +139,27 @@ fn unknown_names_list_the_valid_ones() {
         .assert()
         .code(2)
         .stderr(contains("unknown preset `quest`"));
+    kvreplay(&dir)
+        .args(["replay", "fixture.safetensors", "--order", "attend-first"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "order `attend-first` orders a streaming eviction: use --timing streaming or prefill-then-stream",
+        ));
+    kvreplay(&dir)
+        .args([
+            "replay",
+            "fixture.safetensors",
+            "--scorer",
+            "cake",
+            "--timing",
+            "streaming",
+        ])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "scorer `cake` (timings: prefill, prefill-then-stream) is not defined for this timing",
+        ));
 }
 
 #[test]
@@ -190,7 +211,7 @@ fn bad_parameters_exit_2_with_the_rule() {
         ),
         (
             vec!["--timing", "streaming"],
-            "scorer `snapkv` selects once at prefill end",
+            "scorer `snapkv` (timings: prefill) is not defined for this timing",
         ),
         (
             vec!["--window", "30", "--budget", "40"],

@@ -42,11 +42,17 @@ pub fn methods_markdown() -> String {
         own.sort();
         let _ = writeln!(
             out,
-            "- `{name}`: allocator `{}`, scorer `{}`, heads `{}`, timing `{}`, sinks {}, window {}{}",
+            "- `{name}`: allocator `{}`, scorer `{}`, heads `{}`, timing `{}`{}, gqa `{}`, sinks {}, window {}{}",
             params.allocator,
             params.scorer,
             params.heads,
             params.timing.name(),
+            if params.timing.streams() {
+                format!(", order `{}`", params.order.name())
+            } else {
+                String::new()
+            },
+            serde_json::to_value(params.gqa).expect("serialises").as_str().unwrap_or_default(),
             params.sinks,
             params.window,
             if own.is_empty() {

@@ -270,9 +270,18 @@ impl ValidPolicy {
     fn check_combination(self) -> Result<Self, PolicyError> {
         let params = &self.params;
         if !self.scorer.supports(params.timing) {
+            let supported: Vec<&str> = Timing::ALL
+                .into_iter()
+                .filter(|&timing| self.scorer.supports(timing))
+                .map(Timing::name)
+                .collect();
             return Err(PolicyError::Unsupported {
-                what: format!("scorer `{}`", params.scorer),
-                rule: "selects once at prefill end: use --timing prefill",
+                what: format!(
+                    "scorer `{}` (timings: {})",
+                    params.scorer,
+                    supported.join(", ")
+                ),
+                rule: "is not defined for this timing: choose one of its timings",
             });
         }
         if params.order == Order::AttendFirst && !params.timing.streams() {
