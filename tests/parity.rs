@@ -279,3 +279,11 @@ fn snapkv_kvpress_keeps_what_kvpress_keeps() {
         "{exact} identical"
     );
 }
+
+#[test]
+fn streamingllm_keeps_what_its_cache_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 7, PROMPT);
+    check_streaming(&path, "streamingllm", "streaming_llm.py", &[12, 21], false);
+}

@@ -101,8 +101,13 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             window: 0,
             ..base
         },
-        // StreamingLLM: 4 sinks + the most recent tokens, evicting before the new token attends.
-        "streamingllm" => streaming("recency", 4.min(budget), 0),
+        // StreamingLLM (mit-han-lab/streaming-llm `StartRecentKVCache`, run token by token as
+        // `eval_long_ppl.py` does): 4 sinks + the most recent tokens; each token attends over the
+        // cache and itself, then the cache is cut.
+        "streamingllm" => PolicyParams {
+            order: Order::AttendFirst,
+            ..streaming("recency", 4.min(budget), 0)
+        },
         // kvpress's `SnapKVPress`: window 64, avg-pool kernel 5, one cache per KV head scored by
         // the group mean.
         "snapkv-kvpress" => PolicyParams {
