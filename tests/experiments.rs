@@ -61,9 +61,9 @@ fn sweep_writes_report_rows_and_plots_then_resumes() {
     assert_eq!(std::fs::read_dir(results.join("runs")).unwrap().count(), 6);
     let csv = std::fs::read_to_string(results.join("runs.csv")).unwrap();
     assert_eq!(csv.lines().count(), 7);
-    assert!(
-        csv.starts_with("id,trace,policy,budget,mean_kept,retained_mass,topk_recall,output_error")
-    );
+    assert!(csv.starts_with(
+        "id,trace,policy,budget,mean_kept,kv_entries,retained_mass,topk_recall,output_error"
+    ));
     insta::assert_snapshot!(report);
     // A rerun skips everything and prints the same report.
     let second = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
@@ -117,8 +117,13 @@ fn report_agrees_with_replay() {
         .lines()
         .find(|l| l.contains(",snapkv,6,"))
         .expect("snapkv at 6");
-    let stored: f64 = row.split(',').nth(5).unwrap().parse().unwrap();
+    let cells: Vec<&str> = row.split(',').collect();
+    let stored: f64 = cells[6].parse().unwrap();
     assert!((stored - mass).abs() < 1e-12, "{stored} vs {mass}");
+    // Memory in one unit: the report's KV entries per layer are the replay's.
+    let entries: f64 = cells[5].parse().unwrap();
+    let replayed = json["kv_entries"].as_f64().unwrap();
+    assert!((entries - replayed).abs() < 1e-9, "{entries} vs {replayed}");
 }
 
 #[test]

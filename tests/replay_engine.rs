@@ -5,8 +5,8 @@ mod common;
 use common::reference::{self, Agg, Layer};
 use common::{write_fixture, Shape};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, scorer, settings, Granularity, Order, PolicyError,
-    PolicyParams, Timing, UnitKept,
+    kept_sets, layer_budgets, replay, replay_many, scorer, settings, Granularity, Order,
+    PolicyError, PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use proptest::prelude::*;
@@ -310,6 +310,58 @@ fn bit_identical_across_thread_counts() {
             .install(|| replay(&trace, &policy).unwrap())
     };
     assert_eq!(run(1), run(3));
+}
+
+/// A grid in one pass (one-shot policies that differ only in budget, allocator or head split share
+/// one scoring pass per layer) equals each policy replayed alone, bit for bit; policies whose
+/// scores differ (scorer settings, window, layout, timing) are not mixed up.
+#[test]
+fn one_pass_over_a_grid_equals_each_policy_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("g.safetensors");
+    write_fixture(&path, Shape::default(), 13);
+    let trace = TraceReader::open(&path).unwrap();
+    let mut grid = Vec::new();
+    for budget in [10, 13, 16] {
+        grid.push(params("snapkv", Timing::Prefill, budget));
+        grid.push(PolicyParams {
+            allocator: "pyramid".into(),
+            sinks: 0,
+            ..params("snapkv", Timing::Prefill, budget)
+        });
+        grid.push(PolicyParams {
+            heads: "adakv".into(),
+            ..params("snapkv", Timing::Prefill, budget)
+        });
+        grid.push(params("snapkv", Timing::Prefill, budget).with("pool", "max"));
+        grid.push(PolicyParams {
+            window: 3,
+            ..params("snapkv", Timing::Prefill, budget)
+        });
+        grid.push(PolicyParams {
+            gqa: Granularity::QueryHead,
+            ..params("true-query", Timing::Prefill, budget)
+        });
+        grid.push(params("true-query", Timing::Prefill, budget));
+        grid.push(PolicyParams {
+            gqa: Granularity::Layer,
+            ..params("true-query", Timing::PrefillThenStream, budget)
+        });
+        grid.push(PolicyParams {
+            gqa: Granularity::Layer,
+            ..params("true-query", Timing::Prefill, budget)
+        });
+    }
+    let policies: Vec<_> = grid.into_iter().map(|p| p.check().unwrap()).collect();
+    let together = replay_many(&trace, &policies, &|| {}).unwrap();
+    for (policy, report) in policies.iter().zip(&together) {
+        assert_eq!(
+            &replay(&trace, policy).unwrap(),
+            report,
+            "{}",
+            policy.label()
+        );
+    }
 }
 
 fn config() -> Config {

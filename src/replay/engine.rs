@@ -3,7 +3,9 @@
 //! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
 //! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
 //! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
-//! one-shot kept sets are chosen for the whole layer, then the KV groups are measured one after
+//! one-shot kept sets are chosen for the whole layer (the prompt scores computed once per distinct
+//! scorer, settings, protection and layout, and shared by every budget, allocator and head split
+//! that selects from them), then the KV groups are measured one after
 //! another: a group's full decode attention is computed once and shared by every policy's
 //! metrics, and the policies run in parallel with rayon (a single policy runs its groups in
 //! parallel instead). Peak memory is one layer's f32 arrays plus, per thread, one group's decode
@@ -12,7 +14,8 @@
 
 use super::allocator::AllocationInput;
 use super::kept::{
-    is_whole_layer, map_units, per_step_kept, score_prompt, selection_groups, whole_layer_kept,
+    is_one_shot, is_whole_layer, map_units, one_shot_scores, per_step_kept, score_prompt,
+    selection_groups, whole_layer_kept,
 };
 use super::metrics::{
     measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
@@ -162,12 +165,34 @@ fn measure_layer(
 ) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
     let single = policies.len() == 1;
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
+    // One scoring pass per distinct score key: one-shot policies that differ only in budget,
+    // allocator or head split select from the same prompt scores.
+    let mut first_with_key: BTreeMap<&str, usize> = BTreeMap::new();
+    for (index, policy) in policies.iter().enumerate() {
+        if is_one_shot(policy) {
+            first_with_key.entry(policy.score_key()).or_insert(index);
+        }
+    }
+    let parallel_units = first_with_key.len() == 1;
+    let scores: BTreeMap<&str, Vec<Vec<f32>>> = first_with_key
+        .into_iter()
+        .collect::<Vec<_>>()
+        .into_par_iter()
+        .map(|(key, index)| {
+            let policy = &policies[index];
+            (
+                key,
+                one_shot_scores(layer, &units[index], policy, parallel_units),
+            )
+        })
+        .collect();
     let whole_layer: Vec<Option<Kept>> = policies
         .par_iter()
         .zip(budgets)
         .zip(&units)
         .map(|((policy, &budget), units)| {
-            is_whole_layer(policy).then(|| whole_layer_kept(layer, units, budget, policy, single))
+            let scored = is_one_shot(policy).then(|| scores[policy.score_key()].as_slice());
+            is_whole_layer(policy).then(|| whole_layer_kept(layer, units, budget, policy, scored))
         })
         .collect();
     let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
@@ -252,7 +277,14 @@ pub fn kept_sets(
     let units = units(&context, policy);
     let budget = budgets[layer];
     if is_whole_layer(policy) {
-        return Ok(whole_layer_kept(&context, &units, budget, policy, true));
+        let scored = is_one_shot(policy).then(|| one_shot_scores(&context, &units, policy, true));
+        return Ok(whole_layer_kept(
+            &context,
+            &units,
+            budget,
+            policy,
+            scored.as_deref(),
+        ));
     }
     Ok(Kept {
         layer_budget: budget,

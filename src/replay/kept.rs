@@ -246,23 +246,37 @@ fn map_groups<T: Send>(
     }
 }
 
-/// The kept sets of a one-shot policy ([`is_one_shot`]) for every cache of one layer.
+/// The prompt scores of a one-shot policy's selection groups ([`selection_groups`]), one vector
+/// per group: what [`one_shot_kept`] selects from, the same for every policy with the same
+/// [`ValidPolicy::score_key`].
+pub(crate) fn one_shot_scores(
+    layer: &LayerContext<'_>,
+    units: &[Unit],
+    policy: &ValidPolicy,
+    parallel_units: bool,
+) -> Vec<Vec<f32>> {
+    let protect = policy.protection();
+    let groups = selection_groups(units, policy);
+    map_groups(&groups, parallel_units, |group| {
+        score_prompt(policy.scorer.as_ref(), layer, group, protect)
+    })
+}
+
+/// The kept sets of a one-shot policy ([`is_one_shot`]) for every cache of one layer, selected
+/// from the groups' prompt scores.
 pub(crate) fn one_shot_kept(
     layer: &LayerContext<'_>,
     units: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
-    parallel_units: bool,
+    scored: &[Vec<f32>],
 ) -> Kept {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let groups = selection_groups(units, policy);
-    let scored: Vec<Vec<f32>> = map_groups(&groups, parallel_units, |group| {
-        score_prompt(policy.scorer.as_ref(), layer, group, protect)
-    });
     let group_budgets = policy
         .heads
-        .split(budget, &scored, groups.len(), prompt_len, protect);
+        .split(budget, scored, groups.len(), prompt_len, protect);
     let prompt: Vec<usize> = (0..prompt_len).collect();
     let protected = |position: usize| protect.covers(position, prompt_len);
     let mut kept = Vec::with_capacity(units.len());
@@ -283,16 +297,17 @@ pub(crate) fn one_shot_kept(
 }
 
 /// The kept sets of a policy chosen for the whole layer at once ([`is_whole_layer`]): one-shot
-/// sets, or the one streaming or re-selecting set all caches share under `gqa = layer`.
+/// sets selected from `scored` (its [`one_shot_scores`]), or the one streaming or re-selecting set
+/// all caches share under `gqa = layer`.
 pub(crate) fn whole_layer_kept(
     layer: &LayerContext<'_>,
     units: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
-    parallel_units: bool,
+    scored: Option<&[Vec<f32>]>,
 ) -> Kept {
-    if is_one_shot(policy) {
-        return one_shot_kept(layer, units, budget, policy, parallel_units);
+    if let Some(scored) = scored {
+        return one_shot_kept(layer, units, budget, policy, scored);
     }
     let shared = per_step_kept(layer, units, budget, policy);
     Kept {

@@ -152,6 +152,8 @@ fn build<T: ?Sized>(
 pub struct ValidPolicy {
     params: PolicyParams,
     settings: BTreeMap<String, String>,
+    /// What a one-shot selection's scores depend on (see [`ValidPolicy::score_key`]).
+    score_key: String,
     pub(crate) allocator: Box<dyn Allocator>,
     pub(crate) scorer: Box<dyn Scorer>,
     pub(crate) heads: Box<dyn HeadSplit>,
@@ -210,6 +212,13 @@ impl PolicyParams {
                 });
             }
         }
+        let score_key = format!(
+            "{} {} {:?} {:?}",
+            self.scorer,
+            Value::Object(scorer.method.resolve(&given)),
+            self.protection(),
+            self.gqa
+        );
         let mut settings = self.common_settings();
         for resolved in [
             allocator.method.resolve(&given),
@@ -223,6 +232,7 @@ impl PolicyParams {
             scorer: build(&scorer, &given)?,
             heads: build(&heads, &given)?,
             settings,
+            score_key,
             params: self,
         };
         policy.check_combination()
@@ -318,6 +328,13 @@ impl ValidPolicy {
     /// Whether any of its methods reads queries beyond the current position (an oracle).
     pub fn reads_future(&self) -> bool {
         self.scorer.reads_future() || self.allocator.reads_future()
+    }
+
+    /// Everything a one-shot selection's prompt scores depend on: the scorer and its settings, the
+    /// protection and the cache layout — not the budget, the allocator or the head split. Policies
+    /// with equal keys share one scoring pass over a layer.
+    pub(crate) fn score_key(&self) -> &str {
+        &self.score_key
     }
 
     /// Passes over the trace the allocator needs before the replay (0 or 1).
