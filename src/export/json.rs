@@ -1,5 +1,5 @@
 //! JSON: the reports as they are (one object for one report, an array for several), per-layer
-//! arrays included; `retained_mass`, `topk_recall`, `output_error` and `mean_kept` at the top.
+//! arrays included; `retained_mass`, `topk_recall`, `output_error`, `mean_kept`, `kv_entries` and `kv_bytes` at the top.
 
 use super::Exporter;
 use crate::replay::ReplayReport;
