@@ -89,7 +89,10 @@ fn policies() -> Vec<(String, PolicyParams)> {
         )
     })
     .collect();
-    let base = presets::preset("snapkv", 128).expect("preset");
+    let base = PolicyParams {
+        budget: 128,
+        ..PolicyParams::default()
+    };
     for (name, allocator) in [("entropy", "entropy"), ("oracle allocator", "oracle")] {
         let policy = PolicyParams {
             allocator: allocator.into(),

@@ -193,8 +193,10 @@ pub struct CausalLogits<'a> {
 
 impl<'a> CausalLogits<'a> {
     /// Rows (heads × positions) computed per matrix multiplication: a multiple of the product's
-    /// 6-row tile for groups of 1, 2, 3, 4, 6, 8, 9 or 12 heads.
-    pub const BLOCK_ROWS: usize = 72;
+    /// 6-row tile for groups of 1, 2, 3, 4, 6, 9 or 12 heads, and small enough that a cache's
+    /// block (`BLOCK_ROWS · T` logits) stays a few per cent of a layer while several caches are
+    /// scored side by side.
+    pub const BLOCK_ROWS: usize = 36;
 
     /// Logits of `queries` `[heads, T, d]` against `keys` `[T, d]`.
     pub fn new(
@@ -217,6 +219,14 @@ impl<'a> CausalLogits<'a> {
             stacked: Array2::zeros((heads * positions_per_block, head_dim)),
             logits: Vec::new(),
         }
+    }
+
+    /// Frees the working memory (the current block and the packed keys); a later row computes
+    /// them again, with the same values.
+    pub fn release(&mut self) {
+        self.logits = Vec::new();
+        self.keys.release();
+        self.block_start = usize::MAX;
     }
 
     /// Positions per block (`BLOCK_ROWS` shared by the heads).

@@ -53,6 +53,11 @@ impl<'a> PackedKeys<'a> {
         self.panels.len() / self.head_dim().max(1)
     }
 
+    /// Frees the packed panels; they are packed again when next needed.
+    pub fn release(&mut self) {
+        self.panels = Vec::new();
+    }
+
     /// Packs the panels that hold keys `0..n_keys`.
     fn ensure(&mut self, n_keys: usize) {
         let needed = n_keys.div_ceil(PANEL);

@@ -195,6 +195,7 @@ fn measure_layer(
             is_whole_layer(policy).then(|| whole_layer_kept(layer, units, budget, policy, scored))
         })
         .collect();
+    drop(scores);
     let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
     // Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
     let group_kept = |index: usize, kv_head: usize| -> Vec<(&Unit, Cow<'_, UnitKept>, usize)> {

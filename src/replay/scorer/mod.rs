@@ -63,11 +63,16 @@ pub trait ScoreState {
 /// The queries of one cache's heads, and their attention over a cache. While the cache is the
 /// whole prefix `0..=position` (prefill, or streaming before the first eviction) the logits come
 /// from block matrix multiplications ([`CausalLogits`]); once evictions have made it sparse, from
-/// one dot product per cached key, so a streaming step costs O(budget), not O(T).
+/// one dot product per cached key, so a streaming step costs O(budget), not O(T). The block's
+/// working memory is kept only while prefix rows are asked for one after another: a one-off row
+/// (the last prompt query of a prefill-time cut) and the sparse steps free it, so caches scored
+/// side by side (`gqa = layer`) do not each hold one.
 pub(crate) struct GroupQueries<'a> {
     layer: LayerContext<'a>,
     unit: Unit,
     rows: CausalLogits<'a>,
+    /// The prefix row that would continue the last one served.
+    next_prefix: Option<usize>,
 }
 
 impl<'a> GroupQueries<'a> {
@@ -84,6 +89,7 @@ impl<'a> GroupQueries<'a> {
                 layer.scale,
                 layer.softcap,
             ),
+            next_prefix: None,
         }
     }
 
@@ -91,10 +97,18 @@ impl<'a> GroupQueries<'a> {
     pub fn per_head(&mut self, position: usize, cache: &[usize]) -> Vec<Vec<f32>> {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
         if is_prefix {
-            return (0..self.unit.query_heads.len())
+            let one_off = self.next_prefix != Some(position);
+            let rows = (0..self.unit.query_heads.len())
                 .map(|head| softmax(self.rows.row(head, position)))
                 .collect();
+            if one_off {
+                self.rows.release();
+            }
+            self.next_prefix = Some(position + 1);
+            return rows;
         }
+        self.rows.release();
+        self.next_prefix = None;
         // A sparse cache (after evictions): one dot product per cached key and head, O(budget).
         let keys = self.layer.keys(self.unit.kv_head);
         let queries: Vec<Vec<f32>> = self
