@@ -66,6 +66,12 @@ impl ScoreState for Shared<'_> {
             state.on_evict(index);
         }
     }
+
+    fn on_cut(&mut self, kept: &[bool]) {
+        for state in &mut self.states {
+            state.on_cut(kept);
+        }
+    }
 }
 
 /// A fresh scorer state for a group of caches that choose together.
@@ -196,7 +202,7 @@ fn stream(
 }
 
 /// Cuts the whole prompt to its `budget` best entries at once (the one-shot selection of
-/// [`select_top`]), telling the state of every eviction, last entry first.
+/// [`select_top`]), telling the state which entries went in one call.
 fn cut(
     cache: &mut Vec<usize>,
     state: &mut dyn ScoreState,
@@ -212,12 +218,12 @@ fn cut(
     let kept = select_top(cache, scores, budget, |position| {
         protect.covers(position, len)
     });
-    for index in (0..cache.len()).rev() {
-        if kept.binary_search(&cache[index]).is_err() {
-            cache.remove(index);
-            state.on_evict(index);
-        }
-    }
+    let marks: Vec<bool> = cache
+        .iter()
+        .map(|position| kept.binary_search(position).is_ok())
+        .collect();
+    *cache = kept;
+    state.on_cut(&marks);
 }
 
 /// Maps over the caches, in parallel or not.

@@ -197,10 +197,17 @@ impl ScoreState for State<'_> {
         }
     }
 
+    fn on_cut(&mut self, kept: &[bool]) {
+        // The order is made when decoding starts.
+        let mut marks = kept.iter();
+        self.cache
+            .retain(|_| *marks.next().expect("one mark per entry"));
+    }
+
     fn on_evict(&mut self, index: usize) {
         let position = self.cache.remove(index);
         if self.order.is_empty() {
-            // The prompt's cut: the order is made when decoding starts.
+            // Before decoding: the order is made when decoding starts.
             return;
         }
         // A decode eviction (never of the window): the survivors outside the window are gathered

@@ -65,6 +65,10 @@ impl ScoreState for State<'_> {
     fn on_evict(&mut self, index: usize) {
         self.scores.remove(index);
     }
+
+    fn on_cut(&mut self, kept: &[bool]) {
+        self.scores.retain(kept);
+    }
 }
 
 #[cfg(test)]

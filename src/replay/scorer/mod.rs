@@ -58,6 +58,15 @@ pub trait ScoreState {
     fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>);
     /// Entry `index` of the cache has been evicted.
     fn on_evict(&mut self, _index: usize) {}
+    /// Every entry `i` with `kept[i] == false` has been evicted at once (the cut at the end of the
+    /// prompt); states that keep one value per entry override it to drop them in one pass.
+    fn on_cut(&mut self, kept: &[bool]) {
+        for index in (0..kept.len()).rev() {
+            if !kept[index] {
+                self.on_evict(index);
+            }
+        }
+    }
 }
 
 /// The queries of one cache's heads, and their attention over a cache. While the cache is the
@@ -188,6 +197,13 @@ impl AlignedScores {
 
     pub fn remove(&mut self, index: usize) {
         self.0.remove(index);
+    }
+
+    /// Keeps the entries `kept` marks, in one pass.
+    pub fn retain(&mut self, kept: &[bool]) {
+        let mut marks = kept.iter();
+        self.0
+            .retain(|_| *marks.next().expect("one mark per entry"));
     }
 }
 
