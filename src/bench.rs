@@ -176,9 +176,10 @@ pub const GRID_POLICIES: [&str; 6] = [
 ];
 
 /// The policy of a grid name, as the NumPy reference implements it (one cache per KV head, the
-/// group's mean; `tests/reference/replay_numpy.py`): the grid measures speed on fixed policies,
-/// so SnapKV, PyramidKV and H2O are spelled out here rather than taken from their presets, which
-/// follow each method's own code (query-head caches, H2O's prefill-then-stream).
+/// group's mean, evict-first streaming; `tests/reference/replay_numpy.py`): the grid measures
+/// speed on fixed policies, so SnapKV, PyramidKV, StreamingLLM and H2O are spelled out here rather
+/// than taken from their presets, which follow each method's own code (query-head caches, H2O's
+/// prefill-then-stream, attend-first streaming).
 pub fn grid_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
     let base = PolicyParams {
         budget,
@@ -195,6 +196,13 @@ pub fn grid_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyErro
             scorer: "true-query".into(),
             timing: Timing::Streaming,
             window: budget / 2,
+            ..base
+        },
+        "streamingllm" => PolicyParams {
+            scorer: "recency".into(),
+            timing: Timing::Streaming,
+            sinks: 4.min(budget),
+            window: 0,
             ..base
         },
         "key-proxy" => presets::preset("h2o-adapted", budget)?,
