@@ -355,14 +355,18 @@ mod tests {
         let keys = ndarray::Array2::from_shape_fn((150, 3), |(t, d)| {
             ((t * 5 + d) % 13) as f32 * 0.1 - 0.6
         });
-        // Three heads share the keys: 24 positions per block, so the positions below cross
-        // block edges, go back to an earlier block, and end in the short last block.
+        // Three heads share the keys: 12 positions per block, so the positions below cross
+        // block edges, go back to an earlier block, and end in the short last block; a release
+        // in between changes nothing.
         let heads = ndarray::Array3::from_shape_fn((3, 150, 3), |(h, t, d)| {
             queries[[t, d]] * (h as f32 + 1.0) - 0.1 * h as f32
         });
         let mut rows = CausalLogits::new(heads.view(), keys.view(), 0.5, Some(2.0));
-        assert_eq!(rows.positions_per_block(), 24);
+        assert_eq!(rows.positions_per_block(), 12);
         for position in [0, 1, 23, 24, 25, 71, 72, 73, 149, 145, 3] {
+            if position == 72 {
+                rows.release();
+            }
             for head in [2, 0, 1] {
                 let direct = logits(
                     heads.slice(ndarray::s![head, position, ..]),
