@@ -14,7 +14,7 @@
 mod common;
 
 use common::{torch_python, Rng};
-use kvreplay::replay::{kept_sets, layer_budgets, presets, Kept, UnitKept};
+use kvreplay::replay::{kept_sets, layer_budgets, presets, Kept, PolicyParams, UnitKept};
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
 use serde_json::Value;
@@ -240,35 +240,35 @@ fn cake_keeps_what_its_cache_keeps() {
     check_streaming(&path, "cake", "cake.py", &[40, 48, 64], true);
 }
 
-/// kvpress's SnapKV keeps one cache per KV head with a window of 64: a longer prompt, budgets
-/// above the window.
-#[test]
-fn snapkv_kvpress_keeps_what_kvpress_keeps() {
-    let dir = tempfile::tempdir().unwrap();
-    let path = dir.path().join("parity.safetensors");
-    write_trace(&path, 6, 112);
-    let trace = TraceReader::open(&path).unwrap();
-    let budgets = [72, 80, 96];
-    let mut args = vec![path.display().to_string()];
+/// Compares a kvpress press (one cache per KV head, one-shot) with its transcription: `policy`
+/// at each budget against `script`.
+fn check_kvpress(
+    trace_path: &Path,
+    script: &str,
+    policy: impl Fn(usize) -> PolicyParams,
+    budgets: &[usize],
+) {
+    let trace = TraceReader::open(trace_path).unwrap();
+    let mut args = vec![trace_path.display().to_string()];
     args.extend(budgets.iter().map(usize::to_string));
-    let official = reference("kvpress_snapkv.py", &args);
+    let official = reference(script, &args);
     let mut exact = 0;
-    for budget in budgets {
-        for (layer, kept) in kvreplay_kept(&trace, "snapkv-kvpress", budget)
-            .iter()
-            .enumerate()
-        {
+    for &budget in budgets {
+        let checked = policy(budget).check().unwrap();
+        let layer_budgets = layer_budgets(&trace, &checked).unwrap();
+        for layer in 0..LAYERS {
+            let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
             let expected = &official[budget.to_string()]["layers"][layer];
             assert_eq!(kept.units.len(), KV_HEADS, "one cache per KV head");
             for (unit, unit_kept) in kept.kept.iter().enumerate() {
                 let UnitKept::Fixed(ours) = unit_kept else {
-                    panic!("snapkv-kvpress is one-shot")
+                    panic!("{script}: one-shot")
                 };
                 let theirs = positions(&expected["kept"][unit]);
                 let (same, close) = one_shot_matches(ours, &theirs, expected["scores"].get(unit));
                 assert!(
                     close,
-                    "snapkv-kvpress at {budget}, layer {layer}, cache {unit}:\n ours     {ours:?}\n official {theirs:?}"
+                    "{script} at {budget}, layer {layer}, cache {unit}:\n ours     {ours:?}\n official {theirs:?}"
                 );
                 exact += usize::from(same);
             }
@@ -277,6 +277,40 @@ fn snapkv_kvpress_keeps_what_kvpress_keeps() {
     assert!(
         exact * 10 >= budgets.len() * LAYERS * KV_HEADS * 9,
         "{exact} identical"
+    );
+}
+
+/// kvpress's SnapKV keeps one cache per KV head with a window of 64: a longer prompt, budgets
+/// above the window.
+#[test]
+fn snapkv_kvpress_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 6, 112);
+    check_kvpress(
+        &path,
+        "kvpress_snapkv.py",
+        |budget| presets::preset("snapkv-kvpress", budget).unwrap(),
+        &[72, 80, 96],
+    );
+}
+
+/// kvpress's KeyDiff: the `keydiff` scorer, one-shot, nothing protected.
+#[test]
+fn keydiff_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 8, PROMPT);
+    check_kvpress(
+        &path,
+        "kvpress_keydiff.py",
+        |budget| PolicyParams {
+            scorer: "keydiff".into(),
+            budget,
+            window: 0,
+            ..PolicyParams::default()
+        },
+        &[8, 16, 30],
     );
 }
 

@@ -369,6 +369,21 @@ fn member_scores(
             .iter()
             .map(|&j| -layer.key(kv, j).iter().map(|x| x * x).sum::<f64>().sqrt())
             .collect(),
+        "keydiff" => {
+            // Minus the cosine of each key to the mean of the cached keys, each normalised.
+            let norm = |v: &[f64]| v.iter().map(|x| x * x).sum::<f64>().sqrt();
+            let keys: Vec<Vec<f64>> = cache.iter().map(|&j| layer.key(kv, j)).collect();
+            let d = keys[0].len();
+            let anchor: Vec<f64> = (0..d)
+                .map(|x| keys.iter().map(|k| k[x] / norm(k)).sum::<f64>() / keys.len() as f64)
+                .collect();
+            keys.iter()
+                .map(|k| {
+                    let dot: f64 = k.iter().zip(&anchor).map(|(a, b)| a * b).sum();
+                    -dot / (norm(k) * norm(&anchor))
+                })
+                .collect()
+        }
         "oracle-static" => cache
             .iter()
             .map(|&j| {

@@ -20,6 +20,7 @@ crate::registry! {
     tova::Tova,
     recency::Recency,
     knorm::Knorm,
+    keydiff::Keydiff,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
