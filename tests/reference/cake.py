@@ -19,14 +19,13 @@ Usage: cake.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"steps": [[[posit
 attends over] per step] per KV head]}]}} as JSON.
 """
 import math
-import sys
 
 import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtrace import emit, load, repeat_kv, topk_stable
+from kvtrace import new_query_attention, repeat_kv, run_budgets, topk_stable
 
 WINDOW = 32
 GAMMA = 200.0
@@ -184,7 +183,7 @@ def run(layers, prompt_len, cache_size):
     budgets = prefill_budgets(prefs, cache_size, window_size, len(layers), prompt_len)
     out = []
     for layer, (q, k) in enumerate(layers):
-        num_heads, total, head_dim = q.shape[1], q.shape[2], q.shape[3]
+        num_heads, total = q.shape[1], q.shape[2]
         num_key_value_heads = k.shape[1]
         group = num_heads // num_key_value_heads
         positions = torch.arange(prompt_len).repeat(num_key_value_heads, 1)
@@ -198,8 +197,7 @@ def run(layers, prompt_len, cache_size):
             positions = torch.cat([positions, torch.full((num_key_value_heads, 1), position)], dim=1)
             # The newest query's attention over the cache (K repeated per query head).
             cached = torch.stack([k[0, h // group, positions[h // group]] for h in range(num_heads)])
-            logits = torch.einsum("hd,hnd->hn", q[0, :, position, :], cached) / math.sqrt(head_dim)
-            attn = nn.functional.softmax(logits, dim=-1, dtype=torch.float32)[None, :, None, :]
+            attn = new_query_attention(q[0, :, position, :], cached)
             positions = decode_evict(positions, attn, hh_size, window_size, num_key_value_heads)
             for h in range(num_key_value_heads):
                 steps[h].append(sorted(positions[h].tolist()))
@@ -207,11 +205,7 @@ def run(layers, prompt_len, cache_size):
     return {"layers": out}
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)

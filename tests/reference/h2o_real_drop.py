@@ -16,11 +16,10 @@ becomes `topk_stable` (kvtrace.py); float32.
 Usage: h2o_real_drop.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"steps": [[[positions a decode query
 attends over] per step] per query head]}]}} as JSON.
 """
-import sys
 
 import torch
 
-from kvtrace import causal_attention, emit, load, repeat_kv, topk_stable
+from kvtrace import causal_attention, new_query_attention, repeat_kv, run_budgets, topk_stable
 
 
 class H2OKVCache_LayerWise:
@@ -70,16 +69,12 @@ class H2OKVCache_LayerWise:
             self.hh_score = attn_score_cache
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 def run(layers, prompt_len, budget):
     out = []
     for q, k in layers:
-        num_heads, total, head_dim = q.shape[1], q.shape[2], q.shape[3]
+        num_heads, total = q.shape[1], q.shape[2]
         keys = repeat_kv(k, num_heads // k.shape[1])[0]  # [H, T, d]
         cache = H2OKVCache_LayerWise(hh_size=budget // 2, recent_size=budget - budget // 2)
         # Prefill: the whole prompt with full causal attention.
@@ -90,8 +85,7 @@ def run(layers, prompt_len, budget):
         for position in range(prompt_len, total):
             positions = torch.cat([positions, torch.full((num_heads, 1), position)], dim=-1)
             cached_keys = torch.stack([keys[h, positions[h]] for h in range(num_heads)])  # [H, n, d]
-            logits = torch.einsum("hd,hnd->hn", q[0, :, position, :], cached_keys) / (head_dim ** 0.5)
-            attn = torch.softmax(logits, dim=-1, dtype=torch.float32)[None, :, None, :]
+            attn = new_query_attention(q[0, :, position, :], cached_keys)
             for h in range(num_heads):
                 steps[h].append(positions[h].tolist())
             positions = cache(positions, attn)
@@ -100,4 +94,4 @@ def run(layers, prompt_len, budget):
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)

@@ -11,11 +11,10 @@ compression ratio; positions are returned instead of gathered K/V; `topk` become
 Usage: kvpress_keydiff.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions] per
 KV head], "scores": [[score per position] per KV head]}]}} as JSON.
 """
-import sys
 
 from torch.nn import functional as F
 
-from kvtrace import emit, load, topk_stable
+from kvtrace import run_budgets, top_positions
 
 
 def score(keys):
@@ -29,20 +28,12 @@ def run(layers, prompt_len, n_kept):
     for _, k in layers:
         keys = k[:, :, :prompt_len, :]
         scores = score(keys)
-        if n_kept >= prompt_len:
-            kept = [list(range(prompt_len))] * keys.shape[1]
-        else:
-            indices = topk_stable(scores, n_kept)  # deviation: stable ties
-            kept = [sorted(head.tolist()) for head in indices[0]]
+        kept = top_positions(scores, n_kept, prompt_len)  # deviation: stable ties
         out.append({"kept": kept, "scores": scores[0].tolist()})
     return {"layers": out}
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)

@@ -15,13 +15,12 @@ Usage: kvpress_snapkv.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept":
 KV head], "scores": [[score per position] per KV head]}]}} as JSON.
 """
 import math
-import sys
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
-from kvtrace import emit, load, repeat_kv, topk_stable
+from kvtrace import repeat_kv, run_budgets, top_positions
 
 WINDOW_SIZE = 64
 KERNEL_SIZE = 5
@@ -62,20 +61,12 @@ def run(layers, prompt_len, n_kept):
         keys = k[:, :, :prompt_len, :]
         window_size = min(WINDOW_SIZE, n_kept)  # deviation: the preset's window, min(64, budget)
         scores = score(queries, keys, window_size, KERNEL_SIZE)
-        if n_kept >= prompt_len:
-            kept = [list(range(prompt_len))] * keys.shape[1]
-        else:
-            indices = topk_stable(scores, n_kept)  # deviation: stable ties
-            kept = [sorted(head.tolist()) for head in indices[0]]
+        kept = top_positions(scores, n_kept, prompt_len)  # deviation: stable ties
         out.append({"kept": kept, "scores": scores[0].tolist()})
     return {"layers": out}
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)

@@ -9,6 +9,7 @@ index among equal values (a stable descending sort), the rule kvreplay documents
 selection.
 """
 import json
+import sys
 
 import torch
 from safetensors import safe_open
@@ -55,3 +56,27 @@ def causal_attention(q, k):
 
 def emit(result):
     print(json.dumps(result))
+
+
+def new_query_attention(query, keys):
+    """The softmax of one new query per head over that head's cached keys, in the layout of HF
+    attention weights: query [H, d], keys [H, n, d] -> [1, H, 1, n] (float32)."""
+    logits = torch.einsum("hd,hnd->hn", query, keys) / (query.shape[-1] ** 0.5)
+    return torch.softmax(logits, dim=-1, dtype=torch.float32)[None, :, None, :]
+
+
+def top_positions(scores, n_kept, prompt_len):
+    """ScorerPress.compress's selection (kvpress scorer_press.py lines 92-95) as sorted positions
+    per KV head: the top `n_kept` of `scores` [1, K, n] (stable ties), or the whole prompt."""
+    if n_kept >= prompt_len:
+        return [list(range(prompt_len))] * scores.shape[1]
+    indices = topk_stable(scores, n_kept)
+    return [sorted(head.tolist()) for head in indices[0]]
+
+
+def run_budgets(run):
+    """A transcription's command line: TRACE BUDGET... -> {BUDGET: run(layers, prompt_len,
+    budget)} as JSON on stdout."""
+    meta, layers = load(sys.argv[1])
+    prompt_len = int(meta["prompt_len"])
+    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})

@@ -14,9 +14,8 @@ them, which a replay of the full model's vectors does not do).
 Usage: streaming_llm.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"steps": [[positions a
 decode query attends over] per step]}]}} as JSON.
 """
-import sys
 
-from kvtrace import emit, load
+from kvtrace import run_budgets
 
 
 class StartRecentKVCache:
@@ -47,11 +46,7 @@ def run(layers, prompt_len, budget):
     return {"layers": [{"steps": steps} for _ in layers]}
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)

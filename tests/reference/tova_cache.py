@@ -13,11 +13,10 @@ becomes `topk_stable` (kvtrace.py); float32.
 Usage: tova_cache.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"steps": [[positions a decode query
 attends over] per step]}]}} as JSON.
 """
-import sys
 
 import torch
 
-from kvtrace import causal_attention, emit, load, repeat_kv, topk_stable
+from kvtrace import causal_attention, new_query_attention, repeat_kv, run_budgets, topk_stable
 
 
 def reduce(cache_size, positions, attn_weights):
@@ -33,24 +32,19 @@ def reduce(cache_size, positions, attn_weights):
     return positions[ind[0]]
 
 
-def main():
-    meta, layers = load(sys.argv[1])
-    prompt_len = int(meta["prompt_len"])
-    emit({budget: run(layers, prompt_len, int(budget)) for budget in sys.argv[2:]})
 
 
 def run(layers, prompt_len, budget):
     out = []
     for q, k in layers:
-        num_heads, total, head_dim = q.shape[1], q.shape[2], q.shape[3]
+        num_heads, total = q.shape[1], q.shape[2]
         keys = repeat_kv(k, num_heads // k.shape[1])[0]  # [H, T, d]
         attn = causal_attention(q[:, :, :prompt_len, :], keys[None, :, :prompt_len, :])
         positions = reduce(budget, torch.arange(prompt_len), attn)
         steps = []
         for position in range(prompt_len, total):
             positions = torch.cat([positions, torch.tensor([position])])
-            logits = torch.einsum("hd,hnd->hn", q[0, :, position, :], keys[:, positions, :]) / (head_dim ** 0.5)
-            attn = torch.softmax(logits, dim=-1, dtype=torch.float32)[None, :, None, :]
+            attn = new_query_attention(q[0, :, position, :], keys[:, positions, :])
             steps.append(positions.tolist())
             positions = reduce(budget, positions, attn)
         out.append({"steps": steps})
@@ -58,4 +52,4 @@ def run(layers, prompt_len, budget):
 
 
 if __name__ == "__main__":
-    main()
+    run_budgets(run)
