@@ -255,18 +255,7 @@ fn member_prompt_scores(
                         .collect()
                 })
                 .collect();
-            (0..n)
-                .map(|j| {
-                    if j < n - w {
-                        Layer::combine(
-                            policy.agg,
-                            &per_head.iter().map(|s| s[j]).collect::<Vec<_>>(),
-                        )
-                    } else {
-                        f64::INFINITY
-                    }
-                })
-                .collect()
+            combine_before_window(&per_head, n, w, policy.agg)
         }
         _ => {
             // Every other scorer is a stream; with no eviction its final scores are the same
@@ -428,13 +417,16 @@ fn cake_window_scores(layer: &Layer, policy: &Policy, heads: &[usize], kv: usize
             avg_pool(&scores, policy.kernel)
         })
         .collect();
+    combine_before_window(&per_head, n, w, policy.agg)
+}
+
+/// One score per prompt position from per-head scores of the keys before the window: the group
+/// aggregated there, the window's positions +inf (always kept).
+fn combine_before_window(per_head: &[Vec<f64>], n: usize, w: usize, agg: Agg) -> Vec<f64> {
     (0..n)
         .map(|j| {
             if j < n - w {
-                Layer::combine(
-                    policy.agg,
-                    &per_head.iter().map(|p| p[j]).collect::<Vec<_>>(),
-                )
+                Layer::combine(agg, &per_head.iter().map(|p| p[j]).collect::<Vec<_>>())
             } else {
                 f64::INFINITY
             }
