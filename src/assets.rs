@@ -152,6 +152,52 @@ impl Assets {
         Self { home, python }
     }
 
+    /// The Python of the virtual environment `$KVREPLAY_HOME/<name>`, made on first use: while
+    /// `python -c "import <modules>"` fails, the venv is created and `pip install <install>` run
+    /// in it (the NumPy reference's and the torch tests' environments).
+    pub fn python_venv(
+        &self,
+        name: &str,
+        modules: &str,
+        install: &[&std::ffi::OsStr],
+    ) -> Result<PathBuf, String> {
+        let venv = self.home.join(name);
+        let python = venv.join("bin/python");
+        let ready = Command::new(&python)
+            .args(["-c", &format!("import {modules}")])
+            .status()
+            .is_ok_and(|s| s.success());
+        if ready {
+            return Ok(python);
+        }
+        let made = Command::new(&self.python)
+            .args(["-m", "venv"])
+            .arg(&venv)
+            .status()
+            .map_err(|e| format!("running {} -m venv: {e}", self.python))?;
+        if !made.success() {
+            return Err(format!("{} -m venv {} failed", self.python, venv.display()));
+        }
+        let installed = Command::new(&python)
+            .args([
+                "-m",
+                "pip",
+                "install",
+                "--quiet",
+                "--disable-pip-version-check",
+            ])
+            .args(install)
+            .status()
+            .map_err(|e| format!("running pip in {}: {e}", venv.display()))?;
+        if !installed.success() {
+            return Err(format!(
+                "pip install {install:?} into {} failed (offline?)",
+                venv.display()
+            ));
+        }
+        Ok(python)
+    }
+
     /// The asset directory.
     pub fn home(&self) -> &Path {
         &self.home

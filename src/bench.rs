@@ -55,40 +55,9 @@ pub fn numpy_python(given: Option<PathBuf>) -> Result<PathBuf, BenchError> {
     if let Some(python) = given {
         return Ok(python);
     }
-    let venv = Assets::from_env().home().join("bench-venv");
-    let python = venv.join("bin/python");
-    let has_numpy = |python: &Path| {
-        Command::new(python)
-            .args(["-c", "import numpy"])
-            .status()
-            .is_ok_and(|s| s.success())
-    };
-    if !has_numpy(&python) {
-        let fail = |what: String| BenchError::Reference(what);
-        let made = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .map_err(|e| fail(format!("running python3 -m venv: {e}")))?;
-        if !made.success() {
-            return Err(fail(format!("python3 -m venv {} failed", venv.display())));
-        }
-        let installed = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "numpy==2.4.6",
-            ])
-            .status()
-            .map_err(|e| fail(format!("installing numpy: {e}")))?;
-        if !installed.success() {
-            return Err(fail("pip install numpy failed (offline?)".into()));
-        }
-    }
-    Ok(python)
+    Assets::from_env()
+        .python_venv("bench-venv", "numpy", &["numpy==2.4.6".as_ref()])
+        .map_err(BenchError::Reference)
 }
 
 /// Runs the NumPy reference (`tests/reference/replay_numpy.py`) on the grid and compares its

