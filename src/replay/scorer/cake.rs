@@ -43,7 +43,7 @@ struct State<'a> {
     /// Per query head, per key before the window: the sum of its window weights and of their
     /// squares.
     sums: Vec<Vec<(f64, f64)>>,
-    /// The engine's cache as last seen (positions, ascending).
+    /// The engine's cache (positions, ascending), mirrored append by append.
     cache: Vec<usize>,
     /// While decoding, the official cache's order of the same positions.
     order: Vec<usize>,
@@ -149,8 +149,9 @@ impl ScoreState for State<'_> {
         if newest >= self.prompt_len {
             self.order.push(newest);
         }
-        self.cache.clear();
-        self.cache.extend_from_slice(cache);
+        // Mirrors the engine's cache: its appends here, its evictions in on_evict and on_cut.
+        self.cache.push(newest);
+        debug_assert_eq!(self.cache.len(), cache.len());
         let before_window = self.prompt_len - self.window;
         if newest < before_window || newest >= self.prompt_len {
             return;
