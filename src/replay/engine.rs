@@ -14,8 +14,8 @@
 
 use super::allocator::AllocationInput;
 use super::kept::{
-    is_one_shot, is_whole_layer, map_units, one_shot_scores, per_step_kept, score_prompt,
-    selection_groups, whole_layer_kept,
+    is_one_shot, is_whole_layer, one_shot_kept, one_shot_scores, per_step_kept,
+    per_step_layer_kept, score_prompt, selection_groups,
 };
 use super::metrics::{
     measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
@@ -191,8 +191,13 @@ fn measure_layer(
         .zip(budgets)
         .zip(&units)
         .map(|((policy, &budget), units)| {
-            let scored = is_one_shot(policy).then(|| scores[policy.score_key()].as_slice());
-            is_whole_layer(policy).then(|| whole_layer_kept(layer, units, budget, policy, scored))
+            if is_one_shot(policy) {
+                let scored = &scores[policy.score_key()];
+                Some(one_shot_kept(layer, units, budget, policy, scored))
+            } else {
+                is_whole_layer(policy)
+                    .then(|| per_step_layer_kept(layer, units, budget, policy, single))
+            }
         })
         .collect();
     drop(scores);
@@ -277,23 +282,11 @@ pub fn kept_sets(
     let context = context(trace, layer, &tensors);
     let units = units(&context, policy);
     let budget = budgets[layer];
-    if is_whole_layer(policy) {
-        let scored = is_one_shot(policy).then(|| one_shot_scores(&context, &units, policy, true));
-        return Ok(whole_layer_kept(
-            &context,
-            &units,
-            budget,
-            policy,
-            scored.as_deref(),
-        ));
-    }
-    Ok(Kept {
-        layer_budget: budget,
-        budgets: vec![budget; units.len()],
-        kept: map_units(&units, true, |unit| {
-            per_step_kept(&context, std::slice::from_ref(unit), budget, policy)
-        }),
-        units,
+    Ok(if is_one_shot(policy) {
+        let scored = one_shot_scores(&context, &units, policy, true);
+        one_shot_kept(&context, &units, budget, policy, &scored)
+    } else {
+        per_step_layer_kept(&context, &units, budget, policy, true)
     })
 }
 

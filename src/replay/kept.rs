@@ -226,19 +226,6 @@ fn cut(
     state.on_cut(&marks);
 }
 
-/// Maps over the caches, in parallel or not.
-pub(crate) fn map_units<T: Send>(
-    units: &[Unit],
-    parallel: bool,
-    work: impl Fn(&Unit) -> T + Sync + Send,
-) -> Vec<T> {
-    if parallel {
-        units.par_iter().map(work).collect()
-    } else {
-        units.iter().map(work).collect()
-    }
-}
-
 /// Maps over groups of caches that choose together, in parallel or not.
 fn map_groups<T: Send>(
     groups: &[&[Unit]],
@@ -302,25 +289,30 @@ pub(crate) fn one_shot_kept(
     }
 }
 
-/// The kept sets of a policy chosen for the whole layer at once ([`is_whole_layer`]): one-shot
-/// sets selected from `scored` (its [`one_shot_scores`]), or the one streaming or re-selecting set
-/// all caches share under `gqa = layer`.
-pub(crate) fn whole_layer_kept(
+/// The step-by-step kept sets of every cache of one layer under a policy that is not one-shot:
+/// each selection group ([`selection_groups`]) streams or re-selects once, and its caches share
+/// the result.
+pub(crate) fn per_step_layer_kept(
     layer: &LayerContext<'_>,
     units: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
-    scored: Option<&[Vec<f32>]>,
+    parallel: bool,
 ) -> Kept {
-    if let Some(scored) = scored {
-        return one_shot_kept(layer, units, budget, policy, scored);
-    }
-    let shared = per_step_kept(layer, units, budget, policy);
+    let groups = selection_groups(units, policy);
+    let per_group = map_groups(&groups, parallel, |group| {
+        per_step_kept(layer, group, budget, policy)
+    });
+    let kept = groups
+        .iter()
+        .zip(per_group)
+        .flat_map(|(group, kept)| std::iter::repeat_n(kept, group.len()))
+        .collect();
     Kept {
         layer_budget: budget,
         units: units.to_vec(),
         budgets: vec![budget; units.len()],
-        kept: vec![shared; units.len()],
+        kept,
     }
 }
 
