@@ -14,7 +14,7 @@
 //! and this scorer keeps it. With W = 1 the variance is taken as 0 (torch's would be undefined).
 //! Defined for the `prefill` and `prefill-then-stream` timings.
 
-use super::snapkv::pool1d;
+use super::snapkv::{check_kernel, pool1d};
 use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
@@ -53,12 +53,7 @@ struct State<'a> {
 
 impl Scorer for Cake {
     fn check(&self) -> Result<(), Broken> {
-        if self.kernel % 2 == 0 {
-            return Err(Broken {
-                key: "kernel",
-                rule: "must be odd (same-length pooling needs a centred kernel)",
-            });
-        }
+        check_kernel(self.kernel)?;
         if !self.gamma.is_finite() || self.gamma < 0.0 {
             return Err(Broken {
                 key: "gamma",

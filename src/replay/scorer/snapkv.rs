@@ -58,13 +58,7 @@ impl Scorer for SnapKv {
     }
 
     fn check(&self) -> Result<(), Broken> {
-        if self.kernel % 2 == 0 {
-            return Err(Broken {
-                key: "kernel",
-                rule: "must be odd (same-length pooling needs a centred kernel)",
-            });
-        }
-        Ok(())
+        check_kernel(self.kernel)
     }
 
     fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a> {
@@ -80,6 +74,17 @@ impl Scorer for SnapKv {
             cached: AlignedScores::default(),
         })
     }
+}
+
+/// The rule of a pooling `kernel` setting: odd, so that same-length pooling is centred.
+pub(crate) fn check_kernel(kernel: usize) -> Result<(), Broken> {
+    if kernel % 2 == 0 {
+        return Err(Broken {
+            key: "kernel",
+            rule: "must be odd (same-length pooling needs a centred kernel)",
+        });
+    }
+    Ok(())
 }
 
 /// Same-length 1-D pooling with `kernel / 2` padding on each side.
