@@ -49,6 +49,9 @@ struct State<'a> {
     order: Vec<usize>,
     /// The pooled scores of the last decode step, by entry of `order`.
     last_pooled: Vec<f32>,
+    /// The prompt-end scores, made from `sums` when first asked for (the window is complete by
+    /// then) and kept for the cut and the order after it.
+    prompt_end: Vec<f32>,
 }
 
 impl Scorer for Cake {
@@ -81,6 +84,7 @@ impl Scorer for Cake {
             cache: Vec::new(),
             order: Vec::new(),
             last_pooled: Vec::new(),
+            prompt_end: Vec::new(),
         })
     }
 }
@@ -98,8 +102,17 @@ impl State<'_> {
             .collect()
     }
 
-    /// The prompt-end score of every key before the window: mean + gamma * unbiased variance.
-    fn window_scores(&self) -> Vec<f32> {
+    /// The prompt-end score of every key before the window: mean + gamma * unbiased variance,
+    /// computed once (the window's sums are freed then).
+    fn window_scores(&mut self) -> &[f32] {
+        if self.prompt_end.is_empty() {
+            self.prompt_end = self.pooled_window_scores();
+            self.sums = Vec::new();
+        }
+        &self.prompt_end
+    }
+
+    fn pooled_window_scores(&self) -> Vec<f32> {
         let rows = self.window as f64;
         let per_head: Vec<Vec<f32>> = self
             .sums
@@ -125,10 +138,10 @@ impl State<'_> {
 impl State<'_> {
     /// The official order of the cache the prompt's cut left: the entries before the window by
     /// descending prompt-end score (`topk` order; equal scores by position), then the window.
-    fn order_after_cut(&self) -> Vec<usize> {
-        let scores = self.window_scores();
+    fn order_after_cut(&mut self) -> Vec<usize> {
         let before_window = self.prompt_len - self.window;
         let mut order: Vec<usize> = self.cache.clone();
+        let scores = self.window_scores();
         let split = order.partition_point(|&position| position < before_window);
         order[..split].sort_by(|&a, &b| scores[b].total_cmp(&scores[a]).then(a.cmp(&b)));
         order
