@@ -82,36 +82,20 @@ fn find<'a>(
         .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
 }
 
-/// Per trace file (as the runs name it), its query and KV heads.
-type Heads = std::collections::BTreeMap<String, (usize, usize)>;
-
-/// The head counts of every trace, read from their headers.
-fn heads_of(traces: &[TraceFile]) -> Result<Heads, SweepError> {
+/// A run's KV entries per layer, from its trace's head counts.
+fn kv_entries(run: &StoredRun, traces: &[TraceFile]) -> f64 {
     traces
         .iter()
-        .map(|trace| {
-            let reader = TraceReader::open(&trace.path).map_err(PolicyError::from)?;
-            let meta = reader.meta();
-            Ok((
-                trace.path.display().to_string(),
-                (meta.n_heads, meta.n_kv_heads),
-            ))
-        })
-        .collect()
-}
-
-/// A run's KV entries per layer.
-fn kv_entries(run: &StoredRun, heads: &Heads) -> f64 {
-    heads
-        .get(&run.trace)
-        .map_or(f64::NAN, |&(n_heads, n_kv_heads)| {
+        .find(|trace| trace.path.display().to_string() == run.trace)
+        .and_then(|trace| trace.heads)
+        .map_or(f64::NAN, |(n_heads, n_kv_heads)| {
             run.report.kv_entries(n_heads, n_kv_heads)
         })
 }
 
 fn write_frames(
     runs: &[StoredRun],
-    heads: &Heads,
+    traces: &[TraceFile],
     results: &Path,
 ) -> Result<Vec<PathBuf>, SweepError> {
     let column = |name: &str, values: Vec<f64>| Column::new(name.into(), values);
@@ -140,7 +124,7 @@ fn write_frames(
         ),
         column(
             "kv_entries",
-            runs.iter().map(|r| kv_entries(r, heads)).collect(),
+            runs.iter().map(|r| kv_entries(r, traces)).collect(),
         ),
     ];
     columns.extend(metrics::REGISTRY.iter().map(|metric| {
@@ -316,12 +300,11 @@ pub fn build(
     );
     if !runs.is_empty() {
         let names = names(experiment);
-        let heads = heads_of(traces)?;
-        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names, &heads);
+        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names, traces);
         out += &mass;
         out += &paired_section(experiment, &runs, &trace_names);
         out += &span_sections(experiment, &names, &runs, &trace_names);
-        let files = write_frames(&runs, &heads, results)?;
+        let files = write_frames(&runs, traces, results)?;
         let mut figures = figures_of_runs(
             experiment,
             &names,
@@ -363,7 +346,7 @@ fn mass_section(
     names: &[String],
     runs: &[StoredRun],
     trace_names: &[String],
-    heads: &Heads,
+    traces: &[TraceFile],
 ) -> (String, Vec<Series>) {
     let several = trace_names.len() > 1;
     let mut out = format!(
@@ -398,7 +381,7 @@ fn mass_section(
             } else {
                 mean_ci(&samples(per_trace[0]))
             };
-            let entries = per_trace.iter().map(|r| kv_entries(r, heads)).sum::<f64>()
+            let entries = per_trace.iter().map(|r| kv_entries(r, traces)).sum::<f64>()
                 / per_trace.len() as f64;
             row.push(format!("{mean:.4} ± {half:.4} ({entries:.0})"));
             points.push((budget as f64, mean));

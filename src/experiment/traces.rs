@@ -20,6 +20,9 @@ pub struct TraceFile {
     pub sha256: String,
     /// sha256 of the recipe file it was captured from, if any.
     pub recipe_sha256: Option<String>,
+    /// Its query and KV heads, as its header says (read while hashing it; `None` for a file
+    /// whose header does not say).
+    pub heads: Option<(usize, usize)>,
 }
 
 impl TraceFile {
@@ -32,11 +35,18 @@ impl TraceFile {
         if path.is_dir() {
             return Err(fail("is a directory, not a trace file".into()));
         }
-        let sha256 = content_sha256(path).map_err(|err| fail(err.to_string()))?;
+        let (sha256, header) = content_sha256(path).map_err(|err| fail(err.to_string()))?;
+        let count = |key: &str| {
+            header.as_ref()?["__metadata__"][key]
+                .as_str()?
+                .parse::<usize>()
+                .ok()
+        };
         Ok(Self {
             path: path.to_owned(),
             sha256,
             recipe_sha256: None,
+            heads: count("n_heads").zip(count("n_kv_heads")),
         })
     }
 }
@@ -44,7 +54,8 @@ impl TraceFile {
 /// sha256 of a safetensors file's content: its header with keys in sorted order (the writer's
 /// header is a hash map, so two writes of the same tensors and metadata order its keys
 /// differently), then its data bytes. Not a safetensors header: the file's bytes as they are.
-fn content_sha256(path: &Path) -> std::io::Result<String> {
+/// Returns the digest and the parsed header.
+fn content_sha256(path: &Path) -> std::io::Result<(String, Option<serde_json::Value>)> {
     let mut file = std::io::BufReader::new(std::fs::File::open(path)?);
     let mut hasher = Sha256::new();
     let mut length = [0u8; 8];
@@ -57,7 +68,7 @@ fn content_sha256(path: &Path) -> std::io::Result<String> {
         }
         Err(_) => None,
     };
-    match header {
+    match &header {
         // serde_json's maps are ordered by key, so this is the canonical header.
         Some(json) => hasher.update(json.to_string().as_bytes()),
         None => {
@@ -65,7 +76,7 @@ fn content_sha256(path: &Path) -> std::io::Result<String> {
         }
     }
     std::io::copy(&mut file, &mut HashWriter(&mut hasher))?;
-    Ok(format!("{:x}", hasher.finalize()))
+    Ok((format!("{:x}", hasher.finalize()), header))
 }
 
 /// Feeds what is written to a hasher.
