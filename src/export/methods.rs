@@ -52,7 +52,7 @@ pub fn methods_markdown() -> String {
             } else {
                 String::new()
             },
-            serde_json::to_value(params.gqa).expect("serialises").as_str().unwrap_or_default(),
+            params.gqa.name(),
             params.sinks,
             params.window,
             if own.is_empty() {

@@ -19,6 +19,17 @@ pub enum Granularity {
     Layer,
 }
 
+impl Granularity {
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Granularity::KvHead => "kv-head",
+            Granularity::QueryHead => "query-head",
+            Granularity::Layer => "layer",
+        }
+    }
+}
+
 /// How a GQA group's query-head scores become one score per cached token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
@@ -49,6 +60,23 @@ impl Aggregation {
         match self {
             Aggregation::Mean if count > 0 => acc / count as f32,
             _ => acc,
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn names_are_the_config_spellings() {
+        for granularity in [
+            Granularity::KvHead,
+            Granularity::QueryHead,
+            Granularity::Layer,
+        ] {
+            let spelled = serde_json::to_value(granularity).unwrap();
+            assert_eq!(spelled.as_str(), Some(granularity.name()));
         }
     }
 }
