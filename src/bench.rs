@@ -209,11 +209,11 @@ pub fn matmul_peak() -> (f64, &'static str) {
         }
     }
     let (rows, keys) = (operand(72, 64, 0), operand(2048, 64, 5));
-    let mut packed = PackedKeys::new(keys.view());
+    let mut packed = PackedKeys::new(64);
     let mut out = vec![0.0f32; 72 * 2048];
     let flops = 2.0 * (72 * 64 * 2048) as f64;
     let own = best_of(flops, 180, || {
-        scaled_product(rows.view(), &mut packed, 2048, 1.0, &mut out);
+        scaled_product(rows.view(), keys.view(), &mut packed, 2048, 1.0, &mut out);
         out[0]
     });
     if own > best.0 {
@@ -258,7 +258,7 @@ pub fn scoring_throughput(trace: &TraceReader) -> Result<(f64, f64), PolicyError
                     .q
                     .slice(s![kv_head * group..(kv_head + 1) * group, .., ..]);
                 let keys = tensors.k.slice(s![kv_head, .., ..]);
-                let mut rows = CausalLogits::new(queries, keys, meta.scale, meta.softcap);
+                let mut rows = CausalLogits::new(group, meta.head_dim, meta.scale, meta.softcap);
                 if repeat == 0 {
                     let block = rows.positions_per_block();
                     for start in (0..prompt_len).step_by(block) {
@@ -268,7 +268,7 @@ pub fn scoring_throughput(trace: &TraceReader) -> Result<(f64, f64), PolicyError
                 }
                 for position in 0..prompt_len {
                     for head in 0..group {
-                        softmax_into(rows.row(head, position), &mut buffer);
+                        softmax_into(rows.row(queries, keys, head, position), &mut buffer);
                         sink += buffer[0];
                     }
                 }

@@ -172,12 +172,10 @@ pub fn attend_positions(
 /// whatever the group size), whose output buffer is reused from block to block. That buffer and
 /// the packed keys are a prefix scorer's working memory: `(BLOCK_ROWS + d) · T` floats per cache
 /// being scored at most, a few per cent of a layer.
-#[derive(Debug)]
-pub struct CausalLogits<'a> {
-    /// `[heads, T, d]`.
-    queries: ArrayView3<'a, f32>,
-    /// `[T, d]`, packed for the product as blocks need them.
-    keys: PackedKeys<'a>,
+#[derive(Debug, Clone)]
+pub struct CausalLogits {
+    /// The keys, packed for the product as blocks need them.
+    keys: PackedKeys,
     scale: f32,
     softcap: Option<f32>,
     positions_per_block: usize,
@@ -191,25 +189,19 @@ pub struct CausalLogits<'a> {
     logits: Vec<f32>,
 }
 
-impl<'a> CausalLogits<'a> {
+impl CausalLogits {
     /// Rows (heads × positions) computed per matrix multiplication: a multiple of the product's
     /// 6-row tile for groups of 1, 2, 3, 4, 6, 9 or 12 heads, and small enough that a cache's
     /// block (`BLOCK_ROWS · T` logits) stays a few per cent of a layer while several caches are
     /// scored side by side.
     pub const BLOCK_ROWS: usize = 36;
 
-    /// Logits of `queries` `[heads, T, d]` against `keys` `[T, d]`.
-    pub fn new(
-        queries: ArrayView3<'a, f32>,
-        keys: ArrayView2<'a, f32>,
-        scale: f32,
-        softcap: Option<f32>,
-    ) -> Self {
-        let (heads, _, head_dim) = queries.dim();
+    /// Logits of `heads` query heads of size `head_dim` against their shared keys; the queries
+    /// `[heads, T, d]` and keys `[T, d]` come with each [`row`](Self::row) call.
+    pub fn new(heads: usize, head_dim: usize, scale: f32, softcap: Option<f32>) -> Self {
         let positions_per_block = (Self::BLOCK_ROWS / heads.max(1)).max(1);
         Self {
-            queries,
-            keys: PackedKeys::new(keys),
+            keys: PackedKeys::new(head_dim),
             scale,
             softcap,
             positions_per_block,
@@ -234,25 +226,33 @@ impl<'a> CausalLogits<'a> {
         self.positions_per_block
     }
 
-    /// The logits of head `head`'s query at `position` over keys `0..=position`.
-    pub fn row(&mut self, head: usize, position: usize) -> &[f32] {
+    /// The logits of head `head`'s query at `position` over keys `0..=position`. A block covers
+    /// the positions of `queries` there are: when they grow between calls (a live model), a row
+    /// past the block's end computes the block again.
+    pub fn row(
+        &mut self,
+        queries: ArrayView3<f32>,
+        keys: ArrayView2<f32>,
+        head: usize,
+        position: usize,
+    ) -> &[f32] {
         let start = position / self.positions_per_block * self.positions_per_block;
-        if start != self.block_start {
-            self.compute_block(start);
+        if start != self.block_start || position >= start + self.block_positions {
+            self.compute_block(queries, keys, start);
         }
         let offset = (head * self.block_positions + position - start) * self.block_keys;
         &self.logits[offset..=offset + position]
     }
 
-    fn compute_block(&mut self, start: usize) {
-        let (heads, n_positions, head_dim) = self.queries.dim();
+    fn compute_block(&mut self, queries: ArrayView3<f32>, keys: ArrayView2<f32>, start: usize) {
+        let (heads, n_positions, head_dim) = queries.dim();
         let end = (start + self.positions_per_block).min(n_positions);
         let positions = end - start;
         let rows = heads * positions;
         for head in 0..heads {
             self.stacked
                 .slice_mut(s![head * positions..(head + 1) * positions, ..])
-                .assign(&self.queries.slice(s![head, start..end, ..]));
+                .assign(&queries.slice(s![head, start..end, ..]));
         }
         let needed = rows * end;
         if self.logits.len() < needed {
@@ -265,6 +265,7 @@ impl<'a> CausalLogits<'a> {
         let block = &mut self.logits[..needed];
         scaled_product(
             self.stacked.slice(s![..rows, ..head_dim]),
+            keys,
             &mut self.keys,
             end,
             self.scale,
@@ -295,11 +296,12 @@ pub fn decode_attention(
     let (n_heads, n_positions, _) = queries.dim();
     let steps = n_positions - prompt_len;
     let mut out = ndarray::Array3::<f32>::zeros((n_heads, steps, n_positions));
-    let mut packed = PackedKeys::new(keys);
+    let mut packed = PackedKeys::new(keys.ncols());
     for head in 0..n_heads {
         let mut rows = out.index_axis_mut(ndarray::Axis(0), head);
         scaled_product(
             queries.slice(s![head, prompt_len.., ..]),
+            keys,
             &mut packed,
             n_positions,
             scale,
@@ -361,7 +363,7 @@ mod tests {
         let heads = ndarray::Array3::from_shape_fn((3, 150, 3), |(h, t, d)| {
             queries[[t, d]] * (h as f32 + 1.0) - 0.1 * h as f32
         });
-        let mut rows = CausalLogits::new(heads.view(), keys.view(), 0.5, Some(2.0));
+        let mut rows = CausalLogits::new(3, 3, 0.5, Some(2.0));
         assert_eq!(rows.positions_per_block(), 12);
         for position in [0, 1, 23, 24, 25, 71, 72, 73, 149, 145, 3] {
             if position == 72 {
@@ -374,11 +376,38 @@ mod tests {
                     0.5,
                     Some(2.0),
                 );
-                let served = rows.row(head, position);
+                let served = rows.row(heads.view(), keys.view(), head, position);
                 assert_eq!(served.len(), position + 1);
                 for (a, b) in served.iter().zip(&direct) {
                     assert_abs_diff_eq!(a, b, epsilon = 1e-5);
                 }
+            }
+        }
+    }
+
+    #[test]
+    fn rows_of_a_growing_prefix_equal_those_of_the_whole() {
+        // A live model hands over one more position at each step: every row must equal the row
+        // served from the whole array, bit for bit, although blocks were cut short.
+        let queries = ndarray::Array3::from_shape_fn((2, 40, 4), |(h, t, d)| {
+            ((h * 5 + t * 3 + d) % 11) as f32 * 0.2 - 1.0
+        });
+        let keys =
+            ndarray::Array2::from_shape_fn((40, 4), |(t, d)| ((t * 7 + d) % 13) as f32 * 0.1);
+        let (mut whole, mut growing) = (
+            CausalLogits::new(2, 4, 0.5, None),
+            CausalLogits::new(2, 4, 0.5, None),
+        );
+        for position in 0..40 {
+            let (q, k) = (
+                queries.slice(ndarray::s![.., ..=position, ..]),
+                keys.slice(ndarray::s![..=position, ..]),
+            );
+            for head in 0..2 {
+                let want = whole
+                    .row(queries.view(), keys.view(), head, position)
+                    .to_vec();
+                assert_eq!(growing.row(q, k, head, position), want.as_slice());
             }
         }
     }

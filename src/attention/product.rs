@@ -28,58 +28,60 @@ struct PanelRow([f32; PANEL]);
 
 /// A prefix of keys `[T, d]` packed for [`scaled_product`]: panels of [`PANEL`] consecutive
 /// keys, each stored dimension-major (`d` rows of [`PANEL`] values), the last one zero-padded.
-/// Panels are packed when a product first needs them, into one allocation sized for all keys
-/// (its pages become resident only as panels are written), never moved.
-#[derive(Debug)]
-pub struct PackedKeys<'a> {
-    keys: ArrayView2<'a, f32>,
+/// Panels are packed when a product first needs them; the keys come with every product, so a
+/// prefix that grows between products (a live model's keys, token by token) packs only what is
+/// new: the last panel again if it was partial, then the panels after it.
+#[derive(Debug, Clone)]
+pub struct PackedKeys {
+    head_dim: usize,
     panels: Vec<PanelRow>,
+    /// Keys packed so far (the last panel may hold fewer than [`PANEL`]).
+    packed_keys: usize,
 }
 
-impl<'a> PackedKeys<'a> {
+impl PackedKeys {
     /// Packs nothing yet.
-    pub fn new(keys: ArrayView2<'a, f32>) -> Self {
+    pub fn new(head_dim: usize) -> Self {
         Self {
-            keys,
+            head_dim,
             panels: Vec::new(),
+            packed_keys: 0,
         }
-    }
-
-    fn head_dim(&self) -> usize {
-        self.keys.ncols()
-    }
-
-    fn packed_panels(&self) -> usize {
-        self.panels.len() / self.head_dim().max(1)
     }
 
     /// Frees the packed panels; they are packed again when next needed.
     pub fn release(&mut self) {
         self.panels = Vec::new();
+        self.packed_keys = 0;
     }
 
-    /// Packs the panels that hold keys `0..n_keys`.
-    fn ensure(&mut self, n_keys: usize) {
-        let needed = n_keys.div_ceil(PANEL);
-        let head_dim = self.head_dim();
-        if needed <= self.packed_panels() || head_dim == 0 {
+    /// Packs the panels that hold keys `0..n_keys` of `keys`.
+    fn ensure(&mut self, keys: ArrayView2<f32>, n_keys: usize) {
+        let head_dim = self.head_dim;
+        if n_keys <= self.packed_keys || head_dim == 0 {
             return;
         }
         if self.panels.capacity() == 0 {
+            // One allocation sized for every key there is (its pages become resident only as
+            // panels are written).
             self.panels
-                .reserve_exact(self.keys.nrows().div_ceil(PANEL) * head_dim);
+                .reserve_exact(keys.nrows().div_ceil(PANEL) * head_dim);
         }
-        for panel in self.packed_panels()..needed {
+        let first = self.packed_keys / PANEL;
+        let needed = n_keys.div_ceil(PANEL);
+        self.panels.truncate(first * head_dim);
+        for panel in first..needed {
             let start = self.panels.len();
             self.panels.resize(start + head_dim, PanelRow([0.0; PANEL]));
             let rows = &mut self.panels[start..];
-            let keys = self.keys.outer_iter().skip(panel * PANEL).take(PANEL);
-            for (column, key) in keys.enumerate() {
+            let panel_keys = keys.outer_iter().skip(panel * PANEL).take(PANEL);
+            for (column, key) in panel_keys.enumerate() {
                 for (row, value) in rows.iter_mut().zip(key) {
                     row.0[column] = *value;
                 }
             }
         }
+        self.packed_keys = (needed * PANEL).min(keys.nrows());
     }
 }
 
@@ -87,29 +89,26 @@ impl<'a> PackedKeys<'a> {
 /// first `n_keys` keys. Full register tiles need `R` to be a multiple of 6.
 pub fn scaled_product(
     rows: ArrayView2<f32>,
-    keys: &mut PackedKeys,
+    keys: ArrayView2<f32>,
+    packed: &mut PackedKeys,
     n_keys: usize,
     scale: f32,
     out: &mut [f32],
 ) {
     let (n_rows, head_dim) = rows.dim();
     assert_eq!(
-        head_dim,
-        keys.head_dim(),
+        head_dim, packed.head_dim,
         "queries and keys differ in head size"
     );
-    assert!(
-        n_keys <= keys.keys.nrows(),
-        "more keys asked for than there are"
-    );
+    assert!(n_keys <= keys.nrows(), "more keys asked for than there are");
     assert_eq!(out.len(), n_rows * n_keys, "output is rows × keys");
     let rows = rows.as_standard_layout();
-    keys.ensure(n_keys);
+    packed.ensure(keys, n_keys);
     let product = Product {
         queries: rows.as_slice().expect("standard layout"),
         n_rows,
         head_dim,
-        panels: &keys.panels,
+        panels: &packed.panels,
         n_keys,
         scale,
     };
@@ -306,12 +305,19 @@ mod tests {
             (13, 33, 5),
         ] {
             let (queries, keys) = fixture(rows, n_keys, head_dim);
-            let mut packed = PackedKeys::new(keys.view());
+            let mut packed = PackedKeys::new(head_dim);
             // Growing prefixes, as a causal scorer asks for them, then a shorter one again.
             for prefix in [n_keys / 3, n_keys, 1, n_keys / 2] {
                 let prefix = prefix.max(1);
                 let mut out = vec![f32::NAN; rows * prefix];
-                scaled_product(queries.view(), &mut packed, prefix, 0.125, &mut out);
+                scaled_product(
+                    queries.view(),
+                    keys.view(),
+                    &mut packed,
+                    prefix,
+                    0.125,
+                    &mut out,
+                );
                 let want = brute(&queries, &keys, prefix, 0.125);
                 let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
                 assert_eq!(bits(&out), bits(&want), "{rows}×{prefix}×{head_dim}");
@@ -322,9 +328,16 @@ mod tests {
     #[test]
     fn portable_tiles_agree_with_the_dispatched_product() {
         let (queries, keys) = fixture(6, 16, 64);
-        let mut packed = PackedKeys::new(keys.view());
+        let mut packed = PackedKeys::new(64);
         let mut product = vec![0.0; 96];
-        scaled_product(queries.view(), &mut packed, 16, 0.3, &mut product);
+        scaled_product(
+            queries.view(),
+            keys.view(),
+            &mut packed,
+            16,
+            0.3,
+            &mut product,
+        );
         let tile = Tile {
             panel: &packed.panels,
             scale: 0.3,
@@ -339,9 +352,9 @@ mod tests {
     #[test]
     fn packs_only_what_is_asked_for() {
         let (_, keys) = fixture(1, 100, 4);
-        let mut packed = PackedKeys::new(keys.view());
-        packed.ensure(17);
-        assert_eq!(packed.packed_panels(), 2);
+        let mut packed = PackedKeys::new(4);
+        packed.ensure(keys.view(), 17);
+        assert_eq!(packed.packed_keys, 32);
         assert_eq!(packed.panels.len(), 2 * 4);
         // Key 17 is column 1 of panel 1; its dimension 2 is that panel's row 2.
         assert_eq!(packed.panels[4 + 2].0[1], keys[[17, 2]]);
@@ -350,10 +363,25 @@ mod tests {
             0,
             "cache-line aligned"
         );
-        packed.ensure(100);
+        packed.ensure(keys.view(), 100);
         assert_eq!(packed.panels.len(), 7 * 4);
         // Padding after key 99 (column 3 of panel 6) is zero.
         assert_eq!(packed.panels[6 * 4 + 3].0[PANEL - 1], 0.0);
         assert_eq!(packed.panels[6 * 4 + 3].0[3], keys[[99, 3]]);
+    }
+
+    #[test]
+    fn a_prefix_that_grows_between_products_packs_its_new_keys() {
+        // A live model's keys arrive token by token: each product sees a longer view, and the
+        // partial panel packed from the shorter one must be packed again.
+        let (queries, keys) = fixture(7, 40, 5);
+        let mut packed = PackedKeys::new(5);
+        for visible in [3, 17, 18, 33, 40] {
+            let prefix = keys.slice(ndarray::s![..visible, ..]);
+            let mut out = vec![f32::NAN; 7 * visible];
+            scaled_product(queries.view(), prefix, &mut packed, visible, 0.5, &mut out);
+            let want = brute(&queries, &keys, visible, 0.5);
+            assert_eq!(out, want, "{visible} keys");
+        }
     }
 }

@@ -25,6 +25,7 @@ mod protection;
 pub mod scorer;
 mod select;
 pub mod settings;
+mod stream;
 mod timing;
 
 pub use allocator::Rounding;

@@ -33,8 +33,9 @@ crate::settings! {
     }
 }
 
-struct State<'a> {
-    queries: GroupQueries<'a>,
+#[derive(Clone)]
+struct State {
+    queries: GroupQueries,
     prompt_len: usize,
     window: usize,
     gamma: f64,
@@ -70,7 +71,7 @@ impl Scorer for Cake {
         matches!(timing, Timing::Prefill | Timing::PrefillThenStream)
     }
 
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         let window = protect.window.clamp(1, layer.prompt_len);
         let before_window = layer.prompt_len - window;
         Box::new(State {
@@ -89,7 +90,7 @@ impl Scorer for Cake {
     }
 }
 
-impl State<'_> {
+impl State {
     /// Pools each head's scores and aggregates the group.
     fn pooled(&self, per_head: &[Vec<f32>]) -> Vec<f32> {
         let pooled: Vec<Vec<f32>> = per_head
@@ -135,7 +136,7 @@ impl State<'_> {
     }
 }
 
-impl State<'_> {
+impl State {
     /// The official order of the cache the prompt's cut left: the entries before the window by
     /// descending prompt-end score (`topk` order; equal scores by position), then the window.
     fn order_after_cut(&mut self) -> Vec<usize> {
@@ -148,8 +149,8 @@ impl State<'_> {
     }
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
+impl ScoreState for State {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         if newest == self.prompt_len {
             self.order = self.order_after_cut();
@@ -164,7 +165,7 @@ impl ScoreState for State<'_> {
         if newest < before_window || newest >= self.prompt_len {
             return;
         }
-        let per_head = self.queries.per_head(newest, cache);
+        let per_head = self.queries.per_head(layer, newest, cache);
         for (sums, weights) in self.sums.iter_mut().zip(per_head) {
             for (&position, weight) in cache.iter().zip(weights) {
                 if position < before_window {
@@ -176,7 +177,7 @@ impl ScoreState for State<'_> {
         }
     }
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         let newest = *cache.last().expect("non-empty cache");
         out.clear();
         if newest < self.prompt_len {
@@ -190,7 +191,7 @@ impl ScoreState for State<'_> {
         let outside = self.order.len().saturating_sub(self.window);
         let per_head: Vec<Vec<f32>> = self
             .queries
-            .per_head(newest, cache)
+            .per_head(layer, newest, cache)
             .into_iter()
             .map(|weights| {
                 self.order[..outside]
@@ -265,7 +266,7 @@ mod tests {
             window: 2,
         };
         let mut state = scorer.start(&layer, &unit(), protect);
-        let scores = scores_after(state.as_mut(), 4);
+        let scores = scores_after(state.as_mut(), &layer, 4);
         assert_abs_diff_eq!(scores[0], 0.466_235, epsilon = 1e-5);
         assert_abs_diff_eq!(scores[1], 0.231_695, epsilon = 1e-5);
         assert!(scores[2].is_infinite() && scores[3].is_infinite());

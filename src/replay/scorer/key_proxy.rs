@@ -12,7 +12,7 @@
 use super::{Started, AlignedScores, ScoreState, Scorer};
 use crate::attention::{attend_positions, softmax, CausalLogits};
 use crate::replay::{LayerContext, Protection, Unit};
-use ndarray::{ArrayView2, Axis};
+use ndarray::Axis;
 
 crate::settings! {
     /// Each new key as its own query (the VeloxQuant-MLX library's H2O-adapted rule, the
@@ -20,28 +20,26 @@ crate::settings! {
     pub struct KeyProxy = "key-proxy" {}
 }
 
-struct State<'a> {
-    keys: ArrayView2<'a, f32>,
-    scale: f32,
+#[derive(Clone)]
+struct State {
+    kv_head: usize,
     /// K·Kᵀ rows while the cache is the whole prefix.
-    rows: CausalLogits<'a>,
+    rows: CausalLogits,
     scores: AlignedScores,
 }
 
 impl Scorer for KeyProxy {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
-        let keys = layer.keys(unit.kv_head);
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(State {
-            keys,
-            scale: layer.scale,
-            rows: CausalLogits::new(keys.insert_axis(Axis(0)), keys, layer.scale, None),
+            kv_head: unit.kv_head,
+            rows: CausalLogits::new(1, layer.k.shape()[2], layer.scale, None),
             scores: AlignedScores::default(),
         })
     }
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
+impl ScoreState for State {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
         let (&newest, stored) = cache
             .split_last()
             .expect("on_append sees a non-empty cache");
@@ -49,16 +47,18 @@ impl ScoreState for State<'_> {
             self.scores.0.push(1.0);
             return;
         }
+        let keys = layer.keys(self.kv_head);
         let attention = if stored.len() == newest {
-            softmax(&self.rows.row(0, newest)[..newest])
+            let as_queries = keys.insert_axis(Axis(0));
+            softmax(&self.rows.row(as_queries, keys, 0, newest)[..newest])
         } else {
-            attend_positions(self.keys.row(newest), self.keys, stored, self.scale, None)
+            attend_positions(keys.row(newest), keys, stored, layer.scale, None)
         };
         self.scores.accumulate(attention);
         self.scores.0.push(0.0);
     }
 
-    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
         self.scores.copy_to(out);
     }
 
@@ -85,7 +85,7 @@ mod tests {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
         let mut state = KeyProxy {}.start(&layer, &unit(), Protection::default());
-        let scores = scores_after(state.as_mut(), 3);
+        let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], 2.5, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.5, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[2], 0.0, epsilon = 1e-6);

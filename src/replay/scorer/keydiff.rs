@@ -8,7 +8,7 @@
 
 use super::{ScoreState, Scorer, Started};
 use crate::replay::{LayerContext, Protection, Unit};
-use ndarray::{Array1, ArrayView2};
+use ndarray::Array1;
 
 crate::settings! {
     /// Keep the keys least similar to the mean normalised key (Park et al., 2025,
@@ -16,14 +16,16 @@ crate::settings! {
     pub struct Keydiff = "keydiff" {}
 }
 
-struct State<'a> {
-    keys: ArrayView2<'a, f32>,
+/// The cache's KV head: its keys come with each call.
+#[derive(Clone)]
+struct State {
+    kv_head: usize,
 }
 
 impl Scorer for Keydiff {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(State {
-            keys: layer.keys(unit.kv_head),
+            kv_head: unit.kv_head,
         })
     }
 }
@@ -33,20 +35,21 @@ fn norm(key: ndarray::ArrayView1<'_, f32>) -> f32 {
     key.dot(&key).sqrt().max(1e-12)
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, _cache: &[usize]) {}
+impl ScoreState for State {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
-        let mut anchor = Array1::<f32>::zeros(self.keys.ncols());
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        let keys = layer.keys(self.kv_head);
+        let mut anchor = Array1::<f32>::zeros(keys.ncols());
         for &position in cache {
-            let key = self.keys.row(position);
+            let key = keys.row(position);
             anchor.scaled_add(1.0 / norm(key), &key);
         }
         anchor /= cache.len() as f32;
         let anchor_norm = anchor.dot(&anchor).sqrt();
         out.clear();
         out.extend(cache.iter().map(|&position| {
-            let key = self.keys.row(position);
+            let key = keys.row(position);
             // torch's cosine_similarity: x·y / max(|x| |y|, 1e-8).
             let denominator = (key.dot(&key).sqrt() * anchor_norm).max(1e-8);
             -key.dot(&anchor) / denominator
@@ -67,7 +70,7 @@ mod tests {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
         let mut state = Keydiff {}.start(&layer, &unit(), Protection::default());
-        let scores = scores_after(state.as_mut(), 3);
+        let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], -0.707_107, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], -0.707_107, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[2], -1.0, epsilon = 1e-6);

@@ -3,7 +3,6 @@
 
 use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
-use ndarray::ArrayView2;
 
 crate::settings! {
     /// Keep the keys of smallest L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress
@@ -11,25 +10,28 @@ crate::settings! {
     pub struct Knorm = "knorm" {}
 }
 
-struct State<'a> {
-    keys: ArrayView2<'a, f32>,
+/// The cache's KV head: its keys come with each call.
+#[derive(Clone)]
+struct State {
+    kv_head: usize,
 }
 
 impl Scorer for Knorm {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(State {
-            keys: layer.keys(unit.kv_head),
+            kv_head: unit.kv_head,
         })
     }
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, _cache: &[usize]) {}
+impl ScoreState for State {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        let keys = layer.keys(self.kv_head);
         out.clear();
         out.extend(cache.iter().map(|&position| {
-            let key = self.keys.row(position);
+            let key = keys.row(position);
             -key.dot(&key).sqrt()
         }));
     }
@@ -45,6 +47,6 @@ mod tests {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 2], &[[3.0, 4.0], [0.0, 1.0]], 2);
         let layer = context(&q, &k, n);
         let mut state = Knorm {}.start(&layer, &unit(), Protection::default());
-        assert_eq!(scores_after(state.as_mut(), 2), vec![-5.0, -1.0]);
+        assert_eq!(scores_after(state.as_mut(), &layer, 2), vec![-5.0, -1.0]);
     }
 }

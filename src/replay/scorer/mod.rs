@@ -4,7 +4,11 @@
 //!
 //! A scorer consumes a stream: [`ScoreState::on_append`] sees each token as it enters the cache
 //! (its key arrives, its query attends), [`ScoreState::on_evict`] each eviction, and
-//! [`ScoreState::scores`] is asked whenever the engine must choose. Higher scores are kept.
+//! [`ScoreState::scores`] is asked whenever the engine must choose. Higher scores are kept. The
+//! layer's vectors come with every call rather than being held by the state, so the stream can
+//! come from a trace (the whole layer at once) or from a live model (one more position each
+//! step); a state reads only the positions up to the newest one, unless its scorer declares it
+//! reads the future.
 
 use super::settings::Broken;
 use super::{Aggregation, Protection, Timing};
@@ -44,19 +48,21 @@ pub trait Scorer: Send + Sync {
         true
     }
     /// A fresh state for one cache of one layer; `protect` is the policy's protection (SnapKV's
-    /// observation window is its window).
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a>;
+    /// observation window is its window). `layer` gives the layer's shape and prompt length; only
+    /// a scorer that reads the future may read its vectors here.
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started;
 }
 
 /// A scorer's state for one cache, as `start` returns it.
-pub type Started<'a> = Box<dyn ScoreState + 'a>;
+pub type Started = Box<dyn ScoreState>;
 
-/// The running state of a scorer for one cache.
-pub trait ScoreState {
+/// The running state of a scorer for one cache. `layer` holds at least the positions of `cache`;
+/// cloning a state forks the stream (a live run decodes two continuations of one prompt).
+pub trait ScoreState: dyn_clone::DynClone + Send {
     /// The last entry of `cache` (positions in insertion order) has just been appended.
-    fn on_append(&mut self, cache: &[usize]);
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]);
     /// Writes one score per entry of `cache` into `out` (cleared first); higher is kept.
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>);
     /// Entry `index` of the cache has been evicted.
     fn on_evict(&mut self, _index: usize) {}
     /// Every entry `i` with `kept[i] == false` has been evicted at once (the cut at the end of the
@@ -70,6 +76,8 @@ pub trait ScoreState {
     }
 }
 
+dyn_clone::clone_trait_object!(ScoreState);
+
 /// The queries of one cache's heads, and their attention over a cache. While the cache is the
 /// whole prefix `0..=position` (prefill, or streaming before the first eviction) the logits come
 /// from block matrix multiplications ([`CausalLogits`]); once evictions have made it sparse, from
@@ -77,39 +85,40 @@ pub trait ScoreState {
 /// working memory is kept only while prefix rows are asked for one after another: a one-off row
 /// (the last prompt query of a prefill-time cut) and the sparse steps free it, so caches scored
 /// side by side (`gqa = layer`) do not each hold one.
-pub(crate) struct GroupQueries<'a> {
-    layer: LayerContext<'a>,
+#[derive(Clone)]
+pub(crate) struct GroupQueries {
     unit: Unit,
-    rows: CausalLogits<'a>,
+    rows: CausalLogits,
     /// The prefix row that would continue the last one served.
     next_prefix: Option<usize>,
 }
 
-impl<'a> GroupQueries<'a> {
-    pub fn new(layer: &LayerContext<'a>, unit: &Unit) -> Self {
-        let queries = layer
-            .q
-            .slice_move(ndarray::s![unit.query_heads.clone(), .., ..]);
+impl GroupQueries {
+    pub fn new(layer: &LayerContext<'_>, unit: &Unit) -> Self {
+        let head_dim = layer.q.shape()[2];
         Self {
-            layer: *layer,
             unit: unit.clone(),
-            rows: CausalLogits::new(
-                queries,
-                layer.keys(unit.kv_head),
-                layer.scale,
-                layer.softcap,
-            ),
+            rows: CausalLogits::new(unit.query_heads.len(), head_dim, layer.scale, layer.softcap),
             next_prefix: None,
         }
     }
 
     /// Attention of each head's query at `position` over `cache` (positions, ascending).
-    pub fn per_head(&mut self, position: usize, cache: &[usize]) -> Vec<Vec<f32>> {
+    pub fn per_head(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        cache: &[usize],
+    ) -> Vec<Vec<f32>> {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
         if is_prefix {
             let one_off = self.next_prefix != Some(position);
+            let queries = layer
+                .q
+                .slice(ndarray::s![self.unit.query_heads.clone(), .., ..]);
+            let keys = layer.keys(self.unit.kv_head);
             let rows = (0..self.unit.query_heads.len())
-                .map(|head| softmax(self.rows.row(head, position)))
+                .map(|head| softmax(self.rows.row(queries, keys, head, position)))
                 .collect();
             if one_off {
                 self.rows.release();
@@ -120,20 +129,20 @@ impl<'a> GroupQueries<'a> {
         self.rows.release();
         self.next_prefix = None;
         // A sparse cache (after evictions): one dot product per cached key and head, O(budget).
-        let keys = self.layer.keys(self.unit.kv_head);
+        let keys = layer.keys(self.unit.kv_head);
         let queries: Vec<Vec<f32>> = self
             .unit
             .query_heads
             .clone()
-            .map(|head| self.layer.query(head, position).to_vec())
+            .map(|head| layer.query(head, position).to_vec())
             .collect();
         let mut per_head = vec![Vec::with_capacity(cache.len()); queries.len()];
         sparse_logits(
             &queries,
             keys,
             cache,
-            self.layer.scale,
-            self.layer.softcap,
+            layer.scale,
+            layer.softcap,
             &mut per_head,
         );
         for weights in per_head.iter_mut() {
@@ -143,8 +152,14 @@ impl<'a> GroupQueries<'a> {
     }
 
     /// The same, aggregated over the group: one weight per cache entry.
-    pub fn aggregated(&mut self, position: usize, cache: &[usize], agg: Aggregation) -> Vec<f32> {
-        let per_head = self.per_head(position, cache);
+    pub fn aggregated(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        cache: &[usize],
+        agg: Aggregation,
+    ) -> Vec<f32> {
+        let per_head = self.per_head(layer, position, cache);
         if per_head.len() == 1 {
             return per_head.into_iter().next().expect("one head");
         }
@@ -156,13 +171,14 @@ impl<'a> GroupQueries<'a> {
 
 /// Scores of the newest query's attention over the cache, computed when asked for: TOVA's score
 /// (under the `per-step` timing, the per-step oracle's).
-pub(crate) struct CurrentQuery<'a> {
-    queries: GroupQueries<'a>,
+#[derive(Clone)]
+pub(crate) struct CurrentQuery {
+    queries: GroupQueries,
     agg: Aggregation,
 }
 
-impl<'a> CurrentQuery<'a> {
-    pub fn new(layer: &LayerContext<'a>, unit: &Unit, agg: Aggregation) -> Self {
+impl CurrentQuery {
+    pub fn new(layer: &LayerContext<'_>, unit: &Unit, agg: Aggregation) -> Self {
         Self {
             queries: GroupQueries::new(layer, unit),
             agg,
@@ -170,12 +186,12 @@ impl<'a> CurrentQuery<'a> {
     }
 }
 
-impl ScoreState for CurrentQuery<'_> {
-    fn on_append(&mut self, _cache: &[usize]) {}
+impl ScoreState for CurrentQuery {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         let newest = *cache.last().expect("non-empty cache");
-        *out = self.queries.aggregated(newest, cache, self.agg);
+        *out = self.queries.aggregated(layer, newest, cache, self.agg);
     }
 }
 
@@ -249,15 +265,19 @@ pub(crate) mod testing {
         }
     }
 
-    /// Appends positions 0..n one by one and returns the final scores.
-    pub fn scores_after(state: &mut dyn ScoreState, n: usize) -> Vec<f32> {
+    /// Appends positions 0..n of `layer` one by one and returns the final scores.
+    pub fn scores_after(
+        state: &mut dyn ScoreState,
+        layer: &LayerContext<'_>,
+        n: usize,
+    ) -> Vec<f32> {
         let mut cache = Vec::new();
         for position in 0..n {
             cache.push(position);
-            state.on_append(&cache);
+            state.on_append(layer, &cache);
         }
         let mut out = Vec::new();
-        state.scores(&cache, &mut out);
+        state.scores(layer, &cache, &mut out);
         out
     }
 }

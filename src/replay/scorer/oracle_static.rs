@@ -16,6 +16,7 @@ crate::settings! {
     }
 }
 
+#[derive(Clone)]
 struct State {
     future: Vec<f32>,
 }
@@ -25,14 +26,14 @@ impl Scorer for OracleStatic {
         true
     }
 
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         let n_positions = layer.n_positions();
         let mut future = vec![0.0f32; n_positions];
         let mut queries = GroupQueries::new(layer, unit);
         let mut visible: Vec<usize> = (0..layer.prompt_len).collect();
         for step in layer.prompt_len..n_positions {
             visible.push(step);
-            let weights = queries.aggregated(step, &visible, self.agg);
+            let weights = queries.aggregated(layer, step, &visible, self.agg);
             for (total, weight) in future.iter_mut().zip(weights) {
                 *total += weight;
             }
@@ -42,9 +43,9 @@ impl Scorer for OracleStatic {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| self.future[position]));
     }
@@ -70,7 +71,7 @@ mod tests {
             agg: Aggregation::Mean,
         }
         .start(&layer, &unit(), Protection::default());
-        let scores = scores_after(state.as_mut(), 2);
+        let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);
     }

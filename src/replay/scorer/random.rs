@@ -13,6 +13,7 @@ crate::settings! {
     }
 }
 
+#[derive(Clone)]
 struct State {
     stream: u64,
 }
@@ -26,7 +27,7 @@ fn splitmix64(mut x: u64) -> u64 {
 }
 
 impl Scorer for Random {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         let stream =
             splitmix64(splitmix64(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })
@@ -34,9 +35,9 @@ impl Scorer for Random {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| {
             (splitmix64(self.stream ^ position as u64) >> 40) as f32 / (1u64 << 24) as f32
@@ -53,9 +54,9 @@ mod tests {
     fn seeded_and_in_unit_interval() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 64], &[[0.0, 0.0]; 64], 64);
         let layer = context(&q, &k, n);
-        let first = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
-        let again = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
-        let other = scores_after(Random { seed: 8 }.start(&layer, &unit(), Protection::default()).as_mut(), 64);
+        let first = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
+        let again = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
+        let other = scores_after(Random { seed: 8 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
         assert_eq!(first, again);
         assert_ne!(first, other);
         assert!(first.iter().all(|s| (0.0..1.0).contains(s)));

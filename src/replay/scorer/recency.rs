@@ -11,18 +11,19 @@ crate::settings! {
     pub struct Recency = "recency" {}
 }
 
+#[derive(Clone)]
 struct State;
 
 impl Scorer for Recency {
-    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, _layer: &LayerContext<'_>, _unit: &Unit, _: Protection) -> Started {
         Box::new(State)
     }
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| position as f32));
     }
@@ -38,6 +39,6 @@ mod tests {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[0.0, 0.0]; 3], 3);
         let layer = context(&q, &k, n);
         let mut state = Recency {}.start(&layer, &unit(), Protection::default());
-        assert_eq!(scores_after(state.as_mut(), 3), vec![0.0, 1.0, 2.0]);
+        assert_eq!(scores_after(state.as_mut(), &layer, 3), vec![0.0, 1.0, 2.0]);
     }
 }

@@ -40,8 +40,9 @@ pub enum Pooling {
     Max,
 }
 
-struct State<'a> {
-    queries: GroupQueries<'a>,
+#[derive(Clone)]
+struct State {
+    queries: GroupQueries,
     prompt_len: usize,
     window_start: usize,
     kernel: usize,
@@ -61,7 +62,7 @@ impl Scorer for SnapKv {
         check_kernel(self.kernel)
     }
 
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, protect: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         let prompt_len = layer.prompt_len;
         Box::new(State {
             queries: GroupQueries::new(layer, unit),
@@ -103,8 +104,8 @@ pub(crate) fn pool1d(values: &[f32], kernel: usize, pool: Pooling) -> Vec<f32> {
         .collect()
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
+impl ScoreState for State {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         if newest < self.window_start || newest >= self.prompt_len {
             return;
@@ -112,7 +113,7 @@ impl ScoreState for State<'_> {
         for (sums, weights) in self
             .sums
             .iter_mut()
-            .zip(self.queries.per_head(newest, cache))
+            .zip(self.queries.per_head(layer, newest, cache))
         {
             for (&position, weight) in cache.iter().zip(weights) {
                 sums[position] += weight;
@@ -121,7 +122,7 @@ impl ScoreState for State<'_> {
         self.cached.0.clear();
     }
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         if self.cached.0.is_empty() {
             let pooled: Vec<Vec<f32>> = self
                 .sums
@@ -189,7 +190,7 @@ mod tests {
             window: 1,
         };
         let mut state = scorer.start(&layer, &unit(), protect);
-        let scores = scores_after(state.as_mut(), 3);
+        let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);
         assert!(scores[2].is_infinite());

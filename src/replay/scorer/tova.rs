@@ -19,7 +19,7 @@ crate::settings! {
 }
 
 impl Scorer for Tova {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(CurrentQuery::new(layer, unit, self.agg))
     }
 }
@@ -39,7 +39,7 @@ mod tests {
             agg: Aggregation::Mean,
         }
         .start(&layer, &unit(), Protection::default());
-        let scores = scores_after(state.as_mut(), 2);
+        let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 0.268_941, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.731_059, epsilon = 1e-6);
     }

@@ -15,6 +15,7 @@ crate::settings! {
     }
 }
 
+#[derive(Clone)]
 struct State {
     weight: f32,
 }
@@ -31,7 +32,7 @@ impl Scorer for Toy {
         }
     }
 
-    fn start<'a>(&self, _layer: &LayerContext<'a>, _unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, _layer: &LayerContext<'_>, _unit: &Unit, _: Protection) -> Started {
         Box::new(State {
             weight: self.weight as f32,
         })
@@ -39,9 +40,9 @@ impl Scorer for Toy {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
-    fn scores(&mut self, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|p| if p % 2 == 0 { self.weight } else { 0.0 }));
     }

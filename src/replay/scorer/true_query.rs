@@ -19,14 +19,15 @@ crate::settings! {
     }
 }
 
-struct State<'a> {
-    queries: GroupQueries<'a>,
+#[derive(Clone)]
+struct State {
+    queries: GroupQueries,
     agg: Aggregation,
     scores: AlignedScores,
 }
 
 impl Scorer for TrueQuery {
-    fn start<'a>(&self, layer: &LayerContext<'a>, unit: &Unit, _: Protection) -> Started<'a> {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(State {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
@@ -35,15 +36,15 @@ impl Scorer for TrueQuery {
     }
 }
 
-impl ScoreState for State<'_> {
-    fn on_append(&mut self, cache: &[usize]) {
+impl ScoreState for State {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
         self.scores
-            .accumulate(self.queries.aggregated(newest, cache, self.agg));
+            .accumulate(self.queries.aggregated(layer, newest, cache, self.agg));
     }
 
-    fn scores(&mut self, _cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
         self.scores.copy_to(out);
     }
 
@@ -73,7 +74,7 @@ mod tests {
             agg: Aggregation::Mean,
         }
         .start(&layer, &unit(), Protection::default());
-        let scores = scores_after(state.as_mut(), 2);
+        let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 1.731_059, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.268_941, epsilon = 1e-6);
     }

@@ -1,0 +1,234 @@
+//! One cache under a policy that is not one-shot, fed one position at a time: what its query
+//! attends over and what the cache keeps after it. The open-loop replay feeds it a trace's layer;
+//! the live model feeds it the layer's vectors as the model makes them. Under `gqa = layer` a
+//! group of caches chooses one kept set together.
+
+use super::scorer::{ScoreState, Scorer, Started};
+use super::select::{select_top, victim};
+use super::{LayerContext, Order, Protection, Timing, Unit, ValidPolicy};
+
+/// What the query at one position attends over.
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub(crate) enum Attended {
+    /// Every position up to its own (no eviction has touched the cache yet, or the timing keeps
+    /// the whole prompt while it runs).
+    Prefix,
+    /// These positions, ascending.
+    Entries(Vec<usize>),
+}
+
+impl Attended {
+    /// The positions attended by the query at `position`.
+    pub fn positions(self, position: usize) -> Vec<usize> {
+        match self {
+            Attended::Prefix => (0..=position).collect(),
+            Attended::Entries(entries) => entries,
+        }
+    }
+}
+
+/// Several caches scored as one (`gqa = layer`): an entry's score is the mean of the caches'
+/// scores, summed in cache order.
+#[derive(Clone)]
+struct Shared {
+    states: Vec<Started>,
+    buffer: Vec<f32>,
+}
+
+impl ScoreState for Shared {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+        for state in &mut self.states {
+            state.on_append(layer, cache);
+        }
+    }
+
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        out.resize(cache.len(), 0.0);
+        for state in &mut self.states {
+            state.scores(layer, cache, &mut self.buffer);
+            for (total, score) in out.iter_mut().zip(&self.buffer) {
+                *total += score;
+            }
+        }
+        let n = self.states.len() as f32;
+        for total in out.iter_mut() {
+            *total /= n;
+        }
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        for state in &mut self.states {
+            state.on_evict(index);
+        }
+    }
+
+    fn on_cut(&mut self, kept: &[bool]) {
+        for state in &mut self.states {
+            state.on_cut(kept);
+        }
+    }
+}
+
+/// A fresh scorer state for a group of caches that choose together.
+pub(crate) fn start_group(
+    scorer: &dyn Scorer,
+    layer: &LayerContext<'_>,
+    group: &[Unit],
+    protect: Protection,
+) -> Started {
+    match group {
+        [unit] => scorer.start(layer, unit, protect),
+        _ => Box::new(Shared {
+            states: group
+                .iter()
+                .map(|unit| scorer.start(layer, unit, protect))
+                .collect(),
+            buffer: Vec::new(),
+        }),
+    }
+}
+
+/// One cache (or group of caches choosing together) of `budget` tokens under a streaming or
+/// re-selecting timing. Streaming evicts the lowest score from the first token over budget
+/// (`streaming`), or after the whole prompt has been scored once and cut to the budget at its end
+/// (`prefill-then-stream`, whose prompt queries attend over the whole prompt, as a prefill does);
+/// under `order = attend-first` a query attends over the cache before its step's eviction
+/// (`budget + 1` tokens). Re-selection keeps every prompt token while the prompt runs, then
+/// re-chooses at every decode step from the full cache (`per-step`), or from the prompt with every
+/// generated token kept (`per-step-prompt`); the first `sinks` and the last `window` of the
+/// positions it chooses from are always kept. Cloning forks the stream.
+#[derive(Clone)]
+pub(crate) struct CacheStream {
+    state: Started,
+    cache: Vec<usize>,
+    scores: Vec<f32>,
+    budget: usize,
+    prompt_len: usize,
+    timing: Timing,
+    order: Order,
+    protect: Protection,
+}
+
+impl CacheStream {
+    /// A stream with nothing appended yet.
+    pub fn start(
+        layer: &LayerContext<'_>,
+        group: &[Unit],
+        budget: usize,
+        policy: &ValidPolicy,
+    ) -> Self {
+        let params = policy.params();
+        let protect = policy.protection();
+        let holds_prompt = params.timing != Timing::Streaming;
+        Self {
+            state: start_group(policy.scorer.as_ref(), layer, group, protect),
+            cache: Vec::with_capacity(if holds_prompt {
+                layer.prompt_len
+            } else {
+                budget + 1
+            }),
+            scores: Vec::with_capacity(budget + 1),
+            budget,
+            prompt_len: layer.prompt_len,
+            timing: params.timing,
+            order: params.order,
+            protect,
+        }
+    }
+
+    /// Appends `position` (the next one; `layer` holds it) and returns what its query attends
+    /// over when `report` is set.
+    pub fn push(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        report: bool,
+    ) -> Option<Attended> {
+        self.cache.push(position);
+        self.state.on_append(layer, &self.cache);
+        if self.timing.reselects() {
+            self.reselect(layer, position, report)
+        } else {
+            self.stream(layer, position, report)
+        }
+    }
+
+    fn whole_cache(&self, position: usize) -> Attended {
+        if self.cache.len() == position + 1 {
+            Attended::Prefix
+        } else {
+            Attended::Entries(self.cache.clone())
+        }
+    }
+
+    fn stream(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        report: bool,
+    ) -> Option<Attended> {
+        let decoding = position >= self.prompt_len;
+        let cut_at_prompt_end = self.timing == Timing::PrefillThenStream;
+        let attends_first = self.order == Order::AttendFirst || (cut_at_prompt_end && !decoding);
+        let before = (report && attends_first).then(|| self.whole_cache(position));
+        if cut_at_prompt_end && position + 1 == self.prompt_len {
+            self.cut(layer);
+        } else if (decoding || !cut_at_prompt_end) && self.cache.len() > self.budget {
+            self.state.scores(layer, &self.cache, &mut self.scores);
+            if let Some(index) = victim(&self.cache, &self.scores, self.protect) {
+                self.cache.remove(index);
+                self.state.on_evict(index);
+            }
+        }
+        before.or_else(|| report.then(|| self.whole_cache(position)))
+    }
+
+    /// Cuts the whole prompt to its `budget` best entries at once (the one-shot selection of
+    /// [`select_top`]), telling the state which entries went in one call.
+    fn cut(&mut self, layer: &LayerContext<'_>) {
+        if self.cache.len() <= self.budget {
+            return;
+        }
+        self.state.scores(layer, &self.cache, &mut self.scores);
+        let len = self.cache.len();
+        let protect = self.protect;
+        let kept = select_top(&self.cache, &self.scores, self.budget, |position| {
+            protect.covers(position, len)
+        });
+        let marks: Vec<bool> = self
+            .cache
+            .iter()
+            .map(|position| kept.binary_search(position).is_ok())
+            .collect();
+        self.cache = kept;
+        self.state.on_cut(&marks);
+    }
+
+    fn reselect(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        report: bool,
+    ) -> Option<Attended> {
+        if position < self.prompt_len || !report {
+            return report.then_some(Attended::Prefix);
+        }
+        self.state.scores(layer, &self.cache, &mut self.scores);
+        let limit = match self.timing {
+            Timing::PerStepPrompt => self.prompt_len,
+            _ => position + 1,
+        };
+        let protect = self.protect;
+        let protected = |position: usize| protect.covers(position, limit);
+        let mut kept = select_top(
+            &self.cache[..limit],
+            &self.scores[..limit],
+            self.budget,
+            protected,
+        );
+        kept.extend(limit..=position);
+        kept.shrink_to_fit();
+        Some(Attended::Entries(kept))
+    }
+}
