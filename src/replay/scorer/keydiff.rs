@@ -71,8 +71,8 @@ mod tests {
         let layer = context(&q, &k, n);
         let mut state = Keydiff {}.start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), &layer, 3);
-        assert_abs_diff_eq!(scores[0], -0.707_107, epsilon = 1e-6);
-        assert_abs_diff_eq!(scores[1], -0.707_107, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[0], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[2], -1.0, epsilon = 1e-6);
     }
 }
