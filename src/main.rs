@@ -56,8 +56,8 @@ enum Command {
         #[command(flatten)]
         output: OutputArgs,
     },
-    /// Run a recipe live under one policy (prefill timing): the policy holds the model's real KV
-    /// cache, and what the model then does (next-token KL, top-1 agreement, log-probability lost,
+    /// Run a recipe live under one policy: the policy holds the model's real KV cache (evicting
+    /// as its timing says, prompt included), and what the model then does (next-token KL, top-1 agreement, log-probability lost,
     /// free-running text and task success) is printed beside the open-loop metrics.
     Live {
         /// The recipe TOML (traces/<name>.toml): live mode runs the model, so it needs a recipe,
@@ -382,7 +382,7 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
         recipe.display()
     );
-    kvreplay::live::check_timing(policy)?;
+    kvreplay::live::check_live(policy)?;
     let model = capture::load_model()?;
     let prompt = capture::build_prompt(recipe, &model)?;
     let scratch = std::env::temp_dir();

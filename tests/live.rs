@@ -9,7 +9,7 @@ use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, LiveSession};
 use kvreplay::model::{KvCache, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
-use kvreplay::replay::{replay, PolicyParams, Timing};
+use kvreplay::replay::{replay, Order, PolicyParams, Timing};
 use kvreplay::trace::{StorageDtype, TraceReader};
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
@@ -94,21 +94,123 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
         .unwrap();
     assert_eq!(both[0], first);
     assert_eq!(both[1], session.run(&other()).unwrap());
-    // Other timings change the cache while the prompt runs: refused, naming the timing.
-    let streaming = PolicyParams {
-        scorer: "true-query".into(),
+    // An oracle reading future queries gets them from the full run: only under `prefill`.
+    let oracle = PolicyParams {
+        scorer: "oracle-static".into(),
         timing: Timing::Streaming,
         ..snapkv(12)
     };
     let err = live(
         model(),
         &prompt,
-        &streaming.check().unwrap(),
+        &oracle.check().unwrap(),
         512,
         scratch.path(),
     )
     .unwrap_err();
-    assert!(err.to_string().contains("timing `streaming`"), "{err}");
+    assert!(
+        err.to_string()
+            .contains("scorer `oracle-static` reads future queries"),
+        "{err}"
+    );
+}
+
+fn evicting_live(timing: Timing, order: Order, budget: usize) -> PolicyParams {
+    PolicyParams {
+        scorer: "true-query".into(),
+        timing,
+        order,
+        ..snapkv(budget)
+    }
+}
+
+const EVICTING: [(Timing, Order); 4] = [
+    (Timing::Streaming, Order::EvictFirst),
+    (Timing::Streaming, Order::AttendFirst),
+    (Timing::PrefillThenStream, Order::AttendFirst),
+    (Timing::PerStep, Order::EvictFirst),
+];
+
+#[test]
+fn evicting_timings_run_inside_the_model() {
+    let scratch = tempfile::tempdir().unwrap();
+    let prompt = capital();
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    for (timing, order) in EVICTING {
+        // Keeping everything: every mask is the causal mask, so every logit is the full run's.
+        let whole = session
+            .run(&evicting_live(timing, order, 4096).check().unwrap())
+            .unwrap();
+        assert!(
+            whole.steps.iter().all(|s| s.kl == 0.0 && s.top1),
+            "{timing:?}"
+        );
+        assert_eq!(whole.text, whole.full_text);
+        assert!(whole.live_layers.iter().all(|&m| (m - 1.0).abs() < 1e-6));
+        // A lossy budget: layer 0's vectors do not depend on any eviction, so its live kept
+        // sets are the open-loop replay's and keep the same share of attention; the layers
+        // after it see the drift.
+        let policy = evicting_live(timing, order, 12).check().unwrap();
+        let lossy = session.run(&policy).unwrap();
+        assert!(lossy.kl > 0.0, "{timing:?}");
+        let open_loop: Vec<f64> = lossy
+            .open_loop
+            .layers
+            .iter()
+            .map(|l| l.metrics["retained_mass"])
+            .collect();
+        assert!(
+            (lossy.live_layers[0] - open_loop[0]).abs() < 1e-6,
+            "{timing:?}: layer 0 live {} vs open loop {}",
+            lossy.live_layers[0],
+            open_loop[0]
+        );
+        let drift = lossy
+            .live_layers
+            .iter()
+            .zip(&open_loop)
+            .map(|(a, b)| (a - b).abs())
+            .fold(0.0, f64::max);
+        assert!(drift > 1e-3, "{timing:?}: no drift ({drift})");
+        // `streaming` evicts during the prompt: its first generated token is compared too.
+        let expected = session_steps(&lossy) + usize::from(timing == Timing::Streaming);
+        assert_eq!(lossy.steps.len(), expected);
+        // Bit-identical rerun.
+        assert_eq!(session.run(&policy).unwrap(), lossy);
+    }
+}
+
+/// Teacher-forced steps of a run that starts comparing at step 1.
+fn session_steps(report: &kvreplay::live::LiveReport) -> usize {
+    report.open_loop.layers[0].samples["retained_mass"][0].len() - 1
+}
+
+#[test]
+fn a_chunked_prompt_equals_feeding_it_token_by_token() {
+    // A prompt chunk runs layer by layer, each layer's streams taking the chunk's positions one
+    // at a time: the same choices as feeding the tokens one by one. Only the order of float sums
+    // in the model's matrix products differs (1e-4 on logits; KL agrees to 1e-4).
+    let scratch = tempfile::tempdir().unwrap();
+    let prompt = capital();
+    let whole = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let single = LiveSession::start(model(), &prompt, 1, scratch.path()).unwrap();
+    for (timing, order) in EVICTING {
+        let policy = evicting_live(timing, order, 12).check().unwrap();
+        let (a, b) = (whole.run(&policy).unwrap(), single.run(&policy).unwrap());
+        assert_eq!(a.text, b.text, "{timing:?}");
+        for (x, y) in a.steps.iter().zip(&b.steps) {
+            assert!(
+                (x.kl - y.kl).abs() < 1e-4,
+                "{timing:?}: {} vs {}",
+                x.kl,
+                y.kl
+            );
+            assert_eq!(x.top1, y.top1);
+        }
+        for (x, y) in a.live_layers.iter().zip(&b.live_layers) {
+            assert!((x - y).abs() < 1e-4, "{timing:?}: live mass {x} vs {y}");
+        }
+    }
 }
 
 #[test]
@@ -125,10 +227,10 @@ fn masking_evicted_keys_equals_removing_them() {
     let evicted: Vec<usize> = (3..n - 6).filter(|p| p % 3 != 0).collect();
     let kept: Vec<usize> = (0..n).filter(|p| !evicted.contains(p)).collect();
     let config = model.config();
-    let per_head = vec![vec![evicted.clone(); config.n_heads]; config.n_layers];
+    let mut per_head = vec![vec![evicted.clone(); config.n_heads]; config.n_layers];
     let mut masked_cache = cache.clone();
     let masked = model
-        .forward_masked(&[504], &mut masked_cache, None, Some(&per_head))
+        .forward_masked(&[504], &mut masked_cache, None, Some(&mut per_head))
         .unwrap();
     let mut pruned = cache.retain(&kept).unwrap();
     assert_eq!(pruned.len(), kept.len());
@@ -199,7 +301,7 @@ window = 4
         .ends_with("kl,top1,logprob_lost,answer_ok,full_answer_ok,text"));
     assert_eq!(csv.lines().count(), 5);
     assert!(dir.path().join("results/c/calibration.png").is_file());
-    // A closed-loop experiment on a trace file, or with a streaming policy, is refused.
+    // A closed-loop experiment on a trace file is refused.
     std::fs::write(
         dir.path().join("bad.toml"),
         "description = \"x\"\ntraces = [\"capital.safetensors\"]\nbudgets = [8]\nclosed_loop = true\n[[policy]]\nname = \"a\"\npreset = \"snapkv\"\n",

@@ -300,18 +300,19 @@ impl Experiment {
                     trace.display()
                 )));
             }
-            if let Some((label, params)) = policies
-                .iter()
-                .find(|(_, p)| p.timing != crate::replay::Timing::Prefill)
-            {
-                return Err(ExperimentError::Policy {
-                    path: path.to_owned(),
-                    policy: label.clone(),
-                    detail: format!(
-                        "closed_loop = true runs timing `prefill` so far; this policy has `{}`",
-                        params.timing.name()
-                    ),
-                });
+            for (label, params) in &policies {
+                let refused = params
+                    .clone()
+                    .check()
+                    .ok()
+                    .and_then(|policy| crate::live::check_live(&policy).err());
+                if let Some(refused) = refused {
+                    return Err(ExperimentError::Policy {
+                        path: path.to_owned(),
+                        policy: label.clone(),
+                        detail: format!("closed_loop = true: {refused}"),
+                    });
+                }
             }
         }
         Ok(Self {

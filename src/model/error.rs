@@ -40,6 +40,9 @@ pub enum ModelError {
         /// What failed.
         detail: String,
     },
+    /// An attention mask does not fit the forward pass it was given to.
+    #[error("attention mask: {0}")]
+    Mask(String),
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),

@@ -3,6 +3,7 @@
 //! attention saw.
 
 use super::gguf::{unpermute_rows, GgufFile};
+use super::mask::{causal_mask, to_array, AttentionMask, ChunkVectors};
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::{DType, Device, Tensor, D};
 use std::path::Path;
@@ -49,6 +50,11 @@ impl KvCache {
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
+    }
+
+    /// The cached keys of `layer`, `[n_kv_heads, positions, head_dim]`.
+    pub fn keys(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
+        super::mask::to_array(&self.layers[layer].0)
     }
 
     /// The same cache holding only the entries `positions` (ascending) in every layer and head:
@@ -258,16 +264,16 @@ impl Llama {
         self.forward_masked(ids, cache, recorder, None)
     }
 
-    /// [`forward`](Self::forward) where, in layer l, query head h does not attend to the
-    /// positions `evicted[l][h]` (a KV-cache policy's evictions: the keys stay in the cache, the
-    /// attention masks them, so each head can keep its own set). With nothing evicted the result
-    /// is bit-identical to `forward`.
+    /// [`forward`](Self::forward) where, in each layer, every query attends over what `mask`
+    /// decides when the layer's vectors are known (a KV-cache policy's evictions: the keys stay
+    /// in the cache, the attention masks them, so each head can keep its own set). A mask that
+    /// hides nothing gives the result of `forward`, bit for bit.
     pub fn forward_masked(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         mut recorder: Option<&mut Recorder>,
-        evicted: Option<&Evicted>,
+        mut mask: Option<&mut dyn AttentionMask>,
     ) -> Result<Vec<f32>, ModelError> {
         let config = &self.config;
         let n = ids.len();
@@ -278,18 +284,9 @@ impl Llama {
         let mut x = self.embedding.embedding(&ids_tensor)?;
         let (cos, sin) = self.rotary_tables(start, n)?;
         let total = past + n;
-        let mask: Vec<f32> = (0..n)
-            .flat_map(|i| {
-                (0..total).map(move |j| if j > past + i { f32::NEG_INFINITY } else { 0.0 })
-            })
-            .collect();
-        let causal = Tensor::from_vec(mask.clone(), (n, total), &Device::Cpu)?;
+        let causal = Tensor::from_vec(causal_mask(1, past, n), (n, total), &Device::Cpu)?;
         let scale = 1.0 / (head_dim as f64).sqrt();
         for (layer, block) in self.blocks.iter().enumerate() {
-            let mask = match evicted.and_then(|evicted| evicted.get(layer)) {
-                Some(heads) => head_mask(&mask, heads, n_heads, n, total)?,
-                None => causal.clone(),
-            };
             let h = self.rms_norm(&x, &block.attn_norm)?;
             let q = Self::rotate(
                 &Self::split_heads(&h.matmul(&block.wq)?, n_heads)?,
@@ -298,6 +295,23 @@ impl Llama {
             )?;
             let k = Self::rotate(&Self::split_heads(&h.matmul(&block.wk)?, n_kv)?, &cos, &sin)?;
             let v = Self::split_heads(&h.matmul(&block.wv)?, n_kv)?;
+            let layer_mask = match mask.as_deref_mut() {
+                Some(policy) => {
+                    let (q, k, v) = (to_array(&q)?, to_array(&k)?, to_array(&v)?);
+                    let chunk = ChunkVectors {
+                        past,
+                        q: q.view(),
+                        k: k.view(),
+                        v: v.view(),
+                    };
+                    policy.layer_mask(layer, &chunk)?
+                }
+                None => None,
+            };
+            let layer_mask = match layer_mask {
+                Some(values) => Tensor::from_vec(values, (n_heads, n, total), &Device::Cpu)?,
+                None => causal.clone(),
+            };
             if let Some(recorder) = recorder.as_deref_mut() {
                 Recorder::push(&mut recorder.q, layer, &q);
                 Recorder::push(&mut recorder.k, layer, &k);
@@ -314,7 +328,7 @@ impl Llama {
             let keys_rep = Self::repeat_kv(&keys, group)?;
             let values_rep = Self::repeat_kv(&values, group)?;
             let logits = (q.matmul(&keys_rep.transpose(1, 2)?.contiguous()?)? * scale)?
-                .broadcast_add(&mask)?;
+                .broadcast_add(&layer_mask)?;
             let max = logits.max_keepdim(D::Minus1)?;
             let weights = logits.broadcast_sub(&max)?.exp()?;
             let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
@@ -371,52 +385,28 @@ impl Llama {
     }
 
     /// Greedy decoding from `cache`, whose last logits are `logits`: up to `max_new` tokens,
-    /// stopping before `<|im_end|>`, each fed back (masked by `evicted` when given). Calls
-    /// `on_logits` with the logits after each fed token; returns the tokens.
+    /// stopping before `<|im_end|>`, each fed back (attending as `mask` decides, when given).
+    /// Calls `on_logits` with the logits after each fed token; returns the tokens.
     pub fn decode_greedy(
         &self,
         cache: &mut KvCache,
         logits: &[f32],
         max_new: usize,
         mut recorder: Option<&mut Recorder>,
-        evicted: Option<&Evicted>,
+        mut mask: Option<&mut dyn AttentionMask>,
         on_logits: &mut dyn FnMut(&[f32]),
     ) -> Result<Vec<u32>, ModelError> {
         let mut generated = Vec::new();
         let mut next = argmax(logits);
         while generated.len() < max_new && next != self.tokenizer.end_of_turn() {
             generated.push(next);
-            let step = self.forward_masked(&[next], cache, recorder.as_deref_mut(), evicted)?;
+            let mask = mask.as_mut().map(|m| &mut **m as &mut dyn AttentionMask);
+            let step = self.forward_masked(&[next], cache, recorder.as_deref_mut(), mask)?;
             on_logits(&step);
             next = argmax(&step);
         }
         Ok(generated)
     }
-}
-
-/// Per layer, per query head, the positions a policy has evicted.
-pub type Evicted = Vec<Vec<Vec<usize>>>;
-
-/// The causal mask `[n, total]` repeated per query head, with each head's evicted positions
-/// masked in every row: `[n_heads, n, total]`.
-fn head_mask(
-    causal: &[f32],
-    evicted: &[Vec<usize>],
-    n_heads: usize,
-    n: usize,
-    total: usize,
-) -> Result<Tensor, ModelError> {
-    let mut mask = Vec::with_capacity(n_heads * n * total);
-    for head in 0..n_heads {
-        let start = mask.len();
-        mask.extend_from_slice(causal);
-        for &position in evicted.get(head).map(Vec::as_slice).unwrap_or_default() {
-            for row in 0..n {
-                mask[start + row * total + position] = f32::NEG_INFINITY;
-            }
-        }
-    }
-    Ok(Tensor::from_vec(mask, (n_heads, n, total), &Device::Cpu)?)
 }
 
 /// Index of the largest value; the lowest index wins ties.

@@ -15,10 +15,12 @@
 mod error;
 mod gguf;
 mod llama;
+mod mask;
 mod tokenizer;
 
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub(crate) use llama::argmax;
-pub use llama::{Evicted, KvCache, Llama, Recorder};
+pub use llama::{KvCache, Llama, Recorder};
+pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
 pub use tokenizer::{ChatMessage, ChatTokenizer};

@@ -295,7 +295,8 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
     layer_budgets_with_progress(trace, policy, &|| {})
 }
 
-fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
+/// The caches of one layer under a policy's layout.
+pub(crate) fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
     Unit::all(
         layer.q.shape()[0],
         layer.k.shape()[0],

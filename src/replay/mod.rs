@@ -29,10 +29,12 @@ mod stream;
 mod timing;
 
 pub use allocator::Rounding;
+pub(crate) use engine::units;
 pub use engine::{
     context, kept_sets, layer_budgets, replay, replay_keeping, replay_many, LayerDone, ReplayReport,
 };
 pub use error::PolicyError;
+pub(crate) use kept::selection_groups;
 pub use layer::{LayerContext, Unit};
 pub use layout::{Aggregation, Granularity};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
@@ -41,4 +43,5 @@ pub use profile::LayerProfile;
 pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
+pub(crate) use stream::{Attended, CacheStream};
 pub use timing::{Order, Timing};

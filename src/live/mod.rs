@@ -20,18 +20,35 @@
 //!    and task success (the recipe's `answer` in the text, or, without one, the same text as the
 //!    full run).
 //!
-//! The other timings change the cache during the prefill (streaming) or at every step
-//! (re-selection), so later layers' queries drift from the full run's: they are refused until the
-//! live model runs them itself.
+//! Timings that evict while the prompt runs or while decoding (`streaming`,
+//! `prefill-then-stream`, `per-step`, `per-step-prompt`) run inside the model instead
+//! ([`streams`]): at each layer the scorer code of the open-loop replay takes the live q, k, v
+//! position by position and each query attends over what its cache then held, so later layers'
+//! vectors (and the tokens) drift from the full run's as they would in a real compressed cache.
+//! Their layer budgets come from the full run's recording (the same as the open-loop replay's;
+//! an allocator that reads the prompt's vectors reads the full run's prompt); their scorers must
+//! be causal (an oracle needing future queries runs under `prefill` only). A `streaming` policy
+//! already changes the prompt's last logits, so its teacher-forced steps start at step 0.
+//!
+//! Every run also measures the live attention ([`drift`]): per layer, the share of each live
+//! query's attention over the whole live cache that its kept set holds, over the teacher-forced
+//! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
+
+mod drift;
+mod streams;
 
 use crate::capture::{trace_writer, CaptureError, CaptureOptions};
-use crate::model::{argmax, Evicted, KvCache, Llama, ModelError, Recorder};
+use crate::model::{argmax, AttentionMask, Evicted, KvCache, Llama, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
-use crate::replay::{replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy};
+use crate::replay::{
+    layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy,
+};
 use crate::trace::{StorageDtype, TraceReader};
+use drift::LiveMass;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use streams::{AttentionShape, LiveStreams};
 
 /// Errors of a live run.
 #[derive(Debug, thiserror::Error)]
@@ -76,7 +93,8 @@ pub struct LiveReport {
     pub answer_ok: bool,
     /// Whether the full run itself succeeded (a policy can only lose what the model had).
     pub full_answer_ok: bool,
-    /// Teacher-forced steps 1.. (step 0 comes from the shared prefill).
+    /// Teacher-forced steps: from step 1 (step 0 comes from the full prefill, identical in both
+    /// runs) unless the timing evicts during the prompt (`streaming`), then from step 0.
     pub steps: Vec<LiveStep>,
     /// Mean KL over the teacher-forced steps.
     pub kl: f64,
@@ -86,6 +104,11 @@ pub struct LiveReport {
     pub logprob_lost: f64,
     /// Whether the kept sets read the full run's future queries (an oracle).
     pub uses_full_run_future: bool,
+    /// Per layer, the share of each live query's attention over the whole live cache that its
+    /// kept set holds, mean over the teacher-forced steps and query heads.
+    pub live_layers: Vec<f64>,
+    /// Their mean over layers: the live counterpart of the open-loop `retained_mass`.
+    pub live_retained_mass: f64,
     /// The open-loop replay of the same policy on the full run's recording.
     pub open_loop: ReplayReport,
 }
@@ -153,15 +176,19 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
     }
 }
 
-/// Live mode runs the prefill timing so far: the others change the cache while the prompt runs.
-pub fn check_timing(policy: &ValidPolicy) -> Result<(), LiveError> {
-    match policy.params().timing {
-        Timing::Prefill => Ok(()),
-        other => Err(LiveError::Unsupported(format!(
-            "timing `{}` changes the cache while the prompt runs; live mode runs `prefill` so far",
-            other.name()
-        ))),
+/// Whether `policy` can run live: an oracle that reads future queries gets them from the full
+/// run, which only the `prefill` timing can use (the others run the model's own queries).
+pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
+    let timing = policy.params().timing;
+    if timing != Timing::Prefill && policy.scorer.reads_future() {
+        return Err(LiveError::Unsupported(format!(
+            "scorer `{}` reads future queries, which live mode takes from the full run under \
+             the `prefill` timing only, not `{}`",
+            policy.params().scorer,
+            timing.name()
+        )));
     }
+    Ok(())
 }
 
 /// Per layer and query head, the prompt positions a policy's kept sets (one [`Kept`] per layer)
@@ -193,6 +220,8 @@ fn evicted_positions(kept: &[Kept], n_heads: usize, prompt_len: usize) -> Evicte
 pub struct LiveSession<'m> {
     model: &'m Llama,
     prompt: BuiltPrompt,
+    /// Prefill chunk size.
+    chunk: usize,
     full: FullRun,
     trace: TraceReader,
     path: PathBuf,
@@ -234,23 +263,25 @@ impl<'m> LiveSession<'m> {
         Ok(Self {
             model,
             prompt: prompt.clone(),
+            chunk,
             full,
             trace,
             path,
         })
     }
 
-    /// Runs the prompt live under `policy` (prefill timing) and measures it against the full run.
+    /// Runs the prompt live under `policy` and measures it against the full run.
     pub fn run(&self, policy: &ValidPolicy) -> Result<LiveReport, LiveError> {
         let mut reports = self.run_many(std::slice::from_ref(policy))?;
         Ok(reports.pop().expect("one report per policy"))
     }
 
-    /// [`run`](Self::run) for several policies: their kept sets and open-loop metrics come from
-    /// one replay pass over the recording, then each decodes live in turn.
+    /// [`run`](Self::run) for several policies: their open-loop metrics (and the `prefill`
+    /// timing's kept sets) come from one replay pass over the recording, then each runs live in
+    /// turn.
     pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<LiveReport>, LiveError> {
         for policy in policies {
-            check_timing(policy)?;
+            check_live(policy)?;
         }
         let meta = self.trace.meta();
         replay_keeping(&self.trace, policies)?
@@ -259,36 +290,97 @@ impl<'m> LiveSession<'m> {
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
                 open_loop.trace = "the full-cache run's f32 recording".into();
-                let evicted = evicted_positions(&kept, meta.n_heads, meta.prompt_len);
-                self.decode(policy, &evicted, open_loop)
+                if policy.params().timing == Timing::Prefill {
+                    let evicted = evicted_positions(&kept, meta.n_heads, meta.prompt_len);
+                    let full = &self.full;
+                    self.decode(
+                        policy,
+                        evicted,
+                        full.prefilled.clone(),
+                        &full.prefill_logits,
+                        open_loop,
+                    )
+                } else {
+                    self.run_streaming(policy, open_loop)
+                }
             })
             .collect()
     }
 
-    /// Teacher-forced and free-running decoding with `evicted` masked.
-    fn decode(
+    /// A policy that evicts while the model runs: the prompt in chunks through its streams,
+    /// then the decoding.
+    fn run_streaming(
         &self,
         policy: &ValidPolicy,
-        evicted: &Evicted,
+        open_loop: ReplayReport,
+    ) -> Result<LiveReport, LiveError> {
+        let meta = self.trace.meta();
+        let shape = AttentionShape {
+            n_heads: meta.n_heads,
+            n_kv_heads: meta.n_kv_heads,
+            head_dim: meta.head_dim,
+            scale: meta.scale,
+            softcap: meta.softcap,
+        };
+        let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
+        let budgets = layer_budgets(&self.trace, policy)?;
+        let mut streams = LiveStreams::new(policy, budgets, shape, meta.prompt_len, capacity);
+        let mut cache = KvCache::default();
+        let mut logits = Vec::new();
+        for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
+            logits = self
+                .model
+                .forward_masked(piece, &mut cache, None, Some(&mut streams))?;
+        }
+        self.decode(policy, streams, cache, &logits, open_loop)
+    }
+
+    /// Teacher-forced and free-running decoding from `cache` (the prompt run under `mask`, whose
+    /// last logits are `prompt_logits`), attending as `mask` decides.
+    fn decode<M: AttentionMask + Clone>(
+        &self,
+        policy: &ValidPolicy,
+        mask: M,
+        cache: KvCache,
+        prompt_logits: &[f32],
         open_loop: ReplayReport,
     ) -> Result<LiveReport, LiveError> {
         let (model, full) = (self.model, &self.full);
-        let mut cache = full.prefilled.clone();
-        let mut steps = Vec::with_capacity(full.tokens.len() - 1);
-        for (index, &token) in full.tokens[..full.tokens.len() - 1].iter().enumerate() {
-            let logits = model.forward_masked(&[token], &mut cache, None, Some(evicted))?;
+        let meta = self.trace.meta();
+        let mut free = mask.clone();
+        let mut measured = LiveMass::new(
+            mask,
+            &cache,
+            meta.n_layers,
+            meta.n_heads / meta.n_kv_heads,
+            meta.scale,
+            meta.softcap,
+        )?;
+        let mut steps = Vec::with_capacity(full.tokens.len());
+        if policy.params().timing == Timing::Streaming {
             steps.push(compare_step(
-                &full.logits[index],
-                &logits,
-                full.tokens[index + 1],
+                &full.prefill_logits,
+                prompt_logits,
+                full.tokens[0],
             ));
         }
+        let mut teacher_cache = cache.clone();
+        // Every generated token is fed, the last one too (its logits predict nothing compared),
+        // so the live attention covers the decode steps the open-loop replay measures.
+        for (index, &token) in full.tokens.iter().enumerate() {
+            let logits =
+                model.forward_masked(&[token], &mut teacher_cache, None, Some(&mut measured))?;
+            if let Some(&next) = full.tokens.get(index + 1) {
+                steps.push(compare_step(&full.logits[index], &logits, next));
+            }
+        }
+        let mut free_cache = cache;
         let generated = model.decode_greedy(
-            &mut full.prefilled.clone(),
-            &full.prefill_logits,
+            &mut free_cache,
+            prompt_logits,
             self.prompt.generate,
             None,
-            Some(evicted),
+            Some(&mut free),
             &mut |_| {},
         )?;
         let tokenizer = model.tokenizer();
@@ -299,6 +391,7 @@ impl<'m> LiveSession<'m> {
             None => candidate == full_text,
         };
         let n = steps.len() as f64;
+        let live_layers = measured.per_layer();
         Ok(LiveReport {
             policy: policy.label(),
             answer_ok: success(&text),
@@ -307,6 +400,8 @@ impl<'m> LiveSession<'m> {
             top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
             logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,
             uses_full_run_future: policy.reads_future(),
+            live_retained_mass: live_layers.iter().sum::<f64>() / live_layers.len() as f64,
+            live_layers,
             steps,
             full_text,
             text,
@@ -321,8 +416,8 @@ impl Drop for LiveSession<'_> {
     }
 }
 
-/// Runs `prompt` live under `policy` (prefill timing) and measures it against the full cache:
-/// a [`LiveSession`] of one policy.
+/// Runs `prompt` live under `policy` and measures it against the full cache: a [`LiveSession`]
+/// of one policy.
 pub fn live(
     model: &Llama,
     prompt: &BuiltPrompt,
@@ -330,7 +425,7 @@ pub fn live(
     chunk: usize,
     scratch: &Path,
 ) -> Result<LiveReport, LiveError> {
-    check_timing(policy)?;
+    check_live(policy)?;
     LiveSession::start(model, prompt, chunk, scratch)?.run(policy)
 }
 

@@ -1,0 +1,162 @@
+//! A policy that evicts while the model runs (`streaming`, `prefill-then-stream`, `per-step`,
+//! `per-step-prompt`), holding the live model's cache. At each layer the chunk's new q, k, v join
+//! the layer's live vectors; each cache's [`CacheStream`] (the code the open-loop replay runs)
+//! takes the chunk's positions one at a time, exactly as if the tokens came one by one; and each
+//! query attends over what its cache held at its own step. A prompt chunk therefore costs one
+//! masked prefill, not one forward pass per token: a causal policy's choices in a layer depend
+//! only on that layer's vectors so far, which the chunk's earlier layers have already made.
+
+use crate::model::{AttentionMask, ChunkVectors, ModelError};
+use crate::replay::{
+    selection_groups, units, Attended, CacheStream, LayerContext, Unit, ValidPolicy,
+};
+use ndarray::{s, Array3};
+use rayon::prelude::*;
+
+/// One layer's live vectors, `[heads, capacity, d]`, filled up to `len` positions, and its
+/// caches' streams (started when the layer first runs).
+#[derive(Clone)]
+struct LiveLayer {
+    q: Array3<f32>,
+    k: Array3<f32>,
+    v: Array3<f32>,
+    len: usize,
+    /// Per selection group: its caches and their stream.
+    streams: Vec<(Vec<Unit>, CacheStream)>,
+}
+
+/// Shapes and softmax settings of the model's attention.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct AttentionShape {
+    pub n_heads: usize,
+    pub n_kv_heads: usize,
+    pub head_dim: usize,
+    pub scale: f32,
+    pub softcap: Option<f32>,
+}
+
+/// A streaming or re-selecting policy holding the model's cache. Cloning forks it (with a clone
+/// of the model's cache, two continuations of one prompt).
+#[derive(Clone)]
+pub(crate) struct LiveStreams<'p> {
+    policy: &'p ValidPolicy,
+    /// The allocator's budget for each layer.
+    budgets: Vec<usize>,
+    shape: AttentionShape,
+    prompt_len: usize,
+    layers: Vec<LiveLayer>,
+}
+
+impl<'p> LiveStreams<'p> {
+    /// `policy` with each layer's budget, for a prompt of `prompt_len` tokens and at most
+    /// `capacity` positions in all.
+    pub fn new(
+        policy: &'p ValidPolicy,
+        budgets: Vec<usize>,
+        shape: AttentionShape,
+        prompt_len: usize,
+        capacity: usize,
+    ) -> Self {
+        let layer = || LiveLayer {
+            q: Array3::zeros((shape.n_heads, capacity, shape.head_dim)),
+            k: Array3::zeros((shape.n_kv_heads, capacity, shape.head_dim)),
+            v: Array3::zeros((shape.n_kv_heads, capacity, shape.head_dim)),
+            len: 0,
+            streams: Vec::new(),
+        };
+        Self {
+            policy,
+            layers: budgets.iter().map(|_| layer()).collect(),
+            budgets,
+            shape,
+            prompt_len,
+        }
+    }
+}
+
+impl LiveLayer {
+    /// Appends the chunk's vectors after the `len` positions already held.
+    fn append(&mut self, chunk: &ChunkVectors<'_>) -> Result<(), ModelError> {
+        let n = chunk.q.dim().1;
+        if chunk.past != self.len || self.len + n > self.q.dim().1 {
+            return Err(ModelError::Mask(format!(
+                "live layer holds {} of {} positions; a chunk of {n} came after {}",
+                self.len,
+                self.q.dim().1,
+                chunk.past
+            )));
+        }
+        let rows = s![.., self.len..self.len + n, ..];
+        self.q.slice_mut(rows).assign(&chunk.q);
+        self.k.slice_mut(rows).assign(&chunk.k);
+        self.v.slice_mut(rows).assign(&chunk.v);
+        self.len += n;
+        Ok(())
+    }
+}
+
+impl AttentionMask for LiveStreams<'_> {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        let (policy, budget, shape) = (self.policy, self.budgets[layer], self.shape);
+        let live = &mut self.layers[layer];
+        live.append(chunk)?;
+        let end = live.len;
+        let context = LayerContext {
+            layer,
+            q: live.q.slice(s![.., ..end, ..]),
+            k: live.k.slice(s![.., ..end, ..]),
+            v: Some(live.v.slice(s![.., ..end, ..])),
+            prompt_len: self.prompt_len,
+            scale: shape.scale,
+            softcap: shape.softcap,
+        };
+        if live.streams.is_empty() {
+            let units = units(&context, policy);
+            live.streams = selection_groups(&units, policy)
+                .into_iter()
+                .map(|group| {
+                    let stream = CacheStream::start(&context, group, budget, policy);
+                    (group.to_vec(), stream)
+                })
+                .collect();
+        }
+        let positions = chunk.past..end;
+        let attended: Vec<Vec<Attended>> = live
+            .streams
+            .par_iter_mut()
+            .map(|(_, stream)| {
+                positions
+                    .clone()
+                    .map(|position| {
+                        stream
+                            .push(&context, position, true)
+                            .expect("every step is reported when asked")
+                    })
+                    .collect()
+            })
+            .collect();
+        let n = end - chunk.past;
+        let mut mask = vec![f32::NEG_INFINITY; shape.n_heads * n * end];
+        for ((group, _), rows) in live.streams.iter().zip(&attended) {
+            for head in group.iter().flat_map(|unit| unit.query_heads.clone()) {
+                for (row, seen) in rows.iter().enumerate() {
+                    let start = (head * n + row) * end;
+                    let line = &mut mask[start..start + end];
+                    match seen {
+                        Attended::Prefix => line[..=chunk.past + row].fill(0.0),
+                        Attended::Entries(entries) => {
+                            for &position in entries {
+                                line[position] = 0.0;
+                            }
+                        }
+                    }
+                }
+            }
+        }
+        Ok(Some(mask))
+    }
+}

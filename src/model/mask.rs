@@ -1,0 +1,85 @@
+//! Which cached positions each query attends over, decided layer by layer while the forward pass
+//! runs: how a KV-cache policy holds the model's real cache. The cache keeps every key; a policy's
+//! evictions are masks, so each query head can keep its own set and positions keep their rotation.
+
+use super::ModelError;
+use ndarray::{Array3, ArrayView3};
+
+/// A chunk's vectors at one layer, as attention is about to use them: post-rotary queries
+/// `[n_heads, n, d]`, post-rotary keys and values `[n_kv_heads, n, d]`, for positions
+/// `past..past + n`.
+pub struct ChunkVectors<'a> {
+    /// The positions before the chunk (all of them cached).
+    pub past: usize,
+    /// Queries.
+    pub q: ArrayView3<'a, f32>,
+    /// Keys.
+    pub k: ArrayView3<'a, f32>,
+    /// Values.
+    pub v: ArrayView3<'a, f32>,
+}
+
+/// A policy deciding, at each layer of a forward pass, what every query of the chunk attends
+/// over.
+pub trait AttentionMask {
+    /// The additive mask `[n_heads, n, past + n]` of layer `layer` (0 where a query attends,
+    /// −∞ elsewhere, never a position after the query's own), or `None` for the causal mask.
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError>;
+}
+
+/// Per layer, per query head, the positions a policy has evicted: a fixed set, masked in every
+/// query of every chunk (a prefill-time eviction, applied while decoding).
+pub type Evicted = Vec<Vec<Vec<usize>>>;
+
+impl AttentionMask for Evicted {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        let Some(heads) = self.get(layer) else {
+            return Ok(None);
+        };
+        let (n_heads, n, _) = chunk.q.dim();
+        let total = chunk.past + n;
+        let mut mask = causal_mask(n_heads, chunk.past, n);
+        for (head, evicted) in heads.iter().enumerate().take(n_heads) {
+            for &position in evicted {
+                for row in 0..n {
+                    mask[(head * n + row) * total + position] = f32::NEG_INFINITY;
+                }
+            }
+        }
+        Ok(Some(mask))
+    }
+}
+
+/// The causal mask `[n_heads, n, past + n]`: row `i` (position `past + i`) sees positions
+/// `0..=past + i`.
+pub fn causal_mask(n_heads: usize, past: usize, n: usize) -> Vec<f32> {
+    let total = past + n;
+    let mut mask = Vec::with_capacity(n_heads * n * total);
+    for _ in 0..n_heads {
+        for row in 0..n {
+            mask.extend((0..total).map(|j| {
+                if j > past + row {
+                    f32::NEG_INFINITY
+                } else {
+                    0.0
+                }
+            }));
+        }
+    }
+    mask
+}
+
+/// A tensor of `[heads, n, d]` as an ndarray, for [`ChunkVectors`].
+pub(crate) fn to_array(tensor: &candle_core::Tensor) -> Result<Array3<f32>, ModelError> {
+    let dims = tensor.dims3()?;
+    let values = tensor.flatten_all()?.to_vec1::<f32>()?;
+    Ok(Array3::from_shape_vec(dims, values).expect("dims match the values"))
+}
