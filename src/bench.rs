@@ -1,12 +1,13 @@
 //! `kvreplay bench`: how fast replay is, measured side by side in one run on this machine: a
 //! matrix-multiply peak, the attention-scoring kernel against it, the replay of a fixed policy
 //! grid against the NumPy replay a researcher would write (`tests/reference/replay_numpy.py`,
-//! whose numbers must agree first), the streaming cost per token, peak resident memory and
-//! capture speed. The library measures; the CLI prints.
+//! whose numbers must agree first), the streaming cost per token, peak resident memory, capture
+//! speed and the closed loop's cost per token. The library measures; the CLI prints.
 
 use crate::assets::{AssetError, Assets};
 use crate::attention::{scaled_product, softmax_into, CausalLogits, PackedKeys};
-use crate::model::{Llama, ModelError, Recorder};
+use crate::live::streams::{AttentionShape, LiveStreams};
+use crate::model::{AttentionMask, KvCache, Llama, ModelError, Recorder};
 use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
     RETAINED_MASS,
@@ -113,9 +114,8 @@ pub fn numpy_grid(
     })
 }
 
-/// Prefill tokens per second of the native model recording q/k/v, on the first `tokens` tokens of
-/// two haystack essays. Returns the tokens used and the speed.
-pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
+/// The first `tokens` tokens of two haystack essays, and the model.
+fn essay_prompt(tokens: usize) -> Result<(Llama, Vec<u32>), BenchError> {
     let assets = Assets::from_env();
     let model = Llama::load(&assets.require_model()?)?;
     let essays = assets.require_essays()?;
@@ -127,11 +127,90 @@ pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
     let text = read(&essays[0])? + &read(&essays[1])?;
     let mut ids = model.tokenizer().encode(&text);
     ids.truncate(tokens);
+    Ok((model, ids))
+}
+
+/// Prefill tokens per second of the native model recording q/k/v, on the first `tokens` tokens of
+/// two haystack essays. Returns the tokens used and the speed.
+pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
+    let (model, ids) = essay_prompt(tokens)?;
     let started = Instant::now();
     let mut recorder = Recorder::default();
     model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| {})?;
     let seconds = started.elapsed().as_secs_f64();
     Ok((ids.len(), ids.len() as f64 / seconds))
+}
+
+/// Milliseconds per token of the native model, plain and with a policy holding its cache.
+#[derive(Debug, Clone)]
+pub struct LiveSpeed {
+    /// Prompt tokens.
+    pub tokens: usize,
+    /// Decode steps timed.
+    pub steps: usize,
+    /// Per run: its label, then prefill and decode milliseconds per token. The first is the plain
+    /// forward pass.
+    pub runs: Vec<(String, f64, f64)>,
+}
+
+/// The closed loop's cost, side by side in one process: the plain forward pass, then the `h2o`
+/// and `streamingllm` presets at budget 128 holding the cache (a prompt chunk of 512 tokens runs
+/// as one masked prefill; `streamingllm` evicts from the first token over budget), each over the
+/// first `tokens` tokens of the essays and 16 greedy decode steps.
+pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
+    const STEPS: usize = 16;
+    let (model, ids) = essay_prompt(tokens)?;
+    let config = model.config();
+    let shape = AttentionShape {
+        n_heads: config.n_heads,
+        n_kv_heads: config.n_kv_heads,
+        head_dim: config.head_dim(),
+        scale: 1.0 / (config.head_dim() as f32).sqrt(),
+        softcap: None,
+    };
+    let policies = ["h2o", "streamingllm"]
+        .into_iter()
+        .map(|name| Ok((name, presets::preset(name, 128)?.check()?)))
+        .collect::<Result<Vec<_>, PolicyError>>()?;
+    let timed = |mask: Option<&mut dyn AttentionMask>| -> Result<(f64, f64), BenchError> {
+        let mut mask = mask;
+        let mut cache = KvCache::default();
+        let started = Instant::now();
+        let mut logits = Vec::new();
+        for piece in ids.chunks(512) {
+            let piece_mask = mask.as_mut().map(|m| &mut **m as &mut dyn AttentionMask);
+            logits = model.forward_masked(piece, &mut cache, None, piece_mask)?;
+        }
+        let prefill = started.elapsed().as_secs_f64();
+        let started = Instant::now();
+        let mut steps = 0;
+        let mut next = crate::model::argmax(&logits);
+        while steps < STEPS {
+            let step_mask = mask.as_mut().map(|m| &mut **m as &mut dyn AttentionMask);
+            logits = model.forward_masked(&[next], &mut cache, None, step_mask)?;
+            next = crate::model::argmax(&logits);
+            steps += 1;
+        }
+        let decode = started.elapsed().as_secs_f64();
+        Ok((
+            1e3 * prefill / ids.len() as f64,
+            1e3 * decode / STEPS as f64,
+        ))
+    };
+    let (prefill, decode) = timed(None)?;
+    let mut runs = vec![("plain forward".to_string(), prefill, decode)];
+    for (name, policy) in &policies {
+        let budgets = vec![policy.params().budget; config.n_layers];
+        let mut streams =
+            LiveStreams::new(policy, budgets, shape, ids.len(), ids.len() + STEPS + 1);
+        let (prefill, decode) = timed(Some(&mut streams))?;
+        runs.push((format!("`{name}` preset, B = 128"), prefill, decode));
+    }
+    Ok(LiveSpeed {
+        tokens: ids.len(),
+        steps: STEPS,
+        runs,
+    })
 }
 
 /// The grid of the bench: (name, budget) pairs and their policies.

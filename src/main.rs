@@ -111,7 +111,7 @@ enum Command {
         /// Skip the NumPy reference.
         #[arg(long)]
         no_numpy: bool,
-        /// Prompt tokens for the capture-speed measurement (0: skip).
+        /// Prompt tokens for the capture-speed and closed-loop cost measurements (0: skip).
         #[arg(long, default_value_t = 2000)]
         capture_tokens: usize,
     },
@@ -540,6 +540,21 @@ fn bench(
             format!("capture prefill, {tokens} tokens, recording q/k/v"),
             format!("{speed:.0} tokens/s"),
         ]);
+        let live = bench::live_speed(capture_tokens)?;
+        let (_, plain_prefill, plain_decode) = live.runs[0].clone();
+        for (label, prefill, decode) in &live.runs {
+            table.push([
+                format!(
+                    "live: {label}, {} prompt tokens then {} decode steps (ms per token)",
+                    live.tokens, live.steps
+                ),
+                format!(
+                    "prefill {prefill:.2} ({:.2}× plain), decode {decode:.1} ({:.2}× plain)",
+                    prefill / plain_prefill,
+                    decode / plain_decode
+                ),
+            ]);
+        }
     }
     print!("{}", table.render(Format::Markdown));
     Ok(())

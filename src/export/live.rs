@@ -4,6 +4,7 @@
 use super::{Format, Table};
 use crate::live::LiveReport;
 use crate::replay::metrics::REGISTRY;
+use crate::replay::Timing;
 
 /// One row: the policy, its open-loop metrics and its closed-loop outcomes; then the texts.
 pub fn live_table(report: &LiveReport, format: Format) -> String {
@@ -17,6 +18,7 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
     );
     headers.extend(
         [
+            "retained mass (live)",
             "KL full‖policy",
             "top-1 agreement",
             "logprob lost",
@@ -37,6 +39,7 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
             .map(|value| format!("{value:.4}")),
     );
     row.extend([
+        format!("{:.4}", report.live_retained_mass),
         format!("{:.4}", report.kl),
         format!("{:.4}", report.top1),
         format!("{:.4}", report.logprob_lost),
@@ -48,17 +51,39 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
     table.push(row);
     let mut out = table.render(format);
     if format == Format::Markdown {
+        let streams_prompt = report.open_loop.settings.get("timing").map(String::as_str)
+            == Some(Timing::Streaming.name());
+        let first = if streams_prompt {
+            "the policy evicts during the prompt, so the first token is compared too"
+        } else {
+            "the first token comes from the full prefill"
+        };
         out += &format!(
-            "\nTeacher-forced along the full-cache continuation, {} steps (means over steps; the \
-             first token comes from the shared prefill). Free-running greedy text under the \
-             policy: {:?}\nFull cache: {:?}\n",
+            "\nTeacher-forced along the full-cache continuation, {} steps (means over steps; \
+             {first}). Free-running greedy text under the policy: {:?}\nFull cache: {:?}\n",
             report.steps.len(),
             report.text,
             report.full_text
         );
+        out += &drift_line(report);
         if report.uses_full_run_future {
             out += "The kept sets read the full-cache run's future queries (an oracle).\n";
         }
     }
     out
+}
+
+/// Per layer, the live retained mass minus the open-loop one: where the model's own vectors
+/// drift once tokens are gone (layer 0's vectors do not depend on any eviction: 0 there).
+fn drift_line(report: &LiveReport) -> String {
+    let drift: Vec<String> = report
+        .live_layers
+        .iter()
+        .zip(&report.open_loop.layers)
+        .map(|(live, open)| format!("{:+.3}", live - open.metrics[crate::replay::RETAINED_MASS]))
+        .collect();
+    format!(
+        "Retained mass, live minus open loop, by layer: {}\n",
+        drift.join(" ")
+    )
 }

@@ -35,7 +35,7 @@
 //! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
 
 mod drift;
-mod streams;
+pub(crate) mod streams;
 
 use crate::capture::{trace_writer, CaptureError, CaptureOptions};
 use crate::model::{argmax, AttentionMask, Evicted, KvCache, Llama, ModelError, Recorder};
