@@ -37,6 +37,14 @@ pub enum CaptureError {
     /// The model or the essays are missing or could not be fetched.
     #[error(transparent)]
     Asset(#[from] AssetError),
+    /// The lock that lets concurrent sweeps capture a recipe once could not be taken.
+    #[error("{path}: cannot take the capture lock: {source}")]
+    Lock {
+        /// The lock file.
+        path: std::path::PathBuf,
+        /// The failure.
+        source: std::io::Error,
+    },
 }
 
 /// What a recipe's capture wrote.

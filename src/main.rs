@@ -5,9 +5,11 @@ use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
-use kvreplay::capture;
-use kvreplay::experiment::{report, run_sweep, Capture, Experiment};
-use kvreplay::export::{exporter, Format};
+use kvreplay::capture::{self, CaptureError};
+use kvreplay::experiment::shard::{self, Shard};
+use kvreplay::experiment::slurm::{self, SlurmJob, SlurmOptions};
+use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
+use kvreplay::export::{exporter, Format, Table};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
     all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Order,
@@ -129,6 +131,35 @@ enum Command {
         /// Where results go (results/<name>/ under it).
         #[arg(long, default_value = "results")]
         results: PathBuf,
+        /// Run only shard I of N (I from 0), chosen from the whole plan the same way on every
+        /// machine and balanced by estimated cost; no report (run `kvreplay report` after the
+        /// last shard). For any job-array runner: Slurm, Kubernetes indexed jobs, GNU parallel.
+        #[arg(long, value_name = "I/N", conflicts_with_all = ["slurm", "status"])]
+        shard: Option<Shard>,
+        /// Print the runs done and missing in each shard (of --tasks, or of the last --slurm
+        /// submission) and run nothing.
+        #[arg(long, conflicts_with = "slurm")]
+        status: bool,
+        /// Submit the sweep to Slurm: a job array of --tasks shards (only those with runs
+        /// missing), then a report job once all succeeded. Scripts and logs go to
+        /// results/<name>/slurm/.
+        #[arg(long)]
+        slurm: bool,
+        /// Shards (array tasks) for --slurm and --status [default: 4, or the last submission's].
+        #[arg(long)]
+        tasks: Option<usize>,
+        /// Slurm partition.
+        #[arg(long, requires = "slurm")]
+        partition: Option<String>,
+        /// Slurm time limit per task (e.g. 2:00:00).
+        #[arg(long, requires = "slurm")]
+        time: Option<String>,
+        /// CPUs per task (also the task's thread count).
+        #[arg(long, requires = "slurm")]
+        cpus: Option<usize>,
+        /// Print the sbatch scripts instead of submitting them.
+        #[arg(long, requires = "slurm")]
+        dry_run: bool,
     },
     /// Rebuild an experiment's report from its stored runs, running nothing.
     Report {
@@ -560,19 +591,40 @@ fn bench(
     Ok(())
 }
 
+/// The experiment's traces, capturing missing recipes when `capture` is set: each capture holds
+/// a lock beside its trace (dropped by the OS if the holder dies), so shards that start together
+/// capture a recipe once.
+fn experiment_traces(experiment: &Experiment, capture: bool) -> Result<Vec<TraceFile>> {
+    let mut capture_once = |recipe: &Path, trace: &Path| {
+        let lock = trace.with_extension("safetensors.lock");
+        kvreplay::atomic::with_lock(&lock, || {
+            if trace.is_file() {
+                return Ok(());
+            }
+            capture_recipe(recipe, trace, StorageDtype::F16, 512).map(|_| ())
+        })
+        .map_err(|source| CaptureError::Lock {
+            path: lock.clone(),
+            source,
+        })?
+    };
+    Ok(experiment.trace_files(capture.then_some(&mut capture_once as Capture<'_>))?)
+}
+
 fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
     let experiment = Experiment::load(path)?;
-    let mut capture = |recipe: &Path, trace: &Path| {
-        capture_recipe(recipe, trace, StorageDtype::F16, 512).map(|_| ())
-    };
-    let traces = experiment.trace_files(run_missing.then_some(&mut capture as Capture<'_>))?;
     let results = results_root.join(&experiment.name);
+    if run_missing {
+        claim_results(&results, path)?;
+    }
+    let traces = experiment_traces(&experiment, run_missing)?;
     if run_missing {
         let bar = progress_bar(experiment.plan(&traces).len() as u64, &experiment.name);
         let (ran, skipped) = run_sweep(
             &experiment,
             &traces,
             &results,
+            None,
             &|done, _| bar.set_position(done as u64),
             &return_free_memory,
         )?;
@@ -586,6 +638,156 @@ fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
     print!(
         "{}",
         report::build(&experiment, &traces, &results, &command)?
+    );
+    Ok(())
+}
+
+/// One shard of a sweep: its runs only, no report.
+fn sweep_shard(path: &Path, results_root: &Path, shard: Shard) -> Result<()> {
+    let experiment = Experiment::load(path)?;
+    let results = results_root.join(&experiment.name);
+    claim_results(&results, path)?;
+    let traces = experiment_traces(&experiment, true)?;
+    let bar = progress_bar(0, &format!("{} {shard}", experiment.name));
+    let (ran, skipped) = run_sweep(
+        &experiment,
+        &traces,
+        &results,
+        Some(shard),
+        &|done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64)
+        },
+        &return_free_memory,
+    )?;
+    bar.finish_and_clear();
+    eprintln!(
+        "{} shard {shard}: {ran} runs done, {skipped} already there",
+        experiment.name
+    );
+    Ok(())
+}
+
+/// Where a Slurm submission keeps its scripts, logs and shard count.
+fn slurm_dir(results_root: &Path, experiment: &Experiment) -> PathBuf {
+    results_root.join(&experiment.name).join("slurm")
+}
+
+fn sweep_status(path: &Path, results_root: &Path, tasks: Option<usize>) -> Result<()> {
+    let experiment = Experiment::load(path)?;
+    let traces = experiment_traces(&experiment, false)?;
+    let results = results_root.join(&experiment.name);
+    let submitted = std::fs::read_to_string(slurm_dir(results_root, &experiment).join("tasks"))
+        .ok()
+        .and_then(|text| text.trim().parse::<usize>().ok());
+    let count = tasks.or(submitted).unwrap_or(1);
+    anyhow::ensure!(count > 0, "--tasks must be at least 1");
+    let shards = shard::status(&experiment, &traces, &results, count);
+    let mut table = Table::with_headers(
+        ["shard", "runs", "done", "missing"]
+            .map(String::from)
+            .to_vec(),
+    );
+    for status in &shards {
+        table.push(vec![
+            status.shard.to_string(),
+            status.runs.to_string(),
+            (status.runs - status.missing.len()).to_string(),
+            status.missing.len().to_string(),
+        ]);
+    }
+    print!("{}", table.render(Format::Markdown));
+    let missing: Vec<String> = shards
+        .iter()
+        .filter(|s| !s.missing.is_empty())
+        .map(|s| s.shard.index.to_string())
+        .collect();
+    if missing.is_empty() {
+        println!(
+            "\nEvery run is stored: `kvreplay report {}` writes the report.",
+            path.display()
+        );
+    } else {
+        println!(
+            "\nShards with runs missing: {}. `kvreplay sweep {} --slurm --tasks {count}` submits \
+             those only; `--shard I/{count}` runs one anywhere.",
+            missing.join(", "),
+            path.display()
+        );
+    }
+    Ok(())
+}
+
+fn sweep_slurm(
+    path: &Path,
+    results_root: &Path,
+    options: &SlurmOptions,
+    dry_run: bool,
+) -> Result<()> {
+    anyhow::ensure!(options.tasks > 0, "--tasks must be at least 1");
+    anyhow::ensure!(
+        dry_run || slurm::sbatch_available(),
+        slurm::SlurmError::NoSbatch
+    );
+    let experiment = Experiment::load(path)?;
+    let results = results_root.join(&experiment.name);
+    claim_results(&results, path)?;
+    // With every trace there, only the shards that miss runs are submitted; otherwise the tasks
+    // capture what is missing (under a lock) and every shard runs.
+    let tasks: Vec<usize> = match experiment_traces(&experiment, false) {
+        Ok(traces) => shard::status(&experiment, &traces, &results, options.tasks)
+            .into_iter()
+            .filter(|s| !s.missing.is_empty())
+            .map(|s| s.shard.index)
+            .collect(),
+        Err(_) => (0..options.tasks).collect(),
+    };
+    if tasks.is_empty() {
+        println!(
+            "Every run is stored: `kvreplay report {}` writes the report.",
+            path.display()
+        );
+        return Ok(());
+    }
+    let dir = slurm_dir(results_root, &experiment);
+    let logs = dir.join("logs");
+    let job = SlurmJob {
+        binary: std::env::current_exe()?,
+        workdir: std::env::current_dir()?,
+        experiment: path.to_owned(),
+        results: results_root.to_owned(),
+        name: experiment.name.clone(),
+    };
+    let array = slurm::array_script(&job, options, &tasks, &logs);
+    let report = slurm::report_script(&job, options, &logs);
+    if dry_run {
+        print!(
+            "# {}\n{array}\n# {}\n{report}",
+            dir.join("sweep.sbatch").display(),
+            dir.join("report.sbatch").display()
+        );
+        return Ok(());
+    }
+    std::fs::create_dir_all(&logs)?;
+    let (array_path, report_path) = (dir.join("sweep.sbatch"), dir.join("report.sbatch"));
+    kvreplay::atomic::write(&array_path, array.as_bytes())?;
+    kvreplay::atomic::write(&report_path, report.as_bytes())?;
+    kvreplay::atomic::write(
+        &dir.join("tasks"),
+        format!("{}\n", options.tasks).as_bytes(),
+    )?;
+    let array_job = slurm::submit(&array_path, None)?;
+    let report_job = slurm::submit(&report_path, Some(&array_job))?;
+    println!(
+        "Submitted job array {array_job} (shards {} of {}) and report job {report_job} after it; \
+         `kvreplay sweep {} --status` shows what is done.",
+        tasks
+            .iter()
+            .map(usize::to_string)
+            .collect::<Vec<_>>()
+            .join(", "),
+        options.tasks,
+        path.display()
     );
     Ok(())
 }
@@ -644,7 +846,31 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
         Command::Sweep {
             experiment,
             results,
-        } => sweep(&experiment, &results, true)?,
+            shard,
+            status,
+            slurm,
+            tasks,
+            partition,
+            time,
+            cpus,
+            dry_run,
+        } => {
+            if status {
+                sweep_status(&experiment, &results, tasks)?
+            } else if slurm {
+                let options = SlurmOptions {
+                    tasks: tasks.unwrap_or(4),
+                    partition,
+                    time,
+                    cpus,
+                };
+                sweep_slurm(&experiment, &results, &options, dry_run)?
+            } else if let Some(shard) = shard {
+                sweep_shard(&experiment, &results, shard)?
+            } else {
+                sweep(&experiment, &results, true)?
+            }
+        }
         Command::Report {
             experiment,
             results,

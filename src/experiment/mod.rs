@@ -11,12 +11,15 @@
 pub mod calibration;
 mod plot;
 pub mod report;
+pub mod shard;
+pub mod slurm;
 mod spec;
 mod store;
 mod traces;
 
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
 pub use store::{
-    run_sweep, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError, SweepProgress,
+    claim_results, run_sweep, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError,
+    SweepProgress,
 };
 pub use traces::{Capture, TraceFile};

@@ -1,6 +1,7 @@
 //! Running the planned runs and storing them: one JSON file per run, written to a temporary name
 //! and renamed, so a killed sweep leaves only finished runs, and a rerun skips them.
 
+use super::shard::{plan_shards, Shard};
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture::{self, CaptureError};
 use crate::live::{LiveError, LiveReport, LiveSession};
@@ -183,6 +184,36 @@ fn run_path(results: &Path, id: &str) -> PathBuf {
     results.join("runs").join(format!("{id}.json"))
 }
 
+/// Claims `results` (an experiment's results directory) for the experiment file `experiment`,
+/// recorded in `results/.experiment`: two experiment files with one name (the directory is named
+/// after the file) would otherwise mix their runs and reports.
+pub fn claim_results(results: &Path, experiment: &Path) -> Result<(), SweepError> {
+    let owner_file = results.join(".experiment");
+    let this: PathBuf = experiment
+        .components()
+        .filter(|c| !matches!(c, std::path::Component::CurDir))
+        .collect();
+    let this = this.display().to_string();
+    match std::fs::read_to_string(&owner_file) {
+        Ok(owner) if owner.trim() == this => Ok(()),
+        Ok(owner) => Err(SweepError::Io {
+            path: results.to_owned(),
+            detail: format!(
+                "holds the runs of `{}`, not of `{this}` (same name): pass --results elsewhere, or \
+                 delete {} if that experiment file was moved here",
+                owner.trim(),
+                owner_file.display()
+            ),
+        }),
+        Err(_) => write_atomically(&owner_file, format!("{this}\n").as_bytes()),
+    }
+}
+
+/// Whether run `id` is stored under `results`.
+pub(crate) fn is_stored(results: &Path, id: &str) -> bool {
+    run_path(results, id).is_file()
+}
+
 /// Writes `bytes` to `path` through a temporary file and a rename ([`crate::atomic`]).
 pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepError> {
     crate::atomic::write(path, bytes).map_err(|e| SweepError::Io {
@@ -191,19 +222,28 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepErr
     })
 }
 
-/// Runs every planned run not stored yet under `results` (policies of one trace in batches that
-/// share each layer's reading and decode attention), storing each as it finishes; `layer_done`
+/// Runs every planned run (of `shard` only, when given) not stored yet under `results` (policies
+/// of one trace in batches that share each layer's reading and decode attention), storing each
+/// as it finishes; `layer_done`
 /// is called after each layer of each pass. Returns how many runs were run and how many were
 /// already there.
 pub fn run_sweep(
     experiment: &Experiment,
     traces: &[TraceFile],
     results: &Path,
+    shard: Option<Shard>,
     progress: SweepProgress<'_>,
     layer_done: LayerDone<'_>,
 ) -> Result<(usize, usize), SweepError> {
     const BATCH: usize = 12;
-    let planned = experiment.plan(traces);
+    let planned: Vec<PlannedRun> = match shard {
+        Some(shard) => plan_shards(experiment, traces, shard.count)
+            .into_iter()
+            .filter(|(_, of)| *of == shard.index)
+            .map(|(run, _)| run)
+            .collect(),
+        None => experiment.plan(traces),
+    };
     let total = planned.len();
     let pending: Vec<&PlannedRun> = planned
         .iter()

@@ -23,6 +23,8 @@ pub struct TraceFile {
     /// Its query and KV heads, as its header says (read while hashing it; `None` for a file
     /// whose header does not say).
     pub heads: Option<(usize, usize)>,
+    /// Its prompt length, as its header says.
+    pub prompt_len: Option<usize>,
 }
 
 impl TraceFile {
@@ -47,6 +49,7 @@ impl TraceFile {
             sha256,
             recipe_sha256: None,
             heads: count("n_heads").zip(count("n_kv_heads")),
+            prompt_len: count("prompt_len"),
         })
     }
 }
