@@ -312,13 +312,13 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "--recipe",
             "r.toml",
             "--scorer",
-            "true-query",
+            "oracle-static",
             "--timing",
             "streaming",
         ])
         .assert()
         .code(2)
         .stderr(contains(
-            "live mode: timing `streaming` changes the cache while the prompt runs",
+            "live mode: scorer `oracle-static` reads future queries, which live mode takes from the full run under the `prefill` timing only, not `streaming`",
         ));
 }
