@@ -170,6 +170,8 @@ pub fn section(
     let mut out = outcome_table(experiment, names, runs, trace_names);
     out += &correlations(runs, trace_names);
     out += &rankings(experiment, names, runs, trace_names);
+    let (drift, mut figures) = super::drift::section(names, runs, results)?;
+    out += &drift;
     let series: Vec<Series> = names
         .iter()
         .map(|name| {
@@ -181,13 +183,13 @@ pub fn section(
             (name.clone(), points)
         })
         .collect();
-    let figures = scatter(
+    figures.extend(scatter(
         &results.join("calibration"),
         "open-loop retained mass against closed-loop KL (one dot per policy, budget, trace)",
         "retained mass (open loop)",
         "KL(p_full ‖ p_policy), nats (closed loop)",
         &series,
-    )?;
+    )?);
     Ok((out, figures))
 }
 

@@ -9,6 +9,7 @@
 //! open-loop metrics against closed-loop outcomes.
 
 pub mod calibration;
+mod drift;
 mod plot;
 pub mod report;
 pub mod shard;

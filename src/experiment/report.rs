@@ -140,6 +140,13 @@ fn write_frames(
             column("kl", closed.iter().map(|c| c.kl).collect()),
             column("top1", closed.iter().map(|c| c.top1).collect()),
             column(
+                "live_retained_mass",
+                closed
+                    .iter()
+                    .map(|c| c.live_retained_mass.unwrap_or(f64::NAN))
+                    .collect(),
+            ),
+            column(
                 "logprob_lost",
                 closed.iter().map(|c| c.logprob_lost).collect(),
             ),

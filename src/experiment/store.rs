@@ -48,6 +48,14 @@ pub struct ClosedLoop {
     pub text: String,
     /// Whether the kept sets read the full run's future queries (an oracle).
     pub uses_full_run_future: bool,
+    /// The live retained mass: each live query's share of its attention over the whole live
+    /// cache that its kept set holds, mean over teacher-forced steps, query heads and layers
+    /// (absent in runs stored before it was measured, or where a layer had nothing to measure).
+    #[serde(default)]
+    pub live_retained_mass: Option<f64>,
+    /// The same per layer, beside the open-loop report's per-layer retained mass.
+    #[serde(default)]
+    pub live_layers: Option<Vec<f64>>,
 }
 
 impl From<&LiveReport> for ClosedLoop {
@@ -60,6 +68,9 @@ impl From<&LiveReport> for ClosedLoop {
             full_answer_ok: live.full_answer_ok,
             text: live.text.clone(),
             uses_full_run_future: live.uses_full_run_future,
+            live_retained_mass: Some(live.live_retained_mass).filter(|m| m.is_finite()),
+            live_layers: Some(live.live_layers.clone())
+                .filter(|layers| layers.iter().all(|m| m.is_finite())),
         }
     }
 }
