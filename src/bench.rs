@@ -167,6 +167,7 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
         head_dim: config.head_dim(),
         scale: 1.0 / (config.head_dim() as f32).sqrt(),
         softcap: None,
+        rope_theta: Some(config.rope_theta),
     };
     let policies = ["h2o", "streamingllm"]
         .into_iter()
@@ -518,6 +519,7 @@ mod tests {
             prompt_len: 5,
             scale: 1.0,
             softcap: None,
+            rope_theta: None,
             spans: Vec::new(),
             extra: Default::default(),
         };

@@ -184,6 +184,7 @@ pub fn trace_writer(
         prompt_len: prompt.ids.len(),
         scale: 1.0 / (head_dim as f32).sqrt(),
         softcap: None,
+        rope_theta: Some(config.rope_theta),
         spans: prompt.spans.clone(),
         extra,
     };

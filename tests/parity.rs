@@ -30,6 +30,11 @@ const GENERATED: usize = 6;
 
 /// A trace with continuous values in [-2, 2) (24-bit), so that only pooling makes exact ties.
 fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
+    write_trace_values(path, seed, prompt_len, false)
+}
+
+/// [`write_trace`], with values (drawn from their own stream, so q and k are the same) when asked.
+fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
     let meta = TraceMeta {
         model: "parity".into(),
         n_layers: LAYERS,
@@ -39,17 +44,24 @@ fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
         prompt_len,
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
         softcap: None,
+        rope_theta: Some(10_000.0),
         spans: vec![],
         extra: Default::default(),
     };
     let t = prompt_len + GENERATED;
     let mut rng = Rng(seed);
     let mut value = || (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0;
+    let mut value_rng = Rng(seed ^ 0x5EED);
     let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
     for _ in 0..LAYERS {
         let q = Array3::from_shape_simple_fn((HEADS, t, HEAD_DIM), &mut value);
         let k = Array3::from_shape_simple_fn((KV_HEADS, t, HEAD_DIM), &mut value);
-        writer.push_layer(q, k, None);
+        let v = values.then(|| {
+            Array3::from_shape_simple_fn((KV_HEADS, t, HEAD_DIM), || {
+                (value_rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+            })
+        });
+        writer.push_layer(q, k, v);
     }
     writer.write(path).unwrap();
 }
@@ -245,11 +257,13 @@ fn cake_keeps_what_its_cache_keeps() {
 fn check_kvpress(
     trace_path: &Path,
     script: &str,
+    settings: &[&str],
     policy: impl Fn(usize) -> PolicyParams,
     budgets: &[usize],
 ) {
     let trace = TraceReader::open(trace_path).unwrap();
     let mut args = vec![trace_path.display().to_string()];
+    args.extend(settings.iter().map(|s| s.to_string()));
     args.extend(budgets.iter().map(usize::to_string));
     let official = reference(script, &args);
     let mut exact = 0;
@@ -290,6 +304,7 @@ fn snapkv_kvpress_keeps_what_kvpress_keeps() {
     check_kvpress(
         &path,
         "kvpress_snapkv.py",
+        &[],
         |budget| presets::preset("snapkv-kvpress", budget).unwrap(),
         &[72, 80, 96],
     );
@@ -304,6 +319,7 @@ fn keydiff_keeps_what_kvpress_keeps() {
     check_kvpress(
         &path,
         "kvpress_keydiff.py",
+        &[],
         |budget| PolicyParams {
             scorer: "keydiff".into(),
             budget,
@@ -312,6 +328,64 @@ fn keydiff_keeps_what_kvpress_keeps() {
         },
         &[8, 16, 30],
     );
+}
+
+/// kvpress's LagKV: the `lagkv` scorer, one-shot, nothing protected, ranks within partitions
+/// and the cross-partition softmax scores.
+#[test]
+fn lagkv_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 9, PROMPT, true);
+    for cross in [false, true] {
+        check_kvpress(
+            &path,
+            "kvpress_lagkv.py",
+            &["8", "4", if cross { "true" } else { "false" }],
+            |budget| {
+                PolicyParams {
+                    scorer: "lagkv".into(),
+                    budget,
+                    window: 0,
+                    ..PolicyParams::default()
+                }
+                .with("lag_size", 8)
+                .with("n_sink", 4)
+                .with("cross_scoring", cross)
+            },
+            &[12, 20, 30],
+        );
+    }
+}
+
+/// kvpress's Expected Attention (its default press): the `expected-attention` scorer, one-shot,
+/// nothing protected, with and without the covariance term and the value norms, the rotary
+/// turned back and forward by transformers' own rotary embedding.
+#[test]
+fn expected_attention_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 10, PROMPT, true);
+    for (covariance, vnorm) in [(true, true), (false, false)] {
+        check_kvpress(
+            &path,
+            "kvpress_expected_attention.py",
+            &["64", "4", &covariance.to_string(), &vnorm.to_string()],
+            |budget| {
+                PolicyParams {
+                    scorer: "expected-attention".into(),
+                    budget,
+                    window: 0,
+                    ..PolicyParams::default()
+                }
+                .with("n_future_positions", 64)
+                .with("n_sink", 4)
+                .with("use_covariance", covariance)
+                .with("use_vnorm", vnorm)
+            },
+            &[8, 20, 30],
+        );
+    }
 }
 
 #[test]

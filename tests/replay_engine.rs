@@ -82,6 +82,9 @@ fn engine_matches_brute_force_reference() {
                     if declared(scorer).takes("seed") {
                         policy = policy.with("seed", seed);
                     }
+                    if declared(scorer).takes("lag_size") {
+                        policy = policy.with("lag_size", 3);
+                    }
                     let policy = match policy.check() {
                         Ok(policy) => policy,
                         Err(PolicyError::Unsupported { .. }) => continue,
@@ -106,6 +109,7 @@ fn engine_matches_brute_force_reference() {
                             window: 2,
                             sinks: (seed % 2) as usize,
                             kernel: 3,
+                            lag_size: 3,
                             max_pool: seed % 2 == 1,
                             per_query_head: gqa == Granularity::QueryHead,
                             shared_layer: gqa == Granularity::Layer,
@@ -174,6 +178,7 @@ fn recency_by_hand() {
         prompt_len: 3,
         scale: 1.0,
         softcap: None,
+        rope_theta: None,
         spans: vec![],
         extra: Default::default(),
     };
@@ -212,6 +217,47 @@ fn recency_by_hand() {
         replay(&trace, &top2).unwrap().metric("topk_recall"),
         Some(0.0)
     );
+}
+
+/// A scorer that reads values is refused on a trace captured without them, and only it.
+#[test]
+fn value_scorers_need_values() {
+    use kvreplay::trace::{StorageDtype, TraceMeta, TraceWriter};
+    use ndarray::Array3;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("keys-only.safetensors");
+    let meta = TraceMeta {
+        model: "keys-only".into(),
+        n_layers: 1,
+        n_heads: 1,
+        n_kv_heads: 1,
+        head_dim: 2,
+        prompt_len: 6,
+        scale: 1.0,
+        softcap: None,
+        rope_theta: None,
+        spans: vec![],
+        extra: Default::default(),
+    };
+    let q = Array3::from_shape_fn((1, 8, 2), |(_, t, x)| (t + x) as f32 / 8.0);
+    let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..8).collect());
+    writer.push_layer(q.clone(), q, None);
+    writer.write(&path).unwrap();
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = |scorer: &str| {
+        PolicyParams {
+            scorer: scorer.into(),
+            budget: 3,
+            window: 0,
+            sinks: 0,
+            ..PolicyParams::default()
+        }
+        .check()
+        .unwrap()
+    };
+    let err = replay(&trace, &policy("lagkv")).unwrap_err().to_string();
+    assert!(err.contains("`lagkv`") && err.contains("values"), "{err}");
+    assert!(replay(&trace, &policy("knorm")).is_ok());
 }
 
 /// The seed library's PyramidKV-adapted with beta = 1 is its H2O-adapted, bit for bit.

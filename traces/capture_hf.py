@@ -156,6 +156,11 @@ def main():
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         meta["softcap"] = repr(float(softcap))
+    # The plain half-split rotary only: a scaled or per-layer rotary (rope_scaling) is not
+    # described by one base, so the key is left out and scorers that turn queries back refuse.
+    rope_theta = getattr(config, "rope_theta", None)
+    if rope_theta and not getattr(config, "rope_scaling", None):
+        meta["rope_theta"] = repr(float(rope_theta))
     partial = args.out + f".partial.{os.getpid()}"
     save_file(tensors, partial, metadata=meta)
     os.replace(partial, args.out)

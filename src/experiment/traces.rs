@@ -181,6 +181,7 @@ mod tests {
             prompt_len: 2,
             scale: 1.0,
             softcap: None,
+            rope_theta: None,
             spans: Vec::new(),
             extra,
         };

@@ -321,6 +321,7 @@ impl<'m> LiveSession<'m> {
             head_dim: meta.head_dim,
             scale: meta.scale,
             softcap: meta.softcap,
+            rope_theta: meta.rope_theta,
         };
         let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
         let budgets = layer_budgets(&self.trace, policy)?;

@@ -33,6 +33,7 @@ pub(crate) struct AttentionShape {
     pub head_dim: usize,
     pub scale: f32,
     pub softcap: Option<f32>,
+    pub rope_theta: Option<f32>,
 }
 
 /// A streaming or re-selecting policy holding the model's cache. Cloning forks it (with a clone
@@ -113,6 +114,7 @@ impl AttentionMask for LiveStreams<'_> {
             prompt_len: self.prompt_len,
             scale: shape.scale,
             softcap: shape.softcap,
+            rope_theta: shape.rope_theta,
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

@@ -70,6 +70,7 @@ pub fn context<'a>(
         prompt_len: meta.prompt_len,
         scale: meta.scale,
         softcap: meta.softcap,
+        rope_theta: meta.rope_theta,
     }
 }
 
@@ -336,6 +337,18 @@ fn layer_budgets_with_progress(
         return Err(mismatch(
             "the trace has no generated tokens (prompt_len = T): metrics are measured on decode queries; capture with generate > 0".into(),
         ));
+    }
+    if policy.scorer.needs_values() && !trace.has_values() {
+        return Err(mismatch(format!(
+            "scorer `{}` scores the values too, and this trace has none (capture with values)",
+            params.scorer
+        )));
+    }
+    if policy.scorer.needs_rope() && meta.rope_theta.is_none() {
+        return Err(mismatch(format!(
+            "scorer `{}` rotates the queries back before the rotary, and this trace has no `rope_theta` in its header (capture it again with this version)",
+            params.scorer
+        )));
     }
     if params.protection().tokens() > prompt_len {
         return Err(mismatch(format!(

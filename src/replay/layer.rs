@@ -20,6 +20,8 @@ pub struct LayerContext<'a> {
     pub scale: f32,
     /// Logit soft-cap.
     pub softcap: Option<f32>,
+    /// Base of the half-split rotary the queries and keys went through, when the trace says.
+    pub rope_theta: Option<f32>,
 }
 
 impl<'a> LayerContext<'a> {

@@ -39,6 +39,9 @@ pub struct TraceMeta {
     pub scale: f32,
     /// Attention logit soft-cap, if the model uses one.
     pub softcap: Option<f32>,
+    /// Base of the half-split rotary embedding the stored q and k went through, when known:
+    /// what rotates them back (scorers that need the pre-rotary queries).
+    pub rope_theta: Option<f32>,
     /// Named spans.
     pub spans: Vec<Span>,
     /// Every other key of the header, kept as found (`prompt_text`, `source`, unknown keys).
@@ -131,6 +134,7 @@ impl TraceMeta {
         }
         let scale = float("scale")?.unwrap_or(1.0 / (head_dim as f32).sqrt());
         let softcap = float("softcap")?;
+        let rope_theta = float("rope_theta")?;
         let spans = match header.get("spans") {
             None => Vec::new(),
             Some(text) => {
@@ -140,7 +144,7 @@ impl TraceMeta {
                 })?
             }
         };
-        const KNOWN: [&str; 11] = [
+        const KNOWN: [&str; 12] = [
             "format",
             "model",
             "n_layers",
@@ -149,6 +153,7 @@ impl TraceMeta {
             "head_dim",
             "prompt_len",
             "rope",
+            "rope_theta",
             "scale",
             "softcap",
             "spans",
@@ -167,6 +172,7 @@ impl TraceMeta {
             prompt_len,
             scale,
             softcap,
+            rope_theta,
             spans,
             extra,
         })
@@ -210,6 +216,9 @@ impl TraceMeta {
         header.insert("scale".into(), format!("{:e}", self.scale));
         if let Some(softcap) = self.softcap {
             header.insert("softcap".into(), format!("{softcap:e}"));
+        }
+        if let Some(theta) = self.rope_theta {
+            header.insert("rope_theta".into(), format!("{theta:e}"));
         }
         if !self.spans.is_empty() {
             header.insert(

@@ -87,6 +87,7 @@ pub fn meta(shape: Shape) -> TraceMeta {
         prompt_len: shape.prompt_len,
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         softcap: None,
+        rope_theta: Some(reference::ROPE_THETA),
         spans: vec![Span {
             name: "needle".into(),
             start: middle.saturating_sub(1),

@@ -29,6 +29,8 @@ pub struct Policy<'a> {
     pub window: usize,
     pub sinks: usize,
     pub kernel: usize,
+    /// LagKV's partition length (its 4 sinks are fixed here, as in its defaults).
+    pub lag_size: usize,
     pub max_pool: bool,
     pub per_query_head: bool,
     /// One kept set for the whole layer (`gqa = layer`): scores are the mean over KV groups.
@@ -373,6 +375,8 @@ fn member_scores(
                 })
                 .collect()
         }
+        "lagkv" => lagkv_scores(layer, kv, cache, policy.lag_size),
+        "expected-attention" => expected_attention_scores(layer, heads, kv, cache),
         "oracle-static" => cache
             .iter()
             .map(|&j| {
@@ -388,6 +392,206 @@ fn member_scores(
         _ => running.to_vec(),
     }
 }
+
+/// LagKV with 4 sinks and ranks within partitions: after the sinks, partitions of `lag` tokens;
+/// each token's key and value channels are scaled into [0, 1] by the next partition's per-channel
+/// range, their sample standard deviation is softmaxed over the partition, keys and values
+/// averaged, and the token scores its rank in its partition / `lag`. Sinks and everything from
+/// the last full partition on score 1; a short cache scores by recency after the sinks.
+fn lagkv_scores(layer: &Layer, kv: usize, cache: &[usize], lag: usize) -> Vec<f64> {
+    const SINKS: usize = 4;
+    let n = cache.len();
+    if n < SINKS + 2 * lag {
+        return (0..n)
+            .map(|i| {
+                if i < SINKS {
+                    1.0
+                } else {
+                    (i - SINKS) as f64 / (n - SINKS) as f64
+                }
+            })
+            .collect();
+    }
+    let value = |j: usize| -> Vec<f64> {
+        (0..layer.v.shape()[2])
+            .map(|x| layer.v[[kv, j, x]] as f64)
+            .collect()
+    };
+    let full = (n - SINKS) / lag;
+    let mut out = vec![1.0; n];
+    for p in 0..full - 1 {
+        let start = SINKS + p * lag;
+        let part = &cache[start..start + lag];
+        let next = &cache[start + lag..start + 2 * lag];
+        let key_soft = spread_softmax(part, next, &|j| layer.key(kv, j));
+        let value_soft = spread_softmax(part, next, &value);
+        let score: Vec<f64> = (0..lag)
+            .map(|i| (key_soft[i] + value_soft[i]) / 2.0)
+            .collect();
+        for i in 0..lag {
+            let below = (0..lag)
+                .filter(|&o| score[o] < score[i] || (score[o] == score[i] && o < i))
+                .count();
+            out[start + i] = below as f64 / lag as f64;
+        }
+    }
+    out
+}
+
+/// Softmax over `part` of each token's sample standard deviation of its channels, scaled by
+/// `next`'s per-channel min and max.
+fn spread_softmax(part: &[usize], next: &[usize], row: &dyn Fn(usize) -> Vec<f64>) -> Vec<f64> {
+    let next_rows: Vec<Vec<f64>> = next.iter().map(|&j| row(j)).collect();
+    let d = next_rows[0].len();
+    let stds: Vec<f64> = part
+        .iter()
+        .map(|&j| {
+            let r = row(j);
+            let scaled: Vec<f64> = (0..d)
+                .map(|x| {
+                    let low = next_rows.iter().map(|n| n[x]).fold(f64::INFINITY, f64::min);
+                    let high = next_rows
+                        .iter()
+                        .map(|n| n[x])
+                        .fold(f64::NEG_INFINITY, f64::max);
+                    (r[x] - low) / (high - low)
+                })
+                .collect();
+            let mean = scaled.iter().sum::<f64>() / d as f64;
+            (scaled.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (d - 1) as f64).sqrt()
+        })
+        .collect();
+    let max = stds.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    let total: f64 = stds.iter().map(|s| (s - max).exp()).sum();
+    stds.iter().map(|s| (s - max).exp() / total).collect()
+}
+
+/// Expected Attention with kvpress's defaults (4 sinks, 512 future positions, covariance and
+/// value norms), from the paper's description: each head's pre-rotary queries after the sinks
+/// (the stored ones turned back by -position x theta^(-2i/d) on pairs (i, i + d/2), theta =
+/// `ROPE_THETA`), their mean and covariance (/N) carried by the mean of the rotary matrices of
+/// the next 512 positions, built as full d x d matrices; logits mu.k / sqrt(d) + k^T S k / (2d)
+/// over the keys after the sinks, softmaxed per head, averaged over heads, times |v|; the sinks
+/// score the maximum + 1.
+fn expected_attention_scores(
+    layer: &Layer,
+    heads: &[usize],
+    kv: usize,
+    cache: &[usize],
+) -> Vec<f64> {
+    const SINKS: usize = 4;
+    const FUTURE: usize = 512;
+    let n = cache.len();
+    let d = layer.q.shape()[2];
+    let half = d / 2;
+    let angle = |position: usize, i: usize| {
+        position as f64 / (ROPE_THETA as f64).powf(2.0 * (i % half) as f64 / d as f64)
+    };
+    // R(t)[i][j]: cos on the diagonal, -sin at (i, i + d/2), +sin at (i + d/2, i).
+    let rotation = |t: usize| -> Vec<Vec<f64>> {
+        let mut r = vec![vec![0.0; d]; d];
+        for i in 0..d {
+            r[i][i] = angle(t, i).cos();
+        }
+        for i in 0..half {
+            r[i][i + half] = -angle(t, i).sin();
+            r[i + half][i] = angle(t, i).sin();
+        }
+        r
+    };
+    let mut mean_rotation = vec![vec![0.0; d]; d];
+    for t in n..n + FUTURE {
+        let r = rotation(t);
+        for i in 0..d {
+            for j in 0..d {
+                mean_rotation[i][j] += r[i][j] / FUTURE as f64;
+            }
+        }
+    }
+    let apply = |m: &Vec<Vec<f64>>, x: &[f64]| -> Vec<f64> {
+        (0..d)
+            .map(|i| (0..d).map(|j| m[i][j] * x[j]).sum())
+            .collect()
+    };
+    let mut total = vec![0.0; n - SINKS];
+    for &h in heads {
+        let queries: Vec<Vec<f64>> = cache[SINKS..]
+            .iter()
+            .map(|&p| {
+                let r = rotation(p);
+                // R(p) is orthogonal: its transpose turns the stored query back.
+                let rt: Vec<Vec<f64>> = (0..d).map(|i| (0..d).map(|j| r[j][i]).collect()).collect();
+                apply(&rt, &layer.query(h, p))
+            })
+            .collect();
+        let m = queries.len() as f64;
+        let mu: Vec<f64> = (0..d)
+            .map(|i| queries.iter().map(|q| q[i]).sum::<f64>() / m)
+            .collect();
+        let cov: Vec<Vec<f64>> = (0..d)
+            .map(|i| {
+                (0..d)
+                    .map(|j| {
+                        queries
+                            .iter()
+                            .map(|q| (q[i] - mu[i]) * (q[j] - mu[j]))
+                            .sum::<f64>()
+                            / m
+                    })
+                    .collect()
+            })
+            .collect();
+        let mu = apply(&mean_rotation, &mu);
+        // S = R cov R^T.
+        let rc: Vec<Vec<f64>> = (0..d)
+            .map(|i| {
+                (0..d)
+                    .map(|j| (0..d).map(|k| mean_rotation[i][k] * cov[k][j]).sum())
+                    .collect()
+            })
+            .collect();
+        let s: Vec<Vec<f64>> = (0..d)
+            .map(|i| {
+                (0..d)
+                    .map(|j| (0..d).map(|k| rc[i][k] * mean_rotation[j][k]).sum())
+                    .collect()
+            })
+            .collect();
+        let logits: Vec<f64> = cache[SINKS..]
+            .iter()
+            .map(|&j| {
+                let k = layer.key(kv, j);
+                let sk = apply(&s, &k);
+                let linear: f64 =
+                    mu.iter().zip(&k).map(|(a, b)| a * b).sum::<f64>() / (d as f64).sqrt();
+                linear + k.iter().zip(&sk).map(|(a, b)| a * b).sum::<f64>() / d as f64 / 2.0
+            })
+            .collect();
+        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let sum: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+        for (t, l) in total.iter_mut().zip(&logits) {
+            *t += (l - max).exp() / sum / heads.len() as f64;
+        }
+    }
+    let scores: Vec<f64> = cache[SINKS..]
+        .iter()
+        .zip(&total)
+        .map(|(&j, t)| {
+            let norm = (0..d)
+                .map(|x| (layer.v[[kv, j, x]] as f64).powi(2))
+                .sum::<f64>()
+                .sqrt();
+            t * norm
+        })
+        .collect();
+    let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+    std::iter::repeat_n(max + 1.0, SINKS)
+        .chain(scores)
+        .collect()
+}
+
+/// The rotary base of the fixtures (`tests/common/mod.rs`).
+pub const ROPE_THETA: f32 = 10_000.0;
 
 /// CAKE's prompt-end score: per head, mean + 200 (its gamma) x unbiased variance of the last W
 /// queries' weights on each key before the window, average-pooled, the group aggregated.

@@ -28,6 +28,16 @@ def load(path):
     return meta, layers
 
 
+def load_values(path):
+    """Per layer, v [1, K, T, d] in float32 (for methods that score values)."""
+    with safe_open(path, framework="pt") as f:
+        meta = f.metadata()
+        return [
+            f.get_tensor(f"layers.{layer}.v").float().unsqueeze(0)
+            for layer in range(int(meta["n_layers"]))
+        ]
+
+
 def repeat_kv(hidden_states, n_rep):
     """transformers' `repeat_kv` (as copied into KVCache-Factory, pyramidkv_utils.py lines
     121-130): [b, K, T, d] -> [b, K * n_rep, T, d], query head h reading KV head h // n_rep."""

@@ -25,6 +25,8 @@ crate::registry! {
     recency::Recency,
     knorm::Knorm,
     keydiff::Keydiff,
+    lagkv::Lagkv,
+    expected_attention::ExpectedAttention,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
@@ -41,6 +43,14 @@ pub trait Scorer: Send + Sync {
     }
     /// Whether it reads queries beyond the current position (an oracle): only such methods may.
     fn reads_future(&self) -> bool {
+        false
+    }
+    /// Whether it scores the values too (the trace must have them).
+    fn needs_values(&self) -> bool {
+        false
+    }
+    /// Whether it rotates the queries back before the rotary (the trace must give `rope_theta`).
+    fn needs_rope(&self) -> bool {
         false
     }
     /// Whether the scorer is defined for this timing (SnapKV is one-shot).
@@ -254,6 +264,7 @@ pub(crate) mod testing {
             prompt_len,
             scale: 1.0,
             softcap: None,
+            rope_theta: None,
         }
     }
 

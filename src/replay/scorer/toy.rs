@@ -77,6 +77,7 @@ mod tests {
             prompt_len: 8,
             scale: 1.0,
             softcap: None,
+            rope_theta: None,
             spans: Vec::new(),
             extra: Default::default(),
         };
