@@ -14,7 +14,9 @@
 mod common;
 
 use common::{torch_python, Rng};
-use kvreplay::replay::{kept_sets, layer_budgets, presets, Kept, PolicyParams, UnitKept};
+use kvreplay::replay::{
+    kept_sets, layer_budgets, presets, Granularity, Kept, PolicyParams, UnitKept,
+};
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
 use serde_json::Value;
@@ -386,6 +388,32 @@ fn expected_attention_keeps_what_kvpress_keeps() {
             &[8, 20, 30],
         );
     }
+}
+
+/// kvpress's ChunkKV over its Knorm press: the `chunkkv` scorer with `inner = "knorm"`, one set
+/// of chunks per layer (`gqa = "layer"`), budgets in whole chunks.
+#[test]
+fn chunkkv_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 11, PROMPT);
+    check_kvpress(
+        &path,
+        "kvpress_chunkkv.py",
+        &["8"],
+        |budget| {
+            PolicyParams {
+                scorer: "chunkkv".into(),
+                budget,
+                window: 0,
+                gqa: Granularity::Layer,
+                ..PolicyParams::default()
+            }
+            .with("inner", "knorm")
+            .with("chunk_length", 8)
+        },
+        &[8, 16, 32],
+    );
 }
 
 #[test]

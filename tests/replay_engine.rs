@@ -85,6 +85,9 @@ fn engine_matches_brute_force_reference() {
                     if declared(scorer).takes("lag_size") {
                         policy = policy.with("lag_size", 3);
                     }
+                    if declared(scorer).takes("inner") {
+                        policy = policy.with("inner", "knorm").with("chunk_length", 3);
+                    }
                     let policy = match policy.check() {
                         Ok(policy) => policy,
                         Err(PolicyError::Unsupported { .. }) => continue,
@@ -110,6 +113,7 @@ fn engine_matches_brute_force_reference() {
                             sinks: (seed % 2) as usize,
                             kernel: 3,
                             lag_size: 3,
+                            chunk_length: 3,
                             max_pool: seed % 2 == 1,
                             per_query_head: gqa == Granularity::QueryHead,
                             shared_layer: gqa == Granularity::Layer,

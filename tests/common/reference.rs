@@ -31,6 +31,8 @@ pub struct Policy<'a> {
     pub kernel: usize,
     /// LagKV's partition length (its 4 sinks are fixed here, as in its defaults).
     pub lag_size: usize,
+    /// ChunkKV's chunk length (its inner scorer is `knorm` here).
+    pub chunk_length: usize,
     pub max_pool: bool,
     pub per_query_head: bool,
     /// One kept set for the whole layer (`gqa = layer`): scores are the mean over KV groups.
@@ -376,6 +378,20 @@ fn member_scores(
                 .collect()
         }
         "lagkv" => lagkv_scores(layer, kv, cache, policy.lag_size),
+        "chunkkv" => {
+            // Each chunk of `chunk_length` cached tokens scores the mean of its keys' -norms.
+            let knorm: Vec<f64> = cache
+                .iter()
+                .map(|&j| -layer.key(kv, j).iter().map(|x| x * x).sum::<f64>().sqrt())
+                .collect();
+            knorm
+                .chunks(policy.chunk_length)
+                .flat_map(|chunk| {
+                    let mean = chunk.iter().sum::<f64>() / chunk.len() as f64;
+                    std::iter::repeat_n(mean, chunk.len())
+                })
+                .collect()
+        }
         "expected-attention" => expected_attention_scores(layer, heads, kv, cache),
         "oracle-static" => cache
             .iter()

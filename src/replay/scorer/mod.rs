@@ -27,6 +27,7 @@ crate::registry! {
     keydiff::Keydiff,
     lagkv::Lagkv,
     expected_attention::ExpectedAttention,
+    chunkkv::Chunkkv,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
