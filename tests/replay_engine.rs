@@ -401,6 +401,18 @@ fn one_pass_over_a_grid_equals_each_policy_alone() {
             gqa: Granularity::Layer,
             ..params("true-query", Timing::Prefill, budget)
         });
+        // Re-selecting policies: one scoring pass per family serves every budget.
+        grid.push(params("tova", Timing::PerStep, budget));
+        grid.push(PolicyParams {
+            allocator: "pyramid".into(),
+            sinks: 0,
+            ..params("tova", Timing::PerStep, budget)
+        });
+        grid.push(params("true-query", Timing::PerStepPrompt, budget));
+        grid.push(PolicyParams {
+            gqa: Granularity::QueryHead,
+            ..params("oracle-static", Timing::PerStep, budget)
+        });
     }
     let policies: Vec<_> = grid.into_iter().map(|p| p.check().unwrap()).collect();
     let together = replay_many(&trace, &policies, &|| {}).unwrap();

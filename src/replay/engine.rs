@@ -15,7 +15,7 @@
 use super::allocator::AllocationInput;
 use super::kept::{
     is_one_shot, is_whole_layer, one_shot_kept, one_shot_scores, per_step_kept,
-    per_step_layer_kept, score_prompt, selection_groups,
+    per_step_layer_kept, reselected_kept, score_prompt, selection_groups,
 };
 use super::metrics::{
     measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
@@ -251,13 +251,24 @@ fn measure_layer(
             accumulators[0].add(measure);
         }
     } else {
+        let families = reselecting_families(policies);
         for kv_head in 0..n_kv_heads {
             let reference = DecodeReference::new(layer, kv_head, max_top_k);
+            let reselected =
+                reselect_families(layer, policies, budgets, &units, kv_head, &families);
             accumulators
                 .par_iter_mut()
                 .enumerate()
                 .for_each(|(index, accumulator)| {
-                    let kept = group_kept(index, kv_head);
+                    let kept = match reselected.get(&index) {
+                        Some(kept) => kept
+                            .iter()
+                            .map(|(unit, unit_kept)| {
+                                (*unit, Cow::Borrowed(unit_kept), budgets[index])
+                            })
+                            .collect(),
+                        None => group_kept(index, kv_head),
+                    };
                     for measure in measure_group(index, &kept, &reference) {
                         accumulator.add(&measure);
                     }
@@ -270,6 +281,52 @@ fn measure_layer(
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
         .collect();
     (reports, whole_layer)
+}
+
+/// The policies that re-select at every decode step, one cache at a time, grouped by what their
+/// scores depend on (scorer, settings, protection, layout) and timing: a family's scores are the
+/// same whatever the budget, so they are computed once for all its members.
+fn reselecting_families(policies: &[ValidPolicy]) -> Vec<Vec<usize>> {
+    let mut families: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
+    for (index, policy) in policies.iter().enumerate() {
+        let timing = policy.params().timing;
+        if timing.reselects() && !is_whole_layer(policy) {
+            families
+                .entry((policy.score_key(), timing.name()))
+                .or_default()
+                .push(index);
+        }
+    }
+    families.into_values().collect()
+}
+
+/// Each re-selecting policy's kept sets for the caches of KV head `kv_head`, by policy index:
+/// per family and cache, one pass of the scorer serves every member's budget.
+fn reselect_families<'u>(
+    layer: &LayerContext<'_>,
+    policies: &[ValidPolicy],
+    budgets: &[usize],
+    units: &'u [Vec<Unit>],
+    kv_head: usize,
+    families: &[Vec<usize>],
+) -> BTreeMap<usize, Vec<(&'u Unit, UnitKept)>> {
+    let per_family: Vec<Vec<(usize, Vec<(&Unit, UnitKept)>)>> = families
+        .par_iter()
+        .map(|members| {
+            let first = members[0];
+            let member_budgets: Vec<usize> = members.iter().map(|&index| budgets[index]).collect();
+            let mut kept: Vec<Vec<(&Unit, UnitKept)>> = vec![Vec::new(); members.len()];
+            for unit in units[first].iter().filter(|unit| unit.kv_head == kv_head) {
+                let group = std::slice::from_ref(unit);
+                let sets = reselected_kept(layer, group, &member_budgets, &policies[first]);
+                for (slot, set) in kept.iter_mut().zip(sets) {
+                    slot.push((unit, set));
+                }
+            }
+            members.iter().copied().zip(kept).collect()
+        })
+        .collect();
+    per_family.into_iter().flatten().collect()
 }
 
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].

@@ -4,7 +4,7 @@
 //! every decode step. Under `gqa = layer` the layer's caches choose one kept set together.
 
 use super::scorer::Scorer;
-use super::select::select_top;
+use super::select::{ranking, select_top};
 use super::stream::{start_group, CacheStream};
 use super::{Granularity, Kept, LayerContext, Unit, UnitKept, ValidPolicy};
 use super::{Protection, Timing};
@@ -156,6 +156,10 @@ pub(crate) fn per_step_kept(
     budget: usize,
     policy: &ValidPolicy,
 ) -> UnitKept {
+    if policy.params().timing.reselects() {
+        let kept = reselected_kept(layer, group, &[budget], policy);
+        return kept.into_iter().next().expect("one budget");
+    }
     let prompt_len = layer.prompt_len;
     let mut stream = CacheStream::start(layer, group, budget, policy);
     let steps = (0..layer.n_positions())
@@ -166,4 +170,105 @@ pub(crate) fn per_step_kept(
         })
         .collect();
     UnitKept::PerStep(steps)
+}
+
+/// The step-by-step kept sets of one cache (or group of caches that choose together) under a
+/// re-selecting timing, for several budgets at once, as [`CacheStream`] chooses them for each:
+/// re-selection never evicts, so the scores at a step do not depend on the budget. They are
+/// computed and ranked once per decode step, and each budget keeps the head of the ranking.
+pub(crate) fn reselected_kept(
+    layer: &LayerContext<'_>,
+    group: &[Unit],
+    budgets: &[usize],
+    policy: &ValidPolicy,
+) -> Vec<UnitKept> {
+    let prompt_len = layer.prompt_len;
+    let protect = policy.protection();
+    let timing = policy.params().timing;
+    let mut state = start_group(policy.scorer.as_ref(), layer, group, protect);
+    let mut cache = Vec::with_capacity(layer.n_positions());
+    let mut scores = Vec::new();
+    let mut per_budget: Vec<Vec<Vec<usize>>> = vec![Vec::new(); budgets.len()];
+    for position in 0..layer.n_positions() {
+        cache.push(position);
+        state.on_append(layer, &cache);
+        if position < prompt_len {
+            continue;
+        }
+        state.scores(layer, &cache, &mut scores);
+        let limit = match timing {
+            Timing::PerStepPrompt => prompt_len,
+            _ => position + 1,
+        };
+        let ranked = ranking(&cache[..limit], &scores[..limit], |p| {
+            protect.covers(p, limit)
+        });
+        for (steps, &budget) in per_budget.iter_mut().zip(budgets) {
+            let mut kept = Vec::with_capacity(budget.min(limit) + position + 1 - limit);
+            kept.extend_from_slice(&ranked[..budget.min(limit)]);
+            kept.sort_unstable();
+            kept.extend(limit..=position);
+            steps.push(kept);
+        }
+    }
+    per_budget.into_iter().map(UnitKept::PerStep).collect()
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::scorer::testing::{context, unit};
+    use super::*;
+    use crate::replay::{PolicyParams, Timing};
+    use ndarray::Array3;
+
+    /// A step-by-step stream per budget, as live mode runs one: the reference for the shared pass.
+    fn streamed(layer: &LayerContext<'_>, budget: usize, policy: &ValidPolicy) -> UnitKept {
+        let mut stream = CacheStream::start(layer, &[unit()], budget, policy);
+        let steps = (0..layer.n_positions())
+            .filter_map(|position| {
+                stream
+                    .push(layer, position, position >= layer.prompt_len)
+                    .map(|attended| attended.positions(position))
+            })
+            .collect();
+        UnitKept::PerStep(steps)
+    }
+
+    #[test]
+    fn one_reselection_pass_serves_every_budget() {
+        // 40 positions (30 prompt), d = 2, values from a fixed LCG.
+        let mut state = 12345u64;
+        let mut next = || {
+            state = state
+                .wrapping_mul(6364136223846793005)
+                .wrapping_add(1442695040888963407);
+            (state >> 40) as f32 / (1u64 << 24) as f32 - 0.5
+        };
+        let q = Array3::from_shape_simple_fn((1, 40, 2), &mut next);
+        let k = Array3::from_shape_simple_fn((1, 40, 2), &mut next);
+        let layer = context(&q, &k, 30);
+        for (scorer, timing) in [
+            ("tova", Timing::PerStep),
+            ("true-query", Timing::PerStepPrompt),
+        ] {
+            let budgets = [3, 8, 30, 50];
+            let policy = PolicyParams {
+                scorer: scorer.into(),
+                timing,
+                window: 2,
+                sinks: 1,
+                ..PolicyParams::default()
+            }
+            .check()
+            .unwrap();
+            let shared = reselected_kept(&layer, &[unit()], &budgets, &policy);
+            for (kept, &budget) in shared.iter().zip(&budgets) {
+                assert_eq!(
+                    kept,
+                    &streamed(&layer, budget, &policy),
+                    "{scorer} {budget}"
+                );
+            }
+        }
+    }
 }

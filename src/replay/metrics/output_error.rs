@@ -29,18 +29,19 @@ impl Metric for OutputError {
         if sample.kept_mass <= 0.0 || full_norm <= 0.0 {
             return 1.0;
         }
-        // Per dimension, the kept positions' weighted values summed in kept order.
+        // Per dimension, the kept positions' weighted values summed in kept order; the rows are
+        // walked in that order so each one is read once, contiguously.
+        let mut partial = vec![0.0f64; full.len()];
+        for &j in sample.kept {
+            let weight = sample.weights[j] as f64;
+            for (sum, &v) in partial.iter_mut().zip(values.row(j)) {
+                *sum += weight * v as f64;
+            }
+        }
         let squared: f64 = full
             .iter()
-            .enumerate()
-            .map(|(dim, f)| {
-                let partial: f64 = sample
-                    .kept
-                    .iter()
-                    .map(|&j| sample.weights[j] as f64 * values[[j, dim]] as f64)
-                    .fold(0.0, |acc, x| acc + x);
-                (f - partial / sample.kept_mass).powi(2)
-            })
+            .zip(&partial)
+            .map(|(f, p)| (f - p / sample.kept_mass).powi(2))
             .sum();
         squared.sqrt() / full_norm
     }

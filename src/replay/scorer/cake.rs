@@ -167,7 +167,7 @@ impl ScoreState for State {
         }
         let per_head = self.queries.per_head(layer, newest, cache);
         for (sums, weights) in self.sums.iter_mut().zip(per_head) {
-            for (&position, weight) in cache.iter().zip(weights) {
+            for (&position, &weight) in cache.iter().zip(weights) {
                 if position < before_window {
                     let weight = weight as f64;
                     sums[position].0 += weight;
@@ -192,7 +192,7 @@ impl ScoreState for State {
         let per_head: Vec<Vec<f32>> = self
             .queries
             .per_head(layer, newest, cache)
-            .into_iter()
+            .iter()
             .map(|weights| {
                 self.order[..outside]
                     .iter()

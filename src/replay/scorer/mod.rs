@@ -13,7 +13,7 @@
 use super::settings::Broken;
 use super::{Aggregation, Protection, Timing};
 use super::{LayerContext, Unit};
-use crate::attention::{softmax, softmax_in_place, sparse_logits, CausalLogits};
+use crate::attention::{softmax_in_place, softmax_into, sparse_logits, CausalLogits};
 
 crate::registry! {
     Scorer:
@@ -102,6 +102,8 @@ pub(crate) struct GroupQueries {
     rows: CausalLogits,
     /// The prefix row that would continue the last one served.
     next_prefix: Option<usize>,
+    /// Each head's weights of the last row served (reused from row to row).
+    weights: Vec<Vec<f32>>,
 }
 
 impl GroupQueries {
@@ -111,6 +113,7 @@ impl GroupQueries {
             unit: unit.clone(),
             rows: CausalLogits::new(unit.query_heads.len(), head_dim, layer.scale, layer.softcap),
             next_prefix: None,
+            weights: vec![Vec::new(); unit.query_heads.len()],
         }
     }
 
@@ -120,7 +123,7 @@ impl GroupQueries {
         layer: &LayerContext<'_>,
         position: usize,
         cache: &[usize],
-    ) -> Vec<Vec<f32>> {
+    ) -> &[Vec<f32>] {
         let is_prefix = cache.last() == Some(&position) && cache.len() == position + 1;
         if is_prefix {
             let one_off = self.next_prefix != Some(position);
@@ -128,14 +131,14 @@ impl GroupQueries {
                 .q
                 .slice(ndarray::s![self.unit.query_heads.clone(), .., ..]);
             let keys = layer.keys(self.unit.kv_head);
-            let rows = (0..self.unit.query_heads.len())
-                .map(|head| softmax(self.rows.row(queries, keys, head, position)))
-                .collect();
+            for (head, weights) in self.weights.iter_mut().enumerate() {
+                softmax_into(self.rows.row(queries, keys, head, position), weights);
+            }
             if one_off {
                 self.rows.release();
             }
             self.next_prefix = Some(position + 1);
-            return rows;
+            return &self.weights;
         }
         self.rows.release();
         self.next_prefix = None;
@@ -147,22 +150,65 @@ impl GroupQueries {
             .clone()
             .map(|head| layer.query(head, position).to_vec())
             .collect();
-        let mut per_head = vec![Vec::with_capacity(cache.len()); queries.len()];
         sparse_logits(
             &queries,
             keys,
             cache,
             layer.scale,
             layer.softcap,
-            &mut per_head,
+            &mut self.weights,
         );
-        for weights in per_head.iter_mut() {
+        for weights in self.weights.iter_mut() {
             softmax_in_place(weights);
         }
-        per_head
+        &self.weights
     }
 
-    /// The same, aggregated over the group: one weight per cache entry.
+    /// The same, aggregated over the group into `out`: one weight per cache entry, each
+    /// [`Aggregation::combine`] of the heads' weights in head order (the same arithmetic, run
+    /// head by head over whole rows).
+    pub fn aggregated_into(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        cache: &[usize],
+        agg: Aggregation,
+        out: &mut Vec<f32>,
+    ) {
+        let per_head = self.per_head(layer, position, cache);
+        out.clear();
+        if let [only] = per_head {
+            out.extend_from_slice(only);
+            return;
+        }
+        let start = match agg {
+            Aggregation::Max => f32::NEG_INFINITY,
+            _ => 0.0,
+        };
+        out.resize(cache.len(), start);
+        for weights in per_head {
+            match agg {
+                Aggregation::Max => {
+                    for (acc, &w) in out.iter_mut().zip(weights) {
+                        *acc = acc.max(w);
+                    }
+                }
+                _ => {
+                    for (acc, &w) in out.iter_mut().zip(weights) {
+                        *acc += w;
+                    }
+                }
+            }
+        }
+        if agg == Aggregation::Mean {
+            let count = per_head.len() as f32;
+            for acc in out.iter_mut() {
+                *acc /= count;
+            }
+        }
+    }
+
+    /// [`GroupQueries::aggregated_into`] as a new vector.
     pub fn aggregated(
         &mut self,
         layer: &LayerContext<'_>,
@@ -170,13 +216,9 @@ impl GroupQueries {
         cache: &[usize],
         agg: Aggregation,
     ) -> Vec<f32> {
-        let per_head = self.per_head(layer, position, cache);
-        if per_head.len() == 1 {
-            return per_head.into_iter().next().expect("one head");
-        }
-        (0..cache.len())
-            .map(|entry| agg.combine(per_head.iter().map(|weights| weights[entry])))
-            .collect()
+        let mut out = Vec::with_capacity(cache.len());
+        self.aggregated_into(layer, position, cache, agg, &mut out);
+        out
     }
 }
 
@@ -202,7 +244,8 @@ impl ScoreState for CurrentQuery {
 
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         let newest = *cache.last().expect("non-empty cache");
-        *out = self.queries.aggregated(layer, newest, cache, self.agg);
+        self.queries
+            .aggregated_into(layer, newest, cache, self.agg, out);
     }
 }
 

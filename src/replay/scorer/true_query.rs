@@ -24,6 +24,8 @@ struct State {
     queries: GroupQueries,
     agg: Aggregation,
     scores: AlignedScores,
+    /// The newest query's aggregated weights (reused from step to step).
+    weights: Vec<f32>,
 }
 
 impl Scorer for TrueQuery {
@@ -32,6 +34,7 @@ impl Scorer for TrueQuery {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
             scores: AlignedScores::default(),
+            weights: Vec::new(),
         })
     }
 }
@@ -40,8 +43,9 @@ impl ScoreState for State {
     fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
-        self.scores
-            .accumulate(self.queries.aggregated(layer, newest, cache, self.agg));
+        self.queries
+            .aggregated_into(layer, newest, cache, self.agg, &mut self.weights);
+        self.scores.accumulate(self.weights.iter().copied());
     }
 
     fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
