@@ -107,6 +107,10 @@ enum Command {
             default_value = "64,128,256,512,1024,2048"
         )]
         budgets: Vec<usize>,
+        /// Budgets of the one-shot grid (timed beside its essential work and the strong NumPy
+        /// reference).
+        #[arg(long, value_delimiter = ',', default_value = "64,128,256,512")]
+        oneshot_budgets: Vec<usize>,
         /// Python with NumPy (default: a venv in $KVREPLAY_HOME/bench-venv, made on first use).
         #[arg(long)]
         python: Option<PathBuf>,
@@ -451,15 +455,74 @@ fn demo(budget: usize) -> Result<()> {
     Ok(())
 }
 
+/// The one-shot grid's rows: its time beside its essential work, and beside the strong NumPy
+/// reference when there is a Python.
+fn oneshot_rows(
+    table: &mut kvreplay::export::Table,
+    trace: &TraceReader,
+    trace_path: &Path,
+    budgets: &[usize],
+    python: Option<&Path>,
+) -> Result<()> {
+    use kvreplay::bench;
+    let (reports, seconds) = bench::oneshot_grid(trace, budgets, &return_free_memory)?;
+    let essential = bench::essential_work(trace, budgets)?;
+    let policies = bench::ONESHOT_POLICIES.len();
+    table.push([
+        format!(
+            "one-shot grid ({policies} policies × {} budgets: {})",
+            budgets.len(),
+            bench::ONESHOT_POLICIES.join(", ")
+        ),
+        format!("{seconds:.2} s"),
+    ]);
+    table.push([
+        "its essential work: read + one causal prefix pass + decode attention + selections".into(),
+        format!(
+            "{:.2} s = {:.2} + {:.2} + {:.2} + {:.2} s",
+            essential.total(),
+            essential.read,
+            essential.prefix,
+            essential.decode,
+            essential.selections
+        ),
+    ]);
+    table.push([
+        "one-shot grid / its essential work".into(),
+        format!("{:.2}×", seconds / essential.total()),
+    ]);
+    if let Some(python) = python {
+        let numpy = bench::oneshot_numpy(python, trace_path, budgets, &reports)?;
+        table.push([
+            "strong NumPy reference, one-shot grid (scores shared across budgets, vectorised)"
+                .into(),
+            format!(
+                "{:.2} s (largest Δ retained mass {:.1e})",
+                numpy.seconds, numpy.worst_difference
+            ),
+        ]);
+        table.push([
+            "speed-up kvreplay / strong NumPy, one-shot grid".into(),
+            format!("{:.1}×", numpy.seconds / seconds),
+        ]);
+    }
+    Ok(())
+}
+
 fn bench(
     trace_path: &Path,
     long: Option<&Path>,
-    budgets: &[usize],
+    [budgets, oneshot_budgets]: [&[usize]; 2],
     python: Option<PathBuf>,
     no_numpy: bool,
     capture_tokens: usize,
 ) -> Result<()> {
     use kvreplay::bench;
+    let python = if no_numpy {
+        None
+    } else {
+        Some(bench::numpy_python(python)?)
+    };
     let trace = TraceReader::open(trace_path)?;
     let meta = trace.meta();
     let mut table = kvreplay::export::Table::new(["measure", "value"]);
@@ -497,17 +560,16 @@ fn bench(
     let (reports, replay_seconds) = grid?;
     table.push([
         format!(
-            "kvreplay grid ({} policies × {} budgets)",
+            "kvreplay grid ({} policies × {} budgets, streaming ones included)",
             bench::GRID_POLICIES.len(),
             budgets.len()
         ),
         format!("{replay_seconds:.2} s"),
     ]);
-    if !no_numpy {
-        let python = bench::numpy_python(python)?;
-        let numpy = bench::numpy_grid(&python, trace_path, budgets, &reports)?;
+    if let Some(python) = &python {
+        let numpy = bench::numpy_grid(python, trace_path, budgets, &reports)?;
         table.push([
-            "NumPy reference grid (same trace, same metric)".into(),
+            "NumPy reference grid (same trace, same metric; H2O and key-proxy streamed token by token)".into(),
             format!("{:.2} s", numpy.seconds),
         ]);
         table.push([
@@ -523,6 +585,13 @@ fn bench(
             format!("{:.1}×", numpy.seconds / replay_seconds),
         ]);
     }
+    oneshot_rows(
+        &mut table,
+        &trace,
+        trace_path,
+        oneshot_budgets,
+        python.as_deref(),
+    )?;
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
         let cost = bench::streaming_cost(&reader, 256, &return_free_memory)?;
@@ -879,13 +948,14 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             trace,
             long,
             budgets,
+            oneshot_budgets,
             python,
             no_numpy,
             capture_tokens,
         } => bench(
             &trace,
             long.as_deref(),
-            &budgets,
+            [&budgets, &oneshot_budgets],
             python,
             no_numpy,
             capture_tokens,

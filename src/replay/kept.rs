@@ -4,7 +4,7 @@
 //! every decode step. Under `gqa = layer` the layer's caches choose one kept set together.
 
 use super::scorer::Scorer;
-use super::select::{ranking, select_top};
+use super::select::{ranked_head, select_top};
 use super::stream::{start_group, CacheStream};
 use super::{Granularity, Kept, LayerContext, Unit, UnitKept, ValidPolicy};
 use super::{Protection, Timing};
@@ -189,6 +189,7 @@ pub(crate) fn reselected_kept(
     let mut cache = Vec::with_capacity(layer.n_positions());
     let mut scores = Vec::new();
     let mut per_budget: Vec<Vec<Vec<usize>>> = vec![Vec::new(); budgets.len()];
+    let largest = budgets.iter().copied().max().unwrap_or(0);
     for position in 0..layer.n_positions() {
         cache.push(position);
         state.on_append(layer, &cache);
@@ -200,7 +201,7 @@ pub(crate) fn reselected_kept(
             Timing::PerStepPrompt => prompt_len,
             _ => position + 1,
         };
-        let ranked = ranking(&cache[..limit], &scores[..limit], |p| {
+        let ranked = ranked_head(&cache[..limit], &scores[..limit], largest, |p| {
             protect.covers(p, limit)
         });
         for (steps, &budget) in per_budget.iter_mut().zip(budgets) {

@@ -48,14 +48,32 @@ pub(crate) fn ranking(
     scores: &[f32],
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..positions.len()).collect();
-    order.sort_by(|&a, &b| {
+    ranked_head(positions, scores, positions.len(), is_protected)
+}
+
+/// The first `n` of [`ranking`], in its order: a partial selection (linear time) puts them
+/// first, and only they are sorted. The order is total (ties go to the lower position), so the
+/// result is the ranking's own head.
+pub(crate) fn ranked_head(
+    positions: &[usize],
+    scores: &[f32],
+    n: usize,
+    is_protected: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let keep_first = |&a: &usize, &b: &usize| {
         let (pa, pb) = (positions[a], positions[b]);
         is_protected(pb)
             .cmp(&is_protected(pa))
             .then_with(|| scores[b].total_cmp(&scores[a]))
             .then_with(|| pa.cmp(&pb))
-    });
+    };
+    let mut order: Vec<usize> = (0..positions.len()).collect();
+    let n = n.min(order.len());
+    if n < order.len() {
+        order.select_nth_unstable_by(n, keep_first);
+        order.truncate(n);
+    }
+    order.sort_unstable_by(keep_first);
     order.into_iter().map(|index| positions[index]).collect()
 }
 
@@ -66,9 +84,7 @@ pub(crate) fn select_top(
     budget: usize,
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let mut kept = ranking(positions, scores, is_protected);
-    kept.truncate(budget);
-    kept.shrink_to_fit();
+    let mut kept = ranked_head(positions, scores, budget, is_protected);
     kept.sort_unstable();
     kept
 }
@@ -101,6 +117,12 @@ mod tests {
             select_top(&positions, &scores, 3, |p| p == 0),
             vec![0, 1, 4]
         );
+        for n in 0..=6 {
+            assert_eq!(
+                ranked_head(&positions, &scores, n, |p| p == 0),
+                vec![0, 4, 1, 3, 2][..n.min(5)]
+            );
+        }
     }
 
     #[test]

@@ -18,6 +18,9 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+mod oneshot;
+pub use oneshot::{essential_work, oneshot_grid, oneshot_numpy, EssentialWork, ONESHOT_POLICIES};
+
 /// What can stop the bench.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -69,7 +72,29 @@ pub fn numpy_grid(
     budgets: &[usize],
     reports: &[ReplayReport],
 ) -> Result<NumpyGrid, BenchError> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/reference/replay_numpy.py");
+    numpy_reference(
+        python,
+        "replay_numpy.py",
+        &GRID_POLICIES,
+        trace,
+        budgets,
+        reports,
+    )
+}
+
+/// Runs `tests/reference/<script>` with `--budgets` and `--policies` and compares its retained
+/// mass with `reports` (policies outer, budgets inner).
+fn numpy_reference(
+    python: &Path,
+    script: &str,
+    policies: &[&str],
+    trace: &Path,
+    budgets: &[usize],
+    reports: &[ReplayReport],
+) -> Result<NumpyGrid, BenchError> {
+    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join("tests/reference")
+        .join(script);
     let budget_list: Vec<String> = budgets.iter().map(|b| b.to_string()).collect();
     let output = Command::new(python)
         .arg(&script)
@@ -78,7 +103,7 @@ pub fn numpy_grid(
             "--budgets",
             &budget_list.join(","),
             "--policies",
-            &GRID_POLICIES.join(","),
+            &policies.join(","),
         ])
         .output()
         .map_err(|e| BenchError::Reference(format!("running {}: {e}", script.display())))?;
@@ -91,7 +116,7 @@ pub fn numpy_grid(
         .map_err(|e| BenchError::Reference(format!("its output is not JSON: {e}")))?;
     let mut worst = 0.0f64;
     let mut index = 0;
-    for name in GRID_POLICIES {
+    for name in policies {
         for budget in budgets {
             let theirs = numpy["results"][name][budget.to_string()]
                 .as_f64()
