@@ -174,19 +174,27 @@ fn measure_layer(
             first_with_key.entry(policy.score_key()).or_insert(index);
         }
     }
-    let parallel_units = first_with_key.len() == 1;
-    let scores: BTreeMap<&str, Vec<Vec<f32>>> = first_with_key
+    // One task per (score key, selection group), so that a heavy scorer's groups (H2O's prefix
+    // pass) spread over the threads instead of running one after another on one of them.
+    let tasks: Vec<(&str, usize, usize)> = first_with_key
         .into_iter()
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|(key, index)| {
-            let policy = &policies[index];
-            (
-                key,
-                one_shot_scores(layer, &units[index], policy, parallel_units),
-            )
+        .flat_map(|(key, index)| {
+            let groups = selection_groups(&units[index], &policies[index]).len();
+            (0..groups).map(move |group| (key, index, group))
         })
         .collect();
+    let scored: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(_, index, group)| {
+            let policy = &policies[index];
+            let groups = selection_groups(&units[index], policy);
+            score_prompt(policy.scorer.as_ref(), layer, groups[group], policy.protection())
+        })
+        .collect();
+    let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
+    for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
+        scores.entry(key).or_default().push(group_scores);
+    }
     let whole_layer: Vec<Option<Kept>> = policies
         .par_iter()
         .zip(budgets)
