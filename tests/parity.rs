@@ -13,7 +13,7 @@
 
 mod common;
 
-use common::{torch_python, Rng};
+use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{
     kept_sets, layer_budgets, presets, Granularity, Kept, PolicyParams, UnitKept,
 };
@@ -70,11 +70,11 @@ fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
 
 fn reference(script: &str, args: &[String]) -> Value {
     let dir = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference");
-    let out = Command::new(torch_python())
-        .arg(dir.join(script))
-        .args(args)
-        .output()
-        .unwrap();
+    let mut command = Command::new(torch_python());
+    if script == "kvpress_package.py" {
+        command.env("KVPRESS_PATH", kvpress_path());
+    }
+    let out = command.arg(dir.join(script)).args(args).output().unwrap();
     assert!(
         out.status.success(),
         "{script} {args:?}: {}",
@@ -414,6 +414,69 @@ fn chunkkv_keeps_what_kvpress_keeps() {
         },
         &[8, 16, 32],
     );
+}
+
+/// kvpress 0.5.5 itself (PyPI, pinned): each press's own scoring code, through a stand-in
+/// attention module (`tests/reference/kvpress_package.py`), against the matching scorer.
+#[test]
+fn the_kvpress_package_keeps_what_kvreplay_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 12, PROMPT, true);
+    let one_shot = |scorer: &str| PolicyParams {
+        scorer: scorer.into(),
+        window: 0,
+        ..PolicyParams::default()
+    };
+    let cases: Vec<(Vec<&str>, Box<dyn Fn(usize) -> PolicyParams>)> = vec![
+        (
+            vec!["knorm"],
+            Box::new(move |budget| PolicyParams {
+                budget,
+                ..one_shot("knorm")
+            }),
+        ),
+        (
+            vec!["keydiff"],
+            Box::new(move |budget| PolicyParams {
+                budget,
+                ..one_shot("keydiff")
+            }),
+        ),
+        (
+            vec!["lagkv", "8", "4", "false"],
+            Box::new(move |budget| {
+                PolicyParams {
+                    budget,
+                    ..one_shot("lagkv")
+                }
+                .with("lag_size", 8)
+                .with("n_sink", 4)
+            }),
+        ),
+        (
+            vec!["expected-attention", "512", "4", "true", "true"],
+            Box::new(move |budget| PolicyParams {
+                budget,
+                ..one_shot("expected-attention")
+            }),
+        ),
+        (
+            vec!["chunkkv", "8"],
+            Box::new(move |budget| {
+                PolicyParams {
+                    budget,
+                    gqa: Granularity::Layer,
+                    ..one_shot("chunkkv")
+                }
+                .with("inner", "knorm")
+                .with("chunk_length", 8)
+            }),
+        ),
+    ];
+    for (settings, policy) in cases {
+        check_kvpress(&path, "kvpress_package.py", &settings, policy, &[8, 16, 32]);
+    }
 }
 
 #[test]

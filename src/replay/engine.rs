@@ -188,7 +188,12 @@ fn measure_layer(
         .map(|&(_, index, group)| {
             let policy = &policies[index];
             let groups = selection_groups(&units[index], policy);
-            score_prompt(policy.scorer.as_ref(), layer, groups[group], policy.protection())
+            score_prompt(
+                policy.scorer.as_ref(),
+                layer,
+                groups[group],
+                policy.protection(),
+            )
         })
         .collect();
     let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();

@@ -149,3 +149,37 @@ pub fn torch_python() -> PathBuf {
         )
         .unwrap_or_else(|err| panic!("the torch environment: {err}"))
 }
+
+/// kvpress 0.5.5 from PyPI, installed once without its dependencies into
+/// `$KVREPLAY_HOME/kvpress-0.5.5` (its presses need only torch and transformers, which
+/// [`torch_python`] has; kvpress's own pins would downgrade transformers): the directory for
+/// `$KVPRESS_PATH` of `tests/reference/kvpress_package.py`.
+pub fn kvpress_path() -> PathBuf {
+    let dir = Assets::from_env().home().join("kvpress-0.5.5");
+    if dir
+        .join("kvpress/presses/expected_attention_press.py")
+        .is_file()
+    {
+        return dir;
+    }
+    let status = std::process::Command::new(torch_python())
+        .args([
+            "-m",
+            "pip",
+            "install",
+            "--quiet",
+            "--disable-pip-version-check",
+            "--no-deps",
+        ])
+        .arg("--target")
+        .arg(&dir)
+        .arg("kvpress==0.5.5")
+        .status()
+        .expect("pip runs");
+    assert!(
+        status.success(),
+        "pip install kvpress==0.5.5 into {} failed (offline?)",
+        dir.display()
+    );
+    dir
+}

@@ -1,0 +1,137 @@
+"""kvpress 0.5.5 itself, from PyPI, for kvreplay's parity tests: each press's own `score` (and
+ChunkKV's own `compress`) run on a trace's tensors through a stand-in attention module.
+
+The package is installed without its dependencies into `$KVPRESS_PATH` (`pip install --no-deps
+--target`; kvpress 0.5.5 declares transformers<5.3, and its model hooks are not used here), and
+its press modules are imported without running `kvpress/__init__.py`, which pulls the pipeline's
+dependencies (datasets, ...). The stand-in module hands the press what a Llama attention layer
+would: `config` (head counts), `head_dim`, `layer_idx`, transformers' own `LlamaRotaryEmbedding`
+built from the trace's `rope_theta`, and an identity `q_proj`, so that `hidden_states` can carry
+the pre-rotary queries (the trace's queries turned back with that rotary embedding): for a
+bias-free Llama projection these are the vectors `q_proj(hidden_states)` would give.
+
+Selection: the top `budget` scores per KV head with `topk_stable` (kvtrace.py) in place of
+torch.topk (ScorerPress.compress, scorer_press.py lines 92-95); ChunkKV selects in its own
+`compress`, with the compression ratio set so that it keeps budget // chunk_length chunks.
+
+Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
+  knorm | keydiff                       no settings
+  lagkv LAG_SIZE N_SINK CROSS           CROSS true|false
+  expected-attention N_FUTURE N_SINK USE_COV USE_VNORM
+  chunkkv CHUNK_LENGTH                  over KnormPress
+Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
+"""
+
+import importlib.util
+import os
+import sys
+import types
+
+import torch
+from torch import nn
+from transformers import LlamaConfig
+from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotate_half
+
+from kvtrace import emit, load, load_values, top_positions
+
+SETTINGS = {"knorm": 0, "keydiff": 0, "lagkv": 3, "expected-attention": 4, "chunkkv": 1}
+
+
+def presses():
+    """kvpress's press modules, imported from `$KVPRESS_PATH` without the package's __init__."""
+    sys.path.insert(0, os.environ["KVPRESS_PATH"])
+    root = os.path.dirname(importlib.util.find_spec("kvpress").origin)
+    for name, path in [("kvpress", root), ("kvpress.presses", os.path.join(root, "presses"))]:
+        module = types.ModuleType(name)
+        module.__path__ = [path]
+        sys.modules[name] = module
+    from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press
+
+    return types.SimpleNamespace(
+        ChunkKV=chunkkv_press.ChunkKVPress,
+        ExpectedAttention=expected_attention_press.ExpectedAttentionPress,
+        KeyDiff=keydiff_press.KeyDiffPress,
+        Knorm=knorm_press.KnormPress,
+        LagKV=lagkv_press.LagKVPress,
+    )
+
+
+class Attention(nn.Module):
+    """What a press reads of a Llama attention layer."""
+
+    def __init__(self, meta, layer_idx):
+        super().__init__()
+        self.head_dim = int(meta["head_dim"])
+        self.layer_idx = layer_idx
+        self.config = LlamaConfig(
+            hidden_size=int(meta["n_heads"]) * self.head_dim,
+            num_attention_heads=int(meta["n_heads"]),
+            num_key_value_heads=int(meta["n_kv_heads"]),
+            head_dim=self.head_dim,
+            rope_theta=float(meta.get("rope_theta", 10000.0)),
+            max_position_embeddings=1 << 16,
+        )
+        self.rotary_emb = LlamaRotaryEmbedding(self.config)
+        self.q_proj = nn.Identity()
+
+
+def hidden_states(module, queries):
+    """[1, T, H * d]: the pre-rotary queries, laid out as q_proj's output."""
+    t = queries.shape[2]
+    cos, sin = module.rotary_emb(queries, torch.arange(t).unsqueeze(0))
+    prerope = queries * cos.unsqueeze(1) - rotate_half(queries) * sin.unsqueeze(1)
+    return prerope.transpose(1, 2).reshape(1, t, -1)
+
+
+def make_press(ns, method, settings, budget, n):
+    if method == "knorm":
+        return ns.Knorm()
+    if method == "keydiff":
+        return ns.KeyDiff()
+    if method == "lagkv":
+        lag, sink, cross = settings
+        return ns.LagKV(lag_size=int(lag), n_sink=int(sink), cross_scoring=cross == "true")
+    if method == "expected-attention":
+        future, sink, cov, vnorm = settings
+        return ns.ExpectedAttention(
+            n_future_positions=int(future), n_sink=int(sink), use_covariance=cov == "true", use_vnorm=vnorm == "true"
+        )
+    (chunk,) = settings
+    chunks = n // int(chunk) + (n % int(chunk) > 0)
+    # int(chunks * (1 - ratio)) = budget // chunk: aim half a chunk above it.
+    keep = (budget // int(chunk) + 0.5) / chunks
+    return ns.ChunkKV(press=ns.Knorm(compression_ratio=1 - keep), chunk_length=int(chunk))
+
+
+def main():
+    path, method = sys.argv[1], sys.argv[2]
+    settings = sys.argv[3 : 3 + SETTINGS[method]]
+    budgets = [int(b) for b in sys.argv[3 + SETTINGS[method] :]]
+    ns = presses()
+    meta, layers = load(path)
+    values = load_values(path)
+    n = int(meta["prompt_len"])
+    result = {}
+    for budget in budgets:
+        out = []
+        for layer, ((q, k), v) in enumerate(zip(layers, values)):
+            module = Attention(meta, layer)
+            keys, vals = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
+            press = make_press(ns, method, settings, budget, n)
+            h = hidden_states(module, q[:, :, :n])
+            with torch.no_grad():
+                if method == "chunkkv":
+                    kept_keys, _ = press.compress(module, h, keys, vals, None, {})
+                    # The kept rows, found back among the prompt's keys (distinct random rows).
+                    rows = {tuple(row.tolist()): j for j, row in enumerate(keys[0, 0])}
+                    kept = sorted(rows[tuple(row.tolist())] for row in kept_keys[0, 0])
+                    out.append({"kept": [kept] * keys.shape[1]})
+                    continue
+                scores = press.score(module, h, keys, vals, None, {})
+            out.append({"kept": top_positions(scores, budget, n), "scores": scores[0].tolist()})
+        result[str(budget)] = {"layers": out}
+    emit(result)
+
+
+if __name__ == "__main__":
+    main()
