@@ -85,7 +85,7 @@ fn engine_matches_brute_force_reference() {
                     if declared(scorer).takes("lag_size") {
                         policy = policy.with("lag_size", 3);
                     }
-                    if declared(scorer).takes("inner") {
+                    if declared(scorer).takes("chunk_length") {
                         policy = policy.with("inner", "knorm").with("chunk_length", 3);
                     }
                     let policy = match policy.check() {

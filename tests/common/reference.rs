@@ -310,9 +310,15 @@ fn member_step(
                 scores.push(0.0);
             }
         }
-        "true-query" => {
+        "true-query" | "value-aware" => {
+            // `value-aware` runs H2O's score (its default inner scorer, the group's mean).
+            let agg = if policy.scorer == "value-aware" {
+                Agg::Mean
+            } else {
+                policy.agg
+            };
             scores.push(0.0);
-            let p = layer.group_attention(heads, kv, at, cache, policy.agg);
+            let p = layer.group_attention(heads, kv, at, cache, agg);
             for (s, w) in scores.iter_mut().zip(p) {
                 *s += w;
             }
@@ -378,6 +384,20 @@ fn member_scores(
                 .collect()
         }
         "lagkv" => lagkv_scores(layer, kv, cache, policy.lag_size),
+        "value-aware" => {
+            // H2O's cumulative attention (the running scores) times each value's L1 norm.
+            let d = layer.v.shape()[2];
+            cache
+                .iter()
+                .zip(running)
+                .map(|(&j, score)| {
+                    score
+                        * (0..d)
+                            .map(|x| (layer.v[[kv, j, x]] as f64).abs())
+                            .sum::<f64>()
+                })
+                .collect()
+        }
         "chunkkv" => {
             // Each chunk of `chunk_length` cached tokens scores the mean of its keys' -norms.
             let knorm: Vec<f64> = cache

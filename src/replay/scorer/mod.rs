@@ -28,6 +28,7 @@ crate::registry! {
     lagkv::Lagkv,
     expected_attention::ExpectedAttention,
     chunkkv::Chunkkv,
+    value_aware::ValueAware,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
