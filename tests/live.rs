@@ -298,9 +298,13 @@ window = 4
         .lines()
         .next()
         .unwrap()
-        .ends_with("kl,top1,logprob_lost,answer_ok,full_answer_ok,text"));
+        .ends_with("kl,top1,live_retained_mass,logprob_lost,answer_ok,full_answer_ok,text"));
     assert_eq!(csv.lines().count(), 5);
     assert!(dir.path().join("results/c/calibration.png").is_file());
+    // Every run measured its live attention: the drift section and its figure are there.
+    assert!(report.contains("Live attention drift"), "{report}");
+    assert!(report.contains("over the same 4 runs"), "{report}");
+    assert!(dir.path().join("results/c/drift.png").is_file());
     // A closed-loop experiment on a trace file is refused.
     std::fs::write(
         dir.path().join("bad.toml"),
