@@ -5,9 +5,10 @@
 //! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
 //! one-shot kept sets are chosen for the whole layer (the prompt scores computed once per distinct
 //! scorer, settings, protection and layout, and shared by every budget, allocator and head split
-//! that selects from them), then the KV groups are measured one after
+//! that selects from them, one task per cache group), then the KV groups are measured one after
 //! another: a group's full decode attention is computed once and shared by every policy's
-//! metrics, and the policies run in parallel with rayon (a single policy runs its groups in
+//! metrics, re-selecting policies of one family share one scorer stream and one ranking per step
+//! (`reselected_kept`), and the policies run in parallel with rayon (a single policy runs its groups in
 //! parallel instead). Peak memory is one layer's f32 arrays plus, per thread, one group's decode
 //! attention or one cache's scoring buffers (a few per cent of a layer each). Measurements are
 //! summed in one fixed order, so results are bit-identical for any thread count.
