@@ -242,11 +242,22 @@ pub fn measure_unit(
         spans: Vec::with_capacity(samples * spans.len()),
     };
     let mut in_set = vec![false; n_positions];
+    // A fixed prompt set grows by one generated position per step: one buffer, extended.
+    let mut fixed = match unit_kept {
+        UnitKept::Fixed(prompt) => prompt.clone(),
+        UnitKept::PerStep(_) => Vec::new(),
+    };
     for step in 0..n_steps {
         let position = prompt_len + step;
-        let kept_positions = unit_kept.kept_positions(step, prompt_len);
+        let kept_positions: &[usize] = match unit_kept {
+            UnitKept::Fixed(_) => {
+                fixed.push(position);
+                &fixed
+            }
+            UnitKept::PerStep(steps) => &steps[step],
+        };
         measure.kept_total += kept_positions.len();
-        for &j in &kept_positions {
+        for &j in kept_positions {
             in_set[j] = true;
         }
         for head in unit.query_heads.clone() {
@@ -254,7 +265,7 @@ pub fn measure_unit(
             let local = head - reference.heads.start;
             let sample = Sample {
                 weights,
-                kept: &kept_positions,
+                kept: kept_positions,
                 in_set: &in_set,
                 top: &reference.top[local * n_steps + step],
                 top_k,
@@ -287,7 +298,7 @@ pub fn measure_unit(
                 ));
             }
         }
-        for &j in &kept_positions {
+        for &j in kept_positions {
             in_set[j] = false;
         }
     }
