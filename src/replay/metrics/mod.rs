@@ -15,7 +15,7 @@
 
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
-use ndarray::{s, Array3, ArrayView1, ArrayView2, Axis};
+use ndarray::{s, Array3, ArrayView1, Axis};
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -30,6 +30,8 @@ macro_rules! metrics {
         pub const REGISTRY: &[&dyn Metric] = &[ $( &$module::$metric ),+ ];
     };
 }
+
+mod kept_output;
 
 metrics! {
     retained_mass::RetainedMass,
@@ -70,8 +72,9 @@ pub struct Sample<'a> {
     pub top_k: usize,
     /// The full-attention mass on the kept positions (summed in kept order).
     pub kept_mass: f64,
-    /// The values of the cache's KV head `[T, d]`, when the trace has them.
-    pub values: Option<ArrayView2<'a, f32>>,
+    /// `Σ p_j v_j` over the kept positions (not renormalised), in f64 summed in kept order, when
+    /// the trace has values.
+    pub kept_output: Option<&'a [f64]>,
     /// The full-cache attention output `o_full` of the query, when the trace has values.
     pub full_output: Option<ArrayView1<'a, f64>>,
 }
@@ -260,9 +263,18 @@ pub fn measure_unit(
         for &j in kept_positions {
             in_set[j] = true;
         }
-        for head in unit.query_heads.clone() {
+        let kept_outputs = values.as_ref().map(|values| {
+            let weights: Vec<&[f32]> = unit
+                .query_heads
+                .clone()
+                .map(|head| reference.weights(head, step, position))
+                .collect();
+            kept_output::kept_outputs(kept_positions, &weights, values.view())
+        });
+        for (index, head) in unit.query_heads.clone().enumerate() {
             let weights = reference.weights(head, step, position);
             let local = head - reference.heads.start;
+            let d = layer.q.shape()[2];
             let sample = Sample {
                 weights,
                 kept: kept_positions,
@@ -270,7 +282,9 @@ pub fn measure_unit(
                 top: &reference.top[local * n_steps + step],
                 top_k,
                 kept_mass: kept_positions.iter().map(|&j| weights[j] as f64).sum(),
-                values: values.as_ref().map(|values| values.view()),
+                kept_output: kept_outputs
+                    .as_deref()
+                    .map(|outputs| &outputs[index * d..(index + 1) * d]),
                 full_output: reference
                     .output
                     .as_ref()
