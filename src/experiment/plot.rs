@@ -125,6 +125,10 @@ where
         &RGBColor(128, 0, 128),
         &RGBColor(139, 69, 19),
         &RGBColor(0, 128, 128),
+        &RGBColor(128, 128, 128),
+        &RGBColor(0, 0, 128),
+        &RGBColor(107, 142, 35),
+        &RGBColor(220, 20, 60),
     ];
     macro_rules! lines {
         ($chart:expr) => {{
