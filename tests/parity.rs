@@ -428,7 +428,8 @@ fn the_kvpress_package_keeps_what_kvreplay_keeps() {
         window: 0,
         ..PolicyParams::default()
     };
-    let cases: Vec<(Vec<&str>, Box<dyn Fn(usize) -> PolicyParams>)> = vec![
+    type Case<'a> = (Vec<&'a str>, Box<dyn Fn(usize) -> PolicyParams>);
+    let cases: Vec<Case> = vec![
         (
             vec!["knorm"],
             Box::new(move |budget| PolicyParams {

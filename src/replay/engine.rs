@@ -314,6 +314,9 @@ fn reselecting_families(policies: &[ValidPolicy]) -> Vec<Vec<usize>> {
     families.into_values().collect()
 }
 
+/// Some caches of one layer, each with its kept sets.
+type CachesKept<'u> = Vec<(&'u Unit, UnitKept)>;
+
 /// Each re-selecting policy's kept sets for the caches of KV head `kv_head`, by policy index:
 /// per family and cache, one pass of the scorer serves every member's budget.
 fn reselect_families<'u>(
@@ -323,8 +326,8 @@ fn reselect_families<'u>(
     units: &'u [Vec<Unit>],
     kv_head: usize,
     families: &[Vec<usize>],
-) -> BTreeMap<usize, Vec<(&'u Unit, UnitKept)>> {
-    let per_family: Vec<Vec<(usize, Vec<(&Unit, UnitKept)>)>> = families
+) -> BTreeMap<usize, CachesKept<'u>> {
+    let per_family: Vec<Vec<(usize, CachesKept)>> = families
         .par_iter()
         .map(|members| {
             let first = members[0];

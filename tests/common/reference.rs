@@ -526,8 +526,8 @@ fn expected_attention_scores(
     // R(t)[i][j]: cos on the diagonal, -sin at (i, i + d/2), +sin at (i + d/2, i).
     let rotation = |t: usize| -> Vec<Vec<f64>> {
         let mut r = vec![vec![0.0; d]; d];
-        for i in 0..d {
-            r[i][i] = angle(t, i).cos();
+        for (i, row) in r.iter_mut().enumerate() {
+            row[i] = angle(t, i).cos();
         }
         for i in 0..half {
             r[i][i + half] = -angle(t, i).sin();
