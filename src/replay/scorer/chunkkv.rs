@@ -13,7 +13,7 @@
 //! `chunk_length` and no shorter chunk among the best, the two keep the same tokens.
 
 use super::{ScoreState, Scorer, Started};
-use crate::replay::settings::{find, Broken};
+use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 
 crate::settings! {
@@ -30,11 +30,7 @@ crate::settings! {
 impl Chunkkv {
     /// The inner scorer, when `inner` names another registered scorer.
     fn inner(&self) -> Option<Box<dyn Scorer>> {
-        if self.inner == <Self as crate::replay::settings::Declared>::NAME {
-            return None;
-        }
-        let method = find(super::REGISTRY, &self.inner)?;
-        (method.build)(&(method.defaults)()).ok()
+        super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
     }
 
     fn inner_or_panic(&self) -> Box<dyn Scorer> {

@@ -65,6 +65,16 @@ pub trait Scorer: Send + Sync {
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started;
 }
 
+/// The scorer registered as `name`, with its default settings, for a scorer that wraps another
+/// (`chunkkv`, `value-aware`); `None` when none is, or when it is the wrapper `outer` itself.
+pub(crate) fn inner_scorer(name: &str, outer: &str) -> Option<Box<dyn Scorer>> {
+    if name == outer {
+        return None;
+    }
+    let method = super::settings::find(REGISTRY, name)?;
+    (method.build)(&(method.defaults)()).ok()
+}
+
 /// A scorer's state for one cache, as `start` returns it.
 pub type Started = Box<dyn ScoreState>;
 
