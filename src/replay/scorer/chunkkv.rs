@@ -29,7 +29,7 @@ crate::settings! {
 
 impl Chunkkv {
     /// The inner scorer, when `inner` names another registered scorer.
-    fn inner(&self) -> Option<Box<dyn Scorer>> {
+    fn inner(&self) -> Result<Box<dyn Scorer>, Broken> {
         super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
     }
 
@@ -52,16 +52,13 @@ impl Scorer for Chunkkv {
                 rule: "must be at least 1",
             });
         }
-        match self.inner() {
-            None => Err(Broken {
-                key: "inner",
-                rule: "must name another registered scorer (`kvreplay methods` lists them)",
-            }),
-            Some(inner) if !inner.supports(Timing::Prefill) => Err(Broken {
+        if self.inner()?.supports(Timing::Prefill) {
+            Ok(())
+        } else {
+            Err(Broken {
                 key: "inner",
                 rule: "must be a scorer that selects at the end of the prompt (prefill timing)",
-            }),
-            Some(_) => Ok(()),
+            })
         }
     }
 

@@ -66,13 +66,17 @@ pub trait Scorer: Send + Sync {
 }
 
 /// The scorer registered as `name`, with its default settings, for a scorer that wraps another
-/// (`chunkkv`, `value-aware`); `None` when none is, or when it is the wrapper `outer` itself.
-pub(crate) fn inner_scorer(name: &str, outer: &str) -> Option<Box<dyn Scorer>> {
-    if name == outer {
-        return None;
-    }
-    let method = super::settings::find(REGISTRY, name)?;
-    (method.build)(&(method.defaults)()).ok()
+/// (`chunkkv`, `value-aware`): its `inner` setting must name another registered scorer than the
+/// wrapper `outer` itself.
+pub(crate) fn inner_scorer(name: &str, outer: &str) -> Result<Box<dyn Scorer>, Broken> {
+    let broken = Broken {
+        key: "inner",
+        rule: "must name another registered scorer (`kvreplay methods` lists them)",
+    };
+    let method = super::settings::find(REGISTRY, name)
+        .filter(|_| name != outer)
+        .ok_or(broken)?;
+    (method.build)(&(method.defaults)()).map_err(|_| broken)
 }
 
 /// A scorer's state for one cache, as `start` returns it.

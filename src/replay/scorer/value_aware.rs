@@ -20,7 +20,7 @@ crate::settings! {
 
 impl ValueAware {
     /// The inner scorer, when `inner` names another registered scorer.
-    fn inner(&self) -> Option<Box<dyn Scorer>> {
+    fn inner(&self) -> Result<Box<dyn Scorer>, Broken> {
         super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
     }
 
@@ -37,13 +37,7 @@ struct State {
 
 impl Scorer for ValueAware {
     fn check(&self) -> Result<(), Broken> {
-        match self.inner() {
-            Some(_) => Ok(()),
-            None => Err(Broken {
-                key: "inner",
-                rule: "must name another registered scorer (`kvreplay methods` lists them)",
-            }),
-        }
+        self.inner().map(|_| ())
     }
 
     fn reads_future(&self) -> bool {
