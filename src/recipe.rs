@@ -2,7 +2,7 @@
 //! a needle-in-a-haystack prompt (the test of Kamradt's `needlehaystack` package, built in token
 //! space so the needle's span is exact), a chat message, and a plain text file.
 
-use crate::model::{ChatMessage, ChatTokenizer};
+use crate::model::{ChatMessage, ChatTokenizer, Template, TextTokenizer};
 use crate::trace::Span;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -75,6 +75,10 @@ pub struct NiahRecipe {
     /// task success).
     #[serde(default)]
     pub answer: Option<String>,
+    /// Text the answer starts with, appended after the prompt (a base model needs one, e.g. "The
+    /// best thing to do in San Francisco is").
+    #[serde(default)]
+    pub answer_prefix: Option<String>,
     /// Greedy tokens to generate.
     pub generate: usize,
 }
@@ -168,12 +172,24 @@ impl Recipe {
     /// Builds the prompt. `essays` (sorted) are needed by `niah` only; `base` resolves `text`'s file.
     pub fn build(
         &self,
-        tokenizer: &ChatTokenizer,
+        tokenizer: &dyn TextTokenizer,
         essays: &[PathBuf],
         base: &Path,
     ) -> Result<BuiltPrompt, RecipeError> {
         match self {
             Recipe::Niah(niah) => build_niah(niah, tokenizer, essays),
+            Recipe::Chat(chat) if tokenizer.template() == Template::Plain => {
+                let text = match &chat.system {
+                    Some(system) => format!("{system}\n\n{}", chat.message),
+                    None => chat.message.clone(),
+                };
+                Ok(BuiltPrompt {
+                    ids: with_bos(tokenizer, tokenizer.encode(&text)),
+                    spans: Vec::new(),
+                    generate: chat.generate,
+                    answer: None,
+                })
+            }
             Recipe::Chat(chat) => {
                 let mut messages = Vec::new();
                 if let Some(system) = &chat.system {
@@ -197,7 +213,7 @@ impl Recipe {
                 let path = base.join(&text.file);
                 let content = std::fs::read_to_string(&path)
                     .map_err(|source| RecipeError::Io { path, source })?;
-                let mut ids = tokenizer.encode(&content);
+                let mut ids = with_bos(tokenizer, tokenizer.encode(&content));
                 if let Some(max) = text.max_tokens {
                     ids.truncate(max);
                 }
@@ -212,24 +228,39 @@ impl Recipe {
     }
 }
 
+/// `ids` after the tokenizer's BOS token, if it has one.
+fn with_bos(tokenizer: &dyn TextTokenizer, ids: Vec<u32>) -> Vec<u32> {
+    tokenizer.bos().into_iter().chain(ids).collect()
+}
+
 /// The needlehaystack prompt (system, context with the needle, question) in token space: the
 /// context is truncated to fit `prompt_tokens`, and the needle is inserted after the last token
 /// ending in '.' before `depth_percent` of the context (needlehaystack backs up to a '.' token;
 /// we accept any token whose text ends with '.', a deliberate widening for BPE merges like "etc.").
 fn build_niah(
     niah: &NiahRecipe,
-    tokenizer: &ChatTokenizer,
+    tokenizer: &dyn TextTokenizer,
     essays: &[PathBuf],
 ) -> Result<BuiltPrompt, RecipeError> {
-    let prefix = tokenizer.encode(&format!(
-        "{}<|im_start|>user\n",
-        ChatTokenizer::chat_turn("system", NIAH_SYSTEM)
-    ));
-    let between = tokenizer.encode("<|im_end|>\n<|im_start|>user\n");
+    let answer_prefix = niah.answer_prefix.as_deref().unwrap_or_default();
+    let (prefix, between, closing) = match tokenizer.template() {
+        Template::ChatMl => (
+            tokenizer.encode(&format!(
+                "{}<|im_start|>user\n",
+                ChatTokenizer::chat_turn("system", NIAH_SYSTEM)
+            )),
+            tokenizer.encode("<|im_end|>\n<|im_start|>user\n"),
+            tokenizer.encode(&format!(
+                "{NIAH_QUESTION_SUFFIX}<|im_end|>\n<|im_start|>assistant\n{answer_prefix}"
+            )),
+        ),
+        Template::Plain => (
+            with_bos(tokenizer, Vec::new()),
+            tokenizer.encode("\n\nQuestion: "),
+            tokenizer.encode(&format!("\nAnswer: {answer_prefix}").trim_end()),
+        ),
+    };
     let question = tokenizer.encode(&niah.question);
-    let closing = tokenizer.encode(&format!(
-        "{NIAH_QUESTION_SUFFIX}<|im_end|>\n<|im_start|>assistant\n"
-    ));
     let needle = tokenizer.encode(&format!("\n{}\n", niah.needle.trim()));
     let overhead = prefix.len() + between.len() + question.len() + closing.len() + needle.len();
     let needed = niah.prompt_tokens.saturating_sub(overhead);

@@ -9,7 +9,7 @@ mod common;
 use kvreplay::assets::Assets;
 
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{Llama, Recorder};
+use kvreplay::model::{CausalLm, Llama, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{presets, replay};
 use kvreplay::trace::{StorageDtype, TraceReader};

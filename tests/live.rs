@@ -7,7 +7,7 @@ mod common;
 use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, LiveSession};
-use kvreplay::model::{KvCache, Recorder};
+use kvreplay::model::{CausalLm, KvCache, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, Order, PolicyParams, Timing};
 use kvreplay::trace::{StorageDtype, TraceReader};

@@ -8,7 +8,7 @@ use common::{real_assets as assets, real_model as model};
 use kvreplay::attention::attend;
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::inspect::entropy_profile;
-use kvreplay::model::{ChatMessage, ChatTokenizer, KvCache, Recorder};
+use kvreplay::model::{CausalLm, ChatMessage, ChatTokenizer, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::trace::{StorageDtype, TraceReader};
 use ndarray::s;

@@ -7,7 +7,7 @@
 use crate::assets::{AssetError, Assets};
 use crate::attention::{scaled_product, softmax_into, CausalLogits, PackedKeys};
 use crate::live::streams::{AttentionShape, LiveStreams};
-use crate::model::{AttentionMask, KvCache, Llama, ModelError, Recorder};
+use crate::model::{AttentionMask, CausalLm, KvCache, Llama, ModelError, Recorder};
 use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
     RETAINED_MASS,

@@ -38,7 +38,9 @@ mod drift;
 pub(crate) mod streams;
 
 use crate::capture::{trace_writer, CaptureError, CaptureOptions};
-use crate::model::{argmax, AttentionMask, Evicted, KvCache, Llama, ModelError, Recorder};
+use crate::model::{
+    argmax, AttentionMask, CausalLm, Evicted, KvCache, Llama, ModelError, Recorder,
+};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
     layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy,

@@ -1,4 +1,4 @@
-//! Reading a Llama-architecture GGUF: the hyper-parameters, and the weights dequantised to f32.
+//! Reading a GGUF: its metadata, the Llama hyper-parameters, and the weights dequantised to f32.
 
 use super::ModelError;
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -60,7 +60,7 @@ impl GgufFile {
         self.content.metadata.get(key)
     }
 
-    fn metadata_error(&self, key: &str, expected: &'static str) -> ModelError {
+    pub(crate) fn metadata_error(&self, key: &str, expected: &'static str) -> ModelError {
         ModelError::Metadata {
             path: self.path.clone(),
             key: key.to_owned(),
@@ -75,7 +75,7 @@ impl GgufFile {
             .ok_or_else(|| self.metadata_error(key, "an unsigned integer"))
     }
 
-    fn f32_value(&self, key: &str) -> Result<f32, ModelError> {
+    pub(crate) fn f32_value(&self, key: &str) -> Result<f32, ModelError> {
         self.value(key)
             .and_then(|v| v.to_f32().ok())
             .ok_or_else(|| self.metadata_error(key, "a float"))
@@ -93,21 +93,28 @@ impl GgufFile {
             .map_err(|_| self.metadata_error(key, "an array of strings"))
     }
 
+    /// `general.architecture`, or an empty string.
+    pub fn architecture(&self) -> String {
+        self.value("general.architecture")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_default()
+    }
+
+    /// `general.name`, or `default`.
+    pub(crate) fn name(&self, default: &str) -> String {
+        self.value("general.name")
+            .and_then(|v| v.to_string().ok())
+            .cloned()
+            .unwrap_or_else(|| default.into())
+    }
+
     /// The Llama hyper-parameters (`general.architecture` must be `llama`).
     pub fn llama_config(&self) -> Result<LlamaConfig, ModelError> {
-        let arch = self
-            .value("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_default();
-        if arch != "llama" {
+        if self.architecture() != "llama" {
             return Err(self.metadata_error("general.architecture", "\"llama\""));
         }
-        let name = self
-            .value("general.name")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_else(|| "llama".into());
+        let name = self.name("llama");
         Ok(LlamaConfig {
             n_layers: self.usize_value("llama.block_count")?,
             n_heads: self.usize_value("llama.attention.head_count")?,

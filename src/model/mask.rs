@@ -77,6 +77,27 @@ pub fn causal_mask(n_heads: usize, past: usize, n: usize) -> Vec<f32> {
     mask
 }
 
+/// The mask `[n, total - first]` of a chunk of `n` queries at positions `past..past + n` over
+/// cached positions `first..past + n` in a layer that attends over its last `window` positions
+/// (its own included; `window = 0` is global): row `i` sees position `j` when
+/// `j <= past + i` and `past + i - j < window`.
+pub fn window_mask(past: usize, n: usize, window: usize, first: usize) -> Vec<f32> {
+    let total = past + n;
+    let mut mask = Vec::with_capacity(n * (total - first));
+    for row in 0..n {
+        let position = past + row;
+        mask.extend((first..total).map(|j| {
+            let seen = j <= position && (window == 0 || position - j < window);
+            if seen {
+                0.0
+            } else {
+                f32::NEG_INFINITY
+            }
+        }));
+    }
+    mask
+}
+
 /// A tensor of `[heads, n, d]` as an ndarray, for [`ChunkVectors`].
 pub(crate) fn to_array(tensor: &candle_core::Tensor) -> Result<Array3<f32>, ModelError> {
     let dims = tensor.dims3()?;

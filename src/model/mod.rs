@@ -1,26 +1,38 @@
-//! A native, CPU-only forward pass of Llama-architecture GGUF models (SmolLM2-135M-Instruct is the
-//! project's default), written to record what attention sees: post-rotary q and k and the v of
-//! every layer and position.
+//! Native, CPU-only forward passes of GGUF models, written to record what attention sees:
+//! post-rotary q and k and the v of every layer and position. Two families sit behind one trait
+//! ([`CausalLm`]) and one registry ([`family`]): Llama (SmolLM2-135M-Instruct is the project's
+//! default) and Gemma 3 (hybrid sliding-window/global attention, QK-norm, one KV head).
 //!
 //! Why our own forward instead of a framework's model zoo: capture needs a hook inside attention,
-//! and the same forward will later run eviction policies live. candle-core reads the GGUF and
-//! supplies the tensor kernels; the weights are dequantised to f32 once at load (f32 GEMM is ~15×
-//! faster than candle's quantised Q4_1 matmul on this machine, see docs/assets.md).
+//! and the same forward runs eviction policies live. candle-core reads the GGUF and supplies the
+//! tensor kernels; the weights are dequantised to f32 once at load (f32 GEMM is ~15× faster than
+//! candle's quantised Q4_1 matmul on this machine, see docs/assets.md).
 //!
-//! Rotary convention: llama.cpp's converter permutes the rows of `attn_q`/`attn_k` so that
-//! *interleaved* rotary pairs work on them. We undo that permutation at load and apply the
+//! Rotary convention: llama.cpp's converter permutes the rows of a Llama's `attn_q`/`attn_k` so
+//! that *interleaved* rotary pairs work on them. We undo that permutation at load and apply the
 //! half-split (`rotate_half`) rotary of Hugging Face transformers, so stored q/k are in the same
 //! dimension order as a transformers capture of the same model and compare element by element.
+//! (Gemma 3 GGUFs are not permuted: llama.cpp runs them with the half-split rotary already.)
 
+mod causal_lm;
 mod error;
+pub mod family;
+mod gemma3;
 mod gguf;
 mod llama;
 mod mask;
+mod ops;
+mod prompt;
+mod spm;
 mod tokenizer;
 
+pub(crate) use causal_lm::argmax;
+pub use causal_lm::{CausalLm, KvCache, ModelSpec, Recorder};
 pub use error::ModelError;
+pub use gemma3::Gemma3;
 pub use gguf::LlamaConfig;
-pub(crate) use llama::argmax;
-pub use llama::{KvCache, Llama, Recorder};
+pub use llama::Llama;
 pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
+pub use prompt::{Template, TextTokenizer};
+pub use spm::SpmTokenizer;
 pub use tokenizer::{ChatMessage, ChatTokenizer};

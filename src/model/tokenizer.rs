@@ -5,6 +5,7 @@
 //! (candle's GGUF tokenizer helper adds a prefix space and gets this model wrong.)
 
 use super::gguf::GgufFile;
+use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
 use tokenizers::models::bpe::BPE;
@@ -88,29 +89,6 @@ impl ChatTokenizer {
         })
     }
 
-    /// Token ids of a text; special tokens written in it (`<|im_start|>`) are recognised.
-    pub fn encode(&self, text: &str) -> Vec<u32> {
-        self.tokenizer
-            .encode(text, false)
-            .map(|encoding| encoding.get_ids().to_vec())
-            .unwrap_or_default()
-    }
-
-    /// The text of token ids, special tokens included.
-    pub fn decode(&self, ids: &[u32]) -> String {
-        self.tokenizer.decode(ids, false).unwrap_or_default()
-    }
-
-    /// The text of one token, for tables.
-    pub fn token_text(&self, id: u32) -> String {
-        self.decode(&[id])
-    }
-
-    /// `<|im_end|>`: generation stops when the model emits it.
-    pub fn end_of_turn(&self) -> u32 {
-        self.end_of_turn
-    }
-
     /// ChatML text of one message: `<|im_start|>role\ncontent<|im_end|>\n`.
     pub fn chat_turn(role: &str, content: &str) -> String {
         format!("<|im_start|>{role}\n{content}<|im_end|>\n")
@@ -127,5 +105,31 @@ impl ChatTokenizer {
             text += &Self::chat_turn(&message.role, &message.content);
         }
         text + "<|im_start|>assistant\n"
+    }
+}
+
+impl TextTokenizer for ChatTokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        self.tokenizer
+            .encode(text, false)
+            .map(|encoding| encoding.get_ids().to_vec())
+            .unwrap_or_default()
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.tokenizer.decode(ids, false).unwrap_or_default()
+    }
+
+    /// `<|im_end|>`: the assistant's turn is over.
+    fn stop_token(&self) -> u32 {
+        self.end_of_turn
+    }
+
+    fn bos(&self) -> Option<u32> {
+        None
+    }
+
+    fn template(&self) -> Template {
+        Template::ChatMl
     }
 }

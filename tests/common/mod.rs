@@ -32,6 +32,18 @@ pub fn real_model() -> &'static Llama {
     MODEL.get_or_init(|| Llama::load(&real_assets().model_path()).expect("the GGUF loads"))
 }
 
+/// The Gemma 3 270M GGUF, fetched once per test binary.
+pub fn gemma_path() -> PathBuf {
+    static FETCHED: OnceLock<PathBuf> = OnceLock::new();
+    FETCHED
+        .get_or_init(|| {
+            Assets::from_env()
+                .fetch_model(kvreplay::assets::model_asset("gemma3-270m").unwrap())
+                .unwrap_or_else(|err| panic!("the Gemma 3 tests need its GGUF: {err}"))
+        })
+        .clone()
+}
+
 /// SplitMix64: a tiny seeded generator, so fixtures need no RNG crate.
 pub struct Rng(pub u64);
 

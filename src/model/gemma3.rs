@@ -1,0 +1,226 @@
+//! The Gemma 3 forward pass (`general.architecture = gemma3`, e.g. Gemma 3 270M): scaled token
+//! embeddings, RMSNorm before and after attention and the MLP, RMS-normed queries and keys,
+//! half-split rotary with one base for sliding-window layers and another for global ones, a gated
+//! tanh-GELU MLP, tied embeddings.
+//!
+//! Sources: Hugging Face transformers `models/gemma3/modeling_gemma3.py` (5.x) for the layer
+//! order, and llama.cpp `src/llama-model.cpp` (`LLM_ARCH_GEMMA3`) for what the GGUF leaves out:
+//! every sixth layer is global (`set_swa_pattern(6)`: layer `l` slides when `l % 6 < 5`), the
+//! sliding layers' rotary base is 10,000 (`rope_freq_base_train_swa`), the global layers' comes
+//! from `gemma3.rope.freq_base`, and the attention scale is `1/sqrt(key_length)` (the models
+//! below 27B). llama.cpp's converter stores every RMSNorm weight as `1 + w`, so the norms here
+//! multiply by the stored weight as it is. A sliding layer attends over its last
+//! `gemma3.attention.sliding_window` positions, its own included (transformers'
+//! `sliding_window_overlay`: `q - kv < window`). Checked against transformers' own loading of the
+//! same GGUF (docs/assets.md).
+
+use super::causal_lm::{CausalLm, KvCache, ModelSpec, Recorder};
+use super::gguf::GgufFile;
+use super::llama::transposed;
+use super::mask::{to_array, window_mask, AttentionMask, ChunkVectors};
+use super::ops::{
+    attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
+};
+use super::prompt::TextTokenizer;
+use super::{ModelError, SpmTokenizer};
+use candle_core::{DType, Device, Tensor};
+use std::path::Path;
+
+/// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
+const SLIDING_PATTERN: usize = 6;
+/// The rotary base of sliding-window layers (llama.cpp `rope_freq_base_train_swa`).
+const SLIDING_ROPE_THETA: f32 = 10_000.0;
+
+struct Block {
+    attn_norm: Tensor,
+    // Weights are stored transposed, [in, out], so a linear layer is one `matmul`.
+    wq: Tensor,
+    wk: Tensor,
+    wv: Tensor,
+    wo: Tensor,
+    q_norm: Tensor,
+    k_norm: Tensor,
+    post_attention_norm: Tensor,
+    ffn_norm: Tensor,
+    gate: Tensor,
+    up: Tensor,
+    down: Tensor,
+    post_ffw_norm: Tensor,
+}
+
+/// A loaded Gemma 3 model: f32 weights, the tokenizer and the two rotary tables.
+pub struct Gemma3 {
+    spec: ModelSpec,
+    rms_eps: f64,
+    embedding: Tensor,
+    embedding_scale: f64,
+    output_norm: Tensor,
+    blocks: Vec<Block>,
+    tokenizer: SpmTokenizer,
+    global_inv_freq: Vec<f32>,
+    sliding_inv_freq: Vec<f32>,
+}
+
+impl Gemma3 {
+    /// Loads a Gemma 3 GGUF, dequantising every weight to f32.
+    pub fn load(path: &Path) -> Result<Self, ModelError> {
+        let mut gguf = GgufFile::open(path)?;
+        if gguf.architecture() != "gemma3" {
+            return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
+        }
+        let key = |name: &str| format!("gemma3.{name}");
+        let n_layers = gguf.usize_value(&key("block_count"))?;
+        let n_heads = gguf.usize_value(&key("attention.head_count"))?;
+        let n_kv_heads = gguf.usize_value(&key("attention.head_count_kv"))?;
+        let head_dim = gguf.usize_value(&key("attention.key_length"))?;
+        let hidden = gguf.usize_value(&key("embedding_length"))?;
+        let window = gguf.usize_value(&key("attention.sliding_window"))?;
+        let global_theta = gguf.f32_value(&key("rope.freq_base"))?;
+        let rms_eps = gguf.f32_value(&key("attention.layer_norm_rms_epsilon"))? as f64;
+        let tokenizer = SpmTokenizer::from_gguf(&gguf)?;
+        let mut blocks = Vec::with_capacity(n_layers);
+        for layer in 0..n_layers {
+            let mut weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
+            blocks.push(Block {
+                attn_norm: weight("attn_norm")?,
+                wq: transposed(weight("attn_q")?)?,
+                wk: transposed(weight("attn_k")?)?,
+                wv: transposed(weight("attn_v")?)?,
+                wo: transposed(weight("attn_output")?)?,
+                q_norm: weight("attn_q_norm")?,
+                k_norm: weight("attn_k_norm")?,
+                post_attention_norm: weight("post_attention_norm")?,
+                ffn_norm: weight("ffn_norm")?,
+                gate: transposed(weight("ffn_gate")?)?,
+                up: transposed(weight("ffn_up")?)?,
+                down: transposed(weight("ffn_down")?)?,
+                post_ffw_norm: weight("post_ffw_norm")?,
+            });
+        }
+        let windows = (0..n_layers)
+            .map(|layer| {
+                if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {
+                    window
+                } else {
+                    0
+                }
+            })
+            .collect();
+        let spec = ModelSpec {
+            family: "gemma3",
+            name: gguf.name("gemma3"),
+            n_layers,
+            n_heads,
+            n_kv_heads,
+            head_dim,
+            scale: 1.0 / (head_dim as f32).sqrt(),
+            rope_theta: None,
+            windows,
+        };
+        Ok(Self {
+            embedding: gguf.tensor("token_embd.weight")?,
+            embedding_scale: (hidden as f32).sqrt() as f64,
+            output_norm: gguf.tensor("output_norm.weight")?,
+            blocks,
+            tokenizer,
+            global_inv_freq: inverse_frequencies(global_theta, head_dim),
+            sliding_inv_freq: inverse_frequencies(SLIDING_ROPE_THETA, head_dim),
+            rms_eps,
+            spec,
+        })
+    }
+}
+
+impl CausalLm for Gemma3 {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn tokenizer(&self) -> &dyn TextTokenizer {
+        &self.tokenizer
+    }
+
+    fn forward_masked(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        mut recorder: Option<&mut Recorder>,
+        mut mask: Option<&mut dyn AttentionMask>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let spec = &self.spec;
+        let eps = self.rms_eps;
+        let n = ids.len();
+        let past = cache.len();
+        let start = cache.next_position;
+        if past != start {
+            return Err(ModelError::Mask(
+                "a Gemma 3 cache must hold every position (its sliding layers mask by position)"
+                    .into(),
+            ));
+        }
+        let total = past + n;
+        let ids_tensor = Tensor::from_vec(ids.to_vec(), n, &Device::Cpu)?;
+        let mut x = (self.embedding.embedding(&ids_tensor)? * self.embedding_scale)?;
+        let global = rotary_tables(&self.global_inv_freq, start, n)?;
+        let sliding = rotary_tables(&self.sliding_inv_freq, start, n)?;
+        let scale = spec.scale as f64;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let window = spec.windows[layer];
+            let (cos, sin) = if window > 0 { &sliding } else { &global };
+            let h = rms_norm(&x, &block.attn_norm, eps)?;
+            let q = split_heads(&h.matmul(&block.wq)?, spec.n_heads)?;
+            let q = rotate(&rms_norm(&q, &block.q_norm, eps)?, cos, sin)?;
+            let k = split_heads(&h.matmul(&block.wk)?, spec.n_kv_heads)?;
+            let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
+            let v = split_heads(&h.matmul(&block.wv)?, spec.n_kv_heads)?;
+            let policy_mask = match mask.as_deref_mut() {
+                Some(policy) => {
+                    let (q, k, v) = (to_array(&q)?, to_array(&k)?, to_array(&v)?);
+                    let chunk = ChunkVectors {
+                        past,
+                        q: q.view(),
+                        k: k.view(),
+                        v: v.view(),
+                    };
+                    policy.layer_mask(layer, &chunk)?
+                }
+                None => None,
+            };
+            if let Some(recorder) = recorder.as_deref_mut() {
+                recorder.record(layer, &q, &k, &v);
+            }
+            let (keys, values) = cache.append(layer, k, v)?;
+            // Keys before the chunk's first query's window are never seen: leave them out.
+            let first = match (&policy_mask, window) {
+                (None, window) if window > 0 => (past + 1).saturating_sub(window),
+                _ => 0,
+            };
+            let visible = Tensor::from_vec(
+                window_mask(past, n, window, first),
+                (n, total - first),
+                &Device::Cpu,
+            )?;
+            let layer_mask = match policy_mask {
+                Some(values) => Tensor::from_vec(values, (spec.n_heads, n, total), &Device::Cpu)?
+                    .broadcast_add(&visible)?,
+                None => visible,
+            };
+            let keys = keys.narrow(1, first, total - first)?;
+            let values = values.narrow(1, first, total - first)?;
+            let attention = attend(&q, &keys, &values, &layer_mask, scale)?;
+            if let Some(recorder) = recorder.as_deref_mut() {
+                recorder.record_attention(layer, &attention);
+            }
+            let out = merge_heads(&attention)?.matmul(&block.wo)?;
+            x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
+            let h = rms_norm(&x, &block.ffn_norm, eps)?;
+            let gated = (h.matmul(&block.gate)?.gelu()? * h.matmul(&block.up)?)?;
+            x = (x + rms_norm(&gated.matmul(&block.down)?, &block.post_ffw_norm, eps)?)?;
+        }
+        cache.next_position = start + n;
+        let last = x.narrow(0, n - 1, 1)?;
+        let last = rms_norm(&last, &self.output_norm, eps)?;
+        let logits = last.matmul(&self.embedding.t()?)?.squeeze(0)?;
+        Ok(logits.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+    }
+}

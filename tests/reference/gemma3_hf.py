@@ -1,0 +1,38 @@
+#!/usr/bin/env python3
+"""Gemma 3 through Hugging Face transformers, as the independent side of tests/gemma3.rs.
+
+    python gemma3_hf.py MODEL_DIR GGUF_FILE < requests.json > answers.json
+
+transformers (5.x) loads the GGUF itself (dequantised to f32) as Gemma3ForCausalLM, with its own
+tokenizer converted from the GGUF vocabulary. Each request is {"text": ...} (token ids of the
+text, BOS added as the tokenizer does) or {"ids": [...], "generate": N} (the last position's
+logits after the ids, and N greedy tokens). The config's layer kinds and window come back too.
+"""
+import json
+import sys
+
+import torch
+from transformers import AutoModelForCausalLM, AutoTokenizer
+
+model_dir, gguf_file = sys.argv[1], sys.argv[2]
+requests = json.load(sys.stdin)
+tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf_file)
+model = None
+answers = []
+for request in requests:
+    if "text" in request:
+        answers.append({"ids": tokenizer.encode(request["text"])})
+        continue
+    if model is None:
+        model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()
+    ids = torch.tensor([request["ids"]])
+    with torch.no_grad():
+        logits = model(ids).logits[0, -1]
+        generated = model.generate(ids, max_new_tokens=request["generate"], do_sample=False)[0, ids.shape[1]:]
+    answers.append({"logits": logits.tolist(), "generated": generated.tolist()})
+config = model.config if model is not None else None
+print(json.dumps({
+    "answers": answers,
+    "layer_types": list(config.layer_types) if config is not None else None,
+    "sliding_window": config.sliding_window if config is not None else None,
+}))
