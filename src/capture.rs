@@ -184,6 +184,7 @@ pub fn trace_writer(
         scale: spec.scale,
         softcap: None,
         rope_theta: spec.rope_theta,
+        windows: spec.windows.clone(),
         spans: prompt.spans.clone(),
         extra,
     };

@@ -320,7 +320,7 @@ fn replay_all(
         builder = builder.num_threads(threads);
     }
     let pool = builder.build().context("starting worker threads")?;
-    let layers = trace.meta().n_layers as u64;
+    let layers = trace.meta().global_layers().len() as u64;
     let passes = 1 + policies
         .iter()
         .map(|p| p.budget_passes() as u64)

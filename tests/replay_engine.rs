@@ -183,6 +183,7 @@ fn recency_by_hand() {
         scale: 1.0,
         softcap: None,
         rope_theta: None,
+        windows: Vec::new(),
         spans: vec![],
         extra: Default::default(),
     };
@@ -240,6 +241,7 @@ fn value_scorers_need_values() {
         scale: 1.0,
         softcap: None,
         rope_theta: None,
+        windows: Vec::new(),
         spans: vec![],
         extra: Default::default(),
     };
@@ -510,4 +512,110 @@ proptest! {
         prop_assert!((report.metric("topk_recall").unwrap() - 1.0).abs() < 1e-12);
         prop_assert!(report.metric("output_error").unwrap() < 1e-5);
     }
+}
+
+/// On a trace with sliding-window layers only the global layers are replayed: every metric equals
+/// a replay of the trace made of the global layers alone, pyramids taper over the global layers,
+/// and memory counts each sliding layer's window.
+#[test]
+fn sliding_window_layers_keep_their_window_and_only_global_layers_are_compressed() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 5,
+        ..Shape::default()
+    };
+    let windows = vec![6, 0, 6, 6, 0];
+    let layers = common::tensors(shape, 29);
+    let t = shape.prompt_len + shape.generated;
+    let write = |path: &std::path::Path, windows: Vec<usize>, keep: &[usize]| {
+        let mut meta = common::meta(Shape {
+            n_layers: keep.len(),
+            ..shape
+        });
+        meta.windows = windows;
+        let mut writer = kvreplay::trace::TraceWriter::new(
+            meta,
+            kvreplay::trace::StorageDtype::F32,
+            (0..t as i64).collect(),
+        );
+        for &layer in keep {
+            let (q, k, v) = layers[layer].clone();
+            writer.push_layer(q, k, Some(v));
+        }
+        writer.write(path).unwrap();
+        TraceReader::open(path).unwrap()
+    };
+    let hybrid = write(
+        &dir.path().join("hybrid.safetensors"),
+        windows.clone(),
+        &[0, 1, 2, 3, 4],
+    );
+    let global = write(&dir.path().join("global.safetensors"), Vec::new(), &[1, 4]);
+    for name in [
+        "snapkv",
+        "pyramidkv",
+        "h2o",
+        "streamingllm",
+        "oracle",
+        "cake",
+    ] {
+        let policy = kvreplay::replay::presets::preset(name, 12)
+            .unwrap()
+            .check()
+            .unwrap();
+        let (ours, alone) = (
+            replay(&hybrid, &policy).unwrap(),
+            replay(&global, &policy).unwrap(),
+        );
+        assert_eq!(
+            ours.layers.iter().map(|l| l.layer).collect::<Vec<_>>(),
+            vec![1, 4],
+            "{name}"
+        );
+        assert_eq!(ours.metrics, alone.metrics, "{name}");
+        assert_eq!(ours.mean_kept, alone.mean_kept, "{name}");
+        let budgets = layer_budgets(&hybrid, &policy).unwrap();
+        let alone_budgets = layer_budgets(&global, &policy).unwrap();
+        assert_eq!(
+            (budgets[1], budgets[4]),
+            (alone_budgets[0], alone_budgets[1]),
+            "{name}"
+        );
+        assert_eq!((budgets[0], budgets[2], budgets[3]), (6, 6, 6), "{name}");
+        // Memory: the two global layers' caches plus three windows of 6 entries per KV head
+        // (decode steps t = 20..25 are all past the window), over 5 layers.
+        let global_entries: f64 = ours.layers.iter().map(|l| l.kv_entries).sum();
+        let expected = (global_entries + 3.0 * (shape.n_kv_heads * 6) as f64) / 5.0;
+        assert!(
+            (ours.kv_entries - expected).abs() < 1e-12,
+            "{name}: {} vs {expected}",
+            ours.kv_entries
+        );
+    }
+}
+
+#[test]
+fn a_trace_of_sliding_window_layers_only_is_refused() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("s.safetensors");
+    let shape = Shape::default();
+    let mut meta = common::meta(shape);
+    meta.windows = vec![4, 4];
+    let t = shape.prompt_len + shape.generated;
+    let mut writer = kvreplay::trace::TraceWriter::new(
+        meta,
+        kvreplay::trace::StorageDtype::F32,
+        (0..t as i64).collect(),
+    );
+    for (q, k, v) in common::tensors(shape, 1) {
+        writer.push_layer(q, k, Some(v));
+    }
+    writer.write(&path).unwrap();
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = params("snapkv", Timing::Prefill, 8).check().unwrap();
+    let err = replay(&trace, &policy).unwrap_err().to_string();
+    assert!(
+        err.contains("no global layer") && err.contains("s.safetensors"),
+        "{err}"
+    );
 }

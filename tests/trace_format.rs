@@ -357,3 +357,53 @@ fn writer_refuses_inconsistent_layers() {
     );
     assert!(!path.exists());
 }
+
+#[test]
+fn rule_layer_windows() {
+    let reader = case(|m, _| {
+        m.insert("layer_windows".into(), "[2]".into());
+    })
+    .unwrap();
+    assert_eq!(reader.meta().windows, vec![2]);
+    assert_eq!(reader.meta().window(0), 2);
+    for bad in ["[2, 0]", "[-1]", "512", "[\"global\"]"] {
+        let text = message(case(|m, _| {
+            m.insert("layer_windows".into(), bad.into());
+        }));
+        assert!(
+            text.contains("`layer_windows`")
+                && text.contains("a JSON list of n_layers non-negative integers")
+                && text.contains("case.safetensors"),
+            "{bad}: {text}"
+        );
+    }
+}
+
+#[test]
+fn layer_windows_round_trip_and_are_left_out_when_every_layer_is_global() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = common::Shape {
+        n_layers: 3,
+        ..Default::default()
+    };
+    let mut meta = common::meta(shape);
+    for (windows, written) in [(vec![0, 0, 0], false), (vec![8, 0, 8], true)] {
+        meta.windows = windows.clone();
+        let path = dir.path().join("w.safetensors");
+        let t = shape.prompt_len + shape.generated;
+        let mut writer = TraceWriter::new(meta.clone(), StorageDtype::F32, (0..t as i64).collect());
+        for (q, k, v) in common::tensors(shape, 3) {
+            writer.push_layer(q, k, Some(v));
+        }
+        writer.write(&path).unwrap();
+        let reader = TraceReader::open(&path).unwrap();
+        assert_eq!(
+            reader.meta().to_header().contains_key("layer_windows"),
+            written
+        );
+        assert_eq!(
+            (0..3).map(|l| reader.meta().window(l)).collect::<Vec<_>>(),
+            windows
+        );
+    }
+}

@@ -182,6 +182,7 @@ mod tests {
             scale: 1.0,
             softcap: None,
             rope_theta: None,
+            windows: Vec::new(),
             spans: Vec::new(),
             extra,
         };

@@ -51,6 +51,7 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
             meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim
         ),
     ]);
+    header.push(["attention".into(), crate::inspect::layer_kinds(meta)]);
     header.push(["positions T".into(), n_positions.to_string()]);
     header.push(["prompt_len".into(), meta.prompt_len.to_string()]);
     header.push([

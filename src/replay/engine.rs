@@ -1,5 +1,10 @@
 //! Runs checked policies over a trace and collects the measurements.
 //!
+//! Only global layers are replayed: on a trace whose header gives sliding-window layers
+//! (`layer_windows`), those keep their window whatever the policy, are left out of the metrics,
+//! and count in memory with the entries they hold; allocators spread the budget over the global
+//! layers in depth order (as kvpress compresses only the global layers of Gemma 3).
+//!
 //! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
 //! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
 //! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
@@ -130,7 +135,7 @@ fn replay_pass(
     let meta = trace.meta();
     let mut per_policy: Vec<Vec<LayerReport>> =
         vec![Vec::with_capacity(meta.n_layers); policies.len()];
-    for layer in 0..meta.n_layers {
+    for layer in meta.global_layers() {
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
         let layer_budgets: Vec<usize> = budgets.iter().map(|budgets| budgets[layer]).collect();
@@ -365,7 +370,8 @@ pub fn kept_sets(
     })
 }
 
-/// Per-layer budgets of `policy` on `trace`, after checking that the two fit together.
+/// Per-layer budgets of `policy` on `trace`, after checking that the two fit together; a
+/// sliding-window layer's entry is its window, which it keeps whatever the policy.
 pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
     layer_budgets_with_progress(trace, policy, &|| {})
 }
@@ -379,13 +385,17 @@ pub(crate) fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit>
     )
 }
 
-/// Runs `work` on every layer, one layer resident at a time, and returns the results in order.
+/// Runs `work` on every global layer, one layer resident at a time, and returns the results in
+/// order.
 fn for_each_layer<T: Send>(
     trace: &TraceReader,
     layer_done: LayerDone<'_>,
     work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
 ) -> Result<Vec<T>, PolicyError> {
-    (0..trace.meta().n_layers)
+    trace
+        .meta()
+        .global_layers()
+        .into_iter()
         .map(|layer| {
             let tensors = trace.layer(layer)?;
             let result = work(context(trace, layer, &tensors));
@@ -424,6 +434,12 @@ fn layer_budgets_with_progress(
             params.scorer
         )));
     }
+    let global = meta.global_layers();
+    if global.is_empty() {
+        return Err(mismatch(
+            "every layer of the trace attends through a sliding window (`layer_windows`): there is no global layer for a budget to compress".into(),
+        ));
+    }
     if params.protection().tokens() > prompt_len {
         return Err(mismatch(format!(
             "window {} + sinks {} is longer than the prompt ({prompt_len} tokens)",
@@ -442,15 +458,16 @@ fn layer_budgets_with_progress(
     } else {
         Vec::new()
     };
-    let budgets = policy.allocator.allocate(&AllocationInput {
-        n_layers: meta.n_layers,
+    let allocated = policy.allocator.allocate(&AllocationInput {
+        n_layers: global.len(),
         budget: params.budget,
         prompt_len,
         protect: params.protection(),
         profiles: &profiles,
         mass_curves: &mass_curves,
     });
-    for (layer, &budget) in budgets.iter().enumerate() {
+    let mut budgets: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
+    for (&layer, budget) in global.iter().zip(allocated) {
         if budget < params.protection().tokens() || budget == 0 {
             return Err(PolicyError::BudgetBelowProtected {
                 budget,
@@ -459,6 +476,7 @@ fn layer_budgets_with_progress(
                 layer: Some(layer),
             });
         }
+        budgets[layer] = budget;
     }
     Ok(budgets)
 }
@@ -489,12 +507,31 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
             .map(|id| (id.clone(), mean(&|l| l.metrics[id])))
             .collect(),
         mean_kept: mean(&|l| l.mean_kept),
-        kv_entries: mean(&|l| l.kv_entries),
-        kv_bytes: mean(&|l| l.kv_entries)
+        kv_entries: kv_entries(trace, &layers),
+        kv_bytes: kv_entries(trace, &layers)
             * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
         spans,
         layers,
     }
+}
+
+/// KV entries stored per layer, mean over every layer of the model and decode steps: the
+/// compressed (global) layers' measured caches, and each sliding-window layer's own window
+/// (`min(window, t + 1)` entries per KV head at step `t`), which the model holds whatever the
+/// policy.
+fn kv_entries(trace: &TraceReader, global: &[LayerReport]) -> f64 {
+    let meta = trace.meta();
+    let steps = meta.prompt_len..trace.n_positions();
+    let n_steps = steps.len() as f64;
+    let sliding: f64 = (0..meta.n_layers)
+        .filter(|&layer| meta.window(layer) > 0)
+        .map(|layer| {
+            let held: usize = steps.clone().map(|t| meta.window(layer).min(t + 1)).sum();
+            (meta.n_kv_heads * held) as f64 / n_steps
+        })
+        .sum();
+    let compressed: f64 = global.iter().map(|l| l.kv_entries).sum();
+    (compressed + sliding) / meta.n_layers as f64
 }
 
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt

@@ -42,6 +42,9 @@ pub struct TraceMeta {
     /// Base of the half-split rotary embedding the stored q and k went through, when known:
     /// what rotates them back (scorers that need the pre-rotary queries).
     pub rope_theta: Option<f32>,
+    /// Per layer, the attention window: a query at position `t` attends over keys
+    /// `t - window < j <= t`; 0 is global attention. Empty: every layer is global.
+    pub windows: Vec<usize>,
     /// Named spans.
     pub spans: Vec<Span>,
     /// Every other key of the header, kept as found (`prompt_text`, `source`, unknown keys).
@@ -49,6 +52,19 @@ pub struct TraceMeta {
 }
 
 impl TraceMeta {
+    /// The attention window of layer `layer` (0: global).
+    pub fn window(&self, layer: usize) -> usize {
+        self.windows.get(layer).copied().unwrap_or(0)
+    }
+
+    /// The layers that attend globally: the ones a policy's budget compresses (a sliding-window
+    /// layer already holds only its window, and is kept whole, as kvpress does for Gemma 3).
+    pub fn global_layers(&self) -> Vec<usize> {
+        (0..self.n_layers)
+            .filter(|&layer| self.window(layer) == 0)
+            .collect()
+    }
+
     /// Query heads that share one KV head.
     pub fn group_size(&self) -> usize {
         self.n_heads / self.n_kv_heads
@@ -135,6 +151,20 @@ impl TraceMeta {
         let scale = float("scale")?.unwrap_or(1.0 / (head_dim as f32).sqrt());
         let softcap = float("softcap")?;
         let rope_theta = float("rope_theta")?;
+        let windows =
+            match header.get("layer_windows") {
+                None => Vec::new(),
+                Some(text) => match serde_json::from_str::<Vec<usize>>(text) {
+                    Ok(windows) if windows.len() == n_layers => windows,
+                    _ => return Err(TraceError::BadValue {
+                        path: path.to_owned(),
+                        key: "layer_windows",
+                        value: text.clone(),
+                        expected:
+                            "a JSON list of n_layers non-negative integers (0 = global attention)",
+                    }),
+                },
+            };
         let spans = match header.get("spans") {
             None => Vec::new(),
             Some(text) => {
@@ -144,8 +174,9 @@ impl TraceMeta {
                 })?
             }
         };
-        const KNOWN: [&str; 12] = [
+        const KNOWN: [&str; 13] = [
             "format",
+            "layer_windows",
             "model",
             "n_layers",
             "n_heads",
@@ -173,6 +204,7 @@ impl TraceMeta {
             scale,
             softcap,
             rope_theta,
+            windows,
             spans,
             extra,
         })
@@ -219,6 +251,12 @@ impl TraceMeta {
         }
         if let Some(theta) = self.rope_theta {
             header.insert("rope_theta".into(), format!("{theta:e}"));
+        }
+        if self.windows.iter().any(|&window| window > 0) {
+            header.insert(
+                "layer_windows".into(),
+                serde_json::to_string(&self.windows).expect("windows serialise"),
+            );
         }
         if !self.spans.is_empty() {
             header.insert(

@@ -100,6 +100,7 @@ pub fn meta(shape: Shape) -> TraceMeta {
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         softcap: None,
         rope_theta: Some(reference::ROPE_THETA),
+        windows: Vec::new(),
         spans: vec![Span {
             name: "needle".into(),
             start: middle.saturating_sub(1),
