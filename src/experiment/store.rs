@@ -273,7 +273,7 @@ pub fn run_sweep(
         let runner = if experiment.closed_loop {
             let model = match &mut model {
                 Some(model) => model,
-                empty => empty.insert(capture::load_model()?),
+                empty => empty.insert(capture::load_llama(entry)?),
             };
             let prompt = capture::build_prompt(entry, model)?;
             Runner::Live(LiveSession::start(
