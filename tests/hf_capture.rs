@@ -9,14 +9,14 @@ mod common;
 use kvreplay::assets::Assets;
 
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{CausalLm, Llama, Recorder};
+use kvreplay::model::{CausalLm, Gemma3, Llama, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{presets, replay};
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn native(model: &Llama, recipe: &Path, essays: &[PathBuf], out: &Path) {
+fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], out: &Path) {
     let (parsed, base) = Recipe::load(recipe).unwrap();
     let prompt = parsed.build(model.tokenizer(), essays, &base).unwrap();
     let options = CaptureOptions {
@@ -132,5 +132,118 @@ fn python_capture_matches_native_capture() {
                 "{name}"
             );
         }
+    }
+}
+
+/// Gemma 3 (hybrid attention, a base model): the Python capture writes the same tokens, spans,
+/// layer windows and vectors as the native one, on a prompt longer than the 512-token window.
+#[test]
+fn python_capture_of_gemma3_matches_native_capture() {
+    let gguf = common::gemma_path();
+    let model = Gemma3::load(&gguf).unwrap();
+    let assets = common::real_assets();
+    let essays = assets.require_essays().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("niah-gemma.toml");
+    std::fs::write(
+        &recipe,
+        "kind = \"niah\"\nmodel = \"gemma3-270m\"\nprompt_tokens = 700\ndepth_percent = 30.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\ngenerate = 6\n",
+    )
+    .unwrap();
+    let (native_path, hf_path) = (
+        dir.path().join("native.safetensors"),
+        dir.path().join("hf.safetensors"),
+    );
+    native(&model, &recipe, &essays, &native_path);
+    let status = Command::new(common::torch_python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+        .arg("--model")
+        .arg(gguf.parent().unwrap())
+        .arg("--gguf-file")
+        .arg(gguf.file_name().unwrap())
+        .arg("--recipe")
+        .arg(&recipe)
+        .arg("--out")
+        .arg(&hf_path)
+        .args(["--dtype", "f32", "--chunk", "256"])
+        .arg("--essays")
+        .arg(assets.essays_dir())
+        .status()
+        .unwrap();
+    assert!(status.success(), "capture_hf.py failed on Gemma 3");
+    let (ours, theirs) = (
+        TraceReader::open(&native_path).unwrap(),
+        TraceReader::open(&hf_path).unwrap(),
+    );
+    assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
+    assert_eq!(ours.meta().spans, theirs.meta().spans);
+    assert_eq!(ours.meta().windows, theirs.meta().windows);
+    assert_eq!(ours.meta().global_layers(), vec![5, 11, 17]);
+    assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
+    let mut worst = 0.0f32;
+    for layer in 0..ours.meta().n_layers {
+        let (a, b) = (ours.layer(layer).unwrap(), theirs.layer(layer).unwrap());
+        for (x, y) in [
+            (&a.q, &b.q),
+            (&a.k, &b.k),
+            (a.v.as_ref().unwrap(), b.v.as_ref().unwrap()),
+        ] {
+            let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs()));
+            let diff = x
+                .iter()
+                .zip(y.iter())
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0, f32::max);
+            worst = worst.max(diff / scale);
+        }
+    }
+    eprintln!("Gemma 3: max |Δ| / max |x| over q, k, v of 18 layers = {worst:e}");
+    assert!(worst < 1e-3, "q/k/v differ by {worst} of their range");
+    for name in ["snapkv", "h2o", "streamingllm", "oracle"] {
+        let policy = presets::preset(name, 64).unwrap().check().unwrap();
+        let (a, b) = (
+            replay(&ours, &policy).unwrap(),
+            replay(&theirs, &policy).unwrap(),
+        );
+        let (x, y) = (
+            a.metric("retained_mass").unwrap(),
+            b.metric("retained_mass").unwrap(),
+        );
+        assert!((x - y).abs() < 1e-3, "{name}: {x} vs {y}");
+    }
+}
+
+/// The Python capture refuses, naming the feature, models whose attention a trace cannot describe
+/// (checked on the refusal hooks themselves: chunked attention and ALiBi from the config, learned
+/// sinks from what the attention call gets).
+#[test]
+fn python_capture_refuses_attention_it_cannot_replay() {
+    let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let cases = [
+        (
+            "from types import SimpleNamespace as N; capture_hf.check_config(N(attention_chunk_size=8192, model_type='llama4_text'))",
+            "chunked attention",
+        ),
+        (
+            "from types import SimpleNamespace as N; capture_hf.check_config(N(model_type='bloom'))",
+            "ALiBi",
+        ),
+        (
+            "import torch; from types import SimpleNamespace as N; x = torch.zeros(1, 1, 2, 4); capture_hf.kvtrace_attention(N(layer_idx=0, sinks=torch.zeros(1), scaling=0.5), x, x, x, None)",
+            "learned attention sinks",
+        ),
+    ];
+    for (code, feature) in cases {
+        let output = Command::new(common::torch_python())
+            .current_dir(&traces)
+            .args(["-c", &format!("import capture_hf; {code}")])
+            .output()
+            .unwrap();
+        let stderr = String::from_utf8_lossy(&output.stderr);
+        assert!(!output.status.success(), "{feature}: accepted");
+        assert!(
+            stderr.contains(feature) && stderr.contains("refusing"),
+            "{feature}: {stderr}"
+        );
     }
 }

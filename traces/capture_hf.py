@@ -17,6 +17,7 @@ head_dim, scale and soft-cap.
 import argparse
 import json
 import os
+import sys
 import tomllib
 
 import torch
@@ -30,11 +31,30 @@ NIAH_SUFFIX = " Don't give information outside the document or repeat your findi
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...]}
+WINDOWS = {}  # layer -> attention window (0 = global)
+SCALES = {}  # layer -> softmax scale
 LAYERS = None
+
+
+def refuse(feature):
+    sys.exit(f"capture_hf.py: this model uses {feature}, which kvreplay cannot replay faithfully yet; refusing to write a trace that would replay wrongly")
+
+
+def check_config(config):
+    """Refuses models whose attention a kvtrace/1 trace cannot describe."""
+    if getattr(config, "attention_chunk_size", None):
+        refuse("chunked attention (attention_chunk_size)")
+    if getattr(config, "alibi", False) or getattr(config, "use_alibi", False) or config.model_type in ("bloom", "mpt"):
+        refuse("ALiBi position biases")
 
 
 def kvtrace_attention(module, query, key, value, attention_mask, **kwargs):
     layer = module.layer_idx
+    if kwargs.get("s_aux") is not None or getattr(module, "sinks", None) is not None:
+        refuse("learned attention sinks (s_aux)")
+    window = kwargs.get("sliding_window") or getattr(module, "sliding_window", None) or 0
+    WINDOWS.setdefault(layer, int(window))
+    SCALES.setdefault(layer, float(kwargs.get("scaling") or module.scaling))
     if LAYERS is None or layer in LAYERS:
         new = query.shape[2]
         slot = RECORD.setdefault(layer, {"q": [], "k": [], "v": []})
@@ -52,20 +72,40 @@ def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
+def plain_template(tokenizer):
+    """A base model (no ChatML tokens) gets the plain-text template, as in kvreplay."""
+    return tokenizer.convert_tokens_to_ids("<|im_start|>") in (None, tokenizer.unk_token_id)
+
+
+def bos(tokenizer):
+    """The BOS token a plain prompt starts with, if the tokenizer adds one."""
+    return [tokenizer.bos_token_id] if getattr(tokenizer, "add_bos_token", False) and tokenizer.bos_token_id is not None else []
+
+
 def build(recipe, base, tokenizer, essays_dir):
     kind = recipe["kind"]
+    plain = plain_template(tokenizer)
     if kind == "chat":
+        if plain:
+            system = recipe.get("system")
+            return bos(tokenizer) + encode(tokenizer, (system + "\n\n" if system else "") + recipe["message"]), []
         text = turn("system", recipe.get("system", DEFAULT_SYSTEM)) + turn("user", recipe["message"])
         return encode(tokenizer, text + "<|im_start|>assistant\n"), []
     if kind == "text":
         with open(os.path.join(base, recipe["file"]), encoding="utf-8") as f:
-            ids = encode(tokenizer, f.read())
+            ids = (bos(tokenizer) if plain else []) + encode(tokenizer, f.read())
         return ids[: recipe.get("max_tokens", len(ids))], []
     assert kind == "niah", f"unknown recipe kind {kind}"
-    prefix = encode(tokenizer, turn("system", NIAH_SYSTEM) + "<|im_start|>user\n")
-    between = encode(tokenizer, "<|im_end|>\n<|im_start|>user\n")
+    answer_prefix = recipe.get("answer_prefix", "")
+    if plain:
+        prefix = bos(tokenizer)
+        between = encode(tokenizer, "\n\nQuestion: ")
+        closing = encode(tokenizer, ("\nAnswer: " + answer_prefix).rstrip())
+    else:
+        prefix = encode(tokenizer, turn("system", NIAH_SYSTEM) + "<|im_start|>user\n")
+        between = encode(tokenizer, "<|im_end|>\n<|im_start|>user\n")
+        closing = encode(tokenizer, NIAH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n" + answer_prefix)
     question = encode(tokenizer, recipe["question"])
-    closing = encode(tokenizer, NIAH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n")
     needle = encode(tokenizer, "\n" + recipe["needle"].strip() + "\n")
     needed = max(0, recipe["prompt_tokens"] - len(prefix) - len(between) - len(question) - len(closing) - len(needle))
     text, context = "", []
@@ -108,14 +148,14 @@ def main():
     tokenizer = AutoTokenizer.from_pretrained(args.model, **kwargs)
     model = AutoModelForCausalLM.from_pretrained(args.model, dtype=torch.float32, attn_implementation="kvtrace", **kwargs).to(args.device).eval()
     config = model.config
-    n_layers = config.num_hidden_layers
+    check_config(config)
     if args.layers:
         LAYERS = {int(x) for x in args.layers.split(",")}
     with open(args.recipe, "rb") as f:
         recipe = tomllib.load(f)
     ids, spans = build(recipe, os.path.dirname(args.recipe), tokenizer, args.essays)
     generate = args.generate if args.generate is not None else recipe["generate"]
-    end_of_turn = tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_of_turn = tokenizer.eos_token_id if plain_template(tokenizer) else tokenizer.convert_tokens_to_ids("<|im_end|>")
     generated, past = [], None
     with torch.no_grad():
         for start in range(0, len(ids), args.chunk):
@@ -136,7 +176,9 @@ def main():
     for index, layer in enumerate(layers):
         for kind in ("q", "k", "v"):
             tensors[f"layers.{index}.{kind}"] = torch.cat(RECORD[layer][kind], dim=1).to(storage).contiguous()
-    scale = model.model.layers[0].self_attn.scaling
+    if len(set(SCALES[layer] for layer in layers)) > 1:
+        refuse(f"different softmax scales per layer ({sorted(set(SCALES.values()))})")
+    scale = SCALES[layers[0]]
     meta = {
         "format": "kvtrace/1",
         "model": args.model + (f"/{args.gguf_file}" if args.gguf_file else ""),
@@ -153,6 +195,9 @@ def main():
     }
     if spans:
         meta["spans"] = json.dumps(spans)
+    windows = [WINDOWS[layer] for layer in layers]
+    if any(windows):
+        meta["layer_windows"] = json.dumps(windows)
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         meta["softcap"] = repr(float(softcap))
