@@ -2,7 +2,7 @@
 //! layer's attention saw as a kvtrace/1 file.
 
 use crate::assets::{model_asset, AssetError, Assets};
-use crate::model::{family, CausalLm, Llama, ModelError, Recorder};
+use crate::model::{family, CausalLm, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
 use std::collections::BTreeMap;
@@ -40,14 +40,6 @@ pub enum CaptureError {
     /// A model name no asset has.
     #[error("unknown model `{0}` (see `kvreplay fetch --help`)")]
     UnknownModel(String),
-    /// A recipe's model is of a family this feature does not run yet.
-    #[error("{recipe}: model `{model}` is not of the Llama family; live (closed-loop) runs support Llama models only for now")]
-    LlamaOnly {
-        /// The recipe.
-        recipe: std::path::PathBuf,
-        /// Its model.
-        model: String,
-    },
     /// The lock that lets concurrent sweeps capture a recipe once could not be taken.
     #[error("{path}: cannot take the capture lock: {source}")]
     Lock {
@@ -85,14 +77,10 @@ fn model_file(name: &str) -> Result<std::path::PathBuf, CaptureError> {
     Ok(assets.fetch_model(asset)?)
 }
 
-/// The Llama-family model of recipe `recipe`, for what runs only that family (live mode).
-pub fn load_llama(recipe: &Path) -> Result<Llama, CaptureError> {
+/// The model recipe file `recipe` names, loaded.
+pub fn load_recipe_model(recipe: &Path) -> Result<Box<dyn CausalLm + Send>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
-    let path = model_file(parsed.model())?;
-    Ok(Llama::load(&path).map_err(|_| CaptureError::LlamaOnly {
-        recipe: recipe.to_owned(),
-        model: parsed.model().to_owned(),
-    })?)
+    load_model(parsed.model())
 }
 
 /// The prompt recipe file `recipe` builds for `model` (needle recipes read the essays).

@@ -427,10 +427,10 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         recipe.display()
     );
     kvreplay::live::check_live(policy)?;
-    let model = capture::load_llama(recipe)?;
-    let prompt = capture::build_prompt(recipe, &model)?;
+    let model = capture::load_recipe_model(recipe)?;
+    let prompt = capture::build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
-    let report = kvreplay::live::live(&model, &prompt, policy, chunk, &scratch)?;
+    let report = kvreplay::live::live(model.as_ref(), &prompt, policy, chunk, &scratch)?;
     Ok(match format {
         Format::Json => serde_json::to_string_pretty(&report)? + "\n",
         _ => kvreplay::export::live_table(&report, format),

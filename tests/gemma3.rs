@@ -3,10 +3,16 @@
 //! Token ids must be equal; the last-position logits agree within 2e-3 relative to their range
 //! (two f32 implementations of 18 layers; observed below); greedy tokens are equal; the layer
 //! kinds are the config's; attention recomputed from the recorded vectors equals the forward's.
+//! And the model does the task: it copies the needle of a plain-text needle prompt longer than
+//! its 512-token window, also live under a policy that keeps everything (exactly the full run),
+//! while a policy that compresses the global layers changes what it does.
 
 mod common;
 
+use kvreplay::live::LiveSession;
 use kvreplay::model::{CausalLm, Gemma3, KvCache, Recorder};
+use kvreplay::recipe::Recipe;
+use kvreplay::replay::{PolicyParams, Timing};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -151,4 +157,52 @@ fn attention_recomputed_from_the_recorded_vectors_is_the_forward_pass() {
         eprintln!("layer {layer} (window {window}): max |Δ| = {worst:e}");
         assert!(worst < 1e-4, "layer {layer}: attention differs by {worst}");
     }
+}
+
+#[test]
+fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
+    let (model, _) = gemma();
+    let essays = common::real_assets().require_essays().unwrap();
+    let recipe = Recipe::parse(
+        "kind = \"niah\"\nmodel = \"gemma3-270m\"\nprompt_tokens = 800\ndepth_percent = 25.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\nanswer = \"sandwich\"\ngenerate = 8\n",
+        std::path::Path::new("gemma-needle.toml"),
+    )
+    .unwrap();
+    let prompt = recipe
+        .build(model.tokenizer(), &essays, std::path::Path::new("."))
+        .unwrap();
+    assert_eq!(prompt.ids.len(), 800);
+    assert_eq!(prompt.ids[0], model.tokenizer().bos().unwrap());
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(&model, &prompt, 512, scratch.path()).unwrap();
+    let everything = PolicyParams {
+        budget: 4096,
+        ..PolicyParams::default()
+    };
+    let compressed = PolicyParams {
+        scorer: "tova".into(),
+        timing: Timing::PrefillThenStream,
+        budget: 32,
+        ..PolicyParams::default()
+    };
+    let reports = session
+        .run_many(&[everything.check().unwrap(), compressed.check().unwrap()])
+        .unwrap();
+    let (all, tova) = (&reports[0], &reports[1]);
+    eprintln!(
+        "full: {:?}; tova@32: {:?} (KL {})",
+        all.full_text, tova.text, tova.kl
+    );
+    assert!(
+        all.full_answer_ok,
+        "the full run copies the needle: {:?}",
+        all.full_text
+    );
+    assert!(all.steps.iter().all(|s| s.kl == 0.0 && s.top1));
+    assert_eq!(all.text, all.full_text);
+    // Only the global layers are compressed, and what the model does changes.
+    let layers: Vec<usize> = tova.open_loop.layers.iter().map(|l| l.layer).collect();
+    assert_eq!(layers, vec![5, 11, 17]);
+    assert_eq!(tova.live_layers.len(), 3);
+    assert!(tova.kl > 0.0 && tova.open_loop.metric("retained_mass").unwrap() < 1.0);
 }

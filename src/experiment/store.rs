@@ -5,7 +5,8 @@ use super::shard::{plan_shards, Shard};
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture::{self, CaptureError};
 use crate::live::{LiveError, LiveReport, LiveSession};
-use crate::model::Llama;
+use crate::model::CausalLm;
+use crate::recipe::Recipe;
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
 use crate::trace::TraceReader;
 use serde::{Deserialize, Serialize};
@@ -263,7 +264,7 @@ pub fn run_sweep(
     let skipped = total - pending.len();
     let mut done = skipped;
     progress(done, total);
-    let mut model: Option<Llama> = None;
+    let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
     for (entry, trace) in experiment.traces.iter().zip(traces) {
         let of_trace: Vec<&&PlannedRun> =
             pending.iter().filter(|r| r.trace == trace.path).collect();
@@ -271,10 +272,18 @@ pub fn run_sweep(
             continue;
         }
         let runner = if experiment.closed_loop {
-            let model = match &mut model {
-                Some(model) => model,
-                empty => empty.insert(capture::load_llama(entry)?),
-            };
+            let name = Recipe::load(entry)
+                .map_err(crate::capture::CaptureError::from)?
+                .0
+                .model()
+                .to_owned();
+            if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
+                model = Some((name.clone(), capture::load_model(&name)?));
+            }
+            let model = model
+                .as_ref()
+                .map(|(_, model)| model.as_ref())
+                .expect("loaded");
             let prompt = capture::build_prompt(entry, model)?;
             Runner::Live(LiveSession::start(
                 model,

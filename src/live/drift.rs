@@ -21,18 +21,20 @@ pub(crate) struct LiveMass<M> {
 }
 
 impl<M> LiveMass<M> {
-    /// Measures `inner` from a model whose cache is `cache` (its keys are the live keys so far),
-    /// with `group` query heads per KV head.
+    /// Measures `inner` from a model whose cache is `cache` (its keys are the live keys so far)
+    /// on its layers `layers` (numbered 0.. among themselves, as `inner` numbers them), with
+    /// `group` query heads per KV head.
     pub fn new(
         inner: M,
         cache: &KvCache,
-        n_layers: usize,
+        layers: &[usize],
         group: usize,
         scale: f32,
         softcap: Option<f32>,
     ) -> Result<Self, ModelError> {
-        let keys = (0..n_layers)
-            .map(|layer| {
+        let keys = layers
+            .iter()
+            .map(|&layer| {
                 let keys = cache.keys(layer)?;
                 Ok(keys
                     .outer_iter()
@@ -46,7 +48,7 @@ impl<M> LiveMass<M> {
             softcap,
             group,
             keys,
-            sums: vec![(0.0, 0); n_layers],
+            sums: vec![(0.0, 0); layers.len()],
         })
     }
 
@@ -104,5 +106,49 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
             }
         }
         Ok(mask)
+    }
+}
+
+/// A policy's masks on the model's global layers only, numbered 0.. among them as the replay
+/// numbers its budgets and kept sets; sliding-window layers attend over their window, as the
+/// model's forward pass masks them.
+#[derive(Clone)]
+pub(crate) struct GlobalLayers<M> {
+    inner: M,
+    /// Per model layer, its index among the global layers.
+    index: Vec<Option<usize>>,
+}
+
+impl<M> GlobalLayers<M> {
+    /// `inner` on layers `global` of a model of `n_layers` layers.
+    pub fn new(inner: M, global: &[usize], n_layers: usize) -> Self {
+        let mut index = vec![None; n_layers];
+        for (position, &layer) in global.iter().enumerate() {
+            index[layer] = Some(position);
+        }
+        Self { inner, index }
+    }
+
+    /// The wrapped mask.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// The wrapped mask, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+}
+
+impl<M: AttentionMask> AttentionMask for GlobalLayers<M> {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        match self.index[layer] {
+            Some(global) => self.inner.layer_mask(global, chunk),
+            None => Ok(None),
+        }
     }
 }

@@ -38,15 +38,13 @@ mod drift;
 pub(crate) mod streams;
 
 use crate::capture::{trace_writer, CaptureError, CaptureOptions};
-use crate::model::{
-    argmax, AttentionMask, CausalLm, Evicted, KvCache, Llama, ModelError, Recorder,
-};
+use crate::model::{argmax, AttentionMask, CausalLm, Evicted, KvCache, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
     layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy,
 };
 use crate::trace::{StorageDtype, TraceReader};
-use drift::LiveMass;
+use drift::{GlobalLayers, LiveMass};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -126,7 +124,7 @@ struct FullRun {
 }
 
 fn full_run(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     chunk: usize,
     recorder: &mut Recorder,
@@ -220,7 +218,7 @@ fn evicted_positions(kept: &[Kept], n_heads: usize, prompt_len: usize) -> Evicte
 /// prefill, the full continuation with its next-token logits, and its recording as an f32 trace
 /// in a scratch file (removed when the session is dropped).
 pub struct LiveSession<'m> {
-    model: &'m Llama,
+    model: &'m dyn CausalLm,
     prompt: BuiltPrompt,
     /// Prefill chunk size.
     chunk: usize,
@@ -233,7 +231,7 @@ impl<'m> LiveSession<'m> {
     /// Runs `prompt` with the full cache (prefill in chunks of `chunk` tokens) and records it in
     /// a scratch file under `scratch`.
     pub fn start(
-        model: &'m Llama,
+        model: &'m dyn CausalLm,
         prompt: &BuiltPrompt,
         chunk: usize,
         scratch: &Path,
@@ -249,7 +247,7 @@ impl<'m> LiveSession<'m> {
             storage: StorageDtype::F32,
             chunk,
             recipe_name: "live".into(),
-            model_id: model.config().name.clone(),
+            model_id: model.spec().name.clone(),
         };
         static SESSIONS: AtomicUsize = AtomicUsize::new(0);
         let path = scratch.join(format!(
@@ -326,8 +324,11 @@ impl<'m> LiveSession<'m> {
             rope_theta: meta.rope_theta,
         };
         let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
+        let global = meta.global_layers();
         let budgets = layer_budgets(&self.trace, policy)?;
-        let mut streams = LiveStreams::new(policy, budgets, shape, meta.prompt_len, capacity);
+        let budgets = global.iter().map(|&layer| budgets[layer]).collect();
+        let streams = LiveStreams::new(policy, budgets, shape, meta.prompt_len, capacity);
+        let mut streams = GlobalLayers::new(streams, &global, meta.n_layers);
         let mut cache = KvCache::default();
         let mut logits = Vec::new();
         for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
@@ -335,7 +336,7 @@ impl<'m> LiveSession<'m> {
                 .model
                 .forward_masked(piece, &mut cache, None, Some(&mut streams))?;
         }
-        self.decode(policy, streams, cache, &logits, open_loop)
+        self.decode(policy, streams.into_inner(), cache, &logits, open_loop)
     }
 
     /// Teacher-forced and free-running decoding from `cache` (the prompt run under `mask`, whose
@@ -350,15 +351,17 @@ impl<'m> LiveSession<'m> {
     ) -> Result<LiveReport, LiveError> {
         let (model, full) = (self.model, &self.full);
         let meta = self.trace.meta();
-        let mut free = mask.clone();
-        let mut measured = LiveMass::new(
+        let global = meta.global_layers();
+        let mut free = GlobalLayers::new(mask.clone(), &global, meta.n_layers);
+        let measured = LiveMass::new(
             mask,
             &cache,
-            meta.n_layers,
+            &global,
             meta.n_heads / meta.n_kv_heads,
             meta.scale,
             meta.softcap,
         )?;
+        let mut measured = GlobalLayers::new(measured, &global, meta.n_layers);
         let mut steps = Vec::with_capacity(full.tokens.len());
         if policy.params().timing == Timing::Streaming {
             steps.push(compare_step(
@@ -394,7 +397,7 @@ impl<'m> LiveSession<'m> {
             None => candidate == full_text,
         };
         let n = steps.len() as f64;
-        let live_layers = measured.per_layer();
+        let live_layers = measured.inner().per_layer();
         Ok(LiveReport {
             policy: policy.label(),
             answer_ok: success(&text),
@@ -422,7 +425,7 @@ impl Drop for LiveSession<'_> {
 /// Runs `prompt` live under `policy` and measures it against the full cache: a [`LiveSession`]
 /// of one policy.
 pub fn live(
-    model: &Llama,
+    model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     policy: &ValidPolicy,
     chunk: usize,
