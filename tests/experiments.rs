@@ -265,3 +265,79 @@ fn runs_are_bound_to_the_trace_content() {
         .contains("e: 6 runs done, 0 already there"));
     kvreplay(&dir).args(["report", "e.toml"]).assert().success();
 }
+
+/// Traces of two models, one hybrid: the report puts the models side by side (each model's
+/// mean over its traces, checked against a replay of each trace), and the hybrid trace's memory
+/// column is the replay's own figure, sliding-window layers included.
+#[test]
+fn two_models_side_by_side() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 3,
+        ..Shape::default()
+    };
+    for (file, model, windows, seed) in [
+        ("a1.safetensors", "model-a", vec![], 3),
+        ("a2.safetensors", "model-a", vec![], 4),
+        ("b1.safetensors", "model-b", vec![8, 0, 8], 5),
+    ] {
+        let mut meta = common::meta(shape);
+        meta.model = model.into();
+        meta.windows = windows;
+        let t = shape.prompt_len + shape.generated;
+        let mut writer = kvreplay::trace::TraceWriter::new(
+            meta,
+            kvreplay::trace::StorageDtype::F32,
+            (0..t as i64).collect(),
+        );
+        for (q, k, v) in common::tensors(shape, seed) {
+            writer.push_layer(q, k, Some(v));
+        }
+        writer.write(&dir.path().join(file)).unwrap();
+    }
+    std::fs::write(
+        dir.path().join("m.toml"),
+        "description = \"two models\"\ntraces = [\"a1.safetensors\", \"a2.safetensors\", \"b1.safetensors\"]\nbudgets = [6]\n\n[[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\nwindow = 2\n",
+    )
+    .unwrap();
+    let out = kvreplay(&dir).args(["sweep", "m.toml"]).assert().success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(report.contains("By model"), "{report}");
+    let policy = kvreplay::replay::PolicyParams {
+        window: 2,
+        ..kvreplay::replay::presets::preset("snapkv", 6).unwrap()
+    }
+    .check()
+    .unwrap();
+    let replayed = |file: &str| {
+        kvreplay::replay::replay(
+            &kvreplay::trace::TraceReader::open(&dir.path().join(file)).unwrap(),
+            &policy,
+        )
+        .unwrap()
+    };
+    let (a1, a2, b1) = (
+        replayed("a1.safetensors"),
+        replayed("a2.safetensors"),
+        replayed("b1.safetensors"),
+    );
+    let mass = |r: &kvreplay::replay::ReplayReport| r.metric("retained_mass").unwrap();
+    let line = report
+        .lines()
+        .find(|l| l.starts_with("| snapkv") && l.contains(&format!("{:.4}", mass(&b1))))
+        .unwrap_or_else(|| panic!("no by-model row with model-b's {:.4}: {report}", mass(&b1)));
+    let a_mean = (mass(&a1) + mass(&a2)) / 2.0;
+    assert!(line.contains(&format!("{a_mean:.4} ±")), "{line}");
+    assert!(
+        report.contains("model-a (2 traces), B = 6")
+            && report.contains("model-b (1 traces), B = 6")
+    );
+    let csv = std::fs::read_to_string(dir.path().join("results/m/runs.csv")).unwrap();
+    let b_row = csv.lines().find(|l| l.contains("b1.safetensors")).unwrap();
+    let entries: f64 = b_row.split(',').nth(5).unwrap().parse().unwrap();
+    assert!(
+        (entries - b1.kv_entries).abs() < 1e-9,
+        "{entries} vs {}",
+        b1.kv_entries
+    );
+}

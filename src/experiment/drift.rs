@@ -149,6 +149,7 @@ mod tests {
             layer_metrics: BTreeMap::from([(RETAINED_MASS.to_string(), open.to_vec())]),
             samples: BTreeMap::new(),
             spans: Vec::new(),
+            kv_entries: None,
         };
         StoredRun {
             id: format!("{name}-{kl}"),

@@ -309,6 +309,7 @@ pub fn build(
         let names = names(experiment);
         let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names, traces);
         out += &mass;
+        out += &model_section(experiment, &names, &runs, traces);
         out += &paired_section(experiment, &runs, &trace_names);
         out += &span_sections(experiment, &names, &runs, &trace_names);
         let files = write_frames(&runs, traces, results)?;
@@ -398,6 +399,71 @@ fn mass_section(
     }
     out += &table.render(Format::Markdown);
     (out, mass_series)
+}
+
+/// With traces of several models, the retained mass of each policy per model and budget (mean ±
+/// 95% CI over that model's traces, their count in the header), models side by side; otherwise
+/// nothing.
+fn model_section(
+    experiment: &Experiment,
+    names: &[String],
+    runs: &[StoredRun],
+    traces: &[TraceFile],
+) -> String {
+    let mut models: Vec<&str> = Vec::new();
+    for trace in traces {
+        let model = trace.model.as_deref().unwrap_or("unknown");
+        if !models.contains(&model) {
+            models.push(model);
+        }
+    }
+    if models.len() < 2 {
+        return String::new();
+    }
+    let of_model = |model: &str| -> Vec<String> {
+        traces
+            .iter()
+            .filter(|t| t.model.as_deref().unwrap_or("unknown") == model)
+            .map(|t| t.path.display().to_string())
+            .collect()
+    };
+    let mut headers = vec!["policy".to_string()];
+    for model in &models {
+        let count = of_model(model).len();
+        headers.extend(
+            experiment
+                .budgets
+                .iter()
+                .map(|b| format!("{model} ({count} traces), B = {b}")),
+        );
+    }
+    let mut table = Table::with_headers(headers);
+    for name in names {
+        let mut row = vec![name.clone()];
+        for model in &models {
+            let paths = of_model(model);
+            for &budget in &experiment.budgets {
+                let values: Vec<f64> = paths
+                    .iter()
+                    .filter_map(|t| find(runs, name, budget, t))
+                    .filter_map(|r| r.report.metric(RETAINED_MASS))
+                    .collect();
+                row.push(match values.len() {
+                    0 => "—".into(),
+                    1 => format!("{:.4}", values[0]),
+                    _ => {
+                        let (mean, half) = mean_ci(&values);
+                        format!("{mean:.4} ± {half:.4}")
+                    }
+                });
+            }
+        }
+        table.push(row);
+    }
+    format!(
+        "\nBy model (the trace header's `model`): mean retained mass ± 95% CI over that model's traces. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window:\n\n{}",
+        table.render(Format::Markdown)
+    )
 }
 
 /// A table with a `policy` column and one column per budget.

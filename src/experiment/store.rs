@@ -99,14 +99,23 @@ pub struct StoredReport {
     pub samples: BTreeMap<String, Vec<Vec<Vec<f64>>>>,
     /// Span survival: name, kept fraction, kept mass, full mass.
     pub spans: Vec<(String, f64, f64, f64)>,
+    /// KV entries stored per layer, mean over every layer (sliding-window layers with their
+    /// window) and decode steps, kept for traces with sliding-window layers (where it is not the
+    /// mean cache size times the caches).
+    #[serde(default)]
+    pub kv_entries: Option<f64>,
 }
 
 impl StoredReport {
     /// KV entries stored per layer (mean over layers and decode steps), the same unit for every
-    /// cache layout: the mean cache size times the caches per layer (one per query head under
+    /// cache layout: as the replay measured it, or, for runs stored before that was kept (traces
+    /// without sliding-window layers), the mean cache size times the caches per layer (one per query head under
     /// `gqa = "query-head"`, one per KV head otherwise), for a trace of `n_heads` query and
     /// `n_kv_heads` KV heads.
     pub fn kv_entries(&self, n_heads: usize, n_kv_heads: usize) -> f64 {
+        if let Some(entries) = self.kv_entries {
+            return entries;
+        }
         let per_query_head = self.settings.get("gqa").map(String::as_str) == Some("query-head");
         self.mean_kept * if per_query_head { n_heads } else { n_kv_heads } as f64
     }
@@ -150,6 +159,7 @@ impl From<&ReplayReport> for StoredReport {
                 .iter()
                 .map(|s| (s.name.clone(), s.kept_fraction, s.kept_mass, s.full_mass))
                 .collect(),
+            kv_entries: None,
         }
     }
 }
@@ -349,12 +359,18 @@ fn store(
     report: &ReplayReport,
     closed_loop: Option<ClosedLoop>,
 ) -> Result<(), SweepError> {
+    let mut stored_report = StoredReport::from(report);
+    if trace.sliding_layers {
+        // Sliding-window layers hold their windows: memory is no longer the cache size times
+        // the caches, so the replay's own figure is kept.
+        stored_report.kv_entries = Some(report.kv_entries);
+    }
     let stored = StoredRun {
         id: run.id.clone(),
         name: run.name.clone(),
         trace: trace.path.display().to_string(),
         trace_sha256: trace.sha256.clone(),
-        report: StoredReport::from(report),
+        report: stored_report,
         closed_loop,
     };
     let json = serde_json::to_vec(&stored).expect("runs serialise");

@@ -25,6 +25,10 @@ pub struct TraceFile {
     pub heads: Option<(usize, usize)>,
     /// Its prompt length, as its header says.
     pub prompt_len: Option<usize>,
+    /// The model that made it, as its header says.
+    pub model: Option<String>,
+    /// Whether its header gives sliding-window layers (`layer_windows`).
+    pub sliding_layers: bool,
 }
 
 impl TraceFile {
@@ -50,6 +54,13 @@ impl TraceFile {
             recipe_sha256: None,
             heads: count("n_heads").zip(count("n_kv_heads")),
             prompt_len: count("prompt_len"),
+            model: header
+                .as_ref()
+                .and_then(|h| h["__metadata__"]["model"].as_str())
+                .map(str::to_owned),
+            sliding_layers: header
+                .as_ref()
+                .is_some_and(|h| h["__metadata__"].get("layer_windows").is_some()),
         })
     }
 }
