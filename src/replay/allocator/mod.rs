@@ -26,7 +26,8 @@ pub use pyramid::Rounding;
 /// What an allocator may base its decision on.
 #[derive(Debug, Clone)]
 pub struct AllocationInput<'a> {
-    /// Layers.
+    /// The layers it allocates: the trace's global layers, in depth order (sliding-window layers
+    /// keep their window and are not given to allocators).
     pub n_layers: usize,
     /// Nominal budget per cache.
     pub budget: usize,
