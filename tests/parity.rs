@@ -488,3 +488,46 @@ fn streamingllm_keeps_what_its_cache_keeps() {
     write_trace(&path, 7, PROMPT);
     check_streaming(&path, "streamingllm", "streaming_llm.py", &[12, 21], false);
 }
+
+/// Q-Filters: kvpress's own `QFilterPress.score`, given the filters the official
+/// `make_filters.py` computes (torch's SVD) from the prompt queries, keeps what the `qfilter`
+/// scorer keeps with filters from power iteration. The queries share a direction (a bias on a
+/// few dimensions, as real models' queries do), so the principal direction and its sign are well
+/// defined; the prompt has an odd length, so the majority sign cannot tie.
+#[test]
+fn qfilter_keeps_what_kvpress_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    let prompt = 47;
+    write_trace_values(&path, 21, prompt, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let mut meta = trace.meta().clone();
+    meta.rope_theta = None;
+    let t = prompt + GENERATED;
+    let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
+    for layer in 0..LAYERS {
+        let tensors = trace.layer(layer).unwrap();
+        let mut q = tensors.q.clone();
+        for mut head in q.outer_iter_mut() {
+            for mut row in head.outer_iter_mut() {
+                row[layer] += 3.0;
+                row[HEAD_DIM - 1] -= 2.0;
+            }
+        }
+        writer.push_layer(q, tensors.k.clone(), tensors.v.clone());
+    }
+    let biased = dir.path().join("biased.safetensors");
+    writer.write(&biased).unwrap();
+    check_kvpress(
+        &biased,
+        "kvpress_package.py",
+        &["qfilter"],
+        |budget| PolicyParams {
+            budget,
+            scorer: "qfilter".into(),
+            window: 0,
+            ..PolicyParams::default()
+        },
+        &[8, 16, 32],
+    );
+}

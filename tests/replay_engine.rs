@@ -619,3 +619,74 @@ fn a_trace_of_sliding_window_layers_only_is_refused() {
         "{err}"
     );
 }
+
+/// `qfilter` with a calibration trace: filters from every query of that trace. A calibration
+/// trace holding exactly this trace's prompt queries gives the kept sets of `calibration =
+/// "prompt"`; one of another geometry is refused, naming it; the prompt's queries cannot serve a
+/// streaming policy (they would be read ahead).
+#[test]
+fn qfilter_calibration_traces() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let path = dir.path().join("q.safetensors");
+    let layers = write_fixture(&path, shape, 17);
+    let write = |name: &str, shape: Shape, cut: usize| {
+        let mut meta = common::meta(shape);
+        meta.prompt_len = cut;
+        meta.spans.clear();
+        let calibration = dir.path().join(name);
+        let mut writer = kvreplay::trace::TraceWriter::new(
+            meta,
+            kvreplay::trace::StorageDtype::F32,
+            (0..cut as i64).collect(),
+        );
+        for (q, k, v) in &layers {
+            let s = ndarray::s![.., ..cut, ..];
+            writer.push_layer(
+                q.slice(s).to_owned(),
+                k.slice(s).to_owned(),
+                Some(v.slice(s).to_owned()),
+            );
+        }
+        writer.write(&calibration).unwrap();
+        calibration.display().to_string()
+    };
+    let same = write("prompt-queries.safetensors", shape, shape.prompt_len);
+    let trace = TraceReader::open(&path).unwrap();
+    let policy = |calibration: &str| {
+        params("qfilter", Timing::Prefill, 10)
+            .with("calibration", calibration)
+            .check()
+            .unwrap()
+    };
+    let (prompt, external) = (policy("prompt"), policy(&same));
+    for layer in 0..shape.n_layers {
+        let budgets = layer_budgets(&trace, &prompt).unwrap();
+        assert_eq!(
+            kept_sets(&trace, &prompt, &budgets, layer).unwrap(),
+            kept_sets(&trace, &external, &budgets, layer).unwrap()
+        );
+    }
+    let other = dir.path().join("other.safetensors");
+    write_fixture(
+        &other,
+        Shape {
+            head_dim: 8,
+            ..shape
+        },
+        3,
+    );
+    let err = replay(&trace, &policy(&other.display().to_string()))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("other.safetensors") && err.contains("same model"),
+        "{err}"
+    );
+    let streaming = params("qfilter", Timing::Streaming, 10).check();
+    assert!(streaming.is_err());
+    assert!(params("qfilter", Timing::Streaming, 10)
+        .with("calibration", same.as_str())
+        .check()
+        .is_ok());
+}

@@ -434,6 +434,7 @@ fn layer_budgets_with_progress(
             params.scorer
         )));
     }
+    policy.scorer.check_trace(meta).map_err(mismatch)?;
     let global = meta.global_layers();
     if global.is_empty() {
         return Err(mismatch(

@@ -384,6 +384,20 @@ fn member_scores(
                 .collect()
         }
         "lagkv" => lagkv_scores(layer, kv, cache, policy.lag_size),
+        "qfilter" => {
+            let filter = qfilter(layer, kv);
+            cache
+                .iter()
+                .map(|&j| {
+                    -layer
+                        .key(kv, j)
+                        .iter()
+                        .zip(&filter)
+                        .map(|(k, f)| k * f)
+                        .sum::<f64>()
+                })
+                .collect()
+        }
         "value-aware" => {
             // H2O's cumulative attention (the running scores) times each value's L1 norm.
             let d = layer.v.shape()[2];
@@ -894,4 +908,66 @@ pub fn metrics(
         }
     }
     (mass / count, recall / count, error / count)
+}
+
+/// Q-Filters' filter of KV head `kv` from the prompt queries of its heads: per head, the dominant
+/// eigenvector of QᵀQ by repeated squaring of the matrix (G, G², G⁴, … normalised; the column of
+/// largest norm of G^(2^40) spans the dominant eigenspace), its largest entry made positive, then
+/// signed by the majority sign of the projections; minus their mean.
+fn qfilter(layer: &Layer, kv: usize) -> Vec<f64> {
+    let n = layer.prompt_len;
+    let d = layer.q.shape()[2];
+    let group = layer.group();
+    let mut filter = vec![0.0; d];
+    for head in kv * group..(kv + 1) * group {
+        let rows: Vec<Vec<f64>> = (0..n).map(|at| layer.query(head, at)).collect();
+        let mut g: Vec<Vec<f64>> = (0..d)
+            .map(|a| {
+                (0..d)
+                    .map(|b| rows.iter().map(|r| r[a] * r[b]).sum())
+                    .collect()
+            })
+            .collect();
+        for _ in 0..40 {
+            let squared: Vec<Vec<f64>> = (0..d)
+                .map(|a| {
+                    (0..d)
+                        .map(|b| (0..d).map(|c| g[a][c] * g[c][b]).sum())
+                        .collect()
+                })
+                .collect();
+            let scale = squared.iter().flatten().fold(0.0f64, |m, x| m.max(x.abs()));
+            g = squared
+                .into_iter()
+                .map(|row| row.into_iter().map(|x| x / scale).collect())
+                .collect();
+        }
+        let column = (0..d)
+            .max_by(|&a, &b| {
+                let norm = |c: usize| g.iter().map(|row| row[c] * row[c]).sum::<f64>();
+                norm(a).total_cmp(&norm(b))
+            })
+            .unwrap();
+        let norm = g
+            .iter()
+            .map(|row| row[column] * row[column])
+            .sum::<f64>()
+            .sqrt();
+        let mut v: Vec<f64> = g.iter().map(|row| row[column] / norm).collect();
+        let largest = v
+            .iter()
+            .fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+        if largest < 0.0 {
+            v.iter_mut().for_each(|x| *x = -*x);
+        }
+        let positive = rows
+            .iter()
+            .filter(|r| r.iter().zip(&v).map(|(a, b)| a * b).sum::<f64>() > 0.0)
+            .count();
+        let sign = if 2 * positive > n { 1.0 } else { -1.0 };
+        for (total, x) in filter.iter_mut().zip(&v) {
+            *total -= sign * x / group as f64;
+        }
+    }
+    filter
 }

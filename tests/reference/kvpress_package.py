@@ -19,6 +19,8 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
   lagkv LAG_SIZE N_SINK CROSS           CROSS true|false
   expected-attention N_FUTURE N_SINK USE_COV USE_VNORM
   chunkkv CHUNK_LENGTH                  over KnormPress
+  qfilter                               filters from the prompt queries, as the official
+                                        make_filters.py computes them (see `qfilters`)
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -34,7 +36,7 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from kvtrace import emit, load, load_values, top_positions
 
-SETTINGS = {"knorm": 0, "keydiff": 0, "lagkv": 3, "expected-attention": 4, "chunkkv": 1}
+SETTINGS = {"knorm": 0, "keydiff": 0, "lagkv": 3, "expected-attention": 4, "chunkkv": 1, "qfilter": 0}
 
 
 def presses():
@@ -45,7 +47,7 @@ def presses():
         module = types.ModuleType(name)
         module.__path__ = [path]
         sys.modules[name] = module
-    from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press
+    from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
@@ -53,7 +55,22 @@ def presses():
         KeyDiff=keydiff_press.KeyDiffPress,
         Knorm=knorm_press.KnormPress,
         LagKV=lagkv_press.LagKVPress,
+        QFilter=qfilter_press.QFilterPress,
     )
+
+
+def qfilters(layers, n, n_kv_heads):
+    """[layers, KV heads, d]: github.com/NathanGodey/qfilters, commit cda5c38, make_filters.py
+    lines 86-94, on one sequence: each layer's post-rotary prompt queries (what the script's
+    patched model returns), every row instead of 3,000 random ones (deviation), SVD in float32."""
+    filters = []
+    for q, _ in layers:
+        stacked_el = q[0, :, :n]  # [heads, n, d]: torch.stack(el, 1).flatten(1, 2) of one sequence
+        u, s, vh = torch.linalg.svd(stacked_el.float())
+        svd_sign = ((u[..., 0] > 0).float().mean(-1) > 0.5).float() * 2 - 1
+        svd_filter_q = -svd_sign[:, None] * vh[..., 0, :]
+        filters.append(svd_filter_q.reshape(n_kv_heads, -1, svd_filter_q.shape[-1]).mean(-2))
+    return torch.stack(filters)
 
 
 class Attention(nn.Module):
@@ -88,6 +105,8 @@ def make_press(ns, method, settings, budget, n):
         return ns.Knorm()
     if method == "keydiff":
         return ns.KeyDiff()
+    if method == "qfilter":
+        return ns.QFilter()
     if method == "lagkv":
         lag, sink, cross = settings
         return ns.LagKV(lag_size=int(lag), n_sink=int(sink), cross_scoring=cross == "true")
@@ -112,12 +131,15 @@ def main():
     values = load_values(path)
     n = int(meta["prompt_len"])
     result = {}
+    filters = qfilters(layers, n, int(meta["n_kv_heads"])) if method == "qfilter" else None
     for budget in budgets:
         out = []
         for layer, ((q, k), v) in enumerate(zip(layers, values)):
             module = Attention(meta, layer)
             keys, vals = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
             press = make_press(ns, method, settings, budget, n)
+            if filters is not None:
+                press.q_filters = filters  # what post_init_from_model would load from the hub
             h = hidden_states(module, q[:, :, :n])
             with torch.no_grad():
                 if method == "chunkkv":

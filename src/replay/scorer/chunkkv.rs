@@ -78,6 +78,10 @@ impl Scorer for Chunkkv {
         timing == Timing::Prefill
     }
 
+    fn check_trace(&self, meta: &crate::trace::TraceMeta) -> Result<(), String> {
+        self.inner_or_panic().check_trace(meta)
+    }
+
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         Box::new(State {
             inner: self.inner_or_panic().start(layer, unit, protect),

@@ -29,6 +29,7 @@ crate::registry! {
     expected_attention::ExpectedAttention,
     chunkkv::Chunkkv,
     value_aware::ValueAware,
+    qfilter::Qfilter,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
@@ -54,6 +55,11 @@ pub trait Scorer: Send + Sync {
     /// Whether it rotates the queries back before the rotary (the trace must give `rope_theta`).
     fn needs_rope(&self) -> bool {
         false
+    }
+    /// Whether it can score a trace of this header, beyond `needs_values` and `needs_rope`
+    /// (`qfilter`'s calibration trace must come from the same model); the error says why not.
+    fn check_trace(&self, _meta: &crate::trace::TraceMeta) -> Result<(), String> {
+        Ok(())
     }
     /// Whether the scorer is defined for this timing (SnapKV is one-shot).
     fn supports(&self, _timing: Timing) -> bool {

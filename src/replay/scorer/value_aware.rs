@@ -56,6 +56,10 @@ impl Scorer for ValueAware {
         self.inner_or_panic().supports(timing)
     }
 
+    fn check_trace(&self, meta: &crate::trace::TraceMeta) -> Result<(), String> {
+        self.inner_or_panic().check_trace(meta)
+    }
+
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         Box::new(State {
             inner: self.inner_or_panic().start(layer, unit, protect),

@@ -1,0 +1,242 @@
+//! `qfilter`: Q-Filters (Godey et al., 2025, arXiv:2503.02812): a key's score is its projection on
+//! the principal direction of the queries of its heads, computed once, without attention.
+//!
+//! Filters, as the official `make_filters.py` computes them (github.com/NathanGodey/qfilters,
+//! commit cda5c38, lines 86-94): for each query head, the first right singular vector `v` of the
+//! matrix of its post-rotary queries, signed by the majority sign of the first left singular
+//! vector (`+1` when more than half of `Q v` is positive, else `-1`); the filter is minus that, and
+//! a KV head's filter is the mean of its query heads'. Scores, as kvpress's `QFilterPress.score`
+//! (`kvpress/presses/qfilter_press.py` lines 80-87, commit 8bb29b9c): minus the key's dot product
+//! with its KV head's filter, so the keys pointing along the queries' main direction are kept.
+//!
+//! Deviations: the official script takes 3,000 random query rows from 20 sequences of a
+//! calibration corpus; here `calibration = "prompt"` uses every prompt query of the trace itself
+//! (known at the end of the prompt, so not the `streaming` timing, which would read the prompt's
+//! queries ahead), and `calibration = "<path>"` every query of another kvtrace/1 file of the same
+//! geometry (any timing). The singular vector is the dominant eigenvector of `QᵀQ` by power
+//! iteration in f64 (to 1e-12), not LAPACK's SVD. Keys only: under `gqa = "query-head"` every
+//! head of a group gets its KV head's scores.
+
+use super::{ScoreState, Scorer, Started};
+use crate::replay::settings::Broken;
+use crate::replay::{LayerContext, Protection, Timing, Unit};
+use crate::trace::{TraceMeta, TraceReader};
+use ndarray::{Array2, ArrayView2, Axis};
+use std::collections::HashMap;
+use std::sync::{Arc, Mutex, OnceLock};
+
+crate::settings! {
+    /// Q-Filters: keys projected on the queries' principal direction (Godey et al., 2025,
+    /// arXiv:2503.02812; kvpress `QFilterPress`).
+    pub struct Qfilter = "qfilter" {
+        /// Where the filters come from: `prompt` (this trace's prompt queries) or the path of a
+        /// kvtrace/1 file of the same model (all its queries).
+        calibration: String = "prompt".to_string(),
+    }
+}
+
+/// The calibration spelling that means "this trace's prompt queries".
+const PROMPT: &str = "prompt";
+
+/// One KV head's filter.
+#[derive(Clone)]
+struct State {
+    kv_head: usize,
+    filter: Arc<Vec<f32>>,
+}
+
+impl Scorer for Qfilter {
+    fn check(&self) -> Result<(), Broken> {
+        if self.calibration.trim().is_empty() {
+            return Err(Broken {
+                key: "calibration",
+                rule: "must be `prompt` or the path of a kvtrace/1 file",
+            });
+        }
+        Ok(())
+    }
+
+    fn supports(&self, timing: Timing) -> bool {
+        self.calibration != PROMPT || timing != Timing::Streaming
+    }
+
+    fn check_trace(&self, meta: &TraceMeta) -> Result<(), String> {
+        if self.calibration == PROMPT {
+            return Ok(());
+        }
+        let other = TraceReader::open(std::path::Path::new(&self.calibration))
+            .map_err(|err| format!("scorer `qfilter`: calibration trace: {err}"))?;
+        let geometry = |m: &TraceMeta| (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim);
+        if geometry(other.meta()) != geometry(meta) {
+            return Err(format!(
+                "scorer `qfilter`: calibration trace {} has (layers, heads, KV heads, head_dim) = {:?}, this trace {:?}: it must come from the same model",
+                self.calibration,
+                geometry(other.meta()),
+                geometry(meta)
+            ));
+        }
+        Ok(())
+    }
+
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+        let filters = if self.calibration == PROMPT {
+            let prompt = layer.q.slice(ndarray::s![.., ..layer.prompt_len, ..]);
+            Arc::new(kv_head_filter(prompt, unit.kv_head, layer.group_size()))
+        } else {
+            calibration_filter(&self.calibration, layer.layer, unit.kv_head)
+        };
+        Box::new(State {
+            kv_head: unit.kv_head,
+            filter: filters,
+        })
+    }
+}
+
+/// KV head `kv_head`'s filter from queries `[n_heads, N, d]` (`group` query heads per KV head):
+/// the mean over its query heads of minus their signed principal direction.
+fn kv_head_filter(queries: ndarray::ArrayView3<'_, f32>, kv_head: usize, group: usize) -> Vec<f32> {
+    let d = queries.shape()[2];
+    let mut filter = vec![0.0f64; d];
+    for head in kv_head * group..(kv_head + 1) * group {
+        let direction = signed_direction(queries.index_axis(Axis(0), head));
+        for (total, x) in filter.iter_mut().zip(direction) {
+            *total -= x / group as f64;
+        }
+    }
+    filter.into_iter().map(|x| x as f32).collect()
+}
+
+/// The first right singular vector `v` of `q` `[N, d]`, times `+1` when more than half of `q v`
+/// is positive and `-1` otherwise (the official rule, applied to LAPACK's `u[:, 0]`, whose
+/// entries have the signs of `q v`). On an exact tie (half positive) the official filter takes
+/// the sign LAPACK happened to give `v`; here `v`'s largest entry is positive.
+fn signed_direction(q: ArrayView2<'_, f32>) -> Vec<f64> {
+    let q = q.mapv(f64::from);
+    let gram: Array2<f64> = q.t().dot(&q);
+    let v = dominant_eigenvector(&gram);
+    let projections = q.dot(&ndarray::Array1::from(v.clone()));
+    let positive = projections.iter().filter(|&&p| p > 0.0).count();
+    let sign = if 2 * positive > q.nrows() { 1.0 } else { -1.0 };
+    v.into_iter().map(|x| sign * x).collect()
+}
+
+/// The unit eigenvector of the largest eigenvalue of a symmetric positive semi-definite matrix,
+/// by power iteration from the all-ones vector (deterministic), until it moves by less than
+/// 1e-12, signed so that its entry of largest magnitude (the first of equals) is positive.
+fn dominant_eigenvector(matrix: &Array2<f64>) -> Vec<f64> {
+    let d = matrix.nrows();
+    let mut v = ndarray::Array1::from_elem(d, 1.0 / (d as f64).sqrt());
+    for _ in 0..100_000 {
+        let mut next = matrix.dot(&v);
+        let norm = next.dot(&next).sqrt();
+        if norm == 0.0 {
+            break;
+        }
+        next /= norm;
+        let moved = (&next - &v).mapv(f64::abs).sum();
+        v = next;
+        if moved < 1e-12 {
+            break;
+        }
+    }
+    let largest = v.iter().fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+    if largest < 0.0 {
+        v = -v;
+    }
+    v.to_vec()
+}
+
+/// Filters computed from calibration traces, by (path, layer): one per KV head.
+type FilterCache = Mutex<HashMap<(String, usize), Arc<Vec<Vec<f32>>>>>;
+
+/// KV head `kv_head`'s filter of layer `layer` from every query of the calibration trace at
+/// `path` (read once per layer and kept for the process: a sweep asks for it per policy).
+fn calibration_filter(path: &str, layer: usize, kv_head: usize) -> Arc<Vec<f32>> {
+    static CACHE: OnceLock<FilterCache> = OnceLock::new();
+    let cache = CACHE.get_or_init(Default::default);
+    let key = (path.to_owned(), layer);
+    let known = cache.lock().expect("filter cache").get(&key).cloned();
+    let filters = known.unwrap_or_else(|| {
+        let trace = TraceReader::open(std::path::Path::new(path))
+            .expect("check_trace opened the calibration trace");
+        let tensors = trace
+            .layer(layer)
+            .unwrap_or_else(|err| panic!("qfilter calibration trace {path}: {err}"));
+        let meta = trace.meta();
+        let computed: Arc<Vec<Vec<f32>>> = Arc::new(
+            (0..meta.n_kv_heads)
+                .map(|head| kv_head_filter(tensors.q.view(), head, meta.group_size()))
+                .collect(),
+        );
+        cache
+            .lock()
+            .expect("filter cache")
+            .insert(key, computed.clone());
+        computed
+    });
+    Arc::new(filters[kv_head].clone())
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        let keys = layer.keys(self.kv_head);
+        out.clear();
+        out.extend(cache.iter().map(|&position| {
+            -keys
+                .row(position)
+                .iter()
+                .zip(self.filter.iter())
+                .map(|(k, f)| k * f)
+                .sum::<f32>()
+        }));
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn the_filter_is_minus_the_signed_principal_direction_of_the_queries() {
+        // Queries (2, 0.1), (3, -0.1), (-1, 0), (4, 0.2): QᵀQ = [[30, 0.7], [0.7, 0.06]], its top
+        // eigenvector (0.7, λ - 30) normalised ≈ (0.99973, 0.02336) (λ ≈ 30.0164). Projections
+        // 2.002, 2.997, -1.000, 4.004: three of four positive, so the sign is +1 and the filter is
+        // minus the eigenvector.
+        let (q, k, n) = layer_with(
+            &[[2.0, 0.1], [3.0, -0.1], [-1.0, 0.0], [4.0, 0.2]],
+            &[[1.0, 0.0], [-1.0, 0.0], [0.0, 1.0], [0.5, 0.5]],
+            4,
+        );
+        let layer = context(&q, &k, n);
+        let filter = kv_head_filter(layer.q.view(), 0, 1);
+        let lambda = (30.06 + ((30.0f64 - 0.06).powi(2) + 4.0 * 0.49).sqrt()) / 2.0;
+        let (x, y) = (0.7, lambda - 30.0);
+        let norm = (x * x + y * y).sqrt();
+        assert_abs_diff_eq!(filter[0] as f64, -x / norm, epsilon = 1e-7);
+        assert_abs_diff_eq!(filter[1] as f64, -y / norm, epsilon = 1e-7);
+        // Scores: minus key · filter, so keys along the queries' direction score highest.
+        let mut state = Qfilter {
+            calibration: PROMPT.into(),
+        }
+        .start(&layer, &unit(), Protection::default());
+        let scores = scores_after(state.as_mut(), &layer, 4);
+        assert_abs_diff_eq!(scores[0] as f64, x / norm, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1] as f64, -x / norm, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[2] as f64, y / norm, epsilon = 1e-6);
+    }
+
+    #[test]
+    fn a_minority_of_positive_projections_flips_the_direction() {
+        let (q, k, n) = layer_with(&[[-2.0, 0.0], [-3.0, 0.0], [1.0, 0.0]], &[[1.0, 0.0]; 3], 3);
+        let layer = context(&q, &k, n);
+        let filter = kv_head_filter(layer.q.view(), 0, 1);
+        // Power iteration gives (1, 0); one of three projections is positive: sign -1, and the
+        // filter is -(-1) * (1, 0) = (1, 0).
+        assert_abs_diff_eq!(filter[0], 1.0, epsilon = 1e-7);
+        assert_abs_diff_eq!(filter[1], 0.0, epsilon = 1e-7);
+    }
+}
