@@ -134,11 +134,11 @@ fn unknown_names_list_the_valid_ones() {
             "compare",
             "fixture.safetensors",
             "--presets",
-            "snapkv,quest",
+            "snapkv,quasar",
         ])
         .assert()
         .code(2)
-        .stderr(contains("unknown preset `quest`"));
+        .stderr(contains("unknown preset `quasar`"));
     kvreplay(&dir)
         .args(["replay", "fixture.safetensors", "--order", "attend-first"])
         .assert()

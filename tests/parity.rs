@@ -531,3 +531,65 @@ fn qfilter_keeps_what_kvpress_keeps() {
         &[8, 16, 32],
     );
 }
+
+/// Quest reads whole pages: the `quest` preset reads exactly the budget. Where Quest's pages hold
+/// the budget (a multiple of the page size, at least three pages, the shorter last page not
+/// among the best) the two read the same positions at every decode step of every query head;
+/// elsewhere kvreplay reads Quest's pages and then the first positions of the next best.
+#[test]
+fn quest_reads_what_its_code_reads() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 11, 90);
+    let trace = TraceReader::open(&path).unwrap();
+    let page = 8;
+    let budgets = [24, 32, 40];
+    let mut args = vec![path.display().to_string(), page.to_string()];
+    args.extend(budgets.iter().map(usize::to_string));
+    let official = reference("quest.py", &args);
+    let (mut same, mut total) = (0, 0);
+    for budget in budgets {
+        let checked = presets::preset("quest", budget)
+            .unwrap()
+            .with("page_size", page)
+            .check()
+            .unwrap();
+        let layer_budgets = layer_budgets(&trace, &checked).unwrap();
+        for layer in 0..LAYERS {
+            let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
+            assert_eq!(kept.units.len(), HEADS, "one selection per query head");
+            for (head, unit_kept) in kept.kept.iter().enumerate() {
+                for step in 0..GENERATED {
+                    let ours = unit_kept.kept_positions(step, 90);
+                    let theirs = positions(
+                        &official[budget.to_string()]["layers"][layer]["steps"][head][step],
+                    );
+                    let position = 90 + step;
+                    let partial_page = position / page;
+                    let whole = theirs.len() == budget
+                        && !theirs
+                            .iter()
+                            .any(|&p| p / page == partial_page && (position + 1) % page != 0);
+                    total += 1;
+                    if whole {
+                        assert_eq!(
+                            ours, theirs,
+                            "budget {budget}, layer {layer}, head {head}, step {step}"
+                        );
+                        same += 1;
+                    } else {
+                        assert_eq!(ours.len(), budget.min(position + 1));
+                        assert!(
+                            theirs.iter().all(|p| ours.contains(p)),
+                            "budget {budget}, layer {layer}, head {head}, step {step}: ours {ours:?} official {theirs:?}"
+                        );
+                    }
+                }
+            }
+        }
+    }
+    eprintln!(
+        "{same} of {total} read sets compared exactly; the rest hold Quest's shorter last page"
+    );
+    assert!(same * 2 >= total, "{same} of {total}");
+}

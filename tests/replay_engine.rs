@@ -88,6 +88,9 @@ fn engine_matches_brute_force_reference() {
                     if declared(scorer).takes("chunk_length") {
                         policy = policy.with("inner", "knorm").with("chunk_length", 3);
                     }
+                    if declared(scorer).takes("page_size") {
+                        policy = policy.with("page_size", 3);
+                    }
                     let policy = match policy.check() {
                         Ok(policy) => policy,
                         Err(PolicyError::Unsupported { .. }) => continue,
@@ -114,6 +117,7 @@ fn engine_matches_brute_force_reference() {
                             kernel: 3,
                             lag_size: 3,
                             chunk_length: 3,
+                            page_size: 3,
                             max_pool: seed % 2 == 1,
                             per_query_head: gqa == Granularity::QueryHead,
                             shared_layer: gqa == Granularity::Layer,

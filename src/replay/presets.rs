@@ -7,7 +7,7 @@
 use super::{Granularity, Order, PolicyError, PolicyParams, Timing};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 12] = [
+pub const NAMES: [&str; 13] = [
     "snapkv",
     "pyramidkv",
     "adakv",
@@ -19,6 +19,7 @@ pub const NAMES: [&str; 12] = [
     "snapkv-kvpress",
     "h2o-adapted",
     "pyramidkv-adapted",
+    "quest",
     "oracle",
 ];
 
@@ -125,6 +126,13 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             ..streaming("key-proxy", 4.min(budget.saturating_sub(1)), 0)
         }
         .with("beta", 2.0),
+        // Quest (mit-han-lab/Quest `evaluation/quest_attention.py`): each decode query of each
+        // query head reads the pages of 16 with the highest logit bound; nothing is evicted.
+        "quest" => PolicyParams {
+            timing: Timing::PerStep,
+            gqa: Granularity::QueryHead,
+            ..streaming("quest", 0, 0)
+        },
         // The per-step oracle: the current query's attention, re-chosen from the whole cache at
         // every step; the bound no causal policy beats at this budget.
         "oracle" | "oracle-per-step" => PolicyParams {

@@ -33,6 +33,8 @@ pub struct Policy<'a> {
     pub lag_size: usize,
     /// ChunkKV's chunk length (its inner scorer is `knorm` here).
     pub chunk_length: usize,
+    /// Quest's page size.
+    pub page_size: usize,
     pub max_pool: bool,
     pub per_query_head: bool,
     /// One kept set for the whole layer (`gqa = layer`): scores are the mean over KV groups.
@@ -384,6 +386,33 @@ fn member_scores(
                 .collect()
         }
         "lagkv" => lagkv_scores(layer, kv, cache, policy.lag_size),
+        "quest" => {
+            // Per page of cached positions (by position / page_size), per head, the sum over
+            // channels of the largest q_c · k_c among its keys; heads combined with `agg`.
+            let at = *cache.last().unwrap();
+            let bound = |head: usize, page: &[usize]| -> f64 {
+                let q = layer.query(head, at);
+                (0..q.len())
+                    .map(|c| {
+                        page.iter()
+                            .map(|&j| q[c] * layer.key(kv, j)[c])
+                            .fold(f64::NEG_INFINITY, f64::max)
+                    })
+                    .sum()
+            };
+            cache
+                .iter()
+                .map(|&j| {
+                    let page: Vec<usize> = cache
+                        .iter()
+                        .copied()
+                        .filter(|&p| p / policy.page_size == j / policy.page_size)
+                        .collect();
+                    let per_head: Vec<f64> = heads.iter().map(|&h| bound(h, &page)).collect();
+                    Layer::combine(policy.agg, &per_head)
+                })
+                .collect()
+        }
         "qfilter" => {
             let filter = qfilter(layer, kv);
             cache

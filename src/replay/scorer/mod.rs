@@ -30,6 +30,7 @@ crate::registry! {
     chunkkv::Chunkkv,
     value_aware::ValueAware,
     qfilter::Qfilter,
+    quest::Quest,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]

@@ -1,0 +1,145 @@
+//! `quest`: Quest's query-aware page selection (Tang et al., ICML 2024, arXiv:2406.10774;
+//! github.com/mit-han-lab/Quest, commit 01c1623, `evaluation/quest_attention.py` lines 140-215).
+//! The cache is cut into pages of `page_size` positions from position 0; a page's score for the
+//! current query is the upper bound of its keys' logits, `Σ_i max(q_i · max_i, q_i · min_i)` over
+//! the channel-wise maximum and minimum of its keys (the code's `sign`-flipped `amax`), and every
+//! token of a page scores its page's bound. Nothing is evicted: run it under the `per-step` timing
+//! (the `quest` preset), where each decode query reads the best pages of the whole cache — dynamic
+//! sparse attention, not eviction. The code selects per query head (`gqa = "query-head"`); a cache
+//! of several heads aggregates their bounds with `agg`.
+//!
+//! Deviations: Quest reads `min(max(3, budget // page_size), pages)` whole pages, a shorter last
+//! page included, and leaves layers 0 and 1 dense; kvreplay reads exactly the budget in every
+//! layer, so after the best whole pages it reads the first positions of the next (equal scores go
+//! to the lower position). With a budget that is a multiple of `page_size`, at least three pages,
+//! and the shorter last page not among the best, the two read the same tokens.
+
+use super::{ScoreState, Scorer, Started};
+use crate::replay::settings::Broken;
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
+use std::ops::Range;
+
+crate::settings! {
+    /// Quest: pages of keys ranked by the upper bound of the current query's logits (Tang et al.,
+    /// 2024, arXiv:2406.10774); dynamic sparse attention under the `per-step` timing.
+    pub struct Quest = "quest" {
+        /// Positions per page (`chunk_size`, 16 in Quest).
+        page_size: usize = 16,
+        /// How a cache of several query heads combines their page bounds: `mean`, `max` or `sum`.
+        agg: Aggregation = Aggregation::Mean,
+    }
+}
+
+#[derive(Clone)]
+struct State {
+    heads: Range<usize>,
+    kv_head: usize,
+    page_size: usize,
+    agg: Aggregation,
+}
+
+impl Scorer for Quest {
+    fn check(&self) -> Result<(), Broken> {
+        if self.page_size == 0 {
+            return Err(Broken {
+                key: "page_size",
+                rule: "must be at least 1",
+            });
+        }
+        Ok(())
+    }
+
+    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+        Box::new(State {
+            heads: unit.query_heads.clone(),
+            kv_head: unit.kv_head,
+            page_size: self.page_size,
+            agg: self.agg,
+        })
+    }
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        let newest = *cache.last().expect("non-empty cache");
+        let keys = layer.keys(self.kv_head);
+        let d = keys.ncols();
+        // The cached entries of each page (consecutive in the cache, whose positions ascend).
+        let mut pages: Vec<Range<usize>> = Vec::new();
+        for (index, &position) in cache.iter().enumerate() {
+            match pages.last_mut() {
+                Some(page) if cache[page.start] / self.page_size == position / self.page_size => {
+                    page.end = index + 1
+                }
+                _ => pages.push(index..index + 1),
+            }
+        }
+        let mut bounds = vec![0.0f32; pages.len()];
+        let mut per_head = vec![0.0f32; pages.len()];
+        for (count, head) in self.heads.clone().enumerate() {
+            let query = layer.query(head, newest);
+            for (bound, page) in per_head.iter_mut().zip(&pages) {
+                let mut total = 0.0f32;
+                for channel in 0..d {
+                    let column = cache[page.clone()].iter().map(|&p| keys[[p, channel]]);
+                    let (low, high) = column.fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), k| {
+                        (l.min(k), h.max(k))
+                    });
+                    let q = query[channel];
+                    total += (q * high).max(q * low);
+                }
+                *bound = total;
+            }
+            for (acc, &bound) in bounds.iter_mut().zip(&per_head) {
+                *acc = match (count, self.agg) {
+                    (0, _) => bound,
+                    (_, Aggregation::Max) => acc.max(bound),
+                    _ => *acc + bound,
+                };
+            }
+        }
+        if self.agg == Aggregation::Mean {
+            let n = self.heads.len() as f32;
+            bounds.iter_mut().for_each(|b| *b /= n);
+        }
+        out.clear();
+        for (page, &bound) in pages.iter().zip(&bounds) {
+            out.extend(std::iter::repeat_n(bound, page.len()));
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+
+    #[test]
+    fn a_page_scores_the_upper_bound_of_its_logits() {
+        // Pages of 2: keys (1, -1), (3, 2) | (0, 5), (-2, 1) | (4, 0). The newest query (1, -2):
+        // page 0: max(1·3, 1·1) + max(-2·2, -2·-1) = 3 + 2 = 5; page 1: max(0, -2) + max(-10, -2)
+        // = 0 - 2 = -2; page 2 (one key): 4 + 0 = 4.
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [0.0, 0.0], [1.0, -2.0]],
+            &[[1.0, -1.0], [3.0, 2.0], [0.0, 5.0], [-2.0, 1.0], [4.0, 0.0]],
+            5,
+        );
+        let layer = context(&q, &k, n);
+        let mut state = Quest {
+            page_size: 2,
+            agg: Aggregation::Mean,
+        }
+        .start(&layer, &unit(), Protection::default());
+        assert_eq!(
+            scores_after(state.as_mut(), &layer, 5),
+            vec![5.0, 5.0, -2.0, -2.0, 4.0]
+        );
+        // A sparse cache: pages hold only their cached entries.
+        let mut out = Vec::new();
+        state.scores(&layer, &[1, 2, 4], &mut out);
+        // Page 0 = {(3, 2)}: 3 - 4 = -1; page 1 = {(0, 5)}: 0 - 10 = -10; page 2: 4.
+        assert_eq!(out, vec![-1.0, -10.0, 4.0]);
+    }
+}
