@@ -694,3 +694,33 @@ fn qfilter_calibration_traces() {
         .check()
         .is_ok());
 }
+
+/// What a step reads and what the cache holds: equal for a policy that evicts; for a re-selecting
+/// timing (Quest, the per-step oracle) the cache holds every position so far, per KV head.
+#[test]
+fn reselecting_policies_read_part_of_a_cache_they_hold_whole() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("r.safetensors");
+    let shape = Shape::default();
+    write_fixture(&path, shape, 23);
+    let trace = TraceReader::open(&path).unwrap();
+    for name in ["quest", "oracle"] {
+        let policy = kvreplay::replay::presets::preset(name, 8)
+            .unwrap()
+            .check()
+            .unwrap();
+        let report = replay(&trace, &policy).unwrap();
+        // Decode steps t = 20..25 hold t + 1 = 21..=25 positions, mean 23, per KV head (2).
+        assert_eq!(report.held_entries, 2.0 * 23.0, "{name}");
+        assert!(report.kv_entries < report.held_entries, "{name}");
+        assert!(report.layers.iter().all(|l| l.held_entries == 46.0));
+    }
+    for name in ["snapkv", "h2o", "streamingllm"] {
+        let policy = kvreplay::replay::presets::preset(name, 8)
+            .unwrap()
+            .check()
+            .unwrap();
+        let report = replay(&trace, &policy).unwrap();
+        assert_eq!(report.held_entries, report.kv_entries, "{name}");
+    }
+}

@@ -53,6 +53,9 @@ pub struct ReplayReport {
     /// KV entries stored per layer, mean over layers and decode steps: one unit of memory for
     /// every layout (a query-head cache counts its repeated K/V).
     pub kv_entries: f64,
+    /// KV entries held per layer, mean over layers and decode steps: `kv_entries` for policies
+    /// that evict; the whole cache for re-selecting timings, which read `kv_entries` of it.
+    pub held_entries: f64,
     /// The same in bytes at the trace's dtype: `kv_entries * 2 * head_dim * element bytes`.
     pub kv_bytes: f64,
     /// Span survival, mean over layers.
@@ -482,7 +485,20 @@ fn layer_budgets_with_progress(
     Ok(budgets)
 }
 
-fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>) -> ReplayReport {
+fn summarise(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    mut layers: Vec<LayerReport>,
+) -> ReplayReport {
+    let meta = trace.meta();
+    if policy.params().timing.reselects() {
+        let steps = meta.prompt_len..trace.n_positions();
+        let held = (meta.n_kv_heads * steps.clone().map(|t| t + 1).sum::<usize>()) as f64
+            / steps.len() as f64;
+        for layer in layers.iter_mut() {
+            layer.held_entries = held;
+        }
+    }
     let n = layers.len() as f64;
     let mean = |f: &dyn Fn(&LayerReport) -> f64| layers.iter().map(f).sum::<f64>() / n;
     let spans = trace
@@ -508,19 +524,24 @@ fn summarise(trace: &TraceReader, policy: &ValidPolicy, layers: Vec<LayerReport>
             .map(|id| (id.clone(), mean(&|l| l.metrics[id])))
             .collect(),
         mean_kept: mean(&|l| l.mean_kept),
-        kv_entries: kv_entries(trace, &layers),
-        kv_bytes: kv_entries(trace, &layers)
+        kv_entries: entries_with_windows(trace, &layers, |l| l.kv_entries),
+        held_entries: entries_with_windows(trace, &layers, |l| l.held_entries),
+        kv_bytes: entries_with_windows(trace, &layers, |l| l.kv_entries)
             * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
         spans,
         layers,
     }
 }
 
-/// KV entries stored per layer, mean over every layer of the model and decode steps: the
-/// compressed (global) layers' measured caches, and each sliding-window layer's own window
-/// (`min(window, t + 1)` entries per KV head at step `t`), which the model holds whatever the
-/// policy.
-fn kv_entries(trace: &TraceReader, global: &[LayerReport]) -> f64 {
+/// KV entries per layer, mean over every layer of the model and decode steps: `entries` of the
+/// compressed (global) layers' caches, and each sliding-window layer's own window
+/// (`min(window, t + 1)` entries per KV head at step `t`), which the model holds and reads
+/// whatever the policy.
+fn entries_with_windows(
+    trace: &TraceReader,
+    global: &[LayerReport],
+    entries: impl Fn(&LayerReport) -> f64,
+) -> f64 {
     let meta = trace.meta();
     let steps = meta.prompt_len..trace.n_positions();
     let n_steps = steps.len() as f64;
@@ -531,7 +552,7 @@ fn kv_entries(trace: &TraceReader, global: &[LayerReport]) -> f64 {
             (meta.n_kv_heads * held) as f64 / n_steps
         })
         .sum();
-    let compressed: f64 = global.iter().map(|l| l.kv_entries).sum();
+    let compressed: f64 = global.iter().map(entries).sum();
     (compressed + sliding) / meta.n_layers as f64
 }
 

@@ -109,6 +109,11 @@ pub struct LayerReport {
     /// query-head cache holds its own copy of the repeated K/V; under `gqa = layer` every KV head
     /// holds the shared set), each entry one key and one value of `head_dim`.
     pub kv_entries: f64,
+    /// KV entries the layer holds, mean over decode steps: `kv_entries` for a policy that evicts;
+    /// for a re-selecting timing (dynamic sparse attention: Quest, the per-step oracle), which
+    /// evicts nothing and reads `kv_entries` of the cache at each step, the whole cache, one
+    /// entry per position and KV head.
+    pub held_entries: f64,
     /// Each metric's mean over query heads (of its mean over decode steps), by id; a metric that
     /// needs values is absent from traces without them.
     #[serde(flatten)]
@@ -406,6 +411,7 @@ impl LayerAccumulator {
             unit_budgets: self.unit_budgets,
             mean_kept: self.kept_by_unit.iter().sum::<f64>() / self.kept_by_unit.len() as f64,
             kv_entries: self.kept_by_unit.iter().sum::<f64>(),
+            held_entries: self.kept_by_unit.iter().sum::<f64>(),
             kept_by_unit: self.kept_by_unit,
             metrics,
             samples: per_sample,
