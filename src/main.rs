@@ -86,13 +86,9 @@ enum Command {
         /// Nominal budget per cache.
         #[arg(long, default_value_t = 128)]
         budget: usize,
-        /// Comma-separated preset names (default: every preset).
-        #[arg(
-            long,
-            value_delimiter = ',',
-            default_value = "snapkv,pyramidkv,adakv,cake,h2o,h2o-kvcache-factory,tova,streamingllm,snapkv-kvpress,h2o-adapted,pyramidkv-adapted,oracle"
-        )]
-        presets: Vec<String>,
+        /// Comma-separated preset names (default: every preset, in `kvreplay methods` order).
+        #[arg(long, value_delimiter = ',')]
+        presets: Option<Vec<String>>,
         #[command(flatten)]
         output: OutputArgs,
     },
@@ -924,6 +920,8 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             presets: names,
             output,
         } => {
+            let names = names
+                .unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
             let reader = TraceReader::open(&trace)?;
             print!("{}", compare(&reader, budget, &names, &output)?);
         }
