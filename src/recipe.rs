@@ -287,7 +287,7 @@ fn build_niah(
         Template::Plain => (
             with_bos(tokenizer, Vec::new()),
             tokenizer.encode("\n\nQuestion: "),
-            tokenizer.encode(&format!("\nAnswer: {answer_prefix}").trim_end()),
+            tokenizer.encode(format!("\nAnswer: {answer_prefix}").trim_end()),
         ),
     };
     let question = tokenizer.encode(&niah.question);

@@ -311,7 +311,7 @@ fn two_models_side_by_side() {
     .unwrap();
     let replayed = |file: &str| {
         kvreplay::replay::replay(
-            &kvreplay::trace::TraceReader::open(&dir.path().join(file)).unwrap(),
+            &kvreplay::trace::TraceReader::open(dir.path().join(file)).unwrap(),
             &policy,
         )
         .unwrap()
