@@ -920,8 +920,8 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             presets: names,
             output,
         } => {
-            let names = names
-                .unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
+            let names =
+                names.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
             let reader = TraceReader::open(&trace)?;
             print!("{}", compare(&reader, budget, &names, &output)?);
         }

@@ -401,47 +401,34 @@ fn mass_section(
     (out, mass_series)
 }
 
-/// With traces of several models, the retained mass of each policy per model and budget (mean ±
-/// 95% CI over that model's traces, their count in the header), models side by side; otherwise
-/// nothing.
+/// With traces of several models, one table per model: the retained mass of each policy per
+/// budget (mean ± 95% CI over that model's traces); otherwise nothing.
 fn model_section(
     experiment: &Experiment,
     names: &[String],
     runs: &[StoredRun],
     traces: &[TraceFile],
 ) -> String {
-    let mut models: Vec<&str> = Vec::new();
+    let model_of = |t: &TraceFile| t.model.clone().unwrap_or_else(|| "unknown".into());
+    let mut models: Vec<String> = Vec::new();
     for trace in traces {
-        let model = trace.model.as_deref().unwrap_or("unknown");
-        if !models.contains(&model) {
-            models.push(model);
+        if !models.contains(&model_of(trace)) {
+            models.push(model_of(trace));
         }
     }
     if models.len() < 2 {
         return String::new();
     }
-    let of_model = |model: &str| -> Vec<String> {
-        traces
-            .iter()
-            .filter(|t| t.model.as_deref().unwrap_or("unknown") == model)
-            .map(|t| t.path.display().to_string())
-            .collect()
-    };
-    let mut headers = vec!["policy".to_string()];
+    let mut out = "\nBy model (the trace header's `model`): mean retained mass ± 95% CI over that model's traces. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window.\n".to_string();
     for model in &models {
-        let count = of_model(model).len();
-        headers.extend(
-            experiment
-                .budgets
-                .iter()
-                .map(|b| format!("{model} ({count} traces), B = {b}")),
-        );
-    }
-    let mut table = Table::with_headers(headers);
-    for name in names {
-        let mut row = vec![name.clone()];
-        for model in &models {
-            let paths = of_model(model);
+        let paths: Vec<String> = traces
+            .iter()
+            .filter(|t| model_of(t) == *model)
+            .map(|t| t.path.display().to_string())
+            .collect();
+        let mut table = budget_table(experiment);
+        for name in names {
+            let mut row = vec![name.clone()];
             for &budget in &experiment.budgets {
                 let values: Vec<f64> = paths
                     .iter()
@@ -457,13 +444,15 @@ fn model_section(
                     }
                 });
             }
+            table.push(row);
         }
-        table.push(row);
+        out += &format!(
+            "\n`{model}` ({} traces):\n\n{}",
+            paths.len(),
+            table.render(Format::Markdown)
+        );
     }
-    format!(
-        "\nBy model (the trace header's `model`): mean retained mass ± 95% CI over that model's traces. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window:\n\n{}",
-        table.render(Format::Markdown)
-    )
+    out
 }
 
 /// A table with a `policy` column and one column per budget.
