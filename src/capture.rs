@@ -4,7 +4,7 @@
 use crate::assets::{model_asset, AssetError, Assets};
 use crate::model::{family, CausalLm, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
-use crate::trace::{StorageDtype, TraceError, TraceMeta, TraceWriter};
+use crate::trace::{write_trace, StorageDtype, TraceError, TraceMeta};
 use std::collections::BTreeMap;
 use std::path::Path;
 
@@ -67,13 +67,18 @@ pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> 
     Ok(family::load(&model_file(name)?)?)
 }
 
-/// The GGUF of model `name`, fetched (with the essays) if missing.
+/// The GGUF of model `name`, fetched (with the essays) if missing. A file already there is used as
+/// it is: a corrupted one is named when it loads, never replaced behind the user's back.
 fn model_file(name: &str) -> Result<std::path::PathBuf, CaptureError> {
+    let asset = model_asset(name).ok_or_else(|| CaptureError::UnknownModel(name.to_owned()))?;
     let assets = Assets::from_env();
+    let path = assets.model_file(asset);
+    if path.is_file() {
+        return Ok(path);
+    }
     if assets.require_essays().is_err() || assets.require_model().is_err() {
         assets.fetch()?;
     }
-    let asset = model_asset(name).ok_or_else(|| CaptureError::UnknownModel(name.to_owned()))?;
     Ok(assets.fetch_model(asset)?)
 }
 
@@ -118,14 +123,10 @@ pub fn capture_recipe(
             .map(|s| s.to_string_lossy().into_owned())
             .unwrap_or_else(|| model.spec().name.clone()),
     };
-    let captured = capture(
-        model.as_ref(),
-        &prompt,
-        &options,
-        Recorder::default(),
-        progress,
-    )?;
-    captured.writer.write(out)?;
+    let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
+    let recorder = Recorder::spilling(spill_dir.unwrap_or(Path::new(".")));
+    let captured = capture(model.as_ref(), &prompt, &options, recorder, progress)?;
+    captured.write(out)?;
     Ok(CaptureSummary {
         prompt_tokens: prompt.ids.len(),
         generated_tokens: captured.generated.len(),
@@ -135,14 +136,58 @@ pub fn capture_recipe(
 
 /// A finished capture, not yet written.
 pub struct Captured {
-    /// The trace, ready to write.
-    pub writer: TraceWriter,
     /// The generated token ids (all fed back, so part of the trace).
     pub generated: Vec<u32>,
     /// The generated text.
     pub generated_text: String,
     /// The recorder, for checks against the forward pass.
     pub recorder: Recorder,
+    meta: TraceMeta,
+    tokens: Vec<i64>,
+    storage: StorageDtype,
+}
+
+impl Captured {
+    /// Writes the trace atomically, one layer of it in memory at a time.
+    pub fn write(&self, path: &Path) -> Result<(), TraceError> {
+        write_layers(path, &self.meta, self.storage, &self.tokens, &self.recorder)
+    }
+}
+
+/// Writes the trace of a run that `recorder` recorded (`prompt`, then the `generated` tokens fed
+/// back) atomically, one layer of it in memory at a time.
+pub fn write_recording(
+    model: &dyn CausalLm,
+    prompt: &BuiltPrompt,
+    generated: &[u32],
+    recorder: &Recorder,
+    options: &CaptureOptions,
+    path: &Path,
+) -> Result<(), TraceError> {
+    let tokens: Vec<i64> = prompt
+        .ids
+        .iter()
+        .chain(generated)
+        .map(|id| *id as i64)
+        .collect();
+    let meta = trace_meta(model, prompt, generated, options);
+    write_layers(path, &meta, options.storage, &tokens, recorder)
+}
+
+fn write_layers(
+    path: &Path,
+    meta: &TraceMeta,
+    storage: StorageDtype,
+    tokens: &[i64],
+    recorder: &Recorder,
+) -> Result<(), TraceError> {
+    let layer = |layer: usize| {
+        recorder
+            .layer(layer)
+            .map(|(q, k, v)| (q, k, Some(v)))
+            .map_err(|err| err.to_string())
+    };
+    write_trace(path, meta, storage, tokens, true, &layer)
 }
 
 /// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`
@@ -162,25 +207,29 @@ pub fn capture(
         Some(&mut recorder),
         &mut |done| progress(done, total),
     )?;
-    let writer = trace_writer(model, prompt, &generated, &recorder, options)?;
     let generated_text = model.tokenizer().decode(&generated);
     Ok(Captured {
-        writer,
+        meta: trace_meta(model, prompt, &generated, options),
+        tokens: prompt
+            .ids
+            .iter()
+            .chain(generated.iter())
+            .map(|id| *id as i64)
+            .collect(),
+        storage: options.storage,
         generated,
         generated_text,
         recorder,
     })
 }
 
-/// The kvtrace/1 file of a run: `prompt` and the `generated` tokens fed back, with what `recorder`
-/// saw of every layer.
-pub fn trace_writer(
+/// The kvtrace/1 header of a run: `prompt` and the `generated` tokens fed back.
+fn trace_meta(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     generated: &[u32],
-    recorder: &Recorder,
     options: &CaptureOptions,
-) -> Result<TraceWriter, CaptureError> {
+) -> TraceMeta {
     let spec = model.spec();
     let tokenizer = model.tokenizer();
     let mut extra = BTreeMap::new();
@@ -196,7 +245,7 @@ pub fn trace_writer(
             options.storage
         ),
     );
-    let meta = TraceMeta {
+    TraceMeta {
         model: options.model_id.clone(),
         n_layers: spec.n_layers,
         n_heads: spec.n_heads,
@@ -209,17 +258,5 @@ pub fn trace_writer(
         windows: spec.windows.clone(),
         spans: prompt.spans.clone(),
         extra,
-    };
-    let tokens: Vec<i64> = prompt
-        .ids
-        .iter()
-        .chain(generated.iter())
-        .map(|id| *id as i64)
-        .collect();
-    let mut writer = TraceWriter::new(meta, options.storage, tokens);
-    for layer in 0..spec.n_layers {
-        let (q, k, v) = recorder.layer(layer)?;
-        writer.push_layer(q, k, Some(v));
     }
-    Ok(writer)
 }

@@ -33,7 +33,7 @@ fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], out: &Path) {
         &mut |_, _| {},
     )
     .unwrap();
-    captured.writer.write(out).unwrap();
+    captured.write(out).unwrap();
 }
 
 #[test]

@@ -72,7 +72,7 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
     )
     .unwrap();
     let path = scratch.path().join("capital.safetensors");
-    captured.writer.write(&path).unwrap();
+    captured.write(&path).unwrap();
     let mut open_loop = replay(&TraceReader::open(&path).unwrap(), &policy).unwrap();
     open_loop.trace = first.open_loop.trace.clone();
     assert_eq!(open_loop, first.open_loop);

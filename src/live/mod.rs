@@ -37,7 +37,7 @@
 mod drift;
 pub(crate) mod streams;
 
-use crate::capture::{trace_writer, CaptureError, CaptureOptions};
+use crate::capture::{write_recording, CaptureError, CaptureOptions};
 use crate::model::{argmax, AttentionMask, CausalLm, Evicted, KvCache, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
@@ -236,7 +236,7 @@ impl<'m> LiveSession<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
-        let mut recorder = Recorder::default();
+        let mut recorder = Recorder::spilling(scratch);
         let full = full_run(model, prompt, chunk, &mut recorder)?;
         if full.tokens.len() < 2 {
             return Err(LiveError::Unsupported(
@@ -255,8 +255,7 @@ impl<'m> LiveSession<'m> {
             std::process::id(),
             SESSIONS.fetch_add(1, Ordering::Relaxed)
         ));
-        trace_writer(model, prompt, &full.tokens, &recorder, &options)?
-            .write(&path)
+        write_recording(model, prompt, &full.tokens, &recorder, &options, &path)
             .map_err(CaptureError::from)?;
         drop(recorder);
         let trace = TraceReader::open(&path).map_err(PolicyError::from)?;

@@ -4,6 +4,7 @@
 
 use super::mask::AttentionMask;
 use super::prompt::TextTokenizer;
+use super::recorder::Recorder;
 use super::ModelError;
 use candle_core::{Device, Tensor};
 
@@ -188,90 +189,5 @@ impl KvCache {
             layers,
             next_position: self.next_position,
         })
-    }
-}
-
-/// Collects, per layer, the post-rotary q and k and the v of every position run, chunk by chunk;
-/// optionally also the attention output (before `attn_output`), to check a trace against the
-/// forward pass that produced it.
-#[derive(Default)]
-pub struct Recorder {
-    q: Vec<Vec<Tensor>>,
-    k: Vec<Vec<Tensor>>,
-    v: Vec<Vec<Tensor>>,
-    attention: Vec<Vec<Tensor>>,
-    keep_attention: bool,
-}
-
-impl Recorder {
-    /// A recorder that also keeps each layer's attention output `[n_heads, T, head_dim]`.
-    pub fn with_attention_output() -> Self {
-        Self {
-            keep_attention: true,
-            ..Self::default()
-        }
-    }
-
-    /// Keeps layer `layer`'s post-rotary q `[n_heads, n, d]`, k and v `[n_kv_heads, n, d]` of
-    /// one chunk.
-    pub(crate) fn record(&mut self, layer: usize, q: &Tensor, k: &Tensor, v: &Tensor) {
-        Self::push(&mut self.q, layer, q);
-        Self::push(&mut self.k, layer, k);
-        Self::push(&mut self.v, layer, v);
-    }
-
-    /// Keeps layer `layer`'s attention output of one chunk, if asked to.
-    pub(crate) fn record_attention(&mut self, layer: usize, attention: &Tensor) {
-        if self.keep_attention {
-            Self::push(&mut self.attention, layer, attention);
-        }
-    }
-
-    fn push(slot: &mut Vec<Vec<Tensor>>, layer: usize, value: &Tensor) {
-        if slot.len() <= layer {
-            slot.resize_with(layer + 1, Vec::new);
-        }
-        slot[layer].push(value.clone());
-    }
-
-    fn joined(slot: &[Vec<Tensor>], layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
-        let tensor = Tensor::cat(&slot[layer], 1)?;
-        let (heads, positions, dim) = tensor.dims3()?;
-        let flat = tensor.flatten_all()?.to_vec1::<f32>()?;
-        Ok(
-            ndarray::Array3::from_shape_vec((heads, positions, dim), flat)
-                .expect("candle shape matches"),
-        )
-    }
-
-    /// Layer `layer`'s q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`.
-    #[allow(clippy::type_complexity)]
-    pub fn layer(
-        &self,
-        layer: usize,
-    ) -> Result<
-        (
-            ndarray::Array3<f32>,
-            ndarray::Array3<f32>,
-            ndarray::Array3<f32>,
-        ),
-        ModelError,
-    > {
-        Ok((
-            Self::joined(&self.q, layer)?,
-            Self::joined(&self.k, layer)?,
-            Self::joined(&self.v, layer)?,
-        ))
-    }
-
-    /// Layer `layer`'s attention output `[n_heads, T, d]`, if it was kept.
-    pub fn attention_output(
-        &self,
-        layer: usize,
-    ) -> Result<Option<ndarray::Array3<f32>>, ModelError> {
-        if !self.keep_attention || self.attention.len() <= layer {
-            return Ok(None);
-        }
-        Ok(Some(Self::joined(&self.attention, layer)?))
     }
 }

@@ -14,7 +14,7 @@
 //! `sliding_window_overlay`: `q - kv < window`). Checked against transformers' own loading of the
 //! same GGUF (docs/assets.md).
 
-use super::causal_lm::{CausalLm, KvCache, ModelSpec, Recorder};
+use super::causal_lm::{CausalLm, KvCache, ModelSpec};
 use super::gguf::GgufFile;
 use super::llama::transposed;
 use super::mask::{to_array, window_mask, AttentionMask, ChunkVectors};
@@ -22,6 +22,7 @@ use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
+use super::recorder::Recorder;
 use super::{ModelError, SpmTokenizer};
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -187,7 +188,7 @@ impl CausalLm for Gemma3 {
                 None => None,
             };
             if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record(layer, &q, &k, &v);
+                recorder.record(layer, &q, &k, &v)?;
             }
             let (keys, values) = cache.append(layer, k, v)?;
             // Keys before the chunk's first query's window are never seen: leave them out.

@@ -2,13 +2,14 @@
 //! embeddings), run chunk by chunk over a KV cache, with a [`Recorder`] hook that keeps what
 //! attention saw.
 
-use super::causal_lm::{CausalLm, KvCache, ModelSpec, Recorder};
+use super::causal_lm::{CausalLm, KvCache, ModelSpec};
 use super::gguf::{unpermute_rows, GgufFile};
 use super::mask::{causal_mask, to_array, AttentionMask, ChunkVectors};
 use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
+use super::recorder::Recorder;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::{DType, Device, Tensor};
 use std::path::Path;
@@ -154,7 +155,7 @@ impl CausalLm for Llama {
                 None => causal.clone(),
             };
             if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record(layer, &q, &k, &v);
+                recorder.record(layer, &q, &k, &v)?;
             }
             let (keys, values) = cache.append(layer, k, v)?;
             let attention = attend(&q, &keys, &values, &layer_mask, scale)?;

@@ -14,4 +14,4 @@ mod writer;
 pub use error::TraceError;
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TraceReader};
-pub use writer::{StorageDtype, TraceWriter};
+pub use writer::{write_trace, LayerArrays, LayerSource, StorageDtype, TraceWriter};

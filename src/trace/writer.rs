@@ -1,10 +1,20 @@
 //! Writes kvtrace/1 files. The file appears atomically (written beside the target, then renamed),
-//! so an interrupted capture never leaves a half-written trace under the final name.
+//! so an interrupted capture never leaves a half-written trace under the final name. Layers come
+//! from memory or from a source asked for one layer at a time while the file is written, so a
+//! long capture never holds more than a layer of the trace.
 
 use super::{TraceError, TraceMeta};
 use ndarray::Array3;
-use safetensors::tensor::{Dtype, TensorView};
+use safetensors::tensor::{Dtype, View};
+use std::borrow::Cow;
+use std::cell::RefCell;
 use std::path::Path;
+
+/// One layer's q `[n_heads, T, d]`, k and optional v `[n_kv_heads, T, d]`.
+pub type LayerArrays = (Array3<f32>, Array3<f32>, Option<Array3<f32>>);
+
+/// Gives layer `l`'s arrays when the writer reaches it, or says why it cannot.
+pub type LayerSource<'a> = &'a dyn Fn(usize) -> Result<LayerArrays, String>;
 
 /// How q, k and v are stored on disk. All arithmetic is f32 whatever the storage.
 #[derive(
@@ -38,17 +48,16 @@ impl StorageDtype {
         }
     }
 
-    fn encode(self, values: &[f32]) -> Vec<u8> {
+    fn encode<'v>(self, values: impl IntoIterator<Item = &'v f32>) -> Vec<u8> {
+        let values = values.into_iter();
         match self {
             Self::F16 => values
-                .iter()
                 .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
                 .collect(),
             Self::Bf16 => values
-                .iter()
                 .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
                 .collect(),
-            Self::F32 => values.iter().flat_map(|v| v.to_le_bytes()).collect(),
+            Self::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
         }
     }
 }
@@ -59,7 +68,7 @@ pub struct TraceWriter {
     meta: TraceMeta,
     storage: StorageDtype,
     tokens: Vec<i64>,
-    layers: Vec<(Array3<f32>, Array3<f32>, Option<Array3<f32>>)>,
+    layers: Vec<LayerArrays>,
 }
 
 impl TraceWriter {
@@ -80,64 +89,187 @@ impl TraceWriter {
 
     /// Checks the collected data against the contract and writes the file atomically.
     pub fn write(&self, path: &Path) -> Result<(), TraceError> {
-        let fail = |detail: String| TraceError::Write {
-            path: path.to_owned(),
-            detail,
-        };
-        let meta = &self.meta;
-        if self.layers.len() != meta.n_layers {
-            return Err(fail(format!(
-                "{} layers collected, header says n_layers = {}",
-                self.layers.len(),
-                meta.n_layers
-            )));
+        if self.layers.len() != self.meta.n_layers {
+            return Err(TraceError::Write {
+                path: path.to_owned(),
+                detail: format!(
+                    "{} layers collected, header says n_layers = {}",
+                    self.layers.len(),
+                    self.meta.n_layers
+                ),
+            });
         }
-        let n_positions = self.tokens.len();
-        meta.check_positions(path, n_positions)?;
-        let mut buffers: Vec<(String, Vec<usize>, Dtype, Vec<u8>)> = vec![(
-            "tokens".into(),
-            vec![n_positions],
-            Dtype::I64,
-            self.tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
-        )];
-        for (layer, (q, k, v)) in self.layers.iter().enumerate() {
-            let mut tensors = vec![("q", q, meta.n_heads), ("k", k, meta.n_kv_heads)];
-            if let Some(v) = v {
-                tensors.push(("v", v, meta.n_kv_heads));
-            }
-            for (kind, tensor, heads) in tensors {
-                let want = [heads, n_positions, meta.head_dim];
-                if tensor.shape() != want {
-                    return Err(fail(format!(
-                        "layers.{layer}.{kind} has shape {:?}, expected {want:?}",
-                        tensor.shape()
-                    )));
+        let source = |layer: usize| Ok(self.layers[layer].clone());
+        write_trace(path, &self.meta, self.storage, &self.tokens, true, &source)
+    }
+}
+
+/// Writes a trace whose layers come from `source`, asked for one layer at a time as the file is
+/// written (each layer once, in the file's tensor order), checked against the contract; `values`
+/// says whether every layer has v. The file appears atomically.
+pub fn write_trace(
+    path: &Path,
+    meta: &TraceMeta,
+    storage: StorageDtype,
+    tokens: &[i64],
+    values: bool,
+    source: LayerSource<'_>,
+) -> Result<(), TraceError> {
+    let fail = |detail: String| TraceError::Write {
+        path: path.to_owned(),
+        detail,
+    };
+    let n_positions = tokens.len();
+    meta.check_positions(path, n_positions)?;
+    let loader = LayerLoader {
+        meta,
+        storage,
+        n_positions,
+        source,
+        current: RefCell::new(None),
+        error: RefCell::new(None),
+    };
+    let element = storage.encode(&[0.0]).len();
+    let mut tensors = vec![(
+        "tokens".to_string(),
+        Tensor::Tokens {
+            bytes: tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
+            shape: vec![n_positions],
+        },
+    )];
+    for layer in 0..meta.n_layers {
+        let kinds: &[(usize, &str, usize)] = if values {
+            &[
+                (0, "q", meta.n_heads),
+                (1, "k", meta.n_kv_heads),
+                (2, "v", meta.n_kv_heads),
+            ]
+        } else {
+            &[(0, "q", meta.n_heads), (1, "k", meta.n_kv_heads)]
+        };
+        for &(kind, name, heads) in kinds {
+            let shape = vec![heads, n_positions, meta.head_dim];
+            tensors.push((
+                format!("layers.{layer}.{name}"),
+                Tensor::Layer(Lazy {
+                    loader: &loader,
+                    dtype: storage.dtype(),
+                    len: shape.iter().product::<usize>() * element,
+                    shape,
+                    layer,
+                    kind,
+                }),
+            ));
+        }
+    }
+    crate::atomic::write_with(path, |partial| {
+        // safetensors writes through a temporary file of its own, created with mode 0600:
+        // the trace gets the mode any new file gets here (0644 under the usual umask), like
+        // the tool's other outputs, so it can be shared.
+        let permissions = std::fs::File::create(partial)?.metadata()?.permissions();
+        let views = tensors.iter().map(|(name, tensor)| (name.clone(), tensor));
+        safetensors::serialize_to_file(views, Some(meta.to_header()), partial)
+            .map_err(std::io::Error::other)?;
+        if let Some(detail) = loader.error.borrow().clone() {
+            return Err(std::io::Error::other(detail));
+        }
+        std::fs::set_permissions(partial, permissions)
+    })
+    .map_err(|err| fail(err.to_string()))
+}
+
+/// Asks the source for each layer once, keeps it encoded while its tensors are written, and
+/// remembers the first failure (a view cannot return one: it writes zeros and the write fails).
+struct LayerLoader<'a> {
+    meta: &'a TraceMeta,
+    storage: StorageDtype,
+    n_positions: usize,
+    source: LayerSource<'a>,
+    current: RefCell<Option<(usize, [Vec<u8>; 3])>>,
+    error: RefCell<Option<String>>,
+}
+
+impl LayerLoader<'_> {
+    fn bytes(&self, layer: usize, kind: usize, len: usize) -> Vec<u8> {
+        let mut current = self.current.borrow_mut();
+        if current.as_ref().map(|(l, _)| *l) != Some(layer) {
+            *current = match self.encoded(layer) {
+                Ok(encoded) => Some((layer, encoded)),
+                Err(detail) => {
+                    self.error.borrow_mut().get_or_insert(detail);
+                    None
                 }
-                let values: Vec<f32> = tensor.iter().copied().collect();
-                buffers.push((
-                    format!("layers.{layer}.{kind}"),
-                    want.to_vec(),
-                    self.storage.dtype(),
-                    self.storage.encode(&values),
+            };
+        }
+        match current.as_mut() {
+            Some((_, encoded)) if encoded[kind].len() == len => std::mem::take(&mut encoded[kind]),
+            _ => vec![0; len],
+        }
+    }
+
+    fn encoded(&self, layer: usize) -> Result<[Vec<u8>; 3], String> {
+        let meta = self.meta;
+        let (q, k, v) = (self.source)(layer)?;
+        let mut tensors = vec![("q", q, meta.n_heads), ("k", k, meta.n_kv_heads)];
+        if let Some(v) = v {
+            tensors.push(("v", v, meta.n_kv_heads));
+        }
+        let mut encoded: [Vec<u8>; 3] = Default::default();
+        for (slot, (kind, tensor, heads)) in encoded.iter_mut().zip(tensors) {
+            let want = [heads, self.n_positions, meta.head_dim];
+            if tensor.shape() != want {
+                return Err(format!(
+                    "layers.{layer}.{kind} has shape {:?}, expected {want:?}",
+                    tensor.shape()
                 ));
             }
+            *slot = self.storage.encode(tensor.iter());
         }
-        let views = buffers
-            .iter()
-            .map(|(name, shape, dtype, bytes)| {
-                TensorView::new(*dtype, shape.clone(), bytes).map(|view| (name.clone(), view))
-            })
-            .collect::<Result<Vec<_>, _>>()
-            .map_err(|err| fail(err.to_string()))?;
-        crate::atomic::write_with(path, |partial| {
-            // safetensors writes through a temporary file of its own, created with mode 0600:
-            // the trace gets the mode any new file gets here (0644 under the usual umask), like
-            // the tool's other outputs, so it can be shared.
-            let permissions = std::fs::File::create(partial)?.metadata()?.permissions();
-            safetensors::serialize_to_file(views, Some(meta.to_header()), partial)
-                .map_err(std::io::Error::other)?;
-            std::fs::set_permissions(partial, permissions)
-        })
-        .map_err(|err| fail(err.to_string()))
+        Ok(encoded)
+    }
+}
+
+/// A tensor of the file: the tokens, or a layer's q, k or v encoded when the file reaches it.
+enum Tensor<'a> {
+    Tokens { bytes: Vec<u8>, shape: Vec<usize> },
+    Layer(Lazy<'a>),
+}
+
+struct Lazy<'a> {
+    loader: &'a LayerLoader<'a>,
+    dtype: Dtype,
+    shape: Vec<usize>,
+    len: usize,
+    layer: usize,
+    kind: usize,
+}
+
+impl View for &Tensor<'_> {
+    fn dtype(&self) -> Dtype {
+        match self {
+            Tensor::Tokens { .. } => Dtype::I64,
+            Tensor::Layer(lazy) => lazy.dtype,
+        }
+    }
+
+    fn shape(&self) -> &[usize] {
+        match self {
+            Tensor::Tokens { shape, .. } => shape,
+            Tensor::Layer(lazy) => &lazy.shape,
+        }
+    }
+
+    fn data(&self) -> Cow<'_, [u8]> {
+        match self {
+            Tensor::Tokens { bytes, .. } => Cow::Borrowed(bytes),
+            Tensor::Layer(lazy) => Cow::Owned(lazy.loader.bytes(lazy.layer, lazy.kind, lazy.len)),
+        }
+    }
+
+    fn data_len(&self) -> usize {
+        match self {
+            Tensor::Tokens { bytes, .. } => bytes.len(),
+            Tensor::Layer(lazy) => lazy.len,
+        }
     }
 }

@@ -1,0 +1,187 @@
+//! What a capture keeps of a forward pass: per layer, the post-rotary q and k and the v of every
+//! position, chunk by chunk, in memory or spilled to files beside the trace (so a long capture
+//! holds the model and its cache, not the trace); optionally the attention output, to check a
+//! trace against the forward pass that produced it.
+
+use super::ModelError;
+use candle_core::Tensor;
+use ndarray::{s, Array3};
+use std::io::{Read, Write};
+use std::path::{Path, PathBuf};
+use std::sync::atomic::{AtomicUsize, Ordering};
+
+/// Collects every layer's q, k and v, chunk by chunk.
+#[derive(Default)]
+pub struct Recorder {
+    q: Vec<Vec<Tensor>>,
+    k: Vec<Vec<Tensor>>,
+    v: Vec<Vec<Tensor>>,
+    attention: Vec<Vec<Tensor>>,
+    keep_attention: bool,
+    spill: Option<Spill>,
+}
+
+/// Per layer, a file of its chunks (each chunk's q, then k, then v, f32 little-endian), and the
+/// chunk lengths, the same in every layer.
+struct Spill {
+    files: Vec<(PathBuf, std::fs::File)>,
+    stem: PathBuf,
+    chunks: Vec<usize>,
+    heads: (usize, usize, usize),
+}
+
+impl Drop for Spill {
+    fn drop(&mut self) {
+        for (path, _) in &self.files {
+            let _ = std::fs::remove_file(path);
+        }
+    }
+}
+
+fn io_error(path: &Path) -> impl FnOnce(std::io::Error) -> ModelError + '_ {
+    move |source| ModelError::Io {
+        path: path.to_owned(),
+        source,
+    }
+}
+
+impl Recorder {
+    /// A recorder that also keeps each layer's attention output `[n_heads, T, head_dim]`.
+    pub fn with_attention_output() -> Self {
+        Self {
+            keep_attention: true,
+            ..Self::default()
+        }
+    }
+
+    /// A recorder that writes each layer's chunks to its own file in `dir` (removed when the
+    /// recorder is dropped) instead of holding them; [`layer`](Self::layer) reads one back.
+    pub fn spilling(dir: &Path) -> Self {
+        static RECORDERS: AtomicUsize = AtomicUsize::new(0);
+        let stem = dir.join(format!(
+            ".kvreplay-spill-{}-{}",
+            std::process::id(),
+            RECORDERS.fetch_add(1, Ordering::Relaxed)
+        ));
+        Self {
+            spill: Some(Spill {
+                files: Vec::new(),
+                stem,
+                chunks: Vec::new(),
+                heads: (0, 0, 0),
+            }),
+            ..Self::default()
+        }
+    }
+
+    /// Keeps layer `layer`'s post-rotary q `[n_heads, n, d]`, k and v `[n_kv_heads, n, d]` of
+    /// one chunk.
+    pub(crate) fn record(
+        &mut self,
+        layer: usize,
+        q: &Tensor,
+        k: &Tensor,
+        v: &Tensor,
+    ) -> Result<(), ModelError> {
+        let Some(spill) = self.spill.as_mut() else {
+            Self::push(&mut self.q, layer, q);
+            Self::push(&mut self.k, layer, k);
+            Self::push(&mut self.v, layer, v);
+            return Ok(());
+        };
+        let (n_heads, n, d) = q.dims3()?;
+        if layer == 0 {
+            spill.chunks.push(n);
+            spill.heads = (n_heads, k.dims()[0], d);
+        }
+        if spill.files.len() <= layer {
+            let path = PathBuf::from(format!("{}-{layer}", spill.stem.display()));
+            let file = std::fs::File::create(&path).map_err(io_error(&path))?;
+            spill.files.push((path, file));
+        }
+        let (path, file) = &mut spill.files[layer];
+        let mut bytes = Vec::new();
+        for tensor in [q, k, v] {
+            for value in tensor.flatten_all()?.to_vec1::<f32>()? {
+                bytes.extend_from_slice(&value.to_le_bytes());
+            }
+        }
+        file.write_all(&bytes).map_err(io_error(path))
+    }
+
+    /// Keeps layer `layer`'s attention output of one chunk, if asked to.
+    pub(crate) fn record_attention(&mut self, layer: usize, attention: &Tensor) {
+        if self.keep_attention {
+            Self::push(&mut self.attention, layer, attention);
+        }
+    }
+
+    fn push(slot: &mut Vec<Vec<Tensor>>, layer: usize, value: &Tensor) {
+        if slot.len() <= layer {
+            slot.resize_with(layer + 1, Vec::new);
+        }
+        slot[layer].push(value.clone());
+    }
+
+    fn joined(slot: &[Vec<Tensor>], layer: usize) -> Result<Array3<f32>, ModelError> {
+        let tensor = Tensor::cat(&slot[layer], 1)?;
+        let (heads, positions, dim) = tensor.dims3()?;
+        let flat = tensor.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Array3::from_shape_vec((heads, positions, dim), flat).expect("candle shape matches"))
+    }
+
+    /// Layer `layer`'s q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`.
+    pub fn layer(
+        &self,
+        layer: usize,
+    ) -> Result<(Array3<f32>, Array3<f32>, Array3<f32>), ModelError> {
+        match &self.spill {
+            Some(spill) => spill.layer(layer),
+            None => Ok((
+                Self::joined(&self.q, layer)?,
+                Self::joined(&self.k, layer)?,
+                Self::joined(&self.v, layer)?,
+            )),
+        }
+    }
+
+    /// Layer `layer`'s attention output `[n_heads, T, d]`, if it was kept.
+    pub fn attention_output(&self, layer: usize) -> Result<Option<Array3<f32>>, ModelError> {
+        if !self.keep_attention || self.attention.len() <= layer {
+            return Ok(None);
+        }
+        Ok(Some(Self::joined(&self.attention, layer)?))
+    }
+}
+
+impl Spill {
+    /// Reads layer `layer`'s file back and lays its chunks out by position.
+    fn layer(&self, layer: usize) -> Result<(Array3<f32>, Array3<f32>, Array3<f32>), ModelError> {
+        let (path, _) = &self.files[layer];
+        let mut bytes = Vec::new();
+        std::fs::File::open(path)
+            .and_then(|mut file| file.read_to_end(&mut bytes))
+            .map_err(io_error(path))?;
+        let values: Vec<f32> = bytes
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (n_heads, n_kv, d) = self.heads;
+        let total: usize = self.chunks.iter().sum();
+        let mut q = Array3::zeros((n_heads, total, d));
+        let mut k = Array3::zeros((n_kv, total, d));
+        let mut v = Array3::zeros((n_kv, total, d));
+        let (mut at, mut start) = (0, 0);
+        for &n in &self.chunks {
+            for (array, heads) in [(&mut q, n_heads), (&mut k, n_kv), (&mut v, n_kv)] {
+                let len = heads * n * d;
+                let block = ndarray::ArrayView3::from_shape((heads, n, d), &values[at..at + len])
+                    .expect("one chunk's values");
+                array.slice_mut(s![.., start..start + n, ..]).assign(&block);
+                at += len;
+            }
+            start += n;
+        }
+        Ok((q, k, v))
+    }
+}
