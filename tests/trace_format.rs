@@ -407,3 +407,30 @@ fn layer_windows_round_trip_and_are_left_out_when_every_layer_is_global() {
         );
     }
 }
+
+/// A trace written without values has none (no `v` tensor at all), and a writer given values for
+/// some layers only refuses, naming the rule.
+#[test]
+fn values_are_all_or_nothing() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let t = shape.prompt_len + shape.generated;
+    let layers = tensors(shape, 9);
+    let mut without = TraceWriter::new(meta(shape), StorageDtype::F32, (0..t as i64).collect());
+    let mut mixed = TraceWriter::new(meta(shape), StorageDtype::F32, (0..t as i64).collect());
+    for (index, (q, k, v)) in layers.into_iter().enumerate() {
+        without.push_layer(q.clone(), k.clone(), None);
+        mixed.push_layer(q, k, (index == 0).then_some(v));
+    }
+    let path = dir.path().join("keys.safetensors");
+    without.write(&path).unwrap();
+    let reader = TraceReader::open(&path).unwrap();
+    assert!(!reader.has_values());
+    assert!(reader.layer(1).unwrap().v.is_none());
+    let err = mixed
+        .write(&dir.path().join("mixed.safetensors"))
+        .unwrap_err()
+        .to_string();
+    assert!(err.contains("either every layer has v or none"), "{err}");
+    assert!(!dir.path().join("mixed.safetensors").exists());
+}

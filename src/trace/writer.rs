@@ -99,8 +99,25 @@ impl TraceWriter {
                 ),
             });
         }
+        let values = self.layers.iter().filter(|(_, _, v)| v.is_some()).count();
+        if values != 0 && values != self.layers.len() {
+            return Err(TraceError::Write {
+                path: path.to_owned(),
+                detail: format!(
+                    "{values} of {} layers have values: either every layer has v or none",
+                    self.layers.len()
+                ),
+            });
+        }
         let source = |layer: usize| Ok(self.layers[layer].clone());
-        write_trace(path, &self.meta, self.storage, &self.tokens, true, &source)
+        write_trace(
+            path,
+            &self.meta,
+            self.storage,
+            &self.tokens,
+            values != 0,
+            &source,
+        )
     }
 }
 
@@ -126,6 +143,7 @@ pub fn write_trace(
         storage,
         n_positions,
         source,
+        values,
         current: RefCell::new(None),
         error: RefCell::new(None),
     };
@@ -185,6 +203,7 @@ struct LayerLoader<'a> {
     storage: StorageDtype,
     n_positions: usize,
     source: LayerSource<'a>,
+    values: bool,
     current: RefCell<Option<(usize, [Vec<u8>; 3])>>,
     error: RefCell<Option<String>>,
 }
@@ -210,6 +229,13 @@ impl LayerLoader<'_> {
     fn encoded(&self, layer: usize) -> Result<[Vec<u8>; 3], String> {
         let meta = self.meta;
         let (q, k, v) = (self.source)(layer)?;
+        if v.is_some() != self.values {
+            return Err(format!(
+                "layer {layer} {} values, the others {}: either every layer has v or none",
+                if v.is_some() { "has" } else { "has no" },
+                if self.values { "have" } else { "do not" }
+            ));
+        }
         let mut tensors = vec![("q", q, meta.n_heads), ("k", k, meta.n_kv_heads)];
         if let Some(v) = v {
             tensors.push(("v", v, meta.n_kv_heads));
