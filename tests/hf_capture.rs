@@ -36,6 +36,31 @@ fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], out: &Path) {
     captured.write(out).unwrap();
 }
 
+/// Runs `traces/capture_hf.py` on the GGUF `gguf` (transformers loads it from its directory) and
+/// `recipe`, writing `out`, with `extra` options.
+fn python_capture(gguf: &Path, recipe: &Path, out: &Path, extra: &[&str]) {
+    let status = Command::new(common::torch_python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+        .arg("--model")
+        .arg(gguf.parent().unwrap())
+        .arg("--gguf-file")
+        .arg(gguf.file_name().unwrap())
+        .arg("--recipe")
+        .arg(recipe)
+        .arg("--out")
+        .arg(out)
+        .args(extra)
+        .arg("--essays")
+        .arg(Assets::from_env().essays_dir())
+        .status()
+        .unwrap();
+    assert!(
+        status.success(),
+        "capture_hf.py failed on {}",
+        recipe.display()
+    );
+}
+
 #[test]
 fn python_capture_matches_native_capture() {
     let assets = Assets::from_env();
@@ -51,31 +76,11 @@ fn python_capture_matches_native_capture() {
     )
     .unwrap();
     let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capital.toml");
-    let python = common::torch_python();
     for recipe in [chat.as_path(), niah.as_path()] {
         let native_path = dir.path().join("native.safetensors");
         let hf_path = dir.path().join("hf.safetensors");
         native(&model, recipe, &essays, &native_path);
-        let status = Command::new(&python)
-            .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
-            .arg("--model")
-            .arg(model_path.parent().unwrap())
-            .arg("--gguf-file")
-            .arg(model_path.file_name().unwrap())
-            .arg("--recipe")
-            .arg(recipe)
-            .arg("--out")
-            .arg(&hf_path)
-            .args(["--dtype", "f32"])
-            .arg("--essays")
-            .arg(assets.essays_dir())
-            .status()
-            .unwrap();
-        assert!(
-            status.success(),
-            "capture_hf.py failed on {}",
-            recipe.display()
-        );
+        python_capture(&model_path, recipe, &hf_path, &["--dtype", "f32"]);
         let (ours, theirs) = (
             TraceReader::open(&native_path).unwrap(),
             TraceReader::open(&hf_path).unwrap(),
@@ -155,22 +160,12 @@ fn python_capture_of_gemma3_matches_native_capture() {
         dir.path().join("hf.safetensors"),
     );
     native(&model, &recipe, &essays, &native_path);
-    let status = Command::new(common::torch_python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
-        .arg("--model")
-        .arg(gguf.parent().unwrap())
-        .arg("--gguf-file")
-        .arg(gguf.file_name().unwrap())
-        .arg("--recipe")
-        .arg(&recipe)
-        .arg("--out")
-        .arg(&hf_path)
-        .args(["--dtype", "f32", "--chunk", "256"])
-        .arg("--essays")
-        .arg(assets.essays_dir())
-        .status()
-        .unwrap();
-    assert!(status.success(), "capture_hf.py failed on Gemma 3");
+    python_capture(
+        &gguf,
+        &recipe,
+        &hf_path,
+        &["--dtype", "f32", "--chunk", "256"],
+    );
     let (ours, theirs) = (
         TraceReader::open(&native_path).unwrap(),
         TraceReader::open(&hf_path).unwrap(),

@@ -17,7 +17,7 @@
 use super::causal_lm::{CausalLm, KvCache, ModelSpec};
 use super::gguf::GgufFile;
 use super::llama::transposed;
-use super::mask::{to_array, window_mask, AttentionMask, ChunkVectors};
+use super::mask::{policy_mask, window_mask, AttentionMask};
 use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
@@ -174,19 +174,7 @@ impl CausalLm for Gemma3 {
             let k = split_heads(&h.matmul(&block.wk)?, spec.n_kv_heads)?;
             let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
             let v = split_heads(&h.matmul(&block.wv)?, spec.n_kv_heads)?;
-            let policy_mask = match mask.as_deref_mut() {
-                Some(policy) => {
-                    let (q, k, v) = (to_array(&q)?, to_array(&k)?, to_array(&v)?);
-                    let chunk = ChunkVectors {
-                        past,
-                        q: q.view(),
-                        k: k.view(),
-                        v: v.view(),
-                    };
-                    policy.layer_mask(layer, &chunk)?
-                }
-                None => None,
-            };
+            let policy_mask = policy_mask(mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
             if let Some(recorder) = recorder.as_deref_mut() {
                 recorder.record(layer, &q, &k, &v)?;
             }

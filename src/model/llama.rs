@@ -4,7 +4,7 @@
 
 use super::causal_lm::{CausalLm, KvCache, ModelSpec};
 use super::gguf::{unpermute_rows, GgufFile};
-use super::mask::{causal_mask, to_array, AttentionMask, ChunkVectors};
+use super::mask::{causal_mask, policy_mask, AttentionMask};
 use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
@@ -97,11 +97,6 @@ impl Llama {
     pub fn config(&self) -> &LlamaConfig {
         &self.config
     }
-
-    /// The ChatML tokenizer built from the GGUF.
-    pub fn chat_tokenizer(&self) -> &ChatTokenizer {
-        &self.tokenizer
-    }
 }
 
 impl CausalLm for Llama {
@@ -137,19 +132,7 @@ impl CausalLm for Llama {
             let q = rotate(&split_heads(&h.matmul(&block.wq)?, n_heads)?, &cos, &sin)?;
             let k = rotate(&split_heads(&h.matmul(&block.wk)?, n_kv)?, &cos, &sin)?;
             let v = split_heads(&h.matmul(&block.wv)?, n_kv)?;
-            let layer_mask = match mask.as_deref_mut() {
-                Some(policy) => {
-                    let (q, k, v) = (to_array(&q)?, to_array(&k)?, to_array(&v)?);
-                    let chunk = ChunkVectors {
-                        past,
-                        q: q.view(),
-                        k: k.view(),
-                        v: v.view(),
-                    };
-                    policy.layer_mask(layer, &chunk)?
-                }
-                None => None,
-            };
+            let layer_mask = policy_mask(mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
             let layer_mask = match layer_mask {
                 Some(values) => Tensor::from_vec(values, (n_heads, n, total), &Device::Cpu)?,
                 None => causal.clone(),

@@ -31,6 +31,31 @@ pub trait AttentionMask {
     ) -> Result<Option<Vec<f32>>, ModelError>;
 }
 
+/// What `policy` (when there is one) decides for layer `layer` of a chunk whose first position is
+/// `past`, given its q, k, v as the forward pass made them.
+pub(crate) fn policy_mask(
+    policy: Option<&mut (dyn AttentionMask + '_)>,
+    layer: usize,
+    past: usize,
+    (q, k, v): (
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+        &candle_core::Tensor,
+    ),
+) -> Result<Option<Vec<f32>>, ModelError> {
+    let Some(policy) = policy else {
+        return Ok(None);
+    };
+    let (q, k, v) = (to_array(q)?, to_array(k)?, to_array(v)?);
+    let chunk = ChunkVectors {
+        past,
+        q: q.view(),
+        k: k.view(),
+        v: v.view(),
+    };
+    policy.layer_mask(layer, &chunk)
+}
+
 /// Per layer, per query head, the positions a policy has evicted: a fixed set, masked in every
 /// query of every chunk (a prefill-time eviction, applied while decoding).
 pub type Evicted = Vec<Vec<Vec<usize>>>;
