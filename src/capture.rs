@@ -255,6 +255,7 @@ fn trace_meta(
         scale: spec.scale,
         softcap: None,
         rope_theta: spec.rope_theta,
+        rope_thetas: spec.rope_thetas.clone(),
         windows: spec.windows.clone(),
         spans: prompt.spans.clone(),
         extra,

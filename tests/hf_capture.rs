@@ -173,6 +173,9 @@ fn python_capture_of_gemma3_matches_native_capture() {
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().spans, theirs.meta().spans);
     assert_eq!(ours.meta().windows, theirs.meta().windows);
+    assert_eq!(ours.meta().rope_thetas, theirs.meta().rope_thetas);
+    assert_eq!(ours.meta().rope_theta_of(5), Some(1_000_000.0));
+    assert_eq!(ours.meta().rope_theta_of(0), Some(10_000.0));
     assert_eq!(ours.meta().global_layers(), vec![5, 11, 17]);
     assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
     let mut worst = 0.0f32;

@@ -47,6 +47,7 @@ fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
         scale: 1.0 / (HEAD_DIM as f32).sqrt(),
         softcap: None,
         rope_theta: Some(10_000.0),
+        rope_thetas: Vec::new(),
         windows: Vec::new(),
         spans: vec![],
         extra: Default::default(),

@@ -187,6 +187,7 @@ fn recency_by_hand() {
         scale: 1.0,
         softcap: None,
         rope_theta: None,
+        rope_thetas: Vec::new(),
         windows: Vec::new(),
         spans: vec![],
         extra: Default::default(),
@@ -245,6 +246,7 @@ fn value_scorers_need_values() {
         scale: 1.0,
         softcap: None,
         rope_theta: None,
+        rope_thetas: Vec::new(),
         windows: Vec::new(),
         spans: vec![],
         extra: Default::default(),
@@ -723,4 +725,59 @@ fn reselecting_policies_read_part_of_a_cache_they_hold_whole() {
         let report = replay(&trace, &policy).unwrap();
         assert_eq!(report.held_entries, report.kv_entries, "{name}");
     }
+}
+
+/// Per-layer rotary bases (`layer_rope_thetas`) reach the scorers that turn queries back: each
+/// layer keeps what a trace with its base as the one `rope_theta` keeps; a trace with neither is
+/// refused, naming both keys.
+#[test]
+fn per_layer_rotary_bases_reach_the_scorers() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let layers = common::tensors(shape, 31);
+    let t = shape.prompt_len + shape.generated;
+    let write = |name: &str, rope_theta: Option<f32>, rope_thetas: Vec<f32>| {
+        let mut meta = common::meta(shape);
+        meta.rope_theta = rope_theta;
+        meta.rope_thetas = rope_thetas;
+        let path = dir.path().join(name);
+        let mut writer = kvreplay::trace::TraceWriter::new(
+            meta,
+            kvreplay::trace::StorageDtype::F32,
+            (0..t as i64).collect(),
+        );
+        for (q, k, v) in &layers {
+            writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
+        }
+        writer.write(&path).unwrap();
+        TraceReader::open(&path).unwrap()
+    };
+    let one = write("one.safetensors", Some(10_000.0), Vec::new());
+    let per_layer = write("per-layer.safetensors", None, vec![10_000.0; 2]);
+    let other = write("other.safetensors", None, vec![10_000.0, 500.0]);
+    let none = write("none.safetensors", None, Vec::new());
+    let policy = params("expected-attention", Timing::Prefill, 8)
+        .check()
+        .unwrap();
+    let budgets = layer_budgets(&one, &policy).unwrap();
+    for layer in 0..2 {
+        assert_eq!(
+            kept_sets(&one, &policy, &budgets, layer).unwrap(),
+            kept_sets(&per_layer, &policy, &budgets, layer).unwrap()
+        );
+    }
+    // Layer 1 of `other` turns its queries back with base 500: what a trace of base 500 keeps.
+    let base_500 = write("500.safetensors", Some(500.0), Vec::new());
+    assert_eq!(
+        kept_sets(&other, &policy, &budgets, 1).unwrap(),
+        kept_sets(&base_500, &policy, &budgets, 1).unwrap()
+    );
+    assert_eq!(
+        kept_sets(&other, &policy, &budgets, 0).unwrap(),
+        kept_sets(&one, &policy, &budgets, 0).unwrap()
+    );
+    assert!(replay(&none, &policy)
+        .unwrap_err()
+        .to_string()
+        .contains("layer_rope_thetas"));
 }

@@ -434,3 +434,21 @@ fn values_are_all_or_nothing() {
     assert!(err.contains("either every layer has v or none"), "{err}");
     assert!(!dir.path().join("mixed.safetensors").exists());
 }
+
+#[test]
+fn rule_layer_rope_thetas() {
+    let reader = case(|m, _| {
+        m.insert("layer_rope_thetas".into(), "[10000.0]".into());
+    })
+    .unwrap();
+    assert_eq!(reader.meta().rope_theta_of(0), Some(10_000.0));
+    for bad in ["[1.0, 2.0]", "[0]", "[-5]", "10000"] {
+        let text = message(case(|m, _| {
+            m.insert("layer_rope_thetas".into(), bad.into());
+        }));
+        assert!(
+            text.contains("`layer_rope_thetas`") && text.contains("positive finite numbers"),
+            "{bad}: {text}"
+        );
+    }
+}

@@ -206,6 +206,14 @@ def main():
     rope_theta = getattr(config, "rope_theta", None)
     if rope_theta and not getattr(config, "rope_scaling", None):
         meta["rope_theta"] = repr(float(rope_theta))
+    # One plain rotary per layer type (transformers 5's `rope_parameters` keyed by `layer_types`,
+    # as Gemma 3 has: 10,000 for sliding layers, 1,000,000 for global ones).
+    parameters = getattr(config, "rope_parameters", None)
+    layer_types = getattr(config, "layer_types", None)
+    if isinstance(parameters, dict) and layer_types and all(t in parameters for t in set(layer_types)):
+        per_layer = [parameters[layer_types[layer]] for layer in layers]
+        if all(p.get("rope_type", "default") == "default" for p in per_layer):
+            meta["layer_rope_thetas"] = json.dumps([float(p["rope_theta"]) for p in per_layer])
     partial = args.out + f".partial.{os.getpid()}"
     save_file(tensors, partial, metadata=meta)
     os.replace(partial, args.out)

@@ -192,7 +192,6 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
         head_dim: config.head_dim(),
         scale: 1.0 / (config.head_dim() as f32).sqrt(),
         softcap: None,
-        rope_theta: Some(config.rope_theta),
     };
     let policies = ["h2o", "streamingllm"]
         .into_iter()
@@ -227,8 +226,9 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
     let mut runs = vec![("plain forward".to_string(), prefill, decode)];
     for (name, policy) in &policies {
         let budgets = vec![policy.params().budget; config.n_layers];
-        let mut streams =
-            LiveStreams::new(policy, budgets, shape, ids.len(), ids.len() + STEPS + 1);
+        let thetas = vec![Some(config.rope_theta); config.n_layers];
+        let capacity = ids.len() + STEPS + 1;
+        let mut streams = LiveStreams::new(policy, (budgets, thetas), shape, ids.len(), capacity);
         let (prefill, decode) = timed(Some(&mut streams))?;
         runs.push((format!("`{name}` preset, B = 128"), prefill, decode));
     }
@@ -545,6 +545,7 @@ mod tests {
             scale: 1.0,
             softcap: None,
             rope_theta: None,
+            rope_thetas: Vec::new(),
             windows: Vec::new(),
             spans: Vec::new(),
             extra: Default::default(),

@@ -320,13 +320,19 @@ impl<'m> LiveSession<'m> {
             head_dim: meta.head_dim,
             scale: meta.scale,
             softcap: meta.softcap,
-            rope_theta: meta.rope_theta,
         };
         let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
         let global = meta.global_layers();
         let budgets = layer_budgets(&self.trace, policy)?;
         let budgets = global.iter().map(|&layer| budgets[layer]).collect();
-        let streams = LiveStreams::new(policy, budgets, shape, meta.prompt_len, capacity);
+        let rope_thetas = global.iter().map(|&l| meta.rope_theta_of(l)).collect();
+        let streams = LiveStreams::new(
+            policy,
+            (budgets, rope_thetas),
+            shape,
+            meta.prompt_len,
+            capacity,
+        );
         let mut streams = GlobalLayers::new(streams, &global, meta.n_layers);
         let mut cache = KvCache::default();
         let mut logits = Vec::new();

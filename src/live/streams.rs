@@ -33,7 +33,6 @@ pub(crate) struct AttentionShape {
     pub head_dim: usize,
     pub scale: f32,
     pub softcap: Option<f32>,
-    pub rope_theta: Option<f32>,
 }
 
 /// A streaming or re-selecting policy holding the model's cache. Cloning forks it (with a clone
@@ -43,17 +42,19 @@ pub(crate) struct LiveStreams<'p> {
     policy: &'p ValidPolicy,
     /// The allocator's budget for each layer.
     budgets: Vec<usize>,
+    /// Each layer's rotary base, when the trace gives one.
+    rope_thetas: Vec<Option<f32>>,
     shape: AttentionShape,
     prompt_len: usize,
     layers: Vec<LiveLayer>,
 }
 
 impl<'p> LiveStreams<'p> {
-    /// `policy` with each layer's budget, for a prompt of `prompt_len` tokens and at most
-    /// `capacity` positions in all.
+    /// `policy` with each layer's budget and rotary base, for a prompt of `prompt_len` tokens and
+    /// at most `capacity` positions in all.
     pub fn new(
         policy: &'p ValidPolicy,
-        budgets: Vec<usize>,
+        (budgets, rope_thetas): (Vec<usize>, Vec<Option<f32>>),
         shape: AttentionShape,
         prompt_len: usize,
         capacity: usize,
@@ -69,6 +70,7 @@ impl<'p> LiveStreams<'p> {
             policy,
             layers: budgets.iter().map(|_| layer()).collect(),
             budgets,
+            rope_thetas,
             shape,
             prompt_len,
         }
@@ -114,7 +116,7 @@ impl AttentionMask for LiveStreams<'_> {
             prompt_len: self.prompt_len,
             scale: shape.scale,
             softcap: shape.softcap,
-            rope_theta: shape.rope_theta,
+            rope_theta: self.rope_thetas[layer],
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

@@ -27,6 +27,8 @@ pub struct ModelSpec {
     pub scale: f32,
     /// Base of the half-split rotary, when every layer uses the same one.
     pub rope_theta: Option<f32>,
+    /// Per layer, the base of its rotary, when layers differ (empty otherwise).
+    pub rope_thetas: Vec<f32>,
     /// Per layer, the attention window (the most recent positions a query attends over, its own
     /// included); 0 for global attention.
     pub windows: Vec<usize>,

@@ -98,7 +98,7 @@ impl Gemma3 {
                 post_ffw_norm: weight("post_ffw_norm")?,
             });
         }
-        let windows = (0..n_layers)
+        let windows: Vec<usize> = (0..n_layers)
             .map(|layer| {
                 if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {
                     window
@@ -116,6 +116,16 @@ impl Gemma3 {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             rope_theta: None,
+            rope_thetas: windows
+                .iter()
+                .map(|&w| {
+                    if w > 0 {
+                        SLIDING_ROPE_THETA
+                    } else {
+                        global_theta
+                    }
+                })
+                .collect(),
             windows,
         };
         Ok(Self {

@@ -79,6 +79,7 @@ impl Llama {
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
             rope_theta: Some(config.rope_theta),
+            rope_thetas: Vec::new(),
             windows: vec![0; config.n_layers],
         };
         Ok(Self {

@@ -79,7 +79,7 @@ pub fn context<'a>(
         prompt_len: meta.prompt_len,
         scale: meta.scale,
         softcap: meta.softcap,
-        rope_theta: meta.rope_theta,
+        rope_theta: meta.rope_theta_of(layer),
     }
 }
 
@@ -431,9 +431,14 @@ fn layer_budgets_with_progress(
             params.scorer
         )));
     }
-    if policy.scorer.needs_rope() && meta.rope_theta.is_none() {
+    if policy.scorer.needs_rope()
+        && meta
+            .global_layers()
+            .iter()
+            .any(|&layer| meta.rope_theta_of(layer).is_none())
+    {
         return Err(mismatch(format!(
-            "scorer `{}` rotates the queries back before the rotary, and this trace has no `rope_theta` in its header (capture it again with this version)",
+            "scorer `{}` rotates the queries back before the rotary, and this trace has no `rope_theta` (or `layer_rope_thetas`) in its header (capture it again with this version)",
             params.scorer
         )));
     }

@@ -42,6 +42,9 @@ pub struct TraceMeta {
     /// Base of the half-split rotary embedding the stored q and k went through, when known:
     /// what rotates them back (scorers that need the pre-rotary queries).
     pub rope_theta: Option<f32>,
+    /// Per layer, the base of its half-split rotary, when layers differ (Gemma 3: 10,000 in the
+    /// sliding layers, 1,000,000 in the global ones); empty: `rope_theta` for every layer.
+    pub rope_thetas: Vec<f32>,
     /// Per layer, the attention window: a query at position `t` attends over keys
     /// `t - window < j <= t`; 0 is global attention. Empty: every layer is global.
     pub windows: Vec<usize>,
@@ -52,6 +55,12 @@ pub struct TraceMeta {
 }
 
 impl TraceMeta {
+    /// The rotary base of layer `layer`, when the header gives one (`layer_rope_thetas`, else
+    /// `rope_theta`).
+    pub fn rope_theta_of(&self, layer: usize) -> Option<f32> {
+        self.rope_thetas.get(layer).copied().or(self.rope_theta)
+    }
+
     /// The attention window of layer `layer` (0: global).
     pub fn window(&self, layer: usize) -> usize {
         self.windows.get(layer).copied().unwrap_or(0)
@@ -165,6 +174,25 @@ impl TraceMeta {
                     }),
                 },
             };
+        let rope_thetas = match header.get("layer_rope_thetas") {
+            None => Vec::new(),
+            Some(text) => match serde_json::from_str::<Vec<f32>>(text) {
+                Ok(thetas)
+                    if thetas.len() == n_layers
+                        && thetas.iter().all(|t| t.is_finite() && *t > 0.0) =>
+                {
+                    thetas
+                }
+                _ => {
+                    return Err(TraceError::BadValue {
+                        path: path.to_owned(),
+                        key: "layer_rope_thetas",
+                        value: text.clone(),
+                        expected: "a JSON list of n_layers positive finite numbers",
+                    })
+                }
+            },
+        };
         let spans = match header.get("spans") {
             None => Vec::new(),
             Some(text) => {
@@ -174,8 +202,9 @@ impl TraceMeta {
                 })?
             }
         };
-        const KNOWN: [&str; 13] = [
+        const KNOWN: [&str; 14] = [
             "format",
+            "layer_rope_thetas",
             "layer_windows",
             "model",
             "n_layers",
@@ -204,6 +233,7 @@ impl TraceMeta {
             scale,
             softcap,
             rope_theta,
+            rope_thetas,
             windows,
             spans,
             extra,
@@ -251,6 +281,12 @@ impl TraceMeta {
         }
         if let Some(theta) = self.rope_theta {
             header.insert("rope_theta".into(), format!("{theta:e}"));
+        }
+        if !self.rope_thetas.is_empty() {
+            header.insert(
+                "layer_rope_thetas".into(),
+                serde_json::to_string(&self.rope_thetas).expect("thetas serialise"),
+            );
         }
         if self.windows.iter().any(|&window| window > 0) {
             header.insert(

@@ -100,6 +100,7 @@ pub fn meta(shape: Shape) -> TraceMeta {
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         softcap: None,
         rope_theta: Some(reference::ROPE_THETA),
+        rope_thetas: Vec::new(),
         windows: Vec::new(),
         spans: vec![Span {
             name: "needle".into(),

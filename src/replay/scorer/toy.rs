@@ -78,6 +78,7 @@ mod tests {
             scale: 1.0,
             softcap: None,
             rope_theta: None,
+            rope_thetas: Vec::new(),
             windows: Vec::new(),
             spans: Vec::new(),
             extra: Default::default(),
