@@ -26,8 +26,8 @@ pub struct SpmTokenizer {
     scores: Vec<f32>,
     types: Vec<i32>,
     ids: HashMap<String, u32>,
-    /// Control and user-defined tokens, longest first.
-    specials: Vec<(String, u32)>,
+    /// Control and user-defined tokens by their first byte, longest first.
+    specials: Vec<Vec<(String, u32)>>,
     bytes: [u32; 256],
     bos: Option<u32>,
     eos: u32,
@@ -112,13 +112,15 @@ impl SpmTokenizer {
             .enumerate()
             .map(|(id, token)| (token.clone(), id as u32))
             .collect();
-        let mut specials: Vec<(String, u32)> = tokens
-            .iter()
-            .enumerate()
-            .filter(|(id, _)| matches!(types[*id], CONTROL | USER_DEFINED))
-            .map(|(id, token)| (token.clone(), id as u32))
-            .collect();
-        specials.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        let mut specials: Vec<Vec<(String, u32)>> = vec![Vec::new(); 256];
+        for (id, token) in tokens.iter().enumerate() {
+            if let (CONTROL | USER_DEFINED, Some(&first)) = (types[id], token.as_bytes().first()) {
+                specials[first as usize].push((token.clone(), id as u32));
+            }
+        }
+        for list in specials.iter_mut() {
+            list.sort_by(|a, b| b.0.len().cmp(&a.0.len()).then(a.1.cmp(&b.1)));
+        }
         let mut bytes = [0u32; 256];
         for (byte, slot) in bytes.iter_mut().enumerate() {
             let name = format!("<0x{byte:02X}>");
@@ -146,7 +148,7 @@ impl SpmTokenizer {
 
     /// The special token written at `text[at..]`, longest first.
     fn special_at(&self, text: &str, at: usize) -> Option<(usize, u32)> {
-        self.specials
+        self.specials[text.as_bytes()[at] as usize]
             .iter()
             .find(|(token, _)| text[at..].starts_with(token.as_str()))
             .map(|(token, id)| (token.len(), *id))
