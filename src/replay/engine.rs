@@ -518,6 +518,7 @@ fn summarise(
             full_mass: mean(&|l| l.spans[index].full_mass),
         })
         .collect();
+    let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries);
     ReplayReport {
         trace: trace.path().display().to_string(),
         policy: policy.label(),
@@ -529,10 +530,9 @@ fn summarise(
             .map(|id| (id.clone(), mean(&|l| l.metrics[id])))
             .collect(),
         mean_kept: mean(&|l| l.mean_kept),
-        kv_entries: entries_with_windows(trace, &layers, |l| l.kv_entries),
+        kv_entries,
         held_entries: entries_with_windows(trace, &layers, |l| l.held_entries),
-        kv_bytes: entries_with_windows(trace, &layers, |l| l.kv_entries)
-            * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
+        kv_bytes: kv_entries * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
         spans,
         layers,
     }

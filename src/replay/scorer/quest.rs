@@ -76,23 +76,29 @@ impl ScoreState for State {
                 _ => pages.push(index..index + 1),
             }
         }
+        // Each page's channel-wise minimum and maximum, once for all heads: `[page][channel]`.
+        let extremes: Vec<Vec<(f32, f32)>> = pages
+            .iter()
+            .map(|page| {
+                (0..d)
+                    .map(|channel| {
+                        cache[page.clone()].iter().map(|&p| keys[[p, channel]]).fold(
+                            (f32::INFINITY, f32::NEG_INFINITY),
+                            |(low, high), k| (low.min(k), high.max(k)),
+                        )
+                    })
+                    .collect()
+            })
+            .collect();
         let mut bounds = vec![0.0f32; pages.len()];
-        let mut per_head = vec![0.0f32; pages.len()];
         for (count, head) in self.heads.clone().enumerate() {
             let query = layer.query(head, newest);
-            for (bound, page) in per_head.iter_mut().zip(&pages) {
-                let mut total = 0.0f32;
-                for channel in 0..d {
-                    let column = cache[page.clone()].iter().map(|&p| keys[[p, channel]]);
-                    let (low, high) = column.fold((f32::INFINITY, f32::NEG_INFINITY), |(l, h), k| {
-                        (l.min(k), h.max(k))
-                    });
-                    let q = query[channel];
-                    total += (q * high).max(q * low);
-                }
-                *bound = total;
-            }
-            for (acc, &bound) in bounds.iter_mut().zip(&per_head) {
+            for (acc, page) in bounds.iter_mut().zip(&extremes) {
+                let bound: f32 = page
+                    .iter()
+                    .zip(query.iter())
+                    .map(|(&(low, high), &q)| (q * high).max(q * low))
+                    .sum();
                 *acc = match (count, self.agg) {
                     (0, _) => bound,
                     (_, Aggregation::Max) => acc.max(bound),
