@@ -147,7 +147,7 @@ pub fn write_trace(
         current: RefCell::new(None),
         error: RefCell::new(None),
     };
-    let element = storage.encode(&[0.0]).len();
+    let element = storage.dtype().bitsize() / 8;
     let mut tensors = vec![(
         "tokens".to_string(),
         Tensor::Tokens {
