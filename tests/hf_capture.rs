@@ -61,6 +61,54 @@ fn python_capture(gguf: &Path, recipe: &Path, out: &Path, extra: &[&str]) {
     );
 }
 
+/// The largest difference between the two traces' q, k and v, over every layer: absolute, or
+/// relative to the largest magnitude of the tensor it is in.
+fn worst_difference(ours: &TraceReader, theirs: &TraceReader, relative: bool) -> f32 {
+    let mut worst = 0.0f32;
+    for layer in 0..ours.meta().n_layers {
+        let (a, b) = (ours.layer(layer).unwrap(), theirs.layer(layer).unwrap());
+        for (x, y) in [
+            (&a.q, &b.q),
+            (&a.k, &b.k),
+            (a.v.as_ref().unwrap(), b.v.as_ref().unwrap()),
+        ] {
+            let scale = if relative {
+                y.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+            } else {
+                1.0
+            };
+            let diff = x
+                .iter()
+                .zip(y.iter())
+                .map(|(p, q)| (p - q).abs())
+                .fold(0.0, f32::max);
+            worst = worst.max(diff / scale);
+        }
+    }
+    worst
+}
+
+/// Presets `names` at `budget` measure the same `metrics` on both traces, within 1e-3.
+fn assert_same_metrics(
+    ours: &TraceReader,
+    theirs: &TraceReader,
+    names: &[&str],
+    budget: usize,
+    metrics: &[&str],
+) {
+    for name in names {
+        let policy = presets::preset(name, budget).unwrap().check().unwrap();
+        let (a, b) = (
+            replay(ours, &policy).unwrap(),
+            replay(theirs, &policy).unwrap(),
+        );
+        for metric in metrics {
+            let (x, y) = (a.metric(metric).unwrap(), b.metric(metric).unwrap());
+            assert!((x - y).abs() < 1e-3, "{name} {metric}: {x} vs {y}");
+        }
+    }
+}
+
 #[test]
 fn python_capture_matches_native_capture() {
     let assets = Assets::from_env();
@@ -94,22 +142,7 @@ fn python_capture_matches_native_capture() {
         assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
         assert_eq!(ours.meta().spans, theirs.meta().spans);
         assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
-        let mut worst = 0.0f32;
-        for layer in 0..ours.meta().n_layers {
-            let (a, b) = (ours.layer(layer).unwrap(), theirs.layer(layer).unwrap());
-            for (x, y) in [
-                (&a.q, &b.q),
-                (&a.k, &b.k),
-                (a.v.as_ref().unwrap(), b.v.as_ref().unwrap()),
-            ] {
-                worst = worst.max(
-                    x.iter()
-                        .zip(y.iter())
-                        .map(|(p, q)| (p - q).abs())
-                        .fold(0.0, f32::max),
-                );
-            }
-        }
+        let worst = worst_difference(&ours, &theirs, false);
         eprintln!(
             "{}: max |Δ| over q, k, v of 30 layers = {worst:e}",
             recipe.display()
@@ -119,24 +152,13 @@ fn python_capture_matches_native_capture() {
             "{}: q/k/v differ by {worst}",
             recipe.display()
         );
-        for name in ["snapkv", "h2o", "streamingllm", "h2o-adapted", "oracle"] {
-            let policy = presets::preset(name, 16).unwrap().check().unwrap();
-            let (a, b) = (
-                replay(&ours, &policy).unwrap(),
-                replay(&theirs, &policy).unwrap(),
-            );
-            assert!(
-                (a.metric("retained_mass").unwrap() - b.metric("retained_mass").unwrap()).abs()
-                    < 1e-3,
-                "{name}: {} vs {}",
-                a.metric("retained_mass").unwrap(),
-                b.metric("retained_mass").unwrap()
-            );
-            assert!(
-                (a.metric("topk_recall").unwrap() - b.metric("topk_recall").unwrap()).abs() < 1e-3,
-                "{name}"
-            );
-        }
+        assert_same_metrics(
+            &ours,
+            &theirs,
+            &["snapkv", "h2o", "streamingllm", "h2o-adapted", "oracle"],
+            16,
+            &["retained_mass", "topk_recall"],
+        );
     }
 }
 
@@ -178,37 +200,16 @@ fn python_capture_of_gemma3_matches_native_capture() {
     assert_eq!(ours.meta().rope_theta_of(0), Some(10_000.0));
     assert_eq!(ours.meta().global_layers(), vec![5, 11, 17]);
     assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
-    let mut worst = 0.0f32;
-    for layer in 0..ours.meta().n_layers {
-        let (a, b) = (ours.layer(layer).unwrap(), theirs.layer(layer).unwrap());
-        for (x, y) in [
-            (&a.q, &b.q),
-            (&a.k, &b.k),
-            (a.v.as_ref().unwrap(), b.v.as_ref().unwrap()),
-        ] {
-            let scale = y.iter().fold(0.0f32, |m, v| m.max(v.abs()));
-            let diff = x
-                .iter()
-                .zip(y.iter())
-                .map(|(p, q)| (p - q).abs())
-                .fold(0.0, f32::max);
-            worst = worst.max(diff / scale);
-        }
-    }
+    let worst = worst_difference(&ours, &theirs, true);
     eprintln!("Gemma 3: max |Δ| / max |x| over q, k, v of 18 layers = {worst:e}");
     assert!(worst < 1e-3, "q/k/v differ by {worst} of their range");
-    for name in ["snapkv", "h2o", "streamingllm", "oracle"] {
-        let policy = presets::preset(name, 64).unwrap().check().unwrap();
-        let (a, b) = (
-            replay(&ours, &policy).unwrap(),
-            replay(&theirs, &policy).unwrap(),
-        );
-        let (x, y) = (
-            a.metric("retained_mass").unwrap(),
-            b.metric("retained_mass").unwrap(),
-        );
-        assert!((x - y).abs() < 1e-3, "{name}: {x} vs {y}");
-    }
+    assert_same_metrics(
+        &ours,
+        &theirs,
+        &["snapkv", "h2o", "streamingllm", "oracle"],
+        64,
+        &["retained_mass"],
+    );
 }
 
 /// The Python capture refuses, naming the feature, models whose attention a trace cannot describe
