@@ -16,29 +16,43 @@ pub struct LayerEntropy {
     pub entropy: f64,
     /// The same divided by ln(keys attended), 1 = uniform.
     pub normalized: f64,
+    /// The layer's attention window (0: global, every key before the query).
+    pub window: usize,
 }
 
 /// The per-layer entropy of the last `window` prompt queries' causal attention over the prompt,
 /// averaged over query heads and queries ([`LayerProfile`], the statistics the data-driven
-/// allocators use), for the global layers (the ones policies compress).
+/// allocators use), for every layer: a sliding-window layer's rows attend over its window.
 pub fn entropy_profile(
     trace: &TraceReader,
     window: usize,
 ) -> Result<Vec<LayerEntropy>, TraceError> {
-    trace
-        .meta()
-        .global_layers()
-        .into_iter()
+    let meta = trace.meta();
+    (0..meta.n_layers)
         .map(|layer| {
             let tensors = trace.layer(layer)?;
-            let profile = LayerProfile::measure(&context(trace, layer, &tensors), window);
+            let attention_window = meta.window(layer);
+            let profile = LayerProfile::measure_windowed(
+                &context(trace, layer, &tensors),
+                window,
+                attention_window,
+            );
             Ok(LayerEntropy {
                 layer,
                 entropy: profile.entropy,
                 normalized: profile.normalized,
+                window: attention_window,
             })
         })
         .collect()
+}
+
+/// A layer's kind in a table: `global` or `window W`.
+pub fn kind(window: usize) -> String {
+    match window {
+        0 => "global".into(),
+        w => format!("window {w}"),
+    }
 }
 
 /// The layers' attention kinds in words: `global` when every layer is, else which layers slide

@@ -267,8 +267,10 @@ fn runs_are_bound_to_the_trace_content() {
 }
 
 /// Traces of two models, one hybrid: the report puts the models side by side (each model's
-/// mean over its traces, checked against a replay of each trace), and the hybrid trace's memory
-/// column is the replay's own figure, sliding-window layers included.
+/// mean over its traces, checked against a replay of each trace), then has one part per model
+/// with its own tables and figures (the hybrid model's entropy table naming each layer's kind),
+/// and the hybrid trace's memory column is the replay's own figure, sliding-window layers
+/// included.
 #[test]
 fn two_models_side_by_side() {
     let dir = tempfile::tempdir().unwrap();
@@ -297,12 +299,12 @@ fn two_models_side_by_side() {
     }
     std::fs::write(
         dir.path().join("m.toml"),
-        "description = \"two models\"\ntraces = [\"a1.safetensors\", \"a2.safetensors\", \"b1.safetensors\"]\nbudgets = [6]\n\n[[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\nwindow = 2\n",
+        "description = \"two models\"\ntraces = [\"a1.safetensors\", \"a2.safetensors\", \"b1.safetensors\"]\nbudgets = [6]\nentropy_window = 2\n\n[[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\nwindow = 2\n",
     )
     .unwrap();
     let out = kvreplay(&dir).args(["sweep", "m.toml"]).assert().success();
     let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
-    assert!(report.contains("By model"), "{report}");
+    assert!(report.contains("Models side by side"), "{report}");
     let policy = kvreplay::replay::PolicyParams {
         window: 2,
         ..kvreplay::replay::presets::preset("snapkv", 6).unwrap()
@@ -322,24 +324,40 @@ fn two_models_side_by_side() {
         replayed("b1.safetensors"),
     );
     let mass = |r: &kvreplay::replay::ReplayReport| r.metric("retained_mass").unwrap();
-    let section = |model: &str| -> String {
-        let start = report.find(&format!("`{model}`")).unwrap();
-        report[start..]
-            .lines()
-            .take(5)
-            .collect::<Vec<_>>()
-            .join("\n")
-    };
     let a_mean = (mass(&a1) + mass(&a2)) / 2.0;
-    assert!(section("model-a").contains("(2 traces)"), "{report}");
     assert!(
-        section("model-a").contains(&format!("| {a_mean:.4} ±")),
+        report.contains(&format!("| snapkv | model-a (2) | {a_mean:.4} ±")),
         "{report}"
     );
     assert!(
-        section("model-b").contains(&format!("| {:.4} ", mass(&b1))),
+        report.contains(&format!("| snapkv | model-b (1) | {:.4} ", mass(&b1))),
         "{report}"
     );
+    let part = |model: &str| -> String {
+        let start = report.find(&format!("## `{model}`")).unwrap();
+        let end = report[start + 1..]
+            .find("## `")
+            .map_or(report.len(), |e| start + 1 + e);
+        report[start..end].to_string()
+    };
+    let (part_a, part_b) = (part("model-a"), part("model-b"));
+    assert!(
+        part_a.contains("Student t over per-trace means"),
+        "{part_a}"
+    );
+    assert!(!part_a.contains("attends over"), "{part_a}");
+    assert!(
+        part_b.contains(&format!("| snapkv | {:.4} ± ", mass(&b1))),
+        "{part_b}"
+    );
+    assert!(part_b.contains("| 0     | window 8"), "{part_b}");
+    assert!(part_b.contains("| 1     | global"), "{part_b}");
+    for model in ["model_a", "model_b"] {
+        for figure in ["retained_mass_vs_budget", "schedules", "entropy"] {
+            let file = dir.path().join(format!("results/m/{figure}_{model}.png"));
+            assert!(file.is_file(), "{file:?}");
+        }
+    }
     let csv = std::fs::read_to_string(dir.path().join("results/m/runs.csv")).unwrap();
     let b_row = csv.lines().find(|l| l.contains("b1.safetensors")).unwrap();
     let entries: f64 = b_row.split(',').nth(5).unwrap().parse().unwrap();

@@ -14,11 +14,12 @@
 //!   came with the higher KL by the widest margins.
 
 use super::plot::{scatter, Series};
+use super::report::FigureFiles;
 use super::store::{StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
 use crate::replay::{metrics, RETAINED_MASS};
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// Average ranks (1-based; ties share the mean of their ranks).
 pub fn ranks(values: &[f64]) -> Vec<f64> {
@@ -160,17 +161,17 @@ fn interval((value, low, high): (f64, f64, f64)) -> String {
 }
 
 /// The calibration section of a closed-loop experiment's report, and its scatter plot.
-pub fn section(
+pub(crate) fn section(
     experiment: &Experiment,
     names: &[String],
     runs: &[StoredRun],
     trace_names: &[String],
-    results: &Path,
+    files: &FigureFiles<'_>,
 ) -> Result<(String, Vec<PathBuf>), SweepError> {
     let mut out = outcome_table(experiment, names, runs, trace_names);
     out += &correlations(runs, trace_names);
     out += &rankings(experiment, names, runs, trace_names);
-    let (drift, mut figures) = super::drift::section(names, runs, results)?;
+    let (drift, mut figures) = super::drift::section(names, runs, files)?;
     out += &drift;
     let series: Vec<Series> = names
         .iter()
@@ -184,7 +185,7 @@ pub fn section(
         })
         .collect();
     figures.extend(scatter(
-        &results.join("calibration"),
+        &files.stem("calibration"),
         "open-loop retained mass against closed-loop KL (one dot per policy, budget, trace)",
         "retained mass (open loop)",
         "KL(p_full ‖ p_policy), nats (closed loop)",

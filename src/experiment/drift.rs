@@ -7,10 +7,11 @@
 
 use super::calibration::{bootstrap, spearman};
 use super::plot::{line_chart, Series};
+use super::report::FigureFiles;
 use super::store::{StoredRun, SweepError};
 use crate::export::{Format, Table};
 use crate::replay::RETAINED_MASS;
-use std::path::{Path, PathBuf};
+use std::path::PathBuf;
 
 /// A run's open-loop and live retained mass, per layer and overall, when both were measured.
 struct Paired<'a> {
@@ -42,10 +43,10 @@ fn paired(run: &StoredRun) -> Option<Paired<'_>> {
 
 /// The drift section and its figure (`drift.png`, `drift.svg`: mean live − open-loop retained
 /// mass per layer, one line per policy); empty when no run has its live mass.
-pub fn section(
+pub(crate) fn section(
     names: &[String],
     runs: &[StoredRun],
-    results: &Path,
+    files: &FigureFiles<'_>,
 ) -> Result<(String, Vec<PathBuf>), SweepError> {
     let pairs: Vec<Paired> = runs.iter().filter_map(paired).collect();
     if pairs.is_empty() {
@@ -105,7 +106,7 @@ pub fn section(
     out += &table.render(Format::Markdown);
     out += &predictors(&pairs);
     let figures = line_chart(
-        &results.join("drift"),
+        &files.stem("drift"),
         "live − open-loop retained mass per layer (mean over budgets and traces)",
         "layer",
         "retained mass, live − open loop",
@@ -183,7 +184,7 @@ mod tests {
             run("b", [0.5, 0.5], None, 2.0),
         ];
         let names = vec!["a".to_string(), "b".to_string()];
-        let (text, figures) = section(&names, &runs, dir.path()).unwrap();
+        let (text, figures) = section(&names, &runs, &FigureFiles::under(dir.path())).unwrap();
         let row: Vec<&str> = text
             .lines()
             .find(|line| line.starts_with("| a "))
@@ -203,7 +204,8 @@ mod tests {
     fn no_live_mass_no_section() {
         let dir = tempfile::tempdir().unwrap();
         let runs = vec![run("b", [0.5, 0.5], None, 2.0)];
-        let (text, figures) = section(&["b".to_string()], &runs, dir.path()).unwrap();
+        let (text, figures) =
+            section(&["b".to_string()], &runs, &FigureFiles::under(dir.path())).unwrap();
         assert!(text.is_empty() && figures.is_empty());
     }
 }

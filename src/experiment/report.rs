@@ -13,7 +13,7 @@ use super::plot::{heatmap, line_chart, Series};
 use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
 use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};
-use crate::inspect::entropy_profile;
+use crate::inspect::{entropy_profile, kind};
 use crate::replay::{metrics, PolicyError, RETAINED_MASS};
 use crate::trace::TraceReader;
 use polars::prelude::*;
@@ -207,7 +207,7 @@ fn needle_section(
     runs: &[StoredRun],
     grid: &[NeedleCell],
     budget: usize,
-    results: &Path,
+    files: &FigureFiles<'_>,
 ) -> Result<String, SweepError> {
     let mut lengths: Vec<usize> = grid.iter().map(|c| c.length).collect();
     lengths.sort_unstable();
@@ -254,12 +254,8 @@ fn needle_section(
         }
         out += "\n";
         out += &table.render(Format::Markdown);
-        let slug: String = name
-            .chars()
-            .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-            .collect();
         figures.extend(heatmap(
-            &results.join(format!("needle_{slug}")),
+            &files.stem(&format!("needle_{}", slug(&name))),
             &format!("{name}: needle mass kept at budget {budget}"),
             &lengths.iter().map(|l| l.to_string()).collect::<Vec<_>>(),
             &depths.iter().map(|d| format!("{d}%")).collect::<Vec<_>>(),
@@ -280,9 +276,57 @@ fn needle_section(
     Ok(out)
 }
 
+/// Where a report's figures go: `<dir>/<stem><suffix>.{png,svg}`, the suffix naming the model
+/// when a report has one part per model.
+pub(crate) struct FigureFiles<'a> {
+    dir: &'a Path,
+    suffix: String,
+}
+
+impl<'a> FigureFiles<'a> {
+    /// Figures straight under `dir`, no suffix.
+    pub(crate) fn under(dir: &'a Path) -> Self {
+        Self {
+            dir,
+            suffix: String::new(),
+        }
+    }
+
+    /// The stem of figure `name`.
+    pub(crate) fn stem(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}{}", self.suffix))
+    }
+}
+
+/// `name` with every character but ASCII letters and digits turned into `_`.
+fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
+/// The model of a trace, as its header says.
+fn model_of(trace: &TraceFile) -> String {
+    trace.model.clone().unwrap_or_else(|| "unknown".into())
+}
+
+/// The traces grouped by model, models in the order of their first trace.
+fn by_model(traces: &[TraceFile]) -> Vec<(String, Vec<TraceFile>)> {
+    let mut groups: Vec<(String, Vec<TraceFile>)> = Vec::new();
+    for trace in traces {
+        let model = model_of(trace);
+        match groups.iter_mut().find(|(m, _)| *m == model) {
+            Some((_, group)) => group.push(trace.clone()),
+            None => groups.push((model, vec![trace.clone()])),
+        }
+    }
+    groups
+}
+
 /// Builds the experiment's report from its stored runs, section by section, writes it (with its
 /// Parquet/CSV rows and figures) under `results`, and returns the Markdown. `command` is the
-/// command line to name in it.
+/// command line to name in it. With traces of several models the report has a summary table
+/// side by side and then one part per model, every section computed on that model's traces.
 pub fn build(
     experiment: &Experiment,
     traces: &[TraceFile],
@@ -305,47 +349,124 @@ pub fn build(
         runs.len(),
         trace_names.join(", ")
     );
-    if !runs.is_empty() {
-        let names = names(experiment);
-        let (mass, mass_series) = mass_section(experiment, &names, &runs, &trace_names, traces);
-        out += &mass;
-        out += &model_section(experiment, &names, &runs, traces);
-        out += &paired_section(experiment, &runs, &trace_names);
-        out += &span_sections(experiment, &names, &runs, &trace_names);
-        let files = write_frames(&runs, traces, results)?;
-        let mut figures = figures_of_runs(
-            experiment,
-            &names,
-            &runs,
-            &trace_names,
-            &mass_series,
-            results,
-        )?;
-        if runs.iter().all(|r| r.closed_loop.is_some()) {
-            let (text, plots) =
-                calibration::section(experiment, &names, &runs, &trace_names, results)?;
-            out += &text;
-            figures.extend(plots);
-        }
-        out += &format!(
-            "\nFiles: {}.\n",
-            files
-                .iter()
-                .chain(&figures)
-                .map(|p| format!("`{}`", p.file_name().unwrap_or_default().to_string_lossy()))
-                .collect::<Vec<_>>()
-                .join(", ")
-        );
-    }
+    let frames = if runs.is_empty() {
+        Vec::new()
+    } else {
+        write_frames(&runs, traces, results)?
+    };
     let needle_grid = experiment.needle_cells(traces);
-    if let (Some(budget), false) = (experiment.heatmap_budget, needle_grid.is_empty()) {
-        out += &needle_section(experiment, &runs, &needle_grid, budget, results)?;
-    }
-    if let Some(window) = experiment.entropy_window {
-        out += &entropy_section(traces, window, results)?;
+    let models = by_model(traces);
+    if models.len() < 2 {
+        let figures = FigureFiles::under(results);
+        let part = part(experiment, &needle_grid, traces, &runs, &figures)?;
+        out += &part.body;
+        if !runs.is_empty() {
+            out += &files_line(&frames, &part.figures);
+        }
+        out += &part.tail;
+    } else {
+        out += &model_section(experiment, &names(experiment), &runs, &models);
+        let mut all_figures = Vec::new();
+        for (model, model_traces) in &models {
+            let paths: Vec<String> = model_traces
+                .iter()
+                .map(|t| t.path.display().to_string())
+                .collect();
+            let model_runs: Vec<StoredRun> = runs
+                .iter()
+                .filter(|r| paths.contains(&r.trace))
+                .cloned()
+                .collect();
+            let figures = FigureFiles {
+                dir: results,
+                suffix: format!("_{}", slug(model)),
+            };
+            let part = part(
+                experiment,
+                &needle_grid,
+                model_traces,
+                &model_runs,
+                &figures,
+            )?;
+            out += &format!("\n## `{model}`\n\n");
+            out += &part.body;
+            out += &part.tail;
+            all_figures.extend(part.figures);
+        }
+        if !runs.is_empty() {
+            out += &files_line(&frames, &all_figures);
+        }
     }
     write_atomically(&results.join("report.md"), out.as_bytes())?;
     Ok(out)
+}
+
+/// The report's sections for one set of traces: the body (tables of the runs), the figures of
+/// the runs, and the tail (needle grid and entropy profile, which list their own figures).
+struct Part {
+    body: String,
+    figures: Vec<PathBuf>,
+    tail: String,
+}
+
+fn part(
+    experiment: &Experiment,
+    needle_grid: &[NeedleCell],
+    traces: &[TraceFile],
+    runs: &[StoredRun],
+    files: &FigureFiles<'_>,
+) -> Result<Part, SweepError> {
+    let trace_names: Vec<String> = traces
+        .iter()
+        .map(|t| t.path.display().to_string())
+        .collect();
+    let mut body = String::new();
+    let mut figures = Vec::new();
+    if !runs.is_empty() {
+        let names = names(experiment);
+        let (mass, mass_series) = mass_section(experiment, &names, runs, &trace_names, traces);
+        body += &mass;
+        body += &paired_section(experiment, runs, &trace_names);
+        body += &span_sections(experiment, &names, runs, &trace_names);
+        figures = figures_of_runs(experiment, &names, runs, &trace_names, &mass_series, files)?;
+        if runs.iter().all(|r| r.closed_loop.is_some()) {
+            let (text, plots) =
+                calibration::section(experiment, &names, runs, &trace_names, files)?;
+            body += &text;
+            figures.extend(plots);
+        }
+    }
+    let mut tail = String::new();
+    let paths: Vec<&PathBuf> = traces.iter().map(|t| &t.path).collect();
+    let needle_grid: Vec<NeedleCell> = needle_grid
+        .iter()
+        .filter(|cell| paths.contains(&&cell.trace))
+        .cloned()
+        .collect();
+    if let (Some(budget), false) = (experiment.heatmap_budget, needle_grid.is_empty()) {
+        tail += &needle_section(experiment, runs, &needle_grid, budget, files)?;
+    }
+    if let Some(window) = experiment.entropy_window {
+        tail += &entropy_section(traces, window, files)?;
+    }
+    Ok(Part {
+        body,
+        figures,
+        tail,
+    })
+}
+
+/// `Files: ...` naming the rows and figures written.
+fn files_line(frames: &[PathBuf], figures: &[PathBuf]) -> String {
+    format!(
+        "\nFiles: {}.\n",
+        frames
+            .iter()
+            .chain(figures)
+            .map(|p| format!("`{}`", p.file_name().unwrap_or_default().to_string_lossy()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    )
 }
 
 /// The retained-mass table (mean ± CI, KV entries per layer) and its series for the figure.
@@ -401,38 +522,25 @@ fn mass_section(
     (out, mass_series)
 }
 
-/// With traces of several models, one table per model: the retained mass of each policy per
-/// budget (mean ± 95% CI over that model's traces); otherwise nothing.
+/// The models side by side: per policy, one row per model with its mean retained mass over its
+/// traces at each budget (± 95% CI with more than one trace).
 fn model_section(
     experiment: &Experiment,
     names: &[String],
     runs: &[StoredRun],
-    traces: &[TraceFile],
+    models: &[(String, Vec<TraceFile>)],
 ) -> String {
-    let model_of = |t: &TraceFile| t.model.clone().unwrap_or_else(|| "unknown".into());
-    let mut models: Vec<String> = Vec::new();
-    for trace in traces {
-        if !models.contains(&model_of(trace)) {
-            models.push(model_of(trace));
-        }
-    }
-    if models.len() < 2 {
-        return String::new();
-    }
-    let mut out = "\nBy model (the trace header's `model`): mean retained mass ± 95% CI over that model's traces. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window.\n".to_string();
-    for model in &models {
-        let paths: Vec<String> = traces
-            .iter()
-            .filter(|t| model_of(t) == *model)
-            .map(|t| t.path.display().to_string())
-            .collect();
-        let mut table = budget_table(experiment);
-        for name in names {
-            let mut row = vec![name.clone()];
+    let mut out = "Models side by side (the trace header's `model`, with its number of traces): mean retained mass over each model's traces, ± 95% CI (Student t over per-trace means) where it has several. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window. Each model's part below has the full tables.\n\n".to_string();
+    let mut headers = vec!["policy".to_string(), "model".to_string()];
+    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    let mut table = Table::with_headers(headers);
+    for name in names {
+        for (model, traces) in models {
+            let mut row = vec![name.clone(), format!("{model} ({})", traces.len())];
             for &budget in &experiment.budgets {
-                let values: Vec<f64> = paths
+                let values: Vec<f64> = traces
                     .iter()
-                    .filter_map(|t| find(runs, name, budget, t))
+                    .filter_map(|t| find(runs, name, budget, &t.path.display().to_string()))
                     .filter_map(|r| r.report.metric(RETAINED_MASS))
                     .collect();
                 row.push(match values.len() {
@@ -446,12 +554,8 @@ fn model_section(
             }
             table.push(row);
         }
-        out += &format!(
-            "\n`{model}` ({} traces):\n\n{}",
-            paths.len(),
-            table.render(Format::Markdown)
-        );
     }
+    out += &table.render(Format::Markdown);
     out
 }
 
@@ -551,10 +655,10 @@ fn figures_of_runs(
     runs: &[StoredRun],
     trace_names: &[String],
     mass_series: &[Series],
-    results: &Path,
+    files: &FigureFiles<'_>,
 ) -> Result<Vec<PathBuf>, SweepError> {
     let mut figures = line_chart(
-        &results.join("retained_mass_vs_budget"),
+        &files.stem("retained_mass_vs_budget"),
         &format!("{}: retained attention mass", experiment.name),
         "budget (tokens per cache)",
         "mean retained mass",
@@ -577,7 +681,7 @@ fn figures_of_runs(
         })
         .collect();
     figures.extend(line_chart(
-        &results.join("schedules"),
+        &files.stem("schedules"),
         &format!("mean kept tokens per layer at budget {middle}"),
         "layer",
         "mean kept tokens per cache",
@@ -591,7 +695,7 @@ fn figures_of_runs(
 fn entropy_section(
     traces: &[TraceFile],
     window: usize,
-    results: &Path,
+    files: &FigureFiles<'_>,
 ) -> Result<String, SweepError> {
     let entropy = traces
         .iter()
@@ -609,17 +713,24 @@ fn entropy_section(
             .to_string_lossy()
             .into_owned()
     };
+    let hybrid = entropy[0].1.iter().any(|row| row.window > 0);
     let mut headers = vec!["layer".to_string()];
+    if hybrid {
+        headers.push("attends over".into());
+    }
     for (trace, _) in &entropy {
         headers.push(format!("{} entropy", stem(trace)));
         headers.push(format!("{} normalised", stem(trace)));
     }
     let mut table = Table::with_headers(headers);
-    for layer in 0..entropy[0].1.len() {
-        let mut row = vec![layer.to_string()];
+    for (row_index, first) in entropy[0].1.iter().enumerate() {
+        let mut row = vec![first.layer.to_string()];
+        if hybrid {
+            row.push(kind(first.window));
+        }
         for (_, profile) in &entropy {
-            row.push(format!("{:.3}", profile[layer].entropy));
-            row.push(format!("{:.3}", profile[layer].normalized));
+            row.push(format!("{:.3}", profile[row_index].entropy));
+            row.push(format!("{:.3}", profile[row_index].normalized));
         }
         table.push(row);
     }
@@ -636,15 +747,22 @@ fn entropy_section(
             )
         })
         .collect();
-    line_chart(
-        &results.join("entropy"),
+    let figures = line_chart(
+        &files.stem("entropy"),
         "attention entropy per layer",
         "layer",
         "entropy (nats)",
         &series,
         false,
     )?;
-    out += "\nFigure: `entropy.png`, `entropy.svg`.\n";
+    out += &format!(
+        "\nFigure: {}.\n",
+        figures
+            .iter()
+            .map(|p| format!("`{}`", p.file_name().unwrap_or_default().to_string_lossy()))
+            .collect::<Vec<_>>()
+            .join(", ")
+    );
     Ok(out)
 }
 

@@ -34,7 +34,7 @@ pub fn exporter(format: Format) -> Box<dyn Exporter> {
         Format::Json => Box::new(Json),
     }
 }
-use crate::inspect::entropy_profile;
+use crate::inspect::{entropy_profile, kind};
 use crate::trace::{TraceError, TraceReader};
 
 /// The report of `kvreplay inspect`: header, spans, sizes, and the per-layer entropy table.
@@ -92,13 +92,25 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
     out += &format!(
         "\nAttention entropy of the last {window} prompt queries over the prompt (nats; normalized = / ln(keys)), mean over query heads:\n\n"
     );
-    let mut entropy = Table::new(["layer", "entropy", "normalized"]);
-    for row in entropy_profile(trace, window)? {
-        entropy.push([
+    let profile = entropy_profile(trace, window)?;
+    let hybrid = profile.iter().any(|row| row.window > 0);
+    let mut headers: Vec<String> = ["layer", "entropy", "normalized"]
+        .map(String::from)
+        .to_vec();
+    if hybrid {
+        headers.push("attends over".into());
+    }
+    let mut entropy = Table::with_headers(headers);
+    for row in profile {
+        let mut cells = vec![
             row.layer.to_string(),
             format!("{:.3}", row.entropy),
             format!("{:.3}", row.normalized),
-        ]);
+        ];
+        if hybrid {
+            cells.push(kind(row.window));
+        }
+        entropy.push(cells);
     }
     out += &entropy.render(Format::Markdown);
     Ok(out)

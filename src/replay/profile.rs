@@ -35,8 +35,23 @@ pub struct LayerProfile {
 }
 
 impl LayerProfile {
-    /// Computes the profile with the last `window` prompt queries.
+    /// Computes the profile with the last `window` prompt queries of a global layer.
     pub fn measure(layer: &LayerContext<'_>, window: usize) -> Self {
+        Self::measure_windowed(layer, window, 0)
+    }
+
+    /// [`LayerProfile::measure`] for a layer whose queries attend over the last `attention_window`
+    /// keys only (0: all keys, a global layer): each row is the softmax over the keys that query
+    /// attended, and its normalised entropy divides by ln of their count.
+    pub fn measure_windowed(
+        layer: &LayerContext<'_>,
+        window: usize,
+        attention_window: usize,
+    ) -> Self {
+        let first_key = |position: usize| match attention_window {
+            0 => 0,
+            w => (position + 1).saturating_sub(w),
+        };
         let prompt_len = layer.prompt_len;
         let window = window.clamp(1, prompt_len);
         let n_heads = layer.q.shape()[0];
@@ -49,24 +64,26 @@ impl LayerProfile {
             let mut sum = vec![0.0f64; prompt_len];
             let mut sum_sq = vec![0.0f64; prompt_len];
             for position in prompt_len - window..prompt_len {
+                let first = first_key(position);
                 let weights = attend(
                     layer.query(head, position),
-                    keys.slice(s![..=position, ..]),
+                    keys.slice(s![first..=position, ..]),
                     layer.scale,
                     layer.softcap,
                 );
                 let row_entropy = entropy(&weights);
                 entropy_total += row_entropy;
-                normalized_total += if position > 0 {
-                    row_entropy / ((position + 1) as f64).ln()
+                let attended = position + 1 - first;
+                normalized_total += if attended > 1 {
+                    row_entropy / (attended as f64).ln()
                 } else {
                     1.0
                 };
                 for (j, &weight) in weights.iter().enumerate() {
-                    sum[j] += weight as f64;
-                    sum_sq[j] += (weight as f64).powi(2);
+                    sum[first + j] += weight as f64;
+                    sum_sq[first + j] += (weight as f64).powi(2);
                 }
-                cake_entropy -= weights[..before_window]
+                cake_entropy -= weights[..before_window.saturating_sub(first)]
                     .iter()
                     .map(|&w| w as f64 * (w as f64 + 1e-10).ln())
                     .sum::<f64>();
@@ -88,5 +105,48 @@ impl LayerProfile {
             cake_entropy,
             cake_variance,
         }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array3;
+
+    fn layer<'a>(q: &'a Array3<f32>, k: &'a Array3<f32>) -> LayerContext<'a> {
+        LayerContext {
+            layer: 0,
+            q: q.view(),
+            k: k.view(),
+            v: None,
+            prompt_len: q.shape()[1],
+            scale: 1.0,
+            softcap: None,
+            rope_theta: None,
+        }
+    }
+
+    /// Zero queries attend uniformly: a row over n keys has entropy ln n, normalised 1. With a
+    /// window of 2 every row after the first attends 2 keys.
+    #[test]
+    fn uniform_rows_by_hand() {
+        let q = Array3::<f32>::zeros((1, 4, 2));
+        let k = Array3::<f32>::from_shape_fn((1, 4, 2), |(_, t, c)| (t + c) as f32);
+        let global = LayerProfile::measure(&layer(&q, &k), 2);
+        // Rows 2 and 3: ln 3 and ln 4.
+        approx::assert_abs_diff_eq!(
+            global.entropy,
+            (3f64.ln() + 4f64.ln()) / 2.0,
+            epsilon = 1e-6
+        );
+        approx::assert_abs_diff_eq!(global.normalized, 1.0, epsilon = 1e-6);
+        let windowed = LayerProfile::measure_windowed(&layer(&q, &k), 2, 2);
+        approx::assert_abs_diff_eq!(windowed.entropy, 2f64.ln(), epsilon = 1e-6);
+        approx::assert_abs_diff_eq!(windowed.normalized, 1.0, epsilon = 1e-6);
+        // Variance: rows put 1/2 on keys 1..=2 and 2..=3: key 2 has variance 0, keys 1 and 3
+        // have (1/4 + 0)/2 - (1/4)^2 = 1/16 each.
+        approx::assert_abs_diff_eq!(windowed.variance, 0.125, epsilon = 1e-6);
+        // A window at least the prompt's length is the global layer.
+        assert_eq!(LayerProfile::measure_windowed(&layer(&q, &k), 2, 4), global);
     }
 }
