@@ -19,7 +19,9 @@ use std::process::Command;
 use std::time::Instant;
 
 mod oneshot;
-pub use oneshot::{essential_work, oneshot_grid, oneshot_numpy, EssentialWork, ONESHOT_POLICIES};
+pub use oneshot::{
+    essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, EssentialWork, ONESHOT_POLICIES,
+};
 
 /// What can stop the bench.
 #[derive(Debug, thiserror::Error)]
@@ -342,20 +344,21 @@ fn best_of(flops: f64, repeats: usize, mut product: impl FnMut() -> f32) -> f64 
 /// The attention-scoring kernel (q·Kᵀ by blocks and the causal softmax of every prompt row, for
 /// every layer and query head, as the prefill scorers walk it: the heads of a GQA group share one
 /// product per block): multiply-add GFLOP/s actually executed, and seconds. Each layer is timed
-/// [`SCORING_REPEATS`] times and its fastest run counts, as the matmul peak is a best run: on a
-/// shared machine, other tenants otherwise decide the ratio (best of three read 51–78% of the
-/// peak across runs on one day).
-pub fn scoring_throughput(trace: &TraceReader) -> Result<(f64, f64), PolicyError> {
+/// `repeats` times ([`SCORING_REPEATS`] on the main trace) and its fastest run counts, as the
+/// matmul peak is a best run: on a shared machine, other tenants otherwise decide the ratio (best
+/// of three read 51–78% of the peak across runs on one day). Only global layers are scored (a
+/// sliding-window layer is never compressed, so no prefix scorer walks it).
+pub fn scoring_throughput(trace: &TraceReader, repeats: usize) -> Result<(f64, f64), PolicyError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
     let group = meta.group_size();
     let mut flops = 0.0f64;
     let mut seconds = 0.0f64;
     let mut buffer = Vec::with_capacity(prompt_len);
-    for layer in 0..meta.n_layers {
+    for layer in meta.global_layers() {
         let tensors = trace.layer(layer)?;
         let mut fastest = f64::INFINITY;
-        for repeat in 0..SCORING_REPEATS {
+        for repeat in 0..repeats.max(1) {
             let started = Instant::now();
             let mut sink = 0.0f32;
             for kv_head in 0..meta.n_kv_heads {
@@ -405,6 +408,28 @@ pub fn replay_grid(
     Ok((reports, started.elapsed().as_secs_f64()))
 }
 
+/// The policies `kvreplay bench --long` times on the long trace, one replay each: SnapKV (its
+/// observation window only), the H2O prompt-end cut (a full causal prefix pass) and the per-step
+/// oracle (a ranking per decode step).
+pub const LONG_POLICIES: [&str; 3] = ["snapkv", "h2o-oneshot", "oracle"];
+
+/// Seconds of one replay of each of [`LONG_POLICIES`] at `budget`.
+pub fn long_replays(
+    trace: &TraceReader,
+    budget: usize,
+    layer_done: LayerDone<'_>,
+) -> Result<Vec<(&'static str, f64)>, PolicyError> {
+    LONG_POLICIES
+        .iter()
+        .map(|name| {
+            let policy = oneshot_policy(name, budget)?.check()?;
+            let started = Instant::now();
+            replay_many(trace, std::slice::from_ref(&policy), layer_done)?;
+            Ok((*name, started.elapsed().as_secs_f64()))
+        })
+        .collect()
+}
+
 /// Microseconds per token per cache of key-proxy streaming eviction at `budget`.
 pub fn streaming_cost(
     trace: &TraceReader,
@@ -419,7 +444,7 @@ pub fn streaming_cost(
     let started = Instant::now();
     replay_many(trace, std::slice::from_ref(&policy), layer_done)?;
     let meta = trace.meta();
-    let tokens = (trace.n_positions() * meta.n_kv_heads * meta.n_layers) as f64;
+    let tokens = (trace.n_positions() * meta.n_kv_heads * meta.global_layers().len()) as f64;
     Ok(started.elapsed().as_secs_f64() / tokens * 1e6)
 }
 

@@ -365,7 +365,9 @@ pub fn build(
         }
         out += &part.tail;
     } else {
-        out += &model_section(experiment, &names(experiment), &runs, &models);
+        if !runs.is_empty() {
+            out += &model_section(experiment, &names(experiment), &runs, &models);
+        }
         let mut all_figures = Vec::new();
         for (model, model_traces) in &models {
             let paths: Vec<String> = model_traces
@@ -388,9 +390,12 @@ pub fn build(
                 &model_runs,
                 &figures,
             )?;
-            out += &format!("\n## `{model}`\n\n");
-            out += &part.body;
-            out += &part.tail;
+            out += &format!("\n## `{model}`\n");
+            let text = part.body + &part.tail;
+            if !text.starts_with('\n') {
+                out += "\n";
+            }
+            out += &text;
             all_figures.extend(part.figures);
         }
         if !runs.is_empty() {
