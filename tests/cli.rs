@@ -107,7 +107,7 @@ fn csv_per_layer_rows() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines[0],
-        "policy,layer,budget,mean kept,KV read/layer,KV held/layer,retained mass,top-k recall,output error"
+        "policy,layer,budget,mean kept,KV read/layer,KV held/layer,retained mass,top-k recall,output error,value-weighted mass,value gap"
     );
     assert_eq!(lines.len(), 3);
 }

@@ -135,28 +135,26 @@ fn engine_matches_brute_force_reference() {
                                 );
                             }
                         }
-                        let (mass, recall, error) = reference::metrics(
+                        let expected = reference::metrics(
                             &layer,
                             &expected,
                             gqa == Granularity::QueryHead,
                             10,
                         );
                         let got = &report.layers[index];
-                        assert!(
-                            (got.metric("retained_mass").unwrap() - mass).abs() < 1e-5,
-                            "{scorer}: {} vs {mass}",
-                            got.metric("retained_mass").unwrap()
-                        );
-                        assert!(
-                            (got.metric("topk_recall").unwrap() - recall).abs() < 1e-9,
-                            "{scorer}: {} vs {recall}",
-                            got.metric("topk_recall").unwrap()
-                        );
-                        assert!(
-                            (got.metric("output_error").unwrap() - error).abs() < 1e-5,
-                            "{scorer}: {:?} vs {error}",
-                            got.metric("output_error")
-                        );
+                        for (id, want, tolerance) in [
+                            ("retained_mass", expected.retained_mass, 1e-5),
+                            ("topk_recall", expected.topk_recall, 1e-9),
+                            ("output_error", expected.output_error, 1e-5),
+                            ("value_weighted_mass", expected.value_weighted_mass, 1e-5),
+                            ("value_gap", expected.value_gap, 1e-4),
+                        ] {
+                            let value = got.metric(id).unwrap();
+                            assert!(
+                                (value - want).abs() < tolerance,
+                                "{scorer} {id}: {value} vs {want}"
+                            );
+                        }
                         compared += 1;
                     }
                 }

@@ -886,15 +886,28 @@ fn cake_decode(
         .collect()
 }
 
-/// Mean retained mass, top-k recall and output error of a layer's kept sets.
+/// The means of the metrics over a layer's (query head, decode step) samples.
+pub struct Metrics {
+    pub retained_mass: f64,
+    pub topk_recall: f64,
+    pub output_error: f64,
+    /// `sum_{kept} p_j |v_j|_1 / sum_j p_j |v_j|_1`.
+    pub value_weighted_mass: f64,
+    /// `|mean of discarded values - mean of kept values| / |o_full|`, attention-weighted means.
+    pub value_gap: f64,
+}
+
+/// The metrics of a layer's kept sets, each sample computed from its definition over every
+/// visible position.
 pub fn metrics(
     layer: &Layer,
     kept: &[Vec<Vec<usize>>],
     per_query_head: bool,
     top_k: usize,
-) -> (f64, f64, f64) {
+) -> Metrics {
     let n = layer.prompt_len;
     let (mut mass, mut recall, mut error, mut count) = (0.0, 0.0, 0.0, 0.0);
+    let (mut value_mass, mut gap) = (0.0, 0.0);
     let d = layer.v.shape()[2];
     for head in 0..layer.q.shape()[0] {
         let kv = head / layer.group();
@@ -909,6 +922,14 @@ pub fn metrics(
             order.sort_by(|&a, &b| p[b].partial_cmp(&p[a]).unwrap().then(a.cmp(&b)));
             let k = top_k.min(order.len());
             recall += order[..k].iter().filter(|j| set.contains(j)).count() as f64 / k as f64;
+            let mean = |positions: &[usize], x: usize| -> f64 {
+                let total: f64 = positions.iter().map(|&j| p[j]).sum();
+                positions
+                    .iter()
+                    .map(|&j| p[j] * layer.v[[kv, j, x]] as f64)
+                    .sum::<f64>()
+                    / total
+            };
             let full: Vec<f64> = (0..d)
                 .map(|x| {
                     visible
@@ -917,26 +938,42 @@ pub fn metrics(
                         .sum()
                 })
                 .collect();
-            let part: Vec<f64> = (0..d)
-                .map(|x| {
-                    set.iter()
-                        .map(|&j| p[j] * layer.v[[kv, j, x]] as f64)
-                        .sum::<f64>()
-                        / retained
-                })
-                .collect();
+            let part: Vec<f64> = (0..d).map(|x| mean(set, x)).collect();
             let norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
-            let diff = full
+            let distance = |a: &[f64], b: &[f64]| {
+                a.iter()
+                    .zip(b)
+                    .map(|(a, b)| (a - b).powi(2))
+                    .sum::<f64>()
+                    .sqrt()
+            };
+            error += distance(&full, &part) / norm;
+            let discarded: Vec<usize> = visible
                 .iter()
-                .zip(&part)
-                .map(|(a, b)| (a - b).powi(2))
-                .sum::<f64>()
-                .sqrt();
-            error += diff / norm;
+                .copied()
+                .filter(|j| !set.contains(j))
+                .collect();
+            if discarded.iter().map(|&j| p[j]).sum::<f64>() >= 1e-9 {
+                let rest: Vec<f64> = (0..d).map(|x| mean(&discarded, x)).collect();
+                gap += distance(&rest, &part) / norm;
+            }
+            let l1 = |j: usize| {
+                (0..d)
+                    .map(|x| (layer.v[[kv, j, x]] as f64).abs())
+                    .sum::<f64>()
+            };
+            value_mass += set.iter().map(|&j| p[j] * l1(j)).sum::<f64>()
+                / visible.iter().map(|&j| p[j] * l1(j)).sum::<f64>();
             count += 1.0;
         }
     }
-    (mass / count, recall / count, error / count)
+    Metrics {
+        retained_mass: mass / count,
+        topk_recall: recall / count,
+        output_error: error / count,
+        value_weighted_mass: value_mass / count,
+        value_gap: gap / count,
+    }
 }
 
 /// Q-Filters' filter of KV head `kv` from the prompt queries of its heads: per head, the dominant

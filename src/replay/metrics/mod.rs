@@ -5,7 +5,8 @@
 //! keeps. Each [`Metric`] is one file and one line of [`REGISTRY`], and is carried by its id
 //! through the layer and run reports, stored runs, Parquet/CSV columns, Markdown and JSON:
 //! retained mass (`retained_mass.rs`), top-k recall (`topk_recall.rs`), output error
-//! (`output_error.rs`). Beside them: span survival (the share of a span's tokens in S, and the full
+//! (`output_error.rs`), value-weighted retained mass (`value_weighted_mass.rs`) and the value gap,
+//! the output error's second factor (`value_gap.rs`). Beside them: span survival (the share of a span's tokens in S, and the full
 //! attention mass on the span that S keeps, next to the mass on the whole span) and memory (the
 //! cache's size at each decode step, and the KV entries a layer stores).
 //!
@@ -37,6 +38,8 @@ metrics! {
     retained_mass::RetainedMass,
     topk_recall::TopkRecall,
     output_error::OutputError,
+    value_weighted_mass::ValueWeightedMass,
+    value_gap::ValueGap,
 }
 
 /// The id of retained mass, the metric experiment tables and confidence intervals are built on.
@@ -77,6 +80,12 @@ pub struct Sample<'a> {
     pub kept_output: Option<&'a [f64]>,
     /// The full-cache attention output `o_full` of the query, when the trace has values.
     pub full_output: Option<ArrayView1<'a, f64>>,
+    /// Per position `0..T`, the L1 norm of its value, when the trace has values.
+    pub value_norms: Option<&'a [f64]>,
+    /// `sum_j p_j |v_j|_1` over the full cache, when the trace has values.
+    pub full_value_mass: Option<f64>,
+    /// `sum_j p_j` over the full cache in f64 (1 up to the weights' rounding).
+    pub total_mass: f64,
 }
 
 /// Span survival, averaged over heads and decode steps.
@@ -142,12 +151,21 @@ pub struct DecodeReference {
     pub heads: Range<usize>,
     /// `[heads, steps, T]` (keys after a query's position hold 0).
     pub attention: Array3<f32>,
-    /// `o_full`, `[heads, steps, head_dim]`, when the trace has values (an f32 product
-    /// `attention · V`, relative error ~1e-6, stored as f64).
+    /// `o_full`, `[heads, steps, head_dim]`, when the trace has values: `attention · V` as an f64
+    /// product of the f32 weights and values (each term exact, so the output of what a policy
+    /// discards, `o_full` less the kept share, keeps its digits even when that share is tiny).
     pub output: Option<Array3<f64>>,
     /// Per `(head - heads.start) * steps + step`, the `max_top_k` largest weights' positions,
     /// largest first, ties to the lower position.
     pub top: Vec<Vec<usize>>,
+    /// Per position, the L1 norm of its value, when the trace has values.
+    pub value_norms: Option<Vec<f64>>,
+    /// Per `(head - heads.start) * steps + step`, `sum_j p_j |v_j|_1` over the full cache (empty
+    /// without values).
+    pub value_mass: Vec<f64>,
+    /// Per `(head - heads.start) * steps + step`, `sum_j p_j` over the full cache in f64 (1 up to
+    /// the f32 weights' rounding).
+    pub total_mass: Vec<f64>,
 }
 
 impl DecodeReference {
@@ -159,12 +177,13 @@ impl DecodeReference {
         let attention = layer.decode_attention(heads.clone());
         let n_steps = attention.dim().1;
         let output = layer.values(kv_head).map(|values| {
+            let values = values.mapv(f64::from);
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
             for head in 0..group {
-                let full = attention.index_axis(Axis(0), head).dot(&values);
+                let weights = attention.index_axis(Axis(0), head).mapv(f64::from);
                 output
                     .index_axis_mut(Axis(0), head)
-                    .assign(&full.mapv(f64::from));
+                    .assign(&weights.dot(&values));
             }
             output
         });
@@ -188,11 +207,46 @@ impl DecodeReference {
                 top.push(order.clone());
             }
         }
+        let value_norms: Option<Vec<f64>> = layer.values(kv_head).map(|values| {
+            values
+                .rows()
+                .into_iter()
+                .map(|row| row.iter().map(|x| x.abs() as f64).sum())
+                .collect()
+        });
+        let value_mass = value_norms.as_ref().map_or_else(Vec::new, |norms| {
+            (0..group * n_steps)
+                .map(|index| {
+                    let (head, step) = (index / n_steps, index % n_steps);
+                    let position = layer.prompt_len + step;
+                    attention
+                        .slice(s![head, step, ..=position])
+                        .iter()
+                        .zip(norms)
+                        .map(|(&p, n)| p as f64 * n)
+                        .sum()
+                })
+                .collect()
+        });
+        let total_mass = (0..group * n_steps)
+            .map(|index| {
+                let (head, step) = (index / n_steps, index % n_steps);
+                let position = layer.prompt_len + step;
+                attention
+                    .slice(s![head, step, ..=position])
+                    .iter()
+                    .map(|&p| p as f64)
+                    .sum()
+            })
+            .collect();
         Self {
             heads,
             attention,
             output,
             top,
+            value_norms,
+            value_mass,
+            total_mass,
         }
     }
 
@@ -294,6 +348,9 @@ pub fn measure_unit(
                     .output
                     .as_ref()
                     .map(|output| output.slice(s![local, step, ..])),
+                value_norms: reference.value_norms.as_deref(),
+                full_value_mass: reference.value_mass.get(local * n_steps + step).copied(),
+                total_mass: reference.total_mass[local * n_steps + step],
             };
             for (metric, out) in REGISTRY.iter().zip(&mut measure.metrics) {
                 if measured(metric) {

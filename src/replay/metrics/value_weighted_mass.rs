@@ -1,0 +1,40 @@
+//! `value_weighted_mass`: the full attention's mass on the kept positions with each position
+//! weighted by the L1 norm of its value, `sum_{j in S} p_j |v_j|_1 / sum_j p_j |v_j|_1`: the
+//! retained mass of VATP's value-aware attention score (Guo et al., arXiv:2406.12335, eq. 3,
+//! `a_j * |v_j|_1`), so a kept token counts by what it can add to the output, not by its
+//! attention alone. 1 when the full cache's weighted mass is 0. Traces without values leave it
+//! out.
+
+use super::{Metric, Sample};
+
+/// The value-weighted full-attention mass kept.
+pub struct ValueWeightedMass;
+
+impl Metric for ValueWeightedMass {
+    fn id(&self) -> &'static str {
+        "value_weighted_mass"
+    }
+
+    fn title(&self) -> &'static str {
+        "value-weighted mass"
+    }
+
+    fn needs_values(&self) -> bool {
+        true
+    }
+
+    fn sample(&self, sample: &Sample<'_>) -> f64 {
+        let (Some(norms), Some(full)) = (sample.value_norms, sample.full_value_mass) else {
+            return f64::NAN;
+        };
+        if full <= 0.0 {
+            return 1.0;
+        }
+        let kept: f64 = sample
+            .kept
+            .iter()
+            .map(|&j| sample.weights[j] as f64 * norms[j])
+            .sum();
+        kept / full
+    }
+}
