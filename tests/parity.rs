@@ -256,8 +256,8 @@ fn cake_keeps_what_its_cache_keeps() {
     check_streaming(&path, "cake", "cake.py", &[40, 48, 64], true);
 }
 
-/// Compares a kvpress press (one cache per KV head, one-shot) with its transcription: `policy`
-/// at each budget against `script`.
+/// Compares a one-shot method with one cache per KV head (a kvpress press, R-KV) with its
+/// transcription: `policy` at each budget against `script`.
 fn check_kvpress(
     trace_path: &Path,
     script: &str,
@@ -331,6 +331,28 @@ fn keydiff_keeps_what_kvpress_keeps() {
             ..PolicyParams::default()
         },
         &[8, 16, 30],
+    );
+}
+
+/// R-KV's compression at the end of the prompt (its official code, transcribed in `rkv.py`): the
+/// `rkv` scorer, one-shot, one cache per KV head, the last 8 prompt tokens kept as its window.
+#[test]
+fn rkv_keeps_what_its_code_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 12, 112);
+    check_kvpress(
+        &path,
+        "rkv.py",
+        &[],
+        |budget| PolicyParams {
+            scorer: "rkv".into(),
+            budget,
+            window: 8,
+            sinks: 0,
+            ..PolicyParams::default()
+        },
+        &[16, 32, 64],
     );
 }
 

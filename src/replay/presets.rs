@@ -7,7 +7,7 @@
 use super::{Granularity, Order, PolicyError, PolicyParams, Timing};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 13] = [
+pub const NAMES: [&str; 14] = [
     "snapkv",
     "pyramidkv",
     "adakv",
@@ -20,6 +20,7 @@ pub const NAMES: [&str; 13] = [
     "h2o-adapted",
     "pyramidkv-adapted",
     "quest",
+    "rkv",
     "oracle",
 ];
 
@@ -132,6 +133,13 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             timing: Timing::PerStep,
             gqa: Granularity::QueryHead,
             ..streaming("quest", 0, 0)
+        },
+        // R-KV (Zefan-Cai/R-KV `rkv/compression/r1_kv.py`, run_math.py's defaults): the prompt
+        // compressed at its end, the last 8 tokens kept as the window, one cache per KV head.
+        "rkv" => PolicyParams {
+            scorer: "rkv".into(),
+            window: 8.min(budget),
+            ..base
         },
         // The per-step oracle: the current query's attention, re-chosen from the whole cache at
         // every step; the bound no causal policy beats at this budget.

@@ -456,6 +456,7 @@ fn member_scores(
                 .collect()
         }
         "expected-attention" => expected_attention_scores(layer, heads, kv, cache),
+        "rkv" => rkv_scores(layer, policy, heads, kv, cache),
         "oracle-static" => cache
             .iter()
             .map(|&j| {
@@ -470,6 +471,87 @@ fn member_scores(
             .collect(),
         _ => running.to_vec(),
     }
+}
+
+/// R-KV with its defaults (mix_lambda 0.07, threshold 0.5, the last redundant key exempted):
+/// the last `window` positions up to the newest are the queries; importance = the mean over them
+/// of the softmax, over the cache before its last `window` entries, of the group's largest logit
+/// `q k / sqrt(d)`, max-pooled along the cache; redundancy = the softmax over the cache of the
+/// column means of the keys' cosine matrix with its diagonal and each row's last entry above 0.5
+/// (entry 0 if none) zeroed; the window scores infinity.
+fn rkv_scores(
+    layer: &Layer,
+    policy: &Policy,
+    heads: &[usize],
+    kv: usize,
+    cache: &[usize],
+) -> Vec<f64> {
+    let (lambda, threshold) = (0.07, 0.5);
+    let w = policy.window.max(1);
+    let n = cache.len();
+    if n <= w {
+        return vec![f64::INFINITY; n];
+    }
+    let scored = n - w;
+    let at = *cache.last().unwrap();
+    let d = layer.k.shape()[2] as f64;
+    let dot = |a: &[f64], b: &[f64]| a.iter().zip(b).map(|(x, y)| x * y).sum::<f64>();
+    let softmax = |x: &[f64]| {
+        let max = x.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let e: Vec<f64> = x.iter().map(|v| (v - max).exp()).collect();
+        let total: f64 = e.iter().sum();
+        e.iter().map(|v| v / total).collect::<Vec<f64>>()
+    };
+    let mut mean = vec![0.0; scored];
+    for r in at + 1 - w..=at {
+        let logits: Vec<f64> = cache[..scored]
+            .iter()
+            .map(|&j| {
+                heads
+                    .iter()
+                    .map(|&h| dot(&layer.query(h, r), &layer.key(kv, j)) / d.sqrt())
+                    .fold(f64::NEG_INFINITY, f64::max)
+            })
+            .collect();
+        for (m, p) in mean.iter_mut().zip(softmax(&logits)) {
+            *m += p / w as f64;
+        }
+    }
+    let half = policy.kernel / 2;
+    let importance: Vec<f64> = (0..scored)
+        .map(|c| {
+            (c.saturating_sub(half)..(c + half + 1).min(scored))
+                .map(|i| mean[i])
+                .fold(f64::NEG_INFINITY, f64::max)
+        })
+        .collect();
+    let unit_key = |j: usize| {
+        let k = layer.key(kv, j);
+        let norm = dot(&k, &k).sqrt() + 1e-8;
+        k.iter().map(|x| x / norm).collect::<Vec<f64>>()
+    };
+    let keys: Vec<Vec<f64>> = cache.iter().map(|&j| unit_key(j)).collect();
+    let mut columns = vec![0.0; n];
+    for i in 0..n {
+        let mut row: Vec<f64> = (0..n)
+            .map(|j| if i == j { 0.0 } else { dot(&keys[i], &keys[j]) })
+            .collect();
+        let exempt = (0..n).rev().find(|&j| row[j] > threshold).unwrap_or(0);
+        row[exempt] = 0.0;
+        for (c, v) in columns.iter_mut().zip(&row) {
+            *c += v / n as f64;
+        }
+    }
+    let redundancy = softmax(&columns);
+    (0..n)
+        .map(|i| {
+            if i < scored {
+                lambda * importance[i] - (1.0 - lambda) * redundancy[i]
+            } else {
+                f64::INFINITY
+            }
+        })
+        .collect()
 }
 
 /// LagKV with 4 sinks and ranks within partitions: after the sinks, partitions of `lag` tokens;

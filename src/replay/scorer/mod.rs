@@ -31,6 +31,7 @@ crate::registry! {
     value_aware::ValueAware,
     qfilter::Qfilter,
     quest::Quest,
+    rkv::Rkv,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]

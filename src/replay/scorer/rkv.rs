@@ -1,0 +1,275 @@
+//! `rkv`: R-KV's redundancy-aware score (Cai et al., 2025, arXiv:2505.24133), as the official code
+//! computes it (github.com/Zefan-Cai/R-KV, commit d15c976: `rkv/compression/r1_kv.py`,
+//! `R1KV.update_kv` lines 43-82; `rkv/utils.py`, `compute_attention_scores` lines 8-38 and
+//! `cal_similarity` lines 42-94). For a cache of n entries and its last W queries (R-KV's query
+//! cache: the W most recent positions appended, whether still cached or not):
+//!
+//! - importance: per query head the logits `q k / sqrt(d)` of each of the W queries over the keys
+//!   of entries `0..n-W`, the maximum over the GQA group taken on the logits (its `pooling="max"`),
+//!   a softmax per query row, the mean over the rows, max-pooled along the cache with `kernel`;
+//! - redundancy: the cosine similarity between every two cached keys (norms + 1e-8), the diagonal
+//!   set to 0, and in each row the entry of the last (`retain = "last"`) or first key whose
+//!   similarity exceeds `threshold` set to 0 (entry 0 where none does, as the code's `where` with
+//!   zeros gives); the mean over rows, then a softmax over all n entries;
+//! - the score of entry j < n - W: `mix_lambda * importance_j - (1 - mix_lambda) * redundancy_j`;
+//!   the last W entries (the policy's protected `window`, R-KV's `window_size`) are kept.
+//!
+//! R-KV compresses the cache back to its budget whenever it is full at a compression step: at the
+//! end of the prompt and then every `divide_length` (128) tokens of the sequence. `prefill`
+//! replays the first (a trace's 16-32 decode steps reach the second only where the sequence
+//! length crosses a multiple of 128); `prefill-then-stream` re-scores at every decode step, R-KV
+//! with `divide_length = 1`. Deviations: f32 throughout (the code casts the mean attention to the
+//! model's dtype); ties go to the lower position (kvreplay's rule, for `topk`); the model's logit
+//! soft-cap, if any, is not applied, as the code does not.
+
+use super::snapkv::{check_kernel, pool1d, Pooling};
+use super::{ScoreState, Scorer, Started};
+use crate::replay::settings::Broken;
+use crate::replay::{LayerContext, Protection, Timing, Unit};
+use crate::attention::softmax_in_place;
+use ndarray::{s, Array2};
+use std::collections::VecDeque;
+
+crate::settings! {
+    /// R-KV's redundancy-aware score: observation-window attention minus key redundancy (Cai et
+    /// al., 2025, arXiv:2505.24133; github.com/Zefan-Cai/R-KV `rkv/compression/r1_kv.py`). The
+    /// observation window is the policy's protected `window`.
+    pub struct Rkv = "rkv" {
+        /// The max-pooling kernel over the importance (odd; `kernel_size`, 7).
+        kernel: usize = 7,
+        /// Weight of the importance against the redundancy (`mix_lambda`, 0.07).
+        mix_lambda: f64 = 0.07,
+        /// Cosine similarity above which two keys count as redundant (`threshold`, 0.5).
+        threshold: f64 = 0.5,
+        /// Which redundant key of each row is exempted: `last` (the code's default) or `first`
+        /// (`retain_direction`).
+        retain: Retain = Retain::Last,
+    }
+}
+
+/// Which of a row's redundant keys `cal_similarity` zeroes.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
+#[serde(rename_all = "kebab-case")]
+pub enum Retain {
+    /// The last key above the threshold (`retain_direction = "last"`).
+    Last,
+    /// The first key above the threshold (`retain_direction = "first"`).
+    First,
+}
+
+#[derive(Clone)]
+struct State {
+    unit: Unit,
+    window: usize,
+    settings: Rkv,
+    /// The most recent `window` positions appended: R-KV's query cache.
+    recent: VecDeque<usize>,
+}
+
+impl Scorer for Rkv {
+    fn supports(&self, timing: Timing) -> bool {
+        matches!(timing, Timing::Prefill | Timing::PrefillThenStream)
+    }
+
+    fn check(&self) -> Result<(), Broken> {
+        check_kernel(self.kernel)?;
+        if !(0.0..=1.0).contains(&self.mix_lambda) {
+            return Err(Broken {
+                key: "mix_lambda",
+                rule: "must lie in [0, 1]",
+            });
+        }
+        Ok(())
+    }
+
+    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
+        Box::new(State {
+            unit: unit.clone(),
+            window: protect.window.max(1),
+            settings: self.clone(),
+            recent: VecDeque::new(),
+        })
+    }
+}
+
+impl ScoreState for State {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, cache: &[usize]) {
+        self.recent.push_back(*cache.last().expect("non-empty cache"));
+        if self.recent.len() > self.window {
+            self.recent.pop_front();
+        }
+    }
+
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        out.clear();
+        let scored = cache.len().saturating_sub(self.window);
+        if scored == 0 {
+            out.resize(cache.len(), f32::INFINITY);
+            return;
+        }
+        let importance = pool1d(
+            &self.importance(layer, &cache[..scored]),
+            self.settings.kernel,
+            Pooling::Max,
+        );
+        let redundancy = self.redundancy(layer, cache);
+        let lambda = self.settings.mix_lambda as f32;
+        out.extend(
+            importance
+                .iter()
+                .zip(&redundancy)
+                .map(|(a, s)| a * lambda - s * (1.0 - lambda)),
+        );
+        out.resize(cache.len(), f32::INFINITY);
+    }
+}
+
+impl State {
+    /// The mean over the window's queries of their softmax over `keys` (cache entries), the
+    /// logits' maximum over the group taken first.
+    fn importance(&self, layer: &LayerContext<'_>, keys: &[usize]) -> Vec<f32> {
+        let key_rows = layer.keys(self.unit.kv_head);
+        let scale = 1.0 / (layer.q.shape()[2] as f32).sqrt();
+        let mut mean = vec![0.0f32; keys.len()];
+        let mut row = vec![0.0f32; keys.len()];
+        for &position in &self.recent {
+            row.fill(f32::NEG_INFINITY);
+            for head in self.unit.query_heads.clone() {
+                let query = layer.query(head, position);
+                for (logit, &key) in row.iter_mut().zip(keys) {
+                    *logit = logit.max(query.dot(&key_rows.row(key)) * scale);
+                }
+            }
+            softmax_in_place(&mut row);
+            for (m, w) in mean.iter_mut().zip(&row) {
+                *m += w;
+            }
+        }
+        let rows = self.recent.len() as f32;
+        mean.iter_mut().for_each(|m| *m /= rows);
+        mean
+    }
+
+    /// `cal_similarity` over the cached keys: one value per entry. The cosine matrix is taken
+    /// [`SIMILARITY_ROWS`] rows at a time, so it is never held whole (n² at 32K would be 4 GB).
+    fn redundancy(&self, layer: &LayerContext<'_>, cache: &[usize]) -> Vec<f32> {
+        let key_rows = layer.keys(self.unit.kv_head);
+        let n = cache.len();
+        let mut normalised = Array2::<f32>::zeros((n, key_rows.ncols()));
+        for (mut row, &position) in normalised.rows_mut().into_iter().zip(cache) {
+            let key = key_rows.row(position);
+            let norm = key.dot(&key).sqrt() + 1e-8;
+            row.assign(&key.mapv(|x| x / norm));
+        }
+        let threshold = self.settings.threshold as f32;
+        let mut column_sums = vec![0.0f32; n];
+        for start in (0..n).step_by(SIMILARITY_ROWS) {
+            let end = (start + SIMILARITY_ROWS).min(n);
+            let mut block = normalised
+                .slice(s![start..end, ..])
+                .dot(&normalised.t());
+            for (offset, mut row) in block.rows_mut().into_iter().enumerate() {
+                let row = row.as_slice_mut().expect("standard layout");
+                row[start + offset] = 0.0;
+                let above = |j: &usize| row[*j] > threshold;
+                let exempt = match self.settings.retain {
+                    Retain::Last => (0..n).rev().find(above),
+                    Retain::First => (0..n).find(above),
+                };
+                row[exempt.unwrap_or(0)] = 0.0;
+                for (sum, value) in column_sums.iter_mut().zip(row.iter()) {
+                    *sum += value;
+                }
+            }
+        }
+        column_sums.iter_mut().for_each(|s| *s /= n as f32);
+        softmax_in_place(&mut column_sums);
+        column_sums
+    }
+}
+
+/// Rows of the key-similarity matrix computed at once.
+const SIMILARITY_ROWS: usize = 256;
+
+#[cfg(test)]
+mod tests {
+    use super::super::testing::*;
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    /// Keys (1, 0), (1, 0), (0, 1), (0, 1) [the window: the last entry], window 1, kernel 1,
+    /// lambda 0.5. Importance: query (0, 0) weighs the 3 scored keys equally, 1/3 each.
+    /// Similarity rows (diagonal 0): row 0 = [0, 1, 0, 0], row 1 = [1, 0, 0, 0], rows 2, 3 =
+    /// [0, 0, 0, 1], [0, 0, 1, 0]; each row's last key above 0.5 is zeroed, so every row becomes
+    /// 0 and the column means are [0, 0, 0, 0]: redundancy = softmax = 1/4 each.
+    /// Score = 0.5/3 - 0.5/4 = 0.041667 for entries 0..3.
+    #[test]
+    fn exact_duplicates_are_exempted_by_hand() {
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0]; 4],
+            &[[1.0, 0.0], [1.0, 0.0], [0.0, 1.0], [0.0, 1.0]],
+            4,
+        );
+        let layer = context(&q, &k, n);
+        let scorer = Rkv {
+            kernel: 1,
+            mix_lambda: 0.5,
+            threshold: 0.5,
+            retain: Retain::Last,
+        };
+        let protect = Protection {
+            sinks: 0,
+            window: 1,
+        };
+        let mut state = scorer.start(&layer, &unit(), protect);
+        let scores = scores_after(state.as_mut(), &layer, 4);
+        for score in &scores[..3] {
+            assert_abs_diff_eq!(*score, 0.5 / 3.0 - 0.5 / 4.0, epsilon = 1e-6);
+        }
+        assert!(scores[3].is_infinite());
+    }
+
+    /// Keys (1, 0), (0.6, 0.8), (0, 1), window 1 (entry 2), threshold 0.9: no pair is above it, so
+    /// every row zeroes its entry 0. Similarities: s01 = 0.6, s02 = 0, s12 = 0.8. Rows with entry
+    /// 0 zeroed: [0, 0.6, 0], [0, 0, 0.8], [0, 0.8, 0]; column means [0, 1.4/3, 0.8/3];
+    /// redundancy = softmax([0, 0.466667, 0.266667]) = [0.270478, 0.431264, 0.353086]... of which
+    /// entries 0, 1 are scored. Query (ln 2, 0) at position 2, scale 1/sqrt(2): logits over keys
+    /// 0, 1 = [0.490129, 0.294077], softmax [0.548857, 0.451143]; max pooling with kernel 1 is the
+    /// identity. lambda 0: score = -redundancy.
+    #[test]
+    fn redundancy_by_hand() {
+        let ln2 = std::f32::consts::LN_2;
+        let (q, k, n) = layer_with(
+            &[[0.0, 0.0], [0.0, 0.0], [ln2, 0.0]],
+            &[[1.0, 0.0], [0.6, 0.8], [0.0, 1.0]],
+            3,
+        );
+        let layer = context(&q, &k, n);
+        let protect = Protection {
+            sinks: 0,
+            window: 1,
+        };
+        let only_redundancy = Rkv {
+            kernel: 1,
+            mix_lambda: 0.0,
+            threshold: 0.9,
+            retain: Retain::Last,
+        };
+        let mut state = only_redundancy.start(&layer, &unit(), protect);
+        let scores = scores_after(state.as_mut(), &layer, 3);
+        let exp = [0.0f32.exp(), (1.4f32 / 3.0).exp(), (0.8f32 / 3.0).exp()];
+        let total: f32 = exp.iter().sum();
+        assert_abs_diff_eq!(scores[0], -exp[0] / total, epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], -exp[1] / total, epsilon = 1e-6);
+        let only_importance = Rkv {
+            mix_lambda: 1.0,
+            ..only_redundancy
+        };
+        let mut state = only_importance.start(&layer, &unit(), protect);
+        let scores = scores_after(state.as_mut(), &layer, 3);
+        let logits = [ln2 / 2f32.sqrt(), ln2 * 0.6 / 2f32.sqrt()];
+        let e = [logits[0].exp(), logits[1].exp()];
+        assert_abs_diff_eq!(scores[0], e[0] / (e[0] + e[1]), epsilon = 1e-6);
+        assert_abs_diff_eq!(scores[1], e[1] / (e[0] + e[1]), epsilon = 1e-6);
+    }
+}

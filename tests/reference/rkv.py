@@ -1,0 +1,119 @@
+"""Line-by-line transcription of R-KV's compression at the end of the prompt, for kvreplay's `rkv`
+scorer parity test.
+
+Source: github.com/Zefan-Cai/R-KV, commit d15c9767e67c2bd9807128fecc35223fa2484a69:
+  - rkv/utils.py, compute_attention_scores, lines 8-38 (pooling="max", R1KV's call);
+  - rkv/utils.py, cal_similarity, lines 42-94 (retain_direction="last");
+  - rkv/compression/r1_kv.py, R1KV.update_kv, lines 43-82 and 168-179;
+  - rkv/modeling.py, LlamaAttention_forward, lines 105-113 and 128-135: at the prefill the query
+    cache is the prompt's last `window_size` queries, and update_kv compresses the prompt's keys.
+Deviations, marked `# deviation`: positions are returned instead of gathered K/V; `topk` becomes
+`topk_stable` (kvtrace.py); float32 throughout (the code casts the mean attention to the model's
+dtype); the unused `retain_ratio` branches and the kept-index recording are left out.
+
+Usage: rkv.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head],
+"scores": [[score per position] per KV head]}]}} as JSON.
+"""
+
+import math
+
+import torch
+import torch.nn as nn
+import torch.nn.functional as F
+
+from kvtrace import run_budgets, topk_stable
+
+WINDOW_SIZE = 8
+KERNEL_SIZE = 7
+MIX_LAMBDA = 0.07
+THRESHOLD = 0.5
+
+
+def compute_attention_scores(query_states, key_states, pooling="max"):
+    batch_size, q_heads, q_len, head_dim = query_states.shape
+    kv_heads = key_states.shape[1]
+    query_group_size = q_heads // kv_heads
+
+    if query_group_size == 1:
+        attn_weights = torch.matmul(query_states, key_states.transpose(2, 3)) / math.sqrt(head_dim)
+    else:
+        query_states = query_states.view(batch_size, kv_heads, query_group_size, q_len, head_dim)
+        key_states = key_states.unsqueeze(2)
+        attn_weights = torch.matmul(query_states, key_states.transpose(3, 4)) / math.sqrt(head_dim)
+        if pooling == "mean":
+            attn_weights = attn_weights.mean(dim=2)
+        elif pooling == "max":
+            attn_weights = attn_weights.max(dim=2).values
+        else:
+            raise ValueError("Pooling method not supported")
+
+    return attn_weights
+
+
+def cal_similarity(key_states, threshold=0.5, retain_ratio=0.2, retain_direction="last"):
+    k = key_states[0]
+    num_heads = k.shape[0]
+
+    k_norm = k / (k.norm(dim=-1, keepdim=True) + 1e-8)
+    similarity_cos = torch.matmul(k_norm, k_norm.transpose(-1, -2))
+
+    for h in range(num_heads):
+        similarity_cos[h].fill_diagonal_(0.0)
+
+    similarity_mask = similarity_cos > threshold
+
+    indices = torch.where(
+        similarity_mask,
+        torch.arange(similarity_mask.size(-1), device=similarity_mask.device),
+        torch.zeros_like(similarity_mask, dtype=torch.long),
+    )
+
+    if retain_direction == "last":
+        similarity_retain = torch.max(indices, dim=-1)[0]
+    elif retain_direction == "first":
+        similarity_retain = torch.min(indices, dim=-1)[0]
+    else:  # deviation: the *_percent directions are not transcribed
+        raise ValueError(retain_direction)
+
+    batch_idx = torch.arange(num_heads).unsqueeze(1).repeat(1, similarity_retain.size(1))
+    seq_idx = torch.arange(similarity_retain.size(1)).unsqueeze(0).repeat(num_heads, 1)
+
+    similarity_cos[batch_idx, seq_idx, similarity_retain] = 0
+
+    return similarity_cos.mean(dim=1).softmax(dim=-1)
+
+
+def update_kv(key_states, query_states, budget):
+    """R1KV.update_kv: the kept positions per KV head and the final scores."""
+    kv_cache_len = key_states.shape[-2]
+    if kv_cache_len < budget:
+        everything = list(range(kv_cache_len))
+        return [everything] * key_states.shape[1], None  # deviation: positions
+    attn_weights = compute_attention_scores(query_states, key_states)
+    attn_weights_sum = nn.functional.softmax(
+        attn_weights[:, :, -WINDOW_SIZE:, :-WINDOW_SIZE], dim=-1, dtype=torch.float32
+    ).mean(dim=-2)  # deviation: no cast to the model's dtype
+    attn_cache = F.max_pool1d(
+        attn_weights_sum, kernel_size=KERNEL_SIZE, padding=KERNEL_SIZE // 2, stride=1
+    )
+    similarity_cos = cal_similarity(key_states, threshold=THRESHOLD, retain_direction="last")[
+        :, :-WINDOW_SIZE
+    ]
+    final_score = attn_cache * MIX_LAMBDA - similarity_cos * (1 - MIX_LAMBDA)
+    indices = topk_stable(final_score, budget - WINDOW_SIZE)  # deviation: stable ties
+    window = list(range(kv_cache_len - WINDOW_SIZE, kv_cache_len))
+    kept = [sorted(head.tolist()) + window for head in indices[0]]  # deviation: positions
+    return kept, final_score[0].tolist()
+
+
+def run(layers, prompt_len, budget):
+    out = []
+    for q, k in layers:
+        query_cache = q[:, :, prompt_len - WINDOW_SIZE : prompt_len, :]
+        kept, scores = update_kv(k[:, :, :prompt_len, :], query_cache, budget)
+        out.append({"kept": kept, "scores": scores})
+    return {"layers": out}
+
+
+if __name__ == "__main__":
+    run_budgets(run)
