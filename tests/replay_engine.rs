@@ -155,6 +155,28 @@ fn engine_matches_brute_force_reference() {
                                 "{scorer} {id}: {value} vs {want}"
                             );
                         }
+                        // The lost mass, by region and by time, adds up to what was not kept;
+                        // only the timing's own kinds of loss occur.
+                        let lost = 1.0 - expected.retained_mass;
+                        let by_region: f64 = got.lost_by_region.iter().map(|s| s.mass).sum();
+                        let by_when: Vec<f64> = got.lost_by_when.iter().map(|s| s.mass).collect();
+                        assert!(
+                            (by_region - lost).abs() < 1e-5,
+                            "{scorer}: {by_region} vs {lost}"
+                        );
+                        assert!(
+                            (by_when.iter().sum::<f64>() - lost).abs() < 1e-5,
+                            "{scorer}: {by_when:?} vs {lost}"
+                        );
+                        let possible = match timing {
+                            Timing::Prefill => [true, false, false, false],
+                            Timing::PrefillThenStream => [true, false, true, false],
+                            Timing::Streaming => [false, true, true, false],
+                            Timing::PerStep | Timing::PerStepPrompt => [false, false, false, true],
+                        };
+                        for (mass, possible) in by_when.iter().zip(possible) {
+                            assert!(possible || *mass == 0.0, "{scorer} {timing:?}: {by_when:?}");
+                        }
                         compared += 1;
                     }
                 }
@@ -214,6 +236,14 @@ fn recency_by_hand() {
     );
     assert_eq!(report.mean_kept, 2.0);
     assert_eq!(report.metric("output_error"), None);
+    // The lost positions 1 and 2 (0.2368828 + 0.6439142 = 0.8807970) are sinks (the first 4
+    // positions), evicted as the prompt streamed in.
+    let share = |shares: &[kvreplay::replay::metrics::lost::LostShare], name: &str| {
+        shares.iter().find(|s| s.name == name).unwrap().mass
+    };
+    assert!((share(&report.lost_by_region, "sinks") - 0.880_797).abs() < 1e-6);
+    assert!((share(&report.lost_by_when, "prompt streaming") - 0.880_797).abs() < 1e-6);
+    assert_eq!(share(&report.lost_by_region, "rest"), 0.0);
     // Top-2 of the full attention are positions 2 and 1, neither kept: recall 0.
     let top2 = PolicyParams {
         top_k: 2,

@@ -15,7 +15,7 @@ pub use json::Json;
 pub use live::live_table;
 pub use markdown::Markdown;
 pub use methods::methods_markdown;
-pub use replay::{layer_table, summary_table};
+pub use replay::{layer_table, lost_table, summary_table};
 pub use table::{Format, Table};
 
 use crate::replay::ReplayReport;

@@ -84,3 +84,28 @@ pub fn layer_table(report: &ReplayReport) -> Table {
     }
     table
 }
+
+/// Where each report's lost mass went: the share of the full attention not kept, split by region
+/// of the context and by when it left the cache (`replay::metrics::lost`), means over layers,
+/// query heads and decode steps.
+pub fn lost_table(reports: &[ReplayReport]) -> Table {
+    let mut headers = vec!["policy".to_string(), "lost".to_string()];
+    if let Some(first) = reports.first() {
+        headers.extend(first.lost_by_region.iter().map(|s| s.name.clone()));
+        headers.extend(first.lost_by_when.iter().map(|s| s.name.clone()));
+    }
+    let mut table = Table::with_headers(headers);
+    for report in reports {
+        let lost: f64 = report.lost_by_region.iter().map(|s| s.mass).sum();
+        let mut row = vec![report.policy.clone(), fixed(lost)];
+        row.extend(
+            report
+                .lost_by_region
+                .iter()
+                .chain(&report.lost_by_when)
+                .map(|s| fixed(s.mass)),
+        );
+        table.push(row);
+    }
+    table
+}

@@ -23,8 +23,10 @@ use super::kept::{
     is_one_shot, is_whole_layer, one_shot_kept, one_shot_scores, per_step_kept,
     per_step_layer_kept, reselected_kept, score_prompt, selection_groups,
 };
+use super::metrics::lost::{Dating, LostShare};
 use super::metrics::{
-    measure_unit, DecodeReference, LayerAccumulator, LayerReport, SpanReport, UnitMeasure,
+    measure_unit, DecodeReference, LayerAccumulator, LayerReport, MeasureSettings, SpanReport,
+    UnitMeasure,
 };
 use super::select::ranking;
 use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
@@ -60,6 +62,10 @@ pub struct ReplayReport {
     pub kv_bytes: f64,
     /// Span survival, mean over layers.
     pub spans: Vec<SpanReport>,
+    /// The lost mass by region of the context, mean over layers.
+    pub lost_by_region: Vec<LostShare>,
+    /// The lost mass by when it left the cache, mean over layers.
+    pub lost_by_when: Vec<LostShare>,
     /// Per-layer measurements.
     pub layers: Vec<LayerReport>,
 }
@@ -249,10 +255,15 @@ fn measure_layer(
     };
     let measure_group =
         |index: usize, kept: &[(&Unit, Cow<'_, UnitKept>, usize)], reference: &DecodeReference| {
-            let top_k = policies[index].params().top_k;
+            let params = policies[index].params();
+            let settings = MeasureSettings {
+                spans,
+                top_k: params.top_k,
+                dating: Dating::of(params.timing),
+            };
             kept.iter()
                 .map(|(unit, unit_kept, budget)| {
-                    measure_unit(layer, unit, unit_kept, *budget, reference, spans, top_k)
+                    measure_unit(layer, unit, unit_kept, *budget, reference, settings)
                 })
                 .collect::<Vec<UnitMeasure>>()
         };
@@ -519,6 +530,18 @@ fn summarise(
         })
         .collect();
     let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries);
+    let mean_shares = |shares: &dyn Fn(&LayerReport) -> &Vec<LostShare>| -> Vec<LostShare> {
+        shares(&layers[0])
+            .iter()
+            .enumerate()
+            .map(|(index, share)| LostShare {
+                name: share.name.clone(),
+                mass: mean(&|l| shares(l)[index].mass),
+            })
+            .collect()
+    };
+    let lost_by_region = mean_shares(&|l| &l.lost_by_region);
+    let lost_by_when = mean_shares(&|l| &l.lost_by_when);
     ReplayReport {
         trace: trace.path().display().to_string(),
         policy: policy.label(),
@@ -534,6 +557,8 @@ fn summarise(
         held_entries: entries_with_windows(trace, &layers, |l| l.held_entries),
         kv_bytes: kv_entries * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
         spans,
+        lost_by_region,
+        lost_by_when,
         layers,
     }
 }

@@ -16,6 +16,7 @@
 
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
+use lost::{Dating, LostMassCounter, LostShare, WHEN};
 use ndarray::{s, Array3, ArrayView1, Axis};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -33,6 +34,7 @@ macro_rules! metrics {
 }
 
 mod kept_output;
+pub mod lost;
 
 metrics! {
     retained_mass::RetainedMass,
@@ -131,6 +133,10 @@ pub struct LayerReport {
     pub samples: BTreeMap<String, Vec<Vec<f64>>>,
     /// Span survival.
     pub spans: Vec<SpanReport>,
+    /// The lost mass by region of the context ([`lost`]), mean over query heads and steps.
+    pub lost_by_region: Vec<LostShare>,
+    /// The lost mass by when it left the cache ([`lost::WHEN`]), mean over query heads and steps.
+    pub lost_by_when: Vec<LostShare>,
 }
 
 impl LayerReport {
@@ -273,6 +279,20 @@ pub struct UnitMeasure {
     metrics: Vec<Vec<f64>>,
     /// Per (step, head, span): share of the span's tokens kept, kept mass, full mass.
     spans: Vec<(f64, f64, f64)>,
+    /// Per (step, head), the lost mass in each bucket of [`LostMassCounter`].
+    lost: Vec<f64>,
+}
+
+/// What measuring a cache needs besides the cache: the trace's spans, the k of top-k recall, and
+/// how the policy's losses are dated.
+#[derive(Debug, Clone, Copy)]
+pub struct MeasureSettings<'a> {
+    /// The trace's named spans.
+    pub spans: &'a [Span],
+    /// k of the top-k recall.
+    pub top_k: usize,
+    /// How the policy's lost positions are dated.
+    pub dating: Dating,
 }
 
 /// Measures one cache's kept sets against its group's shared [`DecodeReference`]. The cost per
@@ -283,9 +303,13 @@ pub fn measure_unit(
     unit_kept: &UnitKept,
     budget: usize,
     reference: &DecodeReference,
-    spans: &[Span],
-    top_k: usize,
+    settings: MeasureSettings<'_>,
 ) -> UnitMeasure {
+    let MeasureSettings {
+        spans,
+        top_k,
+        dating,
+    } = settings;
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
     let n_steps = n_positions - prompt_len;
@@ -302,7 +326,11 @@ pub fn measure_unit(
             .map(|metric| Vec::with_capacity(if measured(metric) { samples } else { 0 }))
             .collect(),
         spans: Vec::with_capacity(samples * spans.len()),
+        lost: Vec::new(),
     };
+    let mut lost = LostMassCounter::new(dating, prompt_len, n_positions, spans);
+    let buckets = lost.buckets();
+    measure.lost = vec![0.0; samples * buckets];
     let mut in_set = vec![false; n_positions];
     // A fixed prompt set grows by one generated position per step: one buffer, extended.
     let mut fixed = match unit_kept {
@@ -373,7 +401,15 @@ pub fn measure_unit(
                     full_mass,
                 ));
             }
+            let sample = step * unit.query_heads.len() + index;
+            lost.count(
+                weights,
+                &in_set,
+                position,
+                &mut measure.lost[sample * buckets..(sample + 1) * buckets],
+            );
         }
+        lost.held(kept_positions);
         for &j in kept_positions {
             in_set[j] = false;
         }
@@ -389,6 +425,8 @@ pub struct LayerAccumulator {
     /// Per metric of [`REGISTRY`] (empty for one not measured), per query head and step.
     metrics: Vec<Vec<Vec<f64>>>,
     span_totals: Vec<(f64, f64, f64)>,
+    /// Per bucket of [`LostMassCounter`], the lost mass summed over samples.
+    lost_totals: Vec<f64>,
     unit_budgets: Vec<usize>,
     kept_by_unit: Vec<f64>,
 }
@@ -403,6 +441,7 @@ impl LayerAccumulator {
             n_heads,
             metrics: vec![Vec::new(); REGISTRY.len()],
             span_totals: vec![(0.0, 0.0, 0.0); n_spans],
+            lost_totals: vec![0.0; n_spans + 3 + WHEN.len()],
             unit_budgets: Vec::new(),
             kept_by_unit: Vec::new(),
         }
@@ -431,6 +470,12 @@ impl LayerAccumulator {
                 totals.0 += span.0;
                 totals.1 += span.1;
                 totals.2 += span.2;
+            }
+        }
+        let buckets = self.lost_totals.len();
+        for sample in unit.lost.chunks(buckets) {
+            for (total, value) in self.lost_totals.iter_mut().zip(sample) {
+                *total += value;
             }
         }
         self.unit_budgets.push(unit.budget);
@@ -472,6 +517,22 @@ impl LayerAccumulator {
             kept_by_unit: self.kept_by_unit,
             metrics,
             samples: per_sample,
+            lost_by_region: lost::regions(spans)
+                .into_iter()
+                .zip(&self.lost_totals)
+                .map(|(name, total)| LostShare {
+                    name,
+                    mass: total / samples,
+                })
+                .collect(),
+            lost_by_when: WHEN
+                .iter()
+                .zip(&self.lost_totals[spans.len() + 3..])
+                .map(|(name, total)| LostShare {
+                    name: name.to_string(),
+                    mass: total / samples,
+                })
+                .collect(),
             spans: spans
                 .iter()
                 .zip(self.span_totals)
