@@ -277,7 +277,11 @@ fn measure_layer(
             .into_par_iter()
             .map(|kv_head| {
                 let kept = group_kept(0, kv_head);
-                measure_group(0, &kept, &DecodeReference::new(layer, kv_head, max_top_k))
+                measure_group(
+                    0,
+                    &kept,
+                    &DecodeReference::new(layer, kv_head, max_top_k, spans),
+                )
             })
             .collect();
         for measure in per_group.iter().flatten() {
@@ -286,7 +290,7 @@ fn measure_layer(
     } else {
         let families = reselecting_families(policies);
         for kv_head in 0..n_kv_heads {
-            let reference = DecodeReference::new(layer, kv_head, max_top_k);
+            let reference = DecodeReference::new(layer, kv_head, max_top_k, spans);
             let reselected =
                 reselect_families(layer, policies, budgets, &units, kv_head, &families);
             accumulators

@@ -16,7 +16,7 @@
 
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
-use lost::{Dating, LostMassCounter, LostShare, WHEN};
+use lost::{Dating, LostMassCounter, LostShare, Regions, WHEN};
 use ndarray::{s, Array3, ArrayView1, Axis};
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -172,12 +172,16 @@ pub struct DecodeReference {
     /// Per `(head - heads.start) * steps + step`, `sum_j p_j` over the full cache in f64 (1 up to
     /// the f32 weights' rounding).
     pub total_mass: Vec<f64>,
+    /// The trace's regions ([`lost`]).
+    regions: Regions,
+    /// Per `(head - heads.start) * steps + step`, the full mass in each region.
+    region_mass: Vec<Vec<f64>>,
 }
 
 impl DecodeReference {
     /// Computes the reference of KV head `kv_head`'s query heads for top-k recalls up to
     /// `max_top_k`.
-    pub fn new(layer: &LayerContext<'_>, kv_head: usize, max_top_k: usize) -> Self {
+    pub fn new(layer: &LayerContext<'_>, kv_head: usize, max_top_k: usize, spans: &[Span]) -> Self {
         let group = layer.group_size();
         let heads = kv_head * group..(kv_head + 1) * group;
         let attention = layer.decode_attention(heads.clone());
@@ -245,6 +249,15 @@ impl DecodeReference {
                     .sum()
             })
             .collect();
+        let regions = Regions::new(layer.n_positions(), spans);
+        let region_mass = (0..group * n_steps)
+            .map(|index| {
+                let (head, step) = (index / n_steps, index % n_steps);
+                let position = layer.prompt_len + step;
+                let weights = attention.slice(s![head, step, ..=position]);
+                regions.full_mass(weights.to_slice().expect("standard layout"), position)
+            })
+            .collect();
         Self {
             heads,
             attention,
@@ -253,6 +266,8 @@ impl DecodeReference {
             value_norms,
             value_mass,
             total_mass,
+            regions,
+            region_mass,
         }
     }
 
@@ -328,7 +343,7 @@ pub fn measure_unit(
         spans: Vec::with_capacity(samples * spans.len()),
         lost: Vec::new(),
     };
-    let mut lost = LostMassCounter::new(dating, prompt_len, n_positions, spans);
+    let mut lost = LostMassCounter::new(dating, &reference.regions, prompt_len, n_positions);
     let buckets = lost.buckets();
     measure.lost = vec![0.0; samples * buckets];
     let mut in_set = vec![false; n_positions];
@@ -403,9 +418,13 @@ pub fn measure_unit(
             }
             let sample = step * unit.query_heads.len() + index;
             lost.count(
-                weights,
-                &in_set,
-                position,
+                lost::Sample {
+                    weights,
+                    kept: kept_positions,
+                    in_set: &in_set,
+                    position,
+                },
+                &reference.region_mass[local * n_steps + step],
                 &mut measure.lost[sample * buckets..(sample + 1) * buckets],
             );
         }
