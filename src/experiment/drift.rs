@@ -151,6 +151,7 @@ mod tests {
             samples: BTreeMap::new(),
             spans: Vec::new(),
             kv_entries: None,
+            lost: Vec::new(),
         };
         StoredRun {
             id: format!("{name}-{kl}"),

@@ -104,6 +104,10 @@ pub struct StoredReport {
     /// mean cache size times the caches).
     #[serde(default)]
     pub kv_entries: Option<f64>,
+    /// Where the lost mass went, by region and then by when it left (name, mass; mean over
+    /// layers); empty for runs stored before it was measured.
+    #[serde(default)]
+    pub lost: Vec<(String, f64)>,
 }
 
 impl StoredReport {
@@ -160,6 +164,12 @@ impl From<&ReplayReport> for StoredReport {
                 .map(|s| (s.name.clone(), s.kept_fraction, s.kept_mass, s.full_mass))
                 .collect(),
             kv_entries: None,
+            lost: report
+                .lost_by_region
+                .iter()
+                .chain(&report.lost_by_when)
+                .map(|share| (share.name.clone(), share.mass))
+                .collect(),
         }
     }
 }
