@@ -537,7 +537,7 @@ fn long_rows(table: &mut kvreplay::export::Table, trace: &TraceReader, peak: f64
     for (name, seconds) in bench::long_replays(trace, 128, &return_free_memory)? {
         table.push([
             format!("long: one replay of {name} at budget 128"),
-            format!("{seconds:.1} s"),
+            format!("{seconds:.2} s"),
         ]);
     }
     Ok(())
