@@ -146,6 +146,9 @@ impl LayerReport {
     }
 }
 
+/// Positions per block of the f64 full-output product.
+const OUTPUT_BLOCK: usize = 64;
+
 /// What every policy is measured against, for the query heads of one KV group: the full causal
 /// attention of their decode queries, their full-cache attention outputs, and the order of their
 /// largest weights. The engine computes it once per group and layer and shares it between all
@@ -187,13 +190,16 @@ impl DecodeReference {
         let attention = layer.decode_attention(heads.clone());
         let n_steps = attention.dim().1;
         let output = layer.values(kv_head).map(|values| {
-            let values = values.mapv(f64::from);
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
-            for head in 0..group {
-                let weights = attention.index_axis(Axis(0), head).mapv(f64::from);
-                output
-                    .index_axis_mut(Axis(0), head)
-                    .assign(&weights.dot(&values));
+            // By blocks of positions, so the f64 copies stay a few tens of KB at any T.
+            for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
+                let end = (start + OUTPUT_BLOCK).min(values.nrows());
+                let block = values.slice(s![start..end, ..]).mapv(f64::from);
+                for head in 0..group {
+                    let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
+                    let mut out = output.index_axis_mut(Axis(0), head);
+                    out += &weights.dot(&block);
+                }
             }
             output
         });
