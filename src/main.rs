@@ -516,12 +516,19 @@ fn oneshot_rows(
     Ok(())
 }
 
-/// The long trace's rows: its prefix pass against the matmul peak (one timed run per global
-/// layer: at 32K a run takes tens of seconds, long enough to be steady) and one replay each of
-/// SnapKV, the H2O prompt-end cut and the per-step oracle.
-fn long_rows(table: &mut kvreplay::export::Table, trace: &TraceReader, peak: f64) -> Result<()> {
+/// The long trace's rows: the matmul peak at its head size, its prefix pass against that peak
+/// (one timed run per global layer: at 32K a run takes tens of seconds, long enough to be steady)
+/// and one replay each of SnapKV, the H2O prompt-end cut and the per-step oracle.
+fn long_rows(table: &mut kvreplay::export::Table, trace: &TraceReader) -> Result<()> {
     use kvreplay::bench;
     let meta = trace.meta();
+    set_mmap_threshold(16 << 20);
+    let (peak, peak_product) = bench::matmul_peak(meta.head_dim);
+    set_mmap_threshold(MMAP_THRESHOLD);
+    table.push([
+        format!("long: matmul peak at its head size, d = {}", meta.head_dim),
+        format!("{peak:.1} GFLOP/s ({peak_product})"),
+    ]);
     let (scoring, seconds) = bench::scoring_throughput(trace, 1)?;
     table.push([
         format!(
@@ -575,7 +582,7 @@ fn bench(
     // matrixmultiply allocates a packing buffer per product: timed under this binary's 128 KiB
     // threshold, each would be mapped and faulted in afresh (see `bench::matmul_peak`).
     set_mmap_threshold(16 << 20);
-    let (peak, peak_product) = bench::matmul_peak();
+    let (peak, peak_product) = bench::matmul_peak(meta.head_dim);
     set_mmap_threshold(MMAP_THRESHOLD);
     table.push([
         "matmul peak (f32, one thread, best of matrixmultiply and kvreplay's product)".into(),
@@ -638,7 +645,7 @@ fn bench(
         ]);
     }
     if let Some(long) = long {
-        long_rows(&mut table, &TraceReader::open(long)?, peak)?;
+        long_rows(&mut table, &TraceReader::open(long)?)?;
     }
     let megabytes = |bytes: usize| bytes as f64 / 1e6;
     let growth_cell = |growth: Option<bench::Growth>, layer: usize| match growth {

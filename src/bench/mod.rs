@@ -286,45 +286,46 @@ pub fn grid_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyErro
     })
 }
 
-/// Best GFLOP/s of single-precision matrix multiplication on one thread: ndarray/matrixmultiply
-/// on square 512³ and attention-shaped 64×64·64×2048 products, and kvreplay's own logit product
-/// ([`scaled_product`], the scoring kernel's) on 72×64·64×2048. Whichever is fastest is the
-/// peak, so the scoring kernel is measured against the best multiply this machine ran, not
-/// against its own.
+/// Best GFLOP/s of single-precision matrix multiplication on one thread, for attention of
+/// `head_dim` dimensions: ndarray/matrixmultiply on square 512³ and attention-shaped
+/// 64×d·d×2048 products, and kvreplay's own logit product ([`scaled_product`], the scoring
+/// kernel's) on 72×d·d×2048. Whichever is fastest is the peak, so the scoring kernel is measured
+/// against the best multiply this machine ran at that head size, not against its own.
 ///
 /// matrixmultiply allocates a packing buffer (~0.3–1 MiB) for every product: where the allocator
 /// maps such blocks afresh on each allocation (the kvreplay binary maps blocks ≥ 128 KiB), every
 /// product pays page faults (a third of its speed here); the binary lifts that threshold while
 /// this runs. Returns the peak in GFLOP/s and the product that reached it.
-pub fn matmul_peak() -> (f64, &'static str) {
+pub fn matmul_peak(head_dim: usize) -> (f64, String) {
     let operand = |rows: usize, columns: usize, salt: usize| {
         Array2::from_shape_fn((rows, columns), |(i, j)| {
             ((i * 31 + j * 17 + salt) % 13) as f32 * 0.01
         })
     };
-    let mut best = (0.0f64, "");
+    let d = head_dim;
+    let mut best = (0.0f64, String::new());
     let shapes = [
-        (512, 512, 512, 6, "matrixmultiply 512×512·512×512"),
-        (64, 64, 2048, 200, "matrixmultiply 64×64·64×2048"),
+        (512, 512, 512, 6, "matrixmultiply 512×512·512×512".to_string()),
+        (64, d, 2048, 200 * 64 / d, format!("matrixmultiply 64×{d}·{d}×2048")),
     ];
     for (m, k, n, repeats, name) in shapes {
         let (a, b) = (operand(m, k, 0), operand(k, n, 5));
         let flops = 2.0 * (m * k * n) as f64;
-        let speed = best_of(flops, repeats, || a.dot(&b)[[0, 0]]);
+        let speed = best_of(flops, repeats.max(1), || a.dot(&b)[[0, 0]]);
         if speed > best.0 {
             best = (speed, name);
         }
     }
-    let (rows, keys) = (operand(72, 64, 0), operand(2048, 64, 5));
-    let mut packed = PackedKeys::new(64);
+    let (rows, keys) = (operand(72, d, 0), operand(2048, d, 5));
+    let mut packed = PackedKeys::new(d);
     let mut out = vec![0.0f32; 72 * 2048];
-    let flops = 2.0 * (72 * 64 * 2048) as f64;
-    let own = best_of(flops, 180, || {
+    let flops = 2.0 * (72 * d * 2048) as f64;
+    let own = best_of(flops, (180 * 64 / d).max(1), || {
         scaled_product(rows.view(), keys.view(), &mut packed, 2048, 1.0, &mut out);
         out[0]
     });
     if own > best.0 {
-        best = (own, "kvreplay 72×64·64×2048");
+        best = (own, format!("kvreplay 72×{d}·{d}×2048"));
     }
     best
 }
