@@ -305,8 +305,20 @@ pub fn matmul_peak(head_dim: usize) -> (f64, String) {
     let d = head_dim;
     let mut best = (0.0f64, String::new());
     let shapes = [
-        (512, 512, 512, 6, "matrixmultiply 512×512·512×512".to_string()),
-        (64, d, 2048, 200 * 64 / d, format!("matrixmultiply 64×{d}·{d}×2048")),
+        (
+            512,
+            512,
+            512,
+            6,
+            "matrixmultiply 512×512·512×512".to_string(),
+        ),
+        (
+            64,
+            d,
+            2048,
+            200 * 64 / d,
+            format!("matrixmultiply 64×{d}·{d}×2048"),
+        ),
     ];
     for (m, k, n, repeats, name) in shapes {
         let (a, b) = (operand(m, k, 0), operand(k, n, 5));

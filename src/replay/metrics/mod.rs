@@ -146,6 +146,24 @@ impl LayerReport {
     }
 }
 
+/// `f` of each decode query's full attention (over `0..=position`) and position, for
+/// `attention` `[heads, steps, T]`, in (head, step) order.
+fn per_query<T>(
+    attention: &Array3<f32>,
+    prompt_len: usize,
+    f: impl Fn(&[f32], usize) -> T,
+) -> Vec<T> {
+    let (heads, steps, _) = attention.dim();
+    (0..heads * steps)
+        .map(|index| {
+            let (head, step) = (index / steps, index % steps);
+            let position = prompt_len + step;
+            let weights = attention.slice(s![head, step, ..=position]);
+            f(weights.to_slice().expect("standard layout"), position)
+        })
+        .collect()
+}
+
 /// Positions per block of the f64 full-output product.
 const OUTPUT_BLOCK: usize = 64;
 
@@ -230,40 +248,19 @@ impl DecodeReference {
                 .map(|row| row.iter().map(|x| x.abs() as f64).sum())
                 .collect()
         });
+        let prompt_len = layer.prompt_len;
         let value_mass = value_norms.as_ref().map_or_else(Vec::new, |norms| {
-            (0..group * n_steps)
-                .map(|index| {
-                    let (head, step) = (index / n_steps, index % n_steps);
-                    let position = layer.prompt_len + step;
-                    attention
-                        .slice(s![head, step, ..=position])
-                        .iter()
-                        .zip(norms)
-                        .map(|(&p, n)| p as f64 * n)
-                        .sum()
-                })
-                .collect()
+            per_query(&attention, prompt_len, |weights, _| {
+                weights.iter().zip(norms).map(|(&p, n)| p as f64 * n).sum()
+            })
         });
-        let total_mass = (0..group * n_steps)
-            .map(|index| {
-                let (head, step) = (index / n_steps, index % n_steps);
-                let position = layer.prompt_len + step;
-                attention
-                    .slice(s![head, step, ..=position])
-                    .iter()
-                    .map(|&p| p as f64)
-                    .sum()
-            })
-            .collect();
+        let total_mass = per_query(&attention, prompt_len, |weights, _| {
+            weights.iter().map(|&p| p as f64).sum()
+        });
         let regions = Regions::new(layer.n_positions(), spans);
-        let region_mass = (0..group * n_steps)
-            .map(|index| {
-                let (head, step) = (index / n_steps, index % n_steps);
-                let position = layer.prompt_len + step;
-                let weights = attention.slice(s![head, step, ..=position]);
-                regions.full_mass(weights.to_slice().expect("standard layout"), position)
-            })
-            .collect();
+        let region_mass = per_query(&attention, prompt_len, |weights, position| {
+            regions.full_mass(weights, position)
+        });
         Self {
             heads,
             attention,
