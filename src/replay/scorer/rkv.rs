@@ -26,7 +26,7 @@ use super::snapkv::{check_kernel, pool1d, Pooling};
 use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
-use crate::attention::softmax_in_place;
+use crate::attention::{softmax_in_place, sparse_logits};
 use ndarray::{s, Array2};
 use std::collections::VecDeque;
 
@@ -128,20 +128,26 @@ impl State {
     /// The mean over the window's queries of their softmax over `keys` (cache entries), the
     /// logits' maximum over the group taken first.
     fn importance(&self, layer: &LayerContext<'_>, keys: &[usize]) -> Vec<f32> {
-        let key_rows = layer.keys(self.unit.kv_head);
         let scale = 1.0 / (layer.q.shape()[2] as f32).sqrt();
         let mut mean = vec![0.0f32; keys.len()];
-        let mut row = vec![0.0f32; keys.len()];
+        let mut per_head = vec![Vec::new(); self.unit.query_heads.len()];
         for &position in &self.recent {
-            row.fill(f32::NEG_INFINITY);
-            for head in self.unit.query_heads.clone() {
-                let query = layer.query(head, position);
-                for (logit, &key) in row.iter_mut().zip(keys) {
-                    *logit = logit.max(query.dot(&key_rows.row(key)) * scale);
+            let queries: Vec<Vec<f32>> = self
+                .unit
+                .query_heads
+                .clone()
+                .map(|head| layer.query(head, position).to_vec())
+                .collect();
+            let key_rows = layer.keys(self.unit.kv_head);
+            sparse_logits(&queries, key_rows, keys, scale, None, &mut per_head);
+            let (first, rest) = per_head.split_first_mut().expect("a query head");
+            for other in rest.iter() {
+                for (logit, &o) in first.iter_mut().zip(other) {
+                    *logit = logit.max(o);
                 }
             }
-            softmax_in_place(&mut row);
-            for (m, w) in mean.iter_mut().zip(&row) {
+            softmax_in_place(first);
+            for (m, w) in mean.iter_mut().zip(first.iter()) {
                 *m += w;
             }
         }
