@@ -516,15 +516,23 @@ fn oneshot_rows(
     Ok(())
 }
 
+/// [`kvreplay::bench::matmul_peak`] at `head_dim`. matrixmultiply allocates a packing buffer per
+/// product: timed under this binary's 128 KiB mmap threshold, each would be mapped and faulted in
+/// afresh, so the threshold is lifted while it runs.
+fn matmul_peak(head_dim: usize) -> (f64, String) {
+    set_mmap_threshold(16 << 20);
+    let peak = kvreplay::bench::matmul_peak(head_dim);
+    set_mmap_threshold(MMAP_THRESHOLD);
+    peak
+}
+
 /// The long trace's rows: the matmul peak at its head size, its prefix pass against that peak
 /// (one timed run per global layer: at 32K a run takes tens of seconds, long enough to be steady)
 /// and one replay each of SnapKV, the H2O prompt-end cut and the per-step oracle.
 fn long_rows(table: &mut kvreplay::export::Table, trace: &TraceReader) -> Result<()> {
     use kvreplay::bench;
     let meta = trace.meta();
-    set_mmap_threshold(16 << 20);
-    let (peak, peak_product) = bench::matmul_peak(meta.head_dim);
-    set_mmap_threshold(MMAP_THRESHOLD);
+    let (peak, peak_product) = matmul_peak(meta.head_dim);
     table.push([
         format!("long: matmul peak at its head size, d = {}", meta.head_dim),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
@@ -579,11 +587,7 @@ fn bench(
         ),
     ]);
     table.push(["threads".into(), threads.to_string()]);
-    // matrixmultiply allocates a packing buffer per product: timed under this binary's 128 KiB
-    // threshold, each would be mapped and faulted in afresh (see `bench::matmul_peak`).
-    set_mmap_threshold(16 << 20);
-    let (peak, peak_product) = bench::matmul_peak(meta.head_dim);
-    set_mmap_threshold(MMAP_THRESHOLD);
+    let (peak, peak_product) = matmul_peak(meta.head_dim);
     table.push([
         "matmul peak (f32, one thread, best of matrixmultiply and kvreplay's product)".into(),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
