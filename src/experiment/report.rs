@@ -675,7 +675,7 @@ fn lost_section(
     let Some(first) = names.iter().flat_map(of).next() else {
         return String::new();
     };
-    if first.report.lost.is_empty() || runs.iter().any(|r| r.report.lost.is_empty()) {
+    if runs.iter().any(|r| r.report.lost.is_empty()) {
         return String::new();
     }
     let mut headers = vec!["policy".to_string(), "lost".to_string()];
