@@ -232,6 +232,21 @@ fn experiments_that_would_lose_or_measure_nothing_are_refused() {
             ),
             "`timing` lists prefill twice",
         ),
+        (
+            EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10]\nranking = [\"mass\"]"),
+            "ranking names `mass`, which is no metric; metrics: retained_mass,",
+        ),
+        (
+            EXPERIMENT.replace(
+                "budgets = [6, 10]",
+                "budgets = [6, 10]\nranking = [\"retained_mass\"]\nceiling = \"oracle\"",
+            ),
+            "ceiling = `oracle` is no policy here",
+        ),
+        (
+            EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10]\nceiling = \"snapkv\""),
+            "ceiling is set but `ranking` names no metric",
+        ),
     ] {
         let dir = setup(&edit);
         kvreplay(&dir)
@@ -366,4 +381,57 @@ fn two_models_side_by_side() {
         "{entries} vs {}",
         b1.kv_entries
     );
+}
+
+#[test]
+fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
+    let experiment = EXPERIMENT.replace(
+        "budgets = [6, 10]",
+        "budgets = [6, 10]\nranking = [\"retained_mass\", \"topk_recall\"]\nceiling = \"snapkv\"",
+    );
+    let dir = setup(&experiment);
+    let out = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    // Each policy's mean over budgets, from the stored rows (one trace: the run's own figure).
+    let csv = std::fs::read_to_string(dir.path().join("results/e/runs.csv")).unwrap();
+    let mass = |policy: &str, budget: usize| -> f64 {
+        let row = csv
+            .lines()
+            .find(|l| l.contains(&format!(",{policy},{budget},")))
+            .unwrap_or_else(|| panic!("{policy} at {budget}"));
+        row.split(',').nth(6).unwrap().parse().unwrap()
+    };
+    let section = report
+        .split("Ranking by retained mass")
+        .nth(1)
+        .expect("a ranking by retained mass")
+        .split("Ranking by top-")
+        .next()
+        .unwrap();
+    let rows: Vec<Vec<&str>> = section
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| rank"))
+        .map(|l| l.split('|').map(str::trim).filter(|c| !c.is_empty()).collect())
+        .collect();
+    assert_eq!(rows[0][0], "ceiling");
+    assert_eq!(rows[0][1], "snapkv");
+    let ranked: Vec<(&str, f64)> = rows[1..]
+        .iter()
+        .map(|row| (row[1], row[4].parse::<f64>().unwrap()))
+        .collect();
+    assert_eq!(ranked.len(), 2);
+    for (name, mean) in &ranked {
+        let expected = (mass(name, 6) + mass(name, 10)) / 2.0;
+        assert!((mean - expected).abs() < 6e-5, "{name}: {mean} vs {expected}");
+        // The share of the ceiling at budget 6, to the percent shown.
+        let share = 100.0 * mass(name, 6) / mass("snapkv", 6);
+        let shown = rows
+            .iter()
+            .find(|row| row[1] == *name)
+            .map(|row| row[2].to_string())
+            .unwrap();
+        assert!(shown.ends_with(&format!("({share:.0}%)")), "{shown} vs {share}");
+    }
+    assert!(ranked[0].1 >= ranked[1].1, "ranked best first: {ranked:?}");
+    assert!(report.contains("Kendall's τ-b"), "{report}");
 }

@@ -11,6 +11,7 @@
 pub mod calibration;
 mod drift;
 mod plot;
+mod ranking;
 pub mod report;
 pub mod shard;
 pub mod slurm;

@@ -9,6 +9,7 @@
 //! several traces the interval is over per-trace means instead, and the report says which.
 
 use super::calibration;
+use super::ranking;
 use super::plot::{heatmap, line_chart, Series};
 use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
 use super::{Experiment, TraceFile};
@@ -62,7 +63,7 @@ fn samples(run: &StoredRun) -> Vec<f64> {
 }
 
 /// Policy names in plan order, without repeats.
-fn names(experiment: &Experiment) -> Vec<String> {
+pub(super) fn names(experiment: &Experiment) -> Vec<String> {
     let mut names: Vec<String> = Vec::new();
     for (name, _) in &experiment.policies {
         if !names.contains(name) {
@@ -72,7 +73,7 @@ fn names(experiment: &Experiment) -> Vec<String> {
     names
 }
 
-fn find<'a>(
+pub(super) fn find<'a>(
     runs: &'a [StoredRun],
     name: &str,
     budget: usize,
@@ -434,6 +435,7 @@ fn part(
         body += &paired_section(experiment, runs, &trace_names);
         body += &span_sections(experiment, &names, runs, &trace_names);
         body += &lost_section(experiment, &names, runs, &trace_names);
+        body += &ranking::section(experiment, runs, &trace_names);
         figures = figures_of_runs(experiment, &names, runs, &trace_names, &mass_series, files)?;
         if runs.iter().all(|r| r.closed_loop.is_some()) {
             let (text, plots) =

@@ -78,6 +78,10 @@ struct ExperimentFile {
     compare: Vec<Comparison>,
     #[serde(default)]
     closed_loop: bool,
+    #[serde(default)]
+    ranking: Vec<String>,
+    #[serde(default)]
+    ceiling: Option<String>,
 }
 
 /// A parsed, checked experiment.
@@ -102,6 +106,10 @@ pub struct Experiment {
     /// Whether every run is also run live in the model (closed loop): traces must be recipes and
     /// policies one-shot at prefill end.
     pub closed_loop: bool,
+    /// Metric ids the report ranks the policies by, one ranking table each.
+    pub ranking: Vec<String>,
+    /// The policy the rankings show every other as a share of (e.g. the per-step oracle).
+    pub ceiling: Option<String>,
 }
 
 /// One run: a policy at a budget on a trace.
@@ -115,6 +123,38 @@ pub struct PlannedRun {
     pub trace: PathBuf,
     /// The parameters.
     pub params: PolicyParams,
+}
+
+/// `ranking` names known metrics, each once, and `ceiling` one of the policies (and needs a
+/// ranking to appear in).
+fn check_ranking(file: &ExperimentFile, names: &[String]) -> Result<(), String> {
+    let ids: Vec<&str> = crate::replay::metrics::REGISTRY
+        .iter()
+        .map(|metric| metric.id())
+        .collect();
+    if let Some(unknown) = file.ranking.iter().find(|id| !ids.contains(&id.as_str())) {
+        return Err(format!(
+            "ranking names `{unknown}`, which is no metric; metrics: {}",
+            ids.join(", ")
+        ));
+    }
+    if let Some(repeat) = first_repeat(&file.ranking) {
+        return Err(format!("ranking lists `{repeat}` twice"));
+    }
+    match &file.ceiling {
+        Some(ceiling) if !names.contains(ceiling) => Err(format!(
+            "ceiling = `{ceiling}` is no policy here; policies: {}",
+            {
+                let mut unique = names.to_vec();
+                unique.dedup();
+                unique.join(", ")
+            }
+        )),
+        Some(_) if file.ranking.is_empty() => {
+            Err("ceiling is set but `ranking` names no metric to rank by".into())
+        }
+        _ => Ok(()),
+    }
 }
 
 fn as_list(value: &toml::Value) -> Vec<toml::Value> {
@@ -289,6 +329,7 @@ impl Experiment {
                 }
             }
         }
+        check_ranking(&file, &names).map_err(parse_error)?;
         if file.closed_loop {
             if let Some(trace) = file
                 .traces
@@ -328,6 +369,8 @@ impl Experiment {
             policies,
             compare: file.compare,
             closed_loop: file.closed_loop,
+            ranking: file.ranking,
+            ceiling: file.ceiling,
         })
     }
 

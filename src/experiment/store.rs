@@ -254,11 +254,11 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepErr
     })
 }
 
-/// Runs every planned run (of `shard` only, when given) not stored yet under `results` (policies
-/// of one trace in batches that share each layer's reading and decode attention), storing each
-/// as it finishes; `layer_done`
-/// is called after each layer of each pass. Returns how many runs were run and how many were
-/// already there.
+/// Runs every planned run (of `shard` only, when given) not stored yet under `results`, storing
+/// each as it finishes; `layer_done` is called after each layer of each pass. A trace's policies
+/// run in batches ([`batches`]) that share each layer's reading and decode attention, and whose
+/// policies with the same scores share one scoring pass. Returns how many runs were run and how
+/// many were already there.
 pub fn run_sweep(
     experiment: &Experiment,
     traces: &[TraceFile],
@@ -267,7 +267,6 @@ pub fn run_sweep(
     progress: SweepProgress<'_>,
     layer_done: LayerDone<'_>,
 ) -> Result<(usize, usize), SweepError> {
-    const BATCH: usize = 12;
     let planned: Vec<PlannedRun> = match shard {
         Some(shard) => plan_shards(experiment, traces, shard.count)
             .into_iter()
@@ -314,20 +313,49 @@ pub fn run_sweep(
         } else {
             Runner::Replay(TraceReader::open(&trace.path).map_err(PolicyError::from)?)
         };
-        for batch in of_trace.chunks(BATCH) {
-            let policies = batch
-                .iter()
-                .map(|run| run.params.clone().check())
-                .collect::<Result<Vec<_>, _>>()?;
-            for (run, (report, closed_loop)) in batch.iter().zip(runner.run(&policies, layer_done)?)
+        let checked = of_trace
+            .iter()
+            .map(|run| Ok((**run, run.params.clone().check()?)))
+            .collect::<Result<Vec<_>, SweepError>>()?;
+        let most = if experiment.closed_loop { LIVE_BATCH } else { REPLAY_BATCH };
+        for batch in batches(checked, most) {
+            let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
+            for (run, (report, closed_loop)) in runs.iter().zip(runner.run(&policies, layer_done)?)
             {
                 store(results, run, trace, &report, closed_loop)?;
             }
-            done += batch.len();
+            done += runs.len();
             progress(done, total);
         }
     }
     Ok((total - skipped, skipped))
+}
+
+/// The most replayed policies in one pass: their reports (a few hundred KB each at 8K) are what a
+/// pass holds besides a layer.
+const REPLAY_BATCH: usize = 64;
+
+/// The most live policies in one session pass.
+const LIVE_BATCH: usize = 12;
+
+/// `runs` in the fewest passes of at most `most` policies, of near-equal size, ordered by what
+/// their scores depend on (score key, then timing), so that the budgets and allocators of one
+/// scorer fall into one pass and share its scoring.
+fn batches<'r>(
+    mut runs: Vec<(&'r PlannedRun, ValidPolicy)>,
+    most: usize,
+) -> Vec<Vec<(&'r PlannedRun, ValidPolicy)>> {
+    runs.sort_by(|(_, a), (_, b)| {
+        (a.score_key(), a.params().timing.name()).cmp(&(b.score_key(), b.params().timing.name()))
+    });
+    let passes = runs.len().div_ceil(most.max(1)).max(1);
+    let size = runs.len().div_ceil(passes).max(1);
+    let mut batches = Vec::with_capacity(passes);
+    let mut rest = runs.into_iter().peekable();
+    while rest.peek().is_some() {
+        batches.push(rest.by_ref().take(size).collect());
+    }
+    batches
 }
 
 /// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
@@ -455,5 +483,63 @@ fn short(digest: &str) -> String {
         "none".into()
     } else {
         digest.chars().take(12).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::PolicyParams;
+
+    fn run(index: usize, scorer: &str, budget: usize) -> (PlannedRun, ValidPolicy) {
+        let params = PolicyParams {
+            scorer: scorer.into(),
+            budget,
+            ..PolicyParams::default()
+        };
+        let run = PlannedRun {
+            id: format!("run-{index}"),
+            name: scorer.into(),
+            trace: "t.safetensors".into(),
+            params: params.clone(),
+        };
+        (run, params.check().unwrap())
+    }
+
+    #[test]
+    fn batches_keep_a_scorer_together_in_the_fewest_even_passes() {
+        // 3 scorers x 4 budgets, interleaved as a plan lists them.
+        let owned: Vec<(PlannedRun, ValidPolicy)> = (0..12)
+            .map(|i| run(i, ["snapkv", "recency", "true-query"][i % 3], 64 << (i / 3)))
+            .collect();
+        let runs = || {
+            owned
+                .iter()
+                .map(|(r, _)| (r, r.params.clone().check().unwrap()))
+                .collect::<Vec<_>>()
+        };
+        let key = |batch: &[(&PlannedRun, ValidPolicy)]| -> Vec<String> {
+            let mut keys: Vec<String> = batch.iter().map(|(_, p)| p.score_key().into()).collect();
+            keys.dedup();
+            keys
+        };
+        // One pass when they fit.
+        let one = batches(runs(), 64);
+        assert_eq!(one.len(), 1);
+        assert_eq!(key(&one[0]).len(), 3, "sorted: each scorer's runs adjacent");
+        // At most 4 a pass: 3 passes of 4, each one scorer's 4 budgets.
+        let three = batches(runs(), 4);
+        assert_eq!(three.iter().map(Vec::len).collect::<Vec<_>>(), [4, 4, 4]);
+        assert!(three.iter().all(|batch| key(batch).len() == 1));
+        // At most 5: 3 passes again, near-equal (4 each) rather than 5, 5, 2.
+        assert_eq!(
+            batches(runs(), 5).iter().map(Vec::len).collect::<Vec<_>>(),
+            [4, 4, 4]
+        );
+        // Every run exactly once.
+        let mut ids: Vec<&str> = three.iter().flatten().map(|(r, _)| r.id.as_str()).collect();
+        ids.sort();
+        ids.dedup();
+        assert_eq!(ids.len(), 12);
     }
 }

@@ -198,19 +198,27 @@ fn measure_layer(
             (0..groups).map(move |group| (key, index, group))
         })
         .collect();
-    let scored: Vec<Vec<f32>> = tasks
-        .par_iter()
-        .map(|&(_, index, group)| {
-            let policy = &policies[index];
-            let groups = selection_groups(&units[index], policy);
-            score_prompt(
-                policy.scorer.as_ref(),
-                layer,
-                groups[group],
-                policy.protection(),
-            )
-        })
-        .collect();
+    let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
+    let reference = |kv_head: usize| DecodeReference::new(layer, kv_head, max_top_k, spans);
+    // Several policies share each group's reference: the first is computed beside the scoring.
+    let (scored, mut next_reference): (Vec<Vec<f32>>, _) = rayon::join(
+        || {
+            tasks
+                .par_iter()
+                .map(|&(_, index, group)| {
+                    let policy = &policies[index];
+                    let groups = selection_groups(&units[index], policy);
+                    score_prompt(
+                        policy.scorer.as_ref(),
+                        layer,
+                        groups[group],
+                        policy.protection(),
+                    )
+                })
+                .collect()
+        },
+        || (!single).then(|| reference(0)),
+    );
     let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
     for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
         scores.entry(key).or_default().push(group_scores);
@@ -230,7 +238,6 @@ fn measure_layer(
         })
         .collect();
     drop(scores);
-    let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
     // Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
     let group_kept = |index: usize, kv_head: usize| -> Vec<(&Unit, Cow<'_, UnitKept>, usize)> {
         match &whole_layer[index] {
@@ -277,11 +284,7 @@ fn measure_layer(
             .into_par_iter()
             .map(|kv_head| {
                 let kept = group_kept(0, kv_head);
-                measure_group(
-                    0,
-                    &kept,
-                    &DecodeReference::new(layer, kv_head, max_top_k, spans),
-                )
+                measure_group(0, &kept, &reference(kv_head))
             })
             .collect();
         for measure in per_group.iter().flatten() {
@@ -289,27 +292,33 @@ fn measure_layer(
         }
     } else {
         let families = reselecting_families(policies);
+        // While the policies measure one group, the next group's reference is computed: two
+        // references at most are held, and no thread waits on the one that computes them.
         for kv_head in 0..n_kv_heads {
-            let reference = DecodeReference::new(layer, kv_head, max_top_k, spans);
-            let reselected =
-                reselect_families(layer, policies, budgets, &units, kv_head, &families);
-            accumulators
-                .par_iter_mut()
-                .enumerate()
-                .for_each(|(index, accumulator)| {
-                    let kept = match reselected.get(&index) {
-                        Some(kept) => kept
-                            .iter()
-                            .map(|(unit, unit_kept)| {
-                                (*unit, Cow::Borrowed(unit_kept), budgets[index])
-                            })
-                            .collect(),
-                        None => group_kept(index, kv_head),
-                    };
-                    for measure in measure_group(index, &kept, &reference) {
-                        accumulator.add(&measure);
-                    }
-                });
+            let current = next_reference.take().expect("computed before its group");
+            let measure_all = || {
+                let reselected =
+                    reselect_families(layer, policies, budgets, &units, kv_head, &families);
+                accumulators
+                    .par_iter_mut()
+                    .enumerate()
+                    .for_each(|(index, accumulator)| {
+                        let kept = match reselected.get(&index) {
+                            Some(kept) => kept
+                                .iter()
+                                .map(|(unit, unit_kept)| {
+                                    (*unit, Cow::Borrowed(unit_kept), budgets[index])
+                                })
+                                .collect(),
+                            None => group_kept(index, kv_head),
+                        };
+                        for measure in measure_group(index, &kept, &current) {
+                            accumulator.add(&measure);
+                        }
+                    });
+            };
+            let following = kv_head + 1 < n_kv_heads;
+            next_reference = rayon::join(|| following.then(|| reference(kv_head + 1)), measure_all).0;
         }
     }
     let reports = accumulators

@@ -45,24 +45,38 @@ unsafe fn add_rows_avx(
 ) {
     use std::arch::x86_64::*;
     let lanes = d / 4 * 4;
+    // Each row is widened to f64 once, then added to every head's sums.
+    let mut wide = vec![0.0f64; d];
     for &j in kept {
         let row = &all[j * d..(j + 1) * d];
+        let mut i = 0;
+        while i < lanes {
+            // SAFETY: i + 4 <= lanes <= d, the length of `row` and of `wide`.
+            unsafe {
+                let v = _mm256_cvtps_pd(_mm_loadu_ps(row.as_ptr().add(i)));
+                _mm256_storeu_pd(wide.as_mut_ptr().add(i), v);
+            }
+            i += 4;
+        }
+        for i in lanes..d {
+            wide[i] = row[i] as f64;
+        }
         for (head, head_sums) in weights.iter().zip(sums.chunks_exact_mut(d)) {
             let weight = head[j] as f64;
             let splat = _mm256_set1_pd(weight);
-            let (source, target) = (row.as_ptr(), head_sums.as_mut_ptr());
+            let (source, target) = (wide.as_ptr(), head_sums.as_mut_ptr());
             let mut i = 0;
             while i < lanes {
-                // SAFETY: i + 4 <= lanes <= d, the length of `row` and of `head_sums`.
+                // SAFETY: i + 4 <= lanes <= d, the length of `wide` and of `head_sums`.
                 unsafe {
-                    let v = _mm256_cvtps_pd(_mm_loadu_ps(source.add(i)));
+                    let v = _mm256_loadu_pd(source.add(i));
                     let sum = _mm256_loadu_pd(target.add(i));
                     _mm256_storeu_pd(target.add(i), _mm256_add_pd(sum, _mm256_mul_pd(splat, v)));
                 }
                 i += 4;
             }
             for i in lanes..d {
-                head_sums[i] += weight * row[i] as f64;
+                head_sums[i] += weight * wide[i];
             }
         }
     }
