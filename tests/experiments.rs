@@ -233,7 +233,10 @@ fn experiments_that_would_lose_or_measure_nothing_are_refused() {
             "`timing` lists prefill twice",
         ),
         (
-            EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10]\nranking = [\"mass\"]"),
+            EXPERIMENT.replace(
+                "budgets = [6, 10]",
+                "budgets = [6, 10]\nranking = [\"mass\"]",
+            ),
             "ranking names `mass`, which is no metric; metrics: retained_mass,",
         ),
         (
@@ -244,7 +247,10 @@ fn experiments_that_would_lose_or_measure_nothing_are_refused() {
             "ceiling = `oracle` is no policy here",
         ),
         (
-            EXPERIMENT.replace("budgets = [6, 10]", "budgets = [6, 10]\nceiling = \"snapkv\""),
+            EXPERIMENT.replace(
+                "budgets = [6, 10]",
+                "budgets = [6, 10]\nceiling = \"snapkv\"",
+            ),
             "ceiling is set but `ranking` names no metric",
         ),
     ] {
@@ -411,7 +417,12 @@ fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
     let rows: Vec<Vec<&str>> = section
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| rank"))
-        .map(|l| l.split('|').map(str::trim).filter(|c| !c.is_empty()).collect())
+        .map(|l| {
+            l.split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .collect()
+        })
         .collect();
     assert_eq!(rows[0][0], "ceiling");
     assert_eq!(rows[0][1], "snapkv");
@@ -422,7 +433,10 @@ fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
     assert_eq!(ranked.len(), 2);
     for (name, mean) in &ranked {
         let expected = (mass(name, 6) + mass(name, 10)) / 2.0;
-        assert!((mean - expected).abs() < 6e-5, "{name}: {mean} vs {expected}");
+        assert!(
+            (mean - expected).abs() < 6e-5,
+            "{name}: {mean} vs {expected}"
+        );
         // The share of the ceiling at budget 6, to the percent shown.
         let share = 100.0 * mass(name, 6) / mass("snapkv", 6);
         let shown = rows
@@ -430,7 +444,10 @@ fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
             .find(|row| row[1] == *name)
             .map(|row| row[2].to_string())
             .unwrap();
-        assert!(shown.ends_with(&format!("({share:.0}%)")), "{shown} vs {share}");
+        assert!(
+            shown.ends_with(&format!("({share:.0}%)")),
+            "{shown} vs {share}"
+        );
     }
     assert!(ranked[0].1 >= ranked[1].1, "ranked best first: {ranked:?}");
     assert!(report.contains("Kendall's τ-b"), "{report}");

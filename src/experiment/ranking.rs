@@ -27,7 +27,11 @@ impl Standing {
 }
 
 /// The ranking tables, or nothing when the experiment asks for none.
-pub(super) fn section(experiment: &Experiment, runs: &[StoredRun], trace_names: &[String]) -> String {
+pub(super) fn section(
+    experiment: &Experiment,
+    runs: &[StoredRun],
+    trace_names: &[String],
+) -> String {
     if experiment.ranking.is_empty() {
         return String::new();
     }
@@ -54,7 +58,10 @@ pub(super) fn section(experiment: &Experiment, runs: &[StoredRun], trace_names: 
             }
         );
         out += &table(experiment, &ranked, ceiling.first()).render(Format::Markdown);
-        orders.push((title.to_owned(), ranked.into_iter().map(|s| s.name).collect()));
+        orders.push((
+            title.to_owned(),
+            ranked.into_iter().map(|s| s.name).collect(),
+        ));
     }
     if let [(first, a), (second, b), ..] = orders.as_slice() {
         out += &agreement(first, a, second, b);
@@ -105,7 +112,12 @@ fn table(experiment: &Experiment, ranked: &[Standing], ceiling: Option<&Standing
     let rows = ceiling
         .map(|c| ("ceiling".to_string(), c))
         .into_iter()
-        .chain(ranked.iter().enumerate().map(|(i, s)| ((i + 1).to_string(), s)));
+        .chain(
+            ranked
+                .iter()
+                .enumerate()
+                .map(|(i, s)| ((i + 1).to_string(), s)),
+        );
     for (rank, standing) in rows {
         let mut row = vec![rank, standing.name.clone()];
         let mut shares = Vec::new();
@@ -125,7 +137,10 @@ fn table(experiment: &Experiment, ranked: &[Standing], ceiling: Option<&Standing
         if ceiling.is_some() {
             row.push(match shares.is_empty() {
                 true => "—".into(),
-                false => format!("{:.1}%", 100.0 * shares.iter().sum::<f64>() / shares.len() as f64),
+                false => format!(
+                    "{:.1}%",
+                    100.0 * shares.iter().sum::<f64>() / shares.len() as f64
+                ),
             });
         }
         table.push(row);
@@ -146,7 +161,12 @@ fn agreement(first: &str, a: &[String], second: &str, b: &[String]) -> String {
     let (x, y): (Vec<f64>, Vec<f64>) = pairs.iter().map(|&(x, y, _)| (x, y)).unzip();
     let tau = kendall(&x, &y);
     let mut moves: Vec<&(f64, f64, &String)> = pairs.iter().filter(|(x, y, _)| x != y).collect();
-    moves.sort_by(|p, q| (q.1 - q.0).abs().total_cmp(&(p.1 - p.0).abs()).then(p.2.cmp(q.2)));
+    moves.sort_by(|p, q| {
+        (q.1 - q.0)
+            .abs()
+            .total_cmp(&(p.1 - p.0).abs())
+            .then(p.2.cmp(q.2))
+    });
     let listed: Vec<String> = moves
         .iter()
         .take(3)

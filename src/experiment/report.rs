@@ -9,8 +9,8 @@
 //! several traces the interval is over per-trace means instead, and the report says which.
 
 use super::calibration;
-use super::ranking;
 use super::plot::{heatmap, line_chart, Series};
+use super::ranking;
 use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
 use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};

@@ -317,7 +317,11 @@ pub fn run_sweep(
             .iter()
             .map(|run| Ok((**run, run.params.clone().check()?)))
             .collect::<Result<Vec<_>, SweepError>>()?;
-        let most = if experiment.closed_loop { LIVE_BATCH } else { REPLAY_BATCH };
+        let most = if experiment.closed_loop {
+            LIVE_BATCH
+        } else {
+            REPLAY_BATCH
+        };
         for batch in batches(checked, most) {
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
             for (run, (report, closed_loop)) in runs.iter().zip(runner.run(&policies, layer_done)?)

@@ -318,7 +318,8 @@ fn measure_layer(
                     });
             };
             let following = kv_head + 1 < n_kv_heads;
-            next_reference = rayon::join(|| following.then(|| reference(kv_head + 1)), measure_all).0;
+            next_reference =
+                rayon::join(|| following.then(|| reference(kv_head + 1)), measure_all).0;
         }
     }
     let reports = accumulators
