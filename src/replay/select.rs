@@ -60,21 +60,54 @@ pub(crate) fn ranked_head(
     n: usize,
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let keep_first = |&a: &usize, &b: &usize| {
+    let keep_first = keep_first(positions, scores, is_protected);
+    let mut order = first_indices(positions, n, &keep_first);
+    order.sort_unstable_by(&keep_first);
+    order.into_iter().map(|index| positions[index]).collect()
+}
+
+/// The positions of [`ranked_head`] in no particular order: the partial selection alone, for
+/// callers that sort them by position anyway.
+fn head_unordered(
+    positions: &[usize],
+    scores: &[f32],
+    n: usize,
+    is_protected: impl Fn(usize) -> bool,
+) -> Vec<usize> {
+    let keep_first = keep_first(positions, scores, is_protected);
+    let order = first_indices(positions, n, &keep_first);
+    order.into_iter().map(|index| positions[index]).collect()
+}
+
+/// The ranking's order on indices into `positions`: protected first, then the higher score, then
+/// the lower position.
+fn keep_first<'a>(
+    positions: &'a [usize],
+    scores: &'a [f32],
+    is_protected: impl Fn(usize) -> bool + 'a,
+) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + 'a {
+    move |&a: &usize, &b: &usize| {
         let (pa, pb) = (positions[a], positions[b]);
         is_protected(pb)
             .cmp(&is_protected(pa))
             .then_with(|| scores[b].total_cmp(&scores[a]))
             .then_with(|| pa.cmp(&pb))
-    };
+    }
+}
+
+/// The indices of the first `n` of `positions` under `keep_first`, unordered.
+fn first_indices(
+    positions: &[usize],
+    n: usize,
+    keep_first: impl FnMut(&usize, &usize) -> std::cmp::Ordering,
+) -> Vec<usize> {
     let mut order: Vec<usize> = (0..positions.len()).collect();
     let n = n.min(order.len());
     if n < order.len() {
         order.select_nth_unstable_by(n, keep_first);
         order.truncate(n);
     }
-    order.sort_unstable_by(keep_first);
-    order.into_iter().map(|index| positions[index]).collect()
+    order
 }
 
 /// The `budget` positions to keep (sorted): protected ones, then the best scores.
@@ -84,7 +117,7 @@ pub(crate) fn select_top(
     budget: usize,
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let mut kept = ranked_head(positions, scores, budget, is_protected);
+    let mut kept = head_unordered(positions, scores, budget, is_protected);
     kept.sort_unstable();
     kept
 }
