@@ -292,6 +292,7 @@ fn measure_layer(
         }
     } else {
         let families = reselecting_families(policies);
+        let longest_first = longest_first(layer, policies, budgets, &whole_layer);
         // While the policies measure one group, the next group's reference is computed: two
         // references at most are held, and no thread waits on the one that computes them.
         for kv_head in 0..n_kv_heads {
@@ -299,23 +300,31 @@ fn measure_layer(
             let measure_all = || {
                 let reselected =
                     reselect_families(layer, policies, budgets, &units, kv_head, &families);
-                accumulators
-                    .par_iter_mut()
-                    .enumerate()
-                    .for_each(|(index, accumulator)| {
-                        let kept = match reselected.get(&index) {
-                            Some(kept) => kept
-                                .iter()
-                                .map(|(unit, unit_kept)| {
-                                    (*unit, Cow::Borrowed(unit_kept), budgets[index])
-                                })
-                                .collect(),
-                            None => group_kept(index, kv_head),
-                        };
-                        for measure in measure_group(index, &kept, &current) {
-                            accumulator.add(&measure);
-                        }
-                    });
+                let measure_one = |index: usize, accumulator: &mut LayerAccumulator| {
+                    let kept = match reselected.get(&index) {
+                        Some(kept) => kept
+                            .iter()
+                            .map(|(unit, unit_kept)| {
+                                (*unit, Cow::Borrowed(unit_kept), budgets[index])
+                            })
+                            .collect(),
+                        None => group_kept(index, kv_head),
+                    };
+                    for measure in measure_group(index, &kept, &current) {
+                        accumulator.add(&measure);
+                    }
+                };
+                // Longest first, taken in that order by whichever thread is free, so that a
+                // long streaming policy does not start last and run alone.
+                let mut slots: Vec<Option<&mut LayerAccumulator>> =
+                    accumulators.iter_mut().map(Some).collect();
+                rayon::scope_fifo(|scope| {
+                    for &index in &longest_first {
+                        let accumulator = slots[index].take().expect("each policy once");
+                        let measure_one = &measure_one;
+                        scope.spawn_fifo(move |_| measure_one(index, accumulator));
+                    }
+                });
             };
             let following = kv_head + 1 < n_kv_heads;
             next_reference =
@@ -328,6 +337,28 @@ fn measure_layer(
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
         .collect();
     (reports, whole_layer)
+}
+
+/// Policy indices by decreasing estimated cost of measuring one KV group: a policy whose kept
+/// sets are chosen in the group's task (streaming, re-selecting) walks every position with its
+/// cache, one whose sets are ready only the decode steps; both in proportion to the budget.
+fn longest_first(
+    layer: &LayerContext<'_>,
+    policies: &[ValidPolicy],
+    budgets: &[usize],
+    whole_layer: &[Option<Kept>],
+) -> Vec<usize> {
+    let steps = layer.n_positions() - layer.prompt_len;
+    let cost = |index: usize| {
+        let walked = match whole_layer[index] {
+            Some(_) => steps,
+            None => layer.n_positions(),
+        };
+        walked * budgets[index].max(1)
+    };
+    let mut order: Vec<usize> = (0..policies.len()).collect();
+    order.sort_by_key(|&index| std::cmp::Reverse(cost(index)));
+    order
 }
 
 /// The policies that re-select at every decode step, one cache at a time, grouped by what their
