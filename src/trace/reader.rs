@@ -303,12 +303,19 @@ const CHUNK: usize = 256 << 10;
 /// Appends little-endian F16/BF16/F32 bytes as f32 (the data of a safetensors file need not be
 /// aligned).
 fn extend_f32(values: &mut Vec<f32>, bytes: &[u8], dtype: Dtype) {
+    use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
     match dtype {
-        Dtype::F16 => values.extend(
-            bytes
+        Dtype::F16 => {
+            // Widened as a slice: the half crate converts 8 at a time where the CPU can (F16C).
+            let bits: Vec<u16> = bytes
                 .chunks_exact(2)
-                .map(|c| half::f16::from_le_bytes([c[0], c[1]]).to_f32()),
-        ),
+                .map(|c| u16::from_le_bytes([c[0], c[1]]))
+                .collect();
+            let start = values.len();
+            values.resize(start + bits.len(), 0.0);
+            bits.reinterpret_cast::<half::f16>()
+                .convert_to_f32_slice(&mut values[start..]);
+        }
         Dtype::BF16 => values.extend(
             bytes
                 .chunks_exact(2)
