@@ -44,39 +44,33 @@ unsafe fn add_rows_avx(
     sums: &mut [f64],
 ) {
     use std::arch::x86_64::*;
-    let lanes = d / 4 * 4;
-    // Each row is widened to f64 once, then added to every head's sums.
-    let mut wide = vec![0.0f64; d];
-    for &j in kept {
-        let row = &all[j * d..(j + 1) * d];
-        let mut i = 0;
-        while i < lanes {
-            // SAFETY: i + 4 <= lanes <= d, the length of `row` and of `wide`.
+    // Per head, 16 lanes at a time held in four registers while the kept rows stream past: each
+    // lane still adds its terms in kept order, and nothing is stored until the rows are done.
+    let blocks = d / 16 * 16;
+    for (head, head_sums) in weights.iter().zip(sums.chunks_exact_mut(d)) {
+        let mut lane = 0;
+        while lane < blocks {
+            // SAFETY: lane + 16 <= blocks <= d, the length of `head_sums` and of every row.
             unsafe {
-                let v = _mm256_cvtps_pd(_mm_loadu_ps(row.as_ptr().add(i)));
-                _mm256_storeu_pd(wide.as_mut_ptr().add(i), v);
-            }
-            i += 4;
-        }
-        for i in lanes..d {
-            wide[i] = row[i] as f64;
-        }
-        for (head, head_sums) in weights.iter().zip(sums.chunks_exact_mut(d)) {
-            let weight = head[j] as f64;
-            let splat = _mm256_set1_pd(weight);
-            let (source, target) = (wide.as_ptr(), head_sums.as_mut_ptr());
-            let mut i = 0;
-            while i < lanes {
-                // SAFETY: i + 4 <= lanes <= d, the length of `wide` and of `head_sums`.
-                unsafe {
-                    let v = _mm256_loadu_pd(source.add(i));
-                    let sum = _mm256_loadu_pd(target.add(i));
-                    _mm256_storeu_pd(target.add(i), _mm256_add_pd(sum, _mm256_mul_pd(splat, v)));
+                let target = head_sums.as_mut_ptr().add(lane);
+                let mut acc = [0usize, 4, 8, 12].map(|k| _mm256_loadu_pd(target.add(k)));
+                for &j in kept {
+                    let splat = _mm256_set1_pd(head[j] as f64);
+                    let source = all.as_ptr().add(j * d + lane);
+                    for (k, acc) in acc.iter_mut().enumerate() {
+                        let v = _mm256_cvtps_pd(_mm_loadu_ps(source.add(4 * k)));
+                        *acc = _mm256_add_pd(*acc, _mm256_mul_pd(splat, v));
+                    }
                 }
-                i += 4;
+                for (k, acc) in acc.iter().enumerate() {
+                    _mm256_storeu_pd(target.add(4 * k), *acc);
+                }
             }
-            for i in lanes..d {
-                head_sums[i] += weight * wide[i];
+            lane += 16;
+        }
+        for (i, sum) in head_sums.iter_mut().enumerate().skip(blocks) {
+            for &j in kept {
+                *sum += head[j] as f64 * all[j * d + i] as f64;
             }
         }
     }
@@ -126,5 +120,27 @@ mod tests {
         );
         let strided = wide.slice(ndarray::s![.., ..;2]);
         assert_eq!(kept_outputs(&[2, 0], &[&h0, &h1], strided), expected);
+    }
+
+    #[test]
+    fn the_vector_path_matches_the_portable_sums_bit_for_bit() {
+        // 40 lanes: two blocks of 16 and a remainder of 8; 3 heads; kept out of position order.
+        let (t, d) = (50, 40);
+        let unit = |i: usize| ((i * 2654435761) % 1000) as f32 / 997.0 - 0.5;
+        let values = Array2::from_shape_fn((t, d), |(r, c)| unit(r * d + c) * 3.0);
+        let heads: Vec<Vec<f32>> = (0..3)
+            .map(|h| (0..t).map(|j| unit(7 * j + h).abs() / 10.0).collect())
+            .collect();
+        let weights: Vec<&[f32]> = heads.iter().map(Vec::as_slice).collect();
+        let kept: Vec<usize> = (0..t).rev().step_by(3).chain([1, 4]).collect();
+        let mut portable = vec![0.0f64; 3 * d];
+        add_rows(
+            &kept,
+            &weights,
+            values.as_slice().unwrap(),
+            d,
+            &mut portable,
+        );
+        assert_eq!(kept_outputs(&kept, &weights, values.view()), portable);
     }
 }
