@@ -12,11 +12,13 @@
 //! scorer, settings, protection and layout, and shared by every budget, allocator and head split
 //! that selects from them, one task per cache group), then the KV groups are measured one after
 //! another: a group's full decode attention is computed once and shared by every policy's
-//! metrics, re-selecting policies of one family share one scorer stream and one ranking per step
-//! (`reselected_kept`), and the policies run in parallel with rayon (a single policy runs its groups in
-//! parallel instead). Peak memory is one layer's f32 arrays plus, per thread, one group's decode
-//! attention or one cache's scoring buffers (a few per cent of a layer each). Measurements are
-//! summed in one fixed order, so results are bit-identical for any thread count.
+//! metrics (the first group's beside the scoring, each next one beside the measurement of the one
+//! before, so no thread waits for it), re-selecting policies of one family share one scorer
+//! stream and one ranking per step (`reselected_kept`), and the policies run in parallel with
+//! rayon, the costliest first (a single policy runs its groups in parallel instead). Peak memory
+//! is one layer's f32 arrays plus two groups' decode attention and, per thread, one cache's
+//! scoring buffers (a few per cent of a layer each). Measurements are summed in one fixed order,
+//! so results are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
 use super::kept::{
