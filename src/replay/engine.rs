@@ -12,13 +12,12 @@
 //! scorer, settings, protection and layout, and shared by every budget, allocator and head split
 //! that selects from them, one task per cache group), then the KV groups are measured one after
 //! another: a group's full decode attention is computed once and shared by every policy's
-//! metrics (the first group's beside the scoring, each next one beside the measurement of the one
-//! before, so no thread waits for it), re-selecting policies of one family share one scorer
-//! stream and one ranking per step (`reselected_kept`), and the policies run in parallel with
-//! rayon, the costliest first (a single policy runs its groups in parallel instead). Peak memory
-//! is one layer's f32 arrays plus two groups' decode attention and, per thread, one cache's
-//! scoring buffers (a few per cent of a layer each). Measurements are summed in one fixed order,
-//! so results are bit-identical for any thread count.
+//! metrics (its parts computed in parallel, one group's reference held at a time), re-selecting
+//! policies of one family share one scorer stream and one ranking per step (`reselected_kept`),
+//! and the policies run in parallel with rayon (a single policy runs its groups in parallel
+//! instead). Peak memory is one layer's f32 arrays plus one group's decode attention and, per
+//! thread, one cache's scoring buffers (a few per cent of a layer each). Measurements are summed
+//! in one fixed order, so results are bit-identical for any thread count.
 
 use super::allocator::AllocationInput;
 use super::kept::{
@@ -202,25 +201,19 @@ fn measure_layer(
         .collect();
     let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
     let reference = |kv_head: usize| DecodeReference::new(layer, kv_head, max_top_k, spans);
-    // Several policies share each group's reference: the first is computed beside the scoring.
-    let (scored, mut next_reference): (Vec<Vec<f32>>, _) = rayon::join(
-        || {
-            tasks
-                .par_iter()
-                .map(|&(_, index, group)| {
-                    let policy = &policies[index];
-                    let groups = selection_groups(&units[index], policy);
-                    score_prompt(
-                        policy.scorer.as_ref(),
-                        layer,
-                        groups[group],
-                        policy.protection(),
-                    )
-                })
-                .collect()
-        },
-        || (!single).then(|| reference(0)),
-    );
+    let scored: Vec<Vec<f32>> = tasks
+        .par_iter()
+        .map(|&(_, index, group)| {
+            let policy = &policies[index];
+            let groups = selection_groups(&units[index], policy);
+            score_prompt(
+                policy.scorer.as_ref(),
+                layer,
+                groups[group],
+                policy.protection(),
+            )
+        })
+        .collect();
     let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
     for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
         scores.entry(key).or_default().push(group_scores);
@@ -294,15 +287,14 @@ fn measure_layer(
         }
     } else {
         let families = reselecting_families(policies);
-        let longest_first = longest_first(layer, policies, budgets, &whole_layer);
-        // While the policies measure one group, the next group's reference is computed: two
-        // references at most are held, and no thread waits on the one that computes them.
         for kv_head in 0..n_kv_heads {
-            let current = next_reference.take().expect("computed before its group");
-            let measure_all = || {
-                let reselected =
-                    reselect_families(layer, policies, budgets, &units, kv_head, &families);
-                let measure_one = |index: usize, accumulator: &mut LayerAccumulator| {
+            let current = reference(kv_head);
+            let reselected =
+                reselect_families(layer, policies, budgets, &units, kv_head, &families);
+            accumulators
+                .par_iter_mut()
+                .enumerate()
+                .for_each(|(index, accumulator)| {
                     let kept = match reselected.get(&index) {
                         Some(kept) => kept
                             .iter()
@@ -315,22 +307,7 @@ fn measure_layer(
                     for measure in measure_group(index, &kept, &current) {
                         accumulator.add(&measure);
                     }
-                };
-                // Longest first, taken in that order by whichever thread is free, so that a
-                // long streaming policy does not start last and run alone.
-                let mut slots: Vec<Option<&mut LayerAccumulator>> =
-                    accumulators.iter_mut().map(Some).collect();
-                rayon::scope_fifo(|scope| {
-                    for &index in &longest_first {
-                        let accumulator = slots[index].take().expect("each policy once");
-                        let measure_one = &measure_one;
-                        scope.spawn_fifo(move |_| measure_one(index, accumulator));
-                    }
                 });
-            };
-            let following = kv_head + 1 < n_kv_heads;
-            next_reference =
-                rayon::join(|| following.then(|| reference(kv_head + 1)), measure_all).0;
         }
     }
     let reports = accumulators
@@ -339,28 +316,6 @@ fn measure_layer(
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
         .collect();
     (reports, whole_layer)
-}
-
-/// Policy indices by decreasing estimated cost of measuring one KV group: a policy whose kept
-/// sets are chosen in the group's task (streaming, re-selecting) walks every position with its
-/// cache, one whose sets are ready only the decode steps; both in proportion to the budget.
-fn longest_first(
-    layer: &LayerContext<'_>,
-    policies: &[ValidPolicy],
-    budgets: &[usize],
-    whole_layer: &[Option<Kept>],
-) -> Vec<usize> {
-    let steps = layer.n_positions() - layer.prompt_len;
-    let cost = |index: usize| {
-        let walked = match whole_layer[index] {
-            Some(_) => steps,
-            None => layer.n_positions(),
-        };
-        walked * budgets[index].max(1)
-    };
-    let mut order: Vec<usize> = (0..policies.len()).collect();
-    order.sort_by_key(|&index| std::cmp::Reverse(cost(index)));
-    order
 }
 
 /// The policies that re-select at every decode step, one cache at a time, grouped by what their

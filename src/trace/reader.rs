@@ -306,15 +306,19 @@ fn extend_f32(values: &mut Vec<f32>, bytes: &[u8], dtype: Dtype) {
     use half::slice::{HalfBitsSliceExt, HalfFloatSliceExt};
     match dtype {
         Dtype::F16 => {
-            // Widened as a slice: the half crate converts 8 at a time where the CPU can (F16C).
-            let bits: Vec<u16> = bytes
-                .chunks_exact(2)
-                .map(|c| u16::from_le_bytes([c[0], c[1]]))
-                .collect();
-            let start = values.len();
-            values.resize(start + bits.len(), 0.0);
-            bits.reinterpret_cast::<half::f16>()
-                .convert_to_f32_slice(&mut values[start..]);
+            // Widened a slice at a time: the half crate converts 8 at once where the CPU can
+            // (F16C); the bits go through a small buffer on the stack.
+            let mut bits = [0u16; 1024];
+            for piece in bytes.chunks(2 * bits.len()) {
+                let bits = &mut bits[..piece.len() / 2];
+                for (bit, c) in bits.iter_mut().zip(piece.chunks_exact(2)) {
+                    *bit = u16::from_le_bytes([c[0], c[1]]);
+                }
+                let start = values.len();
+                values.resize(start + bits.len(), 0.0);
+                bits.reinterpret_cast::<half::f16>()
+                    .convert_to_f32_slice(&mut values[start..]);
+            }
         }
         Dtype::BF16 => values.extend(
             bytes

@@ -18,6 +18,7 @@ use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
 use lost::{Dating, LostMassCounter, LostShare, Regions, WHEN};
 use ndarray::{s, Array3, ArrayView1, Axis};
+use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
 use std::ops::Range;
@@ -148,13 +149,14 @@ impl LayerReport {
 
 /// `f` of each decode query's full attention (over `0..=position`) and position, for
 /// `attention` `[heads, steps, T]`, in (head, step) order.
-fn per_query<T>(
+fn per_query<T: Send>(
     attention: &Array3<f32>,
     prompt_len: usize,
-    f: impl Fn(&[f32], usize) -> T,
+    f: impl Fn(&[f32], usize) -> T + Sync,
 ) -> Vec<T> {
     let (heads, steps, _) = attention.dim();
     (0..heads * steps)
+        .into_par_iter()
         .map(|index| {
             let (head, step) = (index / steps, index % steps);
             let position = prompt_len + step;
@@ -209,38 +211,36 @@ impl DecodeReference {
         let n_steps = attention.dim().1;
         let output = layer.values(kv_head).map(|values| {
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
-            // By blocks of positions, so the f64 copies stay a few tens of KB at any T.
-            for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
-                let end = (start + OUTPUT_BLOCK).min(values.nrows());
-                let block = values.slice(s![start..end, ..]).mapv(f64::from);
-                for head in 0..group {
-                    let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
-                    let mut out = output.index_axis_mut(Axis(0), head);
-                    out += &weights.dot(&block);
-                }
-            }
+            // One task per head; by blocks of positions, so the f64 copies stay a few tens of KB
+            // at any T.
+            output
+                .axis_iter_mut(Axis(0))
+                .enumerate()
+                .par_bridge()
+                .for_each(|(head, mut out)| {
+                    for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
+                        let end = (start + OUTPUT_BLOCK).min(values.nrows());
+                        let block = values.slice(s![start..end, ..]).mapv(f64::from);
+                        let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
+                        out += &weights.dot(&block);
+                    }
+                });
             output
         });
-        let mut top = Vec::with_capacity(group * n_steps);
-        let mut order: Vec<usize> = Vec::with_capacity(layer.n_positions());
-        for head in 0..group {
-            for step in 0..n_steps {
-                let position = layer.prompt_len + step;
-                let weights = attention.slice(s![head, step, ..=position]);
-                let weights = weights.to_slice().expect("standard layout");
-                order.clear();
-                order.extend(0..weights.len());
-                let by_weight =
-                    |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
-                let k = max_top_k.min(order.len());
-                if k < order.len() {
-                    order.select_nth_unstable_by(k - 1, by_weight);
-                }
-                order.truncate(k);
-                order.sort_by(by_weight);
-                top.push(order.clone());
+        let top = per_query(&attention, layer.prompt_len, |weights, _| {
+            let by_weight =
+                |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
+            let mut order: Vec<usize> = (0..weights.len()).collect();
+            let k = max_top_k.min(order.len());
+            if k < order.len() {
+                order.select_nth_unstable_by(k - 1, by_weight);
             }
-        }
+            order.truncate(k);
+            order.sort_by(by_weight);
+            // The k kept, not the capacity of every position.
+            order.shrink_to_fit();
+            order
+        });
         let value_norms: Option<Vec<f64>> = layer.values(kv_head).map(|values| {
             values
                 .rows()
