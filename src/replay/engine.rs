@@ -200,7 +200,10 @@ fn measure_layer(
         })
         .collect();
     let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
-    let reference = |kv_head: usize| DecodeReference::new(layer, kv_head, max_top_k, spans);
+    // With several policies the groups are measured one after another and a reference's parts
+    // run in parallel; a single policy runs its groups in parallel instead.
+    let reference =
+        |kv_head: usize| DecodeReference::new(layer, kv_head, max_top_k, spans, !single);
     let scored: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(_, index, group)| {

@@ -152,18 +152,20 @@ impl LayerReport {
 fn per_query<T: Send>(
     attention: &Array3<f32>,
     prompt_len: usize,
+    parallel: bool,
     f: impl Fn(&[f32], usize) -> T + Sync,
 ) -> Vec<T> {
     let (heads, steps, _) = attention.dim();
-    (0..heads * steps)
-        .into_par_iter()
-        .map(|index| {
-            let (head, step) = (index / steps, index % steps);
-            let position = prompt_len + step;
-            let weights = attention.slice(s![head, step, ..=position]);
-            f(weights.to_slice().expect("standard layout"), position)
-        })
-        .collect()
+    let one = |index: usize| {
+        let (head, step) = (index / steps, index % steps);
+        let position = prompt_len + step;
+        let weights = attention.slice(s![head, step, ..=position]);
+        f(weights.to_slice().expect("standard layout"), position)
+    };
+    match parallel {
+        true => (0..heads * steps).into_par_iter().map(one).collect(),
+        false => (0..heads * steps).map(one).collect(),
+    }
 }
 
 /// Positions per block of the f64 full-output product.
@@ -203,8 +205,15 @@ pub struct DecodeReference {
 
 impl DecodeReference {
     /// Computes the reference of KV head `kv_head`'s query heads for top-k recalls up to
-    /// `max_top_k`.
-    pub fn new(layer: &LayerContext<'_>, kv_head: usize, max_top_k: usize, spans: &[Span]) -> Self {
+    /// `max_top_k`, its per-head parts in parallel when `parallel` (only where no other task of
+    /// the caller waits to start: a thread waiting inside would start it, and hold its memory).
+    pub fn new(
+        layer: &LayerContext<'_>,
+        kv_head: usize,
+        max_top_k: usize,
+        spans: &[Span],
+        parallel: bool,
+    ) -> Self {
         let group = layer.group_size();
         let heads = kv_head * group..(kv_head + 1) * group;
         let attention = layer.decode_attention(heads.clone());
@@ -213,21 +222,22 @@ impl DecodeReference {
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
             // One task per head; by blocks of positions, so the f64 copies stay a few tens of KB
             // at any T.
-            output
-                .axis_iter_mut(Axis(0))
-                .enumerate()
-                .par_bridge()
-                .for_each(|(head, mut out)| {
-                    for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
-                        let end = (start + OUTPUT_BLOCK).min(values.nrows());
-                        let block = values.slice(s![start..end, ..]).mapv(f64::from);
-                        let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
-                        out += &weights.dot(&block);
-                    }
-                });
+            let head_output = |(head, mut out): (usize, ndarray::ArrayViewMut2<f64>)| {
+                for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
+                    let end = (start + OUTPUT_BLOCK).min(values.nrows());
+                    let block = values.slice(s![start..end, ..]).mapv(f64::from);
+                    let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
+                    out += &weights.dot(&block);
+                }
+            };
+            let heads = output.axis_iter_mut(Axis(0)).enumerate();
+            match parallel {
+                true => heads.par_bridge().for_each(head_output),
+                false => heads.for_each(head_output),
+            }
             output
         });
-        let top = per_query(&attention, layer.prompt_len, |weights, _| {
+        let top = per_query(&attention, layer.prompt_len, parallel, |weights, _| {
             let by_weight =
                 |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
             let mut order: Vec<usize> = (0..weights.len()).collect();
@@ -250,15 +260,15 @@ impl DecodeReference {
         });
         let prompt_len = layer.prompt_len;
         let value_mass = value_norms.as_ref().map_or_else(Vec::new, |norms| {
-            per_query(&attention, prompt_len, |weights, _| {
+            per_query(&attention, prompt_len, parallel, |weights, _| {
                 weights.iter().zip(norms).map(|(&p, n)| p as f64 * n).sum()
             })
         });
-        let total_mass = per_query(&attention, prompt_len, |weights, _| {
+        let total_mass = per_query(&attention, prompt_len, parallel, |weights, _| {
             weights.iter().map(|&p| p as f64).sum()
         });
         let regions = Regions::new(layer.n_positions(), spans);
-        let region_mass = per_query(&attention, prompt_len, |weights, position| {
+        let region_mass = per_query(&attention, prompt_len, parallel, |weights, position| {
             regions.full_mass(weights, position)
         });
         Self {
