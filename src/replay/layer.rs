@@ -53,6 +53,13 @@ impl<'a> LayerContext<'a> {
             .index_axis_move(Axis(0), position)
     }
 
+    /// The queries of `heads` at `position`, one owned row each (what `sparse_logits` takes).
+    pub fn queries_at(&self, heads: Range<usize>, position: usize) -> Vec<Vec<f32>> {
+        heads
+            .map(|head| self.query(head, position).to_vec())
+            .collect()
+    }
+
     /// All keys of KV head `kv_head`, `[T, d]`.
     pub fn keys(&self, kv_head: usize) -> ArrayView2<'a, f32> {
         self.k.index_axis_move(Axis(0), kv_head)

@@ -66,19 +66,6 @@ pub(crate) fn ranked_head(
     order.into_iter().map(|index| positions[index]).collect()
 }
 
-/// The positions of [`ranked_head`] in no particular order: the partial selection alone, for
-/// callers that sort them by position anyway.
-fn head_unordered(
-    positions: &[usize],
-    scores: &[f32],
-    n: usize,
-    is_protected: impl Fn(usize) -> bool,
-) -> Vec<usize> {
-    let keep_first = keep_first(positions, scores, is_protected);
-    let order = first_indices(positions, n, &keep_first);
-    order.into_iter().map(|index| positions[index]).collect()
-}
-
 /// The ranking's order on indices into `positions`: protected first, then the higher score, then
 /// the lower position.
 fn keep_first<'a>(
@@ -117,7 +104,12 @@ pub(crate) fn select_top(
     budget: usize,
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let mut kept = head_unordered(positions, scores, budget, is_protected);
+    // The partial selection alone: its head need not be ranked, only sorted by position.
+    let keep_first = keep_first(positions, scores, is_protected);
+    let mut kept: Vec<usize> = first_indices(positions, budget, &keep_first)
+        .into_iter()
+        .map(|index| positions[index])
+        .collect();
     kept.sort_unstable();
     kept
 }

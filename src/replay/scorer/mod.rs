@@ -167,12 +167,7 @@ impl GroupQueries {
         self.next_prefix = None;
         // A sparse cache (after evictions): one dot product per cached key and head, O(budget).
         let keys = layer.keys(self.unit.kv_head);
-        let queries: Vec<Vec<f32>> = self
-            .unit
-            .query_heads
-            .clone()
-            .map(|head| layer.query(head, position).to_vec())
-            .collect();
+        let queries = layer.queries_at(self.unit.query_heads.clone(), position);
         sparse_logits(
             &queries,
             keys,

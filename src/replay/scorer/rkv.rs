@@ -132,12 +132,7 @@ impl State {
         let mut mean = vec![0.0f32; keys.len()];
         let mut per_head = vec![Vec::new(); self.unit.query_heads.len()];
         for &position in &self.recent {
-            let queries: Vec<Vec<f32>> = self
-                .unit
-                .query_heads
-                .clone()
-                .map(|head| layer.query(head, position).to_vec())
-                .collect();
+            let queries = layer.queries_at(self.unit.query_heads.clone(), position);
             let key_rows = layer.keys(self.unit.kv_head);
             sparse_logits(&queries, key_rows, keys, scale, None, &mut per_head);
             let (first, rest) = per_head.split_first_mut().expect("a query head");
