@@ -6,7 +6,7 @@
 //! rank moves are named.
 
 use super::calibration::kendall;
-use super::report::{find, names};
+use super::report::{find, mean_ci, names};
 use super::store::StoredRun;
 use super::Experiment;
 use crate::export::{Format, Table};
@@ -22,7 +22,7 @@ impl Standing {
     /// The mean over the budgets that have runs.
     fn mean(&self) -> f64 {
         let present: Vec<f64> = self.per_budget.iter().flatten().copied().collect();
-        present.iter().sum::<f64>() / present.len() as f64
+        mean_ci(&present).0
     }
 }
 
@@ -88,7 +88,7 @@ fn standings(
                         .filter_map(|trace| find(runs, &name, budget, trace))
                         .filter_map(|run| run.report.metric(id))
                         .collect();
-                    (!values.is_empty()).then(|| values.iter().sum::<f64>() / values.len() as f64)
+                    (!values.is_empty()).then(|| mean_ci(&values).0)
                 })
                 .collect();
             Standing { name, per_budget }
@@ -105,47 +105,51 @@ fn table(experiment: &Experiment, ranked: &[Standing], ceiling: Option<&Standing
         headers.push("share of ceiling".into());
     }
     let mut table = Table::with_headers(headers);
-    let share = |value: f64, budget: usize| -> Option<f64> {
-        let top = ceiling?.per_budget[budget]?;
-        Some(value / top)
-    };
-    let rows = ceiling
-        .map(|c| ("ceiling".to_string(), c))
-        .into_iter()
-        .chain(
-            ranked
-                .iter()
-                .enumerate()
-                .map(|(i, s)| ((i + 1).to_string(), s)),
-        );
-    for (rank, standing) in rows {
-        let mut row = vec![rank, standing.name.clone()];
+    if let Some(ceiling) = ceiling {
+        let mut row = vec!["ceiling".to_string(), ceiling.name.clone()];
+        row.extend(ceiling.per_budget.iter().map(|value| match value {
+            Some(value) => format!("{value:.4}"),
+            None => "—".into(),
+        }));
+        row.push(format!("{:.4}", ceiling.mean()));
+        row.push("—".into());
+        table.push(row);
+    }
+    for (rank, standing) in ranked.iter().enumerate() {
+        let mut row = vec![(rank + 1).to_string(), standing.name.clone()];
         let mut shares = Vec::new();
-        for (index, value) in standing.per_budget.iter().enumerate() {
-            row.push(match value {
-                None => "—".into(),
-                Some(value) => match share(*value, index) {
-                    Some(part) if ceiling.is_some_and(|c| c.name != standing.name) => {
-                        shares.push(part);
-                        format!("{value:.4} ({:.0}%)", 100.0 * part)
-                    }
-                    _ => format!("{value:.4}"),
-                },
+        for (value, top) in standing
+            .per_budget
+            .iter()
+            .zip(budget_tops(ceiling, experiment))
+        {
+            row.push(match (value, top) {
+                (None, _) => "—".into(),
+                (Some(value), Some(top)) => {
+                    shares.push(value / top);
+                    format!("{value:.4} ({:.0}%)", 100.0 * value / top)
+                }
+                (Some(value), None) => format!("{value:.4}"),
             });
         }
         row.push(format!("{:.4}", standing.mean()));
         if ceiling.is_some() {
             row.push(match shares.is_empty() {
                 true => "—".into(),
-                false => format!(
-                    "{:.1}%",
-                    100.0 * shares.iter().sum::<f64>() / shares.len() as f64
-                ),
+                false => format!("{:.1}%", 100.0 * mean_ci(&shares).0),
             });
         }
         table.push(row);
     }
     table
+}
+
+/// The ceiling's figure at each budget (all `None` without a ceiling).
+fn budget_tops(ceiling: Option<&Standing>, experiment: &Experiment) -> Vec<Option<f64>> {
+    match ceiling {
+        Some(ceiling) => ceiling.per_budget.clone(),
+        None => vec![None; experiment.budgets.len()],
+    }
 }
 
 /// Kendall's τ-b between two orders of the same policies, and the largest rank moves.

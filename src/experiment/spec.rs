@@ -144,17 +144,20 @@ fn check_ranking(file: &ExperimentFile, names: &[String]) -> Result<(), String> 
     match &file.ceiling {
         Some(ceiling) if !names.contains(ceiling) => Err(format!(
             "ceiling = `{ceiling}` is no policy here; policies: {}",
-            {
-                let mut unique = names.to_vec();
-                unique.dedup();
-                unique.join(", ")
-            }
+            policy_list(names)
         )),
         Some(_) if file.ranking.is_empty() => {
             Err("ceiling is set but `ranking` names no metric to rank by".into())
         }
         _ => Ok(()),
     }
+}
+
+/// The policy names of an error message: each once (a name repeats once per budget).
+fn policy_list(names: &[String]) -> String {
+    let mut unique = names.to_vec();
+    unique.dedup();
+    unique.join(", ")
 }
 
 fn as_list(value: &toml::Value) -> Vec<toml::Value> {
@@ -319,11 +322,7 @@ impl Experiment {
                         path: path.to_owned(),
                         detail: format!(
                             "[[compare]] names `{side}`, which is no policy here; policies: {}",
-                            {
-                                let mut unique = names.clone();
-                                unique.dedup();
-                                unique.join(", ")
-                            }
+                            policy_list(&names)
                         ),
                     });
                 }

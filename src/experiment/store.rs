@@ -495,31 +495,29 @@ mod tests {
     use super::*;
     use crate::replay::PolicyParams;
 
-    fn run(index: usize, scorer: &str, budget: usize) -> (PlannedRun, ValidPolicy) {
-        let params = PolicyParams {
-            scorer: scorer.into(),
-            budget,
-            ..PolicyParams::default()
-        };
-        let run = PlannedRun {
+    fn run(index: usize, scorer: &str, budget: usize) -> PlannedRun {
+        PlannedRun {
             id: format!("run-{index}"),
             name: scorer.into(),
             trace: "t.safetensors".into(),
-            params: params.clone(),
-        };
-        (run, params.check().unwrap())
+            params: PolicyParams {
+                scorer: scorer.into(),
+                budget,
+                ..PolicyParams::default()
+            },
+        }
     }
 
     #[test]
     fn batches_keep_a_scorer_together_in_the_fewest_even_passes() {
         // 3 scorers x 4 budgets, interleaved as a plan lists them.
-        let owned: Vec<(PlannedRun, ValidPolicy)> = (0..12)
+        let planned: Vec<PlannedRun> = (0..12)
             .map(|i| run(i, ["snapkv", "recency", "true-query"][i % 3], 64 << (i / 3)))
             .collect();
         let runs = || {
-            owned
+            planned
                 .iter()
-                .map(|(r, _)| (r, r.params.clone().check().unwrap()))
+                .map(|r| (r, r.params.clone().check().unwrap()))
                 .collect::<Vec<_>>()
         };
         let key = |batch: &[(&PlannedRun, ValidPolicy)]| -> Vec<String> {
