@@ -1,5 +1,5 @@
 //! Tensor operations both model families share: RMSNorm, the half-split rotary, head splitting,
-//! grouped-query repetition and masked softmax attention.
+//! and masked softmax attention (grouped-query).
 
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
@@ -64,20 +64,13 @@ pub(crate) fn merge_heads(x: &Tensor) -> Result<Tensor, ModelError> {
     Ok(x.transpose(0, 1)?.contiguous()?.reshape((n, heads * dim))?)
 }
 
-/// Repeats each KV head `group` times: `[kv, P, d]` -> `[kv*group, P, d]` (`repeat_kv`).
-pub(crate) fn repeat_kv(x: &Tensor, group: usize) -> Result<Tensor, ModelError> {
-    if group == 1 {
-        return Ok(x.clone());
-    }
-    let (kv, positions, dim) = x.dims3()?;
-    Ok(x.unsqueeze(1)?
-        .expand((kv, group, positions, dim))?
-        .reshape((kv * group, positions, dim))?)
-}
-
 /// `softmax(scale * q kᵀ + mask) v` for queries `[heads, n, d]` over keys and values
-/// `[kv_heads, P, d]` (repeated for grouped-query attention) with an additive mask broadcast to
-/// `[heads, n, P]`.
+/// `[kv_heads, P, d]` (grouped-query attention: query head `h` reads KV head `h / group`) with an
+/// additive mask broadcast to `[heads, n, P]`. Each query head is one product against its KV
+/// head's keys, transposed once per KV head: the same products, term for term, as repeating the
+/// keys and values to every query head (`repeat_kv`) and multiplying in one batch, without
+/// copying the cache once per query head, which made a decode step cost a whole cache's worth of
+/// fresh memory per head and layer.
 pub(crate) fn attend(
     q: &Tensor,
     keys: &Tensor,
@@ -85,12 +78,120 @@ pub(crate) fn attend(
     mask: &Tensor,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
-    let group = q.dims()[0] / keys.dims()[0];
-    let keys = repeat_kv(keys, group)?;
-    let values = repeat_kv(values, group)?;
-    let logits = (q.matmul(&keys.transpose(1, 2)?.contiguous()?)? * scale)?.broadcast_add(mask)?;
-    let max = logits.max_keepdim(D::Minus1)?;
-    let weights = logits.broadcast_sub(&max)?.exp()?;
-    let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-    Ok(weights.matmul(&values)?)
+    let heads = q.dims()[0];
+    let kv_heads = keys.dims()[0];
+    let group = heads / kv_heads;
+    let mut outputs = Vec::with_capacity(heads);
+    for kv in 0..kv_heads {
+        let keys_t = keys.narrow(0, kv, 1)?.transpose(1, 2)?.contiguous()?;
+        let values = values.narrow(0, kv, 1)?.contiguous()?;
+        for head in kv * group..(kv + 1) * group {
+            let mask = match mask.rank() {
+                3 => mask.narrow(0, head, 1)?,
+                _ => mask.clone(),
+            };
+            let logits = (q.narrow(0, head, 1)?.matmul(&keys_t)? * scale)?.broadcast_add(&mask)?;
+            let max = logits.max_keepdim(D::Minus1)?;
+            let weights = logits.broadcast_sub(&max)?.exp()?;
+            let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+            outputs.push(weights.matmul(&values)?);
+        }
+    }
+    Ok(Tensor::cat(&outputs, 0)?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// `softmax(scale · q·k + mask) · v` head by head in f64, query head `h` reading KV head
+    /// `h / group`: the definition, with nothing shared.
+    fn by_definition(
+        q: &[f32],
+        k: &[f32],
+        v: &[f32],
+        mask: &[f32],
+        (heads, kv_heads, n, positions, dim): (usize, usize, usize, usize, usize),
+        scale: f64,
+    ) -> Vec<f64> {
+        let group = heads / kv_heads;
+        let mut out = Vec::new();
+        for head in 0..heads {
+            let kv = head / group;
+            for row in 0..n {
+                let query = &q[(head * n + row) * dim..][..dim];
+                let logits: Vec<f64> = (0..positions)
+                    .map(|p| {
+                        let key = &k[(kv * positions + p) * dim..][..dim];
+                        let dot: f64 = query
+                            .iter()
+                            .zip(key)
+                            .map(|(a, b)| *a as f64 * *b as f64)
+                            .sum();
+                        dot * scale + mask[(head * n + row) * positions + p] as f64
+                    })
+                    .collect();
+                let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+                let weights: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+                let total: f64 = weights.iter().sum();
+                for d in 0..dim {
+                    let sum: f64 = (0..positions)
+                        .map(|p| weights[p] * v[(kv * positions + p) * dim + d] as f64)
+                        .sum();
+                    out.push(sum / total);
+                }
+            }
+        }
+        out
+    }
+
+    #[test]
+    fn grouped_attention_matches_its_definition() {
+        let (heads, kv_heads, n, positions, dim) = (6, 2, 3, 5, 4);
+        let wave = |len: usize, seed: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i as f32 + seed) * 0.731).sin())
+                .collect()
+        };
+        let q = wave(heads * n * dim, 0.3);
+        let k = wave(kv_heads * positions * dim, 1.7);
+        let v = wave(kv_heads * positions * dim, 2.9);
+        // Causal over a cache of 2 earlier positions, and one head with two of its keys masked.
+        let causal = crate::model::causal_mask(1, positions - n, n);
+        let mut per_head: Vec<f32> = (0..heads).flat_map(|_| causal.clone()).collect();
+        per_head[(4 * n + 2) * positions] = f32::NEG_INFINITY;
+        per_head[(4 * n + 2) * positions + 3] = f32::NEG_INFINITY;
+        let tensor = |data: &[f32], shape: (usize, usize, usize)| {
+            Tensor::from_vec(data.to_vec(), shape, &Device::Cpu).unwrap()
+        };
+        let (qt, kt, vt) = (
+            tensor(&q, (heads, n, dim)),
+            tensor(&k, (kv_heads, positions, dim)),
+            tensor(&v, (kv_heads, positions, dim)),
+        );
+        let shape = (heads, kv_heads, n, positions, dim);
+        let broadcast = Tensor::from_vec(causal.clone(), (n, positions), &Device::Cpu).unwrap();
+        let masks = [
+            (
+                broadcast,
+                (0..heads)
+                    .flat_map(|_| causal.clone())
+                    .collect::<Vec<f32>>(),
+            ),
+            (tensor(&per_head, (heads, n, positions)), per_head.clone()),
+        ];
+        for (mask, flat) in masks {
+            let got: Vec<f32> = attend(&qt, &kt, &vt, &mask, 0.5)
+                .unwrap()
+                .flatten_all()
+                .unwrap()
+                .to_vec1()
+                .unwrap();
+            let want = by_definition(&q, &k, &v, &flat, shape, 0.5);
+            assert_eq!(got.len(), want.len());
+            for (g, w) in got.iter().zip(&want) {
+                assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
+            }
+        }
+    }
 }
