@@ -128,19 +128,55 @@ pub(crate) fn argmax(values: &[f32]) -> u32 {
     best as u32
 }
 
-/// The keys and values seen so far, per layer, `[n_kv_heads, positions, head_dim]`. Cloning is
-/// cheap (tensors share their storage; a forward pass makes new ones).
-#[derive(Default, Clone)]
+/// The keys and values seen so far, per layer: the keys transposed, `[n_kv_heads, head_dim,
+/// capacity]` (the layout the logit product reads), the values `[n_kv_heads, capacity,
+/// head_dim]`, the first `len` positions in use. The buffers grow by doubling, so a decode step
+/// writes its own column and row instead of copying the cache. A clone copies what is in use: a
+/// buffer is written in place only beyond every other holder's positions.
+#[derive(Default)]
 pub struct KvCache {
-    layers: Vec<(Tensor, Tensor)>,
+    layers: Vec<LayerCache>,
     /// The position of the next token (the entries cached, unless some were removed).
     pub(crate) next_position: usize,
+}
+
+struct LayerCache {
+    keys_t: Tensor,
+    values: Tensor,
+    len: usize,
+}
+
+/// Axis of the positions in the transposed keys and in the values.
+const KEY_POSITIONS: usize = 2;
+const VALUE_POSITIONS: usize = 1;
+
+impl Clone for KvCache {
+    fn clone(&self) -> Self {
+        let in_use = |buffer: &Tensor, axis: usize, len: usize| {
+            buffer
+                .narrow(axis, 0, len)
+                .and_then(|t| t.contiguous())
+                .expect("a cache's positions in use are within its buffer")
+        };
+        Self {
+            layers: self
+                .layers
+                .iter()
+                .map(|layer| LayerCache {
+                    keys_t: in_use(&layer.keys_t, KEY_POSITIONS, layer.len),
+                    values: in_use(&layer.values, VALUE_POSITIONS, layer.len),
+                    len: layer.len,
+                })
+                .collect(),
+            next_position: self.next_position,
+        }
+    }
 }
 
 impl KvCache {
     /// Positions cached so far.
     pub fn len(&self) -> usize {
-        self.layers.first().map_or(0, |(k, _)| k.dims()[1])
+        self.layers.first().map_or(0, |layer| layer.len)
     }
 
     /// Whether nothing is cached yet.
@@ -150,30 +186,44 @@ impl KvCache {
 
     /// The cached keys of `layer`, `[n_kv_heads, positions, head_dim]`.
     pub fn keys(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
-        super::mask::to_array(&self.layers[layer].0)
+        let layer = &self.layers[layer];
+        let keys = layer.keys_t.narrow(KEY_POSITIONS, 0, layer.len)?;
+        super::mask::to_array(&keys.transpose(1, 2)?.contiguous()?)
     }
 
     /// Appends a chunk's keys and values `[n_kv_heads, n, d]` to layer `layer` and returns the
-    /// layer's whole cache.
+    /// layer's whole cache: keys transposed `[n_kv_heads, d, positions]`, values
+    /// `[n_kv_heads, positions, d]`.
     pub(crate) fn append(
         &mut self,
         layer: usize,
         k: Tensor,
         v: Tensor,
     ) -> Result<(Tensor, Tensor), ModelError> {
-        let (keys, values) = match self.layers.get(layer) {
-            Some((past_k, past_v)) => (
-                Tensor::cat(&[past_k, &k], 1)?,
-                Tensor::cat(&[past_v, &v], 1)?,
-            ),
-            None => (k, v),
+        let k_t = k.transpose(1, 2)?.contiguous()?;
+        let (keys_t, values, len) = match self.layers.get(layer) {
+            Some(cache) => (Some(&cache.keys_t), Some(&cache.values), cache.len),
+            None => (None, None, 0),
+        };
+        let keys_t = grown(keys_t, len, &k_t, KEY_POSITIONS)?;
+        let values = grown(values, len, &v, VALUE_POSITIONS)?;
+        keys_t.slice_set(&k_t, KEY_POSITIONS, len)?;
+        values.slice_set(&v.contiguous()?, VALUE_POSITIONS, len)?;
+        let cache = LayerCache {
+            keys_t,
+            values,
+            len: len + k.dims()[1],
         };
         if self.layers.len() <= layer {
-            self.layers.push((keys.clone(), values.clone()));
+            self.layers.push(cache);
         } else {
-            self.layers[layer] = (keys.clone(), values.clone());
+            self.layers[layer] = cache;
         }
-        Ok((keys, values))
+        let cache = &self.layers[layer];
+        Ok((
+            cache.keys_t.narrow(KEY_POSITIONS, 0, cache.len)?,
+            cache.values.narrow(VALUE_POSITIONS, 0, cache.len)?,
+        ))
     }
 
     /// The same cache holding only the entries `positions` (ascending) in every layer and head:
@@ -185,11 +235,48 @@ impl KvCache {
         let layers = self
             .layers
             .iter()
-            .map(|(k, v)| Ok((k.index_select(&index, 1)?, v.index_select(&index, 1)?)))
+            .map(|layer| {
+                let kept = |buffer: &Tensor, axis: usize| {
+                    buffer
+                        .narrow(axis, 0, layer.len)?
+                        .contiguous()?
+                        .index_select(&index, axis)
+                };
+                Ok(LayerCache {
+                    keys_t: kept(&layer.keys_t, KEY_POSITIONS)?,
+                    values: kept(&layer.values, VALUE_POSITIONS)?,
+                    len: positions.len(),
+                })
+            })
             .collect::<Result<Vec<_>, ModelError>>()?;
         Ok(KvCache {
             layers,
             next_position: self.next_position,
         })
+    }
+}
+
+/// `buffer` (its first `len` positions along `axis` in use) with room for `new` after them: the
+/// same buffer when it has room, else one of twice its size (at least `len` plus `new`'s
+/// positions) holding a copy of the positions in use.
+fn grown(
+    buffer: Option<&Tensor>,
+    len: usize,
+    new: &Tensor,
+    axis: usize,
+) -> Result<Tensor, ModelError> {
+    let needed = len + new.dims()[axis];
+    let capacity = buffer.map_or(0, |b| b.dims()[axis]);
+    match buffer {
+        Some(buffer) if capacity >= needed => Ok(buffer.clone()),
+        _ => {
+            let mut dims = new.dims().to_vec();
+            dims[axis] = (2 * capacity).max(needed);
+            let bigger = Tensor::zeros(dims, new.dtype(), new.device())?;
+            if let (Some(buffer), true) = (buffer, len > 0) {
+                bigger.slice_set(&buffer.narrow(axis, 0, len)?.contiguous()?, axis, 0)?;
+            }
+            Ok(bigger)
+        }
     }
 }

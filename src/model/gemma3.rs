@@ -188,7 +188,7 @@ impl CausalLm for Gemma3 {
             if let Some(recorder) = recorder.as_deref_mut() {
                 recorder.record(layer, &q, &k, &v)?;
             }
-            let (keys, values) = cache.append(layer, k, v)?;
+            let (keys_t, values) = cache.append(layer, k, v)?;
             // Keys before the chunk's first query's window are never seen: leave them out.
             let first = match (&policy_mask, window) {
                 (None, window) if window > 0 => (past + 1).saturating_sub(window),
@@ -204,9 +204,9 @@ impl CausalLm for Gemma3 {
                     .broadcast_add(&visible)?,
                 None => visible,
             };
-            let keys = keys.narrow(1, first, total - first)?;
+            let keys_t = keys_t.narrow(2, first, total - first)?;
             let values = values.narrow(1, first, total - first)?;
-            let attention = attend(&q, &keys, &values, &layer_mask, scale)?;
+            let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
             if let Some(recorder) = recorder.as_deref_mut() {
                 recorder.record_attention(layer, &attention);
             }

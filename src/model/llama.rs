@@ -141,8 +141,8 @@ impl CausalLm for Llama {
             if let Some(recorder) = recorder.as_deref_mut() {
                 recorder.record(layer, &q, &k, &v)?;
             }
-            let (keys, values) = cache.append(layer, k, v)?;
-            let attention = attend(&q, &keys, &values, &layer_mask, scale)?;
+            let (keys_t, values) = cache.append(layer, k, v)?;
+            let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
             if let Some(recorder) = recorder.as_deref_mut() {
                 recorder.record_attention(layer, &attention);
             }

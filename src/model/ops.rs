@@ -64,27 +64,26 @@ pub(crate) fn merge_heads(x: &Tensor) -> Result<Tensor, ModelError> {
     Ok(x.transpose(0, 1)?.contiguous()?.reshape((n, heads * dim))?)
 }
 
-/// `softmax(scale * q kᵀ + mask) v` for queries `[heads, n, d]` over keys and values
-/// `[kv_heads, P, d]` (grouped-query attention: query head `h` reads KV head `h / group`) with an
-/// additive mask broadcast to `[heads, n, P]`. Each query head is one product against its KV
-/// head's keys, transposed once per KV head: the same products, term for term, as repeating the
-/// keys and values to every query head (`repeat_kv`) and multiplying in one batch, without
-/// copying the cache once per query head, which made a decode step cost a whole cache's worth of
-/// fresh memory per head and layer.
+/// `softmax(scale * q kᵀ + mask) v` for queries `[heads, n, d]` over keys given transposed,
+/// `[kv_heads, d, P]`, and values `[kv_heads, P, d]` (grouped-query attention: query head `h`
+/// reads KV head `h / group`), with an additive mask broadcast to `[heads, n, P]`. Each query
+/// head is one product against its KV head's keys as the cache holds them: the same products,
+/// term for term, as repeating the keys and values to every query head (`repeat_kv`) and
+/// multiplying in one batch, without copying the cache once per query head.
 pub(crate) fn attend(
     q: &Tensor,
-    keys: &Tensor,
+    keys_t: &Tensor,
     values: &Tensor,
     mask: &Tensor,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
     let heads = q.dims()[0];
-    let kv_heads = keys.dims()[0];
+    let kv_heads = keys_t.dims()[0];
     let group = heads / kv_heads;
     let mut outputs = Vec::with_capacity(heads);
     for kv in 0..kv_heads {
-        let keys_t = keys.narrow(0, kv, 1)?.transpose(1, 2)?.contiguous()?;
-        let values = values.narrow(0, kv, 1)?.contiguous()?;
+        let keys_t = keys_t.narrow(0, kv, 1)?;
+        let values = values.narrow(0, kv, 1)?;
         for head in kv * group..(kv + 1) * group {
             let mask = match mask.rank() {
                 3 => mask.narrow(0, head, 1)?,
@@ -166,7 +165,11 @@ mod tests {
         };
         let (qt, kt, vt) = (
             tensor(&q, (heads, n, dim)),
-            tensor(&k, (kv_heads, positions, dim)),
+            tensor(&k, (kv_heads, positions, dim))
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap(),
             tensor(&v, (kv_heads, positions, dim)),
         );
         let shape = (heads, kv_heads, n, positions, dim);
