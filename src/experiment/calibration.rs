@@ -160,18 +160,20 @@ fn interval((value, low, high): (f64, f64, f64)) -> String {
     format!("{value:+.3} [{low:+.3}, {high:+.3}]")
 }
 
-/// The calibration section of a closed-loop experiment's report, and its scatter plot.
+/// The calibration section of a closed-loop experiment's report, and its scatter plot. `layers`:
+/// the model's numbers of the compressed layers, when only some are (see [`super::drift`]).
 pub(crate) fn section(
     experiment: &Experiment,
     names: &[String],
     runs: &[StoredRun],
     trace_names: &[String],
+    layers: Option<&[usize]>,
     files: &FigureFiles<'_>,
 ) -> Result<(String, Vec<PathBuf>), SweepError> {
     let mut out = outcome_table(experiment, names, runs, trace_names);
     out += &correlations(runs, trace_names);
     out += &rankings(experiment, names, runs, trace_names);
-    let (drift, mut figures) = super::drift::section(names, runs, files)?;
+    let (drift, mut figures) = super::drift::section(names, runs, layers, files)?;
     out += &drift;
     let series: Vec<Series> = names
         .iter()

@@ -42,18 +42,29 @@ fn paired(run: &StoredRun) -> Option<Paired<'_>> {
 }
 
 /// The drift section and its figure (`drift.png`, `drift.svg`: mean live − open-loop retained
-/// mass per layer, one line per policy); empty when no run has its live mass.
+/// mass per layer, one line per policy); empty when no run has its live mass. Runs measure the
+/// compressed layers only: `layers` gives their numbers in the model when that is not every layer
+/// (a hybrid model's global layers), so tables and figures name the model's layers.
 pub(crate) fn section(
     names: &[String],
     runs: &[StoredRun],
+    layers: Option<&[usize]>,
     files: &FigureFiles<'_>,
 ) -> Result<(String, Vec<PathBuf>), SweepError> {
     let pairs: Vec<Paired> = runs.iter().filter_map(paired).collect();
     if pairs.is_empty() {
         return Ok((String::new(), Vec::new()));
     }
+    let which = match layers {
+        Some(layers) if layers.first() != Some(&0) => format!(
+            "Only layers {} (the global ones) are compressed and measured; a large drift",
+            list(layers)
+        ),
+        _ => "Layer 0 cannot drift (its vectors come from the tokens alone); a large drift deeper in the model".to_string(),
+    };
+    let model_layer = |index: usize| layers.and_then(|l| l.get(index).copied()).unwrap_or(index);
     let mut out = format!(
-        "\nLive attention drift: the live retained mass (each live query's share of its attention over the whole live cache that the policy let it see, mean over teacher-forced steps, heads and layers) beside the open-loop retained mass, mean over budgets and traces ({} runs). Layer 0 cannot drift (its vectors come from the tokens alone); a large drift deeper in the model is where open-loop numbers stop describing the run:\n\n",
+        "\nLive attention drift: the live retained mass (each live query's share of its attention over the whole live cache that the policy let it see, mean over teacher-forced steps, heads and layers) beside the open-loop retained mass, mean over budgets and traces ({} runs). {which} is where open-loop numbers stop describing the run:\n\n",
         pairs.len()
     );
     let mut table = Table::new([
@@ -92,14 +103,14 @@ pub(crate) fn section(
             format!("{open:.4}"),
             format!("{live:.4}"),
             format!("{:+.4}", live - open),
-            format!("{value:+.4} ({worst})"),
+            format!("{value:+.4} ({})", model_layer(worst)),
         ]);
         series.push((
             name.clone(),
             per_layer
                 .iter()
                 .enumerate()
-                .map(|(l, &d)| (l as f64, d))
+                .map(|(l, &d)| (model_layer(l) as f64, d))
                 .collect(),
         ));
     }
@@ -114,6 +125,15 @@ pub(crate) fn section(
         false,
     )?;
     Ok((out, figures))
+}
+
+/// `5, 11, 17`.
+fn list(layers: &[usize]) -> String {
+    layers
+        .iter()
+        .map(|l| l.to_string())
+        .collect::<Vec<_>>()
+        .join(", ")
 }
 
 /// Which predicts the closed-loop KL better: the open-loop or the live retained mass?
@@ -185,28 +205,47 @@ mod tests {
             run("b", [0.5, 0.5], None, 2.0),
         ];
         let names = vec!["a".to_string(), "b".to_string()];
-        let (text, figures) = section(&names, &runs, &FigureFiles::under(dir.path())).unwrap();
-        let row: Vec<&str> = text
-            .lines()
-            .find(|line| line.starts_with("| a "))
-            .expect("a row for policy a")
-            .split('|')
-            .map(str::trim)
-            .filter(|cell| !cell.is_empty())
-            .collect();
-        assert_eq!(row, ["a", "0.8500", "0.7750", "-0.0750", "-0.1500 (1)"]);
+        let row_of_a = |text: &str| -> Vec<String> {
+            text.lines()
+                .find(|line| line.starts_with("| a "))
+                .expect("a row for policy a")
+                .split('|')
+                .map(str::trim)
+                .filter(|cell| !cell.is_empty())
+                .map(str::to_owned)
+                .collect()
+        };
+        let files = FigureFiles::under(dir.path());
+        let (text, figures) = section(&names, &runs, None, &files).unwrap();
+        assert_eq!(
+            row_of_a(&text),
+            ["a", "0.8500", "0.7750", "-0.0750", "-0.1500 (1)"]
+        );
+        assert!(text.contains("Layer 0 cannot drift"), "{text}");
         assert!(!text.contains("| b "), "{text}");
         assert!(text.contains("over the same 2 runs"), "{text}");
         assert_eq!(figures.len(), 2);
         assert!(figures.iter().all(|f| f.is_file()));
+        // A hybrid model's two compressed layers are its layers 5 and 11: the table names them.
+        let (text, _) = section(&names, &runs, Some(&[5, 11]), &files).unwrap();
+        assert_eq!(row_of_a(&text)[4], "-0.1500 (11)");
+        assert!(
+            text.contains("Only layers 5, 11 (the global ones)"),
+            "{text}"
+        );
     }
 
     #[test]
     fn no_live_mass_no_section() {
         let dir = tempfile::tempdir().unwrap();
         let runs = vec![run("b", [0.5, 0.5], None, 2.0)];
-        let (text, figures) =
-            section(&["b".to_string()], &runs, &FigureFiles::under(dir.path())).unwrap();
+        let (text, figures) = section(
+            &["b".to_string()],
+            &runs,
+            None,
+            &FigureFiles::under(dir.path()),
+        )
+        .unwrap();
         assert!(text.is_empty() && figures.is_empty());
     }
 }

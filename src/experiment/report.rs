@@ -407,6 +407,16 @@ pub fn build(
     Ok(out)
 }
 
+/// The layers the policies compress on `traces`, in the model's numbering, when every trace
+/// names them alike; `None` when no trace names them (every layer is compressed) or they differ.
+fn compressed_layers(traces: &[TraceFile]) -> Option<Vec<usize>> {
+    let first = traces.first()?.global_layers.clone()?;
+    traces
+        .iter()
+        .all(|t| t.global_layers.as_ref() == Some(&first))
+        .then_some(first)
+}
+
 /// The report's sections for one set of traces: the body (tables of the runs), the figures of
 /// the runs, and the tail (needle grid and entropy profile, which list their own figures).
 struct Part {
@@ -438,8 +448,14 @@ fn part(
         body += &ranking::section(experiment, runs, &trace_names);
         figures = figures_of_runs(experiment, &names, runs, &trace_names, &mass_series, files)?;
         if runs.iter().all(|r| r.closed_loop.is_some()) {
-            let (text, plots) =
-                calibration::section(experiment, &names, runs, &trace_names, files)?;
+            let (text, plots) = calibration::section(
+                experiment,
+                &names,
+                runs,
+                &trace_names,
+                compressed_layers(traces).as_deref(),
+                files,
+            )?;
             body += &text;
             figures.extend(plots);
         }

@@ -402,7 +402,7 @@ fn store(
     closed_loop: Option<ClosedLoop>,
 ) -> Result<(), SweepError> {
     let mut stored_report = StoredReport::from(report);
-    if trace.sliding_layers {
+    if trace.global_layers.is_some() {
         // Sliding-window layers hold their windows: memory is no longer the cache size times
         // the caches, so the replay's own figure is kept.
         stored_report.kv_entries = Some(report.kv_entries);

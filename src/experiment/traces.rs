@@ -27,8 +27,10 @@ pub struct TraceFile {
     pub prompt_len: Option<usize>,
     /// The model that made it, as its header says.
     pub model: Option<String>,
-    /// Whether its header gives sliding-window layers (`layer_windows`).
-    pub sliding_layers: bool,
+    /// The layers a policy compresses (those its `layer_windows` gives 0), in the model's
+    /// numbering; `None` when the header has no `layer_windows` (no sliding-window layers: every
+    /// layer is compressed).
+    pub global_layers: Option<Vec<usize>>,
 }
 
 impl TraceFile {
@@ -58,9 +60,11 @@ impl TraceFile {
                 .as_ref()
                 .and_then(|h| h["__metadata__"]["model"].as_str())
                 .map(str::to_owned),
-            sliding_layers: header
-                .as_ref()
-                .is_some_and(|h| h["__metadata__"].get("layer_windows").is_some()),
+            global_layers: header.as_ref().and_then(|h| {
+                let windows: Vec<usize> =
+                    serde_json::from_str(h["__metadata__"]["layer_windows"].as_str()?).ok()?;
+                Some((0..windows.len()).filter(|&l| windows[l] == 0).collect())
+            }),
         })
     }
 }
