@@ -6,7 +6,9 @@ use super::{Experiment, SweepError};
 use crate::assets::sha256_file;
 use crate::capture::CaptureError;
 use crate::recipe::Recipe;
+use crate::trace::TraceMeta;
 use sha2::{Digest, Sha256};
+use std::collections::HashMap;
 use std::io::Read;
 use std::path::{Path, PathBuf};
 
@@ -61,9 +63,14 @@ impl TraceFile {
                 .and_then(|h| h["__metadata__"]["model"].as_str())
                 .map(str::to_owned),
             global_layers: header.as_ref().and_then(|h| {
-                let windows: Vec<usize> =
-                    serde_json::from_str(h["__metadata__"]["layer_windows"].as_str()?).ok()?;
-                Some((0..windows.len()).filter(|&l| windows[l] == 0).collect())
+                let metadata: HashMap<String, String> =
+                    serde_json::from_value(h["__metadata__"].clone()).ok()?;
+                metadata.contains_key("layer_windows").then_some(())?;
+                Some(
+                    TraceMeta::from_header(path, Some(&metadata))
+                        .ok()?
+                        .global_layers(),
+                )
             }),
         })
     }
