@@ -280,3 +280,55 @@ fn grown(
         }
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// A chunk `[kv_heads = 2, n, d = 3]` whose entries name their head and position.
+    fn chunk(start: usize, n: usize, salt: f32) -> (Tensor, Tensor) {
+        let values: Vec<f32> = (0..2)
+            .flat_map(|head| {
+                (start..start + n)
+                    .flat_map(move |p| (0..3).map(move |c| salt + (100 * head + 10 * p + c) as f32))
+            })
+            .collect();
+        let t = Tensor::from_vec(values, (2, n, 3), &Device::Cpu).unwrap();
+        (t.clone(), (t * 2.0).unwrap())
+    }
+
+    fn rows(cache: &KvCache) -> Vec<f32> {
+        cache.keys(0).unwrap().iter().copied().collect()
+    }
+
+    #[test]
+    fn the_cache_grows_in_place_and_a_clone_appends_on_its_own() {
+        let mut cache = KvCache::default();
+        // Chunks of 1, 2, 3 and 1 positions: the buffer grows 1 -> 3 -> 6 -> 12 positions.
+        let mut start = 0;
+        for n in [1, 2, 3, 1] {
+            let (k, v) = chunk(start, n, 0.0);
+            let (keys_t, values) = cache.append(0, k, v).unwrap();
+            start += n;
+            assert_eq!(keys_t.dims(), [2, 3, start]);
+            assert_eq!(values.dims(), [2, start, 3]);
+        }
+        let (whole, _) = chunk(0, start, 0.0);
+        let whole: Vec<f32> = whole.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(rows(&cache), whole);
+        // The original and its clone each append a different position 7: neither sees the other's.
+        let mut clone = cache.clone();
+        let (k, v) = chunk(start, 1, 0.5);
+        clone.append(0, k, v).unwrap();
+        let (k, v) = chunk(start, 1, 0.25);
+        cache.append(0, k, v).unwrap();
+        let newest = |cache: &KvCache| cache.keys(0).unwrap()[[1, start, 2]];
+        assert_eq!(newest(&clone), 0.5 + 172.0);
+        assert_eq!(newest(&cache), 0.25 + 172.0);
+        assert_eq!(rows(&clone)[..whole.len() / 2], whole[..whole.len() / 2]);
+        // Keeping positions 0 and 6 keeps their keys.
+        let kept = cache.retain(&[0, 6]).unwrap();
+        assert_eq!(kept.len(), 2);
+        assert_eq!(kept.keys(0).unwrap()[[1, 1, 0]], 160.0);
+    }
+}
