@@ -89,7 +89,7 @@ pub fn layer_kinds(meta: &TraceMeta) -> String {
 }
 
 /// `0-4, 6-10, 12` from `[0, 1, 2, 3, 4, 6, ..., 12]`.
-fn ranges(layers: &[usize]) -> String {
+pub(crate) fn ranges(layers: &[usize]) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut start = 0;
     for index in 1..=layers.len() {

@@ -10,6 +10,7 @@ use super::plot::{line_chart, Series};
 use super::report::FigureFiles;
 use super::store::{StoredRun, SweepError};
 use crate::export::{Format, Table};
+use crate::inspect::ranges;
 use crate::replay::RETAINED_MASS;
 use std::path::PathBuf;
 
@@ -58,7 +59,7 @@ pub(crate) fn section(
     let which = match layers {
         Some(layers) if layers.first() != Some(&0) => format!(
             "Only layers {} (the global ones) are compressed and measured; a large drift",
-            list(layers)
+            ranges(layers)
         ),
         _ => "Layer 0 cannot drift (its vectors come from the tokens alone); a large drift deeper in the model".to_string(),
     };
@@ -125,15 +126,6 @@ pub(crate) fn section(
         false,
     )?;
     Ok((out, figures))
-}
-
-/// `5, 11, 17`.
-fn list(layers: &[usize]) -> String {
-    layers
-        .iter()
-        .map(|l| l.to_string())
-        .collect::<Vec<_>>()
-        .join(", ")
 }
 
 /// Which predicts the closed-loop KL better: the open-loop or the live retained mass?

@@ -74,16 +74,26 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
 }
 
 /// Per layer, the live retained mass minus the open-loop one: where the model's own vectors
-/// drift once tokens are gone (layer 0's vectors do not depend on any eviction: 0 there).
+/// drift once tokens are gone (layer 0's vectors do not depend on any eviction: 0 there). On a
+/// model whose policies compress only some layers (a hybrid model's global ones) each value is
+/// named by its layer.
 fn drift_line(report: &LiveReport) -> String {
+    let layers = &report.open_loop.layers;
+    let every_layer = layers.iter().enumerate().all(|(i, l)| l.layer == i);
     let drift: Vec<String> = report
         .live_layers
         .iter()
-        .zip(&report.open_loop.layers)
-        .map(|(live, open)| format!("{:+.3}", live - open.metrics[crate::replay::RETAINED_MASS]))
+        .zip(layers)
+        .map(|(live, open)| {
+            let value = live - open.metrics[crate::replay::RETAINED_MASS];
+            match every_layer {
+                true => format!("{value:+.3}"),
+                false => format!("{}: {value:+.3}", open.layer),
+            }
+        })
         .collect();
     format!(
         "Retained mass, live minus open loop, by layer: {}\n",
-        drift.join(" ")
+        drift.join(if every_layer { " " } else { ", " })
     )
 }
