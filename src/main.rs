@@ -12,7 +12,7 @@ use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment
 use kvreplay::export::{exporter, Format, Table};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
-    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Order,
+    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Layers, Order,
     PolicyParams, ReplayReport, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -219,6 +219,9 @@ struct PolicyArgs {
     /// Cache granularity under grouped-query attention.
     #[arg(long, value_enum, default_value_t = Granularity::KvHead)]
     gqa: Granularity,
+    /// On a model with sliding-window layers, which layers the budget compresses.
+    #[arg(long, value_enum, default_value_t = Layers::Global)]
+    layers: Layers,
     /// k of the top-k recall.
     #[arg(long, default_value_t = 10)]
     top_k: usize,
@@ -293,6 +296,7 @@ impl PolicyArgs {
             window: self.window,
             sinks: self.sinks,
             gqa: self.gqa,
+            layers: self.layers,
             top_k: self.top_k,
             settings,
         }

@@ -284,12 +284,15 @@ impl CausalLogits {
 
 /// The full causal attention of the decode queries of some query heads over their shared keys,
 /// `[heads, T - prompt_len, T]` (keys after a query's position hold 0): `queries` `[heads, T, d]`,
-/// `keys` `[T, d]`. The replay engine computes it once per KV group and layer and shares it
-/// between every policy's metrics.
+/// `keys` `[T, d]`. With a `window` (0: none), the query at `t` attends over keys
+/// `t + 1 - window..=t` only and the keys before hold 0, as a sliding-window layer computes it.
+/// The replay engine computes it once per KV group and layer and shares it between every
+/// policy's metrics.
 pub fn decode_attention(
     queries: ArrayView3<f32>,
     keys: ArrayView2<f32>,
     prompt_len: usize,
+    window: usize,
     scale: f32,
     softcap: Option<f32>,
 ) -> ndarray::Array3<f32> {
@@ -309,7 +312,13 @@ pub fn decode_attention(
         );
         for (step, mut row) in rows.outer_iter_mut().enumerate() {
             let row = row.as_slice_mut().expect("standard layout");
-            let (visible, future) = row.split_at_mut(prompt_len + step + 1);
+            let (seen, future) = row.split_at_mut(prompt_len + step + 1);
+            let first = match window {
+                0 => 0,
+                window => seen.len().saturating_sub(window),
+            };
+            let (slid_out, visible) = seen.split_at_mut(first);
+            slid_out.fill(0.0);
             if let Some(cap) = softcap {
                 for logit in visible.iter_mut() {
                     *logit = cap * (*logit / cap).tanh();
@@ -413,24 +422,31 @@ mod tests {
     }
 
     #[test]
-    fn decode_attention_matches_attend() {
+    fn decode_attention_matches_attend_over_each_querys_window() {
         let q =
             ndarray::Array3::from_shape_fn((2, 9, 2), |(h, t, d)| (h + t * d) as f32 * 0.3 - 1.0);
         let k = ndarray::Array2::from_shape_fn((9, 2), |(t, d)| (t + d) as f32 * 0.2 - 0.7);
-        let all = decode_attention(q.view(), k.view(), 6, 0.7, None);
-        assert_eq!(all.dim(), (2, 3, 9));
-        for head in 0..2 {
-            for step in 0..3 {
-                let position = 6 + step;
-                let want = attend(
-                    q.slice(ndarray::s![head, position, ..]),
-                    k.slice(ndarray::s![..=position, ..]),
-                    0.7,
-                    None,
-                );
-                for j in 0..9 {
-                    let expected = want.get(j).copied().unwrap_or(0.0);
-                    assert_abs_diff_eq!(all[[head, step, j]], expected, epsilon = 1e-6);
+        // Window 0 is global; window 4 lets position 6 see keys 3..=6; 20 is wider than T.
+        for (window, first_of_6) in [(0, 0), (4, 3), (20, 0)] {
+            let all = decode_attention(q.view(), k.view(), 6, window, 0.7, None);
+            assert_eq!(all.dim(), (2, 3, 9));
+            for head in 0..2 {
+                for step in 0..3 {
+                    let position = 6 + step;
+                    let first = first_of_6 + if window == 4 { step } else { 0 };
+                    let want = attend(
+                        q.slice(ndarray::s![head, position, ..]),
+                        k.slice(ndarray::s![first..=position, ..]),
+                        0.7,
+                        None,
+                    );
+                    for j in 0..9usize {
+                        let expected = match j.checked_sub(first) {
+                            Some(index) => want.get(index).copied().unwrap_or(0.0),
+                            None => 0.0,
+                        };
+                        assert_abs_diff_eq!(all[[head, step, j]], expected, epsilon = 1e-6);
+                    }
                 }
             }
         }

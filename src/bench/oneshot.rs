@@ -157,6 +157,7 @@ pub fn essential_work(
                     q.slice(s![kv * group..(kv + 1) * group, .., ..]),
                     k.slice(s![kv, .., ..]),
                     n,
+                    0,
                     meta.scale,
                     meta.softcap,
                 )

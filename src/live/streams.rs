@@ -117,6 +117,7 @@ impl AttentionMask for LiveStreams<'_> {
             scale: shape.scale,
             softcap: shape.softcap,
             rope_theta: self.rope_thetas[layer],
+            window: 0,
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

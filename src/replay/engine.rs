@@ -1,9 +1,13 @@
 //! Runs checked policies over a trace and collects the measurements.
 //!
-//! Only global layers are replayed: on a trace whose header gives sliding-window layers
-//! (`layer_windows`), those keep their window whatever the policy, are left out of the metrics,
-//! and count in memory with the entries they hold; allocators spread the budget over the global
-//! layers in depth order (as kvpress compresses only the global layers of Gemma 3).
+//! By default only global layers are replayed: on a trace whose header gives sliding-window
+//! layers (`layer_windows`), those keep their window whatever the policy, are left out of the
+//! metrics, and count in memory with the entries they hold; allocators spread the budget over the
+//! global layers in depth order (as kvpress compresses only the global layers of Gemma 3). A
+//! policy with `layers = all` compresses every layer: a sliding-window layer is replayed with its
+//! window in its [`LayerContext`] (the scorer sees the window's attention, kept tokens leave as
+//! they slide out, the reference is the window's attention) and allocators spread the budget over
+//! all layers in depth order.
 //!
 //! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
 //! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
@@ -30,8 +34,9 @@ use super::metrics::{
     UnitMeasure,
 };
 use super::select::ranking;
+use super::Layers;
 use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
-use crate::trace::{LayerTensors, Span, TraceReader};
+use crate::trace::{LayerTensors, Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::borrow::Cow;
@@ -87,6 +92,16 @@ pub fn context<'a>(
         scale: meta.scale,
         softcap: meta.softcap,
         rope_theta: meta.rope_theta_of(layer),
+        window: meta.window(layer),
+    }
+}
+
+/// The layers `policy` compresses on a trace of header `meta`, in depth order: its global layers,
+/// or every layer under `layers = all`.
+pub fn compressed_layers(meta: &TraceMeta, policy: &ValidPolicy) -> Vec<usize> {
+    match policy.params().layers {
+        Layers::Global => meta.global_layers(),
+        Layers::All => (0..meta.n_layers).collect(),
     }
 }
 
@@ -145,15 +160,29 @@ fn replay_pass(
     let meta = trace.meta();
     let mut per_policy: Vec<Vec<LayerReport>> =
         vec![Vec::with_capacity(meta.n_layers); policies.len()];
-    for layer in meta.global_layers() {
+    let compressed: Vec<Vec<usize>> = policies
+        .iter()
+        .map(|policy| compressed_layers(meta, policy))
+        .collect();
+    for layer in 0..meta.n_layers {
+        // The policies that compress this layer, by index.
+        let here: Vec<usize> = (0..policies.len())
+            .filter(|&index| compressed[index].contains(&layer))
+            .collect();
+        if here.is_empty() {
+            continue;
+        }
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
-        let layer_budgets: Vec<usize> = budgets.iter().map(|budgets| budgets[layer]).collect();
-        let (reports, whole_layer) = measure_layer(&context, policies, &layer_budgets, &meta.spans);
-        for (slot, report) in per_policy.iter_mut().zip(reports) {
-            slot.push(report);
+        let layer_policies: Vec<&ValidPolicy> =
+            here.iter().map(|&index| &policies[index]).collect();
+        let layer_budgets: Vec<usize> = here.iter().map(|&index| budgets[index][layer]).collect();
+        let (reports, whole_layer) =
+            measure_layer(&context, &layer_policies, &layer_budgets, &meta.spans);
+        for (&index, report) in here.iter().zip(reports) {
+            per_policy[index].push(report);
         }
-        for (index, kept) in whole_layer.into_iter().enumerate() {
+        for (&index, kept) in here.iter().zip(whole_layer) {
             if let Some(kept) = kept {
                 keep(index, kept);
             }
@@ -176,7 +205,7 @@ fn replay_pass(
 /// work, and every started policy holds its scorer state, so memory would grow with the grid.
 fn measure_layer(
     layer: &LayerContext<'_>,
-    policies: &[ValidPolicy],
+    policies: &[&ValidPolicy],
     budgets: &[usize],
     spans: &[Span],
 ) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
@@ -324,7 +353,7 @@ fn measure_layer(
 /// The policies that re-select at every decode step, one cache at a time, grouped by what their
 /// scores depend on (scorer, settings, protection, layout) and timing: a family's scores are the
 /// same whatever the budget, so they are computed once for all its members.
-fn reselecting_families(policies: &[ValidPolicy]) -> Vec<Vec<usize>> {
+fn reselecting_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
     let mut families: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
     for (index, policy) in policies.iter().enumerate() {
         let timing = policy.params().timing;
@@ -345,7 +374,7 @@ type CachesKept<'u> = Vec<(&'u Unit, UnitKept)>;
 /// per family and cache, one pass of the scorer serves every member's budget.
 fn reselect_families<'u>(
     layer: &LayerContext<'_>,
-    policies: &[ValidPolicy],
+    policies: &[&ValidPolicy],
     budgets: &[usize],
     units: &'u [Vec<Unit>],
     kv_head: usize,
@@ -404,18 +433,17 @@ pub(crate) fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit>
     )
 }
 
-/// Runs `work` on every global layer, one layer resident at a time, and returns the results in
+/// Runs `work` on each of `layers`, one layer resident at a time, and returns the results in
 /// order.
 fn for_each_layer<T: Send>(
     trace: &TraceReader,
+    layers: &[usize],
     layer_done: LayerDone<'_>,
     work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
 ) -> Result<Vec<T>, PolicyError> {
-    trace
-        .meta()
-        .global_layers()
-        .into_iter()
-        .map(|layer| {
+    layers
+        .iter()
+        .map(|&layer| {
             let tensors = trace.layer(layer)?;
             let result = work(context(trace, layer, &tensors));
             layer_done();
@@ -447,9 +475,9 @@ fn layer_budgets_with_progress(
             params.scorer
         )));
     }
+    let compressed = compressed_layers(meta, policy);
     if policy.scorer.needs_rope()
-        && meta
-            .global_layers()
+        && compressed
             .iter()
             .any(|&layer| meta.rope_theta_of(layer).is_none())
     {
@@ -459,8 +487,7 @@ fn layer_budgets_with_progress(
         )));
     }
     policy.scorer.check_trace(meta).map_err(mismatch)?;
-    let global = meta.global_layers();
-    if global.is_empty() {
+    if compressed.is_empty() {
         return Err(mismatch(
             "every layer of the trace attends through a sliding window (`layer_windows`): there is no global layer for a budget to compress".into(),
         ));
@@ -472,19 +499,21 @@ fn layer_budgets_with_progress(
         )));
     }
     let profiles = if policy.allocator.needs_profile() {
-        for_each_layer(trace, layer_done, &|layer| {
-            LayerProfile::measure(&layer, params.window.max(1))
+        for_each_layer(trace, &compressed, layer_done, &|layer| {
+            LayerProfile::measure_windowed(&layer, params.window.max(1), layer.window)
         })?
     } else {
         Vec::new()
     };
     let mass_curves = if policy.allocator.needs_mass_curves() {
-        for_each_layer(trace, layer_done, &|layer| mass_curve(&layer, policy))?
+        for_each_layer(trace, &compressed, layer_done, &|layer| {
+            mass_curve(&layer, policy)
+        })?
     } else {
         Vec::new()
     };
     let allocated = policy.allocator.allocate(&AllocationInput {
-        n_layers: global.len(),
+        n_layers: compressed.len(),
         budget: params.budget,
         prompt_len,
         protect: params.protection(),
@@ -492,7 +521,7 @@ fn layer_budgets_with_progress(
         mass_curves: &mass_curves,
     });
     let mut budgets: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
-    for (&layer, budget) in global.iter().zip(allocated) {
+    for (&layer, budget) in compressed.iter().zip(allocated) {
         if budget < params.protection().tokens() || budget == 0 {
             return Err(PolicyError::BudgetBelowProtected {
                 budget,
@@ -513,11 +542,8 @@ fn summarise(
 ) -> ReplayReport {
     let meta = trace.meta();
     if policy.params().timing.reselects() {
-        let steps = meta.prompt_len..trace.n_positions();
-        let held = (meta.n_kv_heads * steps.clone().map(|t| t + 1).sum::<usize>()) as f64
-            / steps.len() as f64;
         for layer in layers.iter_mut() {
-            layer.held_entries = held;
+            layer.held_entries = window_entries(trace, meta.window(layer.layer));
         }
     }
     let n = layers.len() as f64;
@@ -569,26 +595,31 @@ fn summarise(
 }
 
 /// KV entries per layer, mean over every layer of the model and decode steps: `entries` of the
-/// compressed (global) layers' caches, and each sliding-window layer's own window
-/// (`min(window, t + 1)` entries per KV head at step `t`), which the model holds and reads
-/// whatever the policy.
+/// compressed layers' caches, and each sliding-window layer the policy leaves alone at its own
+/// window, which the model holds and reads whatever the policy.
 fn entries_with_windows(
     trace: &TraceReader,
-    global: &[LayerReport],
+    compressed: &[LayerReport],
     entries: impl Fn(&LayerReport) -> f64,
 ) -> f64 {
     let meta = trace.meta();
+    let left_alone: f64 = (0..meta.n_layers)
+        .filter(|&layer| !compressed.iter().any(|report| report.layer == layer))
+        .map(|layer| window_entries(trace, meta.window(layer)))
+        .sum();
+    let held: f64 = compressed.iter().map(entries).sum();
+    (held + left_alone) / meta.n_layers as f64
+}
+
+/// The entries a whole cache of attention window `window` (0: global) holds, summed over KV heads,
+/// mean over decode steps: `min(window, t + 1)` per KV head at step `t`.
+fn window_entries(trace: &TraceReader, window: usize) -> f64 {
+    let meta = trace.meta();
     let steps = meta.prompt_len..trace.n_positions();
     let n_steps = steps.len() as f64;
-    let sliding: f64 = (0..meta.n_layers)
-        .filter(|&layer| meta.window(layer) > 0)
-        .map(|layer| {
-            let held: usize = steps.clone().map(|t| meta.window(layer).min(t + 1)).sum();
-            (meta.n_kv_heads * held) as f64 / n_steps
-        })
-        .sum();
-    let compressed: f64 = global.iter().map(entries).sum();
-    (compressed + sliding) / meta.n_layers as f64
+    let window = if window == 0 { usize::MAX } else { window };
+    let held: usize = steps.map(|t| window.min(t + 1)).sum();
+    (meta.n_kv_heads * held) as f64 / n_steps
 }
 
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt
@@ -600,7 +631,7 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let n_heads = layer.q.shape()[0];
     let n_steps = layer.n_positions() - prompt_len;
     let samples = (n_heads * n_steps) as f64;
-    let prompt: Vec<usize> = (0..prompt_len).collect();
+    let prompt: Vec<usize> = layer.prompt_cache().collect();
     let mut curve = vec![0.0f64; prompt_len + 1];
     let units = units(layer, policy);
     for group in selection_groups(&units, policy) {
@@ -629,5 +660,9 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
             }
         }
     }
+    // On a sliding-window layer a budget beyond the window keeps the whole window.
+    let held = prompt.len();
+    let whole_window = curve[held];
+    curve[held + 1..].fill(whole_window);
     curve
 }

@@ -5,7 +5,7 @@
 
 use super::scorer::Scorer;
 use super::select::{ranked_head, select_top};
-use super::stream::{start_group, CacheStream};
+use super::stream::{slide_out, start_group, CacheStream};
 use super::{Granularity, Kept, LayerContext, Unit, UnitKept, ValidPolicy};
 use super::{Protection, Timing};
 use rayon::prelude::*;
@@ -33,9 +33,11 @@ pub(crate) fn selection_groups<'u>(units: &'u [Unit], policy: &ValidPolicy) -> V
     }
 }
 
-/// Feeds the prompt to a fresh state without evicting; returns its scores.
-/// A scorer that does not declare it reads the future sees the prompt only: the generated
-/// positions are cut from its layer, so looking beyond the prompt is impossible, not just unused.
+/// Feeds the prompt to a fresh state without evicting; returns its scores, one per position of
+/// [`LayerContext::prompt_cache`] (on a sliding-window layer, what slides out of the window is
+/// dropped as the prompt runs). A scorer that does not declare it reads the future sees the
+/// prompt only: the generated positions are cut from its layer, so looking beyond the prompt is
+/// impossible, not just unused.
 pub(crate) fn score_prompt(
     scorer: &dyn Scorer,
     layer: &LayerContext<'_>,
@@ -50,6 +52,7 @@ pub(crate) fn score_prompt(
     let mut state = start_group(scorer, &layer, group, protect);
     let mut cache = Vec::with_capacity(layer.prompt_len);
     for position in 0..layer.prompt_len {
+        slide_out(&layer, position, &mut cache, state.as_mut());
         cache.push(position);
         state.on_append(&layer, &cache);
     }
@@ -99,10 +102,10 @@ pub(crate) fn one_shot_kept(
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let groups = selection_groups(units, policy);
+    let prompt: Vec<usize> = layer.prompt_cache().collect();
     let group_budgets = policy
         .heads
-        .split(budget, scored, groups.len(), prompt_len, protect);
-    let prompt: Vec<usize> = (0..prompt_len).collect();
+        .split(budget, scored, groups.len(), &prompt, protect);
     let protected = |position: usize| protect.covers(position, prompt_len);
     let mut kept = Vec::with_capacity(units.len());
     let mut budgets = Vec::with_capacity(units.len());
@@ -191,6 +194,7 @@ pub(crate) fn reselected_kept(
     let mut per_budget: Vec<Vec<Vec<usize>>> = vec![Vec::new(); budgets.len()];
     let largest = budgets.iter().copied().max().unwrap_or(0);
     for position in 0..layer.n_positions() {
+        slide_out(layer, position, &mut cache, state.as_mut());
         cache.push(position);
         state.on_append(layer, &cache);
         if position < prompt_len {
@@ -201,14 +205,17 @@ pub(crate) fn reselected_kept(
             Timing::PerStepPrompt => prompt_len,
             _ => position + 1,
         };
-        let ranked = ranked_head(&cache[..limit], &scores[..limit], largest, |p| {
+        // The entries a budget chooses among; those after them are always kept.
+        let split = cache.partition_point(|&cached| cached < limit);
+        let ranked = ranked_head(&cache[..split], &scores[..split], largest, |p| {
             protect.covers(p, limit)
         });
         for (steps, &budget) in per_budget.iter_mut().zip(budgets) {
-            let mut kept = Vec::with_capacity(budget.min(limit) + position + 1 - limit);
-            kept.extend_from_slice(&ranked[..budget.min(limit)]);
+            let chosen = budget.min(split);
+            let mut kept = Vec::with_capacity(chosen + cache.len() - split);
+            kept.extend_from_slice(&ranked[..chosen]);
             kept.sort_unstable();
-            kept.extend(limit..=position);
+            kept.extend_from_slice(&cache[split..]);
             steps.push(kept);
         }
     }

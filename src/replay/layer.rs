@@ -22,6 +22,10 @@ pub struct LayerContext<'a> {
     pub softcap: Option<f32>,
     /// Base of the half-split rotary the queries and keys went through, when the trace says.
     pub rope_theta: Option<f32>,
+    /// The layer's attention window: the query at position `t` attends over keys
+    /// `t + 1 - window..=t` (0: every key up to its own, a global layer). Only a policy that
+    /// compresses sliding-window layers (`layers = all`) is replayed on a layer with a window.
+    pub window: usize,
 }
 
 impl<'a> LayerContext<'a> {
@@ -60,20 +64,35 @@ impl<'a> LayerContext<'a> {
             .collect()
     }
 
+    /// The first key the query at `position` attends to: 0 on a global layer.
+    pub fn first_visible(&self, position: usize) -> usize {
+        match self.window {
+            0 => 0,
+            window => (position + 1).saturating_sub(window),
+        }
+    }
+
+    /// The positions a whole cache holds at the prompt's end: the prompt, or on a sliding-window
+    /// layer the prompt's last `window` positions. A one-shot selection chooses among them.
+    pub fn prompt_cache(&self) -> Range<usize> {
+        self.first_visible(self.prompt_len.saturating_sub(1))..self.prompt_len
+    }
+
     /// All keys of KV head `kv_head`, `[T, d]`.
     pub fn keys(&self, kv_head: usize) -> ArrayView2<'a, f32> {
         self.k.index_axis_move(Axis(0), kv_head)
     }
 
     /// The full causal attention of the decode queries of query heads `heads` (one GQA group or
-    /// part of one), `[heads, T - prompt_len, T]`: what metrics and the oracle allocator measure
-    /// kept sets against.
+    /// part of one), `[heads, T - prompt_len, T]`, over each query's window on a sliding-window
+    /// layer: what metrics and the oracle allocator measure kept sets against.
     pub fn decode_attention(&self, heads: Range<usize>) -> Array3<f32> {
         let kv_head = heads.start / self.group_size();
         crate::attention::decode_attention(
             self.q.slice(s![heads, .., ..]),
             self.keys(kv_head),
             self.prompt_len,
+            self.window,
             self.scale,
             self.softcap,
         )

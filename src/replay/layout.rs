@@ -1,8 +1,39 @@
-//! The cache layout under grouped-query attention: which unit owns a cache (a KV head, a query
+//! The cache layout: which layers a policy compresses (the global ones, or every layer of a
+//! hybrid model), which unit owns a cache under grouped-query attention (a KV head, a query
 //! head, or the whole layer) and how a group's query-head scores become one score per cached
 //! token.
 
 use serde::{Deserialize, Serialize};
+
+/// The layers a policy's budget compresses, on a model with sliding-window layers (elsewhere
+/// every layer is global and the two are the same).
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Layers {
+    /// The global layers only; a sliding-window layer keeps its window whatever the policy and
+    /// is left out of the metrics (kvpress compresses only Gemma 3's global layers).
+    #[default]
+    Global,
+    /// Every layer. A sliding-window layer's cache holds the kept tokens still inside its window:
+    /// its scorer sees the window's attention, kept tokens leave when they slide out, and its
+    /// reference "full cache" is the window.
+    All,
+}
+
+impl Layers {
+    /// Whether it is the default, `global`.
+    pub fn is_global(&self) -> bool {
+        *self == Layers::Global
+    }
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Layers::Global => "global",
+            Layers::All => "all",
+        }
+    }
+}
 
 /// The unit that owns a cache.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
@@ -77,6 +108,10 @@ mod tests {
         ] {
             let spelled = serde_json::to_value(granularity).unwrap();
             assert_eq!(spelled.as_str(), Some(granularity.name()));
+        }
+        for layers in [Layers::Global, Layers::All] {
+            let spelled = serde_json::to_value(layers).unwrap();
+            assert_eq!(spelled.as_str(), Some(layers.name()));
         }
     }
 }

@@ -36,7 +36,7 @@ pub use engine::{
 pub use error::PolicyError;
 pub(crate) use kept::selection_groups;
 pub use layer::{LayerContext, Unit};
-pub use layout::{Aggregation, Granularity};
+pub use layout::{Aggregation, Granularity, Layers};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
 pub use policy::{all_methods, PolicyParams, ValidPolicy, COMMON_KEYS};
 pub use profile::LayerProfile;

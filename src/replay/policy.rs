@@ -5,7 +5,7 @@ use super::allocator::{self, Allocator};
 use super::head_split::{self, HeadSplit};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
-use super::{Granularity, Order, PolicyError, Protection, Timing};
+use super::{Granularity, Layers, Order, PolicyError, Protection, Timing};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -36,6 +36,11 @@ pub struct PolicyParams {
     pub window: usize,
     /// Cache granularity under grouped-query attention.
     pub gqa: Granularity,
+    /// The layers the budget compresses on a model with sliding-window layers. Left out of the
+    /// serialised form when it is the default, so that run ids computed before it existed still
+    /// name the same runs.
+    #[serde(skip_serializing_if = "Layers::is_global")]
+    pub layers: Layers,
     /// k of the top-k recall metric.
     pub top_k: usize,
     /// The chosen methods' own settings (each method's declared parameters), by key.
@@ -44,7 +49,7 @@ pub struct PolicyParams {
 }
 
 /// The keys every policy has, beside its methods' own settings.
-pub const COMMON_KEYS: [&str; 10] = [
+pub const COMMON_KEYS: [&str; 11] = [
     "allocator",
     "scorer",
     "heads",
@@ -54,6 +59,7 @@ pub const COMMON_KEYS: [&str; 10] = [
     "sinks",
     "window",
     "gqa",
+    "layers",
     "top_k",
 ];
 
@@ -69,6 +75,7 @@ impl Default for PolicyParams {
             sinks: 0,
             window: 8,
             gqa: Granularity::KvHead,
+            layers: Layers::Global,
             top_k: 10,
             settings: BTreeMap::new(),
         }

@@ -123,6 +123,7 @@ mod tests {
             scale: 1.0,
             softcap: None,
             rope_theta: None,
+            window: 0,
         }
     }
 

@@ -114,12 +114,14 @@ pub(crate) fn select_top(
     kept
 }
 
-/// The cache entry to evict: the lowest score outside the entries `protect` covers (the first
-/// `sinks`, the last `window`); on ties the first (lowest position) goes, as `argmin` does.
-/// `None` when everything is protected.
+/// The cache entry to evict: the lowest score outside the entries `protect` covers (positions
+/// `0..sinks`, the last `window` entries); on ties the first (lowest position) goes, as `argmin`
+/// does. `None` when everything is protected. The sinks are positions, not the oldest entries:
+/// on a sliding-window layer they slide out like any token.
 pub(crate) fn victim(cache: &[usize], scores: &[f32], protect: Protection) -> Option<usize> {
     let end = cache.len().saturating_sub(protect.window);
-    (protect.sinks.min(end)..end).min_by(|&a, &b| {
+    let sinks = cache.partition_point(|&position| position < protect.sinks);
+    (sinks.min(end)..end).min_by(|&a, &b| {
         scores[a]
             .total_cmp(&scores[b])
             .then_with(|| cache[a].cmp(&cache[b]))

@@ -63,10 +63,33 @@ impl ScoreState for Shared {
         }
     }
 
+    fn on_slide_out(&mut self, index: usize) {
+        for state in &mut self.states {
+            state.on_slide_out(index);
+        }
+    }
+
     fn on_cut(&mut self, kept: &[bool]) {
         for state in &mut self.states {
             state.on_cut(kept);
         }
+    }
+}
+
+/// Drops from the front of `cache` (positions, ascending) the entries that the arrival of
+/// `position` slides out of the layer's attention window, telling `state`; nothing on a global
+/// layer.
+pub(crate) fn slide_out(
+    layer: &LayerContext<'_>,
+    position: usize,
+    cache: &mut Vec<usize>,
+    state: &mut dyn ScoreState,
+) {
+    let first = layer.first_visible(position);
+    let gone = cache.partition_point(|&cached| cached < first);
+    for _ in 0..gone {
+        cache.remove(0);
+        state.on_slide_out(0);
     }
 }
 
@@ -97,7 +120,9 @@ pub(crate) fn start_group(
 /// (`budget + 1` tokens). Re-selection keeps every prompt token while the prompt runs, then
 /// re-chooses at every decode step from the full cache (`per-step`), or from the prompt with every
 /// generated token kept (`per-step-prompt`); the first `sinks` and the last `window` of the
-/// positions it chooses from are always kept. Cloning forks the stream.
+/// positions it chooses from are always kept. On a sliding-window layer the cache holds only what
+/// is inside the window: entries leave as they slide out ([`slide_out`]), whatever the timing.
+/// Cloning forks the stream.
 #[derive(Clone)]
 pub(crate) struct CacheStream {
     state: Started,
@@ -145,6 +170,7 @@ impl CacheStream {
         position: usize,
         report: bool,
     ) -> Option<Attended> {
+        slide_out(layer, position, &mut self.cache, self.state.as_mut());
         self.cache.push(position);
         self.state.on_append(layer, &self.cache);
         if self.timing.reselects() {
@@ -191,10 +217,9 @@ impl CacheStream {
             return;
         }
         self.state.scores(layer, &self.cache, &mut self.scores);
-        let len = self.cache.len();
-        let protect = self.protect;
+        let (protect, prompt_len) = (self.protect, self.prompt_len);
         let kept = select_top(&self.cache, &self.scores, self.budget, |position| {
-            protect.covers(position, len)
+            protect.covers(position, prompt_len)
         });
         let marks: Vec<bool> = self
             .cache
@@ -221,13 +246,14 @@ impl CacheStream {
         };
         let protect = self.protect;
         let protected = |position: usize| protect.covers(position, limit);
+        let split = self.cache.partition_point(|&cached| cached < limit);
         let mut kept = select_top(
-            &self.cache[..limit],
-            &self.scores[..limit],
+            &self.cache[..split],
+            &self.scores[..split],
             self.budget,
             protected,
         );
-        kept.extend(limit..=position);
+        kept.extend_from_slice(&self.cache[split..]);
         kept.shrink_to_fit();
         Some(Attended::Entries(kept))
     }

@@ -46,17 +46,18 @@ impl HeadSplit for Adakv {
         cap: usize,
         scores: &[Vec<f32>],
         _n_caches: usize,
-        prompt_len: usize,
+        candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
+        let prompt_len = candidates.last().map_or(0, |&last| last + 1);
         let protected = protect.tokens();
         let selectable = cap.saturating_sub(protected);
         let floor = (selectable as f64 * self.alpha) as usize;
         let competing = |unit_scores: &[f32]| -> Vec<(usize, f32)> {
-            let mut entries: Vec<(usize, f32)> = unit_scores
+            let mut entries: Vec<(usize, f32)> = candidates
                 .iter()
                 .copied()
-                .enumerate()
+                .zip(unit_scores.iter().copied())
                 .filter(|(position, _)| !protect.covers(*position, prompt_len))
                 .collect();
             if self.normalize {
@@ -119,9 +120,9 @@ mod tests {
             alpha,
             normalize: false,
         };
-        assert_eq!(plain(0.2).split(3, &scores, 2, 6, none), vec![3, 2]);
+        assert_eq!(plain(0.2).split(3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
         // With alpha 1 every cache gets exactly the floor: B.
-        assert_eq!(plain(1.0).split(3, &scores, 2, 6, none), vec![3, 3]);
+        assert_eq!(plain(1.0).split(3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
     }
 
     #[test]
@@ -137,7 +138,7 @@ mod tests {
                 alpha: 0.0,
                 normalize,
             }
-            .split(1, &scores, 2, 4, Protection::default())
+            .split(1, &scores, 2, &[0, 1, 2, 3], Protection::default())
         };
         assert_eq!(split(true), vec![1, 1]);
         assert_eq!(split(false), vec![2, 0]);

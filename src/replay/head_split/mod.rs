@@ -22,14 +22,16 @@ pub trait HeadSplit: Send + Sync {
     fn needs_scores(&self) -> bool {
         false
     }
-    /// Each cache's budget, given the layer's `budget`, one score per prompt position per cache
-    /// (empty when `needs_scores` is false), the prompt length and the protection.
+    /// Each cache's budget, given the layer's `budget`, one score per candidate position per cache
+    /// (empty when `needs_scores` is false), the candidates (the positions a whole cache holds at
+    /// the prompt's end, ascending: the prompt, or a sliding-window layer's window) and the
+    /// protection.
     fn split(
         &self,
         budget: usize,
         scores: &[Vec<f32>],
         n_caches: usize,
-        prompt_len: usize,
+        candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize>;
 }

@@ -14,7 +14,7 @@ impl HeadSplit for Uniform {
         budget: usize,
         _scores: &[Vec<f32>],
         n_caches: usize,
-        _prompt_len: usize,
+        _candidates: &[usize],
         _protect: Protection,
     ) -> Vec<usize> {
         vec![budget; n_caches]

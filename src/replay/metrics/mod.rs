@@ -186,8 +186,8 @@ pub struct DecodeReference {
     /// product of the f32 weights and values (each term exact, so the output of what a policy
     /// discards, `o_full` less the kept share, keeps its digits even when that share is tiny).
     pub output: Option<Array3<f64>>,
-    /// Per `(head - heads.start) * steps + step`, the `max_top_k` largest weights' positions,
-    /// largest first, ties to the lower position.
+    /// Per `(head - heads.start) * steps + step`, the `max_top_k` largest weights' positions
+    /// among the keys its query sees, largest first, ties to the lower position.
     pub top: Vec<Vec<usize>>,
     /// Per position, the L1 norm of its value, when the trace has values.
     pub value_norms: Option<Vec<f64>>,
@@ -237,20 +237,27 @@ impl DecodeReference {
             }
             output
         });
-        let top = per_query(&attention, layer.prompt_len, parallel, |weights, _| {
-            let by_weight =
-                |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
-            let mut order: Vec<usize> = (0..weights.len()).collect();
-            let k = max_top_k.min(order.len());
-            if k < order.len() {
-                order.select_nth_unstable_by(k - 1, by_weight);
-            }
-            order.truncate(k);
-            order.sort_by(by_weight);
-            // The k kept, not the capacity of every position.
-            order.shrink_to_fit();
-            order
-        });
+        let top = per_query(
+            &attention,
+            layer.prompt_len,
+            parallel,
+            |weights, position| {
+                let by_weight =
+                    |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
+                // Among the keys the query sees: on a sliding-window layer, its window.
+                let mut order: Vec<usize> =
+                    (layer.first_visible(position)..weights.len()).collect();
+                let k = max_top_k.min(order.len());
+                if k < order.len() {
+                    order.select_nth_unstable_by(k - 1, by_weight);
+                }
+                order.truncate(k);
+                order.sort_by(by_weight);
+                // The k kept, not the capacity of every position.
+                order.shrink_to_fit();
+                order
+            },
+        );
         let value_norms: Option<Vec<f64>> = layer.values(kv_head).map(|values| {
             values
                 .rows()
@@ -369,6 +376,9 @@ pub fn measure_unit(
         let position = prompt_len + step;
         let kept_positions: &[usize] = match unit_kept {
             UnitKept::Fixed(_) => {
+                // On a sliding-window layer, what slides out leaves the cache.
+                let gone = fixed.partition_point(|&j| j < layer.first_visible(position));
+                fixed.drain(..gone);
                 fixed.push(position);
                 &fixed
             }

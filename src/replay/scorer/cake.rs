@@ -214,6 +214,12 @@ impl ScoreState for State {
             .retain(|_| *marks.next().expect("one mark per entry"));
     }
 
+    fn on_slide_out(&mut self, index: usize) {
+        // Not a choice of CAKE's: the entry leaves its place in the order, the others keep theirs.
+        let position = self.cache.remove(index);
+        self.order.retain(|&ordered| ordered != position);
+    }
+
     fn on_evict(&mut self, index: usize) {
         let position = self.cache.remove(index);
         if self.order.is_empty() {

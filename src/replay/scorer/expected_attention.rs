@@ -96,7 +96,9 @@ impl ScoreState for State {
             layer.rope_theta.expect("the engine checks the trace's rope_theta"),
             layer.q.shape()[2],
         );
-        let future = cache.len()..cache.len() + settings.n_future_positions;
+        // kvpress's `q_len`: the position after the newest (the cache's length on a global layer).
+        let next = cache.last().map_or(0, |&newest| newest + 1);
+        let future = next..next + settings.n_future_positions;
         let (cos, sin) = rotary.mean_over(future);
         let keys = layer.keys(self.kv_head);
         let scored = &cache[sinks..];

@@ -99,6 +99,11 @@ pub trait ScoreState: dyn_clone::DynClone + Send {
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>);
     /// Entry `index` of the cache has been evicted.
     fn on_evict(&mut self, _index: usize) {}
+    /// Entry `index` (the oldest) has slid out of a sliding-window layer's attention window, before
+    /// the next token is appended: not the policy's choice, and no scores were asked for it.
+    fn on_slide_out(&mut self, index: usize) {
+        self.on_evict(index);
+    }
     /// Every entry `i` with `kept[i] == false` has been evicted at once (the cut at the end of the
     /// prompt); states that keep one value per entry override it to drop them in one pass.
     fn on_cut(&mut self, kept: &[bool]) {
@@ -327,6 +332,7 @@ pub(crate) mod testing {
             scale: 1.0,
             softcap: None,
             rope_theta: None,
+            window: 0,
         }
     }
 
