@@ -12,7 +12,7 @@ mod common;
 use kvreplay::live::LiveSession;
 use kvreplay::model::{CausalLm, Gemma3, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
-use kvreplay::replay::{PolicyParams, Timing};
+use kvreplay::replay::{Layers, PolicyParams, Timing};
 use std::io::Write;
 use std::path::PathBuf;
 use std::process::{Command, Stdio};
@@ -185,8 +185,25 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
         budget: 32,
         ..PolicyParams::default()
     };
+    // Every layer compressed: streaming with room for everything (its sliding layers' caches
+    // still drop what leaves their window), and TOVA at 32 tokens in every layer.
+    let everything_streamed = PolicyParams {
+        scorer: "recency".into(),
+        timing: Timing::Streaming,
+        layers: Layers::All,
+        ..everything.clone()
+    };
+    let compressed_all = PolicyParams {
+        layers: Layers::All,
+        ..compressed.clone()
+    };
     let reports = session
-        .run_many(&[everything.check().unwrap(), compressed.check().unwrap()])
+        .run_many(&[
+            everything.check().unwrap(),
+            compressed.check().unwrap(),
+            everything_streamed.check().unwrap(),
+            compressed_all.check().unwrap(),
+        ])
         .unwrap();
     let (all, tova) = (&reports[0], &reports[1]);
     eprintln!(
@@ -205,4 +222,29 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
     assert_eq!(layers, vec![5, 11, 17]);
     assert_eq!(tova.live_layers.len(), 3);
     assert!(tova.kl > 0.0 && tova.open_loop.metric("retained_mass").unwrap() < 1.0);
+    // Under `layers = all` a stream with room for everything is the full run (the masked
+    // attention sums in another order: KL below 1e-6), and TOVA compresses all 18 layers; layer
+    // 0's live vectors cannot drift, so its live mass is the open-loop replay's (the same kept
+    // sets from the same windowed streams; 1e-5 for the recording's arithmetic).
+    let (streamed, tova_all) = (&reports[2], &reports[3]);
+    assert_eq!(streamed.text, streamed.full_text);
+    assert!(
+        streamed.steps.iter().all(|s| s.kl < 1e-6 && s.top1),
+        "{:?}",
+        streamed.steps
+    );
+    let layers: Vec<usize> = tova_all.open_loop.layers.iter().map(|l| l.layer).collect();
+    assert_eq!(layers, (0..18).collect::<Vec<_>>());
+    assert_eq!(tova_all.live_layers.len(), 18);
+    let open_first = tova_all.open_loop.layers[0].metrics["retained_mass"];
+    assert!(
+        (tova_all.live_layers[0] - open_first).abs() < 1e-5,
+        "{} vs {open_first}",
+        tova_all.live_layers[0]
+    );
+    assert!(
+        open_first < 1.0 - 1e-3,
+        "a sliding layer at 32 tokens loses mass: {open_first}"
+    );
+    assert!(tova_all.open_loop.kv_entries < tova.open_loop.kv_entries);
 }

@@ -229,8 +229,15 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
     for (name, policy) in &policies {
         let budgets = vec![policy.params().budget; config.n_layers];
         let thetas = vec![Some(config.rope_theta); config.n_layers];
+        let windows = vec![0; config.n_layers];
         let capacity = ids.len() + STEPS + 1;
-        let mut streams = LiveStreams::new(policy, (budgets, thetas), shape, ids.len(), capacity);
+        let mut streams = LiveStreams::new(
+            policy,
+            (budgets, thetas, windows),
+            shape,
+            ids.len(),
+            capacity,
+        );
         let (prefill, decode) = timed(Some(&mut streams))?;
         runs.push((format!("`{name}` preset, B = 128"), prefill, decode));
     }

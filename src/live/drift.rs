@@ -1,5 +1,5 @@
 //! The live attention itself: how much of each live query's attention over the whole live cache
-//! falls on what the policy let it attend to. Beside the open-loop retained mass of the same
+//! (a sliding-window layer's window) falls on what the policy let it attend to. Beside the open-loop retained mass of the same
 //! layer (the full run's queries over the full run's keys) it shows, layer by layer, how far the
 //! model's own vectors drift once tokens are gone.
 
@@ -14,6 +14,8 @@ pub(crate) struct LiveMass<M> {
     scale: f32,
     softcap: Option<f32>,
     group: usize,
+    /// Per layer, its attention window (0: global).
+    windows: Vec<usize>,
     /// Per layer, per KV head, the live keys so far, row after row.
     keys: Vec<Vec<Vec<f32>>>,
     /// Per layer: the kept share summed over measured rows and heads, and their count.
@@ -22,12 +24,12 @@ pub(crate) struct LiveMass<M> {
 
 impl<M> LiveMass<M> {
     /// Measures `inner` from a model whose cache is `cache` (its keys are the live keys so far)
-    /// on its layers `layers` (numbered 0.. among themselves, as `inner` numbers them), with
-    /// `group` query heads per KV head.
+    /// on its layers `layers` (numbered 0.. among themselves, as `inner` numbers them) of
+    /// attention windows `windows` (0: global), with `group` query heads per KV head.
     pub fn new(
         inner: M,
         cache: &KvCache,
-        layers: &[usize],
+        (layers, windows): (&[usize], Vec<usize>),
         group: usize,
         scale: f32,
         softcap: Option<f32>,
@@ -47,6 +49,7 @@ impl<M> LiveMass<M> {
             scale,
             softcap,
             group,
+            windows,
             keys,
             sums: vec![(0.0, 0); layers.len()],
         })
@@ -86,13 +89,17 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
                 .expect("one row per position");
             for row in 0..n {
                 let position = chunk.past + row;
-                let everything: Vec<usize> = (0..=position).collect();
+                let first = match self.windows[layer] {
+                    0 => 0,
+                    window => (position + 1).saturating_sub(window),
+                };
+                let everything: Vec<usize> = (first..=position).collect();
                 let query = chunk.q.slice(ndarray::s![head, row, ..]);
                 let weights = attend_positions(query, keys, &everything, self.scale, self.softcap);
                 let kept: f64 = match &mask {
                     None => 1.0,
                     Some(mask) => {
-                        let line = &mask[(head * n + row) * total..][..=position];
+                        let line = &mask[(head * n + row) * total..][first..=position];
                         weights
                             .iter()
                             .zip(line)
@@ -109,21 +116,22 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
     }
 }
 
-/// A policy's masks on the model's global layers only, numbered 0.. among them as the replay
-/// numbers its budgets and kept sets; sliding-window layers attend over their window, as the
-/// model's forward pass masks them.
+/// A policy's masks on the model layers it compresses only (a hybrid model's global layers, or
+/// every layer under `layers = all`), numbered 0.. among them as the replay numbers its budgets
+/// and kept sets; the other layers attend over their window, as the model's forward pass masks
+/// them (and a compressed sliding-window layer over what its mask keeps inside its window).
 #[derive(Clone)]
-pub(crate) struct GlobalLayers<M> {
+pub(crate) struct CompressedLayers<M> {
     inner: M,
-    /// Per model layer, its index among the global layers.
+    /// Per model layer, its index among the compressed layers.
     index: Vec<Option<usize>>,
 }
 
-impl<M> GlobalLayers<M> {
-    /// `inner` on layers `global` of a model of `n_layers` layers.
-    pub fn new(inner: M, global: &[usize], n_layers: usize) -> Self {
+impl<M> CompressedLayers<M> {
+    /// `inner` on layers `compressed` of a model of `n_layers` layers.
+    pub fn new(inner: M, compressed: &[usize], n_layers: usize) -> Self {
         let mut index = vec![None; n_layers];
-        for (position, &layer) in global.iter().enumerate() {
+        for (position, &layer) in compressed.iter().enumerate() {
             index[layer] = Some(position);
         }
         Self { inner, index }
@@ -140,14 +148,14 @@ impl<M> GlobalLayers<M> {
     }
 }
 
-impl<M: AttentionMask> AttentionMask for GlobalLayers<M> {
+impl<M: AttentionMask> AttentionMask for CompressedLayers<M> {
     fn layer_mask(
         &mut self,
         layer: usize,
         chunk: &ChunkVectors<'_>,
     ) -> Result<Option<Vec<f32>>, ModelError> {
         match self.index[layer] {
-            Some(global) => self.inner.layer_mask(global, chunk),
+            Some(compressed) => self.inner.layer_mask(compressed, chunk),
             None => Ok(None),
         }
     }

@@ -41,10 +41,11 @@ use crate::capture::{write_recording, CaptureError, CaptureOptions};
 use crate::model::{argmax, AttentionMask, CausalLm, Evicted, KvCache, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
-    layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing, ValidPolicy,
+    compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing,
+    ValidPolicy,
 };
 use crate::trace::{StorageDtype, TraceReader};
-use drift::{GlobalLayers, LiveMass};
+use drift::{CompressedLayers, LiveMass};
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -322,18 +323,19 @@ impl<'m> LiveSession<'m> {
             softcap: meta.softcap,
         };
         let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
-        let global = meta.global_layers();
+        let compressed = compressed_layers(meta, policy);
         let budgets = layer_budgets(&self.trace, policy)?;
-        let budgets = global.iter().map(|&layer| budgets[layer]).collect();
-        let rope_thetas = global.iter().map(|&l| meta.rope_theta_of(l)).collect();
+        let budgets = compressed.iter().map(|&layer| budgets[layer]).collect();
+        let rope_thetas = compressed.iter().map(|&l| meta.rope_theta_of(l)).collect();
+        let windows = compressed.iter().map(|&l| meta.window(l)).collect();
         let streams = LiveStreams::new(
             policy,
-            (budgets, rope_thetas),
+            (budgets, rope_thetas, windows),
             shape,
             meta.prompt_len,
             capacity,
         );
-        let mut streams = GlobalLayers::new(streams, &global, meta.n_layers);
+        let mut streams = CompressedLayers::new(streams, &compressed, meta.n_layers);
         let mut cache = KvCache::default();
         let mut logits = Vec::new();
         for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
@@ -356,17 +358,18 @@ impl<'m> LiveSession<'m> {
     ) -> Result<LiveReport, LiveError> {
         let (model, full) = (self.model, &self.full);
         let meta = self.trace.meta();
-        let global = meta.global_layers();
-        let mut free = GlobalLayers::new(mask.clone(), &global, meta.n_layers);
+        let compressed = compressed_layers(meta, policy);
+        let mut free = CompressedLayers::new(mask.clone(), &compressed, meta.n_layers);
+        let windows = compressed.iter().map(|&l| meta.window(l)).collect();
         let measured = LiveMass::new(
             mask,
             &cache,
-            &global,
+            (&compressed, windows),
             meta.n_heads / meta.n_kv_heads,
             meta.scale,
             meta.softcap,
         )?;
-        let mut measured = GlobalLayers::new(measured, &global, meta.n_layers);
+        let mut measured = CompressedLayers::new(measured, &compressed, meta.n_layers);
         let mut steps = Vec::with_capacity(full.tokens.len());
         if policy.params().timing == Timing::Streaming {
             steps.push(compare_step(

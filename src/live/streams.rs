@@ -44,17 +44,19 @@ pub(crate) struct LiveStreams<'p> {
     budgets: Vec<usize>,
     /// Each layer's rotary base, when the trace gives one.
     rope_thetas: Vec<Option<f32>>,
+    /// Each layer's attention window (0: global).
+    windows: Vec<usize>,
     shape: AttentionShape,
     prompt_len: usize,
     layers: Vec<LiveLayer>,
 }
 
 impl<'p> LiveStreams<'p> {
-    /// `policy` with each layer's budget and rotary base, for a prompt of `prompt_len` tokens and
-    /// at most `capacity` positions in all.
+    /// `policy` with each layer's budget, rotary base and attention window, for a prompt of
+    /// `prompt_len` tokens and at most `capacity` positions in all.
     pub fn new(
         policy: &'p ValidPolicy,
-        (budgets, rope_thetas): (Vec<usize>, Vec<Option<f32>>),
+        (budgets, rope_thetas, windows): (Vec<usize>, Vec<Option<f32>>, Vec<usize>),
         shape: AttentionShape,
         prompt_len: usize,
         capacity: usize,
@@ -71,6 +73,7 @@ impl<'p> LiveStreams<'p> {
             layers: budgets.iter().map(|_| layer()).collect(),
             budgets,
             rope_thetas,
+            windows,
             shape,
             prompt_len,
         }
@@ -117,7 +120,7 @@ impl AttentionMask for LiveStreams<'_> {
             scale: shape.scale,
             softcap: shape.softcap,
             rope_theta: self.rope_thetas[layer],
-            window: 0,
+            window: self.windows[layer],
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

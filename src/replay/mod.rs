@@ -31,7 +31,8 @@ mod timing;
 pub use allocator::Rounding;
 pub(crate) use engine::units;
 pub use engine::{
-    context, kept_sets, layer_budgets, replay, replay_keeping, replay_many, LayerDone, ReplayReport,
+    compressed_layers, context, kept_sets, layer_budgets, replay, replay_keeping, replay_many,
+    LayerDone, ReplayReport,
 };
 pub use error::PolicyError;
 pub(crate) use kept::selection_groups;
