@@ -112,6 +112,53 @@ fn csv_per_layer_rows() {
     assert_eq!(lines.len(), 3);
 }
 
+/// `--layers all` on a trace whose first layer slides over 6 positions: one CSV row per layer
+/// instead of the global layer's alone; a value that is not a choice exits 2 naming them.
+#[test]
+fn layers_all_compresses_the_sliding_window_layers_too() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let mut meta = common::meta(shape);
+    meta.windows = vec![6, 0];
+    let t = shape.prompt_len + shape.generated;
+    let mut writer = kvreplay::trace::TraceWriter::new(
+        meta,
+        kvreplay::trace::StorageDtype::F32,
+        (0..t as i64).collect(),
+    );
+    for (q, k, v) in common::tensors(shape, 7) {
+        writer.push_layer(q, k, Some(v));
+    }
+    writer
+        .write(&dir.path().join("hybrid.safetensors"))
+        .unwrap();
+    let rows = |layers: &str| {
+        let out = stdout(kvreplay(&dir).args([
+            "replay",
+            "hybrid.safetensors",
+            "--budget",
+            "4",
+            "--window",
+            "2",
+            "--layers",
+            layers,
+            "--format",
+            "csv",
+        ]));
+        out.lines()
+            .skip(1)
+            .map(|line| line.split(',').nth(1).unwrap().to_owned())
+            .collect::<Vec<String>>()
+    };
+    assert_eq!(rows("global"), vec!["1"]);
+    assert_eq!(rows("all"), vec!["0", "1"]);
+    kvreplay(&dir)
+        .args(["replay", "hybrid.safetensors", "--layers", "sliding"])
+        .assert()
+        .code(2)
+        .stderr(contains("[possible values: global, all]"));
+}
+
 #[test]
 fn unknown_names_list_the_valid_ones() {
     let dir = fixture();

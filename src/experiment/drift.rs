@@ -45,14 +45,19 @@ fn paired(run: &StoredRun) -> Option<Paired<'_>> {
 /// The drift section and its figure (`drift.png`, `drift.svg`: mean live − open-loop retained
 /// mass per layer, one line per policy); empty when no run has its live mass. Runs measure the
 /// compressed layers only: `layers` gives their numbers in the model when that is not every layer
-/// (a hybrid model's global layers), so tables and figures name the model's layers.
+/// (a hybrid model's global layers), so tables and figures name the model's layers; a run that
+/// compressed other layers (`layers = all`) is left out of the section.
 pub(crate) fn section(
     names: &[String],
     runs: &[StoredRun],
     layers: Option<&[usize]>,
     files: &FigureFiles<'_>,
 ) -> Result<(String, Vec<PathBuf>), SweepError> {
-    let pairs: Vec<Paired> = runs.iter().filter_map(paired).collect();
+    let pairs: Vec<Paired> = runs
+        .iter()
+        .filter_map(paired)
+        .filter(|pair| layers.is_none_or(|layers| pair.drift.len() == layers.len()))
+        .collect();
     if pairs.is_empty() {
         return Ok((String::new(), Vec::new()));
     }

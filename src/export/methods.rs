@@ -2,15 +2,17 @@
 //! source, straight from the registries, and the presets built on them.
 
 use crate::replay::settings::{self, Method};
-use crate::replay::{allocator, head_split, presets, scorer, Timing};
+use crate::replay::{allocator, head_split, presets, scorer, Layers, Timing, COMMON_KEYS};
 use std::fmt::Write;
 
 /// The listing, as Markdown.
 pub fn methods_markdown() -> String {
-    let mut out = String::from(
-        "# Methods\n\nEvery policy has the common settings `allocator`, `scorer`, `heads`, `timing`, \
-         `order`, `budget`, `sinks`, `window`, `gqa` and `top_k`; each chosen method adds its own, listed \
-         below with their defaults. A setting that none of the chosen methods takes is an error.\n",
+    let common: Vec<String> = COMMON_KEYS.iter().map(|key| format!("`{key}`")).collect();
+    let mut out = format!(
+        "# Methods\n\nEvery policy has the common settings {}; each chosen method adds its own, \
+         listed below with their defaults. A setting that none of the chosen methods takes is an \
+         error.\n",
+        common.join(", ")
     );
     axis(
         &mut out,
@@ -30,6 +32,10 @@ pub fn methods_markdown() -> String {
     out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
     for timing in Timing::ALL {
         let _ = writeln!(out, "- `{}`: {}", timing.name(), timing_about(timing));
+    }
+    out += "\n## Layers (`layers`): which layers a budget compresses on a hybrid model\n\n";
+    for layers in [Layers::Global, Layers::All] {
+        let _ = writeln!(out, "- `{}`: {}", layers.name(), layers_about(layers));
     }
     out += "\n## Presets (`preset`, `kvreplay compare --presets`)\n\n";
     for name in presets::NAMES {
@@ -63,6 +69,17 @@ pub fn methods_markdown() -> String {
         );
     }
     out
+}
+
+fn layers_about(layers: Layers) -> &'static str {
+    match layers {
+        Layers::Global => {
+            "the global layers (the default); a sliding-window layer keeps its window and is not measured"
+        }
+        Layers::All => {
+            "every layer; a sliding-window layer's scorer, cache and reference attention stay inside its window, and allocators spread the budget over all layers"
+        }
+    }
 }
 
 fn timing_about(timing: Timing) -> &'static str {
