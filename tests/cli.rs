@@ -118,20 +118,12 @@ fn csv_per_layer_rows() {
 fn layers_all_compresses_the_sliding_window_layers_too() {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape::default();
-    let mut meta = common::meta(shape);
-    meta.windows = vec![6, 0];
-    let t = shape.prompt_len + shape.generated;
-    let mut writer = kvreplay::trace::TraceWriter::new(
-        meta,
-        kvreplay::trace::StorageDtype::F32,
-        (0..t as i64).collect(),
+    common::write_windowed(
+        &dir.path().join("hybrid.safetensors"),
+        shape,
+        &common::tensors(shape, 7),
+        vec![6, 0],
     );
-    for (q, k, v) in common::tensors(shape, 7) {
-        writer.push_layer(q, k, Some(v));
-    }
-    writer
-        .write(&dir.path().join("hybrid.safetensors"))
-        .unwrap();
     let rows = |layers: &str| {
         let out = stdout(kvreplay(&dir).args([
             "replay",

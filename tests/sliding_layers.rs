@@ -10,26 +10,19 @@ use kvreplay::replay::{
     kept_sets, layer_budgets, replay, scorer, settings, Layers, PolicyError, PolicyParams, Timing,
     UnitKept,
 };
-use kvreplay::trace::{StorageDtype, TraceReader, TraceWriter};
+use kvreplay::trace::TraceReader;
 use ndarray::Array3;
 
 type Tensors = Vec<(Array3<f32>, Array3<f32>, Array3<f32>)>;
 
-/// Writes `layers` with attention windows `windows` (empty: every layer global).
+/// Writes `layers` with attention windows `windows` (empty: every layer global) and opens it.
 fn write(
     path: &std::path::Path,
     shape: Shape,
     layers: &Tensors,
     windows: Vec<usize>,
 ) -> TraceReader {
-    let mut meta = common::meta(shape);
-    meta.windows = windows;
-    let t = shape.prompt_len + shape.generated;
-    let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
-    for (q, k, v) in layers {
-        writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
-    }
-    writer.write(path).unwrap();
+    common::write_windowed(path, shape, layers, windows);
     TraceReader::open(path).unwrap()
 }
 

@@ -147,6 +147,24 @@ pub fn write_fixture(
     layers
 }
 
+/// Writes `layers` (f32, values included) as a trace of `shape` whose layers have attention
+/// windows `windows` (empty: every layer global).
+pub fn write_windowed(
+    path: &Path,
+    shape: Shape,
+    layers: &[(Array3<f32>, Array3<f32>, Array3<f32>)],
+    windows: Vec<usize>,
+) {
+    let mut meta = meta(shape);
+    meta.windows = windows;
+    let t = shape.prompt_len + shape.generated;
+    let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
+    for (q, k, v) in layers {
+        writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
+    }
+    writer.write(path).expect("fixture writes");
+}
+
 /// A Python with torch, transformers and gguf (`$KVREPLAY_HF_PYTHON`, or a venv made once in
 /// `$KVREPLAY_HOME/hf-venv` from `traces/requirements-hf.txt`, ~3 GB): the Python capture and the
 /// transcriptions of official code in `tests/reference/` run in it.
