@@ -56,7 +56,7 @@ pub fn kind(window: usize) -> String {
 }
 
 /// The layers' attention kinds in words: `global` when every layer is, else which layers slide
-/// over which window and which are global (the ones policies compress).
+/// over which window and which are global (the ones a policy compresses by default).
 pub fn layer_kinds(meta: &TraceMeta) -> String {
     let global = meta.global_layers();
     if global.len() == meta.n_layers {
@@ -78,7 +78,7 @@ pub fn layer_kinds(meta: &TraceMeta) -> String {
         })
         .collect();
     parts.push(format!(
-        "global (compressed by policies): layers {}",
+        "global (the layers a policy compresses unless `layers = all`): layers {}",
         if global.is_empty() {
             "none".into()
         } else {
@@ -129,7 +129,7 @@ mod tests {
         meta.windows = vec![512, 512, 512, 0, 512, 0, 64];
         assert_eq!(
             layer_kinds(&meta),
-            "sliding window 64: layers 6; sliding window 512: layers 0-2, 4; global (compressed by policies): layers 3, 5"
+            "sliding window 64: layers 6; sliding window 512: layers 0-2, 4; global (the layers a policy compresses unless `layers = all`): layers 3, 5"
         );
     }
 }
