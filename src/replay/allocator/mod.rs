@@ -26,8 +26,10 @@ pub use pyramid::Rounding;
 /// What an allocator may base its decision on.
 #[derive(Debug, Clone)]
 pub struct AllocationInput<'a> {
-    /// The layers it allocates: the trace's global layers, in depth order (sliding-window layers
-    /// keep their window and are not given to allocators).
+    /// The layers it allocates, in depth order: the trace's global layers (sliding-window layers
+    /// keep their window and are not given to allocators), or every layer under `layers = all`
+    /// (a sliding layer's profile and mass curve then come from its windowed attention; no
+    /// allocator treats it otherwise, and a budget beyond its window keeps the window).
     pub n_layers: usize,
     /// Nominal budget per cache.
     pub budget: usize,
