@@ -166,8 +166,11 @@ fn replay_pass(
         .collect();
     for layer in 0..meta.n_layers {
         // The policies that compress this layer, by index.
-        let here: Vec<usize> = (0..policies.len())
-            .filter(|&index| compressed[index].contains(&layer))
+        let here: Vec<usize> = compressed
+            .iter()
+            .enumerate()
+            .filter(|(_, layers)| layers.contains(&layer))
+            .map(|(index, _)| index)
             .collect();
         if here.is_empty() {
             continue;
@@ -224,7 +227,7 @@ fn measure_layer(
     let tasks: Vec<(&str, usize, usize)> = first_with_key
         .into_iter()
         .flat_map(|(key, index)| {
-            let groups = selection_groups(&units[index], &policies[index]).len();
+            let groups = selection_groups(&units[index], policies[index]).len();
             (0..groups).map(move |group| (key, index, group))
         })
         .collect();
@@ -281,7 +284,7 @@ fn measure_layer(
                 .filter(|unit| unit.kv_head == kv_head)
                 .map(|unit| {
                     let group = std::slice::from_ref(unit);
-                    let unit_kept = per_step_kept(layer, group, budgets[index], &policies[index]);
+                    let unit_kept = per_step_kept(layer, group, budgets[index], policies[index]);
                     (unit, Cow::Owned(unit_kept), budgets[index])
                 })
                 .collect(),
@@ -388,7 +391,7 @@ fn reselect_families<'u>(
             let mut kept: Vec<Vec<(&Unit, UnitKept)>> = vec![Vec::new(); members.len()];
             for unit in units[first].iter().filter(|unit| unit.kv_head == kv_head) {
                 let group = std::slice::from_ref(unit);
-                let sets = reselected_kept(layer, group, &member_budgets, &policies[first]);
+                let sets = reselected_kept(layer, group, &member_budgets, policies[first]);
                 for (slot, set) in kept.iter_mut().zip(sets) {
                     slot.push((unit, set));
                 }
