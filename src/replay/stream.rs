@@ -237,7 +237,7 @@ impl CacheStream {
         report: bool,
     ) -> Option<Attended> {
         if position < self.prompt_len || !report {
-            return report.then_some(Attended::Prefix);
+            return report.then(|| self.whole_cache(position));
         }
         self.state.scores(layer, &self.cache, &mut self.scores);
         let limit = match self.timing {
