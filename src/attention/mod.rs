@@ -10,6 +10,15 @@ pub use softmax::{softmax, softmax_in_place, softmax_into};
 
 use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayView3};
 
+/// The first key a query at `position` attends to in a layer of attention window `window` (keys
+/// `position + 1 - window..=position`; 0: every key, a global layer).
+pub fn first_visible(position: usize, window: usize) -> usize {
+    match window {
+        0 => 0,
+        window => (position + 1).saturating_sub(window),
+    }
+}
+
 /// Logits of one query against rows of `keys`: `scale * q·k_j`, soft-capped when asked
 /// (`softcap * tanh(x / softcap)`, Gemma-2's rule).
 pub fn logits(
@@ -313,11 +322,7 @@ pub fn decode_attention(
         for (step, mut row) in rows.outer_iter_mut().enumerate() {
             let row = row.as_slice_mut().expect("standard layout");
             let (seen, future) = row.split_at_mut(prompt_len + step + 1);
-            let first = match window {
-                0 => 0,
-                window => seen.len().saturating_sub(window),
-            };
-            let (slid_out, visible) = seen.split_at_mut(first);
+            let (slid_out, visible) = seen.split_at_mut(first_visible(prompt_len + step, window));
             slid_out.fill(0.0);
             if let Some(cap) = softcap {
                 for logit in visible.iter_mut() {

@@ -1,9 +1,9 @@
 //! The live attention itself: how much of each live query's attention over the whole live cache
-//! (a sliding-window layer's window) falls on what the policy let it attend to. Beside the open-loop retained mass of the same
-//! layer (the full run's queries over the full run's keys) it shows, layer by layer, how far the
-//! model's own vectors drift once tokens are gone.
+//! (a sliding-window layer's window) falls on what the policy let it attend to. Beside the
+//! open-loop retained mass of the same layer (the full run's queries over the full run's keys) it
+//! shows, layer by layer, how far the model's own vectors drift once tokens are gone.
 
-use crate::attention::attend_positions;
+use crate::attention::{attend_positions, first_visible};
 use crate::model::{AttentionMask, ChunkVectors, KvCache, ModelError};
 
 /// Wraps a policy's mask and adds up per layer the share of each live query head's full causal
@@ -89,10 +89,7 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
                 .expect("one row per position");
             for row in 0..n {
                 let position = chunk.past + row;
-                let first = match self.windows[layer] {
-                    0 => 0,
-                    window => (position + 1).saturating_sub(window),
-                };
+                let first = first_visible(position, self.windows[layer]);
                 let everything: Vec<usize> = (first..=position).collect();
                 let query = chunk.q.slice(ndarray::s![head, row, ..]);
                 let weights = attend_positions(query, keys, &everything, self.scale, self.softcap);

@@ -66,10 +66,7 @@ impl<'a> LayerContext<'a> {
 
     /// The first key the query at `position` attends to: 0 on a global layer.
     pub fn first_visible(&self, position: usize) -> usize {
-        match self.window {
-            0 => 0,
-            window => (position + 1).saturating_sub(window),
-        }
+        crate::attention::first_visible(position, self.window)
     }
 
     /// The positions a whole cache holds at the prompt's end: the prompt, or on a sliding-window
