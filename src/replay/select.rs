@@ -60,41 +60,9 @@ pub(crate) fn ranked_head(
     n: usize,
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
-    let keep_first = keep_first(positions, scores, is_protected);
-    let mut order = first_indices(positions, n, &keep_first);
-    order.sort_unstable_by(&keep_first);
-    order.into_iter().map(|index| positions[index]).collect()
-}
-
-/// The ranking's order on indices into `positions`: protected first, then the higher score, then
-/// the lower position.
-fn keep_first<'a>(
-    positions: &'a [usize],
-    scores: &'a [f32],
-    is_protected: impl Fn(usize) -> bool + 'a,
-) -> impl Fn(&usize, &usize) -> std::cmp::Ordering + 'a {
-    move |&a: &usize, &b: &usize| {
-        let (pa, pb) = (positions[a], positions[b]);
-        is_protected(pb)
-            .cmp(&is_protected(pa))
-            .then_with(|| scores[b].total_cmp(&scores[a]))
-            .then_with(|| pa.cmp(&pb))
-    }
-}
-
-/// The indices of the first `n` of `positions` under `keep_first`, unordered.
-fn first_indices(
-    positions: &[usize],
-    n: usize,
-    keep_first: impl FnMut(&usize, &usize) -> std::cmp::Ordering,
-) -> Vec<usize> {
-    let mut order: Vec<usize> = (0..positions.len()).collect();
-    let n = n.min(order.len());
-    if n < order.len() {
-        order.select_nth_unstable_by(n, keep_first);
-        order.truncate(n);
-    }
-    order
+    let mut keys = first_keys(positions, scores, n, is_protected);
+    keys.sort_unstable();
+    keys.into_iter().map(position_of).collect()
 }
 
 /// The `budget` positions to keep (sorted): protected ones, then the best scores.
@@ -105,13 +73,57 @@ pub(crate) fn select_top(
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
     // The partial selection alone: its head need not be ranked, only sorted by position.
-    let keep_first = keep_first(positions, scores, is_protected);
-    let mut kept: Vec<usize> = first_indices(positions, budget, &keep_first)
+    let mut kept: Vec<usize> = first_keys(positions, scores, budget, is_protected)
         .into_iter()
-        .map(|index| positions[index])
+        .map(position_of)
         .collect();
     kept.sort_unstable();
     kept
+}
+
+/// The [`rank_key`]s of the first `n` of `positions` in the ranking's order, unordered.
+fn first_keys(
+    positions: &[usize],
+    scores: &[f32],
+    n: usize,
+    is_protected: impl Fn(usize) -> bool,
+) -> Vec<u64> {
+    let mut keys: Vec<u64> = positions
+        .iter()
+        .zip(scores)
+        .map(|(&position, &score)| rank_key(is_protected(position), score, position))
+        .collect();
+    let n = n.min(keys.len());
+    if n < keys.len() {
+        keys.select_nth_unstable(n);
+        keys.truncate(n);
+    }
+    keys
+}
+
+/// Bits of a position in a [`rank_key`].
+const POSITION_BITS: u32 = 31;
+
+/// A key whose ascending order is the ranking's: protected first, then the higher score (in
+/// `f32::total_cmp`'s order), then the lower position. One integer comparison instead of three.
+fn rank_key(protected: bool, score: f32, position: usize) -> u64 {
+    assert!(
+        position < 1 << POSITION_BITS,
+        "position {position} beyond a rank key"
+    );
+    let bits = score.to_bits();
+    // Unsigned order = total_cmp order: negatives reversed below the positives.
+    let ordered = if bits >> 31 == 1 {
+        !bits
+    } else {
+        bits | 1 << 31
+    };
+    (u64::from(!protected) << 63) | (u64::from(!ordered) << POSITION_BITS) | position as u64
+}
+
+/// The position a [`rank_key`] carries.
+fn position_of(key: u64) -> usize {
+    (key & ((1 << POSITION_BITS) - 1)) as usize
 }
 
 /// The cache entry to evict: the lowest score outside the entries `protect` covers (positions
@@ -131,6 +143,7 @@ pub(crate) fn victim(cache: &[usize], scores: &[f32], protect: Protection) -> Op
 #[cfg(test)]
 mod tests {
     use super::*;
+    use proptest::prelude::*;
 
     #[test]
     fn protected_first_then_scores_then_lower_position() {
@@ -149,6 +162,37 @@ mod tests {
                 ranked_head(&positions, &scores, n, |p| p == 0),
                 vec![0, 4, 1, 3, 2][..n.min(5)]
             );
+        }
+    }
+
+    /// A few scores of every kind `total_cmp` orders: signed zeros, infinities, NaNs, ties.
+    fn score() -> impl Strategy<Value = f32> {
+        prop_oneof![
+            any::<f32>(),
+            prop::sample::select(vec![
+                0.0,
+                -0.0,
+                1.0,
+                -1.0,
+                f32::INFINITY,
+                f32::NEG_INFINITY,
+                f32::NAN,
+                -f32::NAN,
+                f32::MIN_POSITIVE,
+            ]),
+        ]
+    }
+
+    proptest! {
+        #[test]
+        fn rank_keys_order_entries_as_the_ranking_rule_does(
+            a in (any::<bool>(), score(), 0usize..1 << 31),
+            b in (any::<bool>(), score(), 0usize..1 << 31),
+        ) {
+            // The rule spelled out: protected first, then the higher score, then the lower position.
+            let rule = b.0.cmp(&a.0).then(b.1.total_cmp(&a.1)).then(a.2.cmp(&b.2));
+            prop_assert_eq!(rank_key(a.0, a.1, a.2).cmp(&rank_key(b.0, b.1, b.2)), rule);
+            prop_assert_eq!(position_of(rank_key(a.0, a.1, a.2)), a.2);
         }
     }
 

@@ -1,94 +1,214 @@
-//! The kept set's share of an attention output: for every query head of one cache at one decode
-//! step, `Σ_j p_j v_j` over the kept positions, in f64, summed in kept order. The heads of a cache
-//! read the same value rows, so each row is read once and added to every head's sum; each head's
-//! sums are the same bits as adding its own terms one after another (separate multiply and add,
-//! no fused multiply-add, in the vector code too).
+//! The kept set's share of attention outputs: for every row (a query head at a decode step),
+//! `Σ_j p_j v_j` over the kept positions, in f64, each lane summed in kept order. Rows that read
+//! the same kept set (a cache's heads, and under prefill timing every decode step's copy of the
+//! kept prompt) are summed together, so each value row is read and widened once for all of them,
+//! and several rows' independent sums keep the vector units busy. A product of two f32 numbers is
+//! exact in f64, so a fused multiply-add rounds once as the separate multiply and add do: every
+//! path (AVX-512, AVX2, portable) gives the same bits, and the same bits as adding one row's
+//! terms one after another.
 
 use ndarray::ArrayView2;
 
-/// `[heads × d]`, head-major: `Σ_{j ∈ kept} weights[h][j] · values[j]` for each head `h`.
-pub(super) fn kept_outputs(
+/// Adds `Σ_{j ∈ kept} rows[r][j] · values[j]` to `sums[r·d..(r+1)·d]` for each row `r` (`sums`
+/// row-major, `rows.len() × d`), continuing each lane's sum in kept order.
+pub(super) fn add_kept_outputs(
     kept: &[usize],
-    weights: &[&[f32]],
+    rows: &[&[f32]],
     values: ArrayView2<f32>,
-) -> Vec<f64> {
+    sums: &mut [f64],
+) {
     let d = values.ncols();
-    let mut sums = vec![0.0f64; weights.len() * d];
+    assert_eq!(sums.len(), rows.len() * d, "one sum per row and lane");
     match values.as_slice() {
-        Some(all) => {
-            #[cfg(target_arch = "x86_64")]
-            if std::is_x86_feature_detected!("avx") {
-                // SAFETY: the feature was detected just above.
-                unsafe { add_rows_avx(kept, weights, all, d, &mut sums) };
-                return sums;
-            }
-            add_rows(kept, weights, all, d, &mut sums);
-        }
+        Some(all) => add_rows(kept, rows, all, d, sums),
         None => {
-            for &j in kept {
-                let row: Vec<f32> = values.row(j).to_vec();
-                add_row(j, &row, weights, d, &mut sums);
+            // Not contiguous (a strided view): the contiguous rows it reads, in kept order.
+            let packed: Vec<f32> = kept.iter().flat_map(|&j| values.row(j).to_vec()).collect();
+            let rows_packed: Vec<Vec<f32>> = rows
+                .iter()
+                .map(|row| kept.iter().map(|&j| row[j]).collect())
+                .collect();
+            let rows_packed: Vec<&[f32]> = rows_packed.iter().map(Vec::as_slice).collect();
+            let order: Vec<usize> = (0..kept.len()).collect();
+            add_rows(&order, &rows_packed, &packed, d, sums);
+        }
+    }
+}
+
+/// The fastest path this machine runs.
+fn add_rows(kept: &[usize], rows: &[&[f32]], all: &[f32], d: usize, sums: &mut [f64]) {
+    #[cfg(target_arch = "x86_64")]
+    {
+        if std::is_x86_feature_detected!("avx512f") {
+            // SAFETY: the feature was detected just above.
+            unsafe { x86::add_rows_avx512(kept, rows, all, d, sums) };
+            return;
+        }
+        if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+            // SAFETY: the features were detected just above.
+            unsafe { x86::add_rows_avx2(kept, rows, all, d, sums) };
+            return;
+        }
+    }
+    add_rows_portable(kept, rows, all, d, 0, sums);
+}
+
+/// Lanes `from..d` of every row, one multiply and one add per term.
+fn add_rows_portable(
+    kept: &[usize],
+    rows: &[&[f32]],
+    all: &[f32],
+    d: usize,
+    from: usize,
+    sums: &mut [f64],
+) {
+    if from == d {
+        return;
+    }
+    for (row, row_sums) in rows.iter().zip(sums.chunks_exact_mut(d)) {
+        for &j in kept {
+            let weight = row[j] as f64;
+            let values = &all[j * d + from..(j + 1) * d];
+            for (sum, &v) in row_sums[from..].iter_mut().zip(values) {
+                *sum += weight * v as f64;
             }
         }
     }
-    sums
 }
 
 #[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx")]
-unsafe fn add_rows_avx(
-    kept: &[usize],
-    weights: &[&[f32]],
-    all: &[f32],
-    d: usize,
-    sums: &mut [f64],
-) {
+mod x86 {
+    use super::add_rows_portable;
     use std::arch::x86_64::*;
-    // Per head, 16 lanes at a time held in four registers while the kept rows stream past: each
-    // lane still adds its terms in kept order, and nothing is stored until the rows are done.
-    let blocks = d / 16 * 16;
-    for (head, head_sums) in weights.iter().zip(sums.chunks_exact_mut(d)) {
-        let mut lane = 0;
-        while lane < blocks {
-            // SAFETY: lane + 16 <= blocks <= d, the length of `head_sums` and of every row.
-            unsafe {
-                let target = head_sums.as_mut_ptr().add(lane);
-                let mut acc = [0usize, 4, 8, 12].map(|k| _mm256_loadu_pd(target.add(k)));
-                for &j in kept {
-                    let splat = _mm256_set1_pd(head[j] as f64);
-                    let source = all.as_ptr().add(j * d + lane);
-                    for (k, acc) in acc.iter_mut().enumerate() {
-                        let v = _mm256_cvtps_pd(_mm_loadu_ps(source.add(4 * k)));
-                        *acc = _mm256_add_pd(*acc, _mm256_mul_pd(splat, v));
+
+    /// Rows summed at once: their accumulators, the widened value lanes and the weights fit the
+    /// 32 registers.
+    const ROWS_512: usize = 4;
+    /// Rows summed at once in the 16 AVX2 registers.
+    const ROWS_256: usize = 2;
+
+    /// 32 lanes (four registers) of `ROWS_512` rows at a time while the kept rows stream past.
+    #[target_feature(enable = "avx512f")]
+    pub(super) unsafe fn add_rows_avx512(
+        kept: &[usize],
+        rows: &[&[f32]],
+        all: &[f32],
+        d: usize,
+        sums: &mut [f64],
+    ) {
+        let blocks = d / 32 * 32;
+        for (chunk, chunk_sums) in rows.chunks(ROWS_512).zip(sums.chunks_mut(ROWS_512 * d)) {
+            for lane in (0..blocks).step_by(32) {
+                // SAFETY: lane + 32 <= d for every row; the caller checked avx512f.
+                unsafe {
+                    match chunk.len() {
+                        4 => block_512::<4>(kept, chunk, all, d, lane, chunk_sums),
+                        3 => block_512::<3>(kept, chunk, all, d, lane, chunk_sums),
+                        2 => block_512::<2>(kept, chunk, all, d, lane, chunk_sums),
+                        _ => block_512::<1>(kept, chunk, all, d, lane, chunk_sums),
                     }
                 }
-                for (k, acc) in acc.iter().enumerate() {
-                    _mm256_storeu_pd(target.add(4 * k), *acc);
+            }
+        }
+        add_rows_portable(kept, rows, all, d, blocks, sums);
+    }
+
+    #[target_feature(enable = "avx512f")]
+    unsafe fn block_512<const R: usize>(
+        kept: &[usize],
+        rows: &[&[f32]],
+        all: &[f32],
+        d: usize,
+        lane: usize,
+        sums: &mut [f64],
+    ) {
+        // SAFETY: every row has `lane + 32 <= d` lanes in `sums`, and `all` holds d values for
+        // every kept position (the caller's contract).
+        unsafe {
+            let base = sums.as_mut_ptr();
+            let target = |r: usize, k: usize| base.add(r * d + lane + 8 * k);
+            let mut acc = [[_mm512_setzero_pd(); 4]; R];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm512_loadu_pd(target(r, k));
                 }
             }
-            lane += 16;
-        }
-        for (i, sum) in head_sums.iter_mut().enumerate().skip(blocks) {
             for &j in kept {
-                *sum += head[j] as f64 * all[j * d + i] as f64;
+                let source = all.as_ptr().add(j * d + lane);
+                let v = [0, 1, 2, 3].map(|k| _mm512_cvtps_pd(_mm256_loadu_ps(source.add(8 * k))));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let weight = _mm512_set1_pd(*rows[r].get_unchecked(j) as f64);
+                    for (acc, v) in acc.iter_mut().zip(v) {
+                        *acc = _mm512_fmadd_pd(weight, v, *acc);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (k, acc) in acc.iter().enumerate() {
+                    _mm512_storeu_pd(target(r, k), *acc);
+                }
             }
         }
     }
-}
 
-#[inline(always)]
-fn add_rows(kept: &[usize], weights: &[&[f32]], all: &[f32], d: usize, sums: &mut [f64]) {
-    for &j in kept {
-        add_row(j, &all[j * d..(j + 1) * d], weights, d, sums);
+    /// 16 lanes (four registers) of `ROWS_256` rows at a time while the kept rows stream past.
+    #[target_feature(enable = "avx2,fma")]
+    pub(super) unsafe fn add_rows_avx2(
+        kept: &[usize],
+        rows: &[&[f32]],
+        all: &[f32],
+        d: usize,
+        sums: &mut [f64],
+    ) {
+        let blocks = d / 16 * 16;
+        for (chunk, chunk_sums) in rows.chunks(ROWS_256).zip(sums.chunks_mut(ROWS_256 * d)) {
+            for lane in (0..blocks).step_by(16) {
+                // SAFETY: lane + 16 <= d for every row; the caller checked avx2 and fma.
+                unsafe {
+                    match chunk.len() {
+                        2 => block_256::<2>(kept, chunk, all, d, lane, chunk_sums),
+                        _ => block_256::<1>(kept, chunk, all, d, lane, chunk_sums),
+                    }
+                }
+            }
+        }
+        add_rows_portable(kept, rows, all, d, blocks, sums);
     }
-}
 
-#[inline(always)]
-fn add_row(j: usize, row: &[f32], weights: &[&[f32]], d: usize, sums: &mut [f64]) {
-    for (head, head_sums) in weights.iter().zip(sums.chunks_exact_mut(d)) {
-        let weight = head[j] as f64;
-        for (sum, &v) in head_sums.iter_mut().zip(row) {
-            *sum += weight * v as f64;
+    #[target_feature(enable = "avx2,fma")]
+    unsafe fn block_256<const R: usize>(
+        kept: &[usize],
+        rows: &[&[f32]],
+        all: &[f32],
+        d: usize,
+        lane: usize,
+        sums: &mut [f64],
+    ) {
+        // SAFETY: as in `block_512`, with 16 lanes.
+        unsafe {
+            let base = sums.as_mut_ptr();
+            let target = |r: usize, k: usize| base.add(r * d + lane + 4 * k);
+            let mut acc = [[_mm256_setzero_pd(); 4]; R];
+            for (r, acc) in acc.iter_mut().enumerate() {
+                for (k, acc) in acc.iter_mut().enumerate() {
+                    *acc = _mm256_loadu_pd(target(r, k));
+                }
+            }
+            for &j in kept {
+                let source = all.as_ptr().add(j * d + lane);
+                let v = [0, 1, 2, 3].map(|k| _mm256_cvtps_pd(_mm_loadu_ps(source.add(4 * k))));
+                for (r, acc) in acc.iter_mut().enumerate() {
+                    let weight = _mm256_set1_pd(*rows[r].get_unchecked(j) as f64);
+                    for (acc, v) in acc.iter_mut().zip(v) {
+                        *acc = _mm256_fmadd_pd(weight, v, *acc);
+                    }
+                }
+            }
+            for (r, acc) in acc.iter().enumerate() {
+                for (k, acc) in acc.iter().enumerate() {
+                    _mm256_storeu_pd(target(r, k), *acc);
+                }
+            }
         }
     }
 }
@@ -98,10 +218,16 @@ mod tests {
     use super::*;
     use ndarray::Array2;
 
+    fn kept_outputs(kept: &[usize], rows: &[&[f32]], values: ArrayView2<f32>) -> Vec<f64> {
+        let mut sums = vec![0.0; rows.len() * values.ncols()];
+        add_kept_outputs(kept, rows, values, &mut sums);
+        sums
+    }
+
     #[test]
-    fn each_head_sums_its_own_weighted_rows_in_kept_order() {
-        // Values rows (1, 2), (3, -1), (0.5, 4); kept 2 then 0; head 0 weights (0.1, _, 0.3),
-        // head 1 (0.5, _, 0.25): head 0 = 0.3 (0.5, 4) + 0.1 (1, 2) = (0.25, 1.4); head 1 =
+    fn each_row_sums_its_own_weighted_values_in_kept_order() {
+        // Values rows (1, 2), (3, -1), (0.5, 4); kept 2 then 0; row 0 weights (0.1, _, 0.3),
+        // row 1 (0.5, _, 0.25): row 0 = 0.3 (0.5, 4) + 0.1 (1, 2) = (0.25, 1.4); row 1 =
         // 0.25 (0.5, 4) + 0.5 (1, 2) = (0.625, 2).
         let values = Array2::from_shape_vec((3, 2), vec![1.0, 2.0, 3.0, -1.0, 0.5, 4.0]).unwrap();
         let (h0, h1) = ([0.1f32, 0.9, 0.3], [0.5f32, 0.0, 0.25]);
@@ -113,34 +239,69 @@ mod tests {
             2.0,
         ];
         assert_eq!(sums, expected);
-        // A view that is not contiguous (every other column) takes the same path's arithmetic.
+        // A view that is not contiguous (every other column) takes the same arithmetic.
         let wide = Array2::from_shape_fn(
             (3, 4),
             |(t, c)| if c % 2 == 0 { values[[t, c / 2]] } else { 9.0 },
         );
         let strided = wide.slice(ndarray::s![.., ..;2]);
         assert_eq!(kept_outputs(&[2, 0], &[&h0, &h1], strided), expected);
+        // Continuing a sum over the rest of a kept set is the sum over the whole set.
+        let mut sums = kept_outputs(&[2], &[&h0, &h1], values.view());
+        add_kept_outputs(&[0], &[&h0, &h1], values.view(), &mut sums);
+        assert_eq!(sums, expected);
+    }
+
+    /// Values, rows of weights and a kept set out of position order, for `n_rows` rows of `d`
+    /// lanes.
+    fn case(n_rows: usize, d: usize) -> (Array2<f32>, Vec<Vec<f32>>, Vec<usize>) {
+        let t = 50;
+        let unit = |i: usize| ((i * 2654435761) % 1000) as f32 / 997.0 - 0.5;
+        let values = Array2::from_shape_fn((t, d), |(r, c)| unit(r * d + c) * 3.0);
+        let rows = (0..n_rows)
+            .map(|h| (0..t).map(|j| unit(7 * j + h).abs() / 10.0).collect())
+            .collect();
+        let kept = (0..t).rev().step_by(3).chain([1, 4]).collect();
+        (values, rows, kept)
     }
 
     #[test]
-    fn the_vector_path_matches_the_portable_sums_bit_for_bit() {
-        // 40 lanes: two blocks of 16 and a remainder of 8; 3 heads; kept out of position order.
-        let (t, d) = (50, 40);
-        let unit = |i: usize| ((i * 2654435761) % 1000) as f32 / 997.0 - 0.5;
-        let values = Array2::from_shape_fn((t, d), |(r, c)| unit(r * d + c) * 3.0);
-        let heads: Vec<Vec<f32>> = (0..3)
-            .map(|h| (0..t).map(|j| unit(7 * j + h).abs() / 10.0).collect())
-            .collect();
-        let weights: Vec<&[f32]> = heads.iter().map(Vec::as_slice).collect();
-        let kept: Vec<usize> = (0..t).rev().step_by(3).chain([1, 4]).collect();
-        let mut portable = vec![0.0f64; 3 * d];
-        add_rows(
-            &kept,
-            &weights,
-            values.as_slice().unwrap(),
-            d,
-            &mut portable,
-        );
-        assert_eq!(kept_outputs(&kept, &weights, values.view()), portable);
+    fn every_vector_path_matches_the_portable_sums_bit_for_bit() {
+        // 1 to 7 rows (full and partial row blocks), lanes with and without remainders.
+        for (n_rows, d) in [(1, 64), (3, 40), (7, 72), (4, 256), (2, 8), (5, 100)] {
+            let (values, rows, kept) = case(n_rows, d);
+            let rows: Vec<&[f32]> = rows.iter().map(Vec::as_slice).collect();
+            let all = values.as_slice().unwrap();
+            let mut portable = vec![0.25f64; n_rows * d];
+            let start = portable.clone();
+            add_rows_portable(&kept, &rows, all, d, 0, &mut portable);
+            assert_eq!(kept_outputs_from(&start, &kept, &rows, &values), portable);
+            #[cfg(target_arch = "x86_64")]
+            {
+                if std::is_x86_feature_detected!("avx512f") {
+                    let mut sums = start.clone();
+                    // SAFETY: detected just above.
+                    unsafe { x86::add_rows_avx512(&kept, &rows, all, d, &mut sums) };
+                    assert_eq!(sums, portable, "avx512, {n_rows} rows, d = {d}");
+                }
+                if std::is_x86_feature_detected!("avx2") && std::is_x86_feature_detected!("fma") {
+                    let mut sums = start.clone();
+                    // SAFETY: detected just above.
+                    unsafe { x86::add_rows_avx2(&kept, &rows, all, d, &mut sums) };
+                    assert_eq!(sums, portable, "avx2, {n_rows} rows, d = {d}");
+                }
+            }
+        }
+    }
+
+    fn kept_outputs_from(
+        start: &[f64],
+        kept: &[usize],
+        rows: &[&[f32]],
+        values: &Array2<f32>,
+    ) -> Vec<f64> {
+        let mut sums = start.to_vec();
+        add_kept_outputs(kept, rows, values.view(), &mut sums);
+        sums
     }
 }

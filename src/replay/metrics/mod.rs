@@ -14,10 +14,11 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
+use super::select::ranked_head;
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
 use lost::{Dating, LostMassCounter, LostShare, Regions, WHEN};
-use ndarray::{s, Array3, ArrayView1, Axis};
+use ndarray::{s, Array3, ArrayView1, ArrayView2, Axis};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::collections::BTreeMap;
@@ -168,8 +169,25 @@ fn per_query<T: Send>(
     }
 }
 
-/// Positions per block of the f64 full-output product.
+/// Positions per block of the full outputs' sums.
 const OUTPUT_BLOCK: usize = 64;
+
+/// `o_full` of each row of weights (over every position, those after its query holding 0) into
+/// `out` (`rows × d`, zero): by blocks of [`OUTPUT_BLOCK`] positions, each block summed on its
+/// own (each lane in position order, in f64) and then added to the output — the summation order
+/// of the f64 matrix product that defines the stored results.
+fn full_outputs(rows: &[&[f32]], values: ArrayView2<f32>, out: &mut [f64]) {
+    let mut block_sums = vec![0.0f64; out.len()];
+    for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
+        let end = (start + OUTPUT_BLOCK).min(values.nrows());
+        let positions: Vec<usize> = (start..end).collect();
+        block_sums.fill(0.0);
+        kept_output::add_kept_outputs(&positions, rows, values, &mut block_sums);
+        for (sum, block) in out.iter_mut().zip(&block_sums) {
+            *sum += block;
+        }
+    }
+}
 
 /// What every policy is measured against, for the query heads of one KV group: the full causal
 /// attention of their decode queries, their full-cache attention outputs, and the order of their
@@ -220,15 +238,16 @@ impl DecodeReference {
         let n_steps = attention.dim().1;
         let output = layer.values(kv_head).map(|values| {
             let mut output = Array3::<f64>::zeros((group, n_steps, values.ncols()));
-            // One task per head; by blocks of positions, so the f64 copies stay a few tens of KB
-            // at any T.
+            // One task per head, all its steps at once.
             let head_output = |(head, mut out): (usize, ndarray::ArrayViewMut2<f64>)| {
-                for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
-                    let end = (start + OUTPUT_BLOCK).min(values.nrows());
-                    let block = values.slice(s![start..end, ..]).mapv(f64::from);
-                    let weights = attention.slice(s![head, .., start..end]).mapv(f64::from);
-                    out += &weights.dot(&block);
-                }
+                let rows: Vec<&[f32]> = (0..n_steps)
+                    .map(|step| {
+                        let row = attention.slice(s![head, step, ..]);
+                        row.to_slice().expect("standard layout")
+                    })
+                    .collect();
+                let out = out.as_slice_mut().expect("standard layout");
+                full_outputs(&rows, values, out);
             };
             let heads = output.axis_iter_mut(Axis(0)).enumerate();
             match parallel {
@@ -242,20 +261,10 @@ impl DecodeReference {
             layer.prompt_len,
             parallel,
             |weights, position| {
-                let by_weight =
-                    |a: &usize, b: &usize| weights[*b].total_cmp(&weights[*a]).then(a.cmp(b));
                 // Among the keys the query sees: on a sliding-window layer, its window.
-                let mut order: Vec<usize> =
-                    (layer.first_visible(position)..weights.len()).collect();
-                let k = max_top_k.min(order.len());
-                if k < order.len() {
-                    order.select_nth_unstable_by(k - 1, by_weight);
-                }
-                order.truncate(k);
-                order.sort_by(by_weight);
-                // The k kept, not the capacity of every position.
-                order.shrink_to_fit();
-                order
+                let first = layer.first_visible(position);
+                let visible: Vec<usize> = (first..weights.len()).collect();
+                ranked_head(&visible, &weights[first..], max_top_k, |_| false)
             },
         );
         let value_norms: Option<Vec<f64>> = layer.values(kv_head).map(|values| {
@@ -367,6 +376,7 @@ pub fn measure_unit(
     let buckets = lost.buckets();
     measure.lost = vec![0.0; samples * buckets];
     let mut in_set = vec![false; n_positions];
+    let shared_prompt = shared_prompt_outputs(layer, unit, unit_kept, reference);
     // A fixed prompt set grows by one generated position per step: one buffer, extended.
     let mut fixed = match unit_kept {
         UnitKept::Fixed(prompt) => prompt.clone(),
@@ -389,12 +399,21 @@ pub fn measure_unit(
             in_set[j] = true;
         }
         let kept_outputs = values.as_ref().map(|values| {
-            let weights: Vec<&[f32]> = unit
+            let rows: Vec<&[f32]> = unit
                 .query_heads
                 .clone()
                 .map(|head| reference.weights(head, step, position))
                 .collect();
-            kept_output::kept_outputs(kept_positions, &weights, values.view())
+            let (mut sums, rest) = match &shared_prompt {
+                Some((prompt_len, shared)) => {
+                    let size = rows.len() * values.ncols();
+                    let sums = shared[step * size..(step + 1) * size].to_vec();
+                    (sums, &kept_positions[*prompt_len..])
+                }
+                None => (vec![0.0; rows.len() * values.ncols()], kept_positions),
+            };
+            kept_output::add_kept_outputs(rest, &rows, values.view(), &mut sums);
+            sums
         });
         for (index, head) in unit.query_heads.clone().enumerate() {
             let weights = reference.weights(head, step, position);
@@ -457,6 +476,40 @@ pub fn measure_unit(
         }
     }
     measure
+}
+
+/// Under prefill timing, where nothing slides out while the model decodes, every step keeps the
+/// same prompt positions: their share of every step's kept outputs (`[steps × heads × d]`),
+/// summed in one pass, with the number of kept prompt positions. Each step's sums then continue
+/// over its generated positions, in the order a step-by-step sum would take.
+fn shared_prompt_outputs(
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    unit_kept: &UnitKept,
+    reference: &DecodeReference,
+) -> Option<(usize, Vec<f64>)> {
+    let UnitKept::Fixed(prompt) = unit_kept else {
+        return None;
+    };
+    let last = layer.n_positions() - 1;
+    if prompt
+        .first()
+        .is_some_and(|&first| first < layer.first_visible(last))
+    {
+        return None;
+    }
+    let values = layer.values(unit.kv_head)?;
+    let prompt_len = layer.prompt_len;
+    let rows: Vec<&[f32]> = (prompt_len..=last)
+        .flat_map(|position| {
+            unit.query_heads
+                .clone()
+                .map(move |head| reference.weights(head, position - prompt_len, position))
+        })
+        .collect();
+    let mut sums = vec![0.0; rows.len() * values.ncols()];
+    kept_output::add_kept_outputs(prompt, &rows, values.view(), &mut sums);
+    Some((prompt.len(), sums))
 }
 
 /// A layer's measurements being summed, cache by cache in cache order.
@@ -585,6 +638,94 @@ impl LayerAccumulator {
                     full_mass: full_mass / samples,
                 })
                 .collect(),
+        }
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array2;
+    use ndarray::Array3;
+
+    #[test]
+    fn a_prefill_set_measures_as_the_same_sets_listed_step_by_step() {
+        // Two query heads on one KV head, d = 40 (a vector block and a remainder), 50 prompt
+        // positions and 10 decode steps: the prompt outputs shared by every step, continued over
+        // its generated positions, give the bits of summing each step's whole set afresh.
+        let (heads, t, d, prompt_len) = (2, 60, 40, 50);
+        let unit_value = |i: usize| ((i * 2654435761) % 1009) as f32 / 1009.0 - 0.5;
+        let q = Array3::from_shape_fn((heads, t, d), |(h, p, c)| unit_value(h * 7919 + p * d + c));
+        let k = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(3 + p * d + c));
+        let v = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(11 + p * d + c) * 4.0);
+        let layer = LayerContext {
+            layer: 0,
+            q: q.view(),
+            k: k.view(),
+            v: Some(v.view()),
+            prompt_len,
+            scale: 0.5,
+            softcap: None,
+            rope_theta: None,
+            window: 0,
+        };
+        let unit = Unit {
+            index: 0,
+            kv_head: 0,
+            query_heads: 0..heads,
+        };
+        let fixed = UnitKept::Fixed((0..prompt_len).filter(|j| j % 3 != 1).collect());
+        let steps = (0..t - prompt_len)
+            .map(|step| fixed.kept_positions(step, prompt_len))
+            .collect();
+        let listed = UnitKept::PerStep(steps);
+        let reference = DecodeReference::new(&layer, 0, 5, &[], false);
+        let settings = MeasureSettings {
+            spans: &[],
+            top_k: 5,
+            dating: Dating::of(crate::replay::Timing::Prefill),
+        };
+        let shared = measure_unit(&layer, &unit, &fixed, 34, &reference, settings);
+        let afresh = measure_unit(&layer, &unit, &listed, 34, &reference, settings);
+        assert_eq!(shared.metrics, afresh.metrics);
+        let error = REGISTRY
+            .iter()
+            .position(|m| m.id() == "output_error")
+            .unwrap();
+        assert!(shared.metrics[error].iter().all(|&e| e > 0.0));
+    }
+
+    #[test]
+    fn full_outputs_are_the_blocked_f64_matrix_product_bit_for_bit() {
+        // The reference: ndarray's f64 product (matrixmultiply) of each block of positions,
+        // added block after block; shapes of SmolLM2 (d = 64) and Gemma 3 (d = 256), partial
+        // blocks and lanes that are not a multiple of a vector.
+        for (steps, t, d) in [(32, 2032, 64), (16, 300, 256), (3, 70, 40), (33, 129, 64)] {
+            let unit = |i: usize| (((i * 2654435761) % 100003) as f32 / 100003.0 - 0.5) * 1.7;
+            let values = Array2::from_shape_fn((t, d), |(r, c)| unit(r * d + c + 7) * 3.0);
+            let weights =
+                Array2::from_shape_fn((steps, t), |(r, c)| unit(r * 31 + c * 7 + 3).abs() / 100.0);
+            let mut product = Array2::<f64>::zeros((steps, d));
+            for start in (0..t).step_by(OUTPUT_BLOCK) {
+                let end = (start + OUTPUT_BLOCK).min(t);
+                let block = values.slice(s![start..end, ..]).mapv(f64::from);
+                product += &weights
+                    .slice(s![.., start..end])
+                    .mapv(f64::from)
+                    .dot(&block);
+            }
+            let rows: Vec<&[f32]> = weights
+                .rows()
+                .into_iter()
+                .map(|r| r.to_slice().unwrap())
+                .collect();
+            let mut outputs = vec![0.0; steps * d];
+            full_outputs(&rows, values.view(), &mut outputs);
+            assert_eq!(
+                product.as_slice().unwrap(),
+                &outputs[..],
+                "{steps} steps, T = {t}, d = {d}"
+            );
         }
     }
 }

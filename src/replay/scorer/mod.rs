@@ -231,6 +231,61 @@ impl GroupQueries {
         }
     }
 
+    /// Adds [`GroupQueries::aggregated_into`]'s weights to `scores` (one per cache entry): the
+    /// same arithmetic, element by element, in one pass over the heads' rows by blocks that stay
+    /// in registers (cumulative scores: H2O).
+    pub fn accumulate_aggregated(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        cache: &[usize],
+        agg: Aggregation,
+        scores: &mut [f32],
+    ) {
+        const BLOCK: usize = 64;
+        let per_head = self.per_head(layer, position, cache);
+        let start = match agg {
+            Aggregation::Max => f32::NEG_INFINITY,
+            _ => 0.0,
+        };
+        let count = per_head.len() as f32;
+        let mut acc = [0.0f32; BLOCK];
+        for (offset, scores) in (0..scores.len())
+            .step_by(BLOCK)
+            .zip(scores.chunks_mut(BLOCK))
+        {
+            let acc = &mut acc[..scores.len()];
+            if let [only] = per_head {
+                acc.copy_from_slice(&only[offset..offset + scores.len()]);
+            } else {
+                acc.fill(start);
+                for weights in per_head {
+                    let weights = &weights[offset..offset + scores.len()];
+                    match agg {
+                        Aggregation::Max => {
+                            for (acc, &w) in acc.iter_mut().zip(weights) {
+                                *acc = acc.max(w);
+                            }
+                        }
+                        _ => {
+                            for (acc, &w) in acc.iter_mut().zip(weights) {
+                                *acc += w;
+                            }
+                        }
+                    }
+                }
+                if agg == Aggregation::Mean {
+                    for acc in acc.iter_mut() {
+                        *acc /= count;
+                    }
+                }
+            }
+            for (score, &weight) in scores.iter_mut().zip(acc.iter()) {
+                *score += weight;
+            }
+        }
+    }
+
     /// [`GroupQueries::aggregated_into`] as a new vector.
     pub fn aggregated(
         &mut self,
@@ -282,7 +337,7 @@ impl AlignedScores {
         out.extend_from_slice(&self.0);
     }
 
-    /// Adds one weight per entry (cumulative scores: H2O, the key-as-query proxy).
+    /// Adds one weight per entry (cumulative scores: the key-as-query proxy).
     pub fn accumulate(&mut self, weights: impl IntoIterator<Item = f32>) {
         for (score, weight) in self.0.iter_mut().zip(weights) {
             *score += weight;

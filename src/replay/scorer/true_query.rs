@@ -24,8 +24,6 @@ struct State {
     queries: GroupQueries,
     agg: Aggregation,
     scores: AlignedScores,
-    /// The newest query's aggregated weights (reused from step to step).
-    weights: Vec<f32>,
 }
 
 impl Scorer for TrueQuery {
@@ -34,7 +32,6 @@ impl Scorer for TrueQuery {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
             scores: AlignedScores::default(),
-            weights: Vec::new(),
         })
     }
 }
@@ -44,8 +41,7 @@ impl ScoreState for State {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
         self.queries
-            .aggregated_into(layer, newest, cache, self.agg, &mut self.weights);
-        self.scores.accumulate(self.weights.iter().copied());
+            .accumulate_aggregated(layer, newest, cache, self.agg, &mut self.scores.0);
     }
 
     fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
