@@ -62,7 +62,7 @@ pub(crate) fn ranked_head(
 ) -> Vec<usize> {
     let mut keys = first_keys(positions, scores, n, is_protected);
     keys.sort_unstable();
-    keys.into_iter().map(position_of).collect()
+    positions_of(&keys)
 }
 
 /// The `budget` positions to keep (sorted): protected ones, then the best scores.
@@ -73,10 +73,7 @@ pub(crate) fn select_top(
     is_protected: impl Fn(usize) -> bool,
 ) -> Vec<usize> {
     // The partial selection alone: its head need not be ranked, only sorted by position.
-    let mut kept: Vec<usize> = first_keys(positions, scores, budget, is_protected)
-        .into_iter()
-        .map(position_of)
-        .collect();
+    let mut kept = positions_of(&first_keys(positions, scores, budget, is_protected));
     kept.sort_unstable();
     kept
 }
@@ -119,6 +116,15 @@ fn rank_key(protected: bool, score: f32, position: usize) -> u64 {
         bits | 1 << 31
     };
     (u64::from(!protected) << 63) | (u64::from(!ordered) << POSITION_BITS) | position as u64
+}
+
+/// The positions `keys` carry, in a vector of their length: kept sets are held for a whole layer,
+/// so they must not keep the capacity of every candidate (as collecting in place from the keys
+/// would).
+fn positions_of(keys: &[u64]) -> Vec<usize> {
+    let mut positions = Vec::with_capacity(keys.len());
+    positions.extend(keys.iter().map(|&key| position_of(key)));
+    positions
 }
 
 /// The position a [`rank_key`] carries.
