@@ -415,3 +415,56 @@ pub(crate) mod testing {
         out
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::Array3;
+
+    #[test]
+    fn accumulating_the_aggregate_adds_what_aggregated_into_gives() {
+        // Three query heads on one KV head, 150 positions (two blocks of 64 and a remainder),
+        // every aggregation, a prefix cache and a sparse one: the fused pass gives the bits of
+        // aggregating and then adding.
+        let (heads, t, d) = (3, 150, 4);
+        let unit_value = |i: usize| ((i * 2654435761) % 1009) as f32 / 1009.0 - 0.5;
+        let q = Array3::from_shape_fn((heads, t, d), |(h, p, c)| unit_value(h * 997 + p * d + c));
+        let k = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(5 + p * d + c) * 2.0);
+        let layer = LayerContext {
+            layer: 0,
+            q: q.view(),
+            k: k.view(),
+            v: None,
+            prompt_len: t,
+            scale: 1.0,
+            softcap: None,
+            rope_theta: None,
+            window: 0,
+        };
+        let unit = Unit {
+            index: 0,
+            kv_head: 0,
+            query_heads: 0..heads,
+        };
+        let prefix: Vec<usize> = (0..t).collect();
+        let sparse: Vec<usize> = (0..t).filter(|p| p % 3 != 1).collect();
+        for agg in [Aggregation::Mean, Aggregation::Max, Aggregation::Sum] {
+            for cache in [&prefix, &sparse] {
+                let position = *cache.last().unwrap();
+                let base: Vec<f32> = (0..cache.len()).map(|i| unit_value(i) + 1.0).collect();
+                let aggregated =
+                    GroupQueries::new(&layer, &unit).aggregated(&layer, position, cache, agg);
+                let expected: Vec<f32> = base.iter().zip(&aggregated).map(|(s, w)| s + w).collect();
+                let mut scores = base.clone();
+                GroupQueries::new(&layer, &unit).accumulate_aggregated(
+                    &layer,
+                    position,
+                    cache,
+                    agg,
+                    &mut scores,
+                );
+                assert_eq!(scores, expected, "{agg:?}");
+            }
+        }
+    }
+}
