@@ -81,136 +81,94 @@ mod x86 {
     use super::add_rows_portable;
     use std::arch::x86_64::*;
 
-    /// Rows summed at once: their accumulators, the widened value lanes and the weights fit the
-    /// 32 registers.
-    const ROWS_512: usize = 4;
-    /// Rows summed at once in the 16 AVX2 registers.
-    const ROWS_256: usize = 2;
+    /// One vector path: `$rows_fn` sums four registers of lanes (`$lanes` lanes) of up to
+    /// `$rows` rows at a time while the kept rows stream past, each lane in kept order, and leaves
+    /// the remainder lanes to the portable code; `$block` is one such block, for `R` rows.
+    macro_rules! vector_path {
+        (
+            $rows_fn:ident, $block:ident, $feature:literal, lanes $lanes:literal,
+            rows [$($r:literal),+], $zero:ident, $load:ident, $store:ident, $widen:ident,
+            $load_ps:ident, $splat:ident, $fmadd:ident
+        ) => {
+            #[target_feature(enable = $feature)]
+            pub(super) unsafe fn $rows_fn(
+                kept: &[usize],
+                rows: &[&[f32]],
+                all: &[f32],
+                d: usize,
+                sums: &mut [f64],
+            ) {
+                const MAX_ROWS: usize = [$($r),+].len();
+                let blocks = d / $lanes * $lanes;
+                for (chunk, chunk_sums) in rows.chunks(MAX_ROWS).zip(sums.chunks_mut(MAX_ROWS * d)) {
+                    for lane in (0..blocks).step_by($lanes) {
+                        // SAFETY: lane + $lanes <= d for every row; the caller checked the
+                        // features.
+                        unsafe {
+                            match chunk.len() {
+                                $($r => $block::<$r>(kept, chunk, all, d, lane, chunk_sums),)+
+                                _ => unreachable!("chunks of at most MAX_ROWS rows"),
+                            }
+                        }
+                    }
+                }
+                add_rows_portable(kept, rows, all, d, blocks, sums);
+            }
 
-    /// 32 lanes (four registers) of `ROWS_512` rows at a time while the kept rows stream past.
-    #[target_feature(enable = "avx512f")]
-    pub(super) unsafe fn add_rows_avx512(
-        kept: &[usize],
-        rows: &[&[f32]],
-        all: &[f32],
-        d: usize,
-        sums: &mut [f64],
-    ) {
-        let blocks = d / 32 * 32;
-        for (chunk, chunk_sums) in rows.chunks(ROWS_512).zip(sums.chunks_mut(ROWS_512 * d)) {
-            for lane in (0..blocks).step_by(32) {
-                // SAFETY: lane + 32 <= d for every row; the caller checked avx512f.
+            #[target_feature(enable = $feature)]
+            unsafe fn $block<const R: usize>(
+                kept: &[usize],
+                rows: &[&[f32]],
+                all: &[f32],
+                d: usize,
+                lane: usize,
+                sums: &mut [f64],
+            ) {
+                const STEP: usize = $lanes / 4;
+                // SAFETY: every row has `lane + $lanes <= d` lanes in `sums`, and `all` holds d
+                // values for every kept position (the caller's contract).
                 unsafe {
-                    match chunk.len() {
-                        4 => block_512::<4>(kept, chunk, all, d, lane, chunk_sums),
-                        3 => block_512::<3>(kept, chunk, all, d, lane, chunk_sums),
-                        2 => block_512::<2>(kept, chunk, all, d, lane, chunk_sums),
-                        _ => block_512::<1>(kept, chunk, all, d, lane, chunk_sums),
+                    let base = sums.as_mut_ptr();
+                    let target = |r: usize, k: usize| base.add(r * d + lane + STEP * k);
+                    let mut acc = [[$zero(); 4]; R];
+                    for (r, acc) in acc.iter_mut().enumerate() {
+                        for (k, acc) in acc.iter_mut().enumerate() {
+                            *acc = $load(target(r, k));
+                        }
+                    }
+                    for &j in kept {
+                        let source = all.as_ptr().add(j * d + lane);
+                        let v = [0, 1, 2, 3].map(|k| $widen($load_ps(source.add(STEP * k))));
+                        for (r, acc) in acc.iter_mut().enumerate() {
+                            let weight = $splat(*rows[r].get_unchecked(j) as f64);
+                            for (acc, v) in acc.iter_mut().zip(v) {
+                                *acc = $fmadd(weight, v, *acc);
+                            }
+                        }
+                    }
+                    for (r, acc) in acc.iter().enumerate() {
+                        for (k, acc) in acc.iter().enumerate() {
+                            $store(target(r, k), *acc);
+                        }
                     }
                 }
             }
-        }
-        add_rows_portable(kept, rows, all, d, blocks, sums);
+        };
     }
 
-    #[target_feature(enable = "avx512f")]
-    unsafe fn block_512<const R: usize>(
-        kept: &[usize],
-        rows: &[&[f32]],
-        all: &[f32],
-        d: usize,
-        lane: usize,
-        sums: &mut [f64],
-    ) {
-        // SAFETY: every row has `lane + 32 <= d` lanes in `sums`, and `all` holds d values for
-        // every kept position (the caller's contract).
-        unsafe {
-            let base = sums.as_mut_ptr();
-            let target = |r: usize, k: usize| base.add(r * d + lane + 8 * k);
-            let mut acc = [[_mm512_setzero_pd(); 4]; R];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm512_loadu_pd(target(r, k));
-                }
-            }
-            for &j in kept {
-                let source = all.as_ptr().add(j * d + lane);
-                let v = [0, 1, 2, 3].map(|k| _mm512_cvtps_pd(_mm256_loadu_ps(source.add(8 * k))));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let weight = _mm512_set1_pd(*rows[r].get_unchecked(j) as f64);
-                    for (acc, v) in acc.iter_mut().zip(v) {
-                        *acc = _mm512_fmadd_pd(weight, v, *acc);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                for (k, acc) in acc.iter().enumerate() {
-                    _mm512_storeu_pd(target(r, k), *acc);
-                }
-            }
-        }
-    }
-
-    /// 16 lanes (four registers) of `ROWS_256` rows at a time while the kept rows stream past.
-    #[target_feature(enable = "avx2,fma")]
-    pub(super) unsafe fn add_rows_avx2(
-        kept: &[usize],
-        rows: &[&[f32]],
-        all: &[f32],
-        d: usize,
-        sums: &mut [f64],
-    ) {
-        let blocks = d / 16 * 16;
-        for (chunk, chunk_sums) in rows.chunks(ROWS_256).zip(sums.chunks_mut(ROWS_256 * d)) {
-            for lane in (0..blocks).step_by(16) {
-                // SAFETY: lane + 16 <= d for every row; the caller checked avx2 and fma.
-                unsafe {
-                    match chunk.len() {
-                        2 => block_256::<2>(kept, chunk, all, d, lane, chunk_sums),
-                        _ => block_256::<1>(kept, chunk, all, d, lane, chunk_sums),
-                    }
-                }
-            }
-        }
-        add_rows_portable(kept, rows, all, d, blocks, sums);
-    }
-
-    #[target_feature(enable = "avx2,fma")]
-    unsafe fn block_256<const R: usize>(
-        kept: &[usize],
-        rows: &[&[f32]],
-        all: &[f32],
-        d: usize,
-        lane: usize,
-        sums: &mut [f64],
-    ) {
-        // SAFETY: as in `block_512`, with 16 lanes.
-        unsafe {
-            let base = sums.as_mut_ptr();
-            let target = |r: usize, k: usize| base.add(r * d + lane + 4 * k);
-            let mut acc = [[_mm256_setzero_pd(); 4]; R];
-            for (r, acc) in acc.iter_mut().enumerate() {
-                for (k, acc) in acc.iter_mut().enumerate() {
-                    *acc = _mm256_loadu_pd(target(r, k));
-                }
-            }
-            for &j in kept {
-                let source = all.as_ptr().add(j * d + lane);
-                let v = [0, 1, 2, 3].map(|k| _mm256_cvtps_pd(_mm_loadu_ps(source.add(4 * k))));
-                for (r, acc) in acc.iter_mut().enumerate() {
-                    let weight = _mm256_set1_pd(*rows[r].get_unchecked(j) as f64);
-                    for (acc, v) in acc.iter_mut().zip(v) {
-                        *acc = _mm256_fmadd_pd(weight, v, *acc);
-                    }
-                }
-            }
-            for (r, acc) in acc.iter().enumerate() {
-                for (k, acc) in acc.iter().enumerate() {
-                    _mm256_storeu_pd(target(r, k), *acc);
-                }
-            }
-        }
-    }
+    // Four rows of 32 lanes: 16 accumulators, the widened values and the weights fit the 32
+    // AVX-512 registers.
+    vector_path!(
+        add_rows_avx512, block_512, "avx512f", lanes 32, rows [1, 2, 3, 4],
+        _mm512_setzero_pd, _mm512_loadu_pd, _mm512_storeu_pd, _mm512_cvtps_pd,
+        _mm256_loadu_ps, _mm512_set1_pd, _mm512_fmadd_pd
+    );
+    // Two rows of 16 lanes in the 16 AVX2 registers.
+    vector_path!(
+        add_rows_avx2, block_256, "avx2,fma", lanes 16, rows [1, 2],
+        _mm256_setzero_pd, _mm256_loadu_pd, _mm256_storeu_pd, _mm256_cvtps_pd,
+        _mm_loadu_ps, _mm256_set1_pd, _mm256_fmadd_pd
+    );
 }
 
 #[cfg(test)]

@@ -644,9 +644,9 @@ impl LayerAccumulator {
 
 #[cfg(test)]
 mod tests {
+    use super::super::scorer::testing::{global_layer, group_unit, hashed_group};
     use super::*;
     use ndarray::Array2;
-    use ndarray::Array3;
 
     #[test]
     fn a_prefill_set_measures_as_the_same_sets_listed_step_by_step() {
@@ -654,26 +654,9 @@ mod tests {
         // positions and 10 decode steps: the prompt outputs shared by every step, continued over
         // its generated positions, give the bits of summing each step's whole set afresh.
         let (heads, t, d, prompt_len) = (2, 60, 40, 50);
-        let unit_value = |i: usize| ((i * 2654435761) % 1009) as f32 / 1009.0 - 0.5;
-        let q = Array3::from_shape_fn((heads, t, d), |(h, p, c)| unit_value(h * 7919 + p * d + c));
-        let k = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(3 + p * d + c));
-        let v = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(11 + p * d + c) * 4.0);
-        let layer = LayerContext {
-            layer: 0,
-            q: q.view(),
-            k: k.view(),
-            v: Some(v.view()),
-            prompt_len,
-            scale: 0.5,
-            softcap: None,
-            rope_theta: None,
-            window: 0,
-        };
-        let unit = Unit {
-            index: 0,
-            kv_head: 0,
-            query_heads: 0..heads,
-        };
+        let (q, k, v) = hashed_group(heads, t, d);
+        let layer = global_layer(&q, &k, Some(&v), prompt_len);
+        let unit = group_unit(heads);
         let fixed = UnitKept::Fixed((0..prompt_len).filter(|j| j % 3 != 1).collect());
         let steps = (0..t - prompt_len)
             .map(|step| fixed.kept_positions(step, prompt_len))

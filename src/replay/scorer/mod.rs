@@ -200,35 +200,8 @@ impl GroupQueries {
     ) {
         let per_head = self.per_head(layer, position, cache);
         out.clear();
-        if let [only] = per_head {
-            out.extend_from_slice(only);
-            return;
-        }
-        let start = match agg {
-            Aggregation::Max => f32::NEG_INFINITY,
-            _ => 0.0,
-        };
-        out.resize(cache.len(), start);
-        for weights in per_head {
-            match agg {
-                Aggregation::Max => {
-                    for (acc, &w) in out.iter_mut().zip(weights) {
-                        *acc = acc.max(w);
-                    }
-                }
-                _ => {
-                    for (acc, &w) in out.iter_mut().zip(weights) {
-                        *acc += w;
-                    }
-                }
-            }
-        }
-        if agg == Aggregation::Mean {
-            let count = per_head.len() as f32;
-            for acc in out.iter_mut() {
-                *acc /= count;
-            }
-        }
+        out.resize(cache.len(), 0.0);
+        aggregate(per_head, 0, agg, out);
     }
 
     /// Adds [`GroupQueries::aggregated_into`]'s weights to `scores` (one per cache entry): the
@@ -244,43 +217,11 @@ impl GroupQueries {
     ) {
         const BLOCK: usize = 64;
         let per_head = self.per_head(layer, position, cache);
-        let start = match agg {
-            Aggregation::Max => f32::NEG_INFINITY,
-            _ => 0.0,
-        };
-        let count = per_head.len() as f32;
-        let mut acc = [0.0f32; BLOCK];
-        for (offset, scores) in (0..scores.len())
-            .step_by(BLOCK)
-            .zip(scores.chunks_mut(BLOCK))
-        {
-            let acc = &mut acc[..scores.len()];
-            if let [only] = per_head {
-                acc.copy_from_slice(&only[offset..offset + scores.len()]);
-            } else {
-                acc.fill(start);
-                for weights in per_head {
-                    let weights = &weights[offset..offset + scores.len()];
-                    match agg {
-                        Aggregation::Max => {
-                            for (acc, &w) in acc.iter_mut().zip(weights) {
-                                *acc = acc.max(w);
-                            }
-                        }
-                        _ => {
-                            for (acc, &w) in acc.iter_mut().zip(weights) {
-                                *acc += w;
-                            }
-                        }
-                    }
-                }
-                if agg == Aggregation::Mean {
-                    for acc in acc.iter_mut() {
-                        *acc /= count;
-                    }
-                }
-            }
-            for (score, &weight) in scores.iter_mut().zip(acc.iter()) {
+        let mut block = [0.0f32; BLOCK];
+        for (index, scores) in scores.chunks_mut(BLOCK).enumerate() {
+            let block = &mut block[..scores.len()];
+            aggregate(per_head, index * BLOCK, agg, block);
+            for (score, &weight) in scores.iter_mut().zip(block.iter()) {
                 *score += weight;
             }
         }
@@ -297,6 +238,42 @@ impl GroupQueries {
         let mut out = Vec::with_capacity(cache.len());
         self.aggregated_into(layer, position, cache, agg, &mut out);
         out
+    }
+}
+
+/// The group's aggregate of the heads' weights at entries `from..from + out.len()` into `out`:
+/// each [`Aggregation::combine`] of the heads' weights in head order, run head by head over the
+/// block.
+fn aggregate(per_head: &[Vec<f32>], from: usize, agg: Aggregation, out: &mut [f32]) {
+    let entries = from..from + out.len();
+    if let [only] = per_head {
+        out.copy_from_slice(&only[entries]);
+        return;
+    }
+    let rows = per_head.iter().map(|weights| &weights[entries.clone()]);
+    out.fill(match agg {
+        Aggregation::Max => f32::NEG_INFINITY,
+        _ => 0.0,
+    });
+    for weights in rows {
+        match agg {
+            Aggregation::Max => {
+                for (acc, &w) in out.iter_mut().zip(weights) {
+                    *acc = acc.max(w);
+                }
+            }
+            _ => {
+                for (acc, &w) in out.iter_mut().zip(weights) {
+                    *acc += w;
+                }
+            }
+        }
+    }
+    if agg == Aggregation::Mean {
+        let count = per_head.len() as f32;
+        for acc in out.iter_mut() {
+            *acc /= count;
+        }
     }
 }
 
@@ -399,6 +376,42 @@ pub(crate) mod testing {
         }
     }
 
+    /// Queries of `heads` heads and keys and values of one KV head, over `t` positions of `d`
+    /// lanes, filled from a hash (values in [-0.5, 0.5), keys twice that, values four times).
+    pub fn hashed_group(
+        heads: usize,
+        t: usize,
+        d: usize,
+    ) -> (Array3<f32>, Array3<f32>, Array3<f32>) {
+        let value = |i: usize| ((i * 2654435761) % 1009) as f32 / 1009.0 - 0.5;
+        let q = Array3::from_shape_fn((heads, t, d), |(h, p, c)| value(h * 997 + p * d + c));
+        let k = Array3::from_shape_fn((1, t, d), |(_, p, c)| value(5 + p * d + c) * 2.0);
+        let v = Array3::from_shape_fn((1, t, d), |(_, p, c)| value(11 + p * d + c) * 4.0);
+        (q, k, v)
+    }
+
+    /// A global layer of `q`, `k` and `v` with scale 0.5.
+    pub fn global_layer<'a>(
+        q: &'a Array3<f32>,
+        k: &'a Array3<f32>,
+        v: Option<&'a Array3<f32>>,
+        prompt_len: usize,
+    ) -> LayerContext<'a> {
+        LayerContext {
+            v: v.map(Array3::view),
+            scale: 0.5,
+            ..context(q, k, prompt_len)
+        }
+    }
+
+    /// The one cache of all query heads of KV head 0.
+    pub fn group_unit(heads: usize) -> Unit {
+        Unit {
+            query_heads: 0..heads,
+            ..unit()
+        }
+    }
+
     /// Appends positions 0..n of `layer` one by one and returns the final scores.
     pub fn scores_after(
         state: &mut dyn ScoreState,
@@ -418,8 +431,8 @@ pub(crate) mod testing {
 
 #[cfg(test)]
 mod tests {
+    use super::testing::{global_layer, group_unit, hashed_group};
     use super::*;
-    use ndarray::Array3;
 
     #[test]
     fn accumulating_the_aggregate_adds_what_aggregated_into_gives() {
@@ -427,31 +440,15 @@ mod tests {
         // every aggregation, a prefix cache and a sparse one: the fused pass gives the bits of
         // aggregating and then adding.
         let (heads, t, d) = (3, 150, 4);
-        let unit_value = |i: usize| ((i * 2654435761) % 1009) as f32 / 1009.0 - 0.5;
-        let q = Array3::from_shape_fn((heads, t, d), |(h, p, c)| unit_value(h * 997 + p * d + c));
-        let k = Array3::from_shape_fn((1, t, d), |(_, p, c)| unit_value(5 + p * d + c) * 2.0);
-        let layer = LayerContext {
-            layer: 0,
-            q: q.view(),
-            k: k.view(),
-            v: None,
-            prompt_len: t,
-            scale: 1.0,
-            softcap: None,
-            rope_theta: None,
-            window: 0,
-        };
-        let unit = Unit {
-            index: 0,
-            kv_head: 0,
-            query_heads: 0..heads,
-        };
+        let (q, k, _) = hashed_group(heads, t, d);
+        let layer = global_layer(&q, &k, None, t);
+        let unit = group_unit(heads);
         let prefix: Vec<usize> = (0..t).collect();
         let sparse: Vec<usize> = (0..t).filter(|p| p % 3 != 1).collect();
         for agg in [Aggregation::Mean, Aggregation::Max, Aggregation::Sum] {
             for cache in [&prefix, &sparse] {
                 let position = *cache.last().unwrap();
-                let base: Vec<f32> = (0..cache.len()).map(|i| unit_value(i) + 1.0).collect();
+                let base: Vec<f32> = (0..cache.len()).map(|i| (i % 7) as f32 + 0.125).collect();
                 let aggregated =
                     GroupQueries::new(&layer, &unit).aggregated(&layer, position, cache, agg);
                 let expected: Vec<f32> = base.iter().zip(&aggregated).map(|(s, w)| s + w).collect();
