@@ -202,9 +202,9 @@ fn replay_pass(
 
 /// Replays and measures every policy on one layer, KV group by KV group. With several policies,
 /// each group's [`DecodeReference`] is computed (beside the re-selecting policies' choices of
-/// kept sets, which do not need it) once and shared by all of them while they run in parallel; a single policy runs its groups in parallel instead, each choosing its kept sets
-/// before computing its reference, so a thread never holds both a scorer's buffers and a
-/// reference. One level of parallelism only: nested rayon loops let a waiting thread start more
+/// kept sets, which do not need it) once and shared by all of them while they run in parallel;
+/// a single policy runs its groups in parallel instead, each choosing its kept sets before
+/// computing its reference, so a thread never holds both a scorer's buffers and a reference. One level of parallelism only: nested rayon loops let a waiting thread start more
 /// work, and every started policy holds its scorer state, so memory would grow with the grid.
 fn measure_layer(
     layer: &LayerContext<'_>,
