@@ -176,8 +176,19 @@ mod tests {
     use super::*;
     use ndarray::Array2;
 
+    /// The sums over `kept`, started from zero.
     fn kept_outputs(kept: &[usize], rows: &[&[f32]], values: ArrayView2<f32>) -> Vec<f64> {
-        let mut sums = vec![0.0; rows.len() * values.ncols()];
+        kept_outputs_from(&vec![0.0; rows.len() * values.ncols()], kept, rows, values)
+    }
+
+    /// The sums over `kept`, continued from `start`.
+    fn kept_outputs_from(
+        start: &[f64],
+        kept: &[usize],
+        rows: &[&[f32]],
+        values: ArrayView2<f32>,
+    ) -> Vec<f64> {
+        let mut sums = start.to_vec();
         add_kept_outputs(kept, rows, values, &mut sums);
         sums
     }
@@ -205,9 +216,11 @@ mod tests {
         let strided = wide.slice(ndarray::s![.., ..;2]);
         assert_eq!(kept_outputs(&[2, 0], &[&h0, &h1], strided), expected);
         // Continuing a sum over the rest of a kept set is the sum over the whole set.
-        let mut sums = kept_outputs(&[2], &[&h0, &h1], values.view());
-        add_kept_outputs(&[0], &[&h0, &h1], values.view(), &mut sums);
-        assert_eq!(sums, expected);
+        let head = kept_outputs(&[2], &[&h0, &h1], values.view());
+        assert_eq!(
+            kept_outputs_from(&head, &[0], &[&h0, &h1], values.view()),
+            expected
+        );
     }
 
     /// Values, rows of weights and a kept set out of position order, for `n_rows` rows of `d`
@@ -233,7 +246,10 @@ mod tests {
             let mut portable = vec![0.25f64; n_rows * d];
             let start = portable.clone();
             add_rows_portable(&kept, &rows, all, d, 0, &mut portable);
-            assert_eq!(kept_outputs_from(&start, &kept, &rows, &values), portable);
+            assert_eq!(
+                kept_outputs_from(&start, &kept, &rows, values.view()),
+                portable
+            );
             #[cfg(target_arch = "x86_64")]
             {
                 if std::is_x86_feature_detected!("avx512f") {
@@ -250,16 +266,5 @@ mod tests {
                 }
             }
         }
-    }
-
-    fn kept_outputs_from(
-        start: &[f64],
-        kept: &[usize],
-        rows: &[&[f32]],
-        values: &Array2<f32>,
-    ) -> Vec<f64> {
-        let mut sums = start.to_vec();
-        add_kept_outputs(kept, rows, values.view(), &mut sums);
-        sums
     }
 }

@@ -178,11 +178,10 @@ const OUTPUT_BLOCK: usize = 64;
 /// of the f64 matrix product that defines the stored results.
 fn full_outputs(rows: &[&[f32]], values: ArrayView2<f32>, out: &mut [f64]) {
     let mut block_sums = vec![0.0f64; out.len()];
-    for start in (0..values.nrows()).step_by(OUTPUT_BLOCK) {
-        let end = (start + OUTPUT_BLOCK).min(values.nrows());
-        let positions: Vec<usize> = (start..end).collect();
+    let positions: Vec<usize> = (0..values.nrows()).collect();
+    for block in positions.chunks(OUTPUT_BLOCK) {
         block_sums.fill(0.0);
-        kept_output::add_kept_outputs(&positions, rows, values, &mut block_sums);
+        kept_output::add_kept_outputs(block, rows, values, &mut block_sums);
         for (sum, block) in out.iter_mut().zip(&block_sums) {
             *sum += block;
         }
