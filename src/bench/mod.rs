@@ -20,7 +20,8 @@ use std::time::Instant;
 
 mod oneshot;
 pub use oneshot::{
-    essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, EssentialWork, ONESHOT_POLICIES,
+    essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, timed_against_essential,
+    EssentialWork, GridTiming, ONESHOT_POLICIES, TIMED_RUNS,
 };
 
 /// What can stop the bench.

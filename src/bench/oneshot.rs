@@ -66,6 +66,74 @@ pub fn oneshot_grid(
     Ok((reports, started.elapsed().as_secs_f64()))
 }
 
+/// How many times [`timed_against_essential`] runs the grid and its essential work.
+pub const TIMED_RUNS: usize = 3;
+
+/// The one-shot grid and its essential work, each timed [`TIMED_RUNS`] times, alternately so
+/// that a slow spell of the machine falls on both.
+#[derive(Debug, Clone, PartialEq)]
+pub struct GridTiming {
+    /// The grid's reports (policies outer, budgets inner), from its first run: every run gives
+    /// the same.
+    pub reports: Vec<ReplayReport>,
+    /// Seconds of each run of the grid.
+    pub grid: Vec<f64>,
+    /// Each run of the essential work.
+    pub essential: Vec<EssentialWork>,
+}
+
+impl GridTiming {
+    /// The grid's fastest run.
+    pub fn best_grid(&self) -> f64 {
+        self.grid.iter().copied().fold(f64::INFINITY, f64::min)
+    }
+
+    /// The essential work's fastest run (by its total).
+    pub fn best_essential(&self) -> EssentialWork {
+        *self
+            .essential
+            .iter()
+            .min_by(|a, b| a.total().total_cmp(&b.total()))
+            .expect("timed at least once")
+    }
+
+    /// The grid's median run.
+    pub fn median_grid(&self) -> f64 {
+        let mut sorted = self.grid.clone();
+        sorted.sort_by(f64::total_cmp);
+        sorted[sorted.len() / 2]
+    }
+
+    /// The fastest grid over the fastest essential work: what the grid adds to the work it must
+    /// do, with the machine's noise kept out as far as the best of several runs does.
+    pub fn ratio(&self) -> f64 {
+        self.best_grid() / self.best_essential().total()
+    }
+}
+
+/// Runs the one-shot grid and its essential work `runs` times each, alternately.
+pub fn timed_against_essential(
+    trace: &TraceReader,
+    budgets: &[usize],
+    runs: usize,
+    layer_done: LayerDone<'_>,
+) -> Result<GridTiming, PolicyError> {
+    let mut timing = GridTiming {
+        reports: Vec::new(),
+        grid: Vec::with_capacity(runs),
+        essential: Vec::with_capacity(runs),
+    };
+    for _ in 0..runs.max(1) {
+        let (reports, seconds) = oneshot_grid(trace, budgets, layer_done)?;
+        if timing.reports.is_empty() {
+            timing.reports = reports;
+        }
+        timing.grid.push(seconds);
+        timing.essential.push(essential_work(trace, budgets)?);
+    }
+    Ok(timing)
+}
+
 /// Runs the strong NumPy reference on the one-shot grid and checks it agrees with `reports`.
 pub fn oneshot_numpy(
     python: &Path,
@@ -200,6 +268,28 @@ fn select(mut scores: Vec<f32>, budget: usize) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    fn work(total: f64) -> EssentialWork {
+        EssentialWork {
+            read: total / 2.0,
+            prefix: total / 4.0,
+            decode: total / 8.0,
+            selections: total / 8.0,
+        }
+    }
+
+    #[test]
+    fn the_ratio_is_the_fastest_grid_over_the_fastest_essential_work() {
+        let timing = GridTiming {
+            reports: Vec::new(),
+            grid: vec![3.0, 2.5, 4.0],
+            essential: vec![work(2.0), work(1.6), work(1.0)],
+        };
+        assert_eq!(timing.best_grid(), 2.5);
+        assert_eq!(timing.median_grid(), 3.0);
+        assert_eq!(timing.best_essential(), work(1.0));
+        assert_eq!(timing.ratio(), 2.5);
+    }
 
     #[test]
     fn the_grid_is_one_shot_but_the_per_step_oracle() {
