@@ -479,10 +479,6 @@ fn oneshot_rows(
     let timing =
         bench::timed_against_essential(trace, budgets, bench::TIMED_RUNS, &return_free_memory)?;
     let (seconds, essential) = (timing.best_grid(), timing.best_essential());
-    let runs = |times: &mut dyn Iterator<Item = f64>| {
-        let listed: Vec<String> = times.map(|t| format!("{t:.2}")).collect();
-        listed.join(", ")
-    };
     let policies = bench::ONESHOT_POLICIES.len();
     table.push([
         format!(
@@ -493,7 +489,7 @@ fn oneshot_rows(
         ),
         format!(
             "{seconds:.2} s (runs {} s)",
-            runs(&mut timing.grid.iter().copied())
+            listed_seconds(timing.grid.iter().copied())
         ),
     ]);
     table.push([
@@ -508,7 +504,7 @@ fn oneshot_rows(
             essential.prefix,
             essential.decode,
             essential.selections,
-            runs(&mut timing.essential.iter().map(|e| e.total()))
+            listed_seconds(timing.essential.iter().map(|e| e.total()))
         ),
     ]);
     table.push([
@@ -531,6 +527,12 @@ fn oneshot_rows(
         ]);
     }
     Ok(())
+}
+
+/// Seconds as the bench lists runs: "3.25, 3.22, 3.13".
+fn listed_seconds(seconds: impl Iterator<Item = f64>) -> String {
+    let listed: Vec<String> = seconds.map(|t| format!("{t:.2}")).collect();
+    listed.join(", ")
 }
 
 /// [`kvreplay::bench::matmul_peak`] at `head_dim`. matrixmultiply allocates a packing buffer per
