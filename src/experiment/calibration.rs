@@ -6,7 +6,8 @@
 //! - Rank correlations: Spearman's ρ (Pearson on average ranks) and Kendall's τ-b (ties counted as
 //!   in scipy's `kendalltau`), pooled over all points and per trace, each with a 95% percentile
 //!   bootstrap interval (2,000 resamples of the points, a seeded SplitMix64 stream, so reports are
-//!   reproducible).
+//!   reproducible; a trace's own interval is seeded by its name, so adding traces leaves it as it
+//!   was).
 //! - Rankings: per (trace, budget), the policies ordered by open-loop retained mass (high first)
 //!   and by closed-loop KL (low first); Kendall's τ-b between the two orders, and whether both put
 //!   the same policy first.
@@ -19,6 +20,7 @@ use super::store::{StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
 use crate::replay::{metrics, RETAINED_MASS};
+use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
 /// Average ranks (1-based; ties share the mean of their ranks).
@@ -271,13 +273,20 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         }
     }
     out += &table.render(Format::Markdown);
-    out += "\nPer trace: retained mass against KL (a good open-loop metric has ρ near −1):\n\n";
+    out + &per_trace(runs, trace_names)
+}
+
+/// Per trace: retained mass against KL, each trace's bootstrap seeded by its name, so that its
+/// interval stays the same when traces are added to the experiment or reordered.
+fn per_trace(runs: &[StoredRun], trace_names: &[String]) -> String {
+    let out = "\nPer trace: retained mass against KL (a good open-loop metric has ρ near −1):\n\n"
+        .to_owned();
     let mut table = Table::new(["trace", "points", "Spearman ρ", "Kendall τ-b"]);
-    for (index, trace) in trace_names.iter().enumerate() {
+    for trace in trace_names {
         let of: Vec<&StoredRun> = runs.iter().filter(|r| &r.trace == trace).collect();
         let x: Vec<f64> = of.iter().map(|r| mass(r)).collect();
         let y: Vec<f64> = of.iter().map(|r| closed(r).kl).collect();
-        let seed = 1000 + index as u64;
+        let seed = trace_seed(trace);
         table.push([
             trace.clone(),
             of.len().to_string(),
@@ -286,6 +295,12 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         ]);
     }
     out + &table.render(Format::Markdown)
+}
+
+/// A bootstrap seed from a trace's name: the first eight bytes of its SHA-256.
+fn trace_seed(trace: &str) -> u64 {
+    let digest = Sha256::digest(trace.as_bytes());
+    u64::from_le_bytes(digest[..8].try_into().expect("eight bytes"))
 }
 
 /// Per budget: does ranking the policies by open-loop mass give their closed-loop KL order?
@@ -365,6 +380,7 @@ fn rankings(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use crate::experiment::testing::closed_run;
     use approx::assert_abs_diff_eq;
 
     #[test]
@@ -388,6 +404,32 @@ mod tests {
         assert_abs_diff_eq!(spearman(&x, &y), 0.948_683, epsilon = 1e-6);
         assert_abs_diff_eq!(kendall(&x, &y), 0.912_871, epsilon = 1e-6);
         assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan());
+    }
+
+    #[test]
+    fn a_traces_interval_does_not_depend_on_the_other_traces() {
+        let kls = [0.5, 0.1, 0.9, 0.3, 0.7, 0.2, 0.8, 0.4];
+        let on = |trace: &str, shift: f64| -> Vec<StoredRun> {
+            kls.iter()
+                .enumerate()
+                .map(|(i, &kl)| {
+                    let mass = 0.1 * i as f64 + shift;
+                    let mut run = closed_run(&format!("p{i}"), [mass, mass], None, kl);
+                    run.trace = trace.into();
+                    run
+                })
+                .collect()
+        };
+        let row_of_t = |report: &str| {
+            let row = report.lines().find(|l| l.starts_with("| t ")).unwrap();
+            row.to_owned()
+        };
+        let alone = per_trace(&on("t", 0.0), &["t".into()]);
+        let mut both = on("s", 0.05);
+        both.extend(on("t", 0.0));
+        let beside = per_trace(&both, &["s".into(), "t".into()]);
+        assert_eq!(row_of_t(&alone), row_of_t(&beside));
+        assert_ne!(trace_seed("s"), trace_seed("t"));
     }
 
     #[test]

@@ -153,42 +153,7 @@ fn predictors(pairs: &[Paired]) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::experiment::{ClosedLoop, StoredReport};
-    use std::collections::BTreeMap;
-
-    fn run(name: &str, open: [f64; 2], live: Option<[f64; 2]>, kl: f64) -> StoredRun {
-        let report = StoredReport {
-            nominal_budget: 64,
-            settings: BTreeMap::new(),
-            metrics: BTreeMap::from([(RETAINED_MASS.to_string(), (open[0] + open[1]) / 2.0)]),
-            mean_kept: 64.0,
-            layer_budgets: vec![64, 64],
-            layer_kept: vec![64.0, 64.0],
-            layer_metrics: BTreeMap::from([(RETAINED_MASS.to_string(), open.to_vec())]),
-            samples: BTreeMap::new(),
-            spans: Vec::new(),
-            kv_entries: None,
-            lost: Vec::new(),
-        };
-        StoredRun {
-            id: format!("{name}-{kl}"),
-            name: name.into(),
-            trace: "t".into(),
-            trace_sha256: String::new(),
-            report,
-            closed_loop: Some(ClosedLoop {
-                kl,
-                top1: 1.0,
-                logprob_lost: 0.0,
-                answer_ok: true,
-                full_answer_ok: true,
-                text: String::new(),
-                uses_full_run_future: false,
-                live_retained_mass: live.map(|l| (l[0] + l[1]) / 2.0),
-                live_layers: live.map(|l| l.to_vec()),
-            }),
-        }
-    }
+    use crate::experiment::testing::closed_run as run;
 
     #[test]
     fn drift_by_hand() {

@@ -17,6 +17,8 @@ pub mod shard;
 pub mod slurm;
 mod spec;
 mod store;
+#[cfg(test)]
+mod testing;
 mod traces;
 
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
