@@ -279,8 +279,6 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
 /// Per trace: retained mass against KL, each trace's bootstrap seeded by its name, so that its
 /// interval stays the same when traces are added to the experiment or reordered.
 fn per_trace(runs: &[StoredRun], trace_names: &[String]) -> String {
-    let out = "\nPer trace: retained mass against KL (a good open-loop metric has ρ near −1):\n\n"
-        .to_owned();
     let mut table = Table::new(["trace", "points", "Spearman ρ", "Kendall τ-b"]);
     for trace in trace_names {
         let of: Vec<&StoredRun> = runs.iter().filter(|r| &r.trace == trace).collect();
@@ -294,7 +292,10 @@ fn per_trace(runs: &[StoredRun], trace_names: &[String]) -> String {
             interval(bootstrap(&x, &y, kendall, seed)),
         ]);
     }
-    out + &table.render(Format::Markdown)
+    format!(
+        "\nPer trace: retained mass against KL (a good open-loop metric has ρ near −1):\n\n{}",
+        table.render(Format::Markdown)
+    )
 }
 
 /// A bootstrap seed from a trace's name: the first eight bytes of its SHA-256.
