@@ -1,6 +1,7 @@
 //! Closed loop on the real model: a policy that keeps everything reproduces the full run exactly,
 //! a live run chooses exactly what an open-loop replay of the same run's trace chooses, reruns are
-//! bit-identical, and masking evicted keys equals physically removing them from the cache.
+//! bit-identical (on any number of threads), and masking evicted keys equals physically removing
+//! them from the cache.
 
 mod common;
 
@@ -178,6 +179,30 @@ fn evicting_timings_run_inside_the_model() {
         // Bit-identical rerun.
         assert_eq!(session.run(&policy).unwrap(), lossy);
     }
+}
+
+#[test]
+fn a_sessions_runs_do_not_depend_on_the_thread_count() {
+    // Several policies of one session run side by side: one worker thread or three, each
+    // report is the one its policy gets alone.
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &capital(), 512, scratch.path()).unwrap();
+    let mut policies = vec![snapkv(12).check().unwrap()];
+    policies.extend(
+        EVICTING
+            .iter()
+            .map(|&(timing, order)| evicting_live(timing, order, 12).check().unwrap()),
+    );
+    let run_on = |threads| {
+        rayon::ThreadPoolBuilder::new()
+            .num_threads(threads)
+            .build()
+            .unwrap()
+            .install(|| session.run_many(&policies).unwrap())
+    };
+    let (one, three) = (run_on(1), run_on(3));
+    assert_eq!(one, three);
+    assert_eq!(three[2], session.run(&policies[2]).unwrap());
 }
 
 /// Teacher-forced steps of a run that starts comparing at step 1.

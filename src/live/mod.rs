@@ -46,6 +46,7 @@ use crate::replay::{
 };
 use crate::trace::{StorageDtype, TraceReader};
 use drift::{CompressedLayers, LiveMass};
+use rayon::prelude::*;
 use serde::Serialize;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -277,15 +278,17 @@ impl<'m> LiveSession<'m> {
     }
 
     /// [`run`](Self::run) for several policies: their open-loop metrics (and the `prefill`
-    /// timing's kept sets) come from one replay pass over the recording, then each runs live in
-    /// turn.
+    /// timing's kept sets) come from one replay pass over the recording, then they run live side
+    /// by side, one per worker thread. A decode step's products are too small for the model to
+    /// spread over threads, so a run keeps about one core busy; each run is computed alone and
+    /// the reports come back in the order of `policies`, so the thread count changes no result.
     pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<LiveReport>, LiveError> {
         for policy in policies {
             check_live(policy)?;
         }
         let meta = self.trace.meta();
         replay_keeping(&self.trace, policies)?
-            .into_iter()
+            .into_par_iter()
             .zip(policies)
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
