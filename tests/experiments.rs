@@ -4,7 +4,9 @@ mod common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};
+use kvreplay::experiment::Experiment;
 use predicates::str::contains;
+use std::path::Path;
 
 const EXPERIMENT: &str = r#"
 description = "fixture sweep"
@@ -451,4 +453,40 @@ fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
     }
     assert!(ranked[0].1 >= ranked[1].1, "ranked best first: {ranked:?}");
     assert!(report.contains("Kendall's τ-b"), "{report}");
+}
+
+/// Every experiment shipped in `experiments/` parses and checks, and names recipes that exist.
+#[test]
+fn every_shipped_experiment_loads() {
+    let mut shipped = 0;
+    for entry in std::fs::read_dir("experiments").unwrap() {
+        let path = entry.unwrap().path();
+        if path.extension().is_none_or(|e| e != "toml") {
+            continue;
+        }
+        let experiment = Experiment::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        for trace in &experiment.traces {
+            assert!(
+                trace.is_file(),
+                "{}: {} is missing",
+                path.display(),
+                trace.display()
+            );
+        }
+        shipped += 1;
+    }
+    assert!(shipped >= 10, "{shipped} experiments");
+}
+
+/// The hour's calibration is a slice of the full one: the same policies and budgets on some of
+/// its recipes, so their stored runs (ids from settings and recipe) are interchangeable.
+#[test]
+fn the_hours_calibration_is_a_slice_of_the_full_one() {
+    let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
+    let hour = Experiment::load(Path::new("experiments/calibration-1k.toml")).unwrap();
+    assert_eq!(hour.policies, full.policies);
+    assert_eq!(hour.budgets, full.budgets);
+    assert_eq!(hour.closed_loop, full.closed_loop);
+    assert!(hour.traces.iter().all(|t| full.traces.contains(t)));
+    assert_eq!(hour.traces.len(), 10);
 }
