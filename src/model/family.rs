@@ -10,19 +10,19 @@ use std::path::Path;
 pub struct Family {
     /// The GGUF `general.architecture` it runs.
     pub architecture: &'static str,
-    /// Loads a GGUF of this architecture.
-    pub load: fn(&Path) -> Result<Box<dyn CausalLm + Send>, ModelError>,
+    /// Loads an opened GGUF of this architecture.
+    pub load: fn(GgufFile) -> Result<Box<dyn CausalLm + Send>, ModelError>,
 }
 
 /// Every family, by architecture.
 pub const FAMILIES: &[Family] = &[
     Family {
         architecture: "llama",
-        load: |path| Ok(Box::new(Llama::load(path)?)),
+        load: |gguf| Ok(Box::new(Llama::from_gguf(gguf)?)),
     },
     Family {
         architecture: "gemma3",
-        load: |path| Ok(Box::new(Gemma3::load(path)?)),
+        load: |gguf| Ok(Box::new(Gemma3::from_gguf(gguf)?)),
     },
 ];
 
@@ -31,7 +31,7 @@ pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
     let gguf = GgufFile::open(path)?;
     let architecture = gguf.architecture();
     match FAMILIES.iter().find(|f| f.architecture == architecture) {
-        Some(family) => (family.load)(path),
+        Some(family) => (family.load)(gguf),
         None => Err(ModelError::Metadata {
             path: path.to_owned(),
             key: "general.architecture".into(),

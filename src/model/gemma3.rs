@@ -65,7 +65,11 @@ pub struct Gemma3 {
 impl Gemma3 {
     /// Loads a Gemma 3 GGUF, dequantising every weight to f32.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
-        let mut gguf = GgufFile::open(path)?;
+        Self::from_gguf(GgufFile::open(path)?)
+    }
+
+    /// [`load`](Self::load) from an opened GGUF.
+    pub fn from_gguf(mut gguf: GgufFile) -> Result<Self, ModelError> {
         if gguf.architecture() != "gemma3" {
             return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
         }

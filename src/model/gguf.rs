@@ -3,6 +3,9 @@
 use super::ModelError;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
+use memmap2::Mmap;
+use std::fs::File;
+use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
 /// The hyper-parameters of a Llama-architecture model, from its GGUF metadata.
@@ -35,16 +38,22 @@ impl LlamaConfig {
 pub struct GgufFile {
     pub(crate) path: PathBuf,
     pub(crate) content: Content,
-    file: std::fs::File,
+    /// Mapped: the header is read a few bytes at a time (a tokenizer's vocabulary is tens of
+    /// thousands of strings, each a length and its bytes), two system calls each from a file.
+    file: Cursor<Mmap>,
 }
 
 impl GgufFile {
     /// Opens a GGUF file and parses its header.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
-        let mut file = std::fs::File::open(path).map_err(|source| ModelError::Io {
+        let io_error = |source| ModelError::Io {
             path: path.to_owned(),
             source,
-        })?;
+        };
+        let file = File::open(path).map_err(io_error)?;
+        // SAFETY: the map is read-only and private to this reader; a model file modified by
+        // another process while it loads is outside what any reader can defend against.
+        let mut file = Cursor::new(unsafe { Mmap::map(&file) }.map_err(io_error)?);
         let content = Content::read(&mut file).map_err(|err| ModelError::Gguf {
             path: path.to_owned(),
             detail: err.to_string(),

@@ -46,7 +46,11 @@ pub(crate) fn transposed(weight: Tensor) -> Result<Tensor, ModelError> {
 impl Llama {
     /// Loads a Llama-architecture GGUF, dequantising every weight to f32.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
-        let mut gguf = GgufFile::open(path)?;
+        Self::from_gguf(GgufFile::open(path)?)
+    }
+
+    /// [`load`](Self::load) from an opened GGUF.
+    pub fn from_gguf(mut gguf: GgufFile) -> Result<Self, ModelError> {
         let config = gguf.llama_config()?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
         let embedding = gguf.tensor("token_embd.weight")?;
