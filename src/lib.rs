@@ -20,4 +20,5 @@ pub mod live;
 pub mod model;
 pub mod recipe;
 pub mod replay;
+pub mod splitmix;
 pub mod trace;

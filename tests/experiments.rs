@@ -478,6 +478,71 @@ fn every_shipped_experiment_loads() {
     assert!(shipped >= 10, "{shipped} experiments");
 }
 
+/// An experiment that extends another inherits every key it does not set and replaces the ones
+/// it does (its `[[policy]]` tables replace the base's whole list).
+#[test]
+fn an_extending_experiment_inherits_what_it_does_not_set() {
+    let dir = setup(EXPERIMENT);
+    std::fs::create_dir(dir.path().join("slices")).unwrap();
+    let slice = dir.path().join("slices/wider.toml");
+    std::fs::write(&slice, "extends = \"../e.toml\"\nbudgets = [6, 8, 10]\n").unwrap();
+    let base = Experiment::load(&dir.path().join("e.toml")).unwrap();
+    let wider = Experiment::load(&slice).unwrap();
+    assert_eq!(wider.name, "wider");
+    assert_eq!(wider.description, base.description);
+    assert_eq!(wider.traces, base.traces);
+    assert_eq!(wider.compare, base.compare);
+    assert_eq!(wider.budgets, [6, 8, 10]);
+    assert_eq!(wider.policies.len(), 3 * 3);
+    let at = |experiment: &Experiment, budget: usize| -> Vec<String> {
+        let policies = experiment.policies.iter();
+        let at_budget = policies.filter(|(_, p)| p.budget == budget);
+        at_budget.map(|(name, _)| name.clone()).collect()
+    };
+    assert_eq!(at(&wider, 6), at(&base, 6));
+    let own_policy =
+        "extends = \"../e.toml\"\n[[policy]]\nname = \"knorm\"\nscorer = \"knorm\"\nwindow = 2\n";
+    std::fs::write(&slice, own_policy).unwrap();
+    let err = Experiment::load(&slice).unwrap_err().to_string();
+    // The base's comparisons name policies the slice replaced: checked as the slice's own.
+    assert!(
+        err.contains("wider.toml") && err.contains("[[compare]] names"),
+        "{err}"
+    );
+}
+
+#[test]
+fn a_broken_extends_is_refused_naming_the_file() {
+    let dir = setup(EXPERIMENT);
+    std::fs::write(dir.path().join("mid.toml"), "extends = \"e.toml\"\n").unwrap();
+    for (slice, rule) in [
+        (
+            "extends = \"none.toml\"\n",
+            "extends = `none.toml`: no such file",
+        ),
+        ("extends = 3\n", "`extends` must be a string"),
+        (
+            "extends = \"mid.toml\"\n",
+            "itself extends another experiment: one level only",
+        ),
+        (
+            "extends = \"e.toml\"\nbudget = [6]\n",
+            "unknown field `budget`",
+        ),
+    ] {
+        std::fs::write(dir.path().join("slice.toml"), slice).unwrap();
+        kvreplay(&dir)
+            .args(["sweep", "slice.toml"])
+            .assert()
+            .code(2)
+            .stderr(contains("slice.toml").and(contains(rule)));
+        assert!(
+            !dir.path().join("results").exists(),
+            "nothing written for {rule}"
+        );
+    }
+}
+
 /// The hour's calibration is a slice of the full one: the same policies and budgets on some of
 /// its recipes, so their stored runs (ids from settings and recipe) are interchangeable.
 #[test]

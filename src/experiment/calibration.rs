@@ -20,6 +20,7 @@ use super::store::{StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
 use crate::replay::{metrics, RETAINED_MASS};
+use crate::splitmix;
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
@@ -95,15 +96,6 @@ pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
     (concordant - discordant) as f64 / denominator
 }
 
-/// SplitMix64: the seeded stream of the bootstrap.
-fn splitmix64(state: &mut u64) -> u64 {
-    *state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    let mut x = *state;
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
 /// Resamples of the bootstrap.
 pub const BOOTSTRAP_RESAMPLES: usize = 2000;
 
@@ -122,7 +114,7 @@ pub fn bootstrap(
     let (mut rx, mut ry) = (vec![0.0; n], vec![0.0; n]);
     for _ in 0..BOOTSTRAP_RESAMPLES {
         for slot in 0..n {
-            let pick = (splitmix64(&mut state) % n as u64) as usize;
+            let pick = (splitmix::next(&mut state) % n as u64) as usize;
             rx[slot] = x[pick];
             ry[slot] = y[pick];
         }

@@ -1,4 +1,9 @@
 //! The experiment file and its expansion into runs.
+//!
+//! A file may name a base experiment in `extends` (a path relative to its own directory): every
+//! top-level key the file sets replaces the base's, the rest come from the base (a slice of a
+//! large experiment lists its own `traces` and inherits the policies, budgets and settings, so
+//! the two cannot drift apart). A base does not itself extend another.
 
 use super::TraceFile;
 use crate::replay::{all_methods, presets, PolicyParams, COMMON_KEYS};
@@ -182,19 +187,13 @@ impl Experiment {
     /// Reads and checks an experiment file: unknown keys and names are errors listing the valid
     /// ones, and every expanded policy is checked before anything runs.
     pub fn load(path: &Path) -> Result<Self, ExperimentError> {
-        let source = std::fs::read_to_string(path).map_err(|source| ExperimentError::Io {
-            path: path.to_owned(),
-            source,
-        })?;
-        let file: ExperimentFile =
-            toml::from_str(&source).map_err(|err| ExperimentError::Parse {
-                path: path.to_owned(),
-                detail: err.message().to_owned(),
-            })?;
         let parse_error = |detail: String| ExperimentError::Parse {
             path: path.to_owned(),
             detail,
         };
+        let file: ExperimentFile = toml::Value::Table(extended_table(path)?)
+            .try_into()
+            .map_err(|err: toml::de::Error| parse_error(err.message().to_owned()))?;
         if file.policy.is_empty() && file.entropy_window.is_none() {
             return Err(parse_error(
                 "no [[policy]] and no `entropy_window`: the experiment measures nothing".into(),
@@ -388,6 +387,51 @@ impl Experiment {
         }
         runs
     }
+}
+
+/// The top-level table of the experiment file at `path`.
+fn read_table(path: &Path) -> Result<toml::Table, ExperimentError> {
+    let source = std::fs::read_to_string(path).map_err(|source| ExperimentError::Io {
+        path: path.to_owned(),
+        source,
+    })?;
+    toml::from_str(&source).map_err(|err: toml::de::Error| ExperimentError::Parse {
+        path: path.to_owned(),
+        detail: err.message().to_owned(),
+    })
+}
+
+/// The file's table over its base's (`extends`), the base's keys replaced by the file's own.
+fn extended_table(path: &Path) -> Result<toml::Table, ExperimentError> {
+    let mut table = read_table(path)?;
+    let Some(extends) = table.remove("extends") else {
+        return Ok(table);
+    };
+    let parse_error = |detail: String| ExperimentError::Parse {
+        path: path.to_owned(),
+        detail,
+    };
+    let toml::Value::String(base) = extends else {
+        return Err(parse_error(
+            "`extends` must be a string: the path of the base experiment, relative to this file"
+                .into(),
+        ));
+    };
+    let base_path = path.parent().unwrap_or(Path::new("")).join(&base);
+    if !base_path.is_file() {
+        return Err(parse_error(format!(
+            "extends = `{base}`: no such file ({})",
+            base_path.display()
+        )));
+    }
+    let mut merged = read_table(&base_path)?;
+    if merged.contains_key("extends") {
+        return Err(parse_error(format!(
+            "extends = `{base}`, which itself extends another experiment: one level only"
+        )));
+    }
+    merged.extend(table);
+    Ok(merged)
 }
 
 /// The first value that appears twice in `values`.

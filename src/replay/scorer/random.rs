@@ -4,6 +4,7 @@
 
 use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
+use crate::splitmix::hash;
 
 crate::settings! {
     /// A seeded uniform score per (layer, cache, position): the floor every scorer must clear.
@@ -18,18 +19,10 @@ struct State {
     stream: u64,
 }
 
-/// SplitMix64's output function.
-fn splitmix64(mut x: u64) -> u64 {
-    x = x.wrapping_add(0x9E37_79B9_7F4A_7C15);
-    x = (x ^ (x >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-    x = (x ^ (x >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-    x ^ (x >> 31)
-}
-
 impl Scorer for Random {
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         let stream =
-            splitmix64(splitmix64(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
+            hash(hash(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })
     }
 }
@@ -40,7 +33,7 @@ impl ScoreState for State {
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| {
-            (splitmix64(self.stream ^ position as u64) >> 40) as f32 / (1u64 << 24) as f32
+            (hash(self.stream ^ position as u64) >> 40) as f32 / (1u64 << 24) as f32
         }));
     }
 }
