@@ -12,8 +12,8 @@ use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment
 use kvreplay::export::{exporter, Format, Table};
 use kvreplay::replay::settings::{self, Method};
 use kvreplay::replay::{
-    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, Layers, Order,
-    PolicyParams, ReplayReport, Timing, ValidPolicy,
+    all_methods, allocator, head_split, presets, replay_many, scorer, Granularity, LayerDone,
+    Layers, Order, PolicyParams, ReplayReport, Timing, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
@@ -381,6 +381,7 @@ fn capture_recipe(
     dtype: StorageDtype,
     chunk: usize,
 ) -> Result<capture::CaptureSummary, capture::CaptureError> {
+    let _tuned = ModelMalloc::tune();
     let bar = progress_bar(0, "capture");
     let started = std::time::Instant::now();
     let summary = capture::capture_recipe(recipe, out, dtype, chunk, &mut |done, total| {
@@ -429,6 +430,7 @@ fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Re
         recipe.display()
     );
     kvreplay::live::check_live(policy)?;
+    let _tuned = ModelMalloc::tune();
     let model = capture::load_recipe_model(recipe)?;
     let prompt = capture::build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
@@ -702,6 +704,8 @@ fn bench(
         growth_cell(grid_growth, bench::layer_bytes(&trace)),
     ]);
     if capture_tokens > 0 {
+        // The model's rows run as `kvreplay capture` and `kvreplay live` run it.
+        let _tuned = ModelMalloc::tune();
         let (tokens, speed) = bench::capture_speed(capture_tokens)?;
         table.push([
             format!("capture prefill, {tokens} tokens, recording q/k/v"),
@@ -749,6 +753,7 @@ fn experiment_traces(experiment: &Experiment, capture: bool) -> Result<Vec<Trace
 
 fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
     let experiment = Experiment::load(path)?;
+    let _tuned = experiment.closed_loop.then(ModelMalloc::tune);
     let results = results_root.join(&experiment.name);
     if run_missing {
         claim_results(&results, path)?;
@@ -762,7 +767,7 @@ fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
             &results,
             None,
             &|done, _| bar.set_position(done as u64),
-            &return_free_memory,
+            after_sweep_layer(&experiment),
         )?;
         bar.finish_and_clear();
         eprintln!(
@@ -781,6 +786,7 @@ fn sweep(path: &Path, results_root: &Path, run_missing: bool) -> Result<()> {
 /// One shard of a sweep: its runs only, no report.
 fn sweep_shard(path: &Path, results_root: &Path, shard: Shard) -> Result<()> {
     let experiment = Experiment::load(path)?;
+    let _tuned = experiment.closed_loop.then(ModelMalloc::tune);
     let results = results_root.join(&experiment.name);
     claim_results(&results, path)?;
     let traces = experiment_traces(&experiment, true)?;
@@ -794,7 +800,7 @@ fn sweep_shard(path: &Path, results_root: &Path, shard: Shard) -> Result<()> {
             bar.set_length(total as u64);
             bar.set_position(done as u64)
         },
-        &return_free_memory,
+        after_sweep_layer(&experiment),
     )?;
     bar.finish_and_clear();
     eprintln!(
@@ -1052,13 +1058,77 @@ const MMAP_THRESHOLD: usize = 128 << 10;
 /// Sets glibc's threshold above which allocations are mapped (and unmapped when freed); this
 /// turns its adaptive threshold off. A no-op under other C libraries.
 fn set_mmap_threshold(bytes: usize) {
+    set_malloc_option(MallocOption::MmapThreshold, bytes);
+}
+
+/// glibc's tuning knobs this binary sets.
+#[derive(Clone, Copy)]
+enum MallocOption {
+    /// `M_MMAP_THRESHOLD`: blocks of this size and more are mapped, and unmapped when freed.
+    MmapThreshold,
+    /// `M_TRIM_THRESHOLD`: free memory at the top of a heap beyond this is handed back.
+    TrimThreshold,
+}
+
+/// Sets one of glibc's tuning knobs (which turns its adaptive thresholds off). A no-op under
+/// other C libraries.
+fn set_malloc_option(option: MallocOption, bytes: usize) {
     #[cfg(all(target_os = "linux", target_env = "gnu"))]
     // SAFETY: mallopt only changes allocator tuning; it takes the allocator's lock.
     unsafe {
-        libc::mallopt(libc::M_MMAP_THRESHOLD, bytes as i32);
+        let option = match option {
+            MallocOption::MmapThreshold => libc::M_MMAP_THRESHOLD,
+            MallocOption::TrimThreshold => libc::M_TRIM_THRESHOLD,
+        };
+        libc::mallopt(option, bytes as i32);
     }
-    let _ = bytes;
+    let _ = (option, bytes);
 }
+
+/// The native model (captures, live runs, closed-loop sweeps) allocates and frees its activations
+/// and logits at every step, most of them over [`MMAP_THRESHOLD`]: under the replay's tuning each
+/// was mapped, faulted in page by page and unmapped again, and a live run on a ~1K prompt spent 40%
+/// of its CPU time in the kernel (4.4 million page faults). While the model runs, blocks up to
+/// this size come from the heap and freed ones stay there for the next step.
+const MODEL_MMAP_THRESHOLD: usize = 32 << 20;
+
+/// glibc tuned for the native model while one lives (they nest: a closed-loop sweep captures its
+/// recipes), for the replay again when the last is dropped.
+struct ModelMalloc;
+
+/// How many [`ModelMalloc`] live.
+static MODEL_MALLOC_HELD: std::sync::atomic::AtomicUsize = std::sync::atomic::AtomicUsize::new(0);
+
+impl ModelMalloc {
+    fn tune() -> Self {
+        if MODEL_MALLOC_HELD.fetch_add(1, std::sync::atomic::Ordering::SeqCst) == 0 {
+            set_malloc_option(MallocOption::MmapThreshold, MODEL_MMAP_THRESHOLD);
+            set_malloc_option(MallocOption::TrimThreshold, 2 * MODEL_MMAP_THRESHOLD);
+        }
+        ModelMalloc
+    }
+}
+
+impl Drop for ModelMalloc {
+    fn drop(&mut self) {
+        if MODEL_MALLOC_HELD.fetch_sub(1, std::sync::atomic::Ordering::SeqCst) == 1 {
+            set_malloc_option(MallocOption::MmapThreshold, MMAP_THRESHOLD);
+            set_malloc_option(MallocOption::TrimThreshold, REPLAY_TRIM_THRESHOLD);
+        }
+    }
+}
+
+/// What a sweep does after each layer of a replay: hands the freed memory back, except in a
+/// closed-loop sweep, whose heap stays with the model that runs beside the replays.
+fn after_sweep_layer(experiment: &Experiment) -> LayerDone<'static> {
+    match experiment.closed_loop {
+        true => &|| {},
+        false => &return_free_memory,
+    }
+}
+
+/// glibc's default trim threshold, which the replay keeps.
+const REPLAY_TRIM_THRESHOLD: usize = 128 << 10;
 
 /// candle sizes each matrix product of the native model by `RAYON_NUM_THREADS` or, when it is
 /// unset, by counting the physical cores in /proc/cpuinfo, once per product: a decode step spent

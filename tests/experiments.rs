@@ -543,15 +543,15 @@ fn a_broken_extends_is_refused_naming_the_file() {
     }
 }
 
-/// The hour's calibration is a slice of the full one: the same policies and budgets on some of
+/// The half-hour calibration is a slice of the full one: the same policies and budgets on some of
 /// its recipes, so their stored runs (ids from settings and recipe) are interchangeable.
 #[test]
-fn the_hours_calibration_is_a_slice_of_the_full_one() {
+fn the_short_calibration_is_a_slice_of_the_full_one() {
     let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
-    let hour = Experiment::load(Path::new("experiments/calibration-1k.toml")).unwrap();
-    assert_eq!(hour.policies, full.policies);
-    assert_eq!(hour.budgets, full.budgets);
-    assert_eq!(hour.closed_loop, full.closed_loop);
-    assert!(hour.traces.iter().all(|t| full.traces.contains(t)));
-    assert_eq!(hour.traces.len(), 10);
+    let short = Experiment::load(Path::new("experiments/calibration-1k.toml")).unwrap();
+    assert_eq!(short.policies, full.policies);
+    assert_eq!(short.budgets, full.budgets);
+    assert_eq!(short.closed_loop, full.closed_loop);
+    assert!(short.traces.iter().all(|t| full.traces.contains(t)));
+    assert_eq!(short.traces.len(), 10);
 }

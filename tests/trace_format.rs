@@ -46,6 +46,32 @@ fn traces_get_the_mode_of_a_new_file() {
     assert_eq!(mode(&path), mode(&plain));
 }
 
+/// A trace is the same bytes whenever it is written (the header's keys in sorted order, not in a
+/// hash map's random one), so re-captures can be compared by checksum.
+#[test]
+fn one_trace_is_always_the_same_bytes() {
+    let dir = tempfile::tempdir().unwrap();
+    let written: Vec<Vec<u8>> = (0..4)
+        .map(|index| {
+            let path = dir.path().join(format!("t{index}.safetensors"));
+            write_fixture(&path, Shape::default(), 1);
+            std::fs::read(&path).unwrap()
+        })
+        .collect();
+    assert!(written.iter().all(|bytes| bytes == &written[0]));
+    let length = u64::from_le_bytes(written[0][..8].try_into().unwrap()) as usize;
+    let header = std::str::from_utf8(&written[0][8..8 + length]).unwrap();
+    let keys = [
+        "\"format\"",
+        "\"head_dim\"",
+        "\"model\"",
+        "\"n_heads\"",
+        "\"prompt_len\"",
+    ];
+    let at: Vec<usize> = keys.iter().map(|key| header.find(key).unwrap()).collect();
+    assert!(at.windows(2).all(|pair| pair[0] < pair[1]), "{header}");
+}
+
 #[test]
 fn half_precision_round_trips_within_its_precision() {
     let dir = tempfile::tempdir().unwrap();

@@ -191,9 +191,39 @@ pub fn write_trace(
         if let Some(detail) = loader.error.borrow().clone() {
             return Err(std::io::Error::other(detail));
         }
+        sort_header(partial)?;
         std::fs::set_permissions(partial, permissions)
     })
     .map_err(|err| fail(err.to_string()))
+}
+
+/// Rewrites the header of the safetensors file at `path` with its keys in sorted order, so that
+/// one trace is always the same bytes: safetensors writes the metadata in the order of a
+/// randomly seeded hash map, different in every capture. The sorted header is as long as the
+/// written one (the same compact JSON; the padding to 8 bytes kept), and a header's key order
+/// means nothing to a reader (each tensor names its own offsets).
+fn sort_header(path: &Path) -> std::io::Result<()> {
+    use std::io::{Read, Seek, SeekFrom, Write};
+    let mut file = std::fs::OpenOptions::new()
+        .read(true)
+        .write(true)
+        .open(path)?;
+    let mut length = [0u8; 8];
+    file.read_exact(&mut length)?;
+    let mut header = vec![0u8; u64::from_le_bytes(length) as usize];
+    file.read_exact(&mut header)?;
+    // serde_json's maps are ordered by key.
+    let parsed: serde_json::Value =
+        serde_json::from_slice(&header).map_err(std::io::Error::other)?;
+    let mut sorted = serde_json::to_vec(&parsed).map_err(std::io::Error::other)?;
+    if sorted.len() > header.len() {
+        return Err(std::io::Error::other(
+            "the sorted trace header is longer than the written one",
+        ));
+    }
+    sorted.resize(header.len(), b' ');
+    file.seek(SeekFrom::Start(8))?;
+    file.write_all(&sorted)
 }
 
 /// Asks the source for each layer once, keeps it encoded while its tensors are written, and
