@@ -1092,6 +1092,9 @@ fn set_malloc_option(option: MallocOption, bytes: usize) {
 /// this size come from the heap and freed ones stay there for the next step.
 const MODEL_MMAP_THRESHOLD: usize = 32 << 20;
 
+/// glibc's default trim threshold, which the replay keeps.
+const REPLAY_TRIM_THRESHOLD: usize = 128 << 10;
+
 /// glibc tuned for the native model while one lives (they nest: a closed-loop sweep captures its
 /// recipes), for the replay again when the last is dropped.
 struct ModelMalloc;
@@ -1126,9 +1129,6 @@ fn after_sweep_layer(experiment: &Experiment) -> LayerDone<'static> {
         false => &return_free_memory,
     }
 }
-
-/// glibc's default trim threshold, which the replay keeps.
-const REPLAY_TRIM_THRESHOLD: usize = 128 << 10;
 
 /// candle sizes each matrix product of the native model by `RAYON_NUM_THREADS` or, when it is
 /// unset, by counting the physical cores in /proc/cpuinfo, once per product: a decode step spent
