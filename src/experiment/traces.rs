@@ -6,10 +6,9 @@ use super::{Experiment, SweepError};
 use crate::assets::sha256_file;
 use crate::capture::CaptureError;
 use crate::recipe::Recipe;
-use crate::trace::TraceMeta;
+use crate::trace::{read_header, TraceMeta};
 use sha2::{Digest, Sha256};
 use std::collections::HashMap;
-use std::io::Read;
 use std::path::{Path, PathBuf};
 
 /// A trace file of an experiment and the sha256 of its content (and of its recipe's, when it was
@@ -76,25 +75,16 @@ impl TraceFile {
     }
 }
 
-/// sha256 of a safetensors file's content: its header with keys in sorted order (the writer's
-/// header is a hash map, so two writes of the same tensors and metadata order its keys
-/// differently), then its data bytes. Not a safetensors header: the file's bytes as they are.
+/// sha256 of a safetensors file's content: its header with keys in sorted order (older traces,
+/// and other writers such as the Python capture, order its keys as a hash map does, differently
+/// in each write), then its data bytes. Not a safetensors header: the file's bytes as they are.
 /// Returns the digest and the parsed header.
 fn content_sha256(path: &Path) -> std::io::Result<(String, Option<serde_json::Value>)> {
     let mut file = std::io::BufReader::new(std::fs::File::open(path)?);
     let mut hasher = Sha256::new();
-    let mut length = [0u8; 8];
-    let header = match file.read_exact(&mut length) {
-        Ok(()) => {
-            let mut header = vec![0u8; u64::from_le_bytes(length).min(100 << 20) as usize];
-            file.read_exact(&mut header)
-                .ok()
-                .and_then(|()| serde_json::from_slice::<serde_json::Value>(&header).ok())
-        }
-        Err(_) => None,
-    };
+    let header = read_header(&mut file).ok().map(|(_, json)| json);
     match &header {
-        // serde_json's maps are ordered by key, so this is the canonical header.
+        // Its keys are sorted: the canonical header.
         Some(json) => hasher.update(json.to_string().as_bytes()),
         None => {
             file = std::io::BufReader::new(std::fs::File::open(path)?);

@@ -7,11 +7,13 @@
 //! the round trip is bit-identical for f32 storage.
 
 mod error;
+mod header;
 mod meta;
 mod reader;
 mod writer;
 
 pub use error::TraceError;
+pub(crate) use header::read_header;
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TraceReader};
 pub use writer::{write_trace, LayerArrays, LayerSource, StorageDtype, TraceWriter};

@@ -203,25 +203,19 @@ pub fn write_trace(
 /// written one (the same compact JSON; the padding to 8 bytes kept), and a header's key order
 /// means nothing to a reader (each tensor names its own offsets).
 fn sort_header(path: &Path) -> std::io::Result<()> {
-    use std::io::{Read, Seek, SeekFrom, Write};
+    use std::io::{Seek, SeekFrom, Write};
     let mut file = std::fs::OpenOptions::new()
         .read(true)
         .write(true)
         .open(path)?;
-    let mut length = [0u8; 8];
-    file.read_exact(&mut length)?;
-    let mut header = vec![0u8; u64::from_le_bytes(length) as usize];
-    file.read_exact(&mut header)?;
-    // serde_json's maps are ordered by key.
-    let parsed: serde_json::Value =
-        serde_json::from_slice(&header).map_err(std::io::Error::other)?;
-    let mut sorted = serde_json::to_vec(&parsed).map_err(std::io::Error::other)?;
-    if sorted.len() > header.len() {
+    let (length, header) = super::read_header(&mut file)?;
+    let mut sorted = serde_json::to_vec(&header).map_err(std::io::Error::other)?;
+    if sorted.len() > length {
         return Err(std::io::Error::other(
             "the sorted trace header is longer than the written one",
         ));
     }
-    sorted.resize(header.len(), b' ');
+    sorted.resize(length, b' ');
     file.seek(SeekFrom::Start(8))?;
     file.write_all(&sorted)
 }
