@@ -131,8 +131,20 @@ pub fn bootstrap(
     (value, at(0.025), at(0.975))
 }
 
-/// A closed-loop outcome of a run.
-type Outcome = (&'static str, fn(&StoredRun) -> f64);
+/// A closed-loop outcome of a run: its title, its value, and whether it is defined only on traces
+/// whose full cache answers (a policy cannot keep an answer the model never gives, so such a
+/// trace's runs would only add ties at "no answer").
+struct Outcome {
+    title: &'static str,
+    value: fn(&StoredRun) -> f64,
+    needs_full_answer: bool,
+}
+
+impl Outcome {
+    fn counts(&self, run: &StoredRun) -> bool {
+        !self.needs_full_answer || closed(run).full_answer_ok
+    }
+}
 
 /// The open-loop retained mass of a run.
 fn mass(run: &StoredRun) -> f64 {
@@ -144,10 +156,26 @@ fn closed(run: &StoredRun) -> &super::ClosedLoop {
 }
 
 const OUTCOMES: [Outcome; 4] = [
-    ("KL full‖policy", |r| closed(r).kl),
-    ("top-1 agreement", |r| closed(r).top1),
-    ("logprob lost", |r| closed(r).logprob_lost),
-    ("answer ok", |r| f64::from(u8::from(closed(r).answer_ok))),
+    Outcome {
+        title: "KL full‖policy",
+        value: |r| closed(r).kl,
+        needs_full_answer: false,
+    },
+    Outcome {
+        title: "top-1 agreement",
+        value: |r| closed(r).top1,
+        needs_full_answer: false,
+    },
+    Outcome {
+        title: "logprob lost",
+        value: |r| closed(r).logprob_lost,
+        needs_full_answer: false,
+    },
+    Outcome {
+        title: "answer ok",
+        value: |r| f64::from(u8::from(closed(r).answer_ok)),
+        needs_full_answer: true,
+    },
 ];
 
 fn interval((value, low, high): (f64, f64, f64)) -> String {
@@ -235,8 +263,14 @@ fn outcome_table(
 
 /// Pooled and per-trace rank correlations with bootstrap intervals.
 fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
+    let answered = runs.iter().filter(|r| closed(r).full_answer_ok).count();
+    let answered_note = match answered {
+        0 => " (answer ok left out: the full cache answers none of the traces)".to_string(),
+        n if n < runs.len() => format!(" (answer ok only over the {n} points on traces the full cache answers: a policy cannot keep an answer the model never gives)"),
+        _ => String::new(),
+    };
     let mut out = format!(
-        "\nRank correlations between open-loop metrics and closed-loop outcomes, pooled over all {} (policy, budget, trace) points: Spearman ρ and Kendall τ-b, each with its 95% bootstrap interval ({BOOTSTRAP_RESAMPLES} resamples, seeded):\n\n",
+        "\nRank correlations between open-loop metrics and closed-loop outcomes, pooled over all {} (policy, budget, trace) points{answered_note}: Spearman ρ and Kendall τ-b, each with its 95% bootstrap interval ({BOOTSTRAP_RESAMPLES} resamples, seeded):\n\n",
         runs.len()
     );
     let mut table = Table::new([
@@ -246,19 +280,23 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         "Kendall τ-b",
     ]);
     for (index, metric) in metrics::REGISTRY.iter().enumerate() {
-        let Some(x) = runs
-            .iter()
-            .map(|r| r.report.metric(metric.id()))
-            .collect::<Option<Vec<f64>>>()
-        else {
+        if runs.iter().any(|r| r.report.metric(metric.id()).is_none()) {
             continue;
-        };
-        for (outcome_index, (outcome, outcome_value)) in OUTCOMES.iter().enumerate() {
-            let y: Vec<f64> = runs.iter().map(outcome_value).collect();
+        }
+        for (outcome_index, outcome) in OUTCOMES.iter().enumerate() {
+            let points: Vec<&StoredRun> = runs.iter().filter(|r| outcome.counts(r)).collect();
+            if points.is_empty() {
+                continue;
+            }
+            let x: Vec<f64> = points
+                .iter()
+                .filter_map(|r| r.report.metric(metric.id()))
+                .collect();
+            let y: Vec<f64> = points.iter().map(|r| (outcome.value)(r)).collect();
             let seed = (index * OUTCOMES.len() + outcome_index) as u64;
             table.push([
                 metric.title().to_string(),
-                outcome.to_string(),
+                outcome.title.to_string(),
                 interval(bootstrap(&x, &y, spearman, seed)),
                 interval(bootstrap(&x, &y, kendall, seed)),
             ]);
@@ -423,6 +461,46 @@ mod tests {
         let beside = per_trace(&both, &["s".into(), "t".into()]);
         assert_eq!(row_of_t(&alone), row_of_t(&beside));
         assert_ne!(trace_seed("s"), trace_seed("t"));
+    }
+
+    #[test]
+    fn answers_count_only_on_traces_the_full_cache_answers() {
+        // On "t" the full cache answers and the policies with the most mass keep the answer; on
+        // "u" it does not, no policy answers, and KL rises with mass instead.
+        let runs_on = |trace: &str, full_answers: bool| -> Vec<StoredRun> {
+            (0..6)
+                .map(|i| {
+                    let mass = 0.1 * f64::from(i);
+                    let kl = if full_answers { 1.0 - mass } else { mass };
+                    let mut run = closed_run(&format!("p{i}"), [mass, mass], None, kl);
+                    run.trace = trace.into();
+                    let closed = run.closed_loop.as_mut().expect("closed loop");
+                    closed.full_answer_ok = full_answers;
+                    closed.answer_ok = full_answers && i >= 3;
+                    run
+                })
+                .collect()
+        };
+        let row = |report: &str, outcome: &str| {
+            report
+                .lines()
+                .find(|l| l.starts_with("| retained mass") && l.contains(outcome))
+                .map(str::to_owned)
+        };
+        let answered = runs_on("t", true);
+        let mut both = runs_on("u", false);
+        both.extend(answered.clone());
+        let pooled = correlations(&both, &["u".into(), "t".into()]);
+        let alone = correlations(&answered, &["t".into()]);
+        assert!(row(&alone, "answer ok").is_some());
+        assert_eq!(row(&pooled, "answer ok"), row(&alone, "answer ok"));
+        assert_ne!(row(&pooled, "KL"), row(&alone, "KL"));
+        assert!(pooled.contains("answer ok only over the 6 points"), "{pooled}");
+        assert!(!alone.contains("answer ok only"), "{alone}");
+        let unanswered = correlations(&runs_on("u", false), &["u".into()]);
+        assert_eq!(row(&unanswered, "answer ok"), None);
+        assert!(row(&unanswered, "KL").is_some());
+        assert!(unanswered.contains("answer ok left out"), "{unanswered}");
     }
 
     #[test]
