@@ -6,7 +6,7 @@ use assert_cmd::Command;
 use common::{write_fixture, Shape};
 use kvreplay::experiment::Experiment;
 use predicates::str::contains;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 const EXPERIMENT: &str = r#"
 description = "fixture sweep"
@@ -554,4 +554,18 @@ fn the_short_calibration_is_a_slice_of_the_full_one() {
     assert_eq!(short.closed_loop, full.closed_loop);
     assert!(short.traces.iter().all(|t| full.traces.contains(t)));
     assert_eq!(short.traces.len(), 10);
+}
+
+#[test]
+fn the_4k_calibration_runs_the_full_ones_policies_at_every_depth() {
+    let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
+    let deep = Experiment::load(Path::new("experiments/calibration-4k.toml")).unwrap();
+    assert_eq!(deep.policies, full.policies);
+    assert_eq!(deep.budgets, full.budgets);
+    assert_eq!(deep.closed_loop, full.closed_loop);
+    let depths: Vec<PathBuf> = [0, 25, 50, 75, 100]
+        .iter()
+        .map(|depth| PathBuf::from(format!("traces/needle/niah-4k-d{depth}.toml")))
+        .collect();
+    assert_eq!(deep.traces, depths);
 }
