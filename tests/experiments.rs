@@ -557,15 +557,28 @@ fn the_short_calibration_is_a_slice_of_the_full_one() {
 }
 
 #[test]
-fn the_4k_calibration_runs_the_full_ones_policies_at_every_depth() {
+fn the_calibrations_extensions_run_its_policies_on_their_recipes() {
     let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
-    let deep = Experiment::load(Path::new("experiments/calibration-4k.toml")).unwrap();
-    assert_eq!(deep.policies, full.policies);
-    assert_eq!(deep.budgets, full.budgets);
-    assert_eq!(deep.closed_loop, full.closed_loop);
-    let depths: Vec<PathBuf> = [0, 25, 50, 75, 100]
-        .iter()
-        .map(|depth| PathBuf::from(format!("traces/needle/niah-4k-d{depth}.toml")))
-        .collect();
-    assert_eq!(deep.traces, depths);
+    let recipes = |dir: &str, length: &str, depths: &[u32]| -> Vec<PathBuf> {
+        depths
+            .iter()
+            .map(|depth| PathBuf::from(format!("traces/{dir}/niah-{length}-d{depth}.toml")))
+            .collect()
+    };
+    for (file, traces) in [
+        (
+            "experiments/calibration-4k.toml",
+            recipes("needle", "4k", &[0, 25, 50, 75, 100]),
+        ),
+        (
+            "experiments/calibration-8k.toml",
+            recipes("gemma3", "8k", &[0, 100]),
+        ),
+    ] {
+        let extension = Experiment::load(Path::new(file)).unwrap();
+        assert_eq!(extension.policies, full.policies, "{file}");
+        assert_eq!(extension.budgets, full.budgets, "{file}");
+        assert_eq!(extension.closed_loop, full.closed_loop, "{file}");
+        assert_eq!(extension.traces, traces, "{file}");
+    }
 }
