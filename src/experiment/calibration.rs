@@ -495,7 +495,10 @@ mod tests {
         assert!(row(&alone, "answer ok").is_some());
         assert_eq!(row(&pooled, "answer ok"), row(&alone, "answer ok"));
         assert_ne!(row(&pooled, "KL"), row(&alone, "KL"));
-        assert!(pooled.contains("answer ok only over the 6 points"), "{pooled}");
+        assert!(
+            pooled.contains("answer ok only over the 6 points"),
+            "{pooled}"
+        );
         assert!(!alone.contains("answer ok only"), "{alone}");
         let unanswered = correlations(&runs_on("u", false), &["u".into()]);
         assert_eq!(row(&unanswered, "answer ok"), None);
