@@ -572,7 +572,7 @@ fn the_calibrations_extensions_run_its_policies_on_their_recipes() {
         ),
         (
             "experiments/calibration-8k.toml",
-            recipes("gemma3", "8k", &[0, 100]),
+            recipes("gemma3", "8k", &[0, 25, 75, 100]),
         ),
     ] {
         let extension = Experiment::load(Path::new(file)).unwrap();
