@@ -280,19 +280,23 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         "Kendall τ-b",
     ]);
     for (index, metric) in metrics::REGISTRY.iter().enumerate() {
-        if runs.iter().any(|r| r.report.metric(metric.id()).is_none()) {
+        let Some(values) = runs
+            .iter()
+            .map(|r| r.report.metric(metric.id()))
+            .collect::<Option<Vec<f64>>>()
+        else {
             continue;
-        }
+        };
         for (outcome_index, outcome) in OUTCOMES.iter().enumerate() {
-            let points: Vec<&StoredRun> = runs.iter().filter(|r| outcome.counts(r)).collect();
-            if points.is_empty() {
+            let (x, y): (Vec<f64>, Vec<f64>) = runs
+                .iter()
+                .zip(&values)
+                .filter(|(r, _)| outcome.counts(r))
+                .map(|(r, &value)| (value, (outcome.value)(r)))
+                .unzip();
+            if x.is_empty() {
                 continue;
             }
-            let x: Vec<f64> = points
-                .iter()
-                .filter_map(|r| r.report.metric(metric.id()))
-                .collect();
-            let y: Vec<f64> = points.iter().map(|r| (outcome.value)(r)).collect();
             let seed = (index * OUTCOMES.len() + outcome_index) as u64;
             table.push([
                 metric.title().to_string(),
