@@ -5,6 +5,7 @@
 
 use super::store::SweepError;
 use plotters::prelude::*;
+use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};
 use std::sync::Once;
 
@@ -51,6 +52,36 @@ pub(crate) enum Mark {
     Dots,
 }
 
+/// The size of a chart's plot, without its legend panel.
+const PLOT_SIZE: (u32, u32) = (900, 560);
+
+/// The width of the legend panel to the right of a chart's plot, outside its data.
+const LEGEND_WIDTH: u32 = 230;
+
+/// matplotlib's default categorical palette (tab10), the one readers of the field's figures know.
+const PALETTE: [RGBColor; 10] = [
+    RGBColor(31, 119, 180),
+    RGBColor(255, 127, 14),
+    RGBColor(44, 160, 44),
+    RGBColor(214, 39, 40),
+    RGBColor(148, 103, 189),
+    RGBColor(140, 86, 75),
+    RGBColor(227, 119, 194),
+    RGBColor(127, 127, 127),
+    RGBColor(188, 189, 34),
+    RGBColor(23, 190, 207),
+];
+
+/// How series `index` is drawn: its colour, and which of three looks (lines: solid, dashed,
+/// dotted; dots: circle, triangle, cross) sets it apart from the series that share its colour, so
+/// that up to thirty series are told apart.
+fn look(index: usize) -> (RGBColor, usize) {
+    (
+        PALETTE[index % PALETTE.len()],
+        (index / PALETTE.len()) % 3,
+    )
+}
+
 /// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
 pub(crate) fn line_chart(
     stem: &Path,
@@ -62,12 +93,12 @@ pub(crate) fn line_chart(
 ) -> Result<Vec<PathBuf>, SweepError> {
     draw_both!(
         stem,
-        (900, 560),
+        (PLOT_SIZE.0 + LEGEND_WIDTH, PLOT_SIZE.1),
         draw(title, x_label, y_label, series, log_x, Mark::Lines)
     )
 }
 
-/// Draws `series` as dots (one colour per series) into `<stem>.png` and `<stem>.svg`.
+/// Draws `series` as dots (one colour and mark per series) into `<stem>.png` and `<stem>.svg`.
 pub(crate) fn scatter(
     stem: &Path,
     title: &str,
@@ -77,9 +108,27 @@ pub(crate) fn scatter(
 ) -> Result<Vec<PathBuf>, SweepError> {
     draw_both!(
         stem,
-        (900, 560),
+        (PLOT_SIZE.0 + LEGEND_WIDTH, PLOT_SIZE.1),
         draw(title, x_label, y_label, series, false, Mark::Dots)
     )
+}
+
+/// The smallest and largest x and y over every point (x widened where it is one value, y padded
+/// by 5% so that no point sits on the frame).
+fn bounds(series: &[Series]) -> ((f64, f64), (f64, f64)) {
+    let points = series.iter().flat_map(|(_, p)| p.iter());
+    let (mut x_min, mut x_max, mut y_min, mut y_max) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
+    for (x, y) in points {
+        x_min = x_min.min(*x);
+        x_max = x_max.max(*x);
+        y_min = y_min.min(*y);
+        y_max = y_max.max(*y);
+    }
+    if x_min >= x_max {
+        x_max = x_min + 1.0;
+    }
+    let pad = ((y_max - y_min) * 0.05).max(1e-3);
+    ((x_min, x_max), (y_min - pad, y_max + pad))
 }
 
 fn draw<DB: DrawingBackend>(
@@ -95,41 +144,14 @@ where
     DB::ErrorType: 'static,
 {
     area.fill(&WHITE)?;
-    let points = series.iter().flat_map(|(_, p)| p.iter());
-    let (mut x_min, mut x_max, mut y_min, mut y_max) = (f64::MAX, f64::MIN, f64::MAX, f64::MIN);
-    for (x, y) in points {
-        x_min = x_min.min(*x);
-        x_max = x_max.max(*x);
-        y_min = y_min.min(*y);
-        y_max = y_max.max(*y);
-    }
-    if x_min >= x_max {
-        x_max = x_min + 1.0;
-    }
-    let pad = ((y_max - y_min) * 0.05).max(1e-3);
-    let (y_min, y_max) = (y_min - pad, y_max + pad);
-    let mut builder = ChartBuilder::on(area);
+    let (plot, legend) = area.split_horizontally(PLOT_SIZE.0);
+    let ((x_min, x_max), (y_min, y_max)) = bounds(series);
+    let mut builder = ChartBuilder::on(&plot);
     builder
         .caption(title, ("sans-serif", 22))
         .margin(12)
         .x_label_area_size(40)
         .y_label_area_size(60);
-    let colours = [
-        &BLUE,
-        &RED,
-        &GREEN,
-        &MAGENTA,
-        &CYAN,
-        &BLACK,
-        &RGBColor(255, 140, 0),
-        &RGBColor(128, 0, 128),
-        &RGBColor(139, 69, 19),
-        &RGBColor(0, 128, 128),
-        &RGBColor(128, 128, 128),
-        &RGBColor(0, 0, 128),
-        &RGBColor(107, 142, 35),
-        &RGBColor(220, 20, 60),
-    ];
     macro_rules! lines {
         ($chart:expr) => {{
             let mut chart = $chart;
@@ -139,34 +161,33 @@ where
                 .y_desc(y_label)
                 .label_style(("sans-serif", 14))
                 .draw()?;
-            for (index, (name, points)) in series.iter().enumerate() {
-                let colour = colours[index % colours.len()];
-                let drawn = match mark {
-                    Mark::Lines => chart.draw_series(LineSeries::new(
-                        points.iter().copied(),
-                        colour.stroke_width(2),
-                    ))?,
-                    Mark::Dots => chart.draw_series(
-                        points
-                            .iter()
-                            .map(|&point| Circle::new(point, 3, colour.filled())),
-                    )?,
-                };
-                drawn.label(name.as_str()).legend(move |(x, y)| {
-                    PathElement::new(vec![(x, y), (x + 18, y)], colour.stroke_width(2))
-                });
+            for (index, (_, points)) in series.iter().enumerate() {
+                let (colour, variant) = look(index);
+                let points = points.iter().copied();
+                let line = colour.stroke_width(2);
+                match (mark, variant) {
+                    (Mark::Lines, 0) => {
+                        chart.draw_series(LineSeries::new(points, line))?;
+                    }
+                    (Mark::Lines, 1) => {
+                        chart.draw_series(DashedLineSeries::new(points, 10, 5, line))?;
+                    }
+                    (Mark::Lines, _) => {
+                        chart.draw_series(DashedLineSeries::new(points, 3, 4, line))?;
+                    }
+                    (Mark::Dots, 0) => {
+                        chart.draw_series(points.map(|p| Circle::new(p, 3, colour.filled())))?;
+                    }
+                    (Mark::Dots, 1) => {
+                        chart.draw_series(
+                            points.map(|p| TriangleMarker::new(p, 4, colour.filled())),
+                        )?;
+                    }
+                    (Mark::Dots, _) => {
+                        chart.draw_series(points.map(|p| Cross::new(p, 4, line)))?;
+                    }
+                }
             }
-            chart
-                .configure_series_labels()
-                .background_style(WHITE.mix(0.85))
-                .border_style(BLACK)
-                .label_font(("sans-serif", 13))
-                .position(match mark {
-                    // Dots of high mass and low drift fill the lower right of a scatter.
-                    Mark::Dots => SeriesLabelPosition::UpperRight,
-                    Mark::Lines => SeriesLabelPosition::LowerRight,
-                })
-                .draw()?;
         }};
     }
     if log_x {
@@ -174,7 +195,51 @@ where
     } else {
         lines!(builder.build_cartesian_2d(x_min..x_max, y_min..y_max)?);
     }
+    draw_legend(&legend, series, mark)?;
     area.present()?;
+    Ok(())
+}
+
+/// The series' names in a panel beside the plot, each after a sample of its line or mark.
+fn draw_legend<DB: DrawingBackend>(
+    area: &DrawingArea<DB, plotters::coord::Shift>,
+    series: &[Series],
+    mark: Mark,
+) -> Result<(), Box<dyn std::error::Error>>
+where
+    DB::ErrorType: 'static,
+{
+    let height = area.dim_in_pixel().1 as i32;
+    let (top, bottom) = (44, 48);
+    let row = match series.len() {
+        0 => return Ok(()),
+        n => ((height - top - bottom) / n as i32).clamp(8, 20),
+    };
+    for (index, (name, _)) in series.iter().enumerate() {
+        let (colour, variant) = look(index);
+        let y = top + row * index as i32 + row / 2;
+        let line = colour.stroke_width(2);
+        match (mark, variant) {
+            (Mark::Lines, _) => {
+                // Solid, dashed or dotted, as the series is drawn.
+                let (dash, gap) = [(24, 0), (8, 4), (2, 3)][variant];
+                let mut x = 4;
+                while x < 28 {
+                    let end = (x + dash).min(28);
+                    area.draw(&PathElement::new(vec![(x, y), (end, y)], line))?;
+                    x = end + gap.max(1);
+                }
+            }
+            (Mark::Dots, 0) => area.draw(&Circle::new((16, y), 3, colour.filled()))?,
+            (Mark::Dots, 1) => area.draw(&TriangleMarker::new((16, y), 4, colour.filled()))?,
+            (Mark::Dots, _) => area.draw(&Cross::new((16, y), 4, line))?,
+        }
+        let style = ("sans-serif", row.min(14) as f64)
+            .into_font()
+            .into_text_style(area)
+            .pos(Pos::new(HPos::Left, VPos::Center));
+        area.draw(&Text::new(name.clone(), (36, y), style))?;
+    }
     Ok(())
 }
 
@@ -273,4 +338,49 @@ where
     }
     area.present()?;
     Ok(())
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use std::collections::HashSet;
+
+    #[test]
+    fn thirty_series_are_drawn_thirty_ways() {
+        let looks: HashSet<_> = (0..30)
+            .map(|index| {
+                let (colour, variant) = look(index);
+                (colour.0, colour.1, colour.2, variant)
+            })
+            .collect();
+        assert_eq!(looks.len(), 30);
+    }
+
+    #[test]
+    fn the_legend_sits_beside_the_plot_and_names_every_series() {
+        let dir = tempfile::tempdir().unwrap();
+        let series: Vec<Series> = (0..22)
+            .map(|i| {
+                let points = (1..=4).map(|b| (b as f64 * 64.0, i as f64 + b as f64)).collect();
+                (format!("policy-{i}"), points)
+            })
+            .collect();
+        for (name, mark) in [("lines", Mark::Lines), ("dots", Mark::Dots)] {
+            let stem = dir.path().join(name);
+            let files = match mark {
+                Mark::Lines => line_chart(&stem, "t", "x", "y", &series, true),
+                Mark::Dots => scatter(&stem, "t", "x", "y", &series),
+            }
+            .unwrap();
+            let png = std::fs::read(&files[0]).unwrap();
+            // The PNG header's width and height (big-endian, after the signature and IHDR tag).
+            let width = u32::from_be_bytes(png[16..20].try_into().unwrap());
+            let height = u32::from_be_bytes(png[20..24].try_into().unwrap());
+            assert_eq!((width, height), (PLOT_SIZE.0 + LEGEND_WIDTH, PLOT_SIZE.1));
+            let svg = std::fs::read_to_string(&files[1]).unwrap();
+            for (name, _) in &series {
+                assert!(svg.contains(&format!("\n{name}\n")), "{name} in the legend");
+            }
+        }
+    }
 }
