@@ -76,10 +76,7 @@ const PALETTE: [RGBColor; 10] = [
 /// dotted; dots: circle, triangle, cross) sets it apart from the series that share its colour, so
 /// that up to thirty series are told apart.
 fn look(index: usize) -> (RGBColor, usize) {
-    (
-        PALETTE[index % PALETTE.len()],
-        (index / PALETTE.len()) % 3,
-    )
+    (PALETTE[index % PALETTE.len()], (index / PALETTE.len()) % 3)
 }
 
 /// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
@@ -361,7 +358,9 @@ mod tests {
         let dir = tempfile::tempdir().unwrap();
         let series: Vec<Series> = (0..22)
             .map(|i| {
-                let points = (1..=4).map(|b| (b as f64 * 64.0, i as f64 + b as f64)).collect();
+                let points = (1..=4)
+                    .map(|b| (b as f64 * 64.0, i as f64 + b as f64))
+                    .collect();
                 (format!("policy-{i}"), points)
             })
             .collect();

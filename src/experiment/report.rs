@@ -621,7 +621,7 @@ fn paired_section(experiment: &Experiment, runs: &[StoredRun], trace_names: &[St
                 format!("{mean:+.4} ± {half:.4}"),
                 format!("{:.1}%", 100.0 * wins),
                 match sign_test(&differences) {
-                    p if p == 0.0 => "< 1e-300".into(),
+                    0.0 => "< 1e-300".into(),
                     p => format!("{p:.2e}"),
                 },
             ]);

@@ -192,9 +192,10 @@ pub enum SweepError {
     /// A recipe could not be captured.
     #[error(transparent)]
     Capture(#[from] CaptureError),
-    /// A closed-loop run failed.
+    /// A closed-loop run failed (boxed: it is the largest error, and every result carries the
+    /// error type's size).
     #[error(transparent)]
-    Live(#[from] LiveError),
+    Live(Box<LiveError>),
     /// Runs are stored for another content of a trace than the one there now.
     #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
     TraceChanged {
@@ -207,6 +208,12 @@ pub enum SweepError {
         /// The start of its digest now.
         now: String,
     },
+}
+
+impl From<LiveError> for SweepError {
+    fn from(error: LiveError) -> Self {
+        Self::Live(Box::new(error))
+    }
 }
 
 /// Progress of a sweep: `(done, total)` after each batch, done counting skipped runs.
@@ -345,10 +352,10 @@ const LIVE_BATCH: usize = 12;
 /// `runs` in the fewest passes of at most `most` policies, of near-equal size, ordered by what
 /// their scores depend on (score key, then timing), so that the budgets and allocators of one
 /// scorer fall into one pass and share its scoring.
-fn batches<'r>(
-    mut runs: Vec<(&'r PlannedRun, ValidPolicy)>,
+fn batches(
+    mut runs: Vec<(&PlannedRun, ValidPolicy)>,
     most: usize,
-) -> Vec<Vec<(&'r PlannedRun, ValidPolicy)>> {
+) -> Vec<Vec<(&PlannedRun, ValidPolicy)>> {
     runs.sort_by(|(_, a), (_, b)| {
         (a.score_key(), a.params().timing.name()).cmp(&(b.score_key(), b.params().timing.name()))
     });
@@ -363,7 +370,8 @@ fn batches<'r>(
 }
 
 /// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
-/// recipe (closed loop).
+/// recipe (closed loop). One is held per trace, so the size of the larger does not matter.
+#[allow(clippy::large_enum_variant)]
 enum Runner<'m> {
     Replay(TraceReader),
     Live(LiveSession<'m>),

@@ -10,6 +10,9 @@ use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
+/// One layer's q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`.
+type Qkv = (Array3<f32>, Array3<f32>, Array3<f32>);
+
 /// Collects every layer's q, k and v, chunk by chunk.
 #[derive(Default)]
 pub struct Recorder {
@@ -131,10 +134,7 @@ impl Recorder {
     }
 
     /// Layer `layer`'s q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`.
-    pub fn layer(
-        &self,
-        layer: usize,
-    ) -> Result<(Array3<f32>, Array3<f32>, Array3<f32>), ModelError> {
+    pub fn layer(&self, layer: usize) -> Result<Qkv, ModelError> {
         match &self.spill {
             Some(spill) => spill.layer(layer),
             None => Ok((
@@ -156,7 +156,7 @@ impl Recorder {
 
 impl Spill {
     /// Reads layer `layer`'s file back and lays its chunks out by position.
-    fn layer(&self, layer: usize) -> Result<(Array3<f32>, Array3<f32>, Array3<f32>), ModelError> {
+    fn layer(&self, layer: usize) -> Result<Qkv, ModelError> {
         let (path, _) = &self.files[layer];
         let mut bytes = Vec::new();
         std::fs::File::open(path)

@@ -59,8 +59,11 @@ pub struct Method<T: ?Sized> {
     /// Its defaults, as config values.
     pub defaults: fn() -> Map<String, Value>,
     /// Builds it from settings that it declares (checked).
-    pub build: fn(&Map<String, Value>) -> Result<Box<T>, SettingError>,
+    pub build: Build<T>,
 }
+
+/// Builds a method from settings that it declares (checked).
+pub type Build<T> = fn(&Map<String, Value>) -> Result<Box<T>, SettingError>;
 
 impl<T: ?Sized> Method<T> {
     /// Whether it declares `key`.

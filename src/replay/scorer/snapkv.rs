@@ -79,7 +79,7 @@ impl Scorer for SnapKv {
 
 /// The rule of a pooling `kernel` setting: odd, so that same-length pooling is centred.
 pub(crate) fn check_kernel(kernel: usize) -> Result<(), Broken> {
-    if kernel % 2 == 0 {
+    if kernel.is_multiple_of(2) {
         return Err(Broken {
             key: "kernel",
             rule: "must be odd (same-length pooling needs a centred kernel)",
