@@ -543,42 +543,40 @@ fn a_broken_extends_is_refused_naming_the_file() {
     }
 }
 
-/// The half-hour calibration is a slice of the full one: the same policies and budgets on some of
-/// its recipes, so their stored runs (ids from settings and recipe) are interchangeable.
+/// The full calibration runs every needle depth of its lengths; its slices (the half-hour ~1K one,
+/// ~4K and ~8K) run its policies and budgets on some of its recipes, so their stored runs (ids
+/// from settings and recipe) are interchangeable.
 #[test]
-fn the_short_calibration_is_a_slice_of_the_full_one() {
+fn the_calibration_runs_every_depth_and_its_slices_share_its_runs() {
     let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
-    let short = Experiment::load(Path::new("experiments/calibration-1k.toml")).unwrap();
-    assert_eq!(short.policies, full.policies);
-    assert_eq!(short.budgets, full.budgets);
-    assert_eq!(short.closed_loop, full.closed_loop);
-    assert!(short.traces.iter().all(|t| full.traces.contains(t)));
-    assert_eq!(short.traces.len(), 10);
-}
-
-#[test]
-fn the_calibrations_extensions_run_its_policies_on_their_recipes() {
-    let full = Experiment::load(Path::new("experiments/calibration.toml")).unwrap();
-    let recipes = |dir: &str, length: &str, depths: &[u32]| -> Vec<PathBuf> {
-        depths
+    let recipes = |dir: &str, lengths: &[&str]| -> Vec<PathBuf> {
+        let depths = [0, 25, 50, 75, 100];
+        lengths
             .iter()
-            .map(|depth| PathBuf::from(format!("traces/{dir}/niah-{length}-d{depth}.toml")))
+            .flat_map(|length| {
+                depths.iter().map(move |depth| {
+                    PathBuf::from(format!("traces/{dir}/niah-{length}-d{depth}.toml"))
+                })
+            })
             .collect()
     };
+    // The full calibration: every needle depth, SmolLM2 at ~1K, ~2K and ~4K, Gemma 3 at ~1K to ~8K.
+    let mut every = recipes("needle", &["1k", "2k", "4k"]);
+    every.extend(recipes("gemma3", &["1k", "2k", "4k", "8k"]));
+    assert_eq!(full.traces, every);
     for (file, traces) in [
-        (
-            "experiments/calibration-4k.toml",
-            recipes("needle", "4k", &[0, 25, 50, 75, 100]),
-        ),
-        (
-            "experiments/calibration-8k.toml",
-            recipes("gemma3", "8k", &[0, 25, 75, 100]),
-        ),
+        ("experiments/calibration-1k.toml", {
+            let mut traces = recipes("needle", &["1k"]);
+            traces.extend(recipes("gemma3", &["1k"]));
+            traces
+        }),
+        ("experiments/calibration-4k.toml", recipes("needle", &["4k"])),
+        ("experiments/calibration-8k.toml", recipes("gemma3", &["8k"])),
     ] {
-        let extension = Experiment::load(Path::new(file)).unwrap();
-        assert_eq!(extension.policies, full.policies, "{file}");
-        assert_eq!(extension.budgets, full.budgets, "{file}");
-        assert_eq!(extension.closed_loop, full.closed_loop, "{file}");
-        assert_eq!(extension.traces, traces, "{file}");
+        let slice = Experiment::load(Path::new(file)).unwrap();
+        assert_eq!(slice.policies, full.policies, "{file}");
+        assert_eq!(slice.budgets, full.budgets, "{file}");
+        assert_eq!(slice.closed_loop, full.closed_loop, "{file}");
+        assert_eq!(slice.traces, traces, "{file}");
     }
 }
