@@ -570,8 +570,14 @@ fn the_calibration_runs_every_depth_and_its_slices_share_its_runs() {
             traces.extend(recipes("gemma3", &["1k"]));
             traces
         }),
-        ("experiments/calibration-4k.toml", recipes("needle", &["4k"])),
-        ("experiments/calibration-8k.toml", recipes("gemma3", &["8k"])),
+        (
+            "experiments/calibration-4k.toml",
+            recipes("needle", &["4k"]),
+        ),
+        (
+            "experiments/calibration-8k.toml",
+            recipes("gemma3", &["8k"]),
+        ),
     ] {
         let slice = Experiment::load(Path::new(file)).unwrap();
         assert_eq!(slice.policies, full.policies, "{file}");
