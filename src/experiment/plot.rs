@@ -79,6 +79,24 @@ fn look(index: usize) -> (RGBColor, usize) {
     (PALETTE[index % PALETTE.len()], (index / PALETTE.len()) % 3)
 }
 
+/// The dash and gap (pixels) of a line of look `variant`: none for the first (solid).
+fn dashes(variant: usize) -> Option<(u32, u32)> {
+    [None, Some((10, 5)), Some((3, 4))][variant]
+}
+
+/// The mark of look `variant` at `at` (a data point in the plot, a pixel in the legend).
+fn dot<DB: DrawingBackend, C: Clone + 'static>(
+    at: C,
+    colour: RGBColor,
+    variant: usize,
+) -> DynElement<'static, DB, C> {
+    match variant {
+        0 => Circle::new(at, 3, colour.filled()).into_dyn(),
+        1 => TriangleMarker::new(at, 4, colour.filled()).into_dyn(),
+        _ => Cross::new(at, 4, colour.stroke_width(2)).into_dyn(),
+    }
+}
+
 /// Draws `series` as lines into `<stem>.png` and `<stem>.svg`; returns the two paths.
 pub(crate) fn line_chart(
     stem: &Path,
@@ -162,26 +180,15 @@ where
                 let (colour, variant) = look(index);
                 let points = points.iter().copied();
                 let line = colour.stroke_width(2);
-                match (mark, variant) {
-                    (Mark::Lines, 0) => {
+                match (mark, dashes(variant)) {
+                    (Mark::Lines, None) => {
                         chart.draw_series(LineSeries::new(points, line))?;
                     }
-                    (Mark::Lines, 1) => {
-                        chart.draw_series(DashedLineSeries::new(points, 10, 5, line))?;
-                    }
-                    (Mark::Lines, _) => {
-                        chart.draw_series(DashedLineSeries::new(points, 3, 4, line))?;
-                    }
-                    (Mark::Dots, 0) => {
-                        chart.draw_series(points.map(|p| Circle::new(p, 3, colour.filled())))?;
-                    }
-                    (Mark::Dots, 1) => {
-                        chart.draw_series(
-                            points.map(|p| TriangleMarker::new(p, 4, colour.filled())),
-                        )?;
+                    (Mark::Lines, Some((dash, gap))) => {
+                        chart.draw_series(DashedLineSeries::new(points, dash, gap, line))?;
                     }
                     (Mark::Dots, _) => {
-                        chart.draw_series(points.map(|p| Cross::new(p, 4, line)))?;
+                        chart.draw_series(points.map(|p| dot(p, colour, variant)))?;
                     }
                 }
             }
@@ -216,20 +223,15 @@ where
         let (colour, variant) = look(index);
         let y = top + row * index as i32 + row / 2;
         let line = colour.stroke_width(2);
-        match (mark, variant) {
-            (Mark::Lines, _) => {
-                // Solid, dashed or dotted, as the series is drawn.
-                let (dash, gap) = [(24, 0), (8, 4), (2, 3)][variant];
-                let mut x = 4;
-                while x < 28 {
-                    let end = (x + dash).min(28);
-                    area.draw(&PathElement::new(vec![(x, y), (end, y)], line))?;
-                    x = end + gap.max(1);
+        let sample = [(4, y), (28, y)];
+        match (mark, dashes(variant)) {
+            (Mark::Lines, None) => area.draw(&PathElement::new(sample, line))?,
+            (Mark::Lines, Some((dash, gap))) => {
+                for dashed in DashedLineSeries::new(sample, dash, gap, line.into()) {
+                    area.draw(&dashed)?;
                 }
             }
-            (Mark::Dots, 0) => area.draw(&Circle::new((16, y), 3, colour.filled()))?,
-            (Mark::Dots, 1) => area.draw(&TriangleMarker::new((16, y), 4, colour.filled()))?,
-            (Mark::Dots, _) => area.draw(&Cross::new((16, y), 4, line))?,
+            (Mark::Dots, _) => area.draw(&dot((16, y), colour, variant))?,
         }
         let style = ("sans-serif", row.min(14) as f64)
             .into_font()
