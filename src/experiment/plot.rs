@@ -227,7 +227,7 @@ where
         match (mark, dashes(variant)) {
             (Mark::Lines, None) => area.draw(&PathElement::new(sample, line))?,
             (Mark::Lines, Some((dash, gap))) => {
-                for dashed in DashedLineSeries::new(sample, dash, gap, line.into()) {
+                for dashed in DashedLineSeries::new(sample, dash, gap, line) {
                     area.draw(&dashed)?;
                 }
             }
