@@ -30,8 +30,8 @@ use super::kept::{
 };
 use super::metrics::lost::{Dating, LostShare};
 use super::metrics::{
-    measure_unit, DecodeReference, LayerAccumulator, LayerReport, MeasureSettings, SpanReport,
-    UnitMeasure,
+    measure_unit, nested_shares, CacheShares, DecodeReference, LayerAccumulator, LayerReport,
+    MeasureSettings, SpanReport, UnitMeasure,
 };
 use super::select::ranking;
 use super::Layers;
@@ -290,20 +290,23 @@ fn measure_layer(
                 .collect(),
         }
     };
-    let measure_group =
-        |index: usize, kept: &[(&Unit, Cow<'_, UnitKept>, usize)], reference: &DecodeReference| {
-            let params = policies[index].params();
-            let settings = MeasureSettings {
-                spans,
-                top_k: params.top_k,
-                dating: Dating::of(params.timing),
-            };
-            kept.iter()
-                .map(|(unit, unit_kept, budget)| {
-                    measure_unit(layer, unit, unit_kept, *budget, reference, settings)
-                })
-                .collect::<Vec<UnitMeasure>>()
+    let measure_group = |index: usize,
+                         kept: &[(&Unit, Cow<'_, UnitKept>, usize)],
+                         reference: &DecodeReference,
+                         nested: &NestedShares| {
+        let params = policies[index].params();
+        let settings = MeasureSettings {
+            spans,
+            top_k: params.top_k,
+            dating: Dating::of(params.timing),
         };
+        kept.iter()
+            .map(|(unit, unit_kept, budget)| {
+                let shares = nested.get(&(index, unit.index));
+                measure_unit(layer, unit, unit_kept, *budget, reference, settings, shares)
+            })
+            .collect::<Vec<UnitMeasure>>()
+    };
     let n_kv_heads = layer.k.shape()[0];
     let mut accumulators: Vec<LayerAccumulator> = policies
         .iter()
@@ -314,7 +317,7 @@ fn measure_layer(
             .into_par_iter()
             .map(|kv_head| {
                 let kept = group_kept(0, kv_head);
-                measure_group(0, &kept, &reference(kv_head))
+                measure_group(0, &kept, &reference(kv_head), &NestedShares::new())
             })
             .collect();
         for measure in per_group.iter().flatten() {
@@ -322,10 +325,20 @@ fn measure_layer(
         }
     } else {
         let families = reselecting_families(policies);
+        let nests = nest_families(policies);
         for kv_head in 0..n_kv_heads {
             let (current, reselected) = rayon::join(
                 || reference(kv_head),
                 || reselect_families(layer, policies, budgets, &units, kv_head, &families),
+            );
+            let nested = nest_shares(
+                layer,
+                policies,
+                &whole_layer,
+                &nests,
+                kv_head,
+                &current,
+                spans,
             );
             accumulators
                 .par_iter_mut()
@@ -340,7 +353,7 @@ fn measure_layer(
                             .collect(),
                         None => group_kept(index, kv_head),
                     };
-                    for measure in measure_group(index, &kept, &current) {
+                    for measure in measure_group(index, &kept, &current, &nested) {
                         accumulator.add(&measure);
                     }
                 });
@@ -369,6 +382,74 @@ fn reselecting_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
         }
     }
     families.into_values().collect()
+}
+
+/// The one-shot policies whose kept sets may nest (one scorer's budgets, allocators and head
+/// splits: the same [`ValidPolicy::score_key`]) and that count the same top-k recall, two or more
+/// to a family.
+fn nest_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
+    let mut families: BTreeMap<(&str, usize), Vec<usize>> = BTreeMap::new();
+    for (index, policy) in policies.iter().enumerate() {
+        if is_one_shot(policy) {
+            families
+                .entry((policy.score_key(), policy.params().top_k))
+                .or_default()
+                .push(index);
+        }
+    }
+    families.into_values().filter(|f| f.len() > 1).collect()
+}
+
+/// Kept shares from the nested path, by (policy index, cache index).
+type NestedShares = BTreeMap<(usize, usize), CacheShares>;
+
+/// The nested path's kept shares of KV head `kv_head`'s caches for every family of [`nest_families`]
+/// whose kept sets nest there; the caches where they do not are left to the general path.
+fn nest_shares(
+    layer: &LayerContext<'_>,
+    policies: &[&ValidPolicy],
+    whole_layer: &[Option<Kept>],
+    families: &[Vec<usize>],
+    kv_head: usize,
+    reference: &DecodeReference,
+    spans: &[Span],
+) -> NestedShares {
+    let fixed = |index: usize| -> Vec<(&Unit, &[usize])> {
+        let kept = whole_layer[index].as_ref().expect("one-shot kept sets");
+        kept.units
+            .iter()
+            .zip(&kept.kept)
+            .filter(|(unit, _)| unit.kv_head == kv_head)
+            .filter_map(|(unit, unit_kept)| match unit_kept {
+                UnitKept::Fixed(prompt) => Some((unit, prompt.as_slice())),
+                UnitKept::PerStep(_) => None,
+            })
+            .collect()
+    };
+    let tasks: Vec<(&Vec<usize>, usize)> = families
+        .iter()
+        .flat_map(|members| (0..fixed(members[0]).len()).map(move |cache| (members, cache)))
+        .collect();
+    let per_task: Vec<Vec<((usize, usize), CacheShares)>> = tasks
+        .par_iter()
+        .map(|&(members, cache)| {
+            let caches: Vec<(&Unit, &[usize])> =
+                members.iter().map(|&index| fixed(index)[cache]).collect();
+            let unit = caches[0].0;
+            if caches.iter().any(|(other, _)| *other != unit) {
+                return Vec::new();
+            }
+            let sets: Vec<&[usize]> = caches.iter().map(|(_, set)| *set).collect();
+            let top_k = policies[members[0]].params().top_k;
+            nested_shares(layer, unit, &sets, reference, spans, top_k)
+                .map(|shares| {
+                    let keys = members.iter().map(|&index| (index, unit.index));
+                    keys.zip(shares).collect()
+                })
+                .unwrap_or_default()
+        })
+        .collect();
+    per_task.into_iter().flatten().collect()
 }
 
 /// Some caches of one layer, each with its kept sets.

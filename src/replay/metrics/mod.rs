@@ -37,6 +37,10 @@ macro_rules! metrics {
 
 mod kept_output;
 pub mod lost;
+mod mass_sum;
+mod nested;
+
+pub use nested::{nested_shares, CacheShares, KeptShare};
 
 metrics! {
     retained_mass::RetainedMass,
@@ -70,14 +74,13 @@ pub struct Sample<'a> {
     pub weights: &'a [f32],
     /// The kept positions.
     pub kept: &'a [usize],
-    /// Per position `0..T`, whether it is kept.
-    pub in_set: &'a [bool],
-    /// The positions of the largest full-attention weights, largest first (ties to the lower
-    /// position), at least `top_k` of them where the prefix has that many.
-    pub top: &'a [usize],
-    /// k of the top-k recall.
+    /// k of the top-k recall: the policy's, or the number of keys the query sees where fewer.
     pub top_k: usize,
-    /// The full-attention mass on the kept positions (summed in kept order).
+    /// How many of the positions of the `top_k` largest full-attention weights (ties to the lower
+    /// position) are kept.
+    pub top_kept: usize,
+    /// The full-attention mass on the kept positions (an order-independent sum,
+    /// [`mass_sum::MassSum`]).
     pub kept_mass: f64,
     /// `Σ p_j v_j` over the kept positions (not renormalised), in f64 summed in kept order, when
     /// the trace has values.
@@ -338,8 +341,10 @@ pub struct MeasureSettings<'a> {
     pub dating: Dating,
 }
 
-/// Measures one cache's kept sets against its group's shared [`DecodeReference`]. The cost per
-/// (head, step) is O(kept · head_dim): nothing here walks the evicted positions.
+/// Measures one cache's kept sets against its group's shared [`DecodeReference`]; `nested`, when
+/// given, holds its kept shares from the nested path ([`nested_shares`]), which are otherwise
+/// computed here. The cost per (head, step) is O(kept · head_dim): nothing here walks the evicted
+/// positions.
 pub fn measure_unit(
     layer: &LayerContext<'_>,
     unit: &Unit,
@@ -347,6 +352,7 @@ pub fn measure_unit(
     budget: usize,
     reference: &DecodeReference,
     settings: MeasureSettings<'_>,
+    nested: Option<&CacheShares>,
 ) -> UnitMeasure {
     let MeasureSettings {
         spans,
@@ -381,6 +387,7 @@ pub fn measure_unit(
         UnitKept::Fixed(prompt) => prompt.clone(),
         UnitKept::PerStep(_) => Vec::new(),
     };
+    let mut computed = KeptShare::default();
     for step in 0..n_steps {
         let position = prompt_len + step;
         let kept_positions: &[usize] = match unit_kept {
@@ -417,14 +424,31 @@ pub fn measure_unit(
         for (index, head) in unit.query_heads.clone().enumerate() {
             let weights = reference.weights(head, step, position);
             let local = head - reference.heads.start;
+            let top = &reference.top[local * n_steps + step];
+            let top_k = top_k.min(top.len());
+            let sample = step * unit.query_heads.len() + index;
+            let share = match nested {
+                Some(shares) => &shares[sample],
+                None => {
+                    kept_share(
+                        weights,
+                        kept_positions,
+                        &in_set,
+                        &top[..top_k],
+                        spans,
+                        position,
+                        &mut computed,
+                    );
+                    &computed
+                }
+            };
             let d = layer.q.shape()[2];
-            let sample = Sample {
+            let metric_sample = Sample {
                 weights,
                 kept: kept_positions,
-                in_set: &in_set,
-                top: &reference.top[local * n_steps + step],
                 top_k,
-                kept_mass: kept_positions.iter().map(|&j| weights[j] as f64).sum(),
+                top_kept: share.top_kept,
+                kept_mass: share.mass,
                 kept_output: kept_outputs
                     .as_deref()
                     .map(|outputs| &outputs[index * d..(index + 1) * d]),
@@ -438,26 +462,17 @@ pub fn measure_unit(
             };
             for (metric, out) in REGISTRY.iter().zip(&mut measure.metrics) {
                 if measured(metric) {
-                    out.push(metric.sample(&sample));
+                    out.push(metric.sample(&metric_sample));
                 }
             }
-            for span in spans {
-                let end = span.end.min(position + 1);
-                let (mut kept_count, mut kept_mass, mut full_mass) = (0usize, 0.0f64, 0.0f64);
-                for j in span.start..end {
-                    full_mass += weights[j] as f64;
-                    if in_set[j] {
-                        kept_count += 1;
-                        kept_mass += weights[j] as f64;
-                    }
-                }
-                measure.spans.push((
-                    kept_count as f64 / (span.end - span.start) as f64,
-                    kept_mass,
-                    full_mass,
-                ));
+            for (span, &(kept_count, kept_mass)) in spans.iter().zip(&share.spans) {
+                let full_mass: f64 = weights[span.start..span.end.min(position + 1)]
+                    .iter()
+                    .map(|&p| p as f64)
+                    .sum();
+                let fraction = kept_count as f64 / (span.end - span.start) as f64;
+                measure.spans.push((fraction, kept_mass, full_mass));
             }
-            let sample = step * unit.query_heads.len() + index;
             lost.count(
                 lost::Sample {
                     weights,
@@ -475,6 +490,32 @@ pub fn measure_unit(
         }
     }
     measure
+}
+
+/// The general path's [`KeptShare`] of one sample into `share`: the mass of `kept`, how many of
+/// `top` it keeps, and per span its kept tokens and their mass, up to the query's `position`.
+fn kept_share(
+    weights: &[f32],
+    kept: &[usize],
+    in_set: &[bool],
+    top: &[usize],
+    spans: &[Span],
+    position: usize,
+    share: &mut KeptShare,
+) {
+    share.mass = mass_sum::mass_of(weights, kept.iter().copied());
+    share.top_kept = top.iter().filter(|&&j| in_set[j]).count();
+    share.spans.clear();
+    let mut sum = mass_sum::MassSum::default();
+    for span in spans {
+        sum.clear();
+        let mut count = 0;
+        for j in (span.start..span.end.min(position + 1)).filter(|&j| in_set[j]) {
+            count += 1;
+            sum.add(weights[j]);
+        }
+        share.spans.push((count, sum.total()));
+    }
 }
 
 /// Under prefill timing, where nothing slides out while the model decodes, every step keeps the
@@ -667,8 +708,8 @@ mod tests {
             top_k: 5,
             dating: Dating::of(crate::replay::Timing::Prefill),
         };
-        let shared = measure_unit(&layer, &unit, &fixed, 34, &reference, settings);
-        let afresh = measure_unit(&layer, &unit, &listed, 34, &reference, settings);
+        let shared = measure_unit(&layer, &unit, &fixed, 34, &reference, settings, None);
+        let afresh = measure_unit(&layer, &unit, &listed, 34, &reference, settings, None);
         assert_eq!(shared.metrics, afresh.metrics);
         let error = REGISTRY
             .iter()

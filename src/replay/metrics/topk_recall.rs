@@ -17,7 +17,6 @@ impl Metric for TopkRecall {
     }
 
     fn sample(&self, sample: &Sample<'_>) -> f64 {
-        let k = sample.top_k.min(sample.top.len());
-        sample.top[..k].iter().filter(|&&j| sample.in_set[j]).count() as f64 / k as f64
+        sample.top_kept as f64 / sample.top_k as f64
     }
 }

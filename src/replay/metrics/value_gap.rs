@@ -62,15 +62,14 @@ mod tests {
     use super::*;
     use ndarray::Array1;
 
-    fn sample<'a>(weights: &'a [f32], kept: &'a [usize], in_set: &'a [bool], values: &[[f64; 2]], partial: &'a mut Vec<f64>, full: &'a Array1<f64>) -> Sample<'a> {
+    fn sample<'a>(weights: &'a [f32], kept: &'a [usize], values: &[[f64; 2]], partial: &'a mut Vec<f64>, full: &'a Array1<f64>) -> Sample<'a> {
         partial.clear();
         partial.extend((0..2).map(|x| kept.iter().map(|&j| weights[j] as f64 * values[j][x]).sum::<f64>()));
         Sample {
             weights,
             kept,
-            in_set,
-            top: &[],
             top_k: 1,
+            top_kept: 0,
             kept_mass: kept.iter().map(|&j| weights[j] as f64).sum(),
             kept_output: Some(partial),
             full_output: Some(full.view()),
@@ -89,12 +88,12 @@ mod tests {
         let values = [[1.0, 0.0], [0.0, 1.0], [0.0, 3.0]];
         let full = Array1::from(vec![0.5, 1.0]);
         let mut partial = Vec::new();
-        let s = sample(&weights, &[0], &[true, false, false], &values, &mut partial, &full);
+        let s = sample(&weights, &[0], &values, &mut partial, &full);
         approx::assert_abs_diff_eq!(ValueGap.sample(&s), 2.0, epsilon = 1e-12);
         approx::assert_abs_diff_eq!(OutputError.sample(&s), 1.0, epsilon = 1e-12);
         // Everything kept: nothing discarded, gap 0 like the error.
         let mut partial = Vec::new();
-        let s = sample(&weights, &[0, 1, 2], &[true; 3], &values, &mut partial, &full);
+        let s = sample(&weights, &[0, 1, 2], &values, &mut partial, &full);
         assert_eq!(ValueGap.sample(&s), 0.0);
         approx::assert_abs_diff_eq!(OutputError.sample(&s), 0.0, epsilon = 1e-12);
     }
