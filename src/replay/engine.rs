@@ -414,6 +414,7 @@ fn nest_shares(
     reference: &DecodeReference,
     spans: &[Span],
 ) -> NestedShares {
+    // Each member's caches of this KV head with their prompt sets, in cache order.
     let fixed = |index: usize| -> Vec<(&Unit, &[usize])> {
         let kept = whole_layer[index].as_ref().expect("one-shot kept sets");
         kept.units
@@ -426,24 +427,34 @@ fn nest_shares(
             })
             .collect()
     };
-    let tasks: Vec<(&Vec<usize>, usize)> = families
+    // Per family, per member, its caches.
+    let caches: Vec<Vec<Vec<(&Unit, &[usize])>>> = families
         .iter()
-        .flat_map(|members| (0..fixed(members[0]).len()).map(move |cache| (members, cache)))
+        .map(|members| members.iter().map(|&index| fixed(index)).collect())
+        .collect();
+    let tasks: Vec<(usize, usize)> = caches
+        .iter()
+        .enumerate()
+        .flat_map(|(family, members)| (0..members[0].len()).map(move |cache| (family, cache)))
         .collect();
     let per_task: Vec<Vec<((usize, usize), CacheShares)>> = tasks
         .par_iter()
-        .map(|&(members, cache)| {
-            let caches: Vec<(&Unit, &[usize])> =
-                members.iter().map(|&index| fixed(index)[cache]).collect();
-            let unit = caches[0].0;
-            if caches.iter().any(|(other, _)| *other != unit) {
+        .map(|&(family, cache)| {
+            let members = &caches[family];
+            let unit = members[0][cache].0;
+            // The same cache under every member (one layout), or nothing to nest.
+            if members
+                .iter()
+                .any(|m| m.get(cache).map(|c| c.0) != Some(unit))
+            {
                 return Vec::new();
             }
-            let sets: Vec<&[usize]> = caches.iter().map(|(_, set)| *set).collect();
-            let top_k = policies[members[0]].params().top_k;
+            let sets: Vec<&[usize]> = members.iter().map(|m| m[cache].1).collect();
+            let indices = &families[family];
+            let top_k = policies[indices[0]].params().top_k;
             nested_shares(layer, unit, &sets, reference, spans, top_k)
                 .map(|shares| {
-                    let keys = members.iter().map(|&index| (index, unit.index));
+                    let keys = indices.iter().map(|&index| (index, unit.index));
                     keys.zip(shares).collect()
                 })
                 .unwrap_or_default()

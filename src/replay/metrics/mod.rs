@@ -10,6 +10,10 @@
 //! attention mass on the span that S keeps, next to the mass on the whole span) and memory (the
 //! cache's size at each decode step, and the KV entries a layer stores).
 //!
+//! Masses are order-independent sums ([`mass_sum`]), so where one scorer's one-shot kept sets of a
+//! cache are nested, the nested path ([`nested`]) measures their retained mass, top-k recall and
+//! span survival in one walk, with the bits each set's own sums give.
+//!
 //! Layer figures are means over query heads of each head's mean over decode steps; overall
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
