@@ -400,6 +400,9 @@ fn nest_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
     families.into_values().filter(|f| f.len() > 1).collect()
 }
 
+/// Some caches of one layer, each with its one-shot prompt set.
+type PromptSets<'a> = Vec<(&'a Unit, &'a [usize])>;
+
 /// Kept shares from the nested path, by (policy index, cache index).
 type NestedShares = BTreeMap<(usize, usize), CacheShares>;
 
@@ -415,7 +418,7 @@ fn nest_shares(
     spans: &[Span],
 ) -> NestedShares {
     // Each member's caches of this KV head with their prompt sets, in cache order.
-    let fixed = |index: usize| -> Vec<(&Unit, &[usize])> {
+    let fixed = |index: usize| -> PromptSets<'_> {
         let kept = whole_layer[index].as_ref().expect("one-shot kept sets");
         kept.units
             .iter()
@@ -428,7 +431,7 @@ fn nest_shares(
             .collect()
     };
     // Per family, per member, its caches.
-    let caches: Vec<Vec<Vec<(&Unit, &[usize])>>> = families
+    let caches: Vec<Vec<PromptSets>> = families
         .iter()
         .map(|members| members.iter().map(|&index| fixed(index)).collect())
         .collect();
