@@ -19,6 +19,11 @@ use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
 use std::process::ExitCode;
 
+/// The system allocator, which also counts the live heap of the work `kvreplay bench` measures
+/// (and nothing outside it).
+#[global_allocator]
+static HEAP: kvreplay::bench::heap::CountingAllocator = kvreplay::bench::heap::CountingAllocator;
+
 #[derive(Parser)]
 #[command(
     name = "kvreplay",
@@ -621,9 +626,13 @@ fn bench(
             100.0 * scoring / peak
         ),
     ]);
-    let (grid, grid_growth) =
+    let (grid, grid_resident) =
         bench::resident_growth(|| bench::replay_grid(&trace, budgets, &return_free_memory));
     let (reports, replay_seconds) = grid?;
+    // Counted in a second, untimed run: counting costs the timed one its allocations' speed.
+    let (counted, grid_heap) =
+        bench::heap::heap_growth(|| bench::replay_grid(&trace, budgets, &return_free_memory));
+    counted?;
     table.push([
         format!(
             "kvreplay grid ({} policies × {} budgets, streaming ones included)",
@@ -673,15 +682,25 @@ fn bench(
         long_rows(&mut table, &TraceReader::open(long)?)?;
     }
     let megabytes = |bytes: usize| bytes as f64 / 1e6;
-    let growth_cell = |growth: Option<bench::Growth>, layer: usize| match growth {
-        Some(growth) => format!(
-            "{:.1} MB = {:.2}× one layer's q, k, v in f32 ({:.1} MB) + {:.1} MB of results",
-            megabytes(growth.working()),
-            growth.working() as f64 / layer as f64,
-            megabytes(layer),
-            megabytes(growth.retained),
-        ),
-        None => "n/a (the peak cannot be reset: /proc/self/clear_refs)".into(),
+    let growth_cell = |(resident, heap): bench::MemoryGrowth, layer: usize| {
+        let resident = match resident {
+            Some(growth) => format!(
+                "{:.1} MB = {:.2}× one layer's q, k, v in f32 ({:.1} MB) + {:.1} MB of results",
+                megabytes(growth.working()),
+                growth.working() as f64 / layer as f64,
+                megabytes(layer),
+                megabytes(growth.retained),
+            ),
+            None => "n/a (the peak cannot be reset: /proc/self/clear_refs)".into(),
+        };
+        match heap {
+            Some(heap) => format!(
+                "{resident}; live heap {:.1} MB = {:.2}×",
+                megabytes(heap.working()),
+                heap.working() as f64 / layer as f64
+            ),
+            None => resident,
+        }
     };
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
@@ -701,7 +720,7 @@ fn bench(
             "peak resident memory of the grid run ({} policies in one pass, {threads} threads)",
             reports.len()
         ),
-        growth_cell(grid_growth, bench::layer_bytes(&trace)),
+        growth_cell((grid_resident, grid_heap), bench::layer_bytes(&trace)),
     ]);
     if capture_tokens > 0 {
         // The model's rows run as `kvreplay capture` and `kvreplay live` run it.

@@ -7,59 +7,26 @@
 mod common;
 
 use common::{write_fixture, Shape};
+use kvreplay::bench::heap::{heap_growth, CountingAllocator};
 use kvreplay::replay::{
     presets, replay, replay_many, Granularity, PolicyParams, Timing, ValidPolicy,
 };
 use kvreplay::trace::TraceReader;
-use std::alloc::{GlobalAlloc, Layout, System};
-use std::sync::atomic::{AtomicUsize, Ordering};
-
-struct Counting;
-
-static LIVE: AtomicUsize = AtomicUsize::new(0);
-static PEAK: AtomicUsize = AtomicUsize::new(0);
-
-// SAFETY: every call is forwarded to the system allocator unchanged; only sizes are counted.
-unsafe impl GlobalAlloc for Counting {
-    unsafe fn alloc(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-        PEAK.fetch_max(live, Ordering::SeqCst);
-        System.alloc(layout)
-    }
-
-    unsafe fn alloc_zeroed(&self, layout: Layout) -> *mut u8 {
-        let live = LIVE.fetch_add(layout.size(), Ordering::SeqCst) + layout.size();
-        PEAK.fetch_max(live, Ordering::SeqCst);
-        System.alloc_zeroed(layout)
-    }
-
-    unsafe fn dealloc(&self, ptr: *mut u8, layout: Layout) {
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-        System.dealloc(ptr, layout)
-    }
-
-    unsafe fn realloc(&self, ptr: *mut u8, layout: Layout, new_size: usize) -> *mut u8 {
-        // Old and new blocks are both live while the data is copied.
-        let live = LIVE.fetch_add(new_size, Ordering::SeqCst) + new_size;
-        PEAK.fetch_max(live, Ordering::SeqCst);
-        let moved = System.realloc(ptr, layout, new_size);
-        LIVE.fetch_sub(layout.size(), Ordering::SeqCst);
-        moved
-    }
-}
 
 #[global_allocator]
-static COUNTING: Counting = Counting;
+static HEAP: CountingAllocator = CountingAllocator;
 
 /// The working memory of `work`: its peak live heap bytes above those live before it, less what
 /// is still live after it (its results, which a replay hands back and which grow with the layers
 /// and the metrics: they are not what it holds while it works).
-fn heap_growth<T>(work: impl FnOnce() -> T) -> (T, usize) {
-    let before = LIVE.load(Ordering::SeqCst);
-    PEAK.store(before, Ordering::SeqCst);
-    let result = work();
-    let retained = LIVE.load(Ordering::SeqCst).saturating_sub(before);
-    (result, PEAK.load(Ordering::SeqCst) - before - retained)
+fn working_heap<T>(work: impl FnOnce() -> T) -> (T, usize) {
+    let (result, growth) = heap_growth(work);
+    (
+        result,
+        growth
+            .expect("the counting allocator is installed")
+            .working(),
+    )
 }
 
 /// SmolLM2-135M's geometry (9 query heads, 3 KV heads, d = 64), shorter.
@@ -141,13 +108,21 @@ fn a_replay_holds_about_one_layer_whatever_the_depth() {
     write_fixture(&shallow, shape(2), 7);
     write_fixture(&deep, shape(6), 7);
     let layer_bytes = (9 + 3 + 3) * 716 * 64 * 4;
+    // The count itself, by hand: a block freed inside counts in the peak only; one handed back
+    // stays live.
+    let (_, freed) = heap_growth(|| drop(std::hint::black_box(vec![7u8; 1 << 20])));
+    let freed = freed.expect("the counting allocator is installed");
+    assert!(freed.peak >= 1 << 20 && freed.retained == 0, "{freed:?}");
+    let (kept, growth) = heap_growth(|| std::hint::black_box(vec![7u8; 1 << 20]));
+    assert_eq!(growth.map(|g| g.retained), Some(kept.len()));
+    drop(kept);
     let policies = policies();
     pool.install(|| {
         for path in [&shallow, &deep] {
             let trace = TraceReader::open(path).expect("fixture opens");
             for (name, params) in &policies {
                 let policy = checked(params);
-                let (report, growth) = heap_growth(|| replay(&trace, &policy));
+                let (report, growth) = working_heap(|| replay(&trace, &policy));
                 report.expect("replay runs");
                 let ratio = growth as f64 / layer_bytes as f64;
                 assert!(
@@ -163,7 +138,7 @@ fn a_replay_holds_about_one_layer_whatever_the_depth() {
         for path in [&shallow, &deep] {
             let trace = TraceReader::open(path).expect("fixture opens");
             let all: Vec<ValidPolicy> = policies.iter().map(|(_, p)| checked(p)).collect();
-            let (reports, growth) = heap_growth(|| replay_many(&trace, &all, &|| {}));
+            let (reports, growth) = working_heap(|| replay_many(&trace, &all, &|| {}));
             reports.expect("replay runs");
             let ratio = growth as f64 / layer_bytes as f64;
             assert!(ratio <= 1.5, "all policies: {ratio:.2}× one layer");

@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+pub mod heap;
 mod oneshot;
 pub use oneshot::{
     essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, timed_against_essential,
@@ -534,13 +535,17 @@ pub fn resident_growth<T>(work: impl FnOnce() -> T) -> (T, Option<Growth>) {
     (result, growth)
 }
 
+/// What one replay raised: this process's resident memory ([`resident_growth`]) and its live
+/// heap ([`heap::heap_growth`]; `None` unless the program counts it).
+pub type MemoryGrowth = (Option<Growth>, Option<Growth>);
+
 /// Replays each grid policy at `budget` once (loading the code it runs), then once more under
-/// [`resident_growth`]: per policy, the resident growth of one replay.
+/// [`resident_growth`] and [`heap::heap_growth`]: per policy, the growth of one replay.
 pub fn replay_memory(
     trace: &TraceReader,
     budget: usize,
     layer_done: LayerDone<'_>,
-) -> Result<Vec<(&'static str, Option<Growth>)>, PolicyError> {
+) -> Result<Vec<(&'static str, MemoryGrowth)>, PolicyError> {
     let policies = GRID_POLICIES
         .iter()
         .map(|name| Ok((*name, grid_policy(name, budget)?.check()?)))
@@ -553,8 +558,9 @@ pub fn replay_memory(
     policies
         .iter()
         .map(|(name, policy)| {
-            let (report, growth) = resident_growth(|| replay(policy));
-            report.map(|_| (*name, growth))
+            let ((report, resident), heap) =
+                heap::heap_growth(|| resident_growth(|| replay(policy)));
+            report.map(|_| (*name, (resident, heap)))
         })
         .collect()
 }

@@ -17,15 +17,18 @@ const BUCKETS: usize = 256;
 #[derive(Debug, Clone)]
 pub struct MassSum {
     buckets: [f64; BUCKETS],
-    /// Which buckets hold a term, so that the total and a reset walk only those.
-    used: [u128; 2],
+    /// The lowest and highest bucket holding a term (`low > high` when empty), so that the total
+    /// and a reset walk only that range.
+    low: usize,
+    high: usize,
 }
 
 impl Default for MassSum {
     fn default() -> Self {
         Self {
             buckets: [0.0; BUCKETS],
-            used: [0; 2],
+            low: BUCKETS,
+            high: 0,
         }
     }
 }
@@ -36,31 +39,23 @@ impl MassSum {
     pub fn add(&mut self, weight: f32) {
         let bucket = ((weight.to_bits() >> 23) & 0xff) as usize;
         self.buckets[bucket] += weight as f64;
-        self.used[bucket >> 7] |= 1 << (bucket & 127);
+        self.low = self.low.min(bucket);
+        self.high = self.high.max(bucket);
     }
 
-    /// The sum: the bucket sums added smallest exponent first (0 when empty).
+    /// The sum: the bucket sums added smallest exponent first (0 when empty; an empty bucket in
+    /// between adds 0, which leaves the total's bits as they are).
     pub fn total(&self) -> f64 {
-        let mut total = 0.0;
-        for (half, &used) in self.used.iter().enumerate() {
-            let mut left = used;
-            while left != 0 {
-                let bucket = half * 128 + left.trailing_zeros() as usize;
-                total += self.buckets[bucket];
-                left &= left - 1;
-            }
-        }
-        total
+        let used = self.buckets.get(self.low..=self.high).unwrap_or(&[]);
+        used.iter().fold(0.0, |total, &bucket| total + bucket)
     }
 
     /// Empties the sum.
     pub fn clear(&mut self) {
-        for (half, used) in self.used.iter_mut().enumerate() {
-            while *used != 0 {
-                self.buckets[half * 128 + used.trailing_zeros() as usize] = 0.0;
-                *used &= *used - 1;
-            }
+        if let Some(used) = self.buckets.get_mut(self.low..=self.high) {
+            used.fill(0.0);
         }
+        (self.low, self.high) = (BUCKETS, 0);
     }
 }
 
