@@ -59,19 +59,19 @@ impl MassSum {
     }
 }
 
-/// The order-independent sum of `weights[j]` over `positions`.
-pub fn mass_of(weights: &[f32], positions: impl IntoIterator<Item = usize>) -> f64 {
-    let mut sum = MassSum::default();
-    for j in positions {
-        sum.add(weights[j]);
-    }
-    sum.total()
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
     use proptest::prelude::*;
+
+    /// The sum of `weights[j]` over `positions`, in their order.
+    fn mass_of(weights: &[f32], positions: impl IntoIterator<Item = usize>) -> f64 {
+        let mut sum = MassSum::default();
+        for j in positions {
+            sum.add(weights[j]);
+        }
+        sum.total()
+    }
 
     /// The exact sum of weights in `[2^-92, 1)`, in fixed point: each is an integer multiple of
     /// `2^-115` below `2^115`, and 400 of them stay below `2^128`.

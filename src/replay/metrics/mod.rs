@@ -225,6 +225,9 @@ pub struct DecodeReference {
     regions: Regions,
     /// Per `(head - heads.start) * steps + step`, the full mass in each region.
     region_mass: Vec<Vec<f64>>,
+    /// Per `(head - heads.start) * steps + step`, the full mass on each span of the trace (up to
+    /// the query's own position), summed in position order.
+    span_mass: Vec<Vec<f64>>,
 }
 
 impl DecodeReference {
@@ -293,6 +296,14 @@ impl DecodeReference {
         let region_mass = per_query(&attention, prompt_len, parallel, |weights, position| {
             regions.full_mass(weights, position)
         });
+        let span_mass = per_query(&attention, prompt_len, parallel, |weights, position| {
+            let seen = |span: &Span| {
+                let end = span.end.min(position + 1);
+                span.start.min(end)..end
+            };
+            let mass = |span: &Span| weights[seen(span)].iter().map(|&p| p as f64).sum();
+            spans.iter().map(mass).collect()
+        });
         Self {
             heads,
             attention,
@@ -303,6 +314,7 @@ impl DecodeReference {
             total_mass,
             regions,
             region_mass,
+            span_mass,
         }
     }
 
@@ -391,7 +403,7 @@ pub fn measure_unit(
         UnitKept::Fixed(prompt) => prompt.clone(),
         UnitKept::PerStep(_) => Vec::new(),
     };
-    let mut computed = KeptShare::default();
+    let mut general = GeneralShare::default();
     for step in 0..n_steps {
         let position = prompt_len + step;
         let kept_positions: &[usize] = match unit_kept {
@@ -433,18 +445,14 @@ pub fn measure_unit(
             let sample = step * unit.query_heads.len() + index;
             let share = match nested {
                 Some(shares) => &shares[sample],
-                None => {
-                    kept_share(
-                        weights,
-                        kept_positions,
-                        &in_set,
-                        &top[..top_k],
-                        spans,
-                        position,
-                        &mut computed,
-                    );
-                    &computed
-                }
+                None => general.of(
+                    weights,
+                    kept_positions,
+                    &in_set,
+                    &top[..top_k],
+                    spans,
+                    position,
+                ),
             };
             let d = layer.q.shape()[2];
             let metric_sample = Sample {
@@ -469,11 +477,10 @@ pub fn measure_unit(
                     out.push(metric.sample(&metric_sample));
                 }
             }
-            for (span, &(kept_count, kept_mass)) in spans.iter().zip(&share.spans) {
-                let full_mass: f64 = weights[span.start..span.end.min(position + 1)]
-                    .iter()
-                    .map(|&p| p as f64)
-                    .sum();
+            let full_masses = &reference.span_mass[local * n_steps + step];
+            for ((span, &(kept_count, kept_mass)), &full_mass) in
+                spans.iter().zip(&share.spans).zip(full_masses)
+            {
                 let fraction = kept_count as f64 / (span.end - span.start) as f64;
                 measure.spans.push((fraction, kept_mass, full_mass));
             }
@@ -496,29 +503,41 @@ pub fn measure_unit(
     measure
 }
 
-/// The general path's [`KeptShare`] of one sample into `share`: the mass of `kept`, how many of
-/// `top` it keeps, and per span its kept tokens and their mass, up to the query's `position`.
-fn kept_share(
-    weights: &[f32],
-    kept: &[usize],
-    in_set: &[bool],
-    top: &[usize],
-    spans: &[Span],
-    position: usize,
-    share: &mut KeptShare,
-) {
-    share.mass = mass_sum::mass_of(weights, kept.iter().copied());
-    share.top_kept = top.iter().filter(|&&j| in_set[j]).count();
-    share.spans.clear();
-    let mut sum = mass_sum::MassSum::default();
-    for span in spans {
+/// The general path's [`KeptShare`] of one sample at a time, with its sum's buffer.
+#[derive(Default)]
+struct GeneralShare {
+    sum: mass_sum::MassSum,
+    share: KeptShare,
+}
+
+impl GeneralShare {
+    /// The mass of `kept`, how many of `top` it keeps, and per span its kept tokens and their
+    /// mass, up to the query's `position`.
+    fn of(
+        &mut self,
+        weights: &[f32],
+        kept: &[usize],
+        in_set: &[bool],
+        top: &[usize],
+        spans: &[Span],
+        position: usize,
+    ) -> &KeptShare {
+        let Self { sum, share } = self;
         sum.clear();
-        let mut count = 0;
-        for j in (span.start..span.end.min(position + 1)).filter(|&j| in_set[j]) {
-            count += 1;
-            sum.add(weights[j]);
+        kept.iter().for_each(|&j| sum.add(weights[j]));
+        share.mass = sum.total();
+        share.top_kept = top.iter().filter(|&&j| in_set[j]).count();
+        share.spans.clear();
+        for span in spans {
+            sum.clear();
+            let mut count = 0;
+            for j in (span.start..span.end.min(position + 1)).filter(|&j| in_set[j]) {
+                count += 1;
+                sum.add(weights[j]);
+            }
+            share.spans.push((count, sum.total()));
         }
-        share.spans.push((count, sum.total()));
+        share
     }
 }
 

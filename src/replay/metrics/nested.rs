@@ -33,7 +33,8 @@ pub type CacheShares = Vec<KeptShare>;
 struct Nest {
     /// Per position, its level, or `usize::MAX` where no set holds it.
     level: Vec<usize>,
-    /// The largest set's positions by level, in position order within a level.
+    /// The largest set's positions by level (in position order within a level, as the sets are
+    /// sorted).
     order: Vec<usize>,
     /// Per level, the end of its positions in `order`.
     ends: Vec<usize>,
@@ -60,8 +61,6 @@ impl Nest {
             if order.len() != sets[member].len() {
                 return None;
             }
-            let start = ends.last().copied().unwrap_or(0);
-            order[start..].sort_unstable();
             ends.push(order.len());
         }
         Some(Self {
@@ -137,6 +136,7 @@ pub fn nested_shares(
                 spans,
                 first..position + 1,
                 prompt_len,
+                &mut sum,
                 &mut by_level,
             );
             for (share, &member) in by_level.iter().zip(&nest.members) {
@@ -155,12 +155,12 @@ fn span_shares(
     spans: &[Span],
     visible: std::ops::Range<usize>,
     prompt_len: usize,
+    sum: &mut MassSum,
     by_level: &mut [KeptShare],
 ) {
     for share in by_level.iter_mut() {
         share.spans.clear();
     }
-    let mut sum = MassSum::default();
     for span in spans {
         let seen = span.start.max(visible.start)..span.end.min(visible.end);
         sum.clear();
@@ -199,7 +199,7 @@ mod tests {
         #![proptest_config(ProptestConfig { cases: 24, failure_persistence: None, ..ProptestConfig::default() })]
 
         /// Top-B sets of one score order at several budgets, on a global or a sliding-window
-        /// layer, with spans across the prompt's end: the nested path gives every number of the
+        /// layer, with spans across the prompt's end and after a query: the nested path gives every number of the
         /// general path's measure, bit for bit.
         #[test]
         fn the_nested_path_measures_as_the_general_path_bit_for_bit(
@@ -218,6 +218,8 @@ mod tests {
             let spans = [
                 Span { name: "needle".into(), start: prompt_len / 3, end: prompt_len / 2 },
                 Span { name: "tail".into(), start: prompt_len - 5, end: t - steps / 2 },
+                // After the first queries: they see none of it.
+                Span { name: "answer".into(), start: prompt_len + steps / 2, end: t },
             ];
             let prompt: Vec<usize> = layer.prompt_cache().collect();
             let mut order = prompt.clone();
