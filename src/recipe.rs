@@ -99,6 +99,9 @@ pub struct ChatRecipe {
     pub system: Option<String>,
     /// Greedy tokens to generate.
     pub generate: usize,
+    /// What a correct generation contains (closed-loop task success), if the chat has an answer.
+    #[serde(default)]
+    pub answer: Option<String>,
 }
 
 /// The text-file recipe.
@@ -114,6 +117,10 @@ pub struct TextRecipe {
     pub max_tokens: Option<usize>,
     /// Greedy tokens to generate.
     pub generate: usize,
+    /// What a correct generation contains (closed-loop task success), if the text asks a
+    /// question.
+    #[serde(default)]
+    pub answer: Option<String>,
 }
 
 /// A prompt ready to run: token ids, named spans, and its text.
@@ -217,7 +224,7 @@ impl Recipe {
                     ids: with_bos(tokenizer, tokenizer.encode(&text)),
                     spans: Vec::new(),
                     generate: chat.generate,
-                    answer: None,
+                    answer: chat.answer.clone(),
                 })
             }
             Recipe::Chat(chat) => {
@@ -236,7 +243,7 @@ impl Recipe {
                     ids: tokenizer.encode(&ChatTokenizer::chat_prompt(&messages)),
                     spans: Vec::new(),
                     generate: chat.generate,
-                    answer: None,
+                    answer: chat.answer.clone(),
                 })
             }
             Recipe::Text(text) => {
@@ -251,7 +258,7 @@ impl Recipe {
                     ids,
                     spans: Vec::new(),
                     generate: text.generate,
-                    answer: None,
+                    answer: text.answer.clone(),
                 })
             }
         }
@@ -347,4 +354,30 @@ fn build_niah(
         generate: niah.generate,
         answer: niah.answer.clone(),
     })
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn load(text: &str) -> Recipe {
+        let dir = tempfile::tempdir().unwrap();
+        let path = dir.path().join("recipe.toml");
+        std::fs::write(&path, text).unwrap();
+        Recipe::load(&path).unwrap().0
+    }
+
+    #[test]
+    fn text_and_chat_recipes_take_an_answer() {
+        let text = load("kind = \"text\"\nfile = \"p.txt\"\ngenerate = 4\nanswer = \"Paris\"\n");
+        let Recipe::Text(text) = text else {
+            panic!("a text recipe: {text:?}")
+        };
+        assert_eq!(text.answer.as_deref(), Some("Paris"));
+        let chat = load("kind = \"chat\"\nmessage = \"Capital of France?\"\ngenerate = 4\n");
+        let Recipe::Chat(chat) = chat else {
+            panic!("a chat recipe: {chat:?}")
+        };
+        assert_eq!(chat.answer, None);
+    }
 }

@@ -361,3 +361,17 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "live mode: scorer `oracle-static` reads future queries, which live mode takes from the full run under the `prefill` timing only, not `streaming`",
         ));
 }
+
+/// `docs/methods.md` is what `kvreplay methods` prints, so every method, setting and metric is
+/// described once, in its declaration.
+#[test]
+fn committed_methods_listing_is_current() {
+    let committed =
+        std::fs::read_to_string(concat!(env!("CARGO_MANIFEST_DIR"), "/docs/methods.md")).unwrap();
+    let listed = stdout(Command::cargo_bin("kvreplay").unwrap().arg("methods"));
+    assert!(
+        committed == listed,
+        "docs/methods.md differs from `kvreplay methods`: regenerate it with \
+         `cargo run --release -- methods > docs/methods.md`"
+    );
+}

@@ -586,3 +586,17 @@ fn the_calibration_runs_every_depth_and_its_slices_share_its_runs() {
         assert_eq!(slice.traces, traces, "{file}");
     }
 }
+
+#[test]
+fn description_is_optional() {
+    let without = EXPERIMENT.replace("description = \"fixture sweep\"\n", "");
+    let dir = setup(&without);
+    let experiment = Experiment::load(&dir.path().join("e.toml")).unwrap();
+    assert_eq!(experiment.description, "");
+    let out = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(
+        report.starts_with("# e\n\nProduced by `kvreplay sweep e.toml`"),
+        "{report}"
+    );
+}

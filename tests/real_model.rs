@@ -7,9 +7,9 @@ mod common;
 use common::{real_assets as assets, real_model as model};
 use kvreplay::attention::attend;
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::inspect::entropy_profile;
 use kvreplay::model::{CausalLm, ChatMessage, ChatTokenizer, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
+use kvreplay::replay::entropy_profile;
 use kvreplay::trace::{StorageDtype, TraceReader};
 use ndarray::s;
 

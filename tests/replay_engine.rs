@@ -2,44 +2,28 @@
 
 mod common;
 
-use common::reference::{self, Agg, Layer};
 use common::{write_fixture, Shape};
+use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, replay_many, scorer, settings, Granularity, Order,
-    PolicyError, PolicyParams, Timing, UnitKept,
+    kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Order, PolicyError,
+    PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 
 fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
-    let base = PolicyParams {
-        scorer: scorer.into(),
-        timing,
-        budget,
-        window: 2,
-        sinks: 1,
-        ..PolicyParams::default()
-    };
-    if declared(scorer).takes("kernel") {
-        base.with("kernel", 3)
-    } else {
-        base
-    }
-}
-
-/// The scorer's method declaration.
-fn declared(
-    scorer: &str,
-) -> &'static kvreplay::replay::settings::Method<dyn kvreplay::replay::scorer::Scorer> {
-    settings::find(scorer::REGISTRY, scorer).expect("registered")
+    common::fixture_policy(scorer, timing, budget, 0)
 }
 
 /// Every registered scorer, every timing it supports (streaming ones in both orders of attend and
 /// evict), all three cache granularities and all aggregations (for the scorers that aggregate a
-/// group) agree with the reference on kept sets and metrics (tolerance 1e-5: f32 engine against
-/// f64 reference). The scorers and timings come from the registry: a new scorer is compared as
-/// soon as it is registered, and fails here until the reference has its rule.
+/// group) agree with the scorer's own brute-force rule (`Scorer::reference`, run by the f64
+/// machinery of `kvreplay::replay::reference`) on kept sets, and with every registered metric's
+/// brute-force definition (`Metric::reference`) on the metrics (tolerance 1e-5, 1e-4 for the
+/// value gap: f32 engine against f64 reference). The scorers, metrics and timings come from the
+/// registries: a new method is compared as soon as it is registered, and fails here, naming it,
+/// until it has its reference.
 #[test]
 fn engine_matches_brute_force_reference() {
     let dir = tempfile::tempdir().unwrap();
@@ -60,38 +44,24 @@ fn engine_matches_brute_force_reference() {
                 orders.iter().map(move |&order| (timing, order))
             });
             for (timing, order) in timed {
-                for (gqa, agg, ref_agg) in [
-                    (Granularity::KvHead, "mean", Agg::Mean),
-                    (Granularity::KvHead, "max", Agg::Max),
-                    (Granularity::QueryHead, "sum", Agg::Sum),
-                    (Granularity::Layer, "mean", Agg::Mean),
+                for (gqa, agg) in [
+                    (Granularity::KvHead, "mean"),
+                    (Granularity::KvHead, "max"),
+                    (Granularity::QueryHead, "sum"),
+                    (Granularity::Layer, "mean"),
                 ] {
                     let budget = 6 + seed as usize;
-                    let mut policy = PolicyParams {
+                    let mut params = PolicyParams {
                         gqa,
                         order,
                         sinks: (seed % 2) as usize,
-                        ..params(scorer, timing, budget)
+                        ..common::fixture_policy(scorer, timing, budget, seed)
                     };
-                    if declared(scorer).takes("agg") {
-                        policy = policy.with("agg", agg);
+                    if method.takes("agg") {
+                        params = params.with("agg", agg);
                     }
-                    if declared(scorer).takes("pool") {
-                        policy = policy.with("pool", if seed % 2 == 0 { "avg" } else { "max" });
-                    }
-                    if declared(scorer).takes("seed") {
-                        policy = policy.with("seed", seed);
-                    }
-                    if declared(scorer).takes("lag_size") {
-                        policy = policy.with("lag_size", 3);
-                    }
-                    if declared(scorer).takes("chunk_length") {
-                        policy = policy.with("inner", "knorm").with("chunk_length", 3);
-                    }
-                    if declared(scorer).takes("page_size") {
-                        policy = policy.with("page_size", 3);
-                    }
-                    let policy = match policy.check() {
+                    let rule = common::scorer_rule(&params);
+                    let policy = match params.check() {
                         Ok(policy) => policy,
                         Err(PolicyError::Unsupported { .. }) => continue,
                         Err(other) => panic!("{scorer} {timing:?}: {other}"),
@@ -105,24 +75,18 @@ fn engine_matches_brute_force_reference() {
                             v,
                             prompt_len: shape.prompt_len,
                             scale: 0.5,
+                            index,
+                            rope_theta: common::ROPE_THETA as f64,
                         };
                         let reference_policy = reference::Policy {
-                            scorer,
-                            timing: timing.name(),
-                            layer: index,
-                            seed,
+                            rule: rule.as_ref(),
+                            timing,
                             budget,
                             window: 2,
                             sinks: (seed % 2) as usize,
-                            kernel: 3,
-                            lag_size: 3,
-                            chunk_length: 3,
-                            page_size: 3,
-                            max_pool: seed % 2 == 1,
                             per_query_head: gqa == Granularity::QueryHead,
                             shared_layer: gqa == Granularity::Layer,
                             attend_first: order == Order::AttendFirst,
-                            agg: ref_agg,
                         };
                         let expected = reference::kept(&layer, &reference_policy);
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
@@ -140,15 +104,11 @@ fn engine_matches_brute_force_reference() {
                             &expected,
                             gqa == Granularity::QueryHead,
                             10,
-                        );
+                        )
+                        .unwrap_or_else(|missing| panic!("{missing}"));
                         let got = &report.layers[index];
-                        for (id, want, tolerance) in [
-                            ("retained_mass", expected.retained_mass, 1e-5),
-                            ("topk_recall", expected.topk_recall, 1e-9),
-                            ("output_error", expected.output_error, 1e-5),
-                            ("value_weighted_mass", expected.value_weighted_mass, 1e-5),
-                            ("value_gap", expected.value_gap, 1e-4),
-                        ] {
+                        for &(id, want) in &expected {
+                            let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
                             let value = got.metric(id).unwrap();
                             assert!(
                                 (value - want).abs() < tolerance,
@@ -157,7 +117,8 @@ fn engine_matches_brute_force_reference() {
                         }
                         // The lost mass, by region and by time, adds up to what was not kept;
                         // only the timing's own kinds of loss occur.
-                        let lost = 1.0 - expected.retained_mass;
+                        let retained = expected.iter().find(|(id, _)| *id == "retained_mass");
+                        let lost = 1.0 - retained.expect("retained mass is registered").1;
                         let by_region: f64 = got.lost_by_region.iter().map(|s| s.mass).sum();
                         let by_when: Vec<f64> = got.lost_by_when.iter().map(|s| s.mass).collect();
                         assert!(

@@ -7,8 +7,7 @@ mod common;
 
 use common::{Rng, Shape};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, scorer, settings, Layers, PolicyError, PolicyParams, Timing,
-    UnitKept,
+    kept_sets, layer_budgets, replay, scorer, Layers, PolicyError, PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use ndarray::Array3;
@@ -32,24 +31,10 @@ fn every_policy(budget: usize) -> Vec<PolicyParams> {
     let mut policies = Vec::new();
     for method in scorer::REGISTRY {
         for timing in Timing::ALL {
-            let declared = settings::find(scorer::REGISTRY, method.name).unwrap();
-            let mut params = PolicyParams {
-                scorer: method.name.into(),
-                timing,
-                budget,
-                window: 2,
-                sinks: 1,
+            let params = PolicyParams {
                 layers: Layers::All,
-                ..PolicyParams::default()
+                ..common::fixture_policy(method.name, timing, budget, 0)
             };
-            for (key, value) in [("kernel", 3), ("lag_size", 3), ("page_size", 3)] {
-                if declared.takes(key) {
-                    params = params.with(key, value);
-                }
-            }
-            if declared.takes("chunk_length") {
-                params = params.with("inner", "knorm").with("chunk_length", 3);
-            }
             match params.clone().check() {
                 Ok(_) => policies.push(params),
                 Err(PolicyError::Unsupported { .. }) => {}

@@ -1,6 +1,6 @@
 //! `kvreplay bench`: how fast replay is, measured side by side in one run on this machine: a
 //! matrix-multiply peak, the attention-scoring kernel against it, the replay of a fixed policy
-//! grid against the NumPy replay a researcher would write (`tests/reference/replay_numpy.py`,
+//! grid against the NumPy replay a researcher would write (`src/bench/numpy/replay_numpy.py`,
 //! whose numbers must agree first), the streaming cost per token, peak resident memory, capture
 //! speed and the closed loop's cost per token. The library measures; the CLI prints.
 
@@ -12,7 +12,7 @@ use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
     RETAINED_MASS,
 };
-use crate::trace::TraceReader;
+use crate::trace::{TraceError, TraceReader};
 use ndarray::{s, Array2};
 use std::path::{Path, PathBuf};
 use std::process::Command;
@@ -20,10 +20,12 @@ use std::time::Instant;
 
 pub mod heap;
 mod oneshot;
+mod table;
 pub use oneshot::{
     essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, timed_against_essential,
     EssentialWork, GridTiming, ONESHOT_POLICIES, TIMED_RUNS,
 };
+pub use table::{measure, BenchRun};
 
 /// What can stop the bench.
 #[derive(Debug, thiserror::Error)]
@@ -41,6 +43,9 @@ pub enum BenchError {
     /// The model failed.
     #[error(transparent)]
     Model(#[from] ModelError),
+    /// A trace could not be opened.
+    #[error(transparent)]
+    Trace(#[from] TraceError),
 }
 
 /// The NumPy reference's grid: its time and how far its retained mass is from kvreplay's.
@@ -68,7 +73,7 @@ pub fn numpy_python(given: Option<PathBuf>) -> Result<PathBuf, BenchError> {
         .map_err(BenchError::Reference)
 }
 
-/// Runs the NumPy reference (`tests/reference/replay_numpy.py`) on the grid and compares its
+/// Runs the NumPy reference (`src/bench/numpy/replay_numpy.py`) on the grid and compares its
 /// retained mass with `reports` (grid order: policies outer, budgets inner).
 pub fn numpy_grid(
     python: &Path,
@@ -86,7 +91,38 @@ pub fn numpy_grid(
     )
 }
 
-/// Runs `tests/reference/<script>` with `--budgets` and `--policies` and compares its retained
+/// The NumPy references, shipped inside the binary and written to a scratch folder of this
+/// process for Python to run (removed when dropped).
+struct NumpyScripts {
+    dir: PathBuf,
+}
+
+impl NumpyScripts {
+    const FILES: [(&'static str, &'static str); 2] = [
+        ("replay_numpy.py", include_str!("numpy/replay_numpy.py")),
+        ("oneshot_numpy.py", include_str!("numpy/oneshot_numpy.py")),
+    ];
+
+    fn write() -> Result<Self, BenchError> {
+        let dir = std::env::temp_dir().join(format!("kvreplay-bench-{}", std::process::id()));
+        let failed = |e: std::io::Error| {
+            BenchError::Reference(format!("writing its scripts to {}: {e}", dir.display()))
+        };
+        std::fs::create_dir_all(&dir).map_err(failed)?;
+        for (name, text) in Self::FILES {
+            std::fs::write(dir.join(name), text).map_err(failed)?;
+        }
+        Ok(Self { dir })
+    }
+}
+
+impl Drop for NumpyScripts {
+    fn drop(&mut self) {
+        let _ = std::fs::remove_dir_all(&self.dir);
+    }
+}
+
+/// Runs `src/bench/numpy/<script>` (shipped in the binary) with `--budgets` and `--policies` and compares its retained
 /// mass with `reports` (policies outer, budgets inner).
 fn numpy_reference(
     python: &Path,
@@ -96,9 +132,8 @@ fn numpy_reference(
     budgets: &[usize],
     reports: &[ReplayReport],
 ) -> Result<NumpyGrid, BenchError> {
-    let script = Path::new(env!("CARGO_MANIFEST_DIR"))
-        .join("tests/reference")
-        .join(script);
+    let scratch = NumpyScripts::write()?;
+    let script = scratch.dir.join(script);
     let budget_list: Vec<String> = budgets.iter().map(|b| b.to_string()).collect();
     let output = Command::new(python)
         .arg(&script)
@@ -261,7 +296,7 @@ pub const GRID_POLICIES: [&str; 6] = [
 ];
 
 /// The policy of a grid name, as the NumPy reference implements it (one cache per KV head, the
-/// group's mean, evict-first streaming; `tests/reference/replay_numpy.py`): the grid measures
+/// group's mean, evict-first streaming; `src/bench/numpy/replay_numpy.py`): the grid measures
 /// speed on fixed policies, so SnapKV, PyramidKV, StreamingLLM and H2O are spelled out here rather
 /// than taken from their presets, which follow each method's own code (query-head caches, H2O's
 /// prefill-then-stream, attend-first streaming).

@@ -5,7 +5,7 @@
 //! kernel's speed, the decode attention once per layer and KV group, and one top-B selection per
 //! (policy, budget, layer, cache) and, for the per-step oracle, per decode step — and (b) a strong
 //! NumPy reference that computes every budget-independent score once and every budget's mass
-//! from one cumulative sum (`tests/reference/oneshot_numpy.py`).
+//! from one cumulative sum (`src/bench/numpy/oneshot_numpy.py`).
 
 use super::{numpy_reference, BenchError, NumpyGrid};
 use crate::attention::{decode_attention, softmax_into, CausalLogits};
@@ -18,7 +18,7 @@ use rayon::prelude::*;
 use std::path::Path;
 use std::time::Instant;
 
-/// The one-shot grid's policies, as `tests/reference/oneshot_numpy.py` names them.
+/// The one-shot grid's policies, as `src/bench/numpy/oneshot_numpy.py` names them.
 pub const ONESHOT_POLICIES: [&str; 6] = [
     "snapkv",
     "pyramidkv",

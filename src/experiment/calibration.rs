@@ -14,122 +14,14 @@
 //! - Disagreements: the pairs of policies on one (trace, budget) where the higher retained mass
 //!   came with the higher KL by the widest margins.
 
-use super::plot::{scatter, Series};
-use super::report::FigureFiles;
+use super::figures::{scatter, FigureFiles, Series};
+use super::stats::{bootstrap, kendall, spearman, BOOTSTRAP_RESAMPLES};
 use super::store::{StoredRun, SweepError};
 use super::Experiment;
 use crate::export::{Format, Table};
 use crate::replay::{metrics, RETAINED_MASS};
-use crate::splitmix;
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
-
-/// Average ranks (1-based; ties share the mean of their ranks).
-pub fn ranks(values: &[f64]) -> Vec<f64> {
-    let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
-    let mut ranks = vec![0.0; values.len()];
-    let mut start = 0;
-    while start < order.len() {
-        let mut end = start + 1;
-        while end < order.len() && values[order[end]] == values[order[start]] {
-            end += 1;
-        }
-        let rank = (start + end + 1) as f64 / 2.0;
-        for &index in &order[start..end] {
-            ranks[index] = rank;
-        }
-        start = end;
-    }
-    ranks
-}
-
-fn pearson(x: &[f64], y: &[f64]) -> f64 {
-    let n = x.len() as f64;
-    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
-    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
-    for (a, b) in x.iter().zip(y) {
-        sxy += (a - mx) * (b - my);
-        sxx += (a - mx).powi(2);
-        syy += (b - my).powi(2);
-    }
-    if sxx == 0.0 || syy == 0.0 {
-        return f64::NAN;
-    }
-    sxy / (sxx * syy).sqrt()
-}
-
-/// Spearman's rank correlation (NaN when either side is constant).
-pub fn spearman(x: &[f64], y: &[f64]) -> f64 {
-    pearson(&ranks(x), &ranks(y))
-}
-
-/// Kendall's τ-b: `(concordant - discordant) / sqrt((n0 - ties_x) (n0 - ties_y))` over all pairs
-/// (NaN when either side is constant).
-pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
-    let (mut concordant, mut discordant, mut ties_x, mut ties_y, mut pairs) =
-        (0i64, 0i64, 0i64, 0i64, 0i64);
-    for i in 0..x.len() {
-        for j in i + 1..x.len() {
-            pairs += 1;
-            let (dx, dy) = (x[i] - x[j], y[i] - y[j]);
-            if dx == 0.0 {
-                ties_x += 1;
-            }
-            if dy == 0.0 {
-                ties_y += 1;
-            }
-            if dx == 0.0 || dy == 0.0 {
-                continue;
-            }
-            if (dx > 0.0) == (dy > 0.0) {
-                concordant += 1;
-            } else {
-                discordant += 1;
-            }
-        }
-    }
-    let denominator = (((pairs - ties_x) * (pairs - ties_y)) as f64).sqrt();
-    if denominator == 0.0 {
-        return f64::NAN;
-    }
-    (concordant - discordant) as f64 / denominator
-}
-
-/// Resamples of the bootstrap.
-pub const BOOTSTRAP_RESAMPLES: usize = 2000;
-
-/// `statistic` of the points and its 95% percentile-bootstrap interval (resamples whose
-/// statistic is undefined are left out).
-pub fn bootstrap(
-    x: &[f64],
-    y: &[f64],
-    statistic: fn(&[f64], &[f64]) -> f64,
-    seed: u64,
-) -> (f64, f64, f64) {
-    let n = x.len();
-    let value = statistic(x, y);
-    let mut state = seed;
-    let mut estimates = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
-    let (mut rx, mut ry) = (vec![0.0; n], vec![0.0; n]);
-    for _ in 0..BOOTSTRAP_RESAMPLES {
-        for slot in 0..n {
-            let pick = (splitmix::next(&mut state) % n as u64) as usize;
-            rx[slot] = x[pick];
-            ry[slot] = y[pick];
-        }
-        let estimate = statistic(&rx, &ry);
-        if estimate.is_finite() {
-            estimates.push(estimate);
-        }
-    }
-    if estimates.is_empty() {
-        return (value, f64::NAN, f64::NAN);
-    }
-    estimates.sort_by(f64::total_cmp);
-    let at = |q: f64| estimates[((estimates.len() - 1) as f64 * q).round() as usize];
-    (value, at(0.025), at(0.975))
-}
 
 /// A closed-loop outcome of a run: its title, its value, and whether it is defined only on traces
 /// whose full cache answers (a policy cannot keep an answer the model never gives, so such a
@@ -416,30 +308,6 @@ fn rankings(
 mod tests {
     use super::*;
     use crate::experiment::testing::closed_run;
-    use approx::assert_abs_diff_eq;
-
-    #[test]
-    fn rank_correlations_by_hand() {
-        // x = [1, 2, 3], y = [1, 3, 2]: Spearman 1 - 6 * 2 / (3 * 8) = 0.5; Kendall: pairs
-        // (1,2) and (1,3) concordant, (2,3) discordant: 1/3.
-        assert_abs_diff_eq!(
-            spearman(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
-            0.5,
-            epsilon = 1e-12
-        );
-        assert_abs_diff_eq!(
-            kendall(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
-            1.0 / 3.0,
-            epsilon = 1e-12
-        );
-        // With a tie in x = [1, 2, 2, 3], y = [1, 2, 3, 4]: average ranks [1, 2.5, 2.5, 4];
-        // ρ = 4.5 / sqrt(4.5 * 5) = 0.948683; τ-b = 5 / sqrt(5 * 6) = 0.912871.
-        let (x, y) = ([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]);
-        assert_eq!(ranks(&x), vec![1.0, 2.5, 2.5, 4.0]);
-        assert_abs_diff_eq!(spearman(&x, &y), 0.948_683, epsilon = 1e-6);
-        assert_abs_diff_eq!(kendall(&x, &y), 0.912_871, epsilon = 1e-6);
-        assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan());
-    }
 
     #[test]
     fn a_traces_interval_does_not_depend_on_the_other_traces() {
@@ -508,20 +376,5 @@ mod tests {
         assert_eq!(row(&unanswered, "answer ok"), None);
         assert!(row(&unanswered, "KL").is_some());
         assert!(unanswered.contains("answer ok left out"), "{unanswered}");
-    }
-
-    #[test]
-    fn bootstrap_is_seeded_and_brackets_a_perfect_correlation() {
-        let x: Vec<f64> = (0..30).map(f64::from).collect();
-        let y: Vec<f64> = x.iter().map(|v| -2.0 * v).collect();
-        let (value, low, high) = bootstrap(&x, &y, spearman, 7);
-        assert_eq!((value, low, high), (-1.0, -1.0, -1.0));
-        let noisy: Vec<f64> = x.iter().map(|v| (v * 7.0) % 11.0).collect();
-        assert_eq!(
-            bootstrap(&x, &noisy, kendall, 3),
-            bootstrap(&x, &noisy, kendall, 3)
-        );
-        let (value, low, high) = bootstrap(&x, &noisy, kendall, 3);
-        assert!(low <= value && value <= high, "{low} {value} {high}");
     }
 }

@@ -5,13 +5,12 @@
 //! layer by layer, is how far the model's own vectors moved once tokens were gone: what an
 //! open-loop number cannot see. Runs stored before the live mass was measured are left out.
 
-use super::calibration::{bootstrap, spearman};
-use super::plot::{line_chart, Series};
-use super::report::FigureFiles;
+use super::figures::{line_chart, FigureFiles, Series};
+use super::stats::{bootstrap, spearman};
 use super::store::{StoredRun, SweepError};
 use crate::export::{Format, Table};
-use crate::inspect::ranges;
 use crate::replay::RETAINED_MASS;
+use crate::trace::ranges;
 use std::path::PathBuf;
 
 /// A run's open-loop and live retained mass, per layer and overall, when both were measured.

@@ -9,21 +9,22 @@
 //! open-loop metrics against closed-loop outcomes.
 
 pub mod calibration;
+pub mod cluster;
 mod drift;
-mod plot;
+mod figures;
 mod ranking;
 pub mod report;
 pub mod shard;
 pub mod slurm;
 mod spec;
+pub mod stats;
 mod store;
+mod sweep;
 #[cfg(test)]
 mod testing;
 mod traces;
 
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
-pub use store::{
-    claim_results, run_sweep, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError,
-    SweepProgress,
-};
+pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError};
+pub use sweep::{run_sweep, SweepProgress};
 pub use traces::{Capture, TraceFile};

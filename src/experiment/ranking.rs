@@ -5,9 +5,8 @@
 //! between the first two orders says whether the metrics rank the methods alike, and the largest
 //! rank moves are named.
 
-use super::calibration::kendall;
-use super::report::{find, mean_ci, names};
-use super::store::StoredRun;
+use super::stats::{kendall, mean_ci};
+use super::store::{find_run, StoredRun};
 use super::Experiment;
 use crate::export::{Format, Table};
 use crate::replay::metrics::REGISTRY;
@@ -76,7 +75,8 @@ fn standings(
     trace_names: &[String],
     id: &str,
 ) -> Vec<Standing> {
-    names(experiment)
+    experiment
+        .policy_names()
         .into_iter()
         .map(|name| {
             let per_budget = experiment
@@ -85,7 +85,7 @@ fn standings(
                 .map(|&budget| {
                     let values: Vec<f64> = trace_names
                         .iter()
-                        .filter_map(|trace| find(runs, &name, budget, trace))
+                        .filter_map(|trace| find_run(runs, &name, budget, trace))
                         .filter_map(|run| run.report.metric(id))
                         .collect();
                     (!values.is_empty()).then(|| mean_ci(&values).0)

@@ -9,48 +9,17 @@
 //! several traces the interval is over per-trace means instead, and the report says which.
 
 use super::calibration;
-use super::plot::{heatmap, line_chart, Series};
+use super::figures::{heatmap, line_chart, slug, FigureFiles, Series};
 use super::ranking;
-use super::store::{stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
+use super::stats::{mean_ci, sign_test};
+use super::store::{find_run, stored_runs, write_atomically, ClosedLoop, StoredRun, SweepError};
+use super::traces::NeedleCell;
 use super::{Experiment, TraceFile};
 use crate::export::{Format, Table};
-use crate::inspect::{entropy_profile, kind};
-use crate::replay::{metrics, PolicyError, RETAINED_MASS};
-use crate::trace::TraceReader;
+use crate::replay::{entropy_profile, metrics, PolicyError, RETAINED_MASS};
+use crate::trace::{layer_kind, TraceReader};
 use polars::prelude::*;
-use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
 use std::path::{Path, PathBuf};
-
-/// Mean and 95% half-width of a sample (Student t; 0 half-width for fewer than two values).
-pub fn mean_ci(values: &[f64]) -> (f64, f64) {
-    let n = values.len() as f64;
-    if values.is_empty() {
-        return (f64::NAN, f64::NAN);
-    }
-    let mean = values.iter().sum::<f64>() / n;
-    if values.len() < 2 {
-        return (mean, 0.0);
-    }
-    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
-    let t = StudentsT::new(0.0, 1.0, n - 1.0)
-        .expect("n > 1")
-        .inverse_cdf(0.975);
-    (mean, t * (variance / n).sqrt())
-}
-
-/// Two-sided sign test of paired differences (zeros dropped): p-value under Binomial(n, 1/2).
-pub fn sign_test(differences: &[f64]) -> f64 {
-    let positive = differences.iter().filter(|d| **d > 0.0).count() as u64;
-    let negative = differences.iter().filter(|d| **d < 0.0).count() as u64;
-    let n = positive + negative;
-    if n == 0 {
-        return 1.0;
-    }
-    let tail = Binomial::new(0.5, n)
-        .expect("valid")
-        .cdf(positive.min(negative));
-    (2.0 * tail).min(1.0)
-}
 
 /// The retained-mass samples of a run (layer, query head, decode step).
 fn samples(run: &StoredRun) -> Vec<f64> {
@@ -60,27 +29,6 @@ fn samples(run: &StoredRun) -> Vec<f64> {
         .flatten()
         .copied()
         .collect()
-}
-
-/// Policy names in plan order, without repeats.
-pub(super) fn names(experiment: &Experiment) -> Vec<String> {
-    let mut names: Vec<String> = Vec::new();
-    for (name, _) in &experiment.policies {
-        if !names.contains(name) {
-            names.push(name.clone());
-        }
-    }
-    names
-}
-
-pub(super) fn find<'a>(
-    runs: &'a [StoredRun],
-    name: &str,
-    budget: usize,
-    trace: &str,
-) -> Option<&'a StoredRun> {
-    runs.iter()
-        .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
 }
 
 /// A run's KV entries per layer, from its trace's head counts.
@@ -190,17 +138,6 @@ fn write_frames(
     Ok(written)
 }
 
-/// One trace of a needle grid: its file, context length (prompt tokens) and needle depth (%).
-#[derive(Debug, Clone, PartialEq)]
-pub struct NeedleCell {
-    /// The trace file.
-    pub trace: PathBuf,
-    /// Prompt tokens asked for.
-    pub length: usize,
-    /// Needle depth in percent.
-    pub depth: f64,
-}
-
 /// Per policy, the share of the needle's full-attention mass that survives at `budget`, as a
 /// depth × length table and heatmap (the PyramidKV paper's figure 5 layout).
 fn needle_section(
@@ -220,11 +157,11 @@ fn needle_section(
         "\nNeedle survival at budget {budget}: share of the needle's full-attention mass the kept set holds (mean over layers, heads and decode steps), by context length and needle depth:\n"
     );
     let mut figures = Vec::new();
-    for name in names(experiment) {
+    for name in experiment.policy_names() {
         let mut values = vec![vec![f64::NAN; lengths.len()]; depths.len()];
         for cell in grid {
             let trace = cell.trace.display().to_string();
-            if let Some(run) = find(runs, &name, budget, &trace) {
+            if let Some(run) = find_run(runs, &name, budget, &trace) {
                 if let Some((_, _, kept, full)) = run.report.spans.iter().find(|s| s.0 == "needle")
                 {
                     let row = depths
@@ -277,35 +214,6 @@ fn needle_section(
     Ok(out)
 }
 
-/// Where a report's figures go: `<dir>/<stem><suffix>.{png,svg}`, the suffix naming the model
-/// when a report has one part per model.
-pub(crate) struct FigureFiles<'a> {
-    dir: &'a Path,
-    suffix: String,
-}
-
-impl<'a> FigureFiles<'a> {
-    /// Figures straight under `dir`, no suffix.
-    pub(crate) fn under(dir: &'a Path) -> Self {
-        Self {
-            dir,
-            suffix: String::new(),
-        }
-    }
-
-    /// The stem of figure `name`.
-    pub(crate) fn stem(&self, name: &str) -> PathBuf {
-        self.dir.join(format!("{name}{}", self.suffix))
-    }
-}
-
-/// `name` with every character but ASCII letters and digits turned into `_`.
-fn slug(name: &str) -> String {
-    name.chars()
-        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
-        .collect()
-}
-
 /// The model of a trace, as its header says.
 fn model_of(trace: &TraceFile) -> String {
     trace.model.clone().unwrap_or_else(|| "unknown".into())
@@ -343,10 +251,13 @@ pub fn build(
         .iter()
         .map(|t| t.path.display().to_string())
         .collect();
+    let description = match experiment.description.trim() {
+        "" => String::new(),
+        text => format!("{text}\n\n"),
+    };
     let mut out = format!(
-        "# {}\n\n{}\n\nProduced by `{command}` ({} runs on {}).\n\n",
+        "# {}\n\n{description}Produced by `{command}` ({} runs on {}).\n\n",
         experiment.name,
-        experiment.description.trim(),
         runs.len(),
         trace_names.join(", ")
     );
@@ -367,7 +278,7 @@ pub fn build(
         out += &part.tail;
     } else {
         if !runs.is_empty() {
-            out += &model_section(experiment, &names(experiment), &runs, &models);
+            out += &model_section(experiment, &experiment.policy_names(), &runs, &models);
         }
         let mut all_figures = Vec::new();
         for (model, model_traces) in &models {
@@ -439,7 +350,7 @@ fn part(
     let mut body = String::new();
     let mut figures = Vec::new();
     if !runs.is_empty() {
-        let names = names(experiment);
+        let names = experiment.policy_names();
         let (mass, mass_series) = mass_section(experiment, &names, runs, &trace_names, traces);
         body += &mass;
         body += &paired_section(experiment, runs, &trace_names);
@@ -518,7 +429,7 @@ fn mass_section(
         for &budget in &experiment.budgets {
             let per_trace: Vec<&StoredRun> = trace_names
                 .iter()
-                .filter_map(|t| find(runs, name, budget, t))
+                .filter_map(|t| find_run(runs, name, budget, t))
                 .collect();
             if per_trace.is_empty() {
                 row.push("—".into());
@@ -564,7 +475,7 @@ fn model_section(
             for &budget in &experiment.budgets {
                 let values: Vec<f64> = traces
                     .iter()
-                    .filter_map(|t| find(runs, name, budget, &t.path.display().to_string()))
+                    .filter_map(|t| find_run(runs, name, budget, &t.path.display().to_string()))
                     .filter_map(|r| r.report.metric(RETAINED_MASS))
                     .collect();
                 row.push(match values.len() {
@@ -602,8 +513,8 @@ fn paired_section(experiment: &Experiment, runs: &[StoredRun], trace_names: &[St
             let mut differences = Vec::new();
             for trace in trace_names {
                 if let (Some(a), Some(b)) = (
-                    find(runs, &pair.a, budget, trace),
-                    find(runs, &pair.b, budget, trace),
+                    find_run(runs, &pair.a, budget, trace),
+                    find_run(runs, &pair.b, budget, trace),
                 ) {
                     differences.extend(samples(a).iter().zip(samples(b)).map(|(x, y)| x - y));
                 }
@@ -648,7 +559,7 @@ fn span_sections(
             for &budget in &experiment.budgets {
                 let values: Vec<(f64, f64)> = trace_names
                     .iter()
-                    .filter_map(|t| find(runs, name, budget, t))
+                    .filter_map(|t| find_run(runs, name, budget, t))
                     .map(|r| {
                         let (_, fraction, kept, full) = &r.report.spans[index];
                         (*fraction, if *full > 0.0 { kept / full } else { 0.0 })
@@ -687,7 +598,7 @@ fn lost_section(
     let of = |name: &String| -> Vec<&StoredRun> {
         trace_names
             .iter()
-            .filter_map(|t| find(runs, name, budget, t))
+            .filter_map(|t| find_run(runs, name, budget, t))
             .collect()
     };
     let Some(first) = names.iter().flat_map(of).next() else {
@@ -742,7 +653,7 @@ fn figures_of_runs(
     let middle = experiment.budgets[experiment.budgets.len() / 2];
     let schedules: Vec<Series> = names
         .iter()
-        .filter_map(|name| find(runs, name, middle, &trace_names[0]).map(|r| (name, r)))
+        .filter_map(|name| find_run(runs, name, middle, &trace_names[0]).map(|r| (name, r)))
         .map(|(name, run)| {
             let points = run
                 .report
@@ -800,7 +711,7 @@ fn entropy_section(
     for (row_index, first) in entropy[0].1.iter().enumerate() {
         let mut row = vec![first.layer.to_string()];
         if hybrid {
-            row.push(kind(first.window));
+            row.push(layer_kind(first.window));
         }
         for (_, profile) in &entropy {
             row.push(format!("{:.3}", profile[row_index].entropy));
@@ -838,29 +749,4 @@ fn entropy_section(
             .join(", ")
     );
     Ok(out)
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use approx::assert_abs_diff_eq;
-
-    #[test]
-    fn interval_by_hand() {
-        // [1, 2, 3, 4]: mean 2.5, sd 1.290994, t(0.975, 3) = 3.182446 (scipy.stats.t.ppf),
-        // half-width = 3.182446 * 1.290994 / 2 = 2.054260.
-        let (mean, half) = mean_ci(&[1.0, 2.0, 3.0, 4.0]);
-        assert_abs_diff_eq!(mean, 2.5, epsilon = 1e-12);
-        assert_abs_diff_eq!(half, 2.054_260, epsilon = 1e-5);
-    }
-
-    #[test]
-    fn sign_test_by_hand() {
-        // 9 positive, 1 negative: p = 2 * P(X <= 1 | n = 10) = 2 * 11/1024 = 0.021484375.
-        let mut diffs = vec![1.0; 9];
-        diffs.push(-1.0);
-        diffs.push(0.0);
-        assert_abs_diff_eq!(sign_test(&diffs), 0.021_484_375, epsilon = 1e-12);
-        assert_eq!(sign_test(&[0.0, 0.0]), 1.0);
-    }
 }

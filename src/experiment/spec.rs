@@ -69,6 +69,7 @@ pub struct Comparison {
 #[derive(Debug, Deserialize)]
 #[serde(deny_unknown_fields)]
 struct ExperimentFile {
+    #[serde(default)]
     description: String,
     traces: Vec<PathBuf>,
     #[serde(default)]
@@ -94,7 +95,7 @@ struct ExperimentFile {
 pub struct Experiment {
     /// The experiment's name (the file stem).
     pub name: String,
-    /// What it answers.
+    /// What it answers (empty when the file gives none).
     pub description: String,
     /// Trace files or recipes, relative to the working directory.
     pub traces: Vec<PathBuf>,
@@ -184,6 +185,16 @@ fn text(value: &toml::Value) -> String {
 }
 
 impl Experiment {
+    /// Policy names in plan order, without repeats.
+    pub fn policy_names(&self) -> Vec<String> {
+        let mut names: Vec<String> = Vec::new();
+        for (name, _) in &self.policies {
+            if !names.contains(name) {
+                names.push(name.clone());
+            }
+        }
+        names
+    }
     /// Reads and checks an experiment file: unknown keys and names are errors listing the valid
     /// ones, and every expanded policy is checked before anything runs.
     pub fn load(path: &Path) -> Result<Self, ExperimentError> {

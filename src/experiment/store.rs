@@ -1,14 +1,10 @@
-//! Running the planned runs and storing them: one JSON file per run, written to a temporary name
-//! and renamed, so a killed sweep leaves only finished runs, and a rerun skips them.
+//! The run store: one JSON file per finished run, written to a temporary name and renamed, so a
+//! killed sweep leaves only finished runs and a rerun skips them; reading them back for reports.
 
-use super::shard::{plan_shards, Shard};
 use super::{Experiment, PlannedRun, TraceFile};
-use crate::capture::{self, CaptureError};
-use crate::live::{LiveError, LiveReport, LiveSession};
-use crate::model::CausalLm;
-use crate::recipe::Recipe;
-use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
-use crate::trace::TraceReader;
+use crate::capture::CaptureError;
+use crate::live::{LiveError, LiveReport};
+use crate::replay::{PolicyError, ReplayReport};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -216,9 +212,6 @@ impl From<LiveError> for SweepError {
     }
 }
 
-/// Progress of a sweep: `(done, total)` after each batch, done counting skipped runs.
-pub type SweepProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
-
 fn run_path(results: &Path, id: &str) -> PathBuf {
     results.join("runs").join(format!("{id}.json"))
 }
@@ -249,6 +242,17 @@ pub fn claim_results(results: &Path, experiment: &Path) -> Result<(), SweepError
 }
 
 /// Whether run `id` is stored under `results`.
+/// The stored run of policy `name` at `budget` on `trace`, if any.
+pub(crate) fn find_run<'a>(
+    runs: &'a [StoredRun],
+    name: &str,
+    budget: usize,
+    trace: &str,
+) -> Option<&'a StoredRun> {
+    runs.iter()
+        .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
+}
+
 pub(crate) fn is_stored(results: &Path, id: &str) -> bool {
     run_path(results, id).is_file()
 }
@@ -261,148 +265,8 @@ pub(crate) fn write_atomically(path: &Path, bytes: &[u8]) -> Result<(), SweepErr
     })
 }
 
-/// Runs every planned run (of `shard` only, when given) not stored yet under `results`, storing
-/// each as it finishes; `layer_done` is called after each layer of each pass. A trace's policies
-/// run in batches ([`batches`]) that share each layer's reading and decode attention, and whose
-/// policies with the same scores share one scoring pass. Returns how many runs were run and how
-/// many were already there.
-pub fn run_sweep(
-    experiment: &Experiment,
-    traces: &[TraceFile],
-    results: &Path,
-    shard: Option<Shard>,
-    progress: SweepProgress<'_>,
-    layer_done: LayerDone<'_>,
-) -> Result<(usize, usize), SweepError> {
-    let planned: Vec<PlannedRun> = match shard {
-        Some(shard) => plan_shards(experiment, traces, shard.count)
-            .into_iter()
-            .filter(|(_, of)| *of == shard.index)
-            .map(|(run, _)| run)
-            .collect(),
-        None => experiment.plan(traces),
-    };
-    let total = planned.len();
-    let pending: Vec<&PlannedRun> = planned
-        .iter()
-        .filter(|run| !run_path(results, &run.id).is_file())
-        .collect();
-    let skipped = total - pending.len();
-    let mut done = skipped;
-    progress(done, total);
-    let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
-    for (entry, trace) in experiment.traces.iter().zip(traces) {
-        let of_trace: Vec<&&PlannedRun> =
-            pending.iter().filter(|r| r.trace == trace.path).collect();
-        if of_trace.is_empty() {
-            continue;
-        }
-        let runner = if experiment.closed_loop {
-            let name = Recipe::load(entry)
-                .map_err(crate::capture::CaptureError::from)?
-                .0
-                .model()
-                .to_owned();
-            if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
-                model = Some((name.clone(), capture::load_model(&name)?));
-            }
-            let model = model
-                .as_ref()
-                .map(|(_, model)| model.as_ref())
-                .expect("loaded");
-            let prompt = capture::build_prompt(entry, model)?;
-            Runner::Live(LiveSession::start(
-                model,
-                &prompt,
-                512,
-                &std::env::temp_dir(),
-            )?)
-        } else {
-            Runner::Replay(TraceReader::open(&trace.path).map_err(PolicyError::from)?)
-        };
-        let checked = of_trace
-            .iter()
-            .map(|run| Ok((**run, run.params.clone().check()?)))
-            .collect::<Result<Vec<_>, SweepError>>()?;
-        let most = if experiment.closed_loop {
-            LIVE_BATCH
-        } else {
-            REPLAY_BATCH
-        };
-        for batch in batches(checked, most) {
-            let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
-            for (run, (report, closed_loop)) in runs.iter().zip(runner.run(&policies, layer_done)?)
-            {
-                store(results, run, trace, &report, closed_loop)?;
-            }
-            done += runs.len();
-            progress(done, total);
-        }
-    }
-    Ok((total - skipped, skipped))
-}
-
-/// The most replayed policies in one pass: their reports (a few hundred KB each at 8K) are what a
-/// pass holds besides a layer.
-const REPLAY_BATCH: usize = 64;
-
-/// The most live policies in one session pass.
-const LIVE_BATCH: usize = 12;
-
-/// `runs` in the fewest passes of at most `most` policies, of near-equal size, ordered by what
-/// their scores depend on (score key, then timing), so that the budgets and allocators of one
-/// scorer fall into one pass and share its scoring.
-fn batches(
-    mut runs: Vec<(&PlannedRun, ValidPolicy)>,
-    most: usize,
-) -> Vec<Vec<(&PlannedRun, ValidPolicy)>> {
-    runs.sort_by(|(_, a), (_, b)| {
-        (a.score_key(), a.params().timing.name()).cmp(&(b.score_key(), b.params().timing.name()))
-    });
-    let passes = runs.len().div_ceil(most.max(1)).max(1);
-    let size = runs.len().div_ceil(passes).max(1);
-    let mut batches = Vec::with_capacity(passes);
-    let mut rest = runs.into_iter().peekable();
-    while rest.peek().is_some() {
-        batches.push(rest.by_ref().take(size).collect());
-    }
-    batches
-}
-
-/// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
-/// recipe (closed loop). One is held per trace, so the size of the larger does not matter.
-#[allow(clippy::large_enum_variant)]
-enum Runner<'m> {
-    Replay(TraceReader),
-    Live(LiveSession<'m>),
-}
-
-impl Runner<'_> {
-    /// Each policy's open-loop report, and its closed-loop outcomes when run live.
-    fn run(
-        &self,
-        policies: &[ValidPolicy],
-        layer_done: LayerDone<'_>,
-    ) -> Result<Vec<(ReplayReport, Option<ClosedLoop>)>, SweepError> {
-        Ok(match self {
-            Runner::Replay(reader) => replay_many(reader, policies, layer_done)?
-                .into_iter()
-                .map(|report| (report, None))
-                .collect(),
-            Runner::Live(session) => session
-                .run_many(policies)?
-                .into_iter()
-                .map(|live| {
-                    let closed = ClosedLoop::from(&live);
-                    (live.open_loop, Some(closed))
-                })
-                .collect(),
-        })
-    }
-}
-
 /// Writes one finished run.
-fn store(
+pub(crate) fn store(
     results: &Path,
     run: &PlannedRun,
     trace: &TraceFile,
@@ -495,61 +359,5 @@ fn short(digest: &str) -> String {
         "none".into()
     } else {
         digest.chars().take(12).collect()
-    }
-}
-
-#[cfg(test)]
-mod tests {
-    use super::*;
-    use crate::replay::PolicyParams;
-
-    fn run(index: usize, scorer: &str, budget: usize) -> PlannedRun {
-        PlannedRun {
-            id: format!("run-{index}"),
-            name: scorer.into(),
-            trace: "t.safetensors".into(),
-            params: PolicyParams {
-                scorer: scorer.into(),
-                budget,
-                ..PolicyParams::default()
-            },
-        }
-    }
-
-    #[test]
-    fn batches_keep_a_scorer_together_in_the_fewest_even_passes() {
-        // 3 scorers x 4 budgets, interleaved as a plan lists them.
-        let planned: Vec<PlannedRun> = (0..12)
-            .map(|i| run(i, ["snapkv", "recency", "true-query"][i % 3], 64 << (i / 3)))
-            .collect();
-        let runs = || {
-            planned
-                .iter()
-                .map(|r| (r, r.params.clone().check().unwrap()))
-                .collect::<Vec<_>>()
-        };
-        let key = |batch: &[(&PlannedRun, ValidPolicy)]| -> Vec<String> {
-            let mut keys: Vec<String> = batch.iter().map(|(_, p)| p.score_key().into()).collect();
-            keys.dedup();
-            keys
-        };
-        // One pass when they fit.
-        let one = batches(runs(), 64);
-        assert_eq!(one.len(), 1);
-        assert_eq!(key(&one[0]).len(), 3, "sorted: each scorer's runs adjacent");
-        // At most 4 a pass: 3 passes of 4, each one scorer's 4 budgets.
-        let three = batches(runs(), 4);
-        assert_eq!(three.iter().map(Vec::len).collect::<Vec<_>>(), [4, 4, 4]);
-        assert!(three.iter().all(|batch| key(batch).len() == 1));
-        // At most 5: 3 passes again, near-equal (4 each) rather than 5, 5, 2.
-        assert_eq!(
-            batches(runs(), 5).iter().map(Vec::len).collect::<Vec<_>>(),
-            [4, 4, 4]
-        );
-        // Every run exactly once.
-        let mut ids: Vec<&str> = three.iter().flatten().map(|(r, _)| r.id.as_str()).collect();
-        ids.sort();
-        ids.dedup();
-        assert_eq!(ids.len(), 12);
     }
 }

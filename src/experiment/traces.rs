@@ -111,6 +111,17 @@ impl std::io::Write for HashWriter<'_> {
 /// Captures a recipe (first path) into a trace file (second path).
 pub type Capture<'a> = &'a mut dyn FnMut(&Path, &Path) -> Result<(), CaptureError>;
 
+/// One trace of a needle grid: its file, context length (prompt tokens) and needle depth (%).
+#[derive(Debug, Clone, PartialEq)]
+pub struct NeedleCell {
+    /// The trace file.
+    pub trace: PathBuf,
+    /// Prompt tokens asked for.
+    pub length: usize,
+    /// Needle depth in percent.
+    pub depth: f64,
+}
+
 impl Experiment {
     /// The experiment's trace files, in its order. A recipe (`.toml`) stands for the trace beside
     /// it (`.safetensors`); one not captured yet is captured with `capture`, or is an error when
@@ -157,12 +168,12 @@ impl Experiment {
     }
 
     /// The needle grid: for each trace made from a needle recipe, its prompt length and depth.
-    pub fn needle_cells(&self, traces: &[TraceFile]) -> Vec<super::report::NeedleCell> {
+    pub fn needle_cells(&self, traces: &[TraceFile]) -> Vec<NeedleCell> {
         self.traces
             .iter()
             .zip(traces)
             .filter_map(|(entry, trace)| match Recipe::load(entry) {
-                Ok((Recipe::Niah(niah), _)) => Some(super::report::NeedleCell {
+                Ok((Recipe::Niah(niah), _)) => Some(NeedleCell {
                     trace: trace.path.clone(),
                     length: niah.prompt_tokens,
                     depth: niah.depth_percent,

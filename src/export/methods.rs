@@ -1,6 +1,8 @@
 //! `kvreplay methods`: every registered method of every axis, with its parameters, defaults and
-//! source, straight from the registries, and the presets built on them.
+//! source, every metric, straight from the registries, and the presets built on them. The
+//! committed `docs/methods.md` is this listing (a test keeps them equal).
 
+use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
 use crate::replay::{allocator, head_split, presets, scorer, Layers, Timing, COMMON_KEYS};
 use std::fmt::Write;
@@ -36,6 +38,16 @@ pub fn methods_markdown() -> String {
     out += "\n## Layers (`layers`): which layers a budget compresses on a hybrid model\n\n";
     for layers in [Layers::Global, Layers::All] {
         let _ = writeln!(out, "- `{}`: {}", layers.name(), layers_about(layers));
+    }
+    out += "\n## Metrics: what a kept set costs, per query head and decode step\n\n";
+    for metric in metrics::REGISTRY {
+        let _ = writeln!(
+            out,
+            "- `{}` ({}): {}",
+            metric.id(),
+            metric.title(),
+            metric.about()
+        );
     }
     out += "\n## Presets (`preset`, `kvreplay compare --presets`)\n\n";
     for name in presets::NAMES {

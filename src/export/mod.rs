@@ -34,7 +34,8 @@ pub fn exporter(format: Format) -> Box<dyn Exporter> {
         Format::Json => Box::new(Json),
     }
 }
-use crate::inspect::{entropy_profile, kind};
+use crate::replay::entropy_profile;
+use crate::trace::layer_kind;
 use crate::trace::{TraceError, TraceReader};
 
 /// The report of `kvreplay inspect`: header, spans, sizes, and the per-layer entropy table.
@@ -51,7 +52,7 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
             meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim
         ),
     ]);
-    header.push(["attention".into(), crate::inspect::layer_kinds(meta)]);
+    header.push(["attention".into(), crate::trace::layer_kinds(meta)]);
     header.push(["positions T".into(), n_positions.to_string()]);
     header.push(["prompt_len".into(), meta.prompt_len.to_string()]);
     header.push([
@@ -108,7 +109,7 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
             format!("{:.3}", row.normalized),
         ];
         if hybrid {
-            cells.push(kind(row.window));
+            cells.push(layer_kind(row.window));
         }
         entropy.push(cells);
     }

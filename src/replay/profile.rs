@@ -1,5 +1,7 @@
 //! Per-layer statistics of the observation window's attention over the prompt, the input of the
-//! data-driven allocators (`entropy`, `cake`).
+//! data-driven allocators (`entropy`, `cake`), and the entropy profile over a trace's layers (the
+//! "pyramidal information funneling" of the PyramidKV paper, arXiv:2406.02069, §3) that
+//! `kvreplay inspect` and the funneling reports show.
 //!
 //! For layer l, each query head h and each of the last W prompt queries t, `A[t]` is the causal
 //! softmax over keys `0..=t`. Entropy: the mean over heads and rows of `-sum_j A ln A` (nats);
@@ -12,8 +14,9 @@
 //! sums over heads: dispersion `-sum_{h,t,j} A ln(A + 1e-10)` and variance
 //! `sum_{h,j} Var_t A[t, j]` with torch.var's unbiased (W - 1) denominator.
 
-use super::LayerContext;
+use super::{context, LayerContext};
 use crate::attention::{attend, entropy};
+use crate::trace::{TraceError, TraceReader};
 use ndarray::s;
 use serde::Serialize;
 
@@ -106,6 +109,46 @@ impl LayerProfile {
             cake_variance,
         }
     }
+}
+
+/// Entropy of one layer's observation-window attention.
+#[derive(Debug, Clone, PartialEq, Serialize)]
+pub struct LayerEntropy {
+    /// Layer index.
+    pub layer: usize,
+    /// Mean entropy in nats over query heads and window queries.
+    pub entropy: f64,
+    /// The same divided by ln(keys attended), 1 = uniform.
+    pub normalized: f64,
+    /// The layer's attention window (0: global, every key before the query).
+    pub window: usize,
+}
+
+/// The per-layer entropy of the last `window` prompt queries' causal attention over the prompt,
+/// averaged over query heads and queries ([`LayerProfile`], the statistics the data-driven
+/// allocators use), for every layer: a sliding-window layer's rows attend over its window.
+pub fn entropy_profile(
+    trace: &TraceReader,
+    window: usize,
+) -> Result<Vec<LayerEntropy>, TraceError> {
+    let meta = trace.meta();
+    (0..meta.n_layers)
+        .map(|layer| {
+            let tensors = trace.layer(layer)?;
+            let attention_window = meta.window(layer);
+            let profile = LayerProfile::measure_windowed(
+                &context(trace, layer, &tensors),
+                window,
+                attention_window,
+            );
+            Ok(LayerEntropy {
+                layer,
+                entropy: profile.entropy,
+                normalized: profile.normalized,
+                window: attention_window,
+            })
+        })
+        .collect()
 }
 
 #[cfg(test)]

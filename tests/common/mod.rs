@@ -1,12 +1,12 @@
 //! Shared helpers of the integration tests: tiny fixture traces the tests build themselves, and
-//! (in `reference`) a slow, obviously correct re-implementation of the replay to compare against.
+//! the policies each scorer's brute-force reference runs them with.
 
 #![allow(dead_code)]
 
-pub mod reference;
-
 use kvreplay::assets::Assets;
 use kvreplay::model::Llama;
+use kvreplay::replay::reference::ScorerRule;
+use kvreplay::replay::{scorer, settings, PolicyParams, Timing};
 use kvreplay::trace::{Span, StorageDtype, TraceMeta, TraceWriter};
 use ndarray::Array3;
 use std::collections::BTreeMap;
@@ -99,7 +99,7 @@ pub fn meta(shape: Shape) -> TraceMeta {
         prompt_len: shape.prompt_len,
         scale: 1.0 / (shape.head_dim as f32).sqrt(),
         softcap: None,
-        rope_theta: Some(reference::ROPE_THETA),
+        rope_theta: Some(ROPE_THETA),
         rope_thetas: Vec::new(),
         windows: Vec::new(),
         spans: vec![Span {
@@ -214,4 +214,40 @@ pub fn kvpress_path() -> PathBuf {
         dir.display()
     );
     dir
+}
+
+/// The rotary base of the fixtures.
+pub const ROPE_THETA: f32 = 10_000.0;
+
+/// The brute-force rule of `params`' scorer with its settings there, or a failure naming the
+/// scorer: every registered scorer must have one.
+pub fn scorer_rule(params: &PolicyParams) -> Box<dyn ScorerRule> {
+    let method = settings::find(scorer::REGISTRY, &params.scorer).expect("a registered scorer");
+    let given: serde_json::Map<String, serde_json::Value> =
+        params.settings.clone().into_iter().collect();
+    let built = (method.build)(&method.resolve(&given)).expect("the scorer's settings check");
+    built.reference().unwrap_or_else(|| {
+        panic!(
+            "scorer `{}` has no brute-force reference rule: give it `Scorer::reference` \
+             (docs/adding-a-method.md)",
+            params.scorer
+        )
+    })
+}
+
+/// A policy of `scorer` on the fixtures (window 2, one sink), with the settings its reference
+/// rule asks for on fixture `seed`.
+pub fn fixture_policy(scorer: &str, timing: Timing, budget: usize, seed: u64) -> PolicyParams {
+    let base = PolicyParams {
+        scorer: scorer.into(),
+        timing,
+        budget,
+        window: 2,
+        sinks: 1,
+        ..PolicyParams::default()
+    };
+    let fixture = scorer_rule(&base).fixture(seed);
+    fixture
+        .into_iter()
+        .fold(base, |params, (key, value)| params.with(key, value))
 }

@@ -15,7 +15,7 @@ use crate::replay::settings::Broken;
 crate::settings! {
     /// AdaKV's head-wise budgets: a cache's share follows how many of the layer's top scores it
     /// holds, above a guaranteed floor (Feng et al., 2024, arXiv:2407.11550).
-    pub struct Adakv = "adakv" {
+    pub struct AdaKv = "adakv" {
         /// The floor: the share of each cache's budget guaranteed to it (`floor_ratio`, 0.2 in
         /// KVCache-Factory's `init_adakv`, `pyramidkv_utils.py` line 1421).
         alpha: f64 = 0.2,
@@ -25,7 +25,7 @@ crate::settings! {
     }
 }
 
-impl HeadSplit for Adakv {
+impl HeadSplit for AdaKv {
     fn check(&self) -> Result<(), Broken> {
         if (0.0..=1.0).contains(&self.alpha) {
             Ok(())
@@ -116,7 +116,7 @@ mod tests {
             vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
         ];
         let none = Protection::default();
-        let plain = |alpha| Adakv {
+        let plain = |alpha| AdaKv {
             alpha,
             normalize: false,
         };
@@ -134,7 +134,7 @@ mod tests {
         // Unnormalised they are 0.4 and 0.4, both cache 0: caps [2, 0].
         let scores = vec![vec![0.4, 0.4, 0.2, 0.0], vec![0.3, 0.0, 0.0, 0.0]];
         let split = |normalize| {
-            Adakv {
+            AdaKv {
                 alpha: 0.0,
                 normalize,
             }

@@ -9,7 +9,7 @@ use super::Protection;
 crate::registry! {
     HeadSplit:
     uniform::Uniform,
-    adakv::Adakv,
+    adakv::AdaKv,
 }
 
 /// A way of sharing a layer's budget among its caches.

@@ -64,12 +64,20 @@ pub trait Metric: Send + Sync {
     fn id(&self) -> &'static str;
     /// The column title in tables.
     fn title(&self) -> &'static str;
+    /// What it measures, in one or two sentences (`kvreplay methods`, `docs/methods.md`).
+    fn about(&self) -> &'static str;
     /// Whether it needs the trace's values (traces without them leave it out).
     fn needs_values(&self) -> bool {
         false
     }
     /// Its value on one sample.
     fn sample(&self, sample: &Sample<'_>) -> f64;
+    /// Its value on one sample by its definition, in f64 over every position the query sees
+    /// ([`crate::replay::reference`]): the conformance tests compare the engine with it. A metric
+    /// without one fails them, naming it.
+    fn reference(&self, _sample: &crate::replay::reference::Sample<'_>) -> Option<f64> {
+        None
+    }
 }
 
 /// What a metric sees of one sample.

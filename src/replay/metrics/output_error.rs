@@ -4,6 +4,7 @@
 //! values leave it out.
 
 use super::{Metric, Sample};
+use crate::replay::reference;
 
 /// Relative error of the attention output.
 pub struct OutputError;
@@ -17,8 +18,20 @@ impl Metric for OutputError {
         "output error"
     }
 
+    fn about(&self) -> &'static str {
+        "`|o_full − o_kept| / |o_full|`, with `o_kept` the attention output renormalised over the kept keys; needs values."
+    }
+
     fn needs_values(&self) -> bool {
         true
+    }
+
+    fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
+        Some({
+            let full = sample.full_output();
+            let norm = reference::distance(&full, &vec![0.0; full.len()]);
+            reference::distance(&full, &sample.mean_value(sample.kept())) / norm
+        })
     }
 
     fn sample(&self, sample: &Sample<'_>) -> f64 {

@@ -14,6 +14,7 @@
 //! nothing of mass is kept, as the output error. Traces without values leave it out.
 
 use super::{Metric, Sample};
+use crate::replay::reference;
 
 /// Discarded mass below which nothing counts as discarded.
 const NOTHING_DISCARDED: f64 = 1e-9;
@@ -30,8 +31,26 @@ impl Metric for ValueGap {
         "value gap"
     }
 
+    fn about(&self) -> &'static str {
+        "The distance between the attention-weighted means of the discarded and the kept values over `|o_full|`: per sample, output error = (1 − retained mass) × value gap; needs values."
+    }
+
     fn needs_values(&self) -> bool {
         true
+    }
+
+    fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
+        Some({
+            let discarded = sample.discarded();
+            let p = sample.weights();
+            if discarded.iter().map(|&j| p[j]).sum::<f64>() < 1e-9 {
+                return Some(0.0);
+            }
+            let full = sample.full_output();
+            let norm = reference::distance(&full, &vec![0.0; full.len()]);
+            let (rest, kept) = (sample.mean_value(&discarded), sample.mean_value(sample.kept()));
+            reference::distance(&rest, &kept) / norm
+        })
     }
 
     fn sample(&self, sample: &Sample<'_>) -> f64 {

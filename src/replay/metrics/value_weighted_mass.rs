@@ -6,6 +6,7 @@
 //! out.
 
 use super::{Metric, Sample};
+use crate::replay::reference;
 
 /// The value-weighted full-attention mass kept.
 pub struct ValueWeightedMass;
@@ -19,8 +20,21 @@ impl Metric for ValueWeightedMass {
         "value-weighted mass"
     }
 
+    fn about(&self) -> &'static str {
+        "The retained mass with each position weighted by its value's L1 norm, `Σ_kept p_j‖v_j‖₁ / Σ_all p_j‖v_j‖₁` (VATP's value-aware score as a yardstick); needs values."
+    }
+
     fn needs_values(&self) -> bool {
         true
+    }
+
+    fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
+        Some({
+            let p = sample.weights();
+            let l1 = |j: usize| sample.value(j).iter().map(|x| x.abs()).sum::<f64>();
+            let kept: f64 = sample.kept().iter().map(|&j| p[j] * l1(j)).sum();
+            kept / (0..p.len()).map(|j| p[j] * l1(j)).sum::<f64>()
+        })
     }
 
     fn sample(&self, sample: &Sample<'_>) -> f64 {

@@ -18,6 +18,7 @@ use super::snapkv::{check_kernel, pool1d};
 use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// CAKE's token score: mean + gamma x variance of the window's attention, pooled, and the
@@ -87,6 +88,10 @@ impl Scorer for Cake {
             last_pooled: Vec::new(),
             prompt_end: Vec::new(),
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -239,6 +244,95 @@ impl ScoreState for State {
         let window: Vec<usize> = self.order[outside..].to_vec();
         self.order = survivors.into_iter().map(|(p, _)| p).chain(window).collect();
         self.last_pooled.clear();
+    }
+}
+
+/// The brute-force rule. At the prompt's end, per query head, mean + `gamma` × unbiased
+/// variance of the last W queries' weights on each key before the window, average-pooled
+/// (`kernel`), the group combined by `agg`; the window scores +inf. While decoding, CAKE's own
+/// cache order: the entries outside the window sorted by that score at the cut, the window after
+/// them, new tokens last; each step, the newest query's attention laid out in that order,
+/// average-pooled in it, the group combined; after an eviction the survivors outside the window
+/// are gathered by descending pooled score.
+impl Cake {
+    fn window_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Vec<f64> {
+        let n = layer.prompt_len;
+        let w = policy.window.max(1);
+        let per_head: Vec<Vec<f64>> = cache
+            .heads
+            .iter()
+            .map(|&h| {
+                let rows: Vec<Vec<f64>> = (n - w..n)
+                    .map(|at| {
+                        let visible: Vec<usize> = (0..=at).collect();
+                        layer.attention(&layer.query(h, at), cache.kv, &visible)
+                    })
+                    .collect();
+                let scores: Vec<f64> = (0..n - w)
+                    .map(|j| {
+                        let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;
+                        let var = match w > 1 {
+                            true => rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>() / (w - 1) as f64,
+                            false => 0.0,
+                        };
+                        mean + self.gamma * var
+                    })
+                    .collect();
+                reference::avg_pool(&scores, self.kernel)
+            })
+            .collect();
+        reference::combine_before_window(&per_head, n, w, self.agg)
+    }
+}
+
+impl ScorerRule for Cake {
+    fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("kernel", 3.into())]
+    }
+
+    fn prompt_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+        Some(self.window_scores(layer, policy, cache))
+    }
+
+    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+        match positions.last().is_some_and(|&at| at < layer.prompt_len) {
+            true => self.window_scores(layer, policy, cache),
+            false => running.to_vec(),
+        }
+    }
+
+    fn order_at_cut(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+        Some(self.window_scores(layer, policy, cache))
+    }
+
+    fn ordered_scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        order: &[usize],
+    ) -> Vec<(usize, f64)> {
+        let at = *positions.last().expect("a cache");
+        let outside = order.len().saturating_sub(policy.window.max(1));
+        let per_head: Vec<Vec<f64>> = cache
+            .heads
+            .iter()
+            .map(|&h| {
+                let weights = layer.attention(&layer.query(h, at), cache.kv, positions);
+                let laid_out: Vec<f64> = order[..outside]
+                    .iter()
+                    .map(|p| weights[positions.iter().position(|c| c == p).expect("cached")])
+                    .collect();
+                reference::avg_pool(&laid_out, self.kernel)
+            })
+            .collect();
+        (0..outside)
+            .map(|i| {
+                let heads: Vec<f64> = per_head.iter().map(|p| p[i]).collect();
+                (order[i], reference::combine(self.agg, &heads))
+            })
+            .collect()
     }
 }
 

@@ -15,11 +15,12 @@
 use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// ChunkKV: an inner scorer's scores averaged over chunks of the prompt, whole chunks kept
     /// (arXiv:2502.00299; kvpress `ChunkKVPress`).
-    pub struct Chunkkv = "chunkkv" {
+    pub struct ChunkKv = "chunkkv" {
         /// Tokens per chunk (`chunk_length`, 20 in kvpress).
         chunk_length: usize = 20,
         /// The scorer whose scores are averaged (its default settings).
@@ -27,7 +28,7 @@ crate::settings! {
     }
 }
 
-impl Chunkkv {
+impl ChunkKv {
     /// The inner scorer, when `inner` names another registered scorer.
     fn inner(&self) -> Result<Box<dyn Scorer>, Broken> {
         super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
@@ -44,7 +45,7 @@ struct State {
     chunk_length: usize,
 }
 
-impl Scorer for Chunkkv {
+impl Scorer for ChunkKv {
     fn check(&self) -> Result<(), Broken> {
         if self.chunk_length == 0 {
             return Err(Broken {
@@ -88,6 +89,14 @@ impl Scorer for Chunkkv {
             chunk_length: self.chunk_length,
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        let inner = super::inner_scorer(&self.inner, "chunkkv").ok()?.reference()?;
+        Some(Box::new(Rule {
+            chunk_length: self.chunk_length,
+            inner,
+        }))
+    }
 }
 
 impl ScoreState for State {
@@ -107,6 +116,34 @@ fn average_chunks(scores: &mut [f32], chunk: usize) {
     for part in scores.chunks_mut(chunk) {
         let mean = part.iter().map(|&s| f64::from(s)).sum::<f64>() / part.len() as f64;
         part.fill(mean as f32);
+    }
+}
+
+/// The brute-force rule: the `inner` rule's scores averaged over each chunk of `chunk_length`
+/// cached tokens. The fixtures use `knorm` inside, whose scores need no window.
+struct Rule {
+    chunk_length: usize,
+    inner: Box<dyn ScorerRule>,
+}
+
+impl ScorerRule for Rule {
+    fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("inner", "knorm".into()), ("chunk_length", 3.into())]
+    }
+
+    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+        self.inner.step(layer, cache, positions, running);
+    }
+
+    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+        let inner = self.inner.scores(layer, policy, cache, positions, running);
+        inner
+            .chunks(self.chunk_length)
+            .flat_map(|chunk| {
+                let mean = chunk.iter().sum::<f64>() / chunk.len() as f64;
+                std::iter::repeat_n(mean, chunk.len())
+            })
+            .collect()
     }
 }
 
@@ -132,7 +169,7 @@ mod tests {
             5,
         );
         let layer = context(&q, &k, n);
-        let scorer = Chunkkv {
+        let scorer = ChunkKv {
             chunk_length: 2,
             inner: "knorm".into(),
         };
@@ -151,7 +188,7 @@ mod tests {
             ("nope", "another registered"),
             ("recency", ""),
         ] {
-            let scorer = Chunkkv {
+            let scorer = ChunkKv {
                 chunk_length: 4,
                 inner: inner.into(),
             };
@@ -163,7 +200,7 @@ mod tests {
                 }
             }
         }
-        let zero = Chunkkv {
+        let zero = ChunkKv {
             chunk_length: 0,
             inner: "knorm".into(),
         };

@@ -23,6 +23,7 @@ use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{Array1, Array2, ArrayView1};
 use std::ops::Range;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Expected Attention: keys scored by the attention the statistics of the prompt's queries,
@@ -78,6 +79,10 @@ impl Scorer for ExpectedAttention {
             query_heads: unit.query_heads.clone(),
             settings: self.clone(),
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -239,6 +244,101 @@ fn query_statistics(
         }
     }
     (mean, covariance)
+}
+
+/// The brute-force rule, with covariance and value norms (the defaults): each head's pre-rotary
+/// queries after the `n_sink` sinks (the stored ones turned back by −position × θ^(−2i/d) on pairs
+/// (i, i + d/2), θ the layer's rotary base), their mean and covariance (/N) carried by the mean of
+/// the rotary matrices of the next `n_future_positions` positions, built as full d × d matrices;
+/// logits μ·k / √d + kᵀ S k / (2d) over the keys after the sinks, softmaxed per head, averaged
+/// over heads, times ‖v‖; the sinks score the maximum + 1.
+impl ScorerRule for ExpectedAttention {
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let (sinks, future) = (self.n_sink, self.n_future_positions);
+        let n = positions.len();
+        let d = layer.head_dim();
+        let half = d / 2;
+        let angle = |position: usize, i: usize| {
+            position as f64 / layer.rope_theta.powf(2.0 * (i % half) as f64 / d as f64)
+        };
+        // R(t)[i][j]: cos on the diagonal, −sin at (i, i + d/2), +sin at (i + d/2, i).
+        let rotation = |t: usize| -> Vec<Vec<f64>> {
+            let mut r = vec![vec![0.0; d]; d];
+            for (i, row) in r.iter_mut().enumerate() {
+                row[i] = angle(t, i).cos();
+            }
+            for i in 0..half {
+                r[i][i + half] = -angle(t, i).sin();
+                r[i + half][i] = angle(t, i).sin();
+            }
+            r
+        };
+        let mut mean_rotation = vec![vec![0.0; d]; d];
+        for t in n..n + future {
+            let r = rotation(t);
+            for i in 0..d {
+                for j in 0..d {
+                    mean_rotation[i][j] += r[i][j] / future as f64;
+                }
+            }
+        }
+        let apply = |m: &Vec<Vec<f64>>, x: &[f64]| -> Vec<f64> {
+            (0..d).map(|i| reference::dot(&m[i], x)).collect()
+        };
+        let product = |a: &Vec<Vec<f64>>, b: &dyn Fn(usize, usize) -> f64| -> Vec<Vec<f64>> {
+            (0..d)
+                .map(|i| (0..d).map(|j| (0..d).map(|k| a[i][k] * b(k, j)).sum()).collect())
+                .collect()
+        };
+        let mut total = vec![0.0; n - sinks];
+        for &h in &cache.heads {
+            let queries: Vec<Vec<f64>> = positions[sinks..]
+                .iter()
+                .map(|&p| {
+                    let r = rotation(p);
+                    // R(p) is orthogonal: its transpose turns the stored query back.
+                    let rt: Vec<Vec<f64>> = (0..d).map(|i| (0..d).map(|j| r[j][i]).collect()).collect();
+                    apply(&rt, &layer.query(h, p))
+                })
+                .collect();
+            let m = queries.len() as f64;
+            let mu: Vec<f64> = (0..d)
+                .map(|i| queries.iter().map(|q| q[i]).sum::<f64>() / m)
+                .collect();
+            let cov: Vec<Vec<f64>> = (0..d)
+                .map(|i| {
+                    (0..d)
+                        .map(|j| queries.iter().map(|q| (q[i] - mu[i]) * (q[j] - mu[j])).sum::<f64>() / m)
+                        .collect()
+                })
+                .collect();
+            let mu = apply(&mean_rotation, &mu);
+            // S = R cov Rᵀ.
+            let rc = product(&mean_rotation, &|k, j| cov[k][j]);
+            let s = product(&rc, &|k, j| mean_rotation[j][k]);
+            let logits: Vec<f64> = positions[sinks..]
+                .iter()
+                .map(|&j| {
+                    let k = layer.key(cache.kv, j);
+                    let quadratic = reference::dot(&k, &apply(&s, &k)) / d as f64 / 2.0;
+                    reference::dot(&mu, &k) / (d as f64).sqrt() + quadratic
+                })
+                .collect();
+            for (t, p) in total.iter_mut().zip(reference::softmax(&logits)) {
+                *t += p / cache.heads.len() as f64;
+            }
+        }
+        let scores: Vec<f64> = positions[sinks..]
+            .iter()
+            .zip(&total)
+            .map(|(&j, t)| {
+                let v = layer.value(cache.kv, j);
+                t * reference::dot(&v, &v).sqrt()
+            })
+            .collect();
+        let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        std::iter::repeat_n(max + 1.0, sinks).chain(scores).collect()
+    }
 }
 
 #[cfg(test)]

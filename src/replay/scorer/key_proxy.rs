@@ -13,6 +13,7 @@ use super::{Started, AlignedScores, ScoreState, Scorer};
 use crate::attention::{attend_positions, softmax, CausalLogits};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Axis;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Each new key as its own query (the VeloxQuant-MLX library's H2O-adapted rule, the
@@ -35,6 +36,10 @@ impl Scorer for KeyProxy {
             rows: CausalLogits::new(1, layer.k.shape()[2], layer.scale, None),
             scores: AlignedScores::default(),
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -68,6 +73,28 @@ impl ScoreState for State {
 
     fn on_cut(&mut self, kept: &[bool]) {
         self.scores.retain(kept);
+    }
+}
+
+/// The brute-force rule: the first token starts at 1, every later one at 0, and each new key's
+/// attention over the keys before it (the key as the query) adds to their scores.
+impl ScorerRule for KeyProxy {
+    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+        let at = *positions.last().expect("a position arrived");
+        if positions.len() == 1 {
+            running.push(1.0);
+            return;
+        }
+        let before = &positions[..positions.len() - 1];
+        let p = layer.attention(&layer.key(cache.kv, at), cache.kv, before);
+        for (score, weight) in running.iter_mut().zip(p) {
+            *score += weight;
+        }
+        running.push(0.0);
+    }
+
+    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, _: &[usize], running: &[f64]) -> Vec<f64> {
+        running.to_vec()
     }
 }
 

@@ -9,11 +9,12 @@
 use super::{ScoreState, Scorer, Started};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Array1;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Keep the keys least similar to the mean normalised key (Park et al., 2025,
     /// arXiv:2504.15364; kvpress `KeyDiffPress`).
-    pub struct Keydiff = "keydiff" {}
+    pub struct KeyDiff = "keydiff" {}
 }
 
 /// The cache's KV head: its keys come with each call.
@@ -22,11 +23,15 @@ struct State {
     kv_head: usize,
 }
 
-impl Scorer for Keydiff {
+impl Scorer for KeyDiff {
     fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
         Box::new(State {
             kv_head: unit.kv_head,
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -57,6 +62,21 @@ impl ScoreState for State {
     }
 }
 
+/// The brute-force rule: minus the cosine of each key to the mean of the cached keys, each
+/// normalised.
+impl ScorerRule for KeyDiff {
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let norm = |v: &[f64]| reference::dot(v, v).sqrt();
+        let keys: Vec<Vec<f64>> = positions.iter().map(|&j| layer.key(cache.kv, j)).collect();
+        let anchor: Vec<f64> = (0..layer.head_dim())
+            .map(|x| keys.iter().map(|k| k[x] / norm(k)).sum::<f64>() / keys.len() as f64)
+            .collect();
+        keys.iter()
+            .map(|k| -reference::dot(k, &anchor) / (norm(k) * norm(&anchor)))
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
@@ -69,7 +89,7 @@ mod tests {
         // (0.569036, 0.569036), along (1, 1). Cosines: 0.707107, 0.707107, 1.
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
-        let mut state = Keydiff {}.start(&layer, &unit(), Protection::default());
+        let mut state = KeyDiff {}.start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);

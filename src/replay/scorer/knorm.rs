@@ -3,6 +3,7 @@
 
 use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Keep the keys of smallest L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress
@@ -22,6 +23,10 @@ impl Scorer for Knorm {
             kv_head: unit.kv_head,
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -34,6 +39,19 @@ impl ScoreState for State {
             let key = keys.row(position);
             -key.dot(&key).sqrt()
         }));
+    }
+}
+
+/// The brute-force rule: minus each key's L2 norm.
+impl ScorerRule for Knorm {
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        positions
+            .iter()
+            .map(|&j| {
+                let key = layer.key(cache.kv, j);
+                -reference::dot(&key, &key).sqrt()
+            })
+            .collect()
     }
 }
 

@@ -13,11 +13,12 @@ use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::ArrayView2;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// LagKV: keys and values normalised by the next partition's range, scored by the spread of
     /// their channels (Liang et al., 2025, arXiv:2504.04704; kvpress `LagKVPress`).
-    pub struct Lagkv = "lagkv" {
+    pub struct LagKv = "lagkv" {
         /// Tokens per partition (`lag_size`, 128 in kvpress).
         lag_size: usize = 128,
         /// Initial tokens that score 1 (`n_sink`, 4 in kvpress).
@@ -31,10 +32,10 @@ crate::settings! {
 #[derive(Clone)]
 struct State {
     kv_head: usize,
-    settings: Lagkv,
+    settings: LagKv,
 }
 
-impl Scorer for Lagkv {
+impl Scorer for LagKv {
     fn check(&self) -> Result<(), Broken> {
         if self.lag_size == 0 {
             return Err(Broken {
@@ -59,6 +60,10 @@ impl Scorer for Lagkv {
             settings: self.clone(),
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -77,7 +82,7 @@ fn lag_scores(
     keys: ArrayView2<f32>,
     values: ArrayView2<f32>,
     cache: &[usize],
-    settings: &Lagkv,
+    settings: &LagKv,
 ) -> Vec<f32> {
     let (n, lag, sinks) = (cache.len(), settings.lag_size, settings.n_sink);
     if n < sinks + 2 * lag {
@@ -161,14 +166,79 @@ fn ranks(values: &[f32]) -> Vec<usize> {
     rank
 }
 
+/// The brute-force rule, ranks within partitions: after the `n_sink` sinks, partitions of
+/// `lag_size` tokens; each token's key and value channels are scaled into [0, 1] by the next
+/// partition's per-channel range, their sample standard deviation is softmaxed over the
+/// partition, keys and values averaged, and the token scores its rank in its partition /
+/// `lag_size`. Sinks and everything from the last full partition on score 1; a short cache
+/// scores by recency after the sinks. (`cross_scoring` false, the default, only.)
+impl ScorerRule for LagKv {
+    fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("lag_size", 3.into())]
+    }
+
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let (sinks, lag) = (self.n_sink, self.lag_size);
+        let n = positions.len();
+        if n < sinks + 2 * lag {
+            return (0..n)
+                .map(|i| match i < sinks {
+                    true => 1.0,
+                    false => (i - sinks) as f64 / (n - sinks) as f64,
+                })
+                .collect();
+        }
+        let full = (n - sinks) / lag;
+        let mut out = vec![1.0; n];
+        for p in 0..full - 1 {
+            let start = sinks + p * lag;
+            let part = &positions[start..start + lag];
+            let next = &positions[start + lag..start + 2 * lag];
+            let key_soft = spread_softmax(part, next, &|j| layer.key(cache.kv, j));
+            let value_soft = spread_softmax(part, next, &|j| layer.value(cache.kv, j));
+            let score: Vec<f64> = (0..lag).map(|i| (key_soft[i] + value_soft[i]) / 2.0).collect();
+            for i in 0..lag {
+                let below = (0..lag)
+                    .filter(|&o| score[o] < score[i] || (score[o] == score[i] && o < i))
+                    .count();
+                out[start + i] = below as f64 / lag as f64;
+            }
+        }
+        out
+    }
+}
+
+/// The reference's softmax over `part` of each token's sample standard deviation of its
+/// channels, scaled by `next`'s per-channel min and max.
+fn spread_softmax(part: &[usize], next: &[usize], row: &dyn Fn(usize) -> Vec<f64>) -> Vec<f64> {
+    let next_rows: Vec<Vec<f64>> = next.iter().map(|&j| row(j)).collect();
+    let d = next_rows[0].len();
+    let stds: Vec<f64> = part
+        .iter()
+        .map(|&j| {
+            let r = row(j);
+            let scaled: Vec<f64> = (0..d)
+                .map(|x| {
+                    let low = next_rows.iter().map(|n| n[x]).fold(f64::INFINITY, f64::min);
+                    let high = next_rows.iter().map(|n| n[x]).fold(f64::NEG_INFINITY, f64::max);
+                    (r[x] - low) / (high - low)
+                })
+                .collect();
+            let mean = scaled.iter().sum::<f64>() / d as f64;
+            (scaled.iter().map(|s| (s - mean).powi(2)).sum::<f64>() / (d - 1) as f64).sqrt()
+        })
+        .collect();
+    reference::softmax(&stds)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
     use approx::assert_abs_diff_eq;
     use ndarray::Array2;
 
-    fn settings(lag_size: usize, n_sink: usize, cross_scoring: bool) -> Lagkv {
-        Lagkv {
+    fn settings(lag_size: usize, n_sink: usize, cross_scoring: bool) -> LagKv {
+        LagKv {
             lag_size,
             n_sink,
             cross_scoring,

@@ -24,14 +24,15 @@ crate::registry! {
     tova::Tova,
     recency::Recency,
     knorm::Knorm,
-    keydiff::Keydiff,
-    lagkv::Lagkv,
+    keydiff::KeyDiff,
+    lagkv::LagKv,
     expected_attention::ExpectedAttention,
-    chunkkv::Chunkkv,
+    chunkkv::ChunkKv,
     value_aware::ValueAware,
-    qfilter::Qfilter,
+    qfilter::QFilter,
     quest::Quest,
-    rkv::Rkv,
+    rkv::RKv,
+    observed_attention::ObservedAttention,
     random::Random,
     oracle_static::OracleStatic,
     #[cfg(test)]
@@ -71,6 +72,13 @@ pub trait Scorer: Send + Sync {
     /// observation window is its window). `layer` gives the layer's shape and prompt length; only
     /// a scorer that reads the future may read its vectors here.
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started;
+    /// Its brute-force rule ([`super::reference`]), written from the method's description in
+    /// its own file, and the settings it runs with on the test fixtures: the conformance tests
+    /// compare the engine with it under every timing and layout the scorer supports. A scorer
+    /// without one fails them, naming it.
+    fn reference(&self) -> Option<Box<dyn super::reference::ScorerRule>> {
+        None
+    }
 }
 
 /// The scorer registered as `name`, with its default settings, for a scorer that wraps another

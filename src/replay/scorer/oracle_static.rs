@@ -5,6 +5,7 @@
 
 use super::{Started, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// The attention the future decode queries pay each token, summed over the decode (sees the
@@ -40,6 +41,10 @@ impl Scorer for OracleStatic {
         }
         Box::new(State { future })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -48,6 +53,25 @@ impl ScoreState for State {
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| self.future[position]));
+    }
+}
+
+/// The brute-force rule: each position's attention from every decode query that sees it (the
+/// group combined by `agg`), summed.
+impl ScorerRule for OracleStatic {
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        positions
+            .iter()
+            .map(|&j| {
+                (layer.prompt_len..layer.t())
+                    .filter(|&at| at >= j)
+                    .map(|at| {
+                        let visible: Vec<usize> = (0..=at).collect();
+                        layer.group_attention(&cache.heads, cache.kv, at, &visible, self.agg)[j]
+                    })
+                    .sum()
+            })
+            .collect()
     }
 }
 

@@ -24,11 +24,12 @@ use crate::trace::{TraceMeta, TraceReader};
 use ndarray::{Array2, ArrayView2, Axis};
 use std::collections::HashMap;
 use std::sync::{Arc, Mutex, OnceLock};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Q-Filters: keys projected on the queries' principal direction (Godey et al., 2025,
     /// arXiv:2503.02812; kvpress `QFilterPress`).
-    pub struct Qfilter = "qfilter" {
+    pub struct QFilter = "qfilter" {
         /// Where the filters come from: `prompt` (this trace's prompt queries) or the path of a
         /// kvtrace/1 file of the same model (all its queries).
         calibration: String = "prompt".to_string(),
@@ -45,7 +46,7 @@ struct State {
     filter: Arc<Vec<f32>>,
 }
 
-impl Scorer for Qfilter {
+impl Scorer for QFilter {
     fn check(&self) -> Result<(), Broken> {
         if self.calibration.trim().is_empty() {
             return Err(Broken {
@@ -89,6 +90,10 @@ impl Scorer for Qfilter {
             kv_head: unit.kv_head,
             filter: filters,
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        (self.calibration == PROMPT).then(|| Box::new(self.clone()) as Box<dyn ScorerRule>)
     }
 }
 
@@ -194,6 +199,61 @@ impl ScoreState for State {
     }
 }
 
+/// The brute-force rule, calibrated on the prompt (`calibration = "prompt"`): per query head the
+/// dominant eigenvector of QᵀQ over its prompt queries, by repeated squaring of the matrix (G, G²,
+/// G⁴, … normalised; the column of largest norm of G^(2^40) spans the dominant eigenspace), its
+/// largest entry made positive, then signed by the majority sign of the projections; the KV
+/// head's filter is minus their mean, and a key scores minus its dot product with it.
+impl ScorerRule for QFilter {
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let filter = prompt_filter(layer, cache.kv);
+        positions
+            .iter()
+            .map(|&j| -reference::dot(&layer.key(cache.kv, j), &filter))
+            .collect()
+    }
+}
+
+/// The reference's filter of KV head `kv` from its heads' prompt queries.
+fn prompt_filter(layer: &reference::Layer, kv: usize) -> Vec<f64> {
+    let n = layer.prompt_len;
+    let d = layer.head_dim();
+    let group = layer.group();
+    let mut filter = vec![0.0; d];
+    for head in kv * group..(kv + 1) * group {
+        let rows: Vec<Vec<f64>> = (0..n).map(|at| layer.query(head, at)).collect();
+        let mut g: Vec<Vec<f64>> = (0..d)
+            .map(|a| (0..d).map(|b| rows.iter().map(|r| r[a] * r[b]).sum()).collect())
+            .collect();
+        for _ in 0..40 {
+            let squared: Vec<Vec<f64>> = (0..d)
+                .map(|a| (0..d).map(|b| (0..d).map(|c| g[a][c] * g[c][b]).sum()).collect())
+                .collect();
+            let scale = squared.iter().flatten().fold(0.0f64, |m, x| m.max(x.abs()));
+            g = squared
+                .into_iter()
+                .map(|row| row.into_iter().map(|x| x / scale).collect())
+                .collect();
+        }
+        let column_norm = |c: usize| g.iter().map(|row| row[c] * row[c]).sum::<f64>();
+        let column = (0..d)
+            .max_by(|&a, &b| column_norm(a).total_cmp(&column_norm(b)))
+            .expect("d > 0");
+        let norm = column_norm(column).sqrt();
+        let mut v: Vec<f64> = g.iter().map(|row| row[column] / norm).collect();
+        let largest = v.iter().fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+        if largest < 0.0 {
+            v.iter_mut().for_each(|x| *x = -*x);
+        }
+        let positive = rows.iter().filter(|r| reference::dot(r, &v) > 0.0).count();
+        let sign = if 2 * positive > n { 1.0 } else { -1.0 };
+        for (total, x) in filter.iter_mut().zip(&v) {
+            *total -= sign * x / group as f64;
+        }
+    }
+    filter
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
@@ -219,7 +279,7 @@ mod tests {
         assert_abs_diff_eq!(filter[0] as f64, -x / norm, epsilon = 1e-7);
         assert_abs_diff_eq!(filter[1] as f64, -y / norm, epsilon = 1e-7);
         // Scores: minus key · filter, so keys along the queries' direction score highest.
-        let mut state = Qfilter {
+        let mut state = QFilter {
             calibration: PROMPT.into(),
         }
         .start(&layer, &unit(), Protection::default());

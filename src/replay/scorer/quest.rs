@@ -18,6 +18,7 @@ use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 use std::ops::Range;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Quest: pages of keys ranked by the upper bound of the current query's logits (Tang et al.,
@@ -56,6 +57,10 @@ impl Scorer for Quest {
             page_size: self.page_size,
             agg: self.agg,
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -114,6 +119,41 @@ impl ScoreState for State {
         for (page, &bound) in pages.iter().zip(&bounds) {
             out.extend(std::iter::repeat_n(bound, page.len()));
         }
+    }
+}
+
+/// The brute-force rule: per page of cached positions (position / `page_size`) and query head,
+/// the sum over channels of the largest `q_c k_c` among the page's keys, the heads combined by
+/// `agg`; every position scores its page's bound.
+impl ScorerRule for Quest {
+    fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("page_size", 3.into())]
+    }
+
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let at = *positions.last().expect("a cache");
+        let bound = |head: usize, page: &[usize]| -> f64 {
+            let q = layer.query(head, at);
+            (0..q.len())
+                .map(|c| {
+                    page.iter()
+                        .map(|&j| q[c] * layer.key(cache.kv, j)[c])
+                        .fold(f64::NEG_INFINITY, f64::max)
+                })
+                .sum()
+        };
+        positions
+            .iter()
+            .map(|&j| {
+                let page: Vec<usize> = positions
+                    .iter()
+                    .copied()
+                    .filter(|&p| p / self.page_size == j / self.page_size)
+                    .collect();
+                let per_head: Vec<f64> = cache.heads.iter().map(|&h| bound(h, &page)).collect();
+                reference::combine(self.agg, &per_head)
+            })
+            .collect()
     }
 }
 

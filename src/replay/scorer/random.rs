@@ -5,6 +5,7 @@
 use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
 use crate::splitmix::hash;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// A seeded uniform score per (layer, cache, position): the floor every scorer must clear.
@@ -25,6 +26,10 @@ impl Scorer for Random {
             hash(hash(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -35,6 +40,23 @@ impl ScoreState for State {
         out.extend(cache.iter().map(|&position| {
             (hash(self.stream ^ position as u64) >> 40) as f32 / (1u64 << 24) as f32
         }));
+    }
+}
+
+/// The brute-force rule: SplitMix64 of (seed, layer, cache, position), its top 24 bits as a
+/// fraction.
+impl ScorerRule for Random {
+    fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        vec![("seed", seed.into())]
+    }
+
+    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        use reference::splitmix64;
+        let stream = splitmix64(splitmix64(self.seed ^ (layer.index as u64) << 32) ^ cache.unit as u64);
+        positions
+            .iter()
+            .map(|&j| (splitmix64(stream ^ j as u64) >> 40) as f64 / (1u64 << 24) as f64)
+            .collect()
     }
 }
 

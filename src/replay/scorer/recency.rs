@@ -4,6 +4,7 @@
 
 use super::{Started, ScoreState, Scorer};
 use crate::replay::{LayerContext, Protection, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// StreamingLLM's rule: the sinks (`sinks`) and the most recent tokens (Xiao et al., 2023,
@@ -18,6 +19,10 @@ impl Scorer for Recency {
     fn start(&self, _layer: &LayerContext<'_>, _unit: &Unit, _: Protection) -> Started {
         Box::new(State)
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -26,6 +31,13 @@ impl ScoreState for State {
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|&position| position as f32));
+    }
+}
+
+/// The brute-force rule: a position scores itself (the newest kept).
+impl ScorerRule for Recency {
+    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        positions.iter().map(|&j| j as f64).collect()
     }
 }
 

@@ -29,12 +29,13 @@ use crate::replay::{LayerContext, Protection, Timing, Unit};
 use crate::attention::{softmax_in_place, sparse_logits};
 use ndarray::{s, Array2};
 use std::collections::VecDeque;
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// R-KV's redundancy-aware score: observation-window attention minus key redundancy (Cai et
     /// al., 2025, arXiv:2505.24133; github.com/Zefan-Cai/R-KV `rkv/compression/r1_kv.py`). The
     /// observation window is the policy's protected `window`.
-    pub struct Rkv = "rkv" {
+    pub struct RKv = "rkv" {
         /// The max-pooling kernel over the importance (odd; `kernel_size`, 7).
         kernel: usize = 7,
         /// Weight of the importance against the redundancy (`mix_lambda`, 0.07).
@@ -61,12 +62,12 @@ pub enum Retain {
 struct State {
     unit: Unit,
     window: usize,
-    settings: Rkv,
+    settings: RKv,
     /// The most recent `window` positions appended: R-KV's query cache.
     recent: VecDeque<usize>,
 }
 
-impl Scorer for Rkv {
+impl Scorer for RKv {
     fn supports(&self, timing: Timing) -> bool {
         matches!(timing, Timing::Prefill | Timing::PrefillThenStream)
     }
@@ -89,6 +90,10 @@ impl Scorer for Rkv {
             settings: self.clone(),
             recent: VecDeque::new(),
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -192,6 +197,85 @@ impl State {
 /// Rows of the key-similarity matrix computed at once.
 const SIMILARITY_ROWS: usize = 256;
 
+/// The brute-force rule: the last W positions up to the newest are the queries; importance = the
+/// mean over them of the softmax, over the cache before its last W entries, of the group's
+/// largest logit `q k / sqrt(d)`, max-pooled along the cache (`kernel`); redundancy = the softmax
+/// over the cache of the column means of the keys' cosine matrix with its diagonal and each row's
+/// `retain`ed entry above `threshold` (entry 0 if none) zeroed; the score is `mix_lambda` ×
+/// importance − (1 − `mix_lambda`) × redundancy, and the window scores +inf.
+impl ScorerRule for RKv {
+    fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        let retain = if seed % 2 == 0 { "last" } else { "first" };
+        vec![("kernel", 3.into()), ("retain", retain.into())]
+    }
+
+    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let (lambda, threshold) = (self.mix_lambda, self.threshold);
+        let w = policy.window.max(1);
+        let n = positions.len();
+        if n <= w {
+            return vec![f64::INFINITY; n];
+        }
+        let scored = n - w;
+        let at = *positions.last().expect("a cache");
+        let d = layer.head_dim() as f64;
+        let mut mean = vec![0.0; scored];
+        for r in at + 1 - w..=at {
+            let logits: Vec<f64> = positions[..scored]
+                .iter()
+                .map(|&j| {
+                    cache
+                        .heads
+                        .iter()
+                        .map(|&h| reference::dot(&layer.query(h, r), &layer.key(cache.kv, j)) / d.sqrt())
+                        .fold(f64::NEG_INFINITY, f64::max)
+                })
+                .collect();
+            for (m, p) in mean.iter_mut().zip(reference::softmax(&logits)) {
+                *m += p / w as f64;
+            }
+        }
+        let half = self.kernel / 2;
+        let importance: Vec<f64> = (0..scored)
+            .map(|c| {
+                (c.saturating_sub(half)..(c + half + 1).min(scored))
+                    .map(|i| mean[i])
+                    .fold(f64::NEG_INFINITY, f64::max)
+            })
+            .collect();
+        let keys: Vec<Vec<f64>> = positions
+            .iter()
+            .map(|&j| {
+                let k = layer.key(cache.kv, j);
+                let norm = reference::dot(&k, &k).sqrt() + 1e-8;
+                k.iter().map(|x| x / norm).collect()
+            })
+            .collect();
+        let mut columns = vec![0.0; n];
+        for i in 0..n {
+            let mut row: Vec<f64> = (0..n)
+                .map(|j| if i == j { 0.0 } else { reference::dot(&keys[i], &keys[j]) })
+                .collect();
+            let above = |j: &usize| row[*j] > threshold;
+            let exempt = match self.retain {
+                Retain::Last => (0..n).rev().find(above),
+                Retain::First => (0..n).find(above),
+            };
+            row[exempt.unwrap_or(0)] = 0.0;
+            for (c, v) in columns.iter_mut().zip(&row) {
+                *c += v / n as f64;
+            }
+        }
+        let redundancy = reference::softmax(&columns);
+        (0..n)
+            .map(|i| match i < scored {
+                true => lambda * importance[i] - (1.0 - lambda) * redundancy[i],
+                false => f64::INFINITY,
+            })
+            .collect()
+    }
+}
+
 #[cfg(test)]
 mod tests {
     use super::super::testing::*;
@@ -212,7 +296,7 @@ mod tests {
             4,
         );
         let layer = context(&q, &k, n);
-        let scorer = Rkv {
+        let scorer = RKv {
             kernel: 1,
             mix_lambda: 0.5,
             threshold: 0.5,
@@ -250,7 +334,7 @@ mod tests {
             sinks: 0,
             window: 1,
         };
-        let only_redundancy = Rkv {
+        let only_redundancy = RKv {
             kernel: 1,
             mix_lambda: 0.0,
             threshold: 0.9,
@@ -262,7 +346,7 @@ mod tests {
         let total: f32 = exp.iter().sum();
         assert_abs_diff_eq!(scores[0], -exp[0] / total, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], -exp[1] / total, epsilon = 1e-6);
-        let only_importance = Rkv {
+        let only_importance = RKv {
             mix_lambda: 1.0,
             ..only_redundancy
         };

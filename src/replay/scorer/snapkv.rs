@@ -13,6 +13,7 @@
 use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// SnapKV's observation-window vote, pooled (Li et al., 2024, arXiv:2404.14469;
@@ -74,6 +75,10 @@ impl Scorer for SnapKv {
             sums: vec![vec![0.0; prompt_len]; unit.query_heads.len()],
             cached: AlignedScores::default(),
         })
+    }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
     }
 }
 
@@ -147,6 +152,60 @@ impl ScoreState for State {
                 .copied()
                 .unwrap_or(f32::INFINITY)
         }));
+    }
+}
+
+/// The brute-force rule: per query head, the attention of the last W prompt queries on each key
+/// before the window, summed and pooled (`kernel`, `pool`), the group combined by `agg`; the
+/// window's keys score +inf.
+impl SnapKv {
+    fn window_vote(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Vec<f64> {
+        let n = layer.prompt_len;
+        let w = policy.window.max(1);
+        let per_head: Vec<Vec<f64>> = cache
+            .heads
+            .iter()
+            .map(|&h| {
+                let mut sums = vec![0.0; n - w];
+                for at in n - w..n {
+                    let visible: Vec<usize> = (0..=at).collect();
+                    let p = layer.attention(&layer.query(h, at), cache.kv, &visible);
+                    for (sum, weight) in sums.iter_mut().zip(p) {
+                        *sum += weight;
+                    }
+                }
+                let half = self.kernel / 2;
+                (0..n - w)
+                    .map(|c| {
+                        let around: Vec<f64> = (c.saturating_sub(half)..(c + half + 1).min(n - w))
+                            .map(|i| sums[i])
+                            .collect();
+                        match self.pool {
+                            Pooling::Max => around.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+                            Pooling::Avg => around.iter().sum::<f64>() / self.kernel as f64,
+                        }
+                    })
+                    .collect()
+            })
+            .collect();
+        reference::combine_before_window(&per_head, n, w, self.agg)
+    }
+}
+
+impl ScorerRule for SnapKv {
+    fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
+        let pool = if seed % 2 == 0 { "avg" } else { "max" };
+        vec![("kernel", 3.into()), ("pool", pool.into())]
+    }
+
+    fn prompt_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+        Some(self.window_vote(layer, policy, cache))
+    }
+
+    /// One-shot only: the window vote over the prompt.
+    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        let vote = self.window_vote(layer, policy, cache);
+        positions.iter().map(|&j| vote[j]).collect()
     }
 }
 

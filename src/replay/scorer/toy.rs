@@ -6,6 +6,7 @@
 use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Keeps even positions first (a test fixture, not a method).
@@ -37,6 +38,10 @@ impl Scorer for Toy {
             weight: self.weight as f32,
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -45,6 +50,16 @@ impl ScoreState for State {
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         out.extend(cache.iter().map(|p| if p % 2 == 0 { self.weight } else { 0.0 }));
+    }
+}
+
+/// The brute-force rule: even positions score `weight`, odd ones 0.
+impl ScorerRule for Toy {
+    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+        positions
+            .iter()
+            .map(|p| if p % 2 == 0 { self.weight } else { 0.0 })
+            .collect()
     }
 }
 

@@ -8,6 +8,7 @@
 
 use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// H2O's heavy-hitter score: the attention each cached token has received from the real
@@ -34,6 +35,10 @@ impl Scorer for TrueQuery {
             scores: AlignedScores::default(),
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        Some(Box::new(self.clone()))
+    }
 }
 
 impl ScoreState for State {
@@ -54,6 +59,23 @@ impl ScoreState for State {
 
     fn on_cut(&mut self, kept: &[bool]) {
         self.scores.retain(kept);
+    }
+}
+
+/// The brute-force rule: every query's attention (its group combined by `agg`) over the cache it
+/// reads adds to the scores; a new token starts at 0.
+impl ScorerRule for TrueQuery {
+    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+        let at = *positions.last().expect("a position arrived");
+        running.push(0.0);
+        let p = layer.group_attention(&cache.heads, cache.kv, at, positions, self.agg);
+        for (score, weight) in running.iter_mut().zip(p) {
+            *score += weight;
+        }
+    }
+
+    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, _: &[usize], running: &[f64]) -> Vec<f64> {
+        running.to_vec()
     }
 }
 

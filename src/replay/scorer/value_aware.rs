@@ -9,6 +9,7 @@
 use super::{ScoreState, Scorer, Started};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
+use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// VATP: an inner scorer's scores times each token's value L1 norm (arXiv:2406.12335).
@@ -66,6 +67,11 @@ impl Scorer for ValueAware {
             kv_head: unit.kv_head,
         })
     }
+
+    fn reference(&self) -> Option<Box<dyn ScorerRule>> {
+        let inner = super::inner_scorer(&self.inner, "value-aware").ok()?.reference()?;
+        Some(Box::new(Rule { inner }))
+    }
 }
 
 impl ScoreState for State {
@@ -89,6 +95,26 @@ impl ScoreState for State {
 
     fn on_cut(&mut self, kept: &[bool]) {
         self.inner.on_cut(kept);
+    }
+}
+
+/// The brute-force rule: the `inner` rule's scores times each value's L1 norm.
+struct Rule {
+    inner: Box<dyn ScorerRule>,
+}
+
+impl ScorerRule for Rule {
+    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+        self.inner.step(layer, cache, positions, running);
+    }
+
+    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+        let inner = self.inner.scores(layer, policy, cache, positions, running);
+        positions
+            .iter()
+            .zip(inner)
+            .map(|(&j, score)| score * layer.value(cache.kv, j).iter().map(|x| x.abs()).sum::<f64>())
+            .collect()
     }
 }
 

@@ -1,54 +1,10 @@
-//! What `kvreplay inspect` reports: a trace's header, spans and sizes, and per layer the
-//! attention entropy of the last prompt queries over the prompt, the "pyramidal information
-//! funneling" profile of the PyramidKV paper (arXiv:2406.02069, §3): near-uniform attention in
-//! early layers, concentrated attention deep in the model.
+//! A trace's layers in words: each layer's attention kind (`global` or `window W`), which layers
+//! slide and which are global, and runs of layer indices as ranges.
 
-use crate::replay::{context, LayerProfile};
-use crate::trace::{TraceError, TraceMeta, TraceReader};
-use serde::Serialize;
-
-/// Entropy of one layer's observation-window attention.
-#[derive(Debug, Clone, PartialEq, Serialize)]
-pub struct LayerEntropy {
-    /// Layer index.
-    pub layer: usize,
-    /// Mean entropy in nats over query heads and window queries.
-    pub entropy: f64,
-    /// The same divided by ln(keys attended), 1 = uniform.
-    pub normalized: f64,
-    /// The layer's attention window (0: global, every key before the query).
-    pub window: usize,
-}
-
-/// The per-layer entropy of the last `window` prompt queries' causal attention over the prompt,
-/// averaged over query heads and queries ([`LayerProfile`], the statistics the data-driven
-/// allocators use), for every layer: a sliding-window layer's rows attend over its window.
-pub fn entropy_profile(
-    trace: &TraceReader,
-    window: usize,
-) -> Result<Vec<LayerEntropy>, TraceError> {
-    let meta = trace.meta();
-    (0..meta.n_layers)
-        .map(|layer| {
-            let tensors = trace.layer(layer)?;
-            let attention_window = meta.window(layer);
-            let profile = LayerProfile::measure_windowed(
-                &context(trace, layer, &tensors),
-                window,
-                attention_window,
-            );
-            Ok(LayerEntropy {
-                layer,
-                entropy: profile.entropy,
-                normalized: profile.normalized,
-                window: attention_window,
-            })
-        })
-        .collect()
-}
+use super::TraceMeta;
 
 /// A layer's kind in a table: `global` or `window W`.
-pub fn kind(window: usize) -> String {
+pub fn layer_kind(window: usize) -> String {
     match window {
         0 => "global".into(),
         w => format!("window {w}"),
@@ -89,7 +45,7 @@ pub fn layer_kinds(meta: &TraceMeta) -> String {
 }
 
 /// `0-4, 6-10, 12` from `[0, 1, 2, 3, 4, 6, ..., 12]`.
-pub(crate) fn ranges(layers: &[usize]) -> String {
+pub fn ranges(layers: &[usize]) -> String {
     let mut parts: Vec<String> = Vec::new();
     let mut start = 0;
     for index in 1..=layers.len() {

@@ -339,6 +339,35 @@ where
     Ok(())
 }
 
+/// Where a report's figures go: `<dir>/<stem><suffix>.{png,svg}`, the suffix naming the model
+/// when a report has one part per model.
+pub(crate) struct FigureFiles<'a> {
+    pub(crate) dir: &'a Path,
+    pub(crate) suffix: String,
+}
+
+impl<'a> FigureFiles<'a> {
+    /// Figures straight under `dir`, no suffix.
+    pub(crate) fn under(dir: &'a Path) -> Self {
+        Self {
+            dir,
+            suffix: String::new(),
+        }
+    }
+
+    /// The stem of figure `name`.
+    pub(crate) fn stem(&self, name: &str) -> PathBuf {
+        self.dir.join(format!("{name}{}", self.suffix))
+    }
+}
+
+/// `name` with every character but ASCII letters and digits turned into `_`.
+pub(crate) fn slug(name: &str) -> String {
+    name.chars()
+        .map(|c| if c.is_ascii_alphanumeric() { c } else { '_' })
+        .collect()
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;

@@ -1,0 +1,319 @@
+//! `kvreplay bench`: every measurement of one run, as one table of rows — a matmul peak, the
+//! scoring kernel against it, the replay grid against the NumPy reference, the one-shot grid
+//! against its essential work, streaming cost, memory, capture and closed-loop speed. Ratios are
+//! taken between runs of the same process, so a noisy machine shifts both sides alike.
+
+use super::BenchError;
+use crate::export::Table;
+use crate::sys::{return_free_memory, set_mmap_threshold, ModelMalloc, MMAP_THRESHOLD};
+use crate::trace::TraceReader;
+use std::path::{Path, PathBuf};
+
+/// What one bench run measures (the `kvreplay bench` flags).
+#[derive(Debug, Clone, clap::Args)]
+pub struct BenchRun {
+    /// The trace (niah-2k).
+    pub trace: PathBuf,
+    /// A long trace (traces/gemma3/niah-32k-d50.safetensors): its causal prefix pass against
+    /// the matmul peak, one replay each of SnapKV, the H2O prompt-end cut and the per-step
+    /// oracle, the streaming cost per token and the memory of one replay.
+    #[arg(long)]
+    pub long: Option<PathBuf>,
+    /// Budgets of the grid.
+    #[arg(
+        long,
+        value_delimiter = ',',
+        default_value = "64,128,256,512,1024,2048"
+    )]
+    pub budgets: Vec<usize>,
+    /// Budgets of the one-shot grid (timed beside its essential work and the strong NumPy
+    /// reference).
+    #[arg(long, value_delimiter = ',', default_value = "64,128,256,512")]
+    pub oneshot_budgets: Vec<usize>,
+    /// Python with NumPy (default: a venv in $KVREPLAY_HOME/bench-venv, made on first use).
+    #[arg(long)]
+    pub python: Option<PathBuf>,
+    /// Skip the NumPy reference.
+    #[arg(long)]
+    pub no_numpy: bool,
+    /// Prompt tokens for the capture-speed and closed-loop cost measurements (0: skip).
+    #[arg(long, default_value_t = 2000)]
+    pub capture_tokens: usize,
+}
+
+/// Runs every measurement of `run`.
+pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
+    let BenchRun {
+        trace: trace_path,
+        long,
+        budgets,
+        oneshot_budgets,
+        capture_tokens,
+        ..
+    } = run;
+    let (trace_path, long, capture_tokens) =
+        (trace_path.as_path(), long.as_deref(), *capture_tokens);
+    let python = if run.no_numpy {
+        None
+    } else {
+        Some(super::numpy_python(run.python.clone())?)
+    };
+    let trace = TraceReader::open(trace_path)?;
+    let meta = trace.meta();
+    let mut table = Table::new(["measure", "value"]);
+    let threads = rayon::current_num_threads();
+    table.push([
+        "trace".into(),
+        format!(
+            "{} ({} layers, T = {}, prompt {})",
+            trace_path.display(),
+            meta.n_layers,
+            trace.n_positions(),
+            meta.prompt_len
+        ),
+    ]);
+    table.push(["threads".into(), threads.to_string()]);
+    let (peak, peak_product) = peak_without_mapping(meta.head_dim);
+    table.push([
+        "matmul peak (f32, one thread, best of matrixmultiply and kvreplay's product)".into(),
+        format!("{peak:.1} GFLOP/s ({peak_product})"),
+    ]);
+    let (scoring, scoring_seconds) = super::scoring_throughput(&trace, super::SCORING_REPEATS)?;
+    table.push([
+        "attention scoring q·Kᵀ + softmax over the prompt (one thread)".into(),
+        format!(
+            "{scoring:.1} GFLOP/s = {:.0}% of peak ({scoring_seconds:.2} s)",
+            100.0 * scoring / peak
+        ),
+    ]);
+    let (grid, grid_resident) =
+        super::resident_growth(|| super::replay_grid(&trace, budgets, &return_free_memory));
+    let (reports, replay_seconds) = grid?;
+    // Counted in a second, untimed run: counting costs the timed one its allocations' speed.
+    let (counted, grid_heap) =
+        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &return_free_memory));
+    counted?;
+    table.push([
+        format!(
+            "kvreplay grid ({} policies × {} budgets, streaming ones included)",
+            super::GRID_POLICIES.len(),
+            budgets.len()
+        ),
+        format!("{replay_seconds:.2} s"),
+    ]);
+    if let Some(python) = &python {
+        let numpy = super::numpy_grid(python, trace_path, budgets, &reports)?;
+        table.push([
+            "NumPy reference grid (same trace, same metric; H2O and key-proxy streamed token by token)".into(),
+            format!("{:.2} s", numpy.seconds),
+        ]);
+        table.push([
+            "agreement: largest Δ retained mass over the grid (absolute)".into(),
+            format!(
+                "{:.1e} (tolerance {:.0e})",
+                numpy.worst_difference,
+                super::NUMPY_TOLERANCE
+            ),
+        ]);
+        table.push([
+            "speed-up kvreplay / NumPy".into(),
+            format!("{:.1}×", numpy.seconds / replay_seconds),
+        ]);
+    }
+    oneshot_rows(
+        &mut table,
+        &trace,
+        trace_path,
+        oneshot_budgets,
+        python.as_deref(),
+    )?;
+    for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
+        let reader = TraceReader::open(path)?;
+        let cost = super::streaming_cost(&reader, 256, &return_free_memory)?;
+        table.push([
+            format!(
+                "key-proxy streaming at budget 256, T = {}{label}",
+                reader.n_positions()
+            ),
+            format!("{cost:.2} µs per token per cache"),
+        ]);
+    }
+    if let Some(long) = long {
+        long_rows(&mut table, &TraceReader::open(long)?)?;
+    }
+    let megabytes = |bytes: usize| bytes as f64 / 1e6;
+    let growth_cell = |(resident, heap): super::MemoryGrowth, layer: usize| {
+        let resident = match resident {
+            Some(growth) => format!(
+                "{:.1} MB = {:.2}× one layer's q, k, v in f32 ({:.1} MB) + {:.1} MB of results",
+                megabytes(growth.working()),
+                growth.working() as f64 / layer as f64,
+                megabytes(layer),
+                megabytes(growth.retained),
+            ),
+            None => "n/a (the peak cannot be reset: /proc/self/clear_refs)".into(),
+        };
+        match heap {
+            Some(heap) => format!(
+                "{resident}; live heap {:.1} MB = {:.2}×",
+                megabytes(heap.working()),
+                heap.working() as f64 / layer as f64
+            ),
+            None => format!("{resident}; live heap n/a (build with --features heap-count)"),
+        }
+    };
+    for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
+        let reader = TraceReader::open(path)?;
+        let layer = super::layer_bytes(&reader);
+        for (name, growth) in super::replay_memory(&reader, 128, &return_free_memory)? {
+            table.push([
+                format!(
+                    "peak resident memory of one replay: {name} at budget 128, T = {}{label}",
+                    reader.n_positions()
+                ),
+                growth_cell(growth, layer),
+            ]);
+        }
+    }
+    table.push([
+        format!(
+            "peak resident memory of the grid run ({} policies in one pass, {threads} threads)",
+            reports.len()
+        ),
+        growth_cell((grid_resident, grid_heap), super::layer_bytes(&trace)),
+    ]);
+    if capture_tokens > 0 {
+        // The model's rows run as `kvreplay capture` and `kvreplay live` run it.
+        let _tuned = ModelMalloc::tune();
+        let (tokens, speed) = super::capture_speed(capture_tokens)?;
+        table.push([
+            format!("capture prefill, {tokens} tokens, recording q/k/v"),
+            format!("{speed:.0} tokens/s"),
+        ]);
+        let live = super::live_speed(capture_tokens)?;
+        let (_, plain_prefill, plain_decode) = live.runs[0].clone();
+        for (label, prefill, decode) in &live.runs {
+            table.push([
+                format!(
+                    "live: {label}, {} prompt tokens then {} decode steps (ms per token)",
+                    live.tokens, live.steps
+                ),
+                format!(
+                    "prefill {prefill:.2} ({:.2}× plain), decode {decode:.1} ({:.2}× plain)",
+                    prefill / plain_prefill,
+                    decode / plain_decode
+                ),
+            ]);
+        }
+    }
+    Ok(table)
+}
+
+/// The one-shot grid's rows: its time beside its essential work, and beside the strong NumPy
+/// reference when there is a Python.
+fn oneshot_rows(
+    table: &mut Table,
+    trace: &TraceReader,
+    trace_path: &Path,
+    budgets: &[usize],
+    python: Option<&Path>,
+) -> Result<(), BenchError> {
+    let timing =
+        super::timed_against_essential(trace, budgets, super::TIMED_RUNS, &return_free_memory)?;
+    let (seconds, essential) = (timing.best_grid(), timing.best_essential());
+    let policies = super::ONESHOT_POLICIES.len();
+    table.push([
+        format!(
+            "one-shot grid ({policies} policies × {} budgets: {}), best of {}",
+            budgets.len(),
+            super::ONESHOT_POLICIES.join(", "),
+            super::TIMED_RUNS
+        ),
+        format!(
+            "{seconds:.2} s (runs {} s)",
+            listed_seconds(timing.grid.iter().copied())
+        ),
+    ]);
+    table.push([
+        format!(
+            "its essential work: read + one causal prefix pass + decode attention + selections, best of {}, run alternately with the grid",
+            super::TIMED_RUNS
+        ),
+        format!(
+            "{:.2} s = {:.2} + {:.2} + {:.2} + {:.2} s (runs {} s)",
+            essential.total(),
+            essential.read,
+            essential.prefix,
+            essential.decode,
+            essential.selections,
+            listed_seconds(timing.essential.iter().map(|e| e.total()))
+        ),
+    ]);
+    table.push([
+        "one-shot grid / its essential work (best over best)".into(),
+        format!("{:.2}×", timing.ratio()),
+    ]);
+    if let Some(python) = python {
+        let numpy = super::oneshot_numpy(python, trace_path, budgets, &timing.reports)?;
+        table.push([
+            "strong NumPy reference, one-shot grid (scores shared across budgets, vectorised)"
+                .into(),
+            format!(
+                "{:.2} s (largest Δ retained mass {:.1e})",
+                numpy.seconds, numpy.worst_difference
+            ),
+        ]);
+        table.push([
+            "speed-up kvreplay (median grid run) / strong NumPy (one run), one-shot grid".into(),
+            format!("{:.1}×", numpy.seconds / timing.median_grid()),
+        ]);
+    }
+    Ok(())
+}
+
+/// Seconds as the bench lists runs: "3.25, 3.22, 3.13".
+fn listed_seconds(seconds: impl Iterator<Item = f64>) -> String {
+    let listed: Vec<String> = seconds.map(|t| format!("{t:.2}")).collect();
+    listed.join(", ")
+}
+
+/// [`super::matmul_peak`] at `head_dim`. matrixmultiply allocates a packing buffer per
+/// product: timed under this binary's 128 KiB mmap threshold, each would be mapped and faulted in
+/// afresh, so the threshold is lifted while it runs.
+fn peak_without_mapping(head_dim: usize) -> (f64, String) {
+    set_mmap_threshold(16 << 20);
+    let peak = super::matmul_peak(head_dim);
+    set_mmap_threshold(MMAP_THRESHOLD);
+    peak
+}
+
+/// The long trace's rows: the matmul peak at its head size, its prefix pass against that peak
+/// (one timed run per global layer: at 32K a run takes tens of seconds, long enough to be steady)
+/// and one replay each of SnapKV, the H2O prompt-end cut and the per-step oracle.
+fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
+    let meta = trace.meta();
+    let (peak, peak_product) = peak_without_mapping(meta.head_dim);
+    table.push([
+        format!("long: matmul peak at its head size, d = {}", meta.head_dim),
+        format!("{peak:.1} GFLOP/s ({peak_product})"),
+    ]);
+    let (scoring, seconds) = super::scoring_throughput(trace, 1)?;
+    table.push([
+        format!(
+            "long: causal prefix pass q·Kᵀ + softmax over the prompt, T = {}, {} global layers (one thread)",
+            trace.n_positions(),
+            meta.global_layers().len()
+        ),
+        format!(
+            "{scoring:.1} GFLOP/s = {:.0}% of peak ({seconds:.1} s)",
+            100.0 * scoring / peak
+        ),
+    ]);
+    for (name, seconds) in super::long_replays(trace, 128, &return_free_memory)? {
+        table.push([
+            format!("long: one replay of {name} at budget 128"),
+            format!("{seconds:.2} s"),
+        ]);
+    }
+    Ok(())
+}

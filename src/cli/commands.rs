@@ -1,0 +1,236 @@
+//! What each command does between parsing and printing: it calls the library, shows progress
+//! on a terminal (indicatif; nothing when piped) and prints what the library returns.
+
+use super::OutputArgs;
+use anyhow::{Context, Result};
+use indicatif::{ProgressBar, ProgressStyle};
+use kvreplay::assets::Assets;
+use kvreplay::capture::{self, CaptureError};
+use kvreplay::experiment::shard::Shard;
+use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
+use kvreplay::export::{exporter, Format};
+use kvreplay::replay::{presets, replay_many, ReplayReport, ValidPolicy};
+use kvreplay::sys;
+use kvreplay::trace::{StorageDtype, TraceReader};
+use std::path::Path;
+
+pub fn replay_all(
+    trace: &TraceReader,
+    policies: &[ValidPolicy],
+    threads: Option<usize>,
+) -> Result<Vec<ReplayReport>> {
+    let mut builder = rayon::ThreadPoolBuilder::new();
+    if let Some(threads) = threads {
+        builder = builder.num_threads(threads);
+    }
+    let pool = builder.build().context("starting worker threads")?;
+    let layers = trace.meta().global_layers().len() as u64;
+    let passes = 1 + policies
+        .iter()
+        .map(|p| p.budget_passes() as u64)
+        .sum::<u64>();
+    let bar = progress_bar(layers * passes, "replay");
+    let reports = pool
+        .install(|| {
+            replay_many(trace, policies, &|| {
+                sys::return_free_memory();
+                bar.inc(1)
+            })
+        })
+        .context("replaying")?;
+    bar.finish_and_clear();
+    Ok(reports)
+}
+
+fn progress_bar(total: u64, what: &str) -> ProgressBar {
+    let bar = ProgressBar::new(total);
+    bar.set_style(
+        ProgressStyle::with_template("{msg} {bar:40} {pos}/{len} [{elapsed}<{eta}]")
+            .expect("static template"),
+    );
+    bar.set_message(what.to_owned());
+    bar
+}
+
+pub fn fetch() -> Result<()> {
+    let report = Assets::from_env().fetch()?;
+    println!(
+        "model:  {} (sha256 verified)\nessays: {} ({} files){}",
+        report.model.display(),
+        report.essays.display(),
+        report.n_essays,
+        if report.downloaded {
+            ""
+        } else {
+            " (already fetched)"
+        }
+    );
+    Ok(())
+}
+
+pub fn capture_recipe(
+    recipe: &Path,
+    out: &Path,
+    dtype: StorageDtype,
+    chunk: usize,
+) -> Result<capture::CaptureSummary, capture::CaptureError> {
+    let _tuned = sys::ModelMalloc::tune();
+    let bar = progress_bar(0, "capture");
+    let started = std::time::Instant::now();
+    let summary = capture::capture_recipe(recipe, out, dtype, chunk, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
+    bar.finish_and_clear();
+    println!(
+        "{}: {} prompt + {} generated tokens in {:.1} s\ngenerated: {:?}",
+        out.display(),
+        summary.prompt_tokens,
+        summary.generated_tokens,
+        started.elapsed().as_secs_f64(),
+        summary.generated_text
+    );
+    Ok(summary)
+}
+
+pub fn compare(
+    reader: &TraceReader,
+    budget: usize,
+    names: &[String],
+    output: &OutputArgs,
+) -> Result<String> {
+    let policies = names
+        .iter()
+        .map(|name| Ok(presets::preset(name, budget)?.check()?))
+        .collect::<Result<Vec<_>>>()?;
+    let reports = replay_all(reader, &policies, output.threads)?;
+    let labelled: Vec<ReplayReport> = reports
+        .into_iter()
+        .zip(names)
+        .map(|(mut report, name)| {
+            report.policy = format!("{name} ({})", report.policy);
+            report
+        })
+        .collect();
+    Ok(exporter(output.format).export(&labelled, !output.no_layers))
+}
+
+/// A live run of `recipe` under `policy`, as text.
+pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Result<String> {
+    anyhow::ensure!(
+        recipe.extension().is_some_and(|e| e == "toml"),
+        "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
+        recipe.display()
+    );
+    kvreplay::live::check_live(policy)?;
+    let _tuned = sys::ModelMalloc::tune();
+    let model = capture::load_recipe_model(recipe)?;
+    let prompt = capture::build_prompt(recipe, model.as_ref())?;
+    let scratch = std::env::temp_dir();
+    let report = kvreplay::live::live(model.as_ref(), &prompt, policy, chunk, &scratch)?;
+    Ok(match format {
+        Format::Json => serde_json::to_string_pretty(&report)? + "\n",
+        _ => kvreplay::export::live_table(&report, format),
+    })
+}
+
+/// The newcomer's first run: fetch, capture niah-2k (once), inspect it, compare the classic methods.
+pub fn demo(budget: usize) -> Result<()> {
+    fetch()?;
+    let recipe = Path::new("traces/niah-2k.toml");
+    let trace = recipe.with_extension("safetensors");
+    if trace.is_file() {
+        println!("{}: already captured", trace.display());
+    } else {
+        capture_recipe(recipe, &trace, StorageDtype::F16, 512)?;
+    }
+    let reader = TraceReader::open(&trace)?;
+    println!();
+    print!("{}", kvreplay::export::inspect_markdown(&reader, 8)?);
+    let steps = reader.n_positions() - reader.meta().prompt_len;
+    println!(
+        "\nThe classic methods at budget {budget} (means over layers, query heads and the {steps} decode steps):\n"
+    );
+    let output = OutputArgs {
+        format: Format::Markdown,
+        no_layers: true,
+        threads: None,
+    };
+    let names: Vec<String> = presets::NAMES.iter().map(|n| n.to_string()).collect();
+    print!("{}", compare(&reader, budget, &names, &output)?);
+    Ok(())
+}
+
+/// The experiment's traces, capturing missing recipes when `capture` is set: each capture holds
+/// a lock beside its trace (dropped by the OS if the holder dies), so shards that start together
+/// capture a recipe once.
+fn experiment_traces(experiment: &Experiment, capture: bool) -> Result<Vec<TraceFile>> {
+    let mut capture_once = |recipe: &Path, trace: &Path| {
+        let lock = trace.with_extension("safetensors.lock");
+        kvreplay::atomic::with_lock(&lock, || {
+            if trace.is_file() {
+                return Ok(());
+            }
+            capture_recipe(recipe, trace, StorageDtype::F16, 512).map(|_| ())
+        })
+        .map_err(|source| CaptureError::Lock {
+            path: lock.clone(),
+            source,
+        })?
+    };
+    Ok(experiment.trace_files(capture.then_some(&mut capture_once as Capture<'_>))?)
+}
+
+/// Which runs a sweep command runs before its report.
+pub enum SweepRuns {
+    /// Every missing run, then the report.
+    All,
+    /// The missing runs of one shard, no report.
+    Shard(Shard),
+    /// None: the report from the stored runs.
+    None,
+}
+
+/// Runs what `runs` asks for, then prints the report unless it ran one shard.
+pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
+    let experiment = Experiment::load(path)?;
+    let _tuned = experiment.closed_loop.then(sys::ModelMalloc::tune);
+    let results = results_root.join(&experiment.name);
+    let shard = match runs {
+        SweepRuns::Shard(shard) => Some(shard),
+        _ => None,
+    };
+    let run_missing = !matches!(runs, SweepRuns::None);
+    if run_missing {
+        claim_results(&results, path)?;
+    }
+    let traces = experiment_traces(&experiment, run_missing)?;
+    if run_missing {
+        let label = match shard {
+            Some(shard) => format!("{} shard {shard}", experiment.name),
+            None => experiment.name.clone(),
+        };
+        let bar = progress_bar(0, &label);
+        let (ran, skipped) = run_sweep(
+            &experiment,
+            &traces,
+            &results,
+            shard,
+            &|done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64)
+            },
+            sys::after_sweep_layer(experiment.closed_loop),
+        )?;
+        bar.finish_and_clear();
+        eprintln!("{label}: {ran} runs done, {skipped} already there");
+    }
+    if shard.is_none() {
+        let command = format!("kvreplay sweep {}", path.display());
+        print!(
+            "{}",
+            report::build(&experiment, &traces, &results, &command)?
+        );
+    }
+    Ok(())
+}

@@ -1,0 +1,233 @@
+//! The statistics the reports use: means with Student-t intervals and the sign test (statrs),
+//! average ranks, Pearson, Spearman and Kendall's τ-b, and a seeded percentile bootstrap whose
+//! percentiles come from ndarray-stats. Every function is deterministic: a report computed twice
+//! from the same runs is byte-identical.
+
+use crate::splitmix;
+use ndarray::Array1;
+use ndarray_stats::interpolate::Nearest;
+use ndarray_stats::Quantile1dExt;
+use noisy_float::types::n64;
+use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
+
+/// Mean and 95% half-width of a sample (Student t; 0 half-width for fewer than two values).
+pub fn mean_ci(values: &[f64]) -> (f64, f64) {
+    let n = values.len() as f64;
+    if values.is_empty() {
+        return (f64::NAN, f64::NAN);
+    }
+    let mean = values.iter().sum::<f64>() / n;
+    if values.len() < 2 {
+        return (mean, 0.0);
+    }
+    let variance = values.iter().map(|v| (v - mean).powi(2)).sum::<f64>() / (n - 1.0);
+    let t = StudentsT::new(0.0, 1.0, n - 1.0)
+        .expect("n > 1")
+        .inverse_cdf(0.975);
+    (mean, t * (variance / n).sqrt())
+}
+
+/// Two-sided sign test of paired differences (zeros dropped): p-value under Binomial(n, 1/2).
+pub fn sign_test(differences: &[f64]) -> f64 {
+    let positive = differences.iter().filter(|d| **d > 0.0).count() as u64;
+    let negative = differences.iter().filter(|d| **d < 0.0).count() as u64;
+    let n = positive + negative;
+    if n == 0 {
+        return 1.0;
+    }
+    let tail = Binomial::new(0.5, n)
+        .expect("valid")
+        .cdf(positive.min(negative));
+    (2.0 * tail).min(1.0)
+}
+
+/// Average ranks (1-based; ties share the mean of their ranks).
+pub fn ranks(values: &[f64]) -> Vec<f64> {
+    let mut order: Vec<usize> = (0..values.len()).collect();
+    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    let mut ranks = vec![0.0; values.len()];
+    let mut start = 0;
+    while start < order.len() {
+        let mut end = start + 1;
+        while end < order.len() && values[order[end]] == values[order[start]] {
+            end += 1;
+        }
+        let rank = (start + end + 1) as f64 / 2.0;
+        for &index in &order[start..end] {
+            ranks[index] = rank;
+        }
+        start = end;
+    }
+    ranks
+}
+
+fn pearson(x: &[f64], y: &[f64]) -> f64 {
+    let n = x.len() as f64;
+    let (mx, my) = (x.iter().sum::<f64>() / n, y.iter().sum::<f64>() / n);
+    let (mut sxy, mut sxx, mut syy) = (0.0, 0.0, 0.0);
+    for (a, b) in x.iter().zip(y) {
+        sxy += (a - mx) * (b - my);
+        sxx += (a - mx).powi(2);
+        syy += (b - my).powi(2);
+    }
+    if sxx == 0.0 || syy == 0.0 {
+        return f64::NAN;
+    }
+    sxy / (sxx * syy).sqrt()
+}
+
+/// Spearman's rank correlation (NaN when either side is constant).
+pub fn spearman(x: &[f64], y: &[f64]) -> f64 {
+    pearson(&ranks(x), &ranks(y))
+}
+
+/// Kendall's τ-b: `(concordant - discordant) / sqrt((n0 - ties_x) (n0 - ties_y))` over all pairs
+/// (NaN when either side is constant).
+pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
+    let (mut concordant, mut discordant, mut ties_x, mut ties_y, mut pairs) =
+        (0i64, 0i64, 0i64, 0i64, 0i64);
+    for i in 0..x.len() {
+        for j in i + 1..x.len() {
+            pairs += 1;
+            let (dx, dy) = (x[i] - x[j], y[i] - y[j]);
+            if dx == 0.0 {
+                ties_x += 1;
+            }
+            if dy == 0.0 {
+                ties_y += 1;
+            }
+            if dx == 0.0 || dy == 0.0 {
+                continue;
+            }
+            if (dx > 0.0) == (dy > 0.0) {
+                concordant += 1;
+            } else {
+                discordant += 1;
+            }
+        }
+    }
+    let denominator = (((pairs - ties_x) * (pairs - ties_y)) as f64).sqrt();
+    if denominator == 0.0 {
+        return f64::NAN;
+    }
+    (concordant - discordant) as f64 / denominator
+}
+
+/// Resamples of the bootstrap.
+pub const BOOTSTRAP_RESAMPLES: usize = 2000;
+
+/// `statistic` of the points and its 95% percentile-bootstrap interval (resamples whose
+/// statistic is undefined are left out).
+pub fn bootstrap(
+    x: &[f64],
+    y: &[f64],
+    statistic: fn(&[f64], &[f64]) -> f64,
+    seed: u64,
+) -> (f64, f64, f64) {
+    let n = x.len();
+    let value = statistic(x, y);
+    let mut state = seed;
+    let mut estimates = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
+    let (mut rx, mut ry) = (vec![0.0; n], vec![0.0; n]);
+    for _ in 0..BOOTSTRAP_RESAMPLES {
+        for slot in 0..n {
+            let pick = (splitmix::next(&mut state) % n as u64) as usize;
+            rx[slot] = x[pick];
+            ry[slot] = y[pick];
+        }
+        let estimate = statistic(&rx, &ry);
+        if estimate.is_finite() {
+            estimates.push(estimate);
+        }
+    }
+    if estimates.is_empty() {
+        return (value, f64::NAN, f64::NAN);
+    }
+    let (low, high) = percentiles(estimates, 0.025, 0.975);
+    (value, low, high)
+}
+
+/// The `low` and `high` quantiles of `values` by the nearest rank `round((n - 1) q)`
+/// (ndarray-stats' `Nearest`; ties at a half go to the higher rank).
+fn percentiles(values: Vec<f64>, low: f64, high: f64) -> (f64, f64) {
+    let mut values = Array1::from_vec(values.into_iter().map(n64).collect());
+    let mut at = |q: f64| {
+        values
+            .quantile_mut(n64(q), &Nearest)
+            .expect("a quantile of a non-empty array")
+            .raw()
+    };
+    (at(low), at(high))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn interval_by_hand() {
+        // [1, 2, 3, 4]: mean 2.5, sd 1.290994, t(0.975, 3) = 3.182446 (scipy.stats.t.ppf),
+        // half-width = 3.182446 * 1.290994 / 2 = 2.054260.
+        let (mean, half) = mean_ci(&[1.0, 2.0, 3.0, 4.0]);
+        assert_abs_diff_eq!(mean, 2.5, epsilon = 1e-12);
+        assert_abs_diff_eq!(half, 2.054_260, epsilon = 1e-5);
+    }
+
+    #[test]
+    fn sign_test_by_hand() {
+        // 9 positive, 1 negative: p = 2 * P(X <= 1 | n = 10) = 2 * 11/1024 = 0.021484375.
+        let mut diffs = vec![1.0; 9];
+        diffs.push(-1.0);
+        diffs.push(0.0);
+        assert_abs_diff_eq!(sign_test(&diffs), 0.021_484_375, epsilon = 1e-12);
+        assert_eq!(sign_test(&[0.0, 0.0]), 1.0);
+    }
+
+    #[test]
+    fn rank_correlations_by_hand() {
+        // x = [1, 2, 3], y = [1, 3, 2]: Spearman 1 - 6 * 2 / (3 * 8) = 0.5; Kendall: pairs
+        // (1,2) and (1,3) concordant, (2,3) discordant: 1/3.
+        assert_abs_diff_eq!(
+            spearman(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
+            0.5,
+            epsilon = 1e-12
+        );
+        assert_abs_diff_eq!(
+            kendall(&[1.0, 2.0, 3.0], &[1.0, 3.0, 2.0]),
+            1.0 / 3.0,
+            epsilon = 1e-12
+        );
+        // With a tie in x = [1, 2, 2, 3], y = [1, 2, 3, 4]: average ranks [1, 2.5, 2.5, 4];
+        // ρ = 4.5 / sqrt(4.5 * 5) = 0.948683; τ-b = 5 / sqrt(5 * 6) = 0.912871.
+        let (x, y) = ([1.0, 2.0, 2.0, 3.0], [1.0, 2.0, 3.0, 4.0]);
+        assert_eq!(ranks(&x), vec![1.0, 2.5, 2.5, 4.0]);
+        assert_abs_diff_eq!(spearman(&x, &y), 0.948_683, epsilon = 1e-6);
+        assert_abs_diff_eq!(kendall(&x, &y), 0.912_871, epsilon = 1e-6);
+        assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan());
+    }
+
+    #[test]
+    fn bootstrap_is_seeded_and_brackets_a_perfect_correlation() {
+        let x: Vec<f64> = (0..30).map(f64::from).collect();
+        let y: Vec<f64> = x.iter().map(|v| -2.0 * v).collect();
+        let (value, low, high) = bootstrap(&x, &y, spearman, 7);
+        assert_eq!((value, low, high), (-1.0, -1.0, -1.0));
+        let noisy: Vec<f64> = x.iter().map(|v| (v * 7.0) % 11.0).collect();
+        assert_eq!(
+            bootstrap(&x, &noisy, kendall, 3),
+            bootstrap(&x, &noisy, kendall, 3)
+        );
+        let (value, low, high) = bootstrap(&x, &noisy, kendall, 3);
+        assert!(low <= value && value <= high, "{low} {value} {high}");
+    }
+
+    #[test]
+    fn percentiles_are_the_nearest_ranks() {
+        // 11 values 0..=10 shuffled: (n - 1) q = 0.25 and 9.75 round to ranks 0 and 10; at 0.05
+        // and 0.95, 0.5 and 9.5 go up to ranks 1 and 10.
+        let values: Vec<f64> = [3, 7, 0, 10, 5, 1, 9, 2, 8, 4, 6].map(f64::from).to_vec();
+        assert_eq!(percentiles(values.clone(), 0.025, 0.975), (0.0, 10.0));
+        assert_eq!(percentiles(values, 0.05, 0.95), (1.0, 10.0));
+    }
+}
