@@ -279,10 +279,7 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             experiment,
             results,
         } => commands::sweep(&experiment, &results, SweepRuns::None)?,
-        Command::Bench(run) => print!(
-            "{}",
-            kvreplay::bench::measure(&run)?.render(Format::Markdown)
-        ),
+        Command::Bench(run) => print!("{}", commands::bench(&run)?),
         Command::Inspect { trace, window } => {
             let reader = TraceReader::open(&trace)?;
             print!("{}", kvreplay::export::inspect_markdown(&reader, window)?);

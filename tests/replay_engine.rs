@@ -3,6 +3,7 @@
 mod common;
 
 use common::{write_fixture, Shape};
+use kvreplay::replay::metrics;
 use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
     kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Order, PolicyError,
@@ -99,7 +100,7 @@ fn engine_matches_brute_force_reference() {
                                 );
                             }
                         }
-                        let expected = reference::metrics(
+                        let expected = metrics::reference_means(
                             &layer,
                             &expected,
                             gqa == Granularity::QueryHead,

@@ -41,8 +41,8 @@ pub struct BenchRun {
     pub capture_tokens: usize,
 }
 
-/// Runs every measurement of `run`.
-pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
+/// Runs every measurement of `run`, telling `progress` which one starts.
+pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
     let BenchRun {
         trace: trace_path,
         long,
@@ -73,11 +73,13 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
         ),
     ]);
     table.push(["threads".into(), threads.to_string()]);
+    progress("matmul peak");
     let (peak, peak_product) = peak_without_mapping(meta.head_dim);
     table.push([
         "matmul peak (f32, one thread, best of matrixmultiply and kvreplay's product)".into(),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
     ]);
+    progress("scoring kernel");
     let (scoring, scoring_seconds) = super::scoring_throughput(&trace, super::SCORING_REPEATS)?;
     table.push([
         "attention scoring q·Kᵀ + softmax over the prompt (one thread)".into(),
@@ -86,6 +88,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
             100.0 * scoring / peak
         ),
     ]);
+    progress("replay grid");
     let (grid, grid_resident) =
         super::resident_growth(|| super::replay_grid(&trace, budgets, &return_free_memory));
     let (reports, replay_seconds) = grid?;
@@ -102,6 +105,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
         format!("{replay_seconds:.2} s"),
     ]);
     if let Some(python) = &python {
+        progress("NumPy reference grid");
         let numpy = super::numpy_grid(python, trace_path, budgets, &reports)?;
         table.push([
             "NumPy reference grid (same trace, same metric; H2O and key-proxy streamed token by token)".into(),
@@ -120,6 +124,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
             format!("{:.1}×", numpy.seconds / replay_seconds),
         ]);
     }
+    progress("one-shot grid against its essential work");
     oneshot_rows(
         &mut table,
         &trace,
@@ -129,6 +134,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
     )?;
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
+        progress("streaming cost");
         let cost = super::streaming_cost(&reader, 256, &return_free_memory)?;
         table.push([
             format!(
@@ -139,6 +145,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
         ]);
     }
     if let Some(long) = long {
+        progress("long trace");
         long_rows(&mut table, &TraceReader::open(long)?)?;
     }
     let megabytes = |bytes: usize| bytes as f64 / 1e6;
@@ -164,6 +171,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
     };
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
+        progress("memory of one replay");
         let layer = super::layer_bytes(&reader);
         for (name, growth) in super::replay_memory(&reader, 128, &return_free_memory)? {
             table.push([
@@ -185,6 +193,7 @@ pub fn measure(run: &BenchRun) -> Result<Table, BenchError> {
     if capture_tokens > 0 {
         // The model's rows run as `kvreplay capture` and `kvreplay live` run it.
         let _tuned = ModelMalloc::tune();
+        progress("capture and closed-loop speed");
         let (tokens, speed) = super::capture_speed(capture_tokens)?;
         table.push([
             format!("capture prefill, {tokens} tokens, recording q/k/v"),

@@ -127,7 +127,11 @@ pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -
     let model = capture::load_recipe_model(recipe)?;
     let prompt = capture::build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
+    let spinner = ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    spinner.set_message("live: the full cache, then the policy");
     let report = kvreplay::live::live(model.as_ref(), &prompt, policy, chunk, &scratch)?;
+    spinner.finish_and_clear();
     Ok(match format {
         Format::Json => serde_json::to_string_pretty(&report)? + "\n",
         _ => kvreplay::export::live_table(&report, format),
@@ -233,4 +237,13 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// The bench's table, with the measurement under way shown on a terminal.
+pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
+    let spinner = ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
+    spinner.finish_and_clear();
+    Ok(table.render(Format::Markdown))
 }

@@ -16,8 +16,9 @@
 
 use super::figures::{scatter, FigureFiles, Series};
 use super::stats::{bootstrap, kendall, spearman, BOOTSTRAP_RESAMPLES};
-use super::store::{StoredRun, SweepError};
+use super::store::StoredRun;
 use super::Experiment;
+use super::SweepError;
 use crate::export::{Format, Table};
 use crate::replay::{metrics, RETAINED_MASS};
 use sha2::{Digest, Sha256};

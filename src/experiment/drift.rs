@@ -7,7 +7,8 @@
 
 use super::figures::{line_chart, FigureFiles, Series};
 use super::stats::{bootstrap, spearman};
-use super::store::{StoredRun, SweepError};
+use super::store::StoredRun;
+use super::SweepError;
 use crate::export::{Format, Table};
 use crate::replay::RETAINED_MASS;
 use crate::trace::ranges;

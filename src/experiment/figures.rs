@@ -3,7 +3,7 @@
 //! embedded DejaVu Sans (assets/DejaVuSans.ttf, Bitstream Vera licence), so plots render the same
 //! on a machine without fonts.
 
-use super::store::SweepError;
+use super::SweepError;
 use plotters::prelude::*;
 use plotters::style::text_anchor::{HPos, Pos, VPos};
 use std::path::{Path, PathBuf};

@@ -11,6 +11,7 @@
 pub mod calibration;
 pub mod cluster;
 mod drift;
+mod error;
 mod figures;
 mod ranking;
 pub mod report;
@@ -24,7 +25,8 @@ mod sweep;
 mod testing;
 mod traces;
 
+pub use error::SweepError;
 pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
-pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun, SweepError};
+pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun};
 pub use sweep::{run_sweep, SweepProgress};
 pub use traces::{Capture, TraceFile};

@@ -5,7 +5,8 @@
 //! large experiment lists its own `traces` and inherits the policies, budgets and settings, so
 //! the two cannot drift apart). A base does not itself extend another.
 
-use super::TraceFile;
+use super::traces::{self, Capture, NeedleCell, TraceFile};
+use super::SweepError;
 use crate::replay::{all_methods, presets, PolicyParams, COMMON_KEYS};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -185,6 +186,16 @@ fn text(value: &toml::Value) -> String {
 }
 
 impl Experiment {
+    /// The experiment's trace files, in its order ([`traces::trace_files`]).
+    pub fn trace_files(&self, capture: Option<Capture<'_>>) -> Result<Vec<TraceFile>, SweepError> {
+        traces::trace_files(&self.traces, capture)
+    }
+
+    /// The needle grid of its traces ([`traces::needle_cells`]).
+    pub fn needle_cells(&self, traces: &[TraceFile]) -> Vec<NeedleCell> {
+        traces::needle_cells(&self.traces, traces)
+    }
+
     /// Policy names in plan order, without repeats.
     pub fn policy_names(&self) -> Vec<String> {
         let mut names: Vec<String> = Vec::new();
@@ -466,9 +477,16 @@ fn is_policy_key(key: &str) -> bool {
 /// makes the id unique and stable across runs and machines, and different for a re-captured
 /// trace whose content differs.
 fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: bool) -> String {
-    let settings: BTreeMap<String, serde_json::Value> =
+    let mut settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");
+    // A method whose rule changed (version above 1) names other runs than before; every run of
+    // a method still at its first rule keeps its id.
+    for (axis, version) in params.method_versions() {
+        if version > 1 {
+            settings.insert(format!("{axis}_version"), version.into());
+        }
+    }
     let trace_name = trace
         .path
         .file_name()
@@ -489,4 +507,58 @@ fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: boo
         })
         .collect();
     format!("{slug}-{}", &hash[..10])
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn trace() -> TraceFile {
+        TraceFile {
+            path: "t.safetensors".into(),
+            sha256: "ab".into(),
+            recipe_sha256: None,
+            heads: None,
+            prompt_len: None,
+            model: None,
+            global_layers: None,
+        }
+    }
+
+    /// The id a run had before rule versions existed: its settings alone.
+    fn unversioned_id(params: &PolicyParams) -> String {
+        let settings: BTreeMap<String, serde_json::Value> =
+            serde_json::from_value(serde_json::to_value(params).unwrap()).unwrap();
+        let normalised = serde_json::to_string(&(
+            "p",
+            "t.safetensors",
+            "ab",
+            settings,
+            None::<&Option<String>>,
+        ))
+        .unwrap();
+        let hash = format!("{:x}", Sha256::digest(normalised.as_bytes()));
+        format!("p-b{}-{}", params.budget, &hash[..10])
+    }
+
+    #[test]
+    fn a_method_at_a_new_rule_version_names_new_runs() {
+        let first_rule = PolicyParams::default();
+        assert_eq!(first_rule.method_versions()["scorer"], 1);
+        assert_eq!(
+            run_id("p", &trace(), &first_rule, false),
+            unversioned_id(&first_rule),
+            "a method still at its first rule keeps the ids of runs stored before versions"
+        );
+        // The test scorer `toy` declares version 2.
+        let bumped = PolicyParams {
+            scorer: "toy".into(),
+            ..PolicyParams::default()
+        };
+        assert_eq!(bumped.method_versions()["scorer"], 2);
+        assert_ne!(
+            run_id("p", &trace(), &bumped, false),
+            unversioned_id(&bumped)
+        );
+    }
 }

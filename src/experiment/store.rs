@@ -1,10 +1,10 @@
 //! The run store: one JSON file per finished run, written to a temporary name and renamed, so a
 //! killed sweep leaves only finished runs and a rerun skips them; reading them back for reports.
 
+use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
-use crate::capture::CaptureError;
-use crate::live::{LiveError, LiveReport};
-use crate::replay::{PolicyError, ReplayReport};
+use crate::live::LiveReport;
+use crate::replay::ReplayReport;
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -26,6 +26,10 @@ pub struct StoredRun {
     /// What the model did under the policy, for closed-loop experiments.
     #[serde(default)]
     pub closed_loop: Option<ClosedLoop>,
+    /// The rule version of each method that computed it (runs stored before versions were
+    /// recorded have none).
+    #[serde(default)]
+    pub versions: BTreeMap<String, u32>,
 }
 
 /// The closed-loop outcomes of a run (see [`crate::live`]).
@@ -170,48 +174,6 @@ impl From<&ReplayReport> for StoredReport {
     }
 }
 
-/// Errors of a sweep.
-#[derive(Debug, thiserror::Error)]
-#[non_exhaustive]
-pub enum SweepError {
-    /// A policy failed on a trace.
-    #[error(transparent)]
-    Policy(#[from] PolicyError),
-    /// A result could not be written or read.
-    #[error("{path}: {detail}")]
-    Io {
-        /// The file.
-        path: PathBuf,
-        /// What failed.
-        detail: String,
-    },
-    /// A recipe could not be captured.
-    #[error(transparent)]
-    Capture(#[from] CaptureError),
-    /// A closed-loop run failed (boxed: it is the largest error, and every result carries the
-    /// error type's size).
-    #[error(transparent)]
-    Live(Box<LiveError>),
-    /// Runs are stored for another content of a trace than the one there now.
-    #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
-    TraceChanged {
-        /// The trace file.
-        trace: PathBuf,
-        /// How many stored runs belong to its old content.
-        count: usize,
-        /// The start of the digest they were computed on.
-        stored: String,
-        /// The start of its digest now.
-        now: String,
-    },
-}
-
-impl From<LiveError> for SweepError {
-    fn from(error: LiveError) -> Self {
-        Self::Live(Box::new(error))
-    }
-}
-
 fn run_path(results: &Path, id: &str) -> PathBuf {
     results.join("runs").join(format!("{id}.json"))
 }
@@ -286,6 +248,7 @@ pub(crate) fn store(
         trace_sha256: trace.sha256.clone(),
         report: stored_report,
         closed_loop,
+        versions: run.params.method_versions(),
     };
     let json = serde_json::to_vec(&stored).expect("runs serialise");
     write_atomically(&run_path(results, &run.id), &json)

@@ -3,7 +3,8 @@
 //! stored as it finishes.
 
 use super::shard::{plan_shards, Shard};
-use super::store::{is_stored, store, ClosedLoop, SweepError};
+use super::store::{is_stored, store, ClosedLoop};
+use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture;
 use crate::live::LiveSession;

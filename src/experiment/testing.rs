@@ -37,5 +37,6 @@ pub fn closed_run(name: &str, open: [f64; 2], live: Option<[f64; 2]>, kl: f64) -
             live_retained_mass: live.map(|l| (l[0] + l[1]) / 2.0),
             live_layers: live.map(|l| l.to_vec()),
         }),
+        versions: Default::default(),
     }
 }

@@ -2,7 +2,7 @@
 //! first use; each identified by the sha256 of its content, so stored runs are bound to the data
 //! they were computed on, not to a file name.
 
-use super::{Experiment, SweepError};
+use super::SweepError;
 use crate::assets::sha256_file;
 use crate::capture::CaptureError;
 use crate::recipe::Recipe;
@@ -122,66 +122,65 @@ pub struct NeedleCell {
     pub depth: f64,
 }
 
-impl Experiment {
-    /// The experiment's trace files, in its order. A recipe (`.toml`) stands for the trace beside
-    /// it (`.safetensors`); one not captured yet is captured with `capture`, or is an error when
-    /// there is none (`kvreplay report` runs nothing).
-    pub fn trace_files(
-        &self,
-        mut capture: Option<Capture<'_>>,
-    ) -> Result<Vec<TraceFile>, SweepError> {
-        self.traces
-            .iter()
-            .map(|entry| {
-                let is_recipe = entry.extension().is_some_and(|e| e == "toml");
-                let trace = if is_recipe {
-                    entry.with_extension("safetensors")
-                } else {
-                    entry.clone()
-                };
-                if !trace.is_file() {
-                    match capture.as_mut() {
-                        Some(capture) if is_recipe => capture(entry, &trace)?,
-                        _ => {
-                            return Err(SweepError::Io {
-                                path: trace,
-                                detail: if is_recipe {
-                                    "not captured yet; run `kvreplay sweep` first".into()
-                                } else {
-                                    "trace file not found".into()
-                                },
-                            })
-                        }
+/// The trace files of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the
+/// trace beside it (`.safetensors`); one not captured yet is captured with `capture`, or is an
+/// error when there is none (`kvreplay report` runs nothing).
+pub(crate) fn trace_files(
+    entries: &[PathBuf],
+    mut capture: Option<Capture<'_>>,
+) -> Result<Vec<TraceFile>, SweepError> {
+    entries
+        .iter()
+        .map(|entry| {
+            let is_recipe = entry.extension().is_some_and(|e| e == "toml");
+            let trace = if is_recipe {
+                entry.with_extension("safetensors")
+            } else {
+                entry.clone()
+            };
+            if !trace.is_file() {
+                match capture.as_mut() {
+                    Some(capture) if is_recipe => capture(entry, &trace)?,
+                    _ => {
+                        return Err(SweepError::Io {
+                            path: trace,
+                            detail: if is_recipe {
+                                "not captured yet; run `kvreplay sweep` first".into()
+                            } else {
+                                "trace file not found".into()
+                            },
+                        })
                     }
                 }
-                let mut file = TraceFile::identify(&trace)?;
-                if is_recipe {
-                    let recipe = sha256_file(entry).map_err(|err| SweepError::Io {
-                        path: entry.clone(),
-                        detail: err.to_string(),
-                    })?;
-                    file.recipe_sha256 = Some(recipe);
-                }
-                Ok(file)
-            })
-            .collect()
-    }
+            }
+            let mut file = TraceFile::identify(&trace)?;
+            if is_recipe {
+                let recipe = sha256_file(entry).map_err(|err| SweepError::Io {
+                    path: entry.clone(),
+                    detail: err.to_string(),
+                })?;
+                file.recipe_sha256 = Some(recipe);
+            }
+            Ok(file)
+        })
+        .collect()
+}
 
-    /// The needle grid: for each trace made from a needle recipe, its prompt length and depth.
-    pub fn needle_cells(&self, traces: &[TraceFile]) -> Vec<NeedleCell> {
-        self.traces
-            .iter()
-            .zip(traces)
-            .filter_map(|(entry, trace)| match Recipe::load(entry) {
-                Ok((Recipe::Niah(niah), _)) => Some(NeedleCell {
-                    trace: trace.path.clone(),
-                    length: niah.prompt_tokens,
-                    depth: niah.depth_percent,
-                }),
-                _ => None,
-            })
-            .collect()
-    }
+/// The needle grid: for each of `traces` made from a needle recipe of `entries`, its prompt
+/// length and depth.
+pub(crate) fn needle_cells(entries: &[PathBuf], traces: &[TraceFile]) -> Vec<NeedleCell> {
+    entries
+        .iter()
+        .zip(traces)
+        .filter_map(|(entry, trace)| match Recipe::load(entry) {
+            Ok((Recipe::Niah(niah), _)) => Some(NeedleCell {
+                trace: trace.path.clone(),
+                length: niah.prompt_tokens,
+                depth: niah.depth_percent,
+            }),
+            _ => None,
+        })
+        .collect()
 }
 
 #[cfg(test)]

@@ -114,6 +114,9 @@ fn axis<T: ?Sized>(out: &mut String, title: &str, registry: &[Method<T>]) {
     let _ = writeln!(out, "\n## {title}\n");
     for method in registry {
         let _ = writeln!(out, "### `{}`\n\n{}\n", method.name, method.about.trim());
+        if method.version > 1 {
+            let _ = writeln!(out, "Rule version {}.\n", method.version);
+        }
         let defaults = (method.defaults)();
         for param in method.params {
             let _ = writeln!(

@@ -32,6 +32,16 @@ pub enum ModelError {
         /// The type expected.
         expected: &'static str,
     },
+    /// No registered family runs the GGUF's architecture.
+    #[error("{path}: GGUF architecture `{architecture}` is not one kvreplay runs ({known})")]
+    Architecture {
+        /// The model file.
+        path: PathBuf,
+        /// Its `general.architecture`.
+        architecture: String,
+        /// The architectures of the registered families.
+        known: String,
+    },
     /// The tokenizer could not be built from the GGUF vocabulary.
     #[error("{path}: cannot build the tokenizer from the GGUF vocabulary: {detail}")]
     Tokenizer {

@@ -17,9 +17,7 @@
 mod causal_lm;
 mod error;
 pub mod family;
-mod gemma3;
 mod gguf;
-mod llama;
 mod mask;
 mod ops;
 mod prompt;
@@ -30,11 +28,14 @@ mod tokenizer;
 pub(crate) use causal_lm::argmax;
 pub use causal_lm::{CausalLm, KvCache, ModelSpec};
 pub use error::ModelError;
-pub use gemma3::Gemma3;
 pub use gguf::LlamaConfig;
-pub use llama::Llama;
 pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;
 pub use spm::SpmTokenizer;
 pub use tokenizer::{ChatMessage, ChatTokenizer};
+
+crate::families! {
+    llama::Llama = "llama",
+    gemma3::Gemma3 = "gemma3",
+}

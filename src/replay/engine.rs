@@ -35,8 +35,8 @@ use super::metrics::{
 };
 use super::select::ranking;
 use super::Layers;
-use super::{Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
-use crate::trace::{LayerTensors, Span, TraceMeta, TraceReader};
+use super::{context, Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
+use crate::trace::{Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::borrow::Cow;
@@ -74,26 +74,6 @@ pub struct ReplayReport {
     pub lost_by_when: Vec<LostShare>,
     /// Per-layer measurements.
     pub layers: Vec<LayerReport>,
-}
-
-/// Layer `layer` of `trace` as scorers and metrics see it.
-pub fn context<'a>(
-    trace: &TraceReader,
-    layer: usize,
-    tensors: &'a LayerTensors,
-) -> LayerContext<'a> {
-    let meta = trace.meta();
-    LayerContext {
-        layer,
-        q: tensors.q.view(),
-        k: tensors.k.view(),
-        v: tensors.v.as_ref().map(|v| v.view()),
-        prompt_len: meta.prompt_len,
-        scale: meta.scale,
-        softcap: meta.softcap,
-        rope_theta: meta.rope_theta_of(layer),
-        window: meta.window(layer),
-    }
 }
 
 /// The layers `policy` compresses on a trace of header `meta`, in depth order: its global layers,

@@ -1,5 +1,6 @@
 //! What a scorer may look at: one layer's vectors, the trace geometry, and the cache unit it scores.
 
+use crate::trace::{LayerTensors, TraceReader};
 use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
 use std::ops::Range;
 
@@ -133,5 +134,25 @@ impl Unit {
                 })
                 .collect()
         }
+    }
+}
+
+/// Layer `layer` of `trace` as scorers and metrics see it.
+pub fn context<'a>(
+    trace: &TraceReader,
+    layer: usize,
+    tensors: &'a LayerTensors,
+) -> LayerContext<'a> {
+    let meta = trace.meta();
+    LayerContext {
+        layer,
+        q: tensors.q.view(),
+        k: tensors.k.view(),
+        v: tensors.v.as_ref().map(|v| v.view()),
+        prompt_len: meta.prompt_len,
+        scale: meta.scale,
+        softcap: meta.softcap,
+        rope_theta: meta.rope_theta_of(layer),
+        window: meta.window(layer),
     }
 }

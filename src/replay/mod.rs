@@ -33,12 +33,12 @@ mod timing;
 pub use allocator::Rounding;
 pub(crate) use engine::units;
 pub use engine::{
-    compressed_layers, context, kept_sets, layer_budgets, replay, replay_keeping, replay_many,
-    LayerDone, ReplayReport,
+    compressed_layers, kept_sets, layer_budgets, replay, replay_keeping, replay_many, LayerDone,
+    ReplayReport,
 };
 pub use error::PolicyError;
 pub(crate) use kept::selection_groups;
-pub use layer::{LayerContext, Unit};
+pub use layer::{context, LayerContext, Unit};
 pub use layout::{Aggregation, Granularity, Layers};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
 pub use policy::{all_methods, PolicyParams, ValidPolicy, COMMON_KEYS};

@@ -89,6 +89,29 @@ impl PolicyParams {
         self
     }
 
+    /// The rule version of each chosen method (`allocator`, `scorer`, `heads`; unknown names
+    /// left out), the stored runs' record of which rules computed them.
+    pub fn method_versions(&self) -> BTreeMap<String, u32> {
+        let version = |name: &str, found: Option<u32>| found.map(|v| (name.to_owned(), v));
+        [
+            version(
+                "allocator",
+                settings::find(allocator::REGISTRY, &self.allocator).map(|m| m.version),
+            ),
+            version(
+                "scorer",
+                settings::find(scorer::REGISTRY, &self.scorer).map(|m| m.version),
+            ),
+            version(
+                "heads",
+                settings::find(head_split::REGISTRY, &self.heads).map(|m| m.version),
+            ),
+        ]
+        .into_iter()
+        .flatten()
+        .collect()
+    }
+
     /// What is protected from eviction.
     pub fn protection(&self) -> Protection {
         Protection {

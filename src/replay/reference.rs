@@ -494,39 +494,6 @@ fn mean_over_running(
         .collect()
 }
 
-/// The means of every registered metric over a layer's (query head, decode step) samples, by
-/// metric id, each sample computed from the metric's brute-force definition
-/// ([`Metric::reference`](super::Metric::reference)). A metric without one is an error naming it.
-pub fn metrics(
-    layer: &Layer,
-    kept: &[Vec<Vec<usize>>],
-    per_query_head: bool,
-    top_k: usize,
-) -> Result<Vec<(&'static str, f64)>, String> {
-    let n = layer.prompt_len;
-    let registry = super::metrics::REGISTRY;
-    let mut sums = vec![0.0; registry.len()];
-    let mut count = 0.0;
-    for head in 0..layer.q.shape()[0] {
-        let kv = head / layer.group();
-        let unit = if per_query_head { head } else { kv };
-        for at in n..layer.t() {
-            let sample = Sample::new(layer, head, kv, at, &kept[unit][at - n], top_k);
-            for (sum, metric) in sums.iter_mut().zip(registry) {
-                *sum += metric.reference(&sample).ok_or_else(|| {
-                    format!("metric `{}` has no brute-force reference", metric.id())
-                })?;
-            }
-            count += 1.0;
-        }
-    }
-    Ok(registry
-        .iter()
-        .zip(sums)
-        .map(|(metric, sum)| (metric.id(), sum / count))
-        .collect())
-}
-
 /// One query head at one decode step, and the set its cache keeps: what a metric's brute-force
 /// definition reads.
 pub struct Sample<'a> {
@@ -539,7 +506,8 @@ pub struct Sample<'a> {
 }
 
 impl<'a> Sample<'a> {
-    fn new(
+    /// The sample of query head `head` (KV head `kv`) at position `at`, keeping `kept`.
+    pub fn new(
         layer: &'a Layer<'a>,
         head: usize,
         kv: usize,

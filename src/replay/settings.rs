@@ -26,6 +26,9 @@ pub trait Declared: Serialize + DeserializeOwned + Default + Send + Sync + 'stat
     const ABOUT: &'static str;
     /// Every parameter, in declaration order.
     const PARAMS: &'static [Param];
+    /// The version of its rule: 1, bumped whenever a change of its code changes what it keeps
+    /// under the same settings, so stored runs computed with the old rule are not reused.
+    const VERSION: u32;
 }
 
 /// A rule a method's checked settings broke.
@@ -56,6 +59,8 @@ pub struct Method<T: ?Sized> {
     pub about: &'static str,
     /// Its parameters.
     pub params: &'static [Param],
+    /// The version of its rule ([`Declared::VERSION`]).
+    pub version: u32,
     /// Its defaults, as config values.
     pub defaults: fn() -> Map<String, Value>,
     /// Builds it from settings that it declares (checked).
@@ -168,7 +173,7 @@ pub fn from_flag(text: &str) -> Value {
 macro_rules! settings {
     (
         $(#[doc = $about:literal])+
-        $vis:vis struct $name:ident = $key:literal {
+        $vis:vis struct $name:ident = $key:literal $(, version $version:literal)? {
             $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr ),* $(,)?
         }
     ) => {
@@ -188,6 +193,10 @@ macro_rules! settings {
         impl $crate::replay::settings::Declared for $name {
             const NAME: &'static str = $key;
             const ABOUT: &'static str = concat!($($about),+);
+            const VERSION: u32 = {
+                let versions: &[u32] = &[$($version)?];
+                if versions.is_empty() { 1 } else { versions[0] }
+            };
             const PARAMS: &'static [$crate::replay::settings::Param] = &[
                 $( $crate::replay::settings::Param {
                     key: stringify!($field),
@@ -213,6 +222,7 @@ macro_rules! registry {
                 name: <$module::$method as $crate::replay::settings::Declared>::NAME,
                 about: <$module::$method as $crate::replay::settings::Declared>::ABOUT,
                 params: <$module::$method as $crate::replay::settings::Declared>::PARAMS,
+                version: <$module::$method as $crate::replay::settings::Declared>::VERSION,
                 defaults: $crate::replay::settings::defaults::<$module::$method>,
                 build: |given| {
                     let method = $crate::replay::settings::parse::<$module::$method>(given)?;

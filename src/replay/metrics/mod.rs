@@ -18,6 +18,7 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
+use super::reference;
 use super::select::ranked_head;
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
@@ -52,6 +53,40 @@ metrics! {
     output_error::OutputError,
     value_weighted_mass::ValueWeightedMass,
     value_gap::ValueGap,
+}
+
+/// The means of every registered metric over a layer's (query head, decode step) samples under
+/// the kept sets `kept` (per cache, per decode step), by metric id, each sample computed from the
+/// metric's brute-force definition ([`Metric::reference`]). A metric without one is an error
+/// naming it.
+pub fn reference_means(
+    layer: &reference::Layer,
+    kept: &[Vec<Vec<usize>>],
+    per_query_head: bool,
+    top_k: usize,
+) -> Result<Vec<(&'static str, f64)>, String> {
+    let n = layer.prompt_len;
+    let registry = REGISTRY;
+    let mut sums = vec![0.0; registry.len()];
+    let mut count = 0.0;
+    for head in 0..layer.q.shape()[0] {
+        let kv = head / layer.group();
+        let unit = if per_query_head { head } else { kv };
+        for at in n..layer.t() {
+            let sample = reference::Sample::new(layer, head, kv, at, &kept[unit][at - n], top_k);
+            for (sum, metric) in sums.iter_mut().zip(registry) {
+                *sum += metric.reference(&sample).ok_or_else(|| {
+                    format!("metric `{}` has no brute-force reference", metric.id())
+                })?;
+            }
+            count += 1.0;
+        }
+    }
+    Ok(registry
+        .iter()
+        .zip(sums)
+        .map(|(metric, sum)| (metric.id(), sum / count))
+        .collect())
 }
 
 /// The id of retained mass, the metric experiment tables and confidence intervals are built on.

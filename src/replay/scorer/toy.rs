@@ -9,8 +9,9 @@ use crate::replay::{LayerContext, Protection, Unit};
 use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
-    /// Keeps even positions first (a test fixture, not a method).
-    pub struct Toy = "toy" {
+    /// Keeps even positions first (a test fixture, not a method; at rule version 2 to test that
+    /// a changed rule names new runs).
+    pub struct Toy = "toy", version 2 {
         /// The score of an even position (> 0).
         weight: f64 = 1.0,
     }

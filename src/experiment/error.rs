@@ -1,0 +1,49 @@
+//! Why a sweep, a report or a trace listing failed: one error type for the experiment module,
+//! naming the file and the rule.
+
+use crate::capture::CaptureError;
+use crate::live::LiveError;
+use crate::replay::PolicyError;
+use std::path::PathBuf;
+
+/// Errors of a sweep.
+#[derive(Debug, thiserror::Error)]
+#[non_exhaustive]
+pub enum SweepError {
+    /// A policy failed on a trace.
+    #[error(transparent)]
+    Policy(#[from] PolicyError),
+    /// A result could not be written or read.
+    #[error("{path}: {detail}")]
+    Io {
+        /// The file.
+        path: PathBuf,
+        /// What failed.
+        detail: String,
+    },
+    /// A recipe could not be captured.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// A closed-loop run failed (boxed: it is the largest error, and every result carries the
+    /// error type's size).
+    #[error(transparent)]
+    Live(Box<LiveError>),
+    /// Runs are stored for another content of a trace than the one there now.
+    #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
+    TraceChanged {
+        /// The trace file.
+        trace: PathBuf,
+        /// How many stored runs belong to its old content.
+        count: usize,
+        /// The start of the digest they were computed on.
+        stored: String,
+        /// The start of its digest now.
+        now: String,
+    },
+}
+
+impl From<LiveError> for SweepError {
+    fn from(error: LiveError) -> Self {
+        Self::Live(Box::new(error))
+    }
+}
