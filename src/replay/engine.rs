@@ -33,6 +33,7 @@ use super::metrics::{
     measure_unit, nested_shares, CacheShares, DecodeReference, LayerAccumulator, LayerReport,
     MeasureSettings, SpanReport, UnitMeasure,
 };
+use super::plan::Plan;
 use super::select::ranking;
 use super::Layers;
 use super::{context, Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
@@ -144,6 +145,9 @@ fn replay_pass(
         .iter()
         .map(|policy| compressed_layers(meta, policy))
         .collect();
+    // One plan per set of policies that compress a layer together (the global layers', and on a
+    // hybrid model the sliding layers' under `layers = all`), made on its first layer.
+    let mut plans: BTreeMap<Vec<usize>, Plan<'_>> = BTreeMap::new();
     for layer in 0..meta.n_layers {
         // The policies that compress this layer, by index.
         let here: Vec<usize> = compressed
@@ -160,8 +164,11 @@ fn replay_pass(
         let layer_policies: Vec<&ValidPolicy> =
             here.iter().map(|&index| &policies[index]).collect();
         let layer_budgets: Vec<usize> = here.iter().map(|&index| budgets[index][layer]).collect();
+        let plan = plans
+            .entry(here.clone())
+            .or_insert_with(|| Plan::new(&layer_policies));
         let (reports, whole_layer) =
-            measure_layer(&context, &layer_policies, &layer_budgets, &meta.spans);
+            measure_layer(&context, plan, &layer_policies, &layer_budgets, &meta.spans);
         for (&index, report) in here.iter().zip(reports) {
             per_policy[index].push(report);
         }
@@ -180,42 +187,63 @@ fn replay_pass(
         .collect())
 }
 
-/// Replays and measures every policy on one layer, KV group by KV group. With several policies,
-/// each group's [`DecodeReference`] is computed (beside the re-selecting policies' choices of
-/// kept sets, which do not need it) once and shared by all of them while they run in parallel;
-/// a single policy runs its groups in parallel instead, each choosing its kept sets before
-/// computing its reference, so a thread never holds both a scorer's buffers and a reference. One level of parallelism only: nested rayon loops let a waiting thread start more
+/// Replays and measures every policy on one layer, executing `plan`: the prompt scores once per
+/// score key, the whole layer's kept sets, then the caches KV group by KV group. With several
+/// policies, each group's [`DecodeReference`] is computed (beside the re-selecting policies'
+/// choices of kept sets, which do not need it) once and shared by all of them while they run in
+/// parallel; a single policy runs its groups in parallel instead, each choosing its kept sets
+/// before computing its reference, so a thread never holds both a scorer's buffers and a
+/// reference. One level of parallelism only: nested rayon loops let a waiting thread start more
 /// work, and every started policy holds its scorer state, so memory would grow with the grid.
 fn measure_layer(
     layer: &LayerContext<'_>,
+    plan: &Plan<'_>,
     policies: &[&ValidPolicy],
     budgets: &[usize],
     spans: &[Span],
 ) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
-    let single = policies.len() == 1;
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
-    // One scoring pass per distinct score key: one-shot policies that differ only in budget,
-    // allocator or head split select from the same prompt scores.
-    let mut first_with_key: BTreeMap<&str, usize> = BTreeMap::new();
-    for (index, policy) in policies.iter().enumerate() {
-        if is_one_shot(policy) {
-            first_with_key.entry(policy.score_key()).or_insert(index);
-        }
-    }
-    // One task per (score key, selection group), so that a heavy scorer's groups (H2O's prefix
-    // pass) spread over the threads instead of running one after another on one of them.
-    let tasks: Vec<(&str, usize, usize)> = first_with_key
+    let scores = score_prompts(layer, plan, policies, &units);
+    let whole_layer = whole_layer_kept(layer, plan, policies, budgets, &units, &scores);
+    drop(scores);
+    let pass = LayerPass {
+        layer,
+        plan,
+        policies,
+        budgets,
+        spans,
+        units: &units,
+        whole_layer: &whole_layer,
+    };
+    let accumulators = match plan.single {
+        true => pass.measure_alone(),
+        false => pass.measure_together(),
+    };
+    let reports = accumulators
         .into_iter()
-        .flat_map(|(key, index)| {
+        .zip(budgets)
+        .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
+        .collect();
+    (reports, whole_layer)
+}
+
+/// Each score key's prompt scores, per selection group: one task per (score key, selection
+/// group), so that a heavy scorer's groups (H2O's prefix pass) spread over the threads instead
+/// of running one after another on one of them.
+fn score_prompts<'p>(
+    layer: &LayerContext<'_>,
+    plan: &Plan<'p>,
+    policies: &[&ValidPolicy],
+    units: &[Vec<Unit>],
+) -> BTreeMap<&'p str, Vec<Vec<f32>>> {
+    let tasks: Vec<(&str, usize, usize)> = plan
+        .scorers
+        .iter()
+        .flat_map(|&(key, index)| {
             let groups = selection_groups(&units[index], policies[index]).len();
             (0..groups).map(move |group| (key, index, group))
         })
         .collect();
-    let max_top_k = policies.iter().map(|p| p.params().top_k).max().unwrap_or(1);
-    // With several policies the groups are measured one after another and a reference's parts
-    // run in parallel; a single policy runs its groups in parallel instead.
-    let reference =
-        |kv_head: usize| DecodeReference::new(layer, kv_head, max_top_k, spans, !single);
     let scored: Vec<Vec<f32>> = tasks
         .par_iter()
         .map(|&(_, index, group)| {
@@ -233,24 +261,67 @@ fn measure_layer(
     for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
         scores.entry(key).or_default().push(group_scores);
     }
-    let whole_layer: Vec<Option<Kept>> = policies
+    scores
+}
+
+/// The kept sets chosen for the whole layer at once: every one-shot policy's (from its score
+/// key's scores) and every whole-layer re-selecting policy's; `None` for the policies that choose
+/// cache by cache.
+fn whole_layer_kept(
+    layer: &LayerContext<'_>,
+    plan: &Plan<'_>,
+    policies: &[&ValidPolicy],
+    budgets: &[usize],
+    units: &[Vec<Unit>],
+    scores: &BTreeMap<&str, Vec<Vec<f32>>>,
+) -> Vec<Option<Kept>> {
+    policies
         .par_iter()
         .zip(budgets)
-        .zip(&units)
+        .zip(units)
         .map(|((policy, &budget), units)| {
             if is_one_shot(policy) {
                 let scored = &scores[policy.score_key()];
                 Some(one_shot_kept(layer, units, budget, policy, scored))
             } else {
                 is_whole_layer(policy)
-                    .then(|| per_step_layer_kept(layer, units, budget, policy, single))
+                    .then(|| per_step_layer_kept(layer, units, budget, policy, plan.single))
             }
         })
-        .collect();
-    drop(scores);
-    // Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
-    let group_kept = |index: usize, kv_head: usize| -> Vec<(&Unit, Cow<'_, UnitKept>, usize)> {
-        match &whole_layer[index] {
+        .collect()
+}
+
+/// One layer's caches, kept sets and policies, measured KV group by KV group.
+struct LayerPass<'a, 'l> {
+    layer: &'a LayerContext<'l>,
+    plan: &'a Plan<'a>,
+    policies: &'a [&'a ValidPolicy],
+    budgets: &'a [usize],
+    spans: &'a [Span],
+    units: &'a [Vec<Unit>],
+    whole_layer: &'a [Option<Kept>],
+}
+
+/// Caches of one KV group with their kept sets and budgets.
+type GroupKept<'a> = Vec<(&'a Unit, Cow<'a, UnitKept>, usize)>;
+
+impl LayerPass<'_, '_> {
+    /// The full decode attention of KV head `kv_head`, its parts in parallel when several
+    /// policies share it.
+    fn reference(&self, kv_head: usize) -> DecodeReference {
+        let parallel = !self.plan.single;
+        DecodeReference::new(
+            self.layer,
+            kv_head,
+            self.plan.max_top_k,
+            self.spans,
+            parallel,
+        )
+    }
+
+    /// Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
+    fn group_kept(&self, index: usize, kv_head: usize) -> GroupKept<'_> {
+        match &self.whole_layer[index] {
             Some(kept) => kept
                 .units
                 .iter()
@@ -259,66 +330,84 @@ fn measure_layer(
                 .filter(|((unit, _), _)| unit.kv_head == kv_head)
                 .map(|((unit, unit_kept), &budget)| (unit, Cow::Borrowed(unit_kept), budget))
                 .collect(),
-            None => units[index]
+            None => self.units[index]
                 .iter()
                 .filter(|unit| unit.kv_head == kv_head)
                 .map(|unit| {
                     let group = std::slice::from_ref(unit);
-                    let unit_kept = per_step_kept(layer, group, budgets[index], policies[index]);
-                    (unit, Cow::Owned(unit_kept), budgets[index])
+                    let budget = self.budgets[index];
+                    let unit_kept = per_step_kept(self.layer, group, budget, self.policies[index]);
+                    (unit, Cow::Owned(unit_kept), budget)
                 })
                 .collect(),
         }
-    };
-    let measure_group = |index: usize,
-                         kept: &[(&Unit, Cow<'_, UnitKept>, usize)],
-                         reference: &DecodeReference,
-                         nested: &NestedShares| {
-        let params = policies[index].params();
+    }
+
+    /// The measures of policy `index`'s caches `kept` against `reference`.
+    fn measure_group(
+        &self,
+        index: usize,
+        kept: &GroupKept<'_>,
+        reference: &DecodeReference,
+        nested: &NestedShares,
+    ) -> Vec<UnitMeasure> {
+        let params = self.policies[index].params();
         let settings = MeasureSettings {
-            spans,
+            spans: self.spans,
             top_k: params.top_k,
             dating: Dating::of(params.timing),
         };
         kept.iter()
             .map(|(unit, unit_kept, budget)| {
                 let shares = nested.get(&(index, unit.index));
-                measure_unit(layer, unit, unit_kept, *budget, reference, settings, shares)
+                measure_unit(
+                    self.layer, unit, unit_kept, *budget, reference, settings, shares,
+                )
             })
-            .collect::<Vec<UnitMeasure>>()
-    };
-    let n_kv_heads = layer.k.shape()[0];
-    let mut accumulators: Vec<LayerAccumulator> = policies
-        .iter()
-        .map(|_| LayerAccumulator::new(layer, spans.len()))
-        .collect();
-    if single {
+            .collect()
+    }
+
+    /// A single policy: its KV groups in parallel.
+    fn measure_alone(&self) -> Vec<LayerAccumulator> {
+        let n_kv_heads = self.layer.k.shape()[0];
         let per_group: Vec<Vec<UnitMeasure>> = (0..n_kv_heads)
             .into_par_iter()
             .map(|kv_head| {
-                let kept = group_kept(0, kv_head);
-                measure_group(0, &kept, &reference(kv_head), &NestedShares::new())
+                let kept = self.group_kept(0, kv_head);
+                self.measure_group(0, &kept, &self.reference(kv_head), &NestedShares::new())
             })
             .collect();
+        let mut accumulator = LayerAccumulator::new(self.layer, self.spans.len());
         for measure in per_group.iter().flatten() {
-            accumulators[0].add(measure);
+            accumulator.add(measure);
         }
-    } else {
-        let families = reselecting_families(policies);
-        let nests = nest_families(policies);
-        for kv_head in 0..n_kv_heads {
+        vec![accumulator]
+    }
+
+    /// Several policies: the KV groups one after another, each group's reference shared by the
+    /// policies, which run in parallel.
+    fn measure_together(&self) -> Vec<LayerAccumulator> {
+        let (layer, policies, budgets) = (self.layer, self.policies, self.budgets);
+        let mut accumulators: Vec<LayerAccumulator> = policies
+            .iter()
+            .map(|_| LayerAccumulator::new(layer, self.spans.len()))
+            .collect();
+        for kv_head in 0..layer.k.shape()[0] {
             let (current, reselected) = rayon::join(
-                || reference(kv_head),
-                || reselect_families(layer, policies, budgets, &units, kv_head, &families),
+                || self.reference(kv_head),
+                || {
+                    let families = &self.plan.reselecting;
+                    reselect_families(layer, policies, budgets, self.units, kv_head, families)
+                },
             );
             let nested = nest_shares(
                 layer,
                 policies,
-                &whole_layer,
-                &nests,
+                self.whole_layer,
+                &self.plan.nests,
                 kv_head,
                 &current,
-                spans,
+                self.spans,
             );
             accumulators
                 .par_iter_mut()
@@ -331,53 +420,15 @@ fn measure_layer(
                                 (*unit, Cow::Borrowed(unit_kept), budgets[index])
                             })
                             .collect(),
-                        None => group_kept(index, kv_head),
+                        None => self.group_kept(index, kv_head),
                     };
-                    for measure in measure_group(index, &kept, &current, &nested) {
+                    for measure in self.measure_group(index, &kept, &current, &nested) {
                         accumulator.add(&measure);
                     }
                 });
         }
+        accumulators
     }
-    let reports = accumulators
-        .into_iter()
-        .zip(budgets)
-        .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
-        .collect();
-    (reports, whole_layer)
-}
-
-/// The policies that re-select at every decode step, one cache at a time, grouped by what their
-/// scores depend on (scorer, settings, protection, layout) and timing: a family's scores are the
-/// same whatever the budget, so they are computed once for all its members.
-fn reselecting_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
-    let mut families: BTreeMap<(&str, &str), Vec<usize>> = BTreeMap::new();
-    for (index, policy) in policies.iter().enumerate() {
-        let timing = policy.params().timing;
-        if timing.reselects() && !is_whole_layer(policy) {
-            families
-                .entry((policy.score_key(), timing.name()))
-                .or_default()
-                .push(index);
-        }
-    }
-    families.into_values().collect()
-}
-
-/// The one-shot policies whose kept sets may nest (one scorer's budgets, allocators and head
-/// splits: the same [`ValidPolicy::score_key`]) and that count the same top-k recall, two or more
-/// to a family.
-fn nest_families(policies: &[&ValidPolicy]) -> Vec<Vec<usize>> {
-    let mut families: BTreeMap<(&str, usize), Vec<usize>> = BTreeMap::new();
-    for (index, policy) in policies.iter().enumerate() {
-        if is_one_shot(policy) {
-            families
-                .entry((policy.score_key(), policy.params().top_k))
-                .or_default()
-                .push(index);
-        }
-    }
-    families.into_values().filter(|f| f.len() > 1).collect()
 }
 
 /// Some caches of one layer, each with its one-shot prompt set.
@@ -386,7 +437,7 @@ type PromptSets<'a> = Vec<(&'a Unit, &'a [usize])>;
 /// Kept shares from the nested path, by (policy index, cache index).
 type NestedShares = BTreeMap<(usize, usize), CacheShares>;
 
-/// The nested path's kept shares of KV head `kv_head`'s caches for every family of [`nest_families`]
+/// The nested path's kept shares of KV head `kv_head`'s caches for every family of [`Plan::nests`]
 /// whose kept sets nest there; the caches where they do not are left to the general path.
 fn nest_shares(
     layer: &LayerContext<'_>,

@@ -19,6 +19,7 @@ mod kept;
 mod layer;
 mod layout;
 pub mod metrics;
+mod plan;
 mod policy;
 pub mod presets;
 mod profile;
