@@ -12,7 +12,7 @@ use kvreplay::experiment::cluster;
 use kvreplay::experiment::shard::Shard;
 use kvreplay::experiment::slurm::SlurmOptions;
 use kvreplay::export::{exporter, Format};
-use kvreplay::replay::flags::{method_flags, PolicyArgs};
+use kvreplay::replay::flags::{policy_flags, policy_params};
 use kvreplay::replay::presets;
 use kvreplay::sys;
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -69,8 +69,6 @@ enum Command {
         /// The trace file.
         trace: PathBuf,
         #[command(flatten)]
-        policy: PolicyArgs,
-        #[command(flatten)]
         output: OutputArgs,
     },
     /// Run a recipe live under one policy: the policy holds the model's real KV cache (evicting
@@ -81,8 +79,6 @@ enum Command {
         /// not a trace.
         #[arg(long)]
         recipe: PathBuf,
-        #[command(flatten)]
-        policy: PolicyArgs,
         /// Output format (json includes every step and the open-loop report).
         #[arg(long, value_enum, default_value_t = Format::Markdown)]
         format: Format,
@@ -204,15 +200,11 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
             commands::capture_recipe(&recipe, &out, dtype, chunk)?;
         }
-        Command::Replay {
-            trace,
-            policy,
-            output,
-        } => {
+        Command::Replay { trace, output } => {
             let flags = matches
                 .subcommand_matches("replay")
                 .expect("the replay subcommand");
-            let policy = policy.params(flags).check()?;
+            let policy = policy_params(flags).map_err(anyhow::Error::msg)?.check()?;
             let reader = TraceReader::open(&trace)?;
             let reports = commands::replay_all(&reader, &[policy], output.threads)?;
             print!(
@@ -222,14 +214,13 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
         }
         Command::Live {
             recipe,
-            policy,
             format,
             chunk,
         } => {
             let flags = matches
                 .subcommand_matches("live")
                 .expect("the live subcommand");
-            let policy = policy.params(flags).check()?;
+            let policy = policy_params(flags).map_err(anyhow::Error::msg)?.check()?;
             print!("{}", commands::live(&recipe, &policy, format, chunk)?);
         }
         Command::Compare {
@@ -303,8 +294,8 @@ fn error_text(err: &anyhow::Error) -> String {
 fn main() -> ExitCode {
     sys::tune_for_replay();
     let matches = Cli::command()
-        .mut_subcommand("replay", |replay| replay.args(method_flags()))
-        .mut_subcommand("live", |live| live.args(method_flags()))
+        .mut_subcommand("replay", |replay| replay.args(policy_flags()))
+        .mut_subcommand("live", |live| live.args(policy_flags()))
         .get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,

@@ -207,6 +207,11 @@ fn bad_parameters_exit_2_with_the_rule() {
     for (args, expected) in [
         (vec!["--budget", "0"], "`budget` = 0: must be at least 1"),
         (
+            vec!["--budget", "many"],
+            "--budget: `many` is not a whole number of tokens",
+        ),
+        (vec!["--top-k=-3"], "--top-k: `-3` is not a whole number"),
+        (
             vec!["--budget", "5", "--sinks", "4", "--window", "2"],
             "budget 5 is below sinks 4 + window 2",
         ),

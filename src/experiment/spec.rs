@@ -7,7 +7,7 @@
 
 use super::traces::{self, Capture, NeedleCell, TraceFile};
 use super::SweepError;
-use crate::replay::{all_methods, presets, PolicyParams, COMMON_KEYS};
+use crate::replay::{all_methods, common_keys, presets, PolicyParams};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
@@ -266,10 +266,8 @@ impl Experiment {
                         key: key.clone(),
                         valid: format!(
                             "{}, or a method's own setting (`kvreplay methods` lists them)",
-                            COMMON_KEYS
-                                .iter()
-                                .filter(|k| **k != "budget")
-                                .copied()
+                            common_keys()
+                                .filter(|k| *k != "budget")
                                 .collect::<Vec<_>>()
                                 .join(", ")
                         ),
@@ -468,7 +466,7 @@ fn first_repeat<T: PartialEq>(values: &[T]) -> Option<&T> {
 /// Whether `key` can be set in a `[[policy]]` table: a common setting other than `budget` (the
 /// top-level `budgets` list sets it), or a setting some registered method declares.
 fn is_policy_key(key: &str) -> bool {
-    (key != "budget" && COMMON_KEYS.contains(&key))
+    (key != "budget" && common_keys().any(|common| common == key))
         || all_methods().iter().any(|method| method.takes(key))
 }
 

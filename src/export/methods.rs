@@ -4,12 +4,12 @@
 
 use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
-use crate::replay::{allocator, head_split, presets, scorer, Layers, Timing, COMMON_KEYS};
+use crate::replay::{allocator, common_keys, head_split, presets, scorer, Layers, Timing};
 use std::fmt::Write;
 
 /// The listing, as Markdown.
 pub fn methods_markdown() -> String {
-    let common: Vec<String> = COMMON_KEYS.iter().map(|key| format!("`{key}`")).collect();
+    let common: Vec<String> = common_keys().map(|key| format!("`{key}`")).collect();
     let mut out = format!(
         "# Methods\n\nEvery policy has the common settings {}; each chosen method adds its own, \
          listed below with their defaults. A setting that none of the chosen methods takes is an \

@@ -1,55 +1,39 @@
-//! The policy as command-line flags: the settings every policy has ([`PolicyArgs`]) and one flag
-//! per setting key of every registered method ([`method_flags`]), its help naming each method
-//! that takes it. Both become the same [`PolicyParams`] an experiment file's policy table does,
+//! The policy as command-line flags, made from the same declarations as the experiment files'
+//! keys: one flag per setting every policy has ([`COMMON`], [`common_flags`]) and one per setting
+//! key of every registered method ([`method_flags`]), its help naming each method that takes it.
+//! Both become the same [`PolicyParams`] an experiment file's policy table does, read by serde and
 //! checked by the same code.
 
-use super::settings::{self, Method};
-use super::{
-    all_methods, allocator, head_split, scorer, Granularity, Layers, Order, PolicyParams, Timing,
-};
+use super::settings;
+use super::{all_methods, PolicyParams, COMMON};
 
-/// A policy, flag by flag: the settings every policy has. Each registered method's own settings
-/// are flags too, added from the registries ([`method_flags`]).
-#[derive(clap::Args)]
-pub struct PolicyArgs {
-    /// How many tokens each layer keeps (an allocator; `kvreplay methods` lists them).
-    #[arg(long, default_value = "flat", help = axis_help("How many tokens each layer keeps", allocator::REGISTRY))]
-    pub allocator: String,
-    /// Which tokens (a scorer).
-    #[arg(long, default_value = "snapkv", help = axis_help("Which tokens", scorer::REGISTRY))]
-    pub scorer: String,
-    /// How a layer's budget is shared among its caches (a head split).
-    #[arg(long, default_value = "uniform", help = axis_help("How a layer's budget is shared among its caches", head_split::REGISTRY))]
-    pub heads: String,
-    /// When the kept set is chosen.
-    #[arg(long, value_enum, default_value_t = Timing::Prefill)]
-    pub timing: Timing,
-    /// Under a streaming timing: whether a step's query attends before or after its eviction.
-    #[arg(long, value_enum, default_value_t = Order::EvictFirst)]
-    pub order: Order,
-    /// Nominal tokens per cache (mean over layers), sinks and window included.
-    #[arg(long, default_value_t = 128)]
-    pub budget: usize,
-    /// Protected recent tokens; SnapKV's observation window.
-    #[arg(long, default_value_t = 8)]
-    pub window: usize,
-    /// Protected first tokens (attention sinks).
-    #[arg(long, default_value_t = 0)]
-    pub sinks: usize,
-    /// Cache granularity under grouped-query attention.
-    #[arg(long, value_enum, default_value_t = Granularity::KvHead)]
-    pub gqa: Granularity,
-    /// On a model with sliding-window layers, which layers the budget compresses.
-    #[arg(long, value_enum, default_value_t = Layers::Global)]
-    pub layers: Layers,
-    /// k of the top-k recall.
-    #[arg(long, default_value_t = 10)]
-    pub top_k: usize,
+/// One flag per setting every policy has ([`COMMON`]), with its default and the values it takes.
+pub fn common_flags() -> Vec<clap::Arg> {
+    let defaults = PolicyParams::default().common_values();
+    COMMON
+        .iter()
+        .map(|common| {
+            let values = (common.values)();
+            let arg = clap::Arg::new(common.key)
+                .long(common.key.replace('_', "-"))
+                .value_name(common.key.to_uppercase())
+                .default_value(settings::text(&defaults[common.key]));
+            match (values.is_empty(), common.fixed) {
+                (true, _) => arg.help(common.about),
+                (false, true) => arg
+                    .help(common.about)
+                    .value_parser(clap::builder::PossibleValuesParser::new(values)),
+                (false, false) => arg.help(format!("{}: {}", common.about, values.join(", "))),
+            }
+        })
+        .collect()
 }
 
-/// `what` and the registered names of an axis, for `--help`.
-fn axis_help<T: ?Sized>(what: &str, registry: &[Method<T>]) -> String {
-    format!("{what}: {}", settings::names(registry))
+/// Every policy flag: the common settings, then each method's.
+pub fn policy_flags() -> Vec<clap::Arg> {
+    let mut flags = common_flags();
+    flags.extend(method_flags());
+    flags
 }
 
 /// One flag per method setting key of every registry (`--beta`, `--kernel`, ...), its help naming
@@ -96,29 +80,31 @@ pub fn method_flags() -> Vec<clap::Arg> {
         .collect()
 }
 
-impl PolicyArgs {
-    /// The policy, with the method settings given as flags in `matches`.
-    pub fn params(&self, matches: &clap::ArgMatches) -> PolicyParams {
-        let mut settings = std::collections::BTreeMap::new();
-        for arg in method_flags() {
-            let key = arg.get_id().as_str();
-            if let Some(value) = matches.get_one::<String>(key) {
-                settings.insert(key.to_owned(), settings::from_flag(value));
-            }
-        }
-        PolicyParams {
-            allocator: self.allocator.clone(),
-            scorer: self.scorer.clone(),
-            heads: self.heads.clone(),
-            timing: self.timing,
-            order: self.order,
-            budget: self.budget,
-            window: self.window,
-            sinks: self.sinks,
-            gqa: self.gqa,
-            layers: self.layers,
-            top_k: self.top_k,
-            settings,
+/// The policy the flags of [`policy_flags`] in `matches` give, read as an experiment file's
+/// policy table is (the same keys, values and checks).
+pub fn policy_params(matches: &clap::ArgMatches) -> Result<PolicyParams, String> {
+    let mut given = serde_json::Map::new();
+    for arg in policy_flags() {
+        let key = arg.get_id().as_str();
+        if let Some(value) = matches.get_one::<String>(key) {
+            given.insert(key.to_owned(), settings::from_flag(value));
         }
     }
+    for common in COMMON {
+        let Some(value) = given.get_mut(common.key) else {
+            continue;
+        };
+        if !(common.values)().is_empty() {
+            // A name stays a string even where it reads as a number (`--scorer 1`).
+            *value = serde_json::Value::from(settings::text(value));
+        } else if !value.is_u64() {
+            return Err(format!(
+                "--{}: `{}` is not a whole number of tokens",
+                common.key.replace('_', "-"),
+                settings::text(value)
+            ));
+        }
+    }
+    serde_json::from_value(serde_json::Value::Object(given))
+        .map_err(|err| format!("policy flags: {err}"))
 }

@@ -48,20 +48,111 @@ pub struct PolicyParams {
     pub settings: BTreeMap<String, Value>,
 }
 
-/// The keys every policy has, beside its methods' own settings.
-pub const COMMON_KEYS: [&str; 11] = [
-    "allocator",
-    "scorer",
-    "heads",
-    "timing",
-    "order",
-    "budget",
-    "sinks",
-    "window",
-    "gqa",
-    "layers",
-    "top_k",
+/// A setting every policy has, beside its methods' own: its key (a field of [`PolicyParams`], a
+/// key of an experiment's policy table, a `--flag` with `-` for `_`), what it means, and the
+/// values it takes. The command line's flags and their help, the experiment files' valid keys and
+/// `kvreplay methods` are all made from [`COMMON`].
+pub struct Common {
+    /// The key.
+    pub key: &'static str,
+    /// What it means, one line.
+    pub about: &'static str,
+    /// The values it takes, when they are a set (empty for a number).
+    pub values: fn() -> Vec<String>,
+    /// Whether only those values parse (a fixed set); otherwise they are the registered names,
+    /// which the policy's check looks up with its own message.
+    pub fixed: bool,
+}
+
+/// The names of a clap value enum.
+fn variants<T: clap::ValueEnum>() -> Vec<String> {
+    T::value_variants()
+        .iter()
+        .filter_map(|v| v.to_possible_value())
+        .map(|v| v.get_name().to_owned())
+        .collect()
+}
+
+/// The names registered on an axis.
+fn registered<T: ?Sized>(registry: &[Method<T>]) -> Vec<String> {
+    registry.iter().map(|m| m.name.to_owned()).collect()
+}
+
+/// The settings every policy has.
+pub const COMMON: &[Common] = &[
+    Common {
+        key: "allocator",
+        about: "How many tokens each layer keeps",
+        values: || registered(allocator::REGISTRY),
+        fixed: false,
+    },
+    Common {
+        key: "scorer",
+        about: "Which tokens",
+        values: || registered(scorer::REGISTRY),
+        fixed: false,
+    },
+    Common {
+        key: "heads",
+        about: "How a layer's budget is shared among its caches (a head split)",
+        values: || registered(head_split::REGISTRY),
+        fixed: false,
+    },
+    Common {
+        key: "timing",
+        about: "When the kept set is chosen",
+        values: variants::<Timing>,
+        fixed: true,
+    },
+    Common {
+        key: "order",
+        about:
+            "Under a streaming timing: whether a step's query attends before or after its eviction",
+        values: variants::<Order>,
+        fixed: true,
+    },
+    Common {
+        key: "budget",
+        about: "Nominal tokens per cache (mean over layers), sinks and window included",
+        values: Vec::new,
+        fixed: true,
+    },
+    Common {
+        key: "sinks",
+        about: "Protected first tokens (attention sinks)",
+        values: Vec::new,
+        fixed: true,
+    },
+    Common {
+        key: "window",
+        about: "Protected recent tokens; SnapKV's observation window",
+        values: Vec::new,
+        fixed: true,
+    },
+    Common {
+        key: "gqa",
+        about: "Cache granularity under grouped-query attention",
+        values: variants::<Granularity>,
+        fixed: true,
+    },
+    Common {
+        key: "layers",
+        about: "On a model with sliding-window layers, which layers the budget compresses",
+        values: variants::<Layers>,
+        fixed: true,
+    },
+    Common {
+        key: "top_k",
+        about: "k of the top-k recall",
+        values: Vec::new,
+        fixed: true,
+    },
 ];
+
+/// The keys of [`COMMON`].
+pub fn common_keys() -> impl Iterator<Item = &'static str> {
+    COMMON.iter().map(|common| common.key)
+}
 
 impl Default for PolicyParams {
     fn default() -> Self {
@@ -87,6 +178,19 @@ impl PolicyParams {
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.settings.insert(key.to_owned(), value.into());
         self
+    }
+
+    /// Every setting of [`COMMON`] with its value, by key (`order` and `layers` included, which
+    /// the serialised form leaves out at their defaults).
+    pub fn common_values(&self) -> Map<String, Value> {
+        let mut values = match serde_json::to_value(self).expect("params serialise") {
+            Value::Object(map) => map,
+            _ => unreachable!("params serialise to an object"),
+        };
+        values.retain(|key, _| common_keys().any(|common| common == key));
+        values.insert("order".into(), Value::from(self.order.name()));
+        values.insert("layers".into(), Value::from(self.layers.name()));
+        values
     }
 
     /// The rule version of each chosen method (`allocator`, `scorer`, `heads`; unknown names
@@ -275,7 +379,7 @@ impl PolicyParams {
             .as_object()
             .expect("params are an object")
             .iter()
-            .filter(|(key, _)| COMMON_KEYS.contains(&key.as_str()))
+            .filter(|(key, _)| common_keys().any(|common| common == key.as_str()))
             .map(|(key, value)| (key.clone(), settings::text(value)))
             .collect();
         common.insert("order".into(), self.order.name().into());
@@ -386,5 +490,33 @@ impl ValidPolicy {
     /// method's own (defaults included), for reports.
     pub fn settings(&self) -> BTreeMap<String, String> {
         self.settings.clone()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// [`COMMON`] lists exactly the fields of [`PolicyParams`] beside the methods' settings, so
+    /// the flags, the experiment keys and the struct cannot drift apart.
+    #[test]
+    fn common_settings_are_the_fields_of_a_policy() {
+        let params = PolicyParams {
+            order: Order::AttendFirst,
+            layers: Layers::All,
+            ..PolicyParams::default()
+        };
+        let Value::Object(fields) = serde_json::to_value(&params).unwrap() else {
+            panic!("params serialise to an object")
+        };
+        let mut fields: Vec<&str> = fields.keys().map(String::as_str).collect();
+        let mut keys: Vec<&str> = common_keys().collect();
+        fields.sort_unstable();
+        keys.sort_unstable();
+        assert_eq!(fields, keys);
+        let defaults = PolicyParams::default().common_values();
+        assert_eq!(defaults.len(), COMMON.len());
+        assert_eq!(defaults["order"], "evict-first");
+        assert_eq!(defaults["budget"], 128);
     }
 }

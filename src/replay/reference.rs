@@ -171,6 +171,17 @@ impl Layer<'_> {
             .collect()
     }
 
+    /// Each of the last `w` prompt queries' attention of head `head` over the keys up to it.
+    pub fn window_rows(&self, head: usize, kv: usize, w: usize) -> Vec<Vec<f64>> {
+        let n = self.prompt_len;
+        (n - w..n)
+            .map(|at| {
+                let visible: Vec<usize> = (0..=at).collect();
+                self.attention(&self.query(head, at), kv, &visible)
+            })
+            .collect()
+    }
+
     /// The caches of the layer under `policy`.
     fn members(&self, policy: &Policy) -> Vec<Member> {
         let units = if policy.per_query_head {

@@ -262,12 +262,7 @@ impl Cake {
             .heads
             .iter()
             .map(|&h| {
-                let rows: Vec<Vec<f64>> = (n - w..n)
-                    .map(|at| {
-                        let visible: Vec<usize> = (0..=at).collect();
-                        layer.attention(&layer.query(h, at), cache.kv, &visible)
-                    })
-                    .collect();
+                let rows = layer.window_rows(h, cache.kv, w);
                 let scores: Vec<f64> = (0..n - w)
                     .map(|j| {
                         let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;

@@ -167,10 +167,8 @@ impl SnapKv {
             .iter()
             .map(|&h| {
                 let mut sums = vec![0.0; n - w];
-                for at in n - w..n {
-                    let visible: Vec<usize> = (0..=at).collect();
-                    let p = layer.attention(&layer.query(h, at), cache.kv, &visible);
-                    for (sum, weight) in sums.iter_mut().zip(p) {
+                for row in layer.window_rows(h, cache.kv, w) {
+                    for (sum, weight) in sums.iter_mut().zip(row) {
                         *sum += weight;
                     }
                 }
