@@ -133,6 +133,203 @@ pub struct PlannedRun {
 }
 
 /// `ranking` names known metrics, each once, and `ceiling` one of the policies (and needs a
+/// The experiment measures something, and its budgets are given once each where policies run.
+fn check_budgets(file: &ExperimentFile) -> Result<(), String> {
+    if file.policy.is_empty() && file.entropy_window.is_none() {
+        return Err(
+            "no [[policy]] and no `entropy_window`: the experiment measures nothing".into(),
+        );
+    }
+    if !file.policy.is_empty() && file.budgets.is_empty() {
+        return Err("`budgets` is empty: the policies need at least one budget".into());
+    }
+    if file.policy.is_empty() && !file.budgets.is_empty() {
+        return Err("`budgets` are given but no [[policy]] runs at them".into());
+    }
+    if let Some(budget) = first_repeat(&file.budgets) {
+        return Err(format!("budget {budget} is listed twice in `budgets`"));
+    }
+    if let Some(budget) = file.heatmap_budget {
+        if !file.budgets.contains(&budget) {
+            return Err(format!(
+                "heatmap_budget = {budget} is not one of the budgets {:?}",
+                file.budgets
+            ));
+        }
+    }
+    Ok(())
+}
+
+/// Every `[[policy]]` table expanded over its listed values and the budgets, each checked: the
+/// labelled policies in file order.
+fn expand_policies(
+    path: &Path,
+    file: &ExperimentFile,
+) -> Result<Vec<(String, PolicyParams)>, ExperimentError> {
+    let mut policies = Vec::new();
+    let mut table_names: Vec<String> = Vec::new();
+    for table in &file.policy {
+        let name = table
+            .get("name")
+            .map(text)
+            .ok_or_else(|| ExperimentError::Parse {
+                path: path.to_owned(),
+                detail: "every [[policy]] needs a `name`".into(),
+            })?;
+        if table_names.contains(&name) {
+            return Err(ExperimentError::Parse {
+                path: path.to_owned(),
+                detail: format!(
+                    "two [[policy]] tables are named `{name}`: names must be unique (the report has one row per name)"
+                ),
+            });
+        }
+        table_names.push(name.clone());
+        let policy_error = |detail: String| ExperimentError::Policy {
+            path: path.to_owned(),
+            policy: name.clone(),
+            detail,
+        };
+        let axes = policy_axes(path, &name, table)?;
+        for combo in combinations(&axes) {
+            for &budget in &file.budgets {
+                let base = match table.get("preset") {
+                    Some(preset) => presets::preset(&text(preset), budget)
+                        .map_err(|err| policy_error(err.to_string()))?,
+                    None => PolicyParams {
+                        budget,
+                        ..PolicyParams::default()
+                    },
+                };
+                let mut json = serde_json::to_value(&base).expect("params serialise");
+                let mut label = name.clone();
+                for (key, value) in &combo {
+                    json[key] = to_json(value);
+                    if axes.iter().any(|(k, v)| k == key && v.len() > 1) {
+                        label = format!("{label} {key}={}", text(value));
+                    }
+                }
+                let params: PolicyParams =
+                    serde_json::from_value(json).map_err(|err| policy_error(err.to_string()))?;
+                params
+                    .clone()
+                    .check()
+                    .map_err(|err| policy_error(format!("{label} at budget {budget}: {err}")))?;
+                policies.push((label, params));
+            }
+        }
+    }
+    Ok(policies)
+}
+
+/// A policy table's settings, each as the list of values it takes (a single value is a list of
+/// one), in table order; unknown keys and repeated values are errors.
+fn policy_axes(
+    path: &Path,
+    name: &str,
+    table: &toml::Table,
+) -> Result<Vec<(String, Vec<toml::Value>)>, ExperimentError> {
+    let mut axes = Vec::new();
+    for (key, value) in table {
+        if key == "name" || key == "preset" {
+            continue;
+        }
+        if !is_policy_key(key) {
+            return Err(ExperimentError::UnknownKey {
+                path: path.to_owned(),
+                policy: name.to_owned(),
+                key: key.clone(),
+                valid: format!(
+                    "{}, or a method's own setting (`kvreplay methods` lists them)",
+                    common_keys()
+                        .filter(|k| *k != "budget")
+                        .collect::<Vec<_>>()
+                        .join(", ")
+                ),
+            });
+        }
+        let values = as_list(value);
+        if let Some(repeat) = first_repeat(&values) {
+            return Err(ExperimentError::Policy {
+                path: path.to_owned(),
+                policy: name.to_owned(),
+                detail: format!("`{key}` lists {} twice", text(repeat)),
+            });
+        }
+        axes.push((key.clone(), values));
+    }
+    Ok(axes)
+}
+
+/// The cartesian product of the axes' values, the first axis outermost.
+fn combinations(axes: &[(String, Vec<toml::Value>)]) -> Vec<Vec<(String, toml::Value)>> {
+    let mut combos: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
+    for (key, values) in axes {
+        combos = combos
+            .into_iter()
+            .flat_map(|combo| {
+                values.iter().map(move |value| {
+                    let mut next = combo.clone();
+                    next.push((key.clone(), value.clone()));
+                    next
+                })
+            })
+            .collect();
+    }
+    combos
+}
+
+/// Every policy a `[[compare]]` pair names exists.
+fn check_named(file: &ExperimentFile, names: &[String]) -> Result<(), String> {
+    for pair in &file.compare {
+        for side in [&pair.a, &pair.b] {
+            if !names.contains(side) {
+                return Err(format!(
+                    "[[compare]] names `{side}`, which is no policy here; policies: {}",
+                    policy_list(names)
+                ));
+            }
+        }
+    }
+    Ok(())
+}
+
+/// A closed-loop experiment runs recipes, under policies the live mode can run.
+fn check_closed_loop(
+    path: &Path,
+    file: &ExperimentFile,
+    policies: &[(String, PolicyParams)],
+) -> Result<(), ExperimentError> {
+    if let Some(trace) = file
+        .traces
+        .iter()
+        .find(|t| t.extension().is_none_or(|e| e != "toml"))
+    {
+        return Err(ExperimentError::Parse {
+            path: path.to_owned(),
+            detail: format!(
+                "closed_loop = true runs the model, so every entry of `traces` must be a recipe (.toml); `{}` is not",
+                trace.display()
+            ),
+        });
+    }
+    for (label, params) in policies {
+        let refused = params
+            .clone()
+            .check()
+            .ok()
+            .and_then(|policy| crate::live::check_live(&policy).err());
+        if let Some(refused) = refused {
+            return Err(ExperimentError::Policy {
+                path: path.to_owned(),
+                policy: label.clone(),
+                detail: format!("closed_loop = true: {refused}"),
+            });
+        }
+    }
+    Ok(())
+}
+
 /// ranking to appear in).
 fn check_ranking(file: &ExperimentFile, names: &[String]) -> Result<(), String> {
     let ids: Vec<&str> = crate::replay::metrics::REGISTRY
@@ -216,163 +413,13 @@ impl Experiment {
         let file: ExperimentFile = toml::Value::Table(extended_table(path)?)
             .try_into()
             .map_err(|err: toml::de::Error| parse_error(err.message().to_owned()))?;
-        if file.policy.is_empty() && file.entropy_window.is_none() {
-            return Err(parse_error(
-                "no [[policy]] and no `entropy_window`: the experiment measures nothing".into(),
-            ));
-        }
-        if !file.policy.is_empty() && file.budgets.is_empty() {
-            return Err(parse_error(
-                "`budgets` is empty: the policies need at least one budget".into(),
-            ));
-        }
-        if file.policy.is_empty() && !file.budgets.is_empty() {
-            return Err(parse_error(
-                "`budgets` are given but no [[policy]] runs at them".into(),
-            ));
-        }
-        if let Some(budget) = first_repeat(&file.budgets) {
-            return Err(parse_error(format!(
-                "budget {budget} is listed twice in `budgets`"
-            )));
-        }
-        let mut policies = Vec::new();
-        let mut table_names: Vec<String> = Vec::new();
-        for table in &file.policy {
-            let name = table
-                .get("name")
-                .map(text)
-                .ok_or_else(|| parse_error("every [[policy]] needs a `name`".into()))?;
-            if table_names.contains(&name) {
-                return Err(parse_error(format!(
-                    "two [[policy]] tables are named `{name}`: names must be unique (the report has one row per name)"
-                )));
-            }
-            table_names.push(name.clone());
-            let policy_error = |detail: String| ExperimentError::Policy {
-                path: path.to_owned(),
-                policy: name.clone(),
-                detail,
-            };
-            let mut axes: Vec<(String, Vec<toml::Value>)> = Vec::new();
-            for (key, value) in table {
-                if key == "name" || key == "preset" {
-                    continue;
-                }
-                if !is_policy_key(key) {
-                    return Err(ExperimentError::UnknownKey {
-                        path: path.to_owned(),
-                        policy: name.clone(),
-                        key: key.clone(),
-                        valid: format!(
-                            "{}, or a method's own setting (`kvreplay methods` lists them)",
-                            common_keys()
-                                .filter(|k| *k != "budget")
-                                .collect::<Vec<_>>()
-                                .join(", ")
-                        ),
-                    });
-                }
-                let values = as_list(value);
-                if let Some(repeat) = first_repeat(&values) {
-                    return Err(policy_error(format!(
-                        "`{key}` lists {} twice",
-                        text(repeat)
-                    )));
-                }
-                axes.push((key.clone(), values));
-            }
-            let mut combos: Vec<Vec<(String, toml::Value)>> = vec![Vec::new()];
-            for (key, values) in &axes {
-                combos = combos
-                    .into_iter()
-                    .flat_map(|combo| {
-                        values.iter().map(move |value| {
-                            let mut next = combo.clone();
-                            next.push((key.clone(), value.clone()));
-                            next
-                        })
-                    })
-                    .collect();
-            }
-            for combo in combos {
-                for &budget in &file.budgets {
-                    let base = match table.get("preset") {
-                        Some(preset) => presets::preset(&text(preset), budget)
-                            .map_err(|err| policy_error(err.to_string()))?,
-                        None => PolicyParams {
-                            budget,
-                            ..PolicyParams::default()
-                        },
-                    };
-                    let mut json = serde_json::to_value(&base).expect("params serialise");
-                    let mut label = name.clone();
-                    for (key, value) in &combo {
-                        json[key] = to_json(value);
-                        if axes.iter().any(|(k, v)| k == key && v.len() > 1) {
-                            label = format!("{label} {key}={}", text(value));
-                        }
-                    }
-                    let params: PolicyParams = serde_json::from_value(json)
-                        .map_err(|err| policy_error(err.to_string()))?;
-                    params.clone().check().map_err(|err| {
-                        policy_error(format!("{label} at budget {budget}: {err}"))
-                    })?;
-                    policies.push((label, params));
-                }
-            }
-        }
-        if let Some(budget) = file.heatmap_budget {
-            if !file.budgets.contains(&budget) {
-                return Err(ExperimentError::Parse {
-                    path: path.to_owned(),
-                    detail: format!(
-                        "heatmap_budget = {budget} is not one of the budgets {:?}",
-                        file.budgets
-                    ),
-                });
-            }
-        }
+        check_budgets(&file).map_err(parse_error)?;
+        let policies = expand_policies(path, &file)?;
         let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
-        for pair in &file.compare {
-            for side in [&pair.a, &pair.b] {
-                if !names.contains(side) {
-                    return Err(ExperimentError::Parse {
-                        path: path.to_owned(),
-                        detail: format!(
-                            "[[compare]] names `{side}`, which is no policy here; policies: {}",
-                            policy_list(&names)
-                        ),
-                    });
-                }
-            }
-        }
+        check_named(&file, &names).map_err(parse_error)?;
         check_ranking(&file, &names).map_err(parse_error)?;
         if file.closed_loop {
-            if let Some(trace) = file
-                .traces
-                .iter()
-                .find(|t| t.extension().is_none_or(|e| e != "toml"))
-            {
-                return Err(parse_error(format!(
-                    "closed_loop = true runs the model, so every entry of `traces` must be a recipe (.toml); `{}` is not",
-                    trace.display()
-                )));
-            }
-            for (label, params) in &policies {
-                let refused = params
-                    .clone()
-                    .check()
-                    .ok()
-                    .and_then(|policy| crate::live::check_live(&policy).err());
-                if let Some(refused) = refused {
-                    return Err(ExperimentError::Policy {
-                        path: path.to_owned(),
-                        policy: label.clone(),
-                        detail: format!("closed_loop = true: {refused}"),
-                    });
-                }
-            }
+            check_closed_loop(path, &file, &policies)?;
         }
         Ok(Self {
             name: path

@@ -85,60 +85,30 @@ impl TraceMeta {
         header: Option<&std::collections::HashMap<String, String>>,
     ) -> Result<Self, TraceError> {
         let empty = std::collections::HashMap::new();
-        let header = header.unwrap_or(&empty);
-        let found_format = header.get("format").cloned();
+        let header = Header {
+            path,
+            map: header.unwrap_or(&empty),
+        };
+        let found_format = header.map.get("format").cloned();
         if found_format.as_deref() != Some(FORMAT) {
             return Err(TraceError::Format {
                 path: path.to_owned(),
                 found: found_format,
             });
         }
-        let required = |key: &'static str| {
-            header.get(key).ok_or_else(|| TraceError::MissingKey {
-                path: path.to_owned(),
-                key,
-            })
-        };
-        let integer = |key: &'static str| -> Result<usize, TraceError> {
-            let value = required(key)?;
-            value
-                .trim()
-                .parse::<usize>()
-                .map_err(|_| TraceError::BadValue {
-                    path: path.to_owned(),
-                    key,
-                    value: value.clone(),
-                    expected: "a non-negative decimal integer",
-                })
-        };
-        let float = |key: &'static str| -> Result<Option<f32>, TraceError> {
-            match header.get(key) {
-                None => Ok(None),
-                Some(value) => match value.trim().parse::<f32>() {
-                    Ok(parsed) if parsed.is_finite() && parsed > 0.0 => Ok(Some(parsed)),
-                    _ => Err(TraceError::BadValue {
-                        path: path.to_owned(),
-                        key,
-                        value: value.clone(),
-                        expected: "a positive finite number",
-                    }),
-                },
-            }
-        };
-        let model = required("model")?.clone();
-        let n_layers = integer("n_layers")?;
-        let n_heads = integer("n_heads")?;
-        let n_kv_heads = integer("n_kv_heads")?;
-        let head_dim = integer("head_dim")?;
-        let prompt_len = integer("prompt_len")?;
-        let rope = required("rope")?;
+        let model = header.required("model")?.clone();
+        let n_layers = header.integer("n_layers")?;
+        let n_heads = header.integer("n_heads")?;
+        let n_kv_heads = header.integer("n_kv_heads")?;
+        let head_dim = header.integer("head_dim")?;
+        let prompt_len = header.integer("prompt_len")?;
+        let rope = header.required("rope")?;
         if rope != "post" {
-            return Err(TraceError::BadValue {
-                path: path.to_owned(),
-                key: "rope",
-                value: rope.clone(),
-                expected: "\"post\" (q and k stored after rotary embedding)",
-            });
+            return Err(header.bad(
+                "rope",
+                rope,
+                "\"post\" (q and k stored after rotary embedding)",
+            ));
         }
         if n_kv_heads == 0 || n_heads == 0 || n_heads % n_kv_heads != 0 {
             return Err(TraceError::Heads {
@@ -149,51 +119,22 @@ impl TraceMeta {
         }
         for (key, value) in [("n_layers", n_layers), ("head_dim", head_dim)] {
             if value == 0 {
-                return Err(TraceError::BadValue {
-                    path: path.to_owned(),
-                    key,
-                    value: "0".into(),
-                    expected: "a positive integer",
-                });
+                return Err(header.bad(key, "0", "a positive integer"));
             }
         }
-        let scale = float("scale")?.unwrap_or(1.0 / (head_dim as f32).sqrt());
-        let softcap = float("softcap")?;
-        let rope_theta = float("rope_theta")?;
-        let windows =
-            match header.get("layer_windows") {
-                None => Vec::new(),
-                Some(text) => match serde_json::from_str::<Vec<usize>>(text) {
-                    Ok(windows) if windows.len() == n_layers => windows,
-                    _ => return Err(TraceError::BadValue {
-                        path: path.to_owned(),
-                        key: "layer_windows",
-                        value: text.clone(),
-                        expected:
-                            "a JSON list of n_layers non-negative integers (0 = global attention)",
-                    }),
-                },
-            };
-        let rope_thetas = match header.get("layer_rope_thetas") {
-            None => Vec::new(),
-            Some(text) => match serde_json::from_str::<Vec<f32>>(text) {
-                Ok(thetas)
-                    if thetas.len() == n_layers
-                        && thetas.iter().all(|t| t.is_finite() && *t > 0.0) =>
-                {
-                    thetas
-                }
-                _ => {
-                    return Err(TraceError::BadValue {
-                        path: path.to_owned(),
-                        key: "layer_rope_thetas",
-                        value: text.clone(),
-                        expected: "a JSON list of n_layers positive finite numbers",
-                    })
-                }
-            },
-        };
-        let spans = match header.get("spans") {
+        let windows = header.layer_list(
+            "layer_windows",
+            n_layers,
+            |_: &usize| true,
+            "a JSON list of n_layers non-negative integers (0 = global attention)",
+        )?;
+        let rope_thetas = header.layer_list(
+            "layer_rope_thetas",
+            n_layers,
+            |theta: &f32| theta.is_finite() && *theta > 0.0,
+            "a JSON list of n_layers positive finite numbers",
+        )?;
+        let spans = match header.map.get("spans") {
             None => Vec::new(),
             Some(text) => {
                 serde_json::from_str::<Vec<Span>>(text).map_err(|err| TraceError::Spans {
@@ -202,27 +143,6 @@ impl TraceMeta {
                 })?
             }
         };
-        const KNOWN: [&str; 14] = [
-            "format",
-            "layer_rope_thetas",
-            "layer_windows",
-            "model",
-            "n_layers",
-            "n_heads",
-            "n_kv_heads",
-            "head_dim",
-            "prompt_len",
-            "rope",
-            "rope_theta",
-            "scale",
-            "softcap",
-            "spans",
-        ];
-        let extra = header
-            .iter()
-            .filter(|(key, _)| !KNOWN.contains(&key.as_str()))
-            .map(|(key, value)| (key.clone(), value.clone()))
-            .collect();
         Ok(Self {
             model,
             n_layers,
@@ -230,13 +150,15 @@ impl TraceMeta {
             n_kv_heads,
             head_dim,
             prompt_len,
-            scale,
-            softcap,
-            rope_theta,
+            scale: header
+                .float("scale")?
+                .unwrap_or(1.0 / (head_dim as f32).sqrt()),
+            softcap: header.float("softcap")?,
+            rope_theta: header.float("rope_theta")?,
             rope_thetas,
             windows,
             spans,
-            extra,
+            extra: header.extra(),
         })
     }
 
@@ -301,5 +223,92 @@ impl TraceMeta {
             );
         }
         header
+    }
+}
+
+/// The header keys this version reads; the others are kept as they are (`extra`).
+const KNOWN_KEYS: [&str; 14] = [
+    "format",
+    "layer_rope_thetas",
+    "layer_windows",
+    "model",
+    "n_layers",
+    "n_heads",
+    "n_kv_heads",
+    "head_dim",
+    "prompt_len",
+    "rope",
+    "rope_theta",
+    "scale",
+    "softcap",
+    "spans",
+];
+
+/// A trace's string header, read key by key with errors naming the file, the key and the rule.
+struct Header<'a> {
+    path: &'a Path,
+    map: &'a std::collections::HashMap<String, String>,
+}
+
+impl Header<'_> {
+    fn bad(&self, key: &'static str, value: &str, expected: &'static str) -> TraceError {
+        TraceError::BadValue {
+            path: self.path.to_owned(),
+            key,
+            value: value.to_owned(),
+            expected,
+        }
+    }
+
+    fn required(&self, key: &'static str) -> Result<&String, TraceError> {
+        self.map.get(key).ok_or_else(|| TraceError::MissingKey {
+            path: self.path.to_owned(),
+            key,
+        })
+    }
+
+    fn integer(&self, key: &'static str) -> Result<usize, TraceError> {
+        let value = self.required(key)?;
+        value
+            .trim()
+            .parse::<usize>()
+            .map_err(|_| self.bad(key, value, "a non-negative decimal integer"))
+    }
+
+    /// An optional positive finite number.
+    fn float(&self, key: &'static str) -> Result<Option<f32>, TraceError> {
+        match self.map.get(key) {
+            None => Ok(None),
+            Some(value) => match value.trim().parse::<f32>() {
+                Ok(parsed) if parsed.is_finite() && parsed > 0.0 => Ok(Some(parsed)),
+                _ => Err(self.bad(key, value, "a positive finite number")),
+            },
+        }
+    }
+
+    /// An optional JSON list of one valid value per layer (empty when absent).
+    fn layer_list<T: serde::de::DeserializeOwned>(
+        &self,
+        key: &'static str,
+        n_layers: usize,
+        valid: impl Fn(&T) -> bool,
+        expected: &'static str,
+    ) -> Result<Vec<T>, TraceError> {
+        match self.map.get(key) {
+            None => Ok(Vec::new()),
+            Some(text) => match serde_json::from_str::<Vec<T>>(text) {
+                Ok(list) if list.len() == n_layers && list.iter().all(&valid) => Ok(list),
+                _ => Err(self.bad(key, text, expected)),
+            },
+        }
+    }
+
+    /// The keys this version does not read.
+    fn extra(&self) -> std::collections::BTreeMap<String, String> {
+        self.map
+            .iter()
+            .filter(|(key, _)| !KNOWN_KEYS.contains(&key.as_str()))
+            .map(|(key, value)| (key.clone(), value.clone()))
+            .collect()
     }
 }
