@@ -600,3 +600,15 @@ fn description_is_optional() {
         "{report}"
     );
 }
+
+/// The README's experiment example is the shipped file, word for word.
+#[test]
+fn the_readme_shows_the_quickstart_experiment_as_shipped() {
+    let root = Path::new(env!("CARGO_MANIFEST_DIR"));
+    let readme = std::fs::read_to_string(root.join("README.md")).unwrap();
+    let quickstart = std::fs::read_to_string(root.join("experiments/quickstart.toml")).unwrap();
+    assert!(
+        readme.contains(&format!("```toml\n{quickstart}```")),
+        "README.md's experiment example differs from experiments/quickstart.toml"
+    );
+}
