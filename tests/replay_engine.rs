@@ -679,6 +679,18 @@ fn qfilter_calibration_traces() {
         err.contains("other.safetensors") && err.contains("same model"),
         "{err}"
     );
+    // A calibration trace that cannot be read is refused when the policy is checked, naming the
+    // setting and the file, before anything runs.
+    let missing = dir.path().join("missing.safetensors");
+    let err = params("qfilter", Timing::Prefill, 10)
+        .with("calibration", missing.display().to_string())
+        .check()
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("calibration") && err.contains("missing.safetensors"),
+        "{err}"
+    );
     let streaming = params("qfilter", Timing::Streaming, 10).check();
     assert!(streaming.is_err());
     assert!(params("qfilter", Timing::Streaming, 10)

@@ -32,12 +32,12 @@ pub trait Declared: Serialize + DeserializeOwned + Default + Send + Sync + 'stat
 }
 
 /// A rule a method's checked settings broke.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+#[derive(Debug, Clone, PartialEq, Eq)]
 pub struct Broken {
     /// The parameter.
     pub key: &'static str,
-    /// The rule, e.g. "must be odd".
-    pub rule: &'static str,
+    /// The rule, e.g. "must be odd", or what failed while loading what the setting names.
+    pub rule: std::borrow::Cow<'static, str>,
 }
 
 /// Why settings could not become a method.
@@ -156,8 +156,10 @@ pub fn from_flag(text: &str) -> Value {
     }
 }
 
-/// Declares a method's settings struct: its registry name, what it does, and each field with its
-/// doc line and default. The struct derives serde (unknown keys rejected, missing keys defaulted)
+/// Declares a method's settings struct: its registry name (and, when its rule changed since its
+/// first version, `version N`), what it does, and each field with its doc line and default; an
+/// optional `loaded { … }` block holds what `check` loads from the settings (not settings
+/// themselves: never parsed, listed or serialised). The struct derives serde (unknown keys rejected, missing keys defaulted)
 /// and implements [`Declared`].
 ///
 /// ```ignore
@@ -176,17 +178,24 @@ macro_rules! settings {
         $vis:vis struct $name:ident = $key:literal $(, version $version:literal)? {
             $( $(#[doc = $doc:literal])+ $field:ident : $ty:ty = $default:expr ),* $(,)?
         }
+        $( loaded {
+            $( $(#[doc = $loaded_doc:literal])+ $loaded:ident : $loaded_ty:ty ),* $(,)?
+        } )?
     ) => {
         $(#[doc = $about])+
         #[derive(Debug, Clone, PartialEq, serde::Serialize, serde::Deserialize)]
         #[serde(deny_unknown_fields, default)]
         $vis struct $name {
             $( $(#[doc = $doc])+ pub $field: $ty, )*
+            $( $( $(#[doc = $loaded_doc])+ #[serde(skip)] pub $loaded: $loaded_ty, )* )?
         }
 
         impl Default for $name {
             fn default() -> Self {
-                Self { $( $field: $default, )* }
+                Self {
+                    $( $field: $default, )*
+                    $( $( $loaded: Default::default(), )* )?
+                }
             }
         }
 
@@ -232,7 +241,7 @@ macro_rules! registry {
                             .get(broken.key)
                             .map($crate::replay::settings::text)
                             .unwrap_or_else(|| "its default".into()),
-                        rule: broken.rule.to_owned(),
+                        rule: broken.rule.into_owned(),
                     })?;
                     Ok(Box::new(method))
                 },

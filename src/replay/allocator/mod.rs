@@ -87,7 +87,7 @@ pub(crate) fn positive_finite(key: &'static str, value: f64) -> Result<(), Broke
     } else {
         Err(Broken {
             key,
-            rule: "must be a positive finite number",
+            rule: "must be a positive finite number".into(),
         })
     }
 }

@@ -30,7 +30,7 @@ impl Allocator for PyramidTaper {
         if !self.beta.is_finite() || self.beta < 1.0 {
             return Err(Broken {
                 key: "beta",
-                rule: "pyramid-taper's steepness must be a finite number >= 1 (1 = flat)",
+                rule: "pyramid-taper's steepness must be a finite number >= 1 (1 = flat)".into(),
             });
         }
         Ok(())

@@ -32,7 +32,7 @@ impl HeadSplit for AdaKv {
         } else {
             Err(Broken {
                 key: "alpha",
-                rule: "must be in [0, 1]",
+                rule: "must be in [0, 1]".into(),
             })
         }
     }

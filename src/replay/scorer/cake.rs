@@ -62,7 +62,7 @@ impl Scorer for Cake {
         if !self.gamma.is_finite() || self.gamma < 0.0 {
             return Err(Broken {
                 key: "gamma",
-                rule: "must be finite and at least 0",
+                rule: "must be finite and at least 0".into(),
             });
         }
         Ok(())

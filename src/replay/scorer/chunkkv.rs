@@ -50,7 +50,7 @@ impl Scorer for ChunkKv {
         if self.chunk_length == 0 {
             return Err(Broken {
                 key: "chunk_length",
-                rule: "must be at least 1",
+                rule: "must be at least 1".into(),
             });
         }
         if self.inner()?.supports(Timing::Prefill) {
@@ -58,7 +58,7 @@ impl Scorer for ChunkKv {
         } else {
             Err(Broken {
                 key: "inner",
-                rule: "must be a scorer that selects at the end of the prompt (prefill timing)",
+                rule: "must be a scorer that selects at the end of the prompt (prefill timing)".into(),
             })
         }
     }

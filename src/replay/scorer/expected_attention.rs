@@ -55,7 +55,7 @@ impl Scorer for ExpectedAttention {
         if self.n_future_positions == 0 {
             return Err(Broken {
                 key: "n_future_positions",
-                rule: "must be at least 1",
+                rule: "must be at least 1".into(),
             });
         }
         Ok(())

@@ -40,7 +40,7 @@ impl Scorer for LagKv {
         if self.lag_size == 0 {
             return Err(Broken {
                 key: "lag_size",
-                rule: "must be at least 1",
+                rule: "must be at least 1".into(),
             });
         }
         Ok(())

@@ -87,11 +87,11 @@ pub trait Scorer: Send + Sync {
 pub(crate) fn inner_scorer(name: &str, outer: &str) -> Result<Box<dyn Scorer>, Broken> {
     let broken = Broken {
         key: "inner",
-        rule: "must name another registered scorer (`kvreplay methods` lists them)",
+        rule: "must name another registered scorer (`kvreplay methods` lists them)".into(),
     };
     let method = super::settings::find(REGISTRY, name)
         .filter(|_| name != outer)
-        .ok_or(broken)?;
+        .ok_or_else(|| broken.clone())?;
     (method.build)(&(method.defaults)()).map_err(|_| broken)
 }
 

@@ -22,8 +22,7 @@ use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use crate::trace::{TraceMeta, TraceReader};
 use ndarray::{Array2, ArrayView2, Axis};
-use std::collections::HashMap;
-use std::sync::{Arc, Mutex, OnceLock};
+use std::sync::{Arc, OnceLock};
 use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
@@ -34,6 +33,20 @@ crate::settings! {
         /// kvtrace/1 file of the same model (all its queries).
         calibration: String = "prompt".to_string(),
     }
+    loaded {
+        /// A calibration trace's geometry and filters (per layer, one per KV head), read once
+        /// when the settings are checked.
+        calibrated: Arc<OnceLock<Calibrated>>,
+    }
+}
+
+/// What a calibration trace gives: its geometry, to check traces against, and its filters.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibrated {
+    /// (layers, heads, KV heads, head_dim).
+    geometry: (usize, usize, usize, usize),
+    /// Per layer, per KV head, the filter.
+    filters: Vec<Vec<Arc<Vec<f32>>>>,
 }
 
 /// The calibration spelling that means "this trace's prompt queries".
@@ -47,13 +60,23 @@ struct State {
 }
 
 impl Scorer for QFilter {
+    /// Reads the calibration trace, if one is named, and computes its filters: a file that
+    /// cannot be read is an error of the setting, before anything runs.
     fn check(&self) -> Result<(), Broken> {
         if self.calibration.trim().is_empty() {
             return Err(Broken {
                 key: "calibration",
-                rule: "must be `prompt` or the path of a kvtrace/1 file",
+                rule: "must be `prompt` or the path of a kvtrace/1 file".into(),
             });
         }
+        if self.calibration == PROMPT || self.calibrated.get().is_some() {
+            return Ok(());
+        }
+        let calibrated = calibrate(&self.calibration).map_err(|err| Broken {
+            key: "calibration",
+            rule: format!("the calibration trace cannot be read: {err}").into(),
+        })?;
+        let _ = self.calibrated.set(calibrated);
         Ok(())
     }
 
@@ -62,29 +85,26 @@ impl Scorer for QFilter {
     }
 
     fn check_trace(&self, meta: &TraceMeta) -> Result<(), String> {
-        if self.calibration == PROMPT {
+        let Some(calibrated) = self.calibrated.get() else {
             return Ok(());
-        }
-        let other = TraceReader::open(std::path::Path::new(&self.calibration))
-            .map_err(|err| format!("scorer `qfilter`: calibration trace: {err}"))?;
-        let geometry = |m: &TraceMeta| (m.n_layers, m.n_heads, m.n_kv_heads, m.head_dim);
-        if geometry(other.meta()) != geometry(meta) {
+        };
+        let geometry = (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim);
+        if calibrated.geometry != geometry {
             return Err(format!(
                 "scorer `qfilter`: calibration trace {} has (layers, heads, KV heads, head_dim) = {:?}, this trace {:?}: it must come from the same model",
-                self.calibration,
-                geometry(other.meta()),
-                geometry(meta)
+                self.calibration, calibrated.geometry, geometry
             ));
         }
         Ok(())
     }
 
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        let filters = if self.calibration == PROMPT {
-            let prompt = layer.q.slice(ndarray::s![.., ..layer.prompt_len, ..]);
-            Arc::new(kv_head_filter(prompt, unit.kv_head, layer.group_size()))
-        } else {
-            calibration_filter(&self.calibration, layer.layer, unit.kv_head)
+        let filters = match self.calibrated.get() {
+            Some(calibrated) => calibrated.filters[layer.layer][unit.kv_head].clone(),
+            None => {
+                let prompt = layer.q.slice(ndarray::s![.., ..layer.prompt_len, ..]);
+                Arc::new(kv_head_filter(prompt, unit.kv_head, layer.group_size()))
+            }
         };
         Box::new(State {
             kv_head: unit.kv_head,
@@ -151,35 +171,22 @@ fn dominant_eigenvector(matrix: &Array2<f64>) -> Vec<f64> {
     v.to_vec()
 }
 
-/// Filters computed from calibration traces, by (path, layer): one per KV head.
-type FilterCache = Mutex<HashMap<(String, usize), Arc<Vec<Vec<f32>>>>>;
-
-/// KV head `kv_head`'s filter of layer `layer` from every query of the calibration trace at
-/// `path` (read once per layer and kept for the process: a sweep asks for it per policy).
-fn calibration_filter(path: &str, layer: usize, kv_head: usize) -> Arc<Vec<f32>> {
-    static CACHE: OnceLock<FilterCache> = OnceLock::new();
-    let cache = CACHE.get_or_init(Default::default);
-    let key = (path.to_owned(), layer);
-    let known = cache.lock().expect("filter cache").get(&key).cloned();
-    let filters = known.unwrap_or_else(|| {
-        let trace = TraceReader::open(std::path::Path::new(path))
-            .expect("check_trace opened the calibration trace");
-        let tensors = trace
-            .layer(layer)
-            .unwrap_or_else(|err| panic!("qfilter calibration trace {path}: {err}"));
-        let meta = trace.meta();
-        let computed: Arc<Vec<Vec<f32>>> = Arc::new(
-            (0..meta.n_kv_heads)
-                .map(|head| kv_head_filter(tensors.q.view(), head, meta.group_size()))
-                .collect(),
-        );
-        cache
-            .lock()
-            .expect("filter cache")
-            .insert(key, computed.clone());
-        computed
-    });
-    Arc::new(filters[kv_head].clone())
+/// The filters of every layer and KV head from every query of the calibration trace at `path`.
+fn calibrate(path: &str) -> Result<Calibrated, crate::trace::TraceError> {
+    let trace = TraceReader::open(std::path::Path::new(path))?;
+    let meta = trace.meta();
+    let filters = (0..meta.n_layers)
+        .map(|layer| {
+            let tensors = trace.layer(layer)?;
+            Ok((0..meta.n_kv_heads)
+                .map(|head| Arc::new(kv_head_filter(tensors.q.view(), head, meta.group_size())))
+                .collect())
+        })
+        .collect::<Result<_, crate::trace::TraceError>>()?;
+    Ok(Calibrated {
+        geometry: (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim),
+        filters,
+    })
 }
 
 impl ScoreState for State {
@@ -279,10 +286,7 @@ mod tests {
         assert_abs_diff_eq!(filter[0] as f64, -x / norm, epsilon = 1e-7);
         assert_abs_diff_eq!(filter[1] as f64, -y / norm, epsilon = 1e-7);
         // Scores: minus key · filter, so keys along the queries' direction score highest.
-        let mut state = QFilter {
-            calibration: PROMPT.into(),
-        }
-        .start(&layer, &unit(), Protection::default());
+        let mut state = QFilter::default().start(&layer, &unit(), Protection::default());
         let scores = scores_after(state.as_mut(), &layer, 4);
         assert_abs_diff_eq!(scores[0] as f64, x / norm, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1] as f64, -x / norm, epsilon = 1e-6);

@@ -44,7 +44,7 @@ impl Scorer for Quest {
         if self.page_size == 0 {
             return Err(Broken {
                 key: "page_size",
-                rule: "must be at least 1",
+                rule: "must be at least 1".into(),
             });
         }
         Ok(())

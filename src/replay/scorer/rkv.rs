@@ -77,7 +77,7 @@ impl Scorer for RKv {
         if !(0.0..=1.0).contains(&self.mix_lambda) {
             return Err(Broken {
                 key: "mix_lambda",
-                rule: "must lie in [0, 1]",
+                rule: "must lie in [0, 1]".into(),
             });
         }
         Ok(())

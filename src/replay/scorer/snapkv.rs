@@ -87,7 +87,7 @@ pub(crate) fn check_kernel(kernel: usize) -> Result<(), Broken> {
     if kernel.is_multiple_of(2) {
         return Err(Broken {
             key: "kernel",
-            rule: "must be odd (same-length pooling needs a centred kernel)",
+            rule: "must be odd (same-length pooling needs a centred kernel)".into(),
         });
     }
     Ok(())

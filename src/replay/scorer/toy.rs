@@ -29,7 +29,7 @@ impl Scorer for Toy {
         } else {
             Err(Broken {
                 key: "weight",
-                rule: "must be positive",
+                rule: "must be positive".into(),
             })
         }
     }
