@@ -287,45 +287,45 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
 
 /// The grid of the bench: (name, budget) pairs and their policies.
 pub const GRID_POLICIES: [&str; 6] = [
-    "snapkv",
-    "pyramidkv",
-    "streamingllm",
-    "h2o",
-    "key-proxy",
+    "snapkv-kv-head",
+    "pyramidkv-kv-head",
+    "streamingllm-evict-first",
+    "h2o-streaming",
+    "h2o-adapted",
     "oracle",
 ];
 
 /// The policy of a grid name, as the NumPy reference implements it (one cache per KV head, the
 /// group's mean, evict-first streaming; `src/bench/numpy/replay_numpy.py`): the grid measures
-/// speed on fixed policies, so SnapKV, PyramidKV, StreamingLLM and H2O are spelled out here rather
-/// than taken from their presets, which follow each method's own code (query-head caches, H2O's
-/// prefill-then-stream, attend-first streaming).
+/// speed on fixed policies, so the variants of SnapKV, PyramidKV, StreamingLLM and H2O that the
+/// reference implements are spelled out here under names of their own (a preset of the same
+/// method follows the method's own code: query-head caches, H2O's prefill-then-stream,
+/// attend-first streaming); every other name is a preset.
 pub fn grid_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
     let base = PolicyParams {
         budget,
         ..PolicyParams::default()
     };
     Ok(match name {
-        "snapkv" => base,
-        "pyramidkv" => PolicyParams {
+        "snapkv-kv-head" => base,
+        "pyramidkv-kv-head" => PolicyParams {
             allocator: "pyramid".into(),
             ..base
         }
         .with("pool", "max"),
-        "h2o" => PolicyParams {
+        "h2o-streaming" => PolicyParams {
             scorer: "true-query".into(),
             timing: Timing::Streaming,
             window: budget / 2,
             ..base
         },
-        "streamingllm" => PolicyParams {
+        "streamingllm-evict-first" => PolicyParams {
             scorer: "recency".into(),
             timing: Timing::Streaming,
             sinks: 4.min(budget),
             window: 0,
             ..base
         },
-        "key-proxy" => presets::preset("h2o-adapted", budget)?,
         other => presets::preset(other, budget)?,
     })
 }
@@ -468,7 +468,7 @@ pub fn replay_grid(
 /// The policies `kvreplay bench --long` times on the long trace, one replay each: SnapKV (its
 /// observation window only), the H2O prompt-end cut (a full causal prefix pass) and the per-step
 /// oracle (a ranking per decode step).
-pub const LONG_POLICIES: [&str; 3] = ["snapkv", "h2o-oneshot", "oracle"];
+pub const LONG_POLICIES: [&str; 3] = ["snapkv-kv-head", "h2o-oneshot", "oracle"];
 
 /// Seconds of one replay of each of [`LONG_POLICIES`] at `budget`.
 pub fn long_replays(
@@ -495,7 +495,7 @@ pub fn streaming_cost(
 ) -> Result<f64, PolicyError> {
     let policy = PolicyParams {
         timing: Timing::Streaming,
-        ..grid_policy("key-proxy", budget)?
+        ..grid_policy("h2o-adapted", budget)?
     }
     .check()?;
     let started = Instant::now();

@@ -20,8 +20,8 @@ use std::time::Instant;
 
 /// The one-shot grid's policies, as `src/bench/numpy/oneshot_numpy.py` names them.
 pub const ONESHOT_POLICIES: [&str; 6] = [
-    "snapkv",
-    "pyramidkv",
+    "snapkv-kv-head",
+    "pyramidkv-kv-head",
     "streamingllm-oneshot",
     "h2o-oneshot",
     "oracle-static",

@@ -33,7 +33,7 @@ import numpy as np
 from replay_numpy import load, pyramid_budgets, softmax
 
 WINDOW, KERNEL, SINKS = 8, 7, 4
-POLICIES = ["snapkv", "pyramidkv", "streamingllm-oneshot", "h2o-oneshot", "oracle-static", "oracle"]
+POLICIES = ["snapkv-kv-head", "pyramidkv-kv-head", "streamingllm-oneshot", "h2o-oneshot", "oracle-static", "oracle"]
 
 
 def decode_attention(q, k, n, scale):
@@ -93,8 +93,8 @@ def layer_masses(q, k, n, scale, group, budgets, schedule_budget):
         heads = list(range(kv * group, (kv + 1) * group))
         att = attention[heads]
         scores = {
-            "snapkv": np.concatenate([window_votes(q, k, n, scale, heads, kv, "avg"), np.full(WINDOW, np.inf)]),
-            "pyramidkv": np.concatenate([window_votes(q, k, n, scale, heads, kv, "max"), np.full(WINDOW, np.inf)]),
+            "snapkv-kv-head": np.concatenate([window_votes(q, k, n, scale, heads, kv, "avg"), np.full(WINDOW, np.inf)]),
+            "pyramidkv-kv-head": np.concatenate([window_votes(q, k, n, scale, heads, kv, "max"), np.full(WINDOW, np.inf)]),
             "streamingllm-oneshot": np.arange(n, dtype=np.float64),
             "h2o-oneshot": cumulative_attention(q, k, n, scale, heads, kv),
             "oracle-static": att[:, :, :n].mean(0).sum(0),
@@ -102,7 +102,7 @@ def layer_masses(q, k, n, scale, group, budgets, schedule_budget):
         for policy, score in scores.items():
             keep_first = protected | (np.arange(n) < SINKS) if policy == "streamingllm-oneshot" else protected
             order = ranked(score, keep_first)
-            if policy == "pyramidkv":
+            if policy == "pyramidkv-kv-head":
                 masses = prompt_mass(att, order, n, sorted({schedule_budget(b) for b in budgets}))
                 for b in budgets:
                     out[policy][b] += masses[schedule_budget(b)]

@@ -104,12 +104,12 @@ def snapkv_kept(q, k, n, scale, budget, kv, group, pool):
 def streaming_kept(q, k, n, scale, budget, kv, group, rule):
     """Per decode step, the kept positions of one KV-head cache."""
     t_total = k.shape[1]
-    sinks = {"streamingllm": 4, "key-proxy": 4, "h2o": 0}[rule]
-    window = budget // 2 if rule == "h2o" else 0
+    sinks = {"streamingllm-evict-first": 4, "h2o-adapted": 4, "h2o-streaming": 0}[rule]
+    window = budget // 2 if rule == "h2o-streaming" else 0
     heads = list(range(kv * group, (kv + 1) * group))
     cache, scores, steps = [], [], []
     for t in range(t_total):
-        if rule == "key-proxy":
+        if rule == "h2o-adapted":
             if cache:
                 stored = np.array(cache)
                 attn = softmax(k[kv, stored] @ k[kv, t] * scale)
@@ -118,7 +118,7 @@ def streaming_kept(q, k, n, scale, budget, kv, group, rule):
             else:
                 scores = [1.0]
             cache.append(t)
-        elif rule == "h2o":
+        elif rule == "h2o-streaming":
             cache.append(t)
             scores.append(0.0)
             idx = np.array(cache)
@@ -127,12 +127,12 @@ def streaming_kept(q, k, n, scale, budget, kv, group, rule):
         else:
             cache.append(t)
         if len(cache) > budget:
-            values = np.array(cache, dtype=np.float64) if rule == "streamingllm" else np.array(scores, dtype=np.float32)
+            values = np.array(cache, dtype=np.float64) if rule == "streamingllm-evict-first" else np.array(scores, dtype=np.float32)
             end = len(cache) - window
             candidates = np.arange(sinks, end)
             worst = candidates[np.lexsort((-np.array(cache)[candidates], values[candidates]))[0]]
             cache.pop(worst)
-            if rule != "streamingllm":
+            if rule != "streamingllm-evict-first":
                 scores.pop(worst)
         if t >= n:
             steps.append(np.array(cache))
@@ -144,13 +144,13 @@ def replay(meta, layers, scale, policy, budget):
     heads, kv_heads = int(meta["n_heads"]), int(meta["n_kv_heads"])
     group = heads // kv_heads
     total, count = 0.0, 0
-    schedule = pyramid_budgets(budget, n, len(layers)) if policy == "pyramidkv" else [budget] * len(layers)
+    schedule = pyramid_budgets(budget, n, len(layers)) if policy == "pyramidkv-kv-head" else [budget] * len(layers)
     for layer, (q, k) in enumerate(layers):
         t_total = k.shape[1]
         attention = decode_attention(q, k, n, scale)  # [H, D, T]
         for kv in range(kv_heads):
-            if policy in ("snapkv", "pyramidkv"):
-                prompt = snapkv_kept(q, k, n, scale, schedule[layer], kv, group, "avg" if policy == "snapkv" else "max")
+            if policy in ("snapkv-kv-head", "pyramidkv-kv-head"):
+                prompt = snapkv_kept(q, k, n, scale, schedule[layer], kv, group, "avg" if policy == "snapkv-kv-head" else "max")
                 steps = [np.concatenate([prompt, np.arange(n, n + s + 1)]) for s in range(t_total - n)]
             elif policy == "oracle":
                 steps = []
@@ -170,7 +170,7 @@ def main():
     parser = argparse.ArgumentParser()
     parser.add_argument("trace")
     parser.add_argument("--budgets", default="64,128,256,512,1024,2048")
-    parser.add_argument("--policies", default="snapkv,pyramidkv,streamingllm,h2o,key-proxy,oracle")
+    parser.add_argument("--policies", default="snapkv-kv-head,pyramidkv-kv-head,streamingllm-evict-first,h2o-streaming,h2o-adapted,oracle")
     args = parser.parse_args()
     meta, layers, scale = load(args.trace)
     started = time.perf_counter()
