@@ -380,3 +380,28 @@ fn committed_methods_listing_is_current() {
          `cargo run --release -- methods > docs/methods.md`"
     );
 }
+
+/// The method added through `docs/adding-a-method.md` (its file and one registry line) is
+/// replayed from the command line, named in its help and listed.
+#[test]
+fn a_method_added_through_the_guide_runs_end_to_end() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--scorer",
+        "observed-attention",
+        "--timing",
+        "streaming",
+        "--budget",
+        "8",
+        "--window",
+        "2",
+        "--no-layers",
+    ]));
+    assert!(out.contains("flat+observed-attention@streaming"), "{out}");
+    let help = stdout(kvreplay(&dir).args(["replay", "--help"]));
+    assert!(help.contains("observed-attention"), "{help}");
+    let methods = stdout(kvreplay(&dir).arg("methods"));
+    assert!(methods.contains("### `observed-attention`"), "{methods}");
+}
