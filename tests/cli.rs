@@ -365,6 +365,19 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
         .stderr(contains(
             "live mode: scorer `oracle-static` reads future queries, which live mode takes from the full run under the `prefill` timing only, not `streaming`",
         ));
+    kvreplay(&dir)
+        .args([
+            "live",
+            "--recipe",
+            "r.toml",
+            "--protocol",
+            "question-agnostic",
+        ])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "protocol `question-agnostic` is replayed but not yet run live",
+        ));
 }
 
 /// `docs/methods.md` is what `kvreplay methods` prints, so every method, setting and metric is

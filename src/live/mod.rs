@@ -41,8 +41,8 @@ use crate::capture::{write_recording, CaptureError, CaptureOptions};
 use crate::model::{argmax, AttentionMask, CausalLm, Evicted, KvCache, ModelError, Recorder};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
-    compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, ReplayReport, Timing,
-    ValidPolicy,
+    compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, Protocol, ReplayReport,
+    Timing, ValidPolicy,
 };
 use crate::trace::{StorageDtype, TraceReader};
 use drift::{CompressedLayers, LiveMass};
@@ -182,6 +182,14 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
 /// run, which only the `prefill` timing can use (the others run the model's own queries).
 pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     let timing = policy.params().timing;
+    let protocol = policy.params().protocol;
+    if protocol != Protocol::QuestionInPrompt {
+        return Err(LiveError::Unsupported(format!(
+            "protocol `{}` is replayed but not yet run live: the model would have to run the \
+             question over the compressed context; use `kvreplay replay` or an open-loop sweep",
+            protocol.name()
+        )));
+    }
     if timing != Timing::Prefill && policy.scorer.reads_future() {
         return Err(LiveError::Unsupported(format!(
             "scorer `{}` reads future queries, which live mode takes from the full run under \

@@ -36,7 +36,9 @@ use super::metrics::{
 use super::plan::Plan;
 use super::select::ranking;
 use super::Layers;
-use super::{context, Kept, LayerContext, LayerProfile, PolicyError, Unit, UnitKept, ValidPolicy};
+use super::{
+    context, Kept, LayerContext, LayerProfile, PolicyError, Protocol, Unit, UnitKept, ValidPolicy,
+};
 use crate::trace::{Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -127,10 +129,73 @@ pub fn replay_keeping(
 }
 
 /// One pass over the trace for `policies`; `keep(index, kept)` receives policy `index`'s one-shot
-/// kept sets of each layer in layer order.
+/// kept sets of each layer in layer order. The question-agnostic policies read the trace cut where
+/// its question starts ([`protocol_view`]), in a pass of their own.
 fn replay_pass(
     trace: &TraceReader,
     policies: &[ValidPolicy],
+    layer_done: LayerDone<'_>,
+    keep: &mut dyn FnMut(usize, Kept),
+) -> Result<Vec<ReplayReport>, PolicyError> {
+    let (agnostic, in_prompt): (Vec<usize>, Vec<usize>) = (0..policies.len())
+        .partition(|&index| policies[index].params().protocol == Protocol::QuestionAgnostic);
+    let mut reports: Vec<Option<ReplayReport>> = (0..policies.len()).map(|_| None).collect();
+    for indices in [in_prompt, agnostic] {
+        let Some(&first) = indices.first() else {
+            continue;
+        };
+        let view = protocol_view(trace, &policies[first])?;
+        let reader = view.as_ref().unwrap_or(trace);
+        let subset: Vec<&ValidPolicy> = indices.iter().map(|&index| &policies[index]).collect();
+        let measured = measure_pass(reader, &subset, layer_done, &mut |at, kept| {
+            keep(indices[at], kept)
+        })?;
+        for (&index, report) in indices.iter().zip(measured) {
+            reports[index] = Some(report);
+        }
+    }
+    Ok(reports
+        .into_iter()
+        .map(|report| report.expect("every policy is measured in one of the passes"))
+        .collect())
+}
+
+/// The trace as `policy` reads it: under the question-agnostic protocol, cut where its
+/// `question` span starts (`None`: the trace as captured).
+pub fn protocol_view(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+) -> Result<Option<TraceReader>, PolicyError> {
+    if policy.params().protocol != Protocol::QuestionAgnostic {
+        return Ok(None);
+    }
+    let meta = trace.meta();
+    let mismatch = |rule: String| PolicyError::TraceMismatch {
+        path: trace.path().display().to_string(),
+        rule,
+    };
+    let question = meta
+        .spans
+        .iter()
+        .find(|span| span.name == "question")
+        .ok_or_else(|| {
+            mismatch(
+                "protocol `question-agnostic` cuts where the question starts, and the trace has no `question` span (capture a recipe with a question)".into(),
+            )
+        })?;
+    if question.start == 0 || question.start > meta.prompt_len {
+        return Err(mismatch(format!(
+            "protocol `question-agnostic` cuts where the question starts, and the `question` span starts at {}, outside the prompt (1..={})",
+            question.start, meta.prompt_len
+        )));
+    }
+    Ok(Some(trace.with_prompt_len(question.start)?))
+}
+
+/// [`replay_pass`] over policies that read the trace alike.
+fn measure_pass(
+    trace: &TraceReader,
+    policies: &[&ValidPolicy],
     layer_done: LayerDone<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
@@ -161,8 +226,7 @@ fn replay_pass(
         }
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
-        let layer_policies: Vec<&ValidPolicy> =
-            here.iter().map(|&index| &policies[index]).collect();
+        let layer_policies: Vec<&ValidPolicy> = here.iter().map(|&index| policies[index]).collect();
         let layer_budgets: Vec<usize> = here.iter().map(|&index| budgets[index][layer]).collect();
         let plan = plans
             .entry(here.clone())
@@ -536,6 +600,8 @@ pub fn kept_sets(
     budgets: &[usize],
     layer: usize,
 ) -> Result<Kept, PolicyError> {
+    let view = protocol_view(trace, policy)?;
+    let trace = view.as_ref().unwrap_or(trace);
     let tensors = trace.layer(layer)?;
     let context = context(trace, layer, &tensors);
     let units = units(&context, policy);
@@ -551,7 +617,8 @@ pub fn kept_sets(
 /// Per-layer budgets of `policy` on `trace`, after checking that the two fit together; a
 /// sliding-window layer's entry is its window, which it keeps whatever the policy.
 pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
-    layer_budgets_with_progress(trace, policy, &|| {})
+    let view = protocol_view(trace, policy)?;
+    layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})
 }
 
 /// The caches of one layer under a policy's layout.

@@ -34,8 +34,8 @@ mod timing;
 pub use allocator::Rounding;
 pub(crate) use engine::units;
 pub use engine::{
-    compressed_layers, kept_sets, layer_budgets, replay, replay_keeping, replay_many, LayerDone,
-    ReplayReport,
+    compressed_layers, kept_sets, layer_budgets, protocol_view, replay, replay_keeping,
+    replay_many, LayerDone, ReplayReport,
 };
 pub use error::PolicyError;
 pub(crate) use kept::selection_groups;
@@ -48,4 +48,4 @@ pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
 pub(crate) use stream::{Attended, CacheStream};
-pub use timing::{Order, Timing};
+pub use timing::{Order, Protocol, Timing};

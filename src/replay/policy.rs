@@ -5,7 +5,7 @@ use super::allocator::{self, Allocator};
 use super::head_split::{self, HeadSplit};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
-use super::{Granularity, Layers, Order, PolicyError, Protection, Timing};
+use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -41,6 +41,10 @@ pub struct PolicyParams {
     /// name the same runs.
     #[serde(skip_serializing_if = "Layers::is_global")]
     pub layers: Layers,
+    /// Where the cut falls relative to the question. Left out of the serialised form when it is
+    /// the default, so that run ids computed before it existed still name the same runs.
+    #[serde(skip_serializing_if = "Protocol::is_question_in_prompt")]
+    pub protocol: Protocol,
     /// k of the top-k recall metric.
     pub top_k: usize,
     /// The chosen methods' own settings (each method's declared parameters), by key.
@@ -142,6 +146,13 @@ pub const COMMON: &[Common] = &[
         fixed: true,
     },
     Common {
+        key: "protocol",
+        about:
+            "Where the cut falls: at the prompt's end, or before the question (kvpress's pipeline)",
+        values: variants::<Protocol>,
+        fixed: true,
+    },
+    Common {
         key: "top_k",
         about: "k of the top-k recall",
         values: Vec::new,
@@ -167,6 +178,7 @@ impl Default for PolicyParams {
             window: 8,
             gqa: Granularity::KvHead,
             layers: Layers::Global,
+            protocol: Protocol::QuestionInPrompt,
             top_k: 10,
             settings: BTreeMap::new(),
         }
@@ -190,6 +202,7 @@ impl PolicyParams {
         values.retain(|key, _| common_keys().any(|common| common == key));
         values.insert("order".into(), Value::from(self.order.name()));
         values.insert("layers".into(), Value::from(self.layers.name()));
+        values.insert("protocol".into(), Value::from(self.protocol.name()));
         values
     }
 
@@ -428,6 +441,12 @@ impl ValidPolicy {
                 rule: "is not defined for this timing: choose one of its timings",
             });
         }
+        if params.protocol == Protocol::QuestionAgnostic && !params.timing.cuts_the_prompt() {
+            return Err(PolicyError::Unsupported {
+                what: format!("protocol `{}`", params.protocol.name()),
+                rule: "moves the prompt-end cut before the question: use --timing prefill, prefill-then-stream or per-step-prompt",
+            });
+        }
         if params.order == Order::AttendFirst && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
                 what: format!("order `{}`", params.order.name()),
@@ -478,8 +497,12 @@ impl ValidPolicy {
 
     /// A short name, e.g. `pyramid+snapkv@prefill`.
     pub fn label(&self) -> String {
+        let protocol = match self.params.protocol {
+            Protocol::QuestionInPrompt => "",
+            Protocol::QuestionAgnostic => " question-agnostic",
+        };
         format!(
-            "{}+{}@{}",
+            "{}+{}@{}{protocol}",
             self.params.allocator,
             self.params.scorer,
             self.params.timing.name()
@@ -504,6 +527,7 @@ mod tests {
         let params = PolicyParams {
             order: Order::AttendFirst,
             layers: Layers::All,
+            protocol: Protocol::QuestionAgnostic,
             ..PolicyParams::default()
         };
         let Value::Object(fields) = serde_json::to_value(&params).unwrap() else {

@@ -58,6 +58,15 @@ impl Timing {
     pub fn streams(self) -> bool {
         matches!(self, Timing::Streaming | Timing::PrefillThenStream)
     }
+
+    /// Whether the prompt's end is where it chooses (a one-shot cut, the cut before streaming,
+    /// or re-selection among the prompt's tokens).
+    pub fn cuts_the_prompt(self) -> bool {
+        matches!(
+            self,
+            Timing::Prefill | Timing::PrefillThenStream | Timing::PerStepPrompt
+        )
+    }
 }
 
 /// In a cache that evicts as tokens arrive, what a step's query attends over.
@@ -84,6 +93,35 @@ impl Order {
         match self {
             Order::EvictFirst => "evict-first",
             Order::AttendFirst => "attend-first",
+        }
+    }
+}
+
+/// Where the compression cut falls relative to the question of a prompt that has one.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Protocol {
+    /// The question is part of the prompt the policy compresses: the cut falls at the prompt's
+    /// end (the needle protocol of the PyramidKV and SnapKV papers).
+    #[default]
+    QuestionInPrompt,
+    /// The context is compressed before the question is seen, as kvpress's pipeline does: the
+    /// cut falls where the trace's `question` span starts, and the question, what follows it
+    /// and the answer are appended uncompressed, their queries counted as decode queries.
+    QuestionAgnostic,
+}
+
+impl Protocol {
+    /// Whether it is the default, `question-in-prompt`.
+    pub fn is_question_in_prompt(&self) -> bool {
+        *self == Protocol::QuestionInPrompt
+    }
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Protocol::QuestionInPrompt => "question-in-prompt",
+            Protocol::QuestionAgnostic => "question-agnostic",
         }
     }
 }

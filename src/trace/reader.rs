@@ -206,6 +206,34 @@ impl TraceReader {
         Ok(())
     }
 
+    /// The same trace read with its prompt ending at `prompt_len` (from 1 to the last position)
+    /// instead of where it was captured: the positions after it count as decode positions. The
+    /// question-agnostic protocol cuts where the question starts.
+    pub fn with_prompt_len(&self, prompt_len: usize) -> Result<Self, TraceError> {
+        assert!(
+            (1..self.n_positions).contains(&prompt_len),
+            "a prompt of {prompt_len} positions in a trace of {}",
+            self.n_positions
+        );
+        let file = self.file.try_clone().map_err(|source| TraceError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let mut meta = self.meta.clone();
+        meta.prompt_len = prompt_len;
+        Ok(Self {
+            path: self.path.clone(),
+            file,
+            file_len: self.file_len,
+            data_start: self.data_start,
+            header: self.header.clone(),
+            meta,
+            n_positions: self.n_positions,
+            storage: self.storage,
+            has_values: self.has_values,
+        })
+    }
+
     /// The file this reader reads.
     pub fn path(&self) -> &Path {
         &self.path
