@@ -182,6 +182,24 @@ impl Layer<'_> {
             .collect()
     }
 
+    /// One score per prompt position from a rule over each query head's last `w` rows
+    /// ([`window_rows`](Self::window_rows)) that scores the keys before the window: the heads of
+    /// `cache` combined by `agg`, the window's positions +inf (always kept).
+    pub fn window_rule(
+        &self,
+        cache: &Member,
+        w: usize,
+        agg: Aggregation,
+        rule: impl Fn(&[Vec<f64>]) -> Vec<f64>,
+    ) -> Vec<f64> {
+        let per_head: Vec<Vec<f64>> = cache
+            .heads
+            .iter()
+            .map(|&h| rule(&self.window_rows(h, cache.kv, w)))
+            .collect();
+        combine_before_window(&per_head, self.prompt_len, w, agg)
+    }
+
     /// The caches of the layer under `policy`.
     fn members(&self, policy: &Policy) -> Vec<Member> {
         let units = if policy.per_query_head {

@@ -255,28 +255,29 @@ impl ScoreState for State {
 /// average-pooled in it, the group combined; after an eviction the survivors outside the window
 /// are gathered by descending pooled score.
 impl Cake {
-    fn window_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Vec<f64> {
-        let n = layer.prompt_len;
-        let w = policy.window.max(1);
-        let per_head: Vec<Vec<f64>> = cache
-            .heads
-            .iter()
-            .map(|&h| {
-                let rows = layer.window_rows(h, cache.kv, w);
-                let scores: Vec<f64> = (0..n - w)
-                    .map(|j| {
-                        let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;
-                        let var = match w > 1 {
-                            true => rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>() / (w - 1) as f64,
-                            false => 0.0,
-                        };
-                        mean + self.gamma * var
-                    })
-                    .collect();
-                reference::avg_pool(&scores, self.kernel)
-            })
-            .collect();
-        reference::combine_before_window(&per_head, n, w, self.agg)
+    fn window_scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Vec<f64> {
+        let (n, w) = (layer.prompt_len, policy.window.max(1));
+        layer.window_rule(cache, w, self.agg, |rows| {
+            let scores: Vec<f64> = (0..n - w)
+                .map(|j| {
+                    let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;
+                    let var = match w > 1 {
+                        true => {
+                            rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>()
+                                / (w - 1) as f64
+                        }
+                        false => 0.0,
+                    };
+                    mean + self.gamma * var
+                })
+                .collect();
+            reference::avg_pool(&scores, self.kernel)
+        })
     }
 }
 

@@ -159,34 +159,31 @@ impl ScoreState for State {
 /// before the window, summed and pooled (`kernel`, `pool`), the group combined by `agg`; the
 /// window's keys score +inf.
 impl SnapKv {
-    fn window_vote(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Vec<f64> {
-        let n = layer.prompt_len;
-        let w = policy.window.max(1);
-        let per_head: Vec<Vec<f64>> = cache
-            .heads
-            .iter()
-            .map(|&h| {
-                let mut sums = vec![0.0; n - w];
-                for row in layer.window_rows(h, cache.kv, w) {
-                    for (sum, weight) in sums.iter_mut().zip(row) {
-                        *sum += weight;
-                    }
+    fn window_vote(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Vec<f64> {
+        let (n, w) = (layer.prompt_len, policy.window.max(1));
+        layer.window_rule(cache, w, self.agg, |rows| {
+            let mut sums = vec![0.0; n - w];
+            for row in rows {
+                for (sum, weight) in sums.iter_mut().zip(row) {
+                    *sum += weight;
                 }
-                let half = self.kernel / 2;
-                (0..n - w)
-                    .map(|c| {
-                        let around: Vec<f64> = (c.saturating_sub(half)..(c + half + 1).min(n - w))
-                            .map(|i| sums[i])
-                            .collect();
-                        match self.pool {
-                            Pooling::Max => around.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
-                            Pooling::Avg => around.iter().sum::<f64>() / self.kernel as f64,
-                        }
-                    })
-                    .collect()
-            })
-            .collect();
-        reference::combine_before_window(&per_head, n, w, self.agg)
+            }
+            let half = self.kernel / 2;
+            (0..n - w)
+                .map(|c| {
+                    let around = &sums[c.saturating_sub(half)..(c + half + 1).min(n - w)];
+                    match self.pool {
+                        Pooling::Max => around.iter().cloned().fold(f64::NEG_INFINITY, f64::max),
+                        Pooling::Avg => around.iter().sum::<f64>() / self.kernel as f64,
+                    }
+                })
+                .collect()
+        })
     }
 }
 
