@@ -12,7 +12,8 @@
 //! once, at the prompt's end; here the same running mean also serves the streaming and
 //! re-selecting timings, each token's count being the queries that read it while it was cached.
 
-use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
+use super::true_query::TrueQuery;
+use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
@@ -22,17 +23,21 @@ crate::settings! {
     pub struct ObservedAttention = "observed-attention" {}
 }
 
+/// H2O's cumulative attention (`true-query`, the group's mean), divided when asked.
 #[derive(Clone)]
 struct State {
-    queries: GroupQueries,
-    sums: AlignedScores,
+    cumulative: Started,
 }
 
+/// H2O's score with the group's mean, kvpress's choice.
+const CUMULATIVE: TrueQuery = TrueQuery {
+    agg: Aggregation::Mean,
+};
+
 impl Scorer for ObservedAttention {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         Box::new(State {
-            queries: GroupQueries::new(layer, unit),
-            sums: AlignedScores::default(),
+            cumulative: CUMULATIVE.start(layer, unit, protect),
         })
     }
 
@@ -43,21 +48,13 @@ impl Scorer for ObservedAttention {
 
 impl ScoreState for State {
     fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
-        let newest = *cache.last().expect("non-empty cache");
-        self.sums.0.push(0.0);
-        self.queries.accumulate_aggregated(
-            layer,
-            newest,
-            cache,
-            Aggregation::Mean,
-            &mut self.sums.0,
-        );
+        self.cumulative.on_append(layer, cache);
     }
 
     /// A cached entry has been read by every query from its own position to the newest: an
     /// evicted entry never comes back, so one still cached was there all along.
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        self.sums.copy_to(out);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+        self.cumulative.scores(layer, cache, out);
         let newest = cache.last().copied().unwrap_or_default();
         for (score, &position) in out.iter_mut().zip(cache) {
             *score /= (newest - position + 1) as f32;
@@ -65,11 +62,11 @@ impl ScoreState for State {
     }
 
     fn on_evict(&mut self, index: usize) {
-        self.sums.remove(index);
+        self.cumulative.on_evict(index);
     }
 
     fn on_cut(&mut self, kept: &[bool]) {
-        self.sums.retain(kept);
+        self.cumulative.on_cut(kept);
     }
 }
 
@@ -83,12 +80,7 @@ impl ScorerRule for ObservedAttention {
         positions: &[usize],
         running: &mut Vec<f64>,
     ) {
-        let at = *positions.last().expect("a position arrived");
-        running.push(0.0);
-        let p = layer.group_attention(&cache.heads, cache.kv, at, positions, Aggregation::Mean);
-        for (sum, weight) in running.iter_mut().zip(p) {
-            *sum += weight;
-        }
+        CUMULATIVE.step(layer, cache, positions, running);
     }
 
     fn scores(
