@@ -487,6 +487,13 @@ fn the_kvpress_package_keeps_what_kvreplay_keeps() {
             }),
         ),
         (
+            vec!["observed-attention"],
+            Box::new(move |budget| PolicyParams {
+                budget,
+                ..one_shot("observed-attention")
+            }),
+        ),
+        (
             vec!["chunkkv", "8"],
             Box::new(move |budget| {
                 PolicyParams {

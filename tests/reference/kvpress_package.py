@@ -21,6 +21,8 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
   chunkkv CHUNK_LENGTH                  over KnormPress
   qfilter                               filters from the prompt queries, as the official
                                         make_filters.py computes them (see `qfilters`)
+  observed-attention                    given the prompt's eager attention weights (see
+                                        `eager_attentions`)
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -36,7 +38,15 @@ from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding, rotat
 
 from kvtrace import emit, load, load_values, top_positions
 
-SETTINGS = {"knorm": 0, "keydiff": 0, "lagkv": 3, "expected-attention": 4, "chunkkv": 1, "qfilter": 0}
+SETTINGS = {
+    "knorm": 0,
+    "keydiff": 0,
+    "lagkv": 3,
+    "expected-attention": 4,
+    "chunkkv": 1,
+    "qfilter": 0,
+    "observed-attention": 0,
+}
 
 
 def presses():
@@ -48,6 +58,7 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
+    from kvpress.presses import observed_attention_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
@@ -55,6 +66,7 @@ def presses():
         KeyDiff=keydiff_press.KeyDiffPress,
         Knorm=knorm_press.KnormPress,
         LagKV=lagkv_press.LagKVPress,
+        ObservedAttention=observed_attention_press.ObservedAttentionPress,
         QFilter=qfilter_press.QFilterPress,
     )
 
@@ -71,6 +83,19 @@ def qfilters(layers, n, n_kv_heads):
         svd_filter_q = -svd_sign[:, None] * vh[..., 0, :]
         filters.append(svd_filter_q.reshape(n_kv_heads, -1, svd_filter_q.shape[-1]).mean(-2))
     return torch.stack(filters)
+
+
+def eager_attentions(meta, q, k, n):
+    """[1, H, n, n]: the prompt's causal attention weights as transformers' eager attention
+    returns them to a press (`output_attentions`): the trace's post-rotary queries against its keys
+    repeated per query head (`repeat_kv`), times the trace's scale, masked above the diagonal,
+    softmaxed in float32."""
+    group = q.shape[1] // k.shape[1]
+    keys = k[:, :, :n].repeat_interleave(group, dim=1)
+    scale = float(meta.get("scale", 1.0 / q.shape[-1] ** 0.5))
+    logits = (q[:, :, :n] @ keys.transpose(-1, -2)).float() * scale
+    future = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
 
 
 class Attention(nn.Module):
@@ -107,6 +132,8 @@ def make_press(ns, method, settings, budget, n):
         return ns.KeyDiff()
     if method == "qfilter":
         return ns.QFilter()
+    if method == "observed-attention":
+        return ns.ObservedAttention()
     if method == "lagkv":
         lag, sink, cross = settings
         return ns.LagKV(lag_size=int(lag), n_sink=int(sink), cross_scoring=cross == "true")
@@ -149,7 +176,8 @@ def main():
                     kept = sorted(rows[tuple(row.tolist())] for row in kept_keys[0, 0])
                     out.append({"kept": [kept] * keys.shape[1]})
                     continue
-                scores = press.score(module, h, keys, vals, None, {})
+                attentions = eager_attentions(meta, q, k, n) if method == "observed-attention" else None
+                scores = press.score(module, h, keys, vals, attentions, {})
             out.append({"kept": top_positions(scores, budget, n), "scores": scores[0].tolist()})
         result[str(budget)] = {"layers": out}
     emit(result)
