@@ -43,16 +43,8 @@ pub struct BenchRun {
 
 /// Runs every measurement of `run`, telling `progress` which one starts.
 pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
-    let BenchRun {
-        trace: trace_path,
-        long,
-        budgets,
-        oneshot_budgets,
-        capture_tokens,
-        ..
-    } = run;
-    let (trace_path, long, capture_tokens) =
-        (trace_path.as_path(), long.as_deref(), *capture_tokens);
+    let (trace_path, long) = (run.trace.as_path(), run.long.as_deref());
+    let (budgets, oneshot_budgets) = (&run.budgets, &run.oneshot_budgets);
     let python = if run.no_numpy {
         None
     } else {
@@ -190,16 +182,16 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
         ),
         growth_cell((grid_resident, grid_heap), super::layer_bytes(&trace)),
     ]);
-    if capture_tokens > 0 {
+    if run.capture_tokens > 0 {
         // The model's rows run as `kvreplay capture` and `kvreplay live` run it.
         let _tuned = ModelMalloc::tune();
         progress("capture and closed-loop speed");
-        let (tokens, speed) = super::capture_speed(capture_tokens)?;
+        let (tokens, speed) = super::capture_speed(run.capture_tokens)?;
         table.push([
             format!("capture prefill, {tokens} tokens, recording q/k/v"),
             format!("{speed:.0} tokens/s"),
         ]);
-        let live = super::live_speed(capture_tokens)?;
+        let live = super::live_speed(run.capture_tokens)?;
         let (_, plain_prefill, plain_decode) = live.runs[0].clone();
         for (label, prefill, decode) in &live.runs {
             table.push([

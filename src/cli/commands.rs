@@ -42,6 +42,14 @@ pub fn replay_all(
     Ok(reports)
 }
 
+/// A spinner showing `what` is under way, on a terminal only.
+fn spinner(what: &str) -> ProgressBar {
+    let spinner = ProgressBar::new_spinner();
+    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    spinner.set_message(what.to_owned());
+    spinner
+}
+
 fn progress_bar(total: u64, what: &str) -> ProgressBar {
     let bar = ProgressBar::new(total);
     bar.set_style(
@@ -127,9 +135,7 @@ pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -
     let model = capture::load_recipe_model(recipe)?;
     let prompt = capture::build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
-    let spinner = ProgressBar::new_spinner();
-    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
-    spinner.set_message("live: the full cache, then the policy");
+    let spinner = spinner("live: the full cache, then the policy");
     let report = kvreplay::live::live(model.as_ref(), &prompt, policy, chunk, &scratch)?;
     spinner.finish_and_clear();
     Ok(match format {
@@ -241,8 +247,7 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
 
 /// The bench's table, with the measurement under way shown on a terminal.
 pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
-    let spinner = ProgressBar::new_spinner();
-    spinner.enable_steady_tick(std::time::Duration::from_millis(200));
+    let spinner = spinner("bench");
     let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
     spinner.finish_and_clear();
     Ok(table.render(Format::Markdown))

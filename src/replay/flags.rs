@@ -84,25 +84,24 @@ pub fn method_flags() -> Vec<clap::Arg> {
 /// policy table is (the same keys, values and checks).
 pub fn policy_params(matches: &clap::ArgMatches) -> Result<PolicyParams, String> {
     let mut given = serde_json::Map::new();
-    for arg in policy_flags() {
+    for common in COMMON {
+        let Some(text) = matches.get_one::<String>(common.key) else {
+            continue;
+        };
+        // A name stays a string even where it reads as a number (`--scorer 1`).
+        let value = match (common.values)().is_empty() {
+            false => serde_json::Value::from(text.as_str()),
+            true => serde_json::Value::from(text.parse::<u64>().map_err(|_| {
+                let flag = common.key.replace('_', "-");
+                format!("--{flag}: `{text}` is not a whole number of tokens")
+            })?),
+        };
+        given.insert(common.key.to_owned(), value);
+    }
+    for arg in method_flags() {
         let key = arg.get_id().as_str();
         if let Some(value) = matches.get_one::<String>(key) {
             given.insert(key.to_owned(), settings::from_flag(value));
-        }
-    }
-    for common in COMMON {
-        let Some(value) = given.get_mut(common.key) else {
-            continue;
-        };
-        if !(common.values)().is_empty() {
-            // A name stays a string even where it reads as a number (`--scorer 1`).
-            *value = serde_json::Value::from(settings::text(value));
-        } else if !value.is_u64() {
-            return Err(format!(
-                "--{}: `{}` is not a whole number of tokens",
-                common.key.replace('_', "-"),
-                settings::text(value)
-            ));
         }
     }
     serde_json::from_value(serde_json::Value::Object(given))

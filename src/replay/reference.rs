@@ -317,7 +317,7 @@ fn kept_by(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>
             .collect(),
         Timing::Streaming | Timing::PrefillThenStream => streaming(layer, policy, members),
         Timing::Prefill => {
-            let scores = mean_over(members, |member| {
+            let scores = mean_over(members, |_, member| {
                 policy
                     .rule
                     .prompt_scores(layer, policy, member)
@@ -338,7 +338,7 @@ fn kept_by(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>
 fn reselected(layer: &Layer, policy: &Policy, members: &[Member], at: usize) -> Vec<usize> {
     let n = layer.prompt_len;
     let positions: Vec<usize> = (0..=at).collect();
-    let p = mean_over(members, |member| {
+    let p = mean_over(members, |_, member| {
         let running = running_scores(layer, policy.rule, member, &positions);
         policy
             .rule
@@ -379,8 +379,12 @@ fn streamed_scores(layer: &Layer, policy: &Policy, member: &Member) -> Vec<f64> 
 }
 
 /// The mean over the caches of each cache's scores.
-fn mean_over(members: &[Member], scores: impl Fn(&Member) -> Vec<f64>) -> Vec<f64> {
-    let all: Vec<Vec<f64>> = members.iter().map(scores).collect();
+fn mean_over(members: &[Member], scores: impl Fn(usize, &Member) -> Vec<f64>) -> Vec<f64> {
+    let all: Vec<Vec<f64>> = members
+        .iter()
+        .enumerate()
+        .map(|(index, member)| scores(index, member))
+        .collect();
     (0..all[0].len())
         .map(|i| all.iter().map(|s| s[i]).sum::<f64>() / members.len() as f64)
         .collect()
@@ -505,7 +509,7 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
     steps
 }
 
-/// The members' mean of their rule's scores over `cache`.
+/// The members' mean of their rule's scores over `cache`, given their running scores.
 fn mean_over_running(
     layer: &Layer,
     policy: &Policy,
@@ -513,14 +517,11 @@ fn mean_over_running(
     cache: &[usize],
     running: &[Vec<f64>],
 ) -> Vec<f64> {
-    let all: Vec<Vec<f64>> = members
-        .iter()
-        .zip(running)
-        .map(|(member, running)| policy.rule.scores(layer, policy, member, cache, running))
-        .collect();
-    (0..cache.len())
-        .map(|i| all.iter().map(|s| s[i]).sum::<f64>() / members.len() as f64)
-        .collect()
+    mean_over(members, |index, member| {
+        policy
+            .rule
+            .scores(layer, policy, member, cache, &running[index])
+    })
 }
 
 /// One query head at one decode step, and the set its cache keeps: what a metric's brute-force
