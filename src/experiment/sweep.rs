@@ -102,8 +102,9 @@ pub fn run_sweep(
 /// pass holds besides a layer.
 const REPLAY_BATCH: usize = 64;
 
-/// The most live policies in one session pass.
-const LIVE_BATCH: usize = 12;
+/// The most live policies in one session pass: a prompt's policies of the calibration, which decode
+/// together (the session splits them into batches that fit in memory).
+const LIVE_BATCH: usize = 80;
 
 /// `runs` in the fewest passes of at most `most` policies, of near-equal size, ordered by what
 /// their scores depend on (score key, then timing), so that the budgets and allocators of one

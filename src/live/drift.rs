@@ -138,11 +138,6 @@ impl<M> CompressedLayers<M> {
     pub fn inner(&self) -> &M {
         &self.inner
     }
-
-    /// The wrapped mask, unwrapped.
-    pub fn into_inner(self) -> M {
-        self.inner
-    }
 }
 
 impl<M: AttentionMask> AttentionMask for CompressedLayers<M> {

@@ -34,20 +34,24 @@
 //! query's attention over the whole live cache that its kept set holds, over the teacher-forced
 //! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
 
+mod batch;
 mod drift;
 pub(crate) mod streams;
 
 use crate::capture::{write_recording, CaptureError, CaptureOptions};
-use crate::model::{argmax, AttentionMask, CausalLm, Evicted, KvCache, ModelError, Recorder};
+use crate::model::Recorder;
+use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
     compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, Protocol, ReplayReport,
     Timing, ValidPolicy,
 };
 use crate::trace::{StorageDtype, TraceReader};
-use drift::{CompressedLayers, LiveMass};
+use batch::PolicyMask;
+use drift::CompressedLayers;
 use rayon::prelude::*;
 use serde::Serialize;
+use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use streams::{AttentionShape, LiveStreams};
@@ -286,45 +290,134 @@ impl<'m> LiveSession<'m> {
     }
 
     /// [`run`](Self::run) for several policies: their open-loop metrics (and the `prefill`
-    /// timing's kept sets) come from one replay pass over the recording, then they run live side
-    /// by side, one per worker thread. A decode step's products are too small for the model to
-    /// spread over threads, so a run keeps about one core busy; each run is computed alone and
-    /// the reports come back in the order of `policies`, so the thread count changes no result.
+    /// timing's kept sets) come from one replay pass over the recording, then they decode
+    /// together, as many rows in one forward pass as fit in half the available memory. The
+    /// reports come back in the order of `policies`; no number depends on the batching.
     pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<LiveReport>, LiveError> {
+        self.run_batched(policies, None)
+    }
+
+    /// [`run_many`](Self::run_many) with at most `rows` policies decoded together (`None`: as
+    /// many as fit in half the available memory). One row per batch decodes each policy alone,
+    /// side by side on worker threads: the unbatched closed loop.
+    pub fn run_batched(
+        &self,
+        policies: &[ValidPolicy],
+        rows: Option<usize>,
+    ) -> Result<Vec<LiveReport>, LiveError> {
         for policy in policies {
             check_live(policy)?;
         }
-        let meta = self.trace.meta();
-        replay_keeping(&self.trace, policies)?
-            .into_par_iter()
+        let most = rows.unwrap_or_else(|| self.rows_in_memory(policies)).max(1);
+        let mut runs: Vec<_> = replay_keeping(&self.trace, policies)?
+            .into_iter()
             .zip(policies)
+            .collect();
+        let mut groups = Vec::new();
+        while !runs.is_empty() {
+            let rest = runs.split_off(most.min(runs.len()));
+            groups.push(std::mem::replace(&mut runs, rest));
+        }
+        let reports: Vec<Vec<LiveReport>> = match most {
+            1 => groups
+                .into_par_iter()
+                .map(|group| self.run_group(group))
+                .collect::<Result<_, _>>()?,
+            _ => groups
+                .into_iter()
+                .map(|group| self.run_group(group))
+                .collect::<Result<_, _>>()?,
+        };
+        Ok(reports.into_iter().flatten().collect())
+    }
+
+    /// How many of `policies` decode together in half the available memory.
+    fn rows_in_memory(&self, policies: &[ValidPolicy]) -> usize {
+        let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
+        let largest = policies
+            .iter()
+            .map(|policy| batch::row_bytes(self.trace.meta(), policy, capacity))
+            .max()
+            .unwrap_or(1);
+        (crate::sys::available_memory() / 2 / largest.max(1)).max(1)
+    }
+
+    /// One batch: each policy started at the prompt's end (its own masked prefill when it evicts
+    /// while the prompt runs, on worker threads), then decoded together.
+    fn run_group(&self, group: Vec<OpenLoopRun<'_>>) -> Result<Vec<LiveReport>, LiveError> {
+        let started = group
+            .into_par_iter()
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
                 open_loop.trace = "the full-cache run's f32 recording".into();
-                if policy.params().timing == Timing::Prefill {
-                    let evicted = evicted_positions(&kept, meta.n_heads, meta.prompt_len);
-                    let full = &self.full;
-                    self.decode(
-                        policy,
-                        evicted,
-                        full.prefilled.clone(),
-                        &full.prefill_logits,
-                        open_loop,
-                    )
-                } else {
-                    self.run_streaming(policy, open_loop)
-                }
+                self.prompt_end(policy, &kept, open_loop)
             })
-            .collect()
+            .collect::<Result<Vec<_>, LiveError>>()?;
+        let full = &self.full;
+        let reference = batch::Reference {
+            model: self.model,
+            meta: self.trace.meta(),
+            tokens: &full.tokens,
+            logits: &full.logits,
+            prefill_logits: &full.prefill_logits,
+            generate: self.prompt.generate,
+        };
+        Ok(batch::decode(&reference, started)?
+            .into_iter()
+            .map(|decoded| self.report(decoded))
+            .collect())
     }
 
-    /// A policy that evicts while the model runs: the prompt in chunks through its streams,
-    /// then the decoding.
-    fn run_streaming(
-        &self,
-        policy: &ValidPolicy,
+    /// `policy` at the prompt's end. A `prefill` cut masks its evicted positions in the full
+    /// run's prefilled cache. A policy that streams or re-selects only once decoding starts
+    /// shares that cache too, its streams fed the full run's recorded prompt vectors (the ones
+    /// its own prefill would make); one that evicts while the prompt runs prefills on its own,
+    /// its streams holding the model's cache.
+    fn prompt_end<'s>(
+        &'s self,
+        policy: &'s ValidPolicy,
+        kept: &[Kept],
         open_loop: ReplayReport,
-    ) -> Result<LiveReport, LiveError> {
+    ) -> Result<batch::Started<'s>, LiveError> {
+        let meta = self.trace.meta();
+        let compressed = compressed_layers(meta, policy);
+        let timing = policy.params().timing;
+        let (mask, cache, prompt_logits) = if timing == Timing::Prefill {
+            let evicted = evicted_positions(kept, meta.n_heads, meta.prompt_len);
+            let mask =
+                CompressedLayers::new(PolicyMask::Fixed(evicted), &compressed, meta.n_layers);
+            (mask, None, None)
+        } else if !timing.evicts_in_prompt() {
+            let mut streams = self.streams(policy)?;
+            self.feed_prompt(&mut streams, &compressed)?;
+            let mask =
+                CompressedLayers::new(PolicyMask::Streams(streams), &compressed, meta.n_layers);
+            (mask, None, None)
+        } else {
+            let streams = PolicyMask::Streams(self.streams(policy)?);
+            let mut mask = CompressedLayers::new(streams, &compressed, meta.n_layers);
+            let mut cache = KvCache::default();
+            let mut logits = Vec::new();
+            for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
+                logits = self
+                    .model
+                    .forward_masked(piece, &mut cache, None, Some(&mut mask))?;
+            }
+            (mask, Some(cache), Some(logits))
+        };
+        Ok(batch::Started {
+            policy,
+            mask,
+            cache: cache.map_or(Cow::Borrowed(&self.full.prefilled), Cow::Owned),
+            prompt_logits: prompt_logits
+                .map_or(Cow::Borrowed(&self.full.prefill_logits), Cow::Owned),
+            open_loop,
+        })
+    }
+
+    /// The streams of a policy that evicts while the model runs, on the layers it compresses,
+    /// with the budgets the open-loop replay gives them.
+    fn streams<'s>(&'s self, policy: &'s ValidPolicy) -> Result<LiveStreams<'s>, LiveError> {
         let meta = self.trace.meta();
         let shape = AttentionShape {
             n_heads: meta.n_heads,
@@ -339,100 +432,91 @@ impl<'m> LiveSession<'m> {
         let budgets = compressed.iter().map(|&layer| budgets[layer]).collect();
         let rope_thetas = compressed.iter().map(|&l| meta.rope_theta_of(l)).collect();
         let windows = compressed.iter().map(|&l| meta.window(l)).collect();
-        let streams = LiveStreams::new(
+        Ok(LiveStreams::new(
             policy,
             (budgets, rope_thetas, windows),
             shape,
             meta.prompt_len,
             capacity,
-        );
-        let mut streams = CompressedLayers::new(streams, &compressed, meta.n_layers);
-        let mut cache = KvCache::default();
-        let mut logits = Vec::new();
-        for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
-            logits = self
-                .model
-                .forward_masked(piece, &mut cache, None, Some(&mut streams))?;
-        }
-        self.decode(policy, streams.into_inner(), cache, &logits, open_loop)
+        ))
     }
 
-    /// Teacher-forced and free-running decoding from `cache` (the prompt run under `mask`, whose
-    /// last logits are `prompt_logits`), attending as `mask` decides.
-    fn decode<M: AttentionMask + Clone>(
+    /// Feeds the full run's recorded prompt vectors to `streams` (on model layers `compressed`)
+    /// in the prefill's chunks, as the model's own prefill would; fails if the policy hides any
+    /// prompt position from a prompt query, since the prompt then runs differently.
+    fn feed_prompt(
         &self,
-        policy: &ValidPolicy,
-        mask: M,
-        cache: KvCache,
-        prompt_logits: &[f32],
-        open_loop: ReplayReport,
-    ) -> Result<LiveReport, LiveError> {
-        let (model, full) = (self.model, &self.full);
-        let meta = self.trace.meta();
-        let compressed = compressed_layers(meta, policy);
-        let mut free = CompressedLayers::new(mask.clone(), &compressed, meta.n_layers);
-        let windows = compressed.iter().map(|&l| meta.window(l)).collect();
-        let measured = LiveMass::new(
-            mask,
-            &cache,
-            (&compressed, windows),
-            meta.n_heads / meta.n_kv_heads,
-            meta.scale,
-            meta.softcap,
-        )?;
-        let mut measured = CompressedLayers::new(measured, &compressed, meta.n_layers);
-        let mut steps = Vec::with_capacity(full.tokens.len());
-        if policy.params().timing == Timing::Streaming {
-            steps.push(compare_step(
-                &full.prefill_logits,
-                prompt_logits,
-                full.tokens[0],
-            ));
-        }
-        let mut teacher_cache = cache.clone();
-        // Every generated token is fed, the last one too (its logits predict nothing compared),
-        // so the live attention covers the decode steps the open-loop replay measures.
-        for (index, &token) in full.tokens.iter().enumerate() {
-            let logits =
-                model.forward_masked(&[token], &mut teacher_cache, None, Some(&mut measured))?;
-            if let Some(&next) = full.tokens.get(index + 1) {
-                steps.push(compare_step(&full.logits[index], &logits, next));
+        streams: &mut LiveStreams<'_>,
+        compressed: &[usize],
+    ) -> Result<(), LiveError> {
+        let prompt_len = self.trace.meta().prompt_len;
+        let chunk = self.chunk.max(1);
+        for (index, &layer) in compressed.iter().enumerate() {
+            let recorded = self.trace.layer(layer).map_err(PolicyError::from)?;
+            let values = recorded.v.as_ref().expect("a live recording holds values");
+            for past in (0..prompt_len).step_by(chunk) {
+                let rows = ndarray::s![.., past..(past + chunk).min(prompt_len), ..];
+                let vectors = ChunkVectors {
+                    past,
+                    q: recorded.q.slice(rows),
+                    k: recorded.k.slice(rows),
+                    v: values.slice(rows),
+                };
+                let mask = streams.layer_mask(index, &vectors)?;
+                if !mask.is_none_or(|mask| hides_nothing(&mask, past, vectors.q.dim())) {
+                    return Err(LiveError::Unsupported(format!(
+                        "timing `{}` evicted during the prompt, which only `streaming` may",
+                        streams.policy().params().timing.name()
+                    )));
+                }
             }
         }
-        let mut free_cache = cache;
-        let generated = model.decode_greedy(
-            &mut free_cache,
-            prompt_logits,
-            self.prompt.generate,
-            None,
-            Some(&mut free),
-            &mut |_| {},
-        )?;
-        let tokenizer = model.tokenizer();
-        let full_text = tokenizer.decode(&full.tokens);
-        let text = tokenizer.decode(&generated);
+        Ok(())
+    }
+
+    /// A decoded row's report.
+    fn report(&self, decoded: batch::Decoded<'_>) -> LiveReport {
+        let tokenizer = self.model.tokenizer();
+        let full_text = tokenizer.decode(&self.full.tokens);
+        let text = tokenizer.decode(&decoded.generated);
         let success = |candidate: &str| match &self.prompt.answer {
             Some(answer) => candidate.contains(answer.as_str()),
             None => candidate == full_text,
         };
+        let steps = decoded.steps;
         let n = steps.len() as f64;
-        let live_layers = measured.inner().per_layer();
-        Ok(LiveReport {
-            policy: policy.label(),
+        let live_layers = decoded.live_layers;
+        LiveReport {
+            policy: decoded.policy.label(),
             answer_ok: success(&text),
             full_answer_ok: success(&full_text),
             kl: steps.iter().map(|s| s.kl).sum::<f64>() / n,
             top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
             logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,
-            uses_full_run_future: policy.reads_future(),
+            uses_full_run_future: decoded.policy.reads_future(),
             live_retained_mass: live_layers.iter().sum::<f64>() / live_layers.len() as f64,
             live_layers,
             steps,
             full_text,
             text,
-            open_loop,
-        })
+            open_loop: decoded.open_loop,
+        }
     }
+}
+
+/// A policy's open-loop report and kept sets, and the policy.
+type OpenLoopRun<'p> = ((ReplayReport, Vec<Kept>), &'p ValidPolicy);
+
+/// Whether a causal mask `[heads, n, past + n]` of a chunk at `past` lets every query see every
+/// position up to its own.
+fn hides_nothing(mask: &[f32], past: usize, (heads, n, _): (usize, usize, usize)) -> bool {
+    let total = past + n;
+    (0..heads * n).all(|line| {
+        let row = line % n;
+        mask[line * total..][..=past + row]
+            .iter()
+            .all(|&m| m == 0.0)
+    })
 }
 
 impl Drop for LiveSession<'_> {

@@ -80,6 +80,13 @@ impl<'p> LiveStreams<'p> {
     }
 }
 
+impl<'p> LiveStreams<'p> {
+    /// The policy.
+    pub fn policy(&self) -> &'p ValidPolicy {
+        self.policy
+    }
+}
+
 impl LiveLayer {
     /// Appends the chunk's vectors after the `len` positions already held.
     fn append(&mut self, chunk: &ChunkVectors<'_>) -> Result<(), ModelError> {

@@ -2,6 +2,7 @@
 //! ([`CausalLm`]), its geometry ([`ModelSpec`]), its KV cache and the recorder that keeps what
 //! attention saw. Greedy generation is written once, here, for every family.
 
+use super::batch::Row;
 use super::mask::AttentionMask;
 use super::prompt::TextTokenizer;
 use super::recorder::Recorder;
@@ -42,19 +43,34 @@ pub trait CausalLm: Sync {
     /// The tokenizer built from the model file.
     fn tokenizer(&self) -> &dyn TextTokenizer;
 
-    /// Runs `ids` (positions `cache.len()..`) through the model, appending to the cache and to
-    /// the recorder, and returns the logits of the last position. In each layer every query
-    /// attends over what `mask` decides when the layer's vectors are known (a KV-cache policy's
-    /// evictions: the keys stay in the cache, the attention masks them, so each head can keep its
-    /// own set); without a mask, causally (and within the layer's window). A mask that hides
-    /// nothing gives the unmasked result bit for bit.
+    /// Runs every row's tokens through the model in one pass, each over its own cache (appended
+    /// to), recorder and mask, and returns each row's logits at its last position. In each layer
+    /// every query attends over what its row's mask decides when the layer's vectors are known
+    /// (a KV-cache policy's evictions: the keys stay in the cache, the attention masks them, so
+    /// each head can keep its own set); without a mask, causally (and within the layer's window).
+    /// A mask that hides nothing gives the unmasked result bit for bit, and a row's logits are
+    /// the same bit for bit whatever it is batched with.
+    fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
+
+    /// [`forward_rows`](Self::forward_rows) of one row: `ids` at positions `cache.len()..`.
     fn forward_masked(
         &self,
         ids: &[u32],
         cache: &mut KvCache,
         recorder: Option<&mut Recorder>,
         mask: Option<&mut dyn AttentionMask>,
-    ) -> Result<Vec<f32>, ModelError>;
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut rows = [Row {
+            ids,
+            cache,
+            recorder,
+            mask,
+        }];
+        Ok(self
+            .forward_rows(&mut rows)?
+            .pop()
+            .expect("one row, one result"))
+    }
 
     /// [`forward_masked`](Self::forward_masked) without a mask.
     fn forward(

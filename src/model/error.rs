@@ -53,6 +53,9 @@ pub enum ModelError {
     /// An attention mask does not fit the forward pass it was given to.
     #[error("attention mask: {0}")]
     Mask(String),
+    /// A forward pass was given nothing to run.
+    #[error("forward pass: {0}")]
+    Input(String),
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),

@@ -14,17 +14,18 @@
 //! `sliding_window_overlay`: `q - kv < window`). Checked against transformers' own loading of the
 //! same GGUF (docs/assets.md).
 
-use super::causal_lm::{CausalLm, KvCache, ModelSpec};
+use super::batch::{check_rows, last_spans, last_states, row_logits, spans, stack, stacked_ids, Row};
+use super::product::rows_product;
+use super::causal_lm::{CausalLm, ModelSpec};
 use super::gguf::GgufFile;
 use super::llama::transposed;
-use super::mask::{policy_mask, window_mask, AttentionMask};
+use super::mask::{policy_mask, window_mask};
 use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
-use super::recorder::Recorder;
 use super::{ModelError, SpmTokenizer};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -155,75 +156,115 @@ impl CausalLm for Gemma3 {
         &self.tokenizer
     }
 
-    fn forward_masked(
-        &self,
-        ids: &[u32],
-        cache: &mut KvCache,
-        mut recorder: Option<&mut Recorder>,
-        mut mask: Option<&mut dyn AttentionMask>,
-    ) -> Result<Vec<f32>, ModelError> {
-        let spec = &self.spec;
+    fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        check_rows(rows)?;
         let eps = self.rms_eps;
-        let n = ids.len();
-        let past = cache.len();
-        let start = cache.next_position;
+        let spans = spans(rows);
+        let mut x = (self.embedding.embedding(&stacked_ids(rows)?)? * self.embedding_scale)?;
+        let sequences = rows
+            .iter()
+            .map(|row| self.sequence(row))
+            .collect::<Result<Vec<_>, _>>()?;
+        for (layer, block) in self.blocks.iter().enumerate() {
+            let h = rms_norm(&x, &block.attn_norm, eps)?;
+            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
+            let mut outputs = Vec::with_capacity(rows.len());
+            for ((row, sequence), &(first, n)) in rows.iter_mut().zip(&sequences).zip(&spans) {
+                let narrow = |t: &Tensor| t.narrow(0, first, n);
+                let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
+                outputs.push(self.attention((layer, block), row, sequence, projected)?);
+            }
+            let out = rows_product(&stack(outputs)?, &block.wo, &spans)?;
+            x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
+            let h = rms_norm(&x, &block.ffn_norm, eps)?;
+            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let gated = (product(&block.gate)?.gelu()? * product(&block.up)?)?;
+            let down = rows_product(&gated, &block.down, &spans)?;
+            x = (x + rms_norm(&down, &block.post_ffw_norm, eps)?)?;
+        }
+        for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
+            row.cache.next_position += n;
+        }
+        let last = rms_norm(&last_states(&x, &spans)?, &self.output_norm, eps)?;
+        row_logits(&rows_product(&last, &self.embedding.t()?, &last_spans(&spans))?)
+    }
+}
+
+/// What a row's attention needs through every layer of one pass: what its cache held before
+/// the pass and its two rotary tables.
+struct Sequence {
+    past: usize,
+    global: (Tensor, Tensor),
+    sliding: (Tensor, Tensor),
+}
+
+impl Gemma3 {
+    fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
+        let (n, past, start) = (row.ids.len(), row.cache.len(), row.cache.next_position);
         if past != start {
             return Err(ModelError::Mask(
                 "a Gemma 3 cache must hold every position (its sliding layers mask by position)"
                     .into(),
             ));
         }
+        Ok(Sequence {
+            past,
+            global: rotary_tables(&self.global_inv_freq, start, n)?,
+            sliding: rotary_tables(&self.sliding_inv_freq, start, n)?,
+        })
+    }
+
+    /// One row's attention at `layer`, from its projections `[n, heads * d]`: QK-norm, rotary,
+    /// the policy's mask within the layer's window, the recorder, the cache; returns
+    /// `[n, heads * d]` before the output projection.
+    fn attention(
+        &self,
+        (layer, block): (usize, &Block),
+        row: &mut Row<'_, '_>,
+        sequence: &Sequence,
+        (q, k, v): (Tensor, Tensor, Tensor),
+    ) -> Result<Tensor, ModelError> {
+        let (spec, eps) = (&self.spec, self.rms_eps);
+        let (n, past) = (row.ids.len(), sequence.past);
         let total = past + n;
-        let ids_tensor = Tensor::from_vec(ids.to_vec(), n, &Device::Cpu)?;
-        let mut x = (self.embedding.embedding(&ids_tensor)? * self.embedding_scale)?;
-        let global = rotary_tables(&self.global_inv_freq, start, n)?;
-        let sliding = rotary_tables(&self.sliding_inv_freq, start, n)?;
-        let scale = spec.scale as f64;
-        for (layer, block) in self.blocks.iter().enumerate() {
-            let window = spec.windows[layer];
-            let (cos, sin) = if window > 0 { &sliding } else { &global };
-            let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let q = split_heads(&h.matmul(&block.wq)?, spec.n_heads)?;
-            let q = rotate(&rms_norm(&q, &block.q_norm, eps)?, cos, sin)?;
-            let k = split_heads(&h.matmul(&block.wk)?, spec.n_kv_heads)?;
-            let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
-            let v = split_heads(&h.matmul(&block.wv)?, spec.n_kv_heads)?;
-            let policy_mask = policy_mask(mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
-            if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record(layer, &q, &k, &v)?;
-            }
-            let (keys_t, values) = cache.append(layer, k, v)?;
-            // Keys before the chunk's first query's window are never seen: leave them out.
-            let first = match (&policy_mask, window) {
-                (None, window) if window > 0 => (past + 1).saturating_sub(window),
-                _ => 0,
-            };
-            let visible = Tensor::from_vec(
-                window_mask(past, n, window, first),
-                (n, total - first),
-                &Device::Cpu,
-            )?;
-            let layer_mask = match policy_mask {
-                Some(values) => Tensor::from_vec(values, (spec.n_heads, n, total), &Device::Cpu)?
-                    .broadcast_add(&visible)?,
-                None => visible,
-            };
-            let keys_t = keys_t.narrow(2, first, total - first)?;
-            let values = values.narrow(1, first, total - first)?;
-            let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
-            if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record_attention(layer, &attention);
-            }
-            let out = merge_heads(&attention)?.matmul(&block.wo)?;
-            x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
-            let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let gated = (h.matmul(&block.gate)?.gelu()? * h.matmul(&block.up)?)?;
-            x = (x + rms_norm(&gated.matmul(&block.down)?, &block.post_ffw_norm, eps)?)?;
+        let window = spec.windows[layer];
+        let (cos, sin) = if window > 0 {
+            &sequence.sliding
+        } else {
+            &sequence.global
+        };
+        let q = split_heads(&q, spec.n_heads)?;
+        let q = rotate(&rms_norm(&q, &block.q_norm, eps)?, cos, sin)?;
+        let k = split_heads(&k, spec.n_kv_heads)?;
+        let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
+        let v = split_heads(&v, spec.n_kv_heads)?;
+        let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            recorder.record(layer, &q, &k, &v)?;
         }
-        cache.next_position = start + n;
-        let last = x.narrow(0, n - 1, 1)?;
-        let last = rms_norm(&last, &self.output_norm, eps)?;
-        let logits = last.matmul(&self.embedding.t()?)?.squeeze(0)?;
-        Ok(logits.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        let (keys_t, values) = row.cache.append(layer, k, v)?;
+        // Keys before the chunk's first query's window are never seen: leave them out.
+        let first = match (&policy_mask, window) {
+            (None, window) if window > 0 => (past + 1).saturating_sub(window),
+            _ => 0,
+        };
+        let visible = Tensor::from_vec(
+            window_mask(past, n, window, first),
+            (n, total - first),
+            &Device::Cpu,
+        )?;
+        let layer_mask = match policy_mask {
+            Some(values) => Tensor::from_vec(values, (spec.n_heads, n, total), &Device::Cpu)?
+                .broadcast_add(&visible)?,
+            None => visible,
+        };
+        let keys_t = keys_t.narrow(2, first, total - first)?;
+        let values = values.narrow(1, first, total - first)?;
+        let attention = attend(&q, &keys_t, &values, &layer_mask, spec.scale as f64)?;
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            recorder.record_attention(layer, &attention);
+        }
+        merge_heads(&attention)
     }
 }

@@ -2,16 +2,17 @@
 //! embeddings), run chunk by chunk over a KV cache, with a [`Recorder`] hook that keeps what
 //! attention saw.
 
-use super::causal_lm::{CausalLm, KvCache, ModelSpec};
+use super::batch::{check_rows, last_spans, last_states, row_logits, spans, stack, stacked_ids, Row};
+use super::product::rows_product;
+use super::causal_lm::{CausalLm, ModelSpec};
 use super::gguf::{unpermute_rows, GgufFile};
-use super::mask::{causal_mask, policy_mask, AttentionMask};
+use super::mask::{causal_mask, policy_mask};
 use super::ops::{
     attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
-use super::recorder::Recorder;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
-use candle_core::{DType, Device, Tensor};
+use candle_core::{Device, Tensor};
 use std::path::Path;
 
 struct Block {
@@ -113,52 +114,93 @@ impl CausalLm for Llama {
         &self.tokenizer
     }
 
-    fn forward_masked(
-        &self,
-        ids: &[u32],
-        cache: &mut KvCache,
-        mut recorder: Option<&mut Recorder>,
-        mut mask: Option<&mut dyn AttentionMask>,
-    ) -> Result<Vec<f32>, ModelError> {
+    fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        check_rows(rows)?;
         let config = &self.config;
         let eps = config.rms_eps;
-        let n = ids.len();
-        let past = cache.len();
-        let start = cache.next_position;
-        let (n_heads, n_kv) = (config.n_heads, config.n_kv_heads);
-        let ids_tensor = Tensor::from_vec(ids.to_vec(), n, &Device::Cpu)?;
-        let mut x = self.embedding.embedding(&ids_tensor)?;
-        let (cos, sin) = rotary_tables(&self.inv_freq, start, n)?;
-        let total = past + n;
-        let causal = Tensor::from_vec(causal_mask(1, past, n), (n, total), &Device::Cpu)?;
-        let scale = 1.0 / (config.head_dim() as f64).sqrt();
+        let spans = spans(rows);
+        let mut x = self.embedding.embedding(&stacked_ids(rows)?)?;
+        let mut sequences = rows
+            .iter_mut()
+            .map(|row| self.sequence(row))
+            .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let q = rotate(&split_heads(&h.matmul(&block.wq)?, n_heads)?, &cos, &sin)?;
-            let k = rotate(&split_heads(&h.matmul(&block.wk)?, n_kv)?, &cos, &sin)?;
-            let v = split_heads(&h.matmul(&block.wv)?, n_kv)?;
-            let layer_mask = policy_mask(mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
-            let layer_mask = match layer_mask {
-                Some(values) => Tensor::from_vec(values, (n_heads, n, total), &Device::Cpu)?,
-                None => causal.clone(),
-            };
-            if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record(layer, &q, &k, &v)?;
+            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
+            let mut outputs = Vec::with_capacity(rows.len());
+            for ((row, sequence), &(first, n)) in rows.iter_mut().zip(&mut sequences).zip(&spans) {
+                let narrow = |t: &Tensor| t.narrow(0, first, n);
+                let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
+                outputs.push(self.attention(layer, row, sequence, projected)?);
             }
-            let (keys_t, values) = cache.append(layer, k, v)?;
-            let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
-            if let Some(recorder) = recorder.as_deref_mut() {
-                recorder.record_attention(layer, &attention);
-            }
-            x = (x + merge_heads(&attention)?.matmul(&block.wo)?)?;
+            x = (x + rows_product(&stack(outputs)?, &block.wo, &spans)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let gated = (h.matmul(&block.gate)?.silu()? * h.matmul(&block.up)?)?;
-            x = (x + gated.matmul(&block.down)?)?;
+            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let gated = (product(&block.gate)?.silu()? * product(&block.up)?)?;
+            x = (x + rows_product(&gated, &block.down, &spans)?)?;
         }
-        cache.next_position = start + n;
-        let last = x.narrow(0, n - 1, 1)?;
-        let last = rms_norm(&last, &self.output_norm, eps)?;
-        let logits = last.matmul(&self.output)?.squeeze(0)?;
-        Ok(logits.to_dtype(DType::F32)?.to_vec1::<f32>()?)
+        for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
+            row.cache.next_position += n;
+        }
+        let last = rms_norm(&last_states(&x, &spans)?, &self.output_norm, eps)?;
+        row_logits(&rows_product(&last, &self.output, &last_spans(&spans))?)
+    }
+}
+
+/// What a row's attention needs through every layer of one pass: its first position, what its
+/// cache held before the pass, its rotary tables and causal mask.
+struct Sequence {
+    past: usize,
+    cos: Tensor,
+    sin: Tensor,
+    causal: Tensor,
+}
+
+impl Llama {
+    fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
+        let (n, past) = (row.ids.len(), row.cache.len());
+        let (cos, sin) = rotary_tables(&self.inv_freq, row.cache.next_position, n)?;
+        let causal = Tensor::from_vec(causal_mask(1, past, n), (n, past + n), &Device::Cpu)?;
+        Ok(Sequence {
+            past,
+            cos,
+            sin,
+            causal,
+        })
+    }
+
+    /// One row's attention at `layer`, from its projections `[n, heads * d]`: rotary, the
+    /// policy's mask, the recorder, the cache; returns `[n, heads * d]` before the output
+    /// projection.
+    fn attention(
+        &self,
+        layer: usize,
+        row: &mut Row<'_, '_>,
+        sequence: &Sequence,
+        (q, k, v): (Tensor, Tensor, Tensor),
+    ) -> Result<Tensor, ModelError> {
+        let config = &self.config;
+        let (n_heads, n_kv) = (config.n_heads, config.n_kv_heads);
+        let (n, past) = (row.ids.len(), sequence.past);
+        let (cos, sin) = (&sequence.cos, &sequence.sin);
+        let q = rotate(&split_heads(&q, n_heads)?, cos, sin)?;
+        let k = rotate(&split_heads(&k, n_kv)?, cos, sin)?;
+        let v = split_heads(&v, n_kv)?;
+        let layer_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
+        let layer_mask = match layer_mask {
+            Some(values) => Tensor::from_vec(values, (n_heads, n, past + n), &Device::Cpu)?,
+            None => sequence.causal.clone(),
+        };
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            recorder.record(layer, &q, &k, &v)?;
+        }
+        let (keys_t, values) = row.cache.append(layer, k, v)?;
+        let scale = 1.0 / (config.head_dim() as f64).sqrt();
+        let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            recorder.record_attention(layer, &attention);
+        }
+        merge_heads(&attention)
     }
 }

@@ -14,17 +14,20 @@
 //! dimension order as a transformers capture of the same model and compare element by element.
 //! (Gemma 3 GGUFs are not permuted: llama.cpp runs them with the half-split rotary already.)
 
+mod batch;
 mod causal_lm;
 mod error;
 pub mod family;
 mod gguf;
 mod mask;
 mod ops;
+mod product;
 mod prompt;
 mod recorder;
 mod spm;
 mod tokenizer;
 
+pub use batch::Row;
 pub(crate) use causal_lm::argmax;
 pub use causal_lm::{CausalLm, KvCache, ModelSpec};
 pub use error::ModelError;

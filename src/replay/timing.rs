@@ -59,6 +59,12 @@ impl Timing {
         matches!(self, Timing::Streaming | Timing::PrefillThenStream)
     }
 
+    /// Whether it evicts while the prompt runs (so the prompt's own forward pass differs from the
+    /// full cache's).
+    pub fn evicts_in_prompt(self) -> bool {
+        self == Timing::Streaming
+    }
+
     /// Whether the prompt's end is where it chooses (a one-shot cut, the cut before streaming,
     /// or re-selection among the prompt's tokens).
     pub fn cuts_the_prompt(self) -> bool {

@@ -1,0 +1,231 @@
+//! Live runs decoded together: the policies of one prompt step through their teacher-forced and
+//! free-running tokens as the rows of one forward pass ([`Row`]), so every weight matrix is read
+//! once per step for all of them. Each row keeps its own cache and its policy's own state, and a
+//! row's logits do not depend on its batch, so a batched run's numbers are an unbatched run's,
+//! bit for bit. Free-running rows that stop leave the batch.
+
+use super::drift::{CompressedLayers, LiveMass};
+use super::streams::LiveStreams;
+use super::{compare_step, LiveStep};
+use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache};
+use crate::model::{ModelError, Row};
+use crate::replay::{ReplayReport, ValidPolicy};
+use crate::trace::TraceMeta;
+use std::borrow::Cow;
+
+/// What holds a policy's cache while it decodes: the positions a one-shot cut evicted, or the
+/// policy's streams.
+#[derive(Clone)]
+pub(super) enum PolicyMask<'p> {
+    /// A `prefill`-timing cut.
+    Fixed(Evicted),
+    /// A policy that evicts or re-selects while the model runs.
+    Streams(LiveStreams<'p>),
+}
+
+impl AttentionMask for PolicyMask<'_> {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        match self {
+            PolicyMask::Fixed(evicted) => evicted.layer_mask(layer, chunk),
+            PolicyMask::Streams(streams) => streams.layer_mask(layer, chunk),
+        }
+    }
+}
+
+/// A policy's run at the prompt's end, ready to decode.
+pub(super) struct Started<'s> {
+    pub policy: &'s ValidPolicy,
+    /// The policy's mask on the model's layers.
+    pub mask: CompressedLayers<PolicyMask<'s>>,
+    /// The cache after the prompt: the full run's, shared, unless the policy evicted while the
+    /// prompt ran.
+    pub cache: Cow<'s, KvCache>,
+    /// The prompt's last logits.
+    pub prompt_logits: Cow<'s, [f32]>,
+    /// The open-loop replay of the same policy.
+    pub open_loop: ReplayReport,
+}
+
+/// What the decoding of one row measured.
+pub(super) struct Decoded<'s> {
+    pub policy: &'s ValidPolicy,
+    /// Teacher-forced steps.
+    pub steps: Vec<LiveStep>,
+    /// Per layer, the live kept share.
+    pub live_layers: Vec<f64>,
+    /// The free-running tokens.
+    pub generated: Vec<u32>,
+    pub open_loop: ReplayReport,
+}
+
+/// The full run a batch decodes against.
+pub(super) struct Reference<'a> {
+    pub model: &'a dyn CausalLm,
+    pub meta: &'a TraceMeta,
+    /// The full run's tokens.
+    pub tokens: &'a [u32],
+    /// `logits[i]` predicts `tokens[i + 1]`.
+    pub logits: &'a [Vec<f32>],
+    /// The full prefill's last logits.
+    pub prefill_logits: &'a [f32],
+    /// Free-running tokens at most.
+    pub generate: usize,
+}
+
+/// One row's teacher-forced state: its mask measuring the live mass, its cache and its steps.
+struct Teacher<'s> {
+    mask: CompressedLayers<LiveMass<PolicyMask<'s>>>,
+    cache: KvCache,
+    steps: Vec<LiveStep>,
+}
+
+/// One free-running row.
+struct Free<'s> {
+    mask: CompressedLayers<PolicyMask<'s>>,
+    cache: KvCache,
+    next: u32,
+    generated: Vec<u32>,
+}
+
+/// Decodes `rows` together: the full run's tokens teacher-forced, then greedy decoding, each
+/// step one forward pass over every row still running.
+pub(super) fn decode<'s>(
+    reference: &Reference<'_>,
+    rows: Vec<Started<'s>>,
+) -> Result<Vec<Decoded<'s>>, ModelError> {
+    let teachers = rows
+        .iter()
+        .map(|row| teacher(reference, row))
+        .collect::<Result<Vec<_>, _>>()?;
+    let teachers = teacher_forced(reference, teachers)?;
+    let mut policies = Vec::with_capacity(rows.len());
+    let mut free = Vec::with_capacity(rows.len());
+    for row in rows {
+        policies.push((row.policy, row.open_loop));
+        free.push(Free {
+            next: argmax(&row.prompt_logits),
+            mask: row.mask,
+            cache: row.cache.into_owned(),
+            generated: Vec::new(),
+        });
+    }
+    let free = free_running(reference, free)?;
+    Ok(policies
+        .into_iter()
+        .zip(teachers)
+        .zip(free)
+        .map(|(((policy, open_loop), teacher), free)| Decoded {
+            policy,
+            live_layers: teacher.mask.inner().per_layer(),
+            steps: teacher.steps,
+            generated: free.generated,
+            open_loop,
+        })
+        .collect())
+}
+
+/// A row's teacher-forced start: a copy of its cache, its mask measuring the live mass, and,
+/// for a policy that evicted while the prompt ran, the prompt's last logits compared already.
+fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'s>, ModelError> {
+    let meta = reference.meta;
+    let compressed = crate::replay::compressed_layers(meta, row.policy);
+    let windows = compressed.iter().map(|&l| meta.window(l)).collect();
+    let measured = LiveMass::new(
+        row.mask.inner().clone(),
+        &row.cache,
+        (&compressed, windows),
+        meta.n_heads / meta.n_kv_heads,
+        meta.scale,
+        meta.softcap,
+    )?;
+    let mut steps = Vec::with_capacity(reference.tokens.len());
+    if row.policy.params().timing.evicts_in_prompt() {
+        steps.push(compare_step(
+            reference.prefill_logits,
+            &row.prompt_logits,
+            reference.tokens[0],
+        ));
+    }
+    Ok(Teacher {
+        mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
+        cache: row.cache.as_ref().clone(),
+        steps,
+    })
+}
+
+/// Feeds every generated token of the full run to every row, the last one too (its logits
+/// predict nothing compared), so the live attention covers the decode steps the open-loop
+/// replay measures.
+fn teacher_forced<'s>(
+    reference: &Reference<'_>,
+    mut teachers: Vec<Teacher<'s>>,
+) -> Result<Vec<Teacher<'s>>, ModelError> {
+    for (index, &token) in reference.tokens.iter().enumerate() {
+        let ids = [token];
+        let mut rows: Vec<Row<'_, '_>> = teachers
+            .iter_mut()
+            .map(|teacher| Row::new(&ids, &mut teacher.cache, Some(&mut teacher.mask)))
+            .collect();
+        let logits = reference.model.forward_rows(&mut rows)?;
+        drop(rows);
+        if let Some(&next) = reference.tokens.get(index + 1) {
+            for (teacher, logits) in teachers.iter_mut().zip(&logits) {
+                let full = &reference.logits[index];
+                teacher.steps.push(compare_step(full, logits, next));
+            }
+        }
+    }
+    Ok(teachers)
+}
+
+/// Greedy decoding of every row, up to `generate` tokens each, a row leaving the batch at its
+/// stop token.
+fn free_running<'s>(
+    reference: &Reference<'_>,
+    mut rows: Vec<Free<'s>>,
+) -> Result<Vec<Free<'s>>, ModelError> {
+    let stop = reference.model.tokenizer().stop_token();
+    loop {
+        let mut running: Vec<&mut Free<'s>> = rows
+            .iter_mut()
+            .filter(|row| row.generated.len() < reference.generate && row.next != stop)
+            .collect();
+        if running.is_empty() {
+            return Ok(rows);
+        }
+        let ids: Vec<[u32; 1]> = running.iter().map(|row| [row.next]).collect();
+        let mut batch: Vec<Row<'_, '_>> = running
+            .iter_mut()
+            .zip(&ids)
+            .map(|(row, ids)| {
+                row.generated.push(ids[0]);
+                Row::new(ids, &mut row.cache, Some(&mut row.mask))
+            })
+            .collect();
+        let logits = reference.model.forward_rows(&mut batch)?;
+        drop(batch);
+        for (row, logits) in running.iter_mut().zip(&logits) {
+            row.next = argmax(logits);
+        }
+    }
+}
+
+/// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
+/// cache twice (the start and the running copy), its streams' vectors twice when it streams, and
+/// the live keys that measure its mass.
+pub(super) fn row_bytes(meta: &TraceMeta, policy: &ValidPolicy, capacity: usize) -> usize {
+    const F32: usize = 4;
+    let compressed = crate::replay::compressed_layers(meta, policy).len();
+    let (heads, kv, d) = (meta.n_heads, meta.n_kv_heads, meta.head_dim);
+    let cache = meta.n_layers * 2 * kv * d * capacity * F32;
+    let streams = match policy.params().timing {
+        crate::replay::Timing::Prefill => 0,
+        _ => compressed * (heads + 2 * kv) * d * capacity * F32,
+    };
+    let keys = compressed * kv * d * capacity * F32;
+    2 * cache + 2 * streams + keys
+}
