@@ -9,7 +9,7 @@
 
 mod common;
 
-use kvreplay::live::LiveSession;
+use kvreplay::live::{Batching, LiveSession};
 use kvreplay::model::{CausalLm, Gemma3, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{Layers, PolicyParams, Timing};
@@ -200,9 +200,9 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
     let reports = session
         .run_many(&[
             everything.check().unwrap(),
-            compressed.check().unwrap(),
+            compressed.clone().check().unwrap(),
             everything_streamed.check().unwrap(),
-            compressed_all.check().unwrap(),
+            compressed_all.clone().check().unwrap(),
         ])
         .unwrap();
     let (all, tova) = (&reports[0], &reports[1]);
@@ -247,4 +247,12 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
         "a sliding layer at 32 tokens loses mass: {open_first}"
     );
     assert!(tova_all.open_loop.kv_entries < tova.open_loop.kv_entries);
+    // Decoded together, the prefill shared where nothing is evicted while the prompt runs: each
+    // report is the one its policy gets alone with its own prefill, bit for bit.
+    let policies = [compressed, compressed_all].map(|p| p.check().unwrap());
+    let alone = session
+        .run_batched(&policies, Batching::ONE_AT_A_TIME)
+        .unwrap();
+    assert_eq!((&alone[0], &alone[1]), (&reports[1], &reports[3]));
+    assert_eq!(session.run_many(&policies).unwrap(), alone);
 }

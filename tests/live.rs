@@ -7,7 +7,7 @@ mod common;
 
 use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::live::{live, LiveSession};
+use kvreplay::live::{live, Batching, LiveSession};
 use kvreplay::model::{CausalLm, KvCache, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, Order, PolicyParams, Timing};
@@ -208,6 +208,40 @@ fn a_sessions_runs_do_not_depend_on_the_thread_count() {
 /// Teacher-forced steps of a run that starts comparing at step 1.
 fn session_steps(report: &kvreplay::live::LiveReport) -> usize {
     report.open_loop.layers[0].samples["retained_mass"][0].len() - 1
+}
+
+#[test]
+fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
+    // The policies of a session decode as the rows of one forward pass, and those that evict
+    // nothing while the prompt runs start from the full run's prefill: every report is, bit for
+    // bit, the one its policy gets decoded alone after its own prefill, in batches of any size.
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &capital(), 512, scratch.path()).unwrap();
+    let mut policies = vec![
+        snapkv(12).check().unwrap(),
+        evicting_live(Timing::PerStepPrompt, Order::EvictFirst, 12)
+            .check()
+            .unwrap(),
+    ];
+    for budget in [12, 20] {
+        policies.extend(
+            EVICTING
+                .iter()
+                .map(|&(timing, order)| evicting_live(timing, order, budget).check().unwrap()),
+        );
+    }
+    let alone = session
+        .run_batched(&policies, Batching::ONE_AT_A_TIME)
+        .unwrap();
+    assert!(alone.iter().all(|report| report.kl > 0.0));
+    for rows in [None, Some(3)] {
+        let batching = Batching {
+            rows,
+            share_prefill: true,
+        };
+        let together = session.run_batched(&policies, batching).unwrap();
+        assert_eq!(together, alone, "{batching:?}");
+    }
 }
 
 #[test]

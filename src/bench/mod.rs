@@ -18,6 +18,7 @@ use std::path::{Path, PathBuf};
 use std::process::Command;
 use std::time::Instant;
 
+mod closed_loop;
 pub mod heap;
 mod oneshot;
 mod table;

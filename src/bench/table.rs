@@ -39,10 +39,17 @@ pub struct BenchRun {
     /// Prompt tokens for the capture-speed and closed-loop cost measurements (0: skip).
     #[arg(long, default_value_t = 2000)]
     pub capture_tokens: usize,
+    /// Measure only the closed loop, batched against unbatched, on these recipes (comma
+    /// separated, e.g. traces/needle/niah-1k-d50.toml,traces/gemma3/niah-4k-d50.toml).
+    #[arg(long, value_delimiter = ',')]
+    pub closed_loop: Vec<PathBuf>,
 }
 
 /// Runs every measurement of `run`, telling `progress` which one starts.
 pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+    if !run.closed_loop.is_empty() {
+        return closed_loop_rows(&run.closed_loop, progress);
+    }
     let (trace_path, long) = (run.trace.as_path(), run.long.as_deref());
     let (budgets, oneshot_budgets) = (&run.budgets, &run.oneshot_budgets);
     let python = if run.no_numpy {
@@ -317,4 +324,51 @@ fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
         ]);
     }
     Ok(())
+}
+
+/// The closed loop's rows: each recipe's live runs one at a time and batched, their decode steps
+/// per row, and one step of many rows against one.
+fn closed_loop_rows(recipes: &[PathBuf], progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+    let _tuned = ModelMalloc::tune();
+    let mut table = Table::new(["measure", "value"]);
+    table.push(["threads".into(), rayon::current_num_threads().to_string()]);
+    for recipe in recipes {
+        progress(&format!("closed loop on {}", recipe.display()));
+        let speed = super::closed_loop::closed_loop_speed(recipe)?;
+        let what = format!(
+            "closed loop, {} ({}, {} prompt tokens)",
+            recipe.display(),
+            speed.model,
+            speed.prompt_tokens
+        );
+        let (alone, together) = speed.seconds;
+        let per_minute = |seconds: f64| 60.0 * speed.runs as f64 / seconds;
+        table.push([
+            format!(
+                "{what}: {} live runs ({} presets at B = 128), one at a time | batched",
+                speed.runs,
+                super::closed_loop::PRESETS.len()
+            ),
+            format!(
+                "{alone:.1} s ({:.1} runs/min) | {together:.1} s ({:.1} runs/min), {:.2}× faster",
+                per_minute(alone),
+                per_minute(together),
+                alone / together
+            ),
+        ]);
+        let (one, all) = speed.decode_ms;
+        table.push([
+            format!(
+                "{what}: decode, ms per token per row (its prefill-timing runs, {} steps each), one at a time | batched",
+                speed.steps
+            ),
+            format!("{one:.1} | {all:.1}, {:.2}× faster", one / all),
+        ]);
+        let (rows, one, all) = speed.step;
+        table.push([
+            format!("{what}: one decode step, 1 row | {rows} rows (ms)"),
+            format!("{one:.1} | {all:.1} = {:.1}× one row", all / one),
+        ]);
+    }
+    Ok(table)
 }

@@ -291,24 +291,25 @@ impl<'m> LiveSession<'m> {
 
     /// [`run`](Self::run) for several policies: their open-loop metrics (and the `prefill`
     /// timing's kept sets) come from one replay pass over the recording, then they decode
-    /// together, as many rows in one forward pass as fit in half the available memory. The
-    /// reports come back in the order of `policies`; no number depends on the batching.
+    /// together ([`Batching::BATCHED`]). The reports come back in the order of `policies`; no
+    /// number depends on the batching.
     pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<LiveReport>, LiveError> {
-        self.run_batched(policies, None)
+        self.run_batched(policies, Batching::BATCHED)
     }
 
-    /// [`run_many`](Self::run_many) with at most `rows` policies decoded together (`None`: as
-    /// many as fit in half the available memory). One row per batch decodes each policy alone,
-    /// side by side on worker threads: the unbatched closed loop.
+    /// [`run_many`](Self::run_many) batched as `batching` says.
     pub fn run_batched(
         &self,
         policies: &[ValidPolicy],
-        rows: Option<usize>,
+        batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
         for policy in policies {
             check_live(policy)?;
         }
-        let most = rows.unwrap_or_else(|| self.rows_in_memory(policies)).max(1);
+        let most = batching
+            .rows
+            .unwrap_or_else(|| self.rows_in_memory(policies))
+            .max(1);
         let mut runs: Vec<_> = replay_keeping(&self.trace, policies)?
             .into_iter()
             .zip(policies)
@@ -318,14 +319,15 @@ impl<'m> LiveSession<'m> {
             let rest = runs.split_off(most.min(runs.len()));
             groups.push(std::mem::replace(&mut runs, rest));
         }
+        let share = batching.share_prefill;
         let reports: Vec<Vec<LiveReport>> = match most {
             1 => groups
                 .into_par_iter()
-                .map(|group| self.run_group(group))
+                .map(|group| self.run_group(group, share))
                 .collect::<Result<_, _>>()?,
             _ => groups
                 .into_iter()
-                .map(|group| self.run_group(group))
+                .map(|group| self.run_group(group, share))
                 .collect::<Result<_, _>>()?,
         };
         Ok(reports.into_iter().flatten().collect())
@@ -344,13 +346,17 @@ impl<'m> LiveSession<'m> {
 
     /// One batch: each policy started at the prompt's end (its own masked prefill when it evicts
     /// while the prompt runs, on worker threads), then decoded together.
-    fn run_group(&self, group: Vec<OpenLoopRun<'_>>) -> Result<Vec<LiveReport>, LiveError> {
+    fn run_group(
+        &self,
+        group: Vec<OpenLoopRun<'_>>,
+        share_prefill: bool,
+    ) -> Result<Vec<LiveReport>, LiveError> {
         let started = group
             .into_par_iter()
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
                 open_loop.trace = "the full-cache run's f32 recording".into();
-                self.prompt_end(policy, &kept, open_loop)
+                self.prompt_end(policy, &kept, open_loop, share_prefill)
             })
             .collect::<Result<Vec<_>, LiveError>>()?;
         let full = &self.full;
@@ -370,14 +376,16 @@ impl<'m> LiveSession<'m> {
 
     /// `policy` at the prompt's end. A `prefill` cut masks its evicted positions in the full
     /// run's prefilled cache. A policy that streams or re-selects only once decoding starts
-    /// shares that cache too, its streams fed the full run's recorded prompt vectors (the ones
-    /// its own prefill would make); one that evicts while the prompt runs prefills on its own,
-    /// its streams holding the model's cache.
+    /// shares that cache too when `share_prefill` and its prefill
+    /// [is the full run's](Self::prefill_is_shareable), its streams fed the full run's recorded
+    /// prompt vectors (the ones its own prefill makes); any other prefills on its own, its
+    /// streams holding the model's cache.
     fn prompt_end<'s>(
         &'s self,
         policy: &'s ValidPolicy,
         kept: &[Kept],
         open_loop: ReplayReport,
+        share_prefill: bool,
     ) -> Result<batch::Started<'s>, LiveError> {
         let meta = self.trace.meta();
         let compressed = compressed_layers(meta, policy);
@@ -387,7 +395,7 @@ impl<'m> LiveSession<'m> {
             let mask =
                 CompressedLayers::new(PolicyMask::Fixed(evicted), &compressed, meta.n_layers);
             (mask, None, None)
-        } else if !timing.evicts_in_prompt() {
+        } else if share_prefill && self.prefill_is_shareable(policy) {
             let mut streams = self.streams(policy)?;
             self.feed_prompt(&mut streams, &compressed)?;
             let mask =
@@ -413,6 +421,18 @@ impl<'m> LiveSession<'m> {
                 .map_or(Cow::Borrowed(&self.full.prefill_logits), Cow::Owned),
             open_loop,
         })
+    }
+
+    /// Whether `policy`'s own prefill is the full run's: it evicts nothing while the prompt runs,
+    /// and it compresses no sliding-window layer (whose masked attention sums the window among
+    /// all earlier keys, where the full run's leaves the keys before the window out: the same
+    /// result up to the order of float sums, not bit for bit).
+    fn prefill_is_shareable(&self, policy: &ValidPolicy) -> bool {
+        let meta = self.trace.meta();
+        !policy.params().timing.evicts_in_prompt()
+            && compressed_layers(meta, policy)
+                .iter()
+                .all(|&layer| meta.window(layer) == 0)
     }
 
     /// The streams of a policy that evicts while the model runs, on the layers it compresses,
@@ -502,6 +522,31 @@ impl<'m> LiveSession<'m> {
             open_loop: decoded.open_loop,
         }
     }
+}
+
+/// How a session runs its policies live.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct Batching {
+    /// Policies decoded together at most (`None`: as many as fit in half the available memory).
+    /// One decodes each policy alone, side by side on worker threads.
+    pub rows: Option<usize>,
+    /// Whether a policy that evicts nothing while the prompt runs starts from the full run's
+    /// prefill (its streams fed the recorded prompt vectors) instead of running its own.
+    pub share_prefill: bool,
+}
+
+impl Batching {
+    /// As many rows as fit in memory, the full run's prefill shared.
+    pub const BATCHED: Batching = Batching {
+        rows: None,
+        share_prefill: true,
+    };
+    /// Each policy alone, with its own prefill unless it cuts at the prompt's end: the closed
+    /// loop as it ran before batching, which the bench and the tests compare with.
+    pub const ONE_AT_A_TIME: Batching = Batching {
+        rows: Some(1),
+        share_prefill: false,
+    };
 }
 
 /// A policy's open-loop report and kept sets, and the policy.

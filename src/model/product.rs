@@ -1,13 +1,16 @@
 //! The weight products of a batched decode step, each row's result the one it gets alone.
 //!
-//! candle multiplies by the `gemm` crate (0.19), whose sums depend on the number of rows: one row
-//! goes through its matrix-vector path, which for every output starts from the product of the
-//! first terms and adds the others in order with fused multiply-adds (`gemm-common`
-//! `gemv::mixed_gemv_colmajor`); several rows go through its blocked kernel, which sums the
-//! depth in blocks of up to 1,024 and then adds the blocks. Below that depth both sum alike; above
-//! it (a Llama MLP's down projection, 1,536 deep in SmolLM2; 2,048 in Gemma 3 270M) they differ in
-//! the last bits. [`rows_product`] sums every row as the one-row path does, so that a batch of
-//! single-token rows gives each row its unbatched logits bit for bit.
+//! candle multiplies by the `gemm` crate (0.19), whose sums depend on the number of rows. One row
+//! goes through its matrix-vector paths (`gemm-common` `gemv.rs`): against a row-major weight,
+//! every output starts from the product of the first terms and adds the others in order with
+//! fused multiply-adds (`mixed_gemv_colmajor`); against a transposed one (Gemma 3's tied
+//! embedding as its output layer), every output is a dot product summed in eight SIMD
+//! accumulators, added pairwise, then lane by lane (`mixed_gemv_rowmajor`). Several rows go
+//! through its blocked kernel, which sums the depth in blocks of up to 1,024 and then adds the
+//! blocks: the same sums as the first path up to that depth, not beyond it (a Llama MLP's down
+//! projection, 1,536 deep in SmolLM2; 2,048 in Gemma 3 270M), and never the second path's.
+//! [`rows_product`] sums a batch of single-token rows as those paths sum one row, so each row
+//! gets its unbatched logits bit for bit.
 
 use super::ModelError;
 use candle_core::{Device, Storage, Tensor};
@@ -29,10 +32,25 @@ pub(crate) fn rows_product(
     spans: &[(usize, usize)],
 ) -> Result<Tensor, ModelError> {
     let (m, k) = x.dims2()?;
-    if spans.len() == 1 || k <= GEMM_DEPTH_BLOCK {
+    let single_tokens = spans.len() > 1 && spans.iter().all(|&(_, n)| n == 1);
+    let transposed = !w.is_contiguous() && w.t()?.is_contiguous();
+    if single_tokens && transposed {
+        let n = w.dims2()?.1;
+        let xs = x.flatten_all()?.to_vec1::<f32>()?;
+        let rows_of_w = w.t()?;
+        let (storage, layout) = rows_of_w.storage_and_layout();
+        let out = match (&*storage, layout.contiguous_offsets()) {
+            (Storage::Cpu(weights), Some((start, end))) => {
+                dot_rows(&xs, &weights.as_slice::<f32>()?[start..end], (m, k, n))
+            }
+            _ => unreachable!("a contiguous CPU tensor"),
+        };
+        return Ok(Tensor::from_vec(out, (m, n), &Device::Cpu)?);
+    }
+    if spans.len() == 1 || (k <= GEMM_DEPTH_BLOCK && !transposed) {
         return Ok(x.matmul(w)?);
     }
-    if spans.iter().all(|&(_, n)| n == 1) {
+    if single_tokens {
         let n = w.dims2()?.1;
         let xs = x.flatten_all()?.to_vec1::<f32>()?;
         let (storage, layout) = w.storage_and_layout();
@@ -82,6 +100,106 @@ fn one_token_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec
         }
     }
     out
+}
+
+/// `x [m, k] · wᵀ` for `w` `[n, k]` row-major: each output the dot product of a row of `x` and
+/// one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it (its SIMD
+/// width: 8 lanes where it runs AVX2 with FMA, else 1).
+fn dot_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+    let fused = fuses_multiply_add();
+    let outputs: Vec<Vec<f32>> = w
+        .par_chunks(COLUMNS * k)
+        .map(|block| {
+            pulp::Arch::new().dispatch(DotBlock {
+                x,
+                w: block,
+                shape: (m, k),
+                fused,
+            })
+        })
+        .collect();
+    let mut out = vec![0.0; m * n];
+    for (index, block) in outputs.iter().enumerate() {
+        let width = block.len() / m.max(1);
+        for (row, values) in block.chunks_exact(width).enumerate() {
+            out[row * n + index * COLUMNS..][..width].copy_from_slice(values);
+        }
+    }
+    out
+}
+
+/// The dot products of every row of `x` with the rows of `w` (a block of a weight's rows),
+/// `[m, rows of w]`.
+struct DotBlock<'a> {
+    x: &'a [f32],
+    w: &'a [f32],
+    shape: (usize, usize),
+    fused: bool,
+}
+
+impl pulp::WithSimd for DotBlock<'_> {
+    type Output = Vec<f32>;
+
+    #[inline(always)]
+    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Vec<f32> {
+        let (m, k) = self.shape;
+        let columns = self.w.len() / k;
+        let mut out = vec![0.0f32; m * columns];
+        for (column, weights) in self.w.chunks_exact(k).enumerate() {
+            for row in 0..m {
+                let x = &self.x[row * k..][..k];
+                out[row * columns + column] = match self.fused {
+                    true => gemv_dot::<8, true>(x, weights),
+                    false => gemv_dot::<1, false>(x, weights),
+                };
+            }
+        }
+        out
+    }
+}
+
+/// `a · b` summed as `gemm`'s `mixed_gemv_rowmajor` sums it with `LANES`-wide vectors: eight
+/// accumulators over blocks of `8 × LANES`, added pairwise; then whole vectors into the first;
+/// then its lanes in order; then the remaining terms one by one.
+#[inline(always)]
+fn gemv_dot<const LANES: usize, const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
+    let multiply_add = |x: f32, y: f32, acc: f32| match FUSED {
+        true => x.mul_add(y, acc),
+        false => x * y + acc,
+    };
+    let k = a.len();
+    let (block, whole) = (8 * LANES, k / LANES * LANES);
+    let mut acc = [[0.0f32; LANES]; 8];
+    let mut depth = 0;
+    while depth + block <= k {
+        for (index, lanes) in acc.iter_mut().enumerate() {
+            let at = depth + index * LANES;
+            for (lane, value) in lanes.iter_mut().enumerate() {
+                *value = multiply_add(a[at + lane], b[at + lane], *value);
+            }
+        }
+        depth += block;
+    }
+    let add = |x: [f32; LANES], y: [f32; LANES]| -> [f32; LANES] {
+        std::array::from_fn(|lane| x[lane] + y[lane])
+    };
+    let low = add(add(acc[0], acc[1]), add(acc[2], acc[3]));
+    let high = add(add(acc[4], acc[5]), add(acc[6], acc[7]));
+    let mut sum = add(low, high);
+    while depth < whole {
+        for (lane, value) in sum.iter_mut().enumerate() {
+            *value = multiply_add(a[depth + lane], b[depth + lane], *value);
+        }
+        depth += LANES;
+    }
+    let mut total = sum[0];
+    for value in &sum[1..] {
+        total += value;
+    }
+    for index in depth..k {
+        total = multiply_add(a[index], b[index], total);
+    }
+    total
 }
 
 /// Whether `gemm` fuses its multiply-adds here: its AVX2 kernels need FMA, and without them it
@@ -164,6 +282,30 @@ mod tests {
         // not one that any summation would pass.
         let stacked: Vec<Vec<f32>> = x.matmul(&w).unwrap().to_vec2().unwrap();
         assert_ne!(stacked, batched);
+    }
+
+    #[test]
+    fn one_token_rows_against_a_transposed_weight_sum_as_a_row_alone() {
+        // Depths with and without a remainder past the 64-term blocks and past whole vectors;
+        // more outputs than gemm's small-product kernel takes (16 × 16).
+        for k in [640, 650, 13] {
+            let (m, n) = (4, 300);
+            let x = Tensor::from_vec(wave(m * k, 0.25), (m, k), &Device::Cpu).unwrap();
+            let rows = Tensor::from_vec(wave(n * k, 4.5), (n, k), &Device::Cpu).unwrap();
+            let w = rows.t().unwrap();
+            let spans: Vec<(usize, usize)> = (0..m).map(|r| (r, 1)).collect();
+            let batched: Vec<Vec<f32>> = rows_product(&x, &w, &spans).unwrap().to_vec2().unwrap();
+            for (row, got) in batched.iter().enumerate() {
+                let alone: Vec<Vec<f32>> = x
+                    .narrow(0, row, 1)
+                    .unwrap()
+                    .matmul(&w)
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
+                assert_eq!(got, &alone[0], "k = {k}, row {row}");
+            }
+        }
     }
 
     #[test]
