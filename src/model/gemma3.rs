@@ -26,6 +26,7 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -169,12 +170,16 @@ impl CausalLm for Gemma3 {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
-            let mut outputs = Vec::with_capacity(rows.len());
-            for ((row, sequence), &(first, n)) in rows.iter_mut().zip(&sequences).zip(&spans) {
-                let narrow = |t: &Tensor| t.narrow(0, first, n);
-                let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
-                outputs.push(self.attention((layer, block), row, sequence, projected)?);
-            }
+            let outputs = rows
+                .par_iter_mut()
+                .zip(&sequences)
+                .zip(&spans)
+                .map(|((row, sequence), &(first, n))| {
+                    let narrow = |t: &Tensor| t.narrow(0, first, n);
+                    let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
+                    self.attention((layer, block), row, sequence, projected)
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
             let out = rows_product(&stack(outputs)?, &block.wo, &spans)?;
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;

@@ -13,6 +13,7 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 use std::path::Path;
 
 struct Block {
@@ -120,7 +121,7 @@ impl CausalLm for Llama {
         let eps = config.rms_eps;
         let spans = spans(rows);
         let mut x = self.embedding.embedding(&stacked_ids(rows)?)?;
-        let mut sequences = rows
+        let sequences = rows
             .iter_mut()
             .map(|row| self.sequence(row))
             .collect::<Result<Vec<_>, _>>()?;
@@ -128,12 +129,16 @@ impl CausalLm for Llama {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
-            let mut outputs = Vec::with_capacity(rows.len());
-            for ((row, sequence), &(first, n)) in rows.iter_mut().zip(&mut sequences).zip(&spans) {
-                let narrow = |t: &Tensor| t.narrow(0, first, n);
-                let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
-                outputs.push(self.attention(layer, row, sequence, projected)?);
-            }
+            let outputs = rows
+                .par_iter_mut()
+                .zip(&sequences)
+                .zip(&spans)
+                .map(|((row, sequence), &(first, n))| {
+                    let narrow = |t: &Tensor| t.narrow(0, first, n);
+                    let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
+                    self.attention(layer, row, sequence, projected)
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
             x = (x + rows_product(&stack(outputs)?, &block.wo, &spans)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);

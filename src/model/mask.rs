@@ -20,8 +20,8 @@ pub struct ChunkVectors<'a> {
 }
 
 /// A policy deciding, at each layer of a forward pass, what every query of the chunk attends
-/// over.
-pub trait AttentionMask {
+/// over. (The rows of a batched pass attend on worker threads, each with its own mask.)
+pub trait AttentionMask: Send {
     /// The additive mask `[n_heads, n, past + n]` of layer `layer` (0 where a query attends,
     /// −∞ elsewhere, never a position after the query's own), or `None` for the causal mask.
     fn layer_mask(

@@ -19,9 +19,6 @@ use rayon::prelude::*;
 /// The depth up to which `gemm`'s blocked kernel sums as its one-row path does.
 const GEMM_DEPTH_BLOCK: usize = 1024;
 
-/// Columns of the output one task computes: the rows' partial sums for them stay in L1.
-const COLUMNS: usize = 64;
-
 /// `x · w` for `x` `[m, k]` stacking `rows` rows of `x.dims()[0] / rows` tokens each and `w`
 /// `[k, n]`, each row's result as it gets it alone: one stacked product where that changes no
 /// sum (one row, or a depth within a `gemm` block), the one-row summation where every row is one
@@ -72,182 +69,252 @@ pub(crate) fn rows_product(
     Ok(Tensor::cat(&parts, 0)?)
 }
 
+/// Columns one task computes.
+const TASK_COLUMNS: usize = 64;
+
 /// `x [m, k] · w [k, n]`, row-major, each output `x[r, 0]·w[0, j]` and then the later terms
-/// added in order by multiply-adds, fused where the processor fuses them (as `gemm` does).
+/// added in order by multiply-adds, fused where `gemm` fuses them (AVX2 with FMA).
 fn one_token_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
-    let fused = fuses_multiply_add();
-    let blocks: Vec<(usize, Vec<f32>)> = (0..n)
-        .step_by(COLUMNS)
-        .collect::<Vec<_>>()
-        .into_par_iter()
-        .map(|first| {
-            let width = COLUMNS.min(n - first);
-            let block = pulp::Arch::new().dispatch(ColumnBlock {
-                x,
-                w,
-                shape: (m, k, n),
-                columns: (first, width),
-                fused,
-            });
-            (first, block)
+    let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
+    let blocks: Vec<Vec<f32>> = starts
+        .par_iter()
+        .map(|&first| {
+            let width = TASK_COLUMNS.min(n - first);
+            let mut block = vec![0.0f32; m * width];
+            chain_block(x, w, (m, k, n), (first, width), &mut block);
+            block
         })
         .collect();
+    assemble(&blocks, m, n)
+}
+
+/// The task blocks `[m, width]` of consecutive columns, as one `[m, n]`.
+fn assemble(blocks: &[Vec<f32>], m: usize, n: usize) -> Vec<f32> {
     let mut out = vec![0.0; m * n];
-    for (first, block) in blocks {
+    let mut first = 0;
+    for block in blocks {
         let width = block.len() / m.max(1);
         for (row, values) in block.chunks_exact(width).enumerate() {
             out[row * n + first..][..width].copy_from_slice(values);
         }
+        first += width;
+    }
+    out
+}
+
+/// Columns `first..first + width` of `x · w` into `block` `[m, width]`, summed as a chain.
+fn chain_block(
+    x: &[f32],
+    w: &[f32],
+    shape: (usize, usize, usize),
+    columns: (usize, usize),
+    block: &mut [f32],
+) {
+    #[cfg(target_arch = "x86_64")]
+    if fuses_multiply_add() {
+        // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
+        return unsafe { chain_block_avx2(x, w, shape, columns, block) };
+    }
+    let (m, k, n) = shape;
+    let (first, width) = columns;
+    for row in 0..m {
+        for column in 0..width {
+            let weight = |depth: usize| w[depth * n + first + column];
+            let mut sum = x[row * k] * weight(0);
+            for depth in 1..k {
+                sum = x[row * k + depth] * weight(depth) + sum;
+            }
+            block[row * width + column] = sum;
+        }
+    }
+}
+
+/// [`chain_block`] with AVX2: four rows by sixteen columns held in registers over the depth,
+/// the columns left over one by one.
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn chain_block_avx2(
+    x: &[f32],
+    w: &[f32],
+    (m, k, n): (usize, usize, usize),
+    (first, width): (usize, usize),
+    block: &mut [f32],
+) {
+    const ROWS: usize = 4;
+    let strips = width / 16 * 16;
+    let mut row = 0;
+    while row < m {
+        let rows = ROWS.min(m - row);
+        for column in (0..strips).step_by(16) {
+            let sums = match rows {
+                4 => chain_strip::<4>(x, w, (k, n), row, first + column),
+                3 => chain_strip::<3>(x, w, (k, n), row, first + column),
+                2 => chain_strip::<2>(x, w, (k, n), row, first + column),
+                _ => chain_strip::<1>(x, w, (k, n), row, first + column),
+            };
+            for (offset, values) in sums.iter().enumerate().take(rows) {
+                block[(row + offset) * width + column..][..16].copy_from_slice(values);
+            }
+        }
+        for column in strips..width {
+            for offset in 0..rows {
+                let (r, j) = (row + offset, first + column);
+                let mut sum = x[r * k] * w[j];
+                for depth in 1..k {
+                    sum = x[r * k + depth].mul_add(w[depth * n + j], sum);
+                }
+                block[(row + offset) * width + column] = sum;
+            }
+        }
+        row += rows;
+    }
+}
+
+/// Rows `row..row + R` by columns `column..column + 16` of the chain sums.
+///
+/// # Safety
+/// The processor has AVX2 and FMA. (The bounds are checked once, before the loads.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+#[inline]
+unsafe fn chain_strip<const R: usize>(
+    x: &[f32],
+    w: &[f32],
+    (k, n): (usize, usize),
+    row: usize,
+    column: usize,
+) -> [[f32; 16]; 4] {
+    use std::arch::x86_64::*;
+    assert!(k > 0 && (k - 1) * n + column + 16 <= w.len() && (row + R) * k <= x.len());
+    let (w, x) = (w.as_ptr().add(column), x.as_ptr().add(row * k));
+    let mut sums = [[_mm256_setzero_ps(); 2]; R];
+    let (low, high) = (_mm256_loadu_ps(w), _mm256_loadu_ps(w.add(8)));
+    for (offset, sum) in sums.iter_mut().enumerate() {
+        let a = _mm256_set1_ps(*x.add(offset * k));
+        *sum = [_mm256_mul_ps(a, low), _mm256_mul_ps(a, high)];
+    }
+    for depth in 1..k {
+        let weights = w.add(depth * n);
+        let (low, high) = (_mm256_loadu_ps(weights), _mm256_loadu_ps(weights.add(8)));
+        for (offset, sum) in sums.iter_mut().enumerate() {
+            let a = _mm256_set1_ps(*x.add(offset * k + depth));
+            *sum = [
+                _mm256_fmadd_ps(a, low, sum[0]),
+                _mm256_fmadd_ps(a, high, sum[1]),
+            ];
+        }
+    }
+    let mut out = [[0.0f32; 16]; 4];
+    for (values, sum) in out.iter_mut().zip(&sums) {
+        _mm256_storeu_ps(values.as_mut_ptr(), sum[0]);
+        _mm256_storeu_ps(values.as_mut_ptr().add(8), sum[1]);
     }
     out
 }
 
 /// `x [m, k] · wᵀ` for `w` `[n, k]` row-major: each output the dot product of a row of `x` and
-/// one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it (its SIMD
-/// width: 8 lanes where it runs AVX2 with FMA, else 1).
+/// one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
 fn dot_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
-    let fused = fuses_multiply_add();
-    let outputs: Vec<Vec<f32>> = w
-        .par_chunks(COLUMNS * k)
-        .map(|block| {
-            pulp::Arch::new().dispatch(DotBlock {
-                x,
-                w: block,
-                shape: (m, k),
-                fused,
-            })
+    let blocks: Vec<Vec<f32>> = w
+        .par_chunks(TASK_COLUMNS * k)
+        .map(|weights| {
+            let columns = weights.len() / k;
+            let mut block = vec![0.0f32; m * columns];
+            for (column, weight) in weights.chunks_exact(k).enumerate() {
+                for row in 0..m {
+                    block[row * columns + column] = gemv_dot(&x[row * k..][..k], weight);
+                }
+            }
+            block
         })
         .collect();
-    let mut out = vec![0.0; m * n];
-    for (index, block) in outputs.iter().enumerate() {
-        let width = block.len() / m.max(1);
-        for (row, values) in block.chunks_exact(width).enumerate() {
-            out[row * n + index * COLUMNS..][..width].copy_from_slice(values);
-        }
+    assemble(&blocks, m, n)
+}
+
+/// `a · b` summed as `gemm`'s `mixed_gemv_rowmajor` sums it: with AVX2 and FMA, eight 8-lane
+/// accumulators over blocks of 64 terms, added pairwise; whole vectors into the first; its
+/// lanes in order; the remaining terms one by one, all fused. Without them, the same with
+/// 1-lane accumulators, unfused.
+fn gemv_dot(a: &[f32], b: &[f32]) -> f32 {
+    #[cfg(target_arch = "x86_64")]
+    if fuses_multiply_add() {
+        // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
+        return unsafe { gemv_dot_avx2(a, b) };
     }
-    out
-}
-
-/// The dot products of every row of `x` with the rows of `w` (a block of a weight's rows),
-/// `[m, rows of w]`.
-struct DotBlock<'a> {
-    x: &'a [f32],
-    w: &'a [f32],
-    shape: (usize, usize),
-    fused: bool,
-}
-
-impl pulp::WithSimd for DotBlock<'_> {
-    type Output = Vec<f32>;
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Vec<f32> {
-        let (m, k) = self.shape;
-        let columns = self.w.len() / k;
-        let mut out = vec![0.0f32; m * columns];
-        for (column, weights) in self.w.chunks_exact(k).enumerate() {
-            for row in 0..m {
-                let x = &self.x[row * k..][..k];
-                out[row * columns + column] = match self.fused {
-                    true => gemv_dot::<8, true>(x, weights),
-                    false => gemv_dot::<1, false>(x, weights),
-                };
-            }
-        }
-        out
-    }
-}
-
-/// `a · b` summed as `gemm`'s `mixed_gemv_rowmajor` sums it with `LANES`-wide vectors: eight
-/// accumulators over blocks of `8 × LANES`, added pairwise; then whole vectors into the first;
-/// then its lanes in order; then the remaining terms one by one.
-#[inline(always)]
-fn gemv_dot<const LANES: usize, const FUSED: bool>(a: &[f32], b: &[f32]) -> f32 {
-    let multiply_add = |x: f32, y: f32, acc: f32| match FUSED {
-        true => x.mul_add(y, acc),
-        false => x * y + acc,
-    };
     let k = a.len();
-    let (block, whole) = (8 * LANES, k / LANES * LANES);
-    let mut acc = [[0.0f32; LANES]; 8];
+    let mut acc = [0.0f32; 8];
     let mut depth = 0;
-    while depth + block <= k {
-        for (index, lanes) in acc.iter_mut().enumerate() {
-            let at = depth + index * LANES;
-            for (lane, value) in lanes.iter_mut().enumerate() {
-                *value = multiply_add(a[at + lane], b[at + lane], *value);
-            }
+    while depth + 8 <= k {
+        for (lane, value) in acc.iter_mut().enumerate() {
+            *value = a[depth + lane] * b[depth + lane] + *value;
         }
-        depth += block;
+        depth += 8;
     }
-    let add = |x: [f32; LANES], y: [f32; LANES]| -> [f32; LANES] {
-        std::array::from_fn(|lane| x[lane] + y[lane])
-    };
-    let low = add(add(acc[0], acc[1]), add(acc[2], acc[3]));
-    let high = add(add(acc[4], acc[5]), add(acc[6], acc[7]));
-    let mut sum = add(low, high);
-    while depth < whole {
-        for (lane, value) in sum.iter_mut().enumerate() {
-            *value = multiply_add(a[depth + lane], b[depth + lane], *value);
-        }
-        depth += LANES;
-    }
-    let mut total = sum[0];
-    for value in &sum[1..] {
-        total += value;
-    }
+    let mut total =
+        ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for index in depth..k {
-        total = multiply_add(a[index], b[index], total);
+        total = a[index] * b[index] + total;
     }
     total
 }
 
-/// Whether `gemm` fuses its multiply-adds here: its AVX2 kernels need FMA, and without them it
-/// multiplies and adds.
+/// [`gemv_dot`] with AVX2 and FMA.
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_dot_avx2(a: &[f32], b: &[f32]) -> f32 {
+    use std::arch::x86_64::*;
+    let k = a.len();
+    assert_eq!(a.len(), b.len());
+    let (pa, pb) = (a.as_ptr(), b.as_ptr());
+    let mut acc = [_mm256_setzero_ps(); 8];
+    let mut depth = 0;
+    while depth + 64 <= k {
+        for (index, sum) in acc.iter_mut().enumerate() {
+            let at = depth + 8 * index;
+            *sum = _mm256_fmadd_ps(
+                _mm256_loadu_ps(pa.add(at)),
+                _mm256_loadu_ps(pb.add(at)),
+                *sum,
+            );
+        }
+        depth += 64;
+    }
+    let low = _mm256_add_ps(_mm256_add_ps(acc[0], acc[1]), _mm256_add_ps(acc[2], acc[3]));
+    let high = _mm256_add_ps(_mm256_add_ps(acc[4], acc[5]), _mm256_add_ps(acc[6], acc[7]));
+    let mut sum = _mm256_add_ps(low, high);
+    while depth + 8 <= k {
+        sum = _mm256_fmadd_ps(
+            _mm256_loadu_ps(pa.add(depth)),
+            _mm256_loadu_ps(pb.add(depth)),
+            sum,
+        );
+        depth += 8;
+    }
+    let mut lanes = [0.0f32; 8];
+    _mm256_storeu_ps(lanes.as_mut_ptr(), sum);
+    let mut total = lanes[0];
+    for value in &lanes[1..] {
+        total += value;
+    }
+    for index in depth..k {
+        total = a[index].mul_add(b[index], total);
+    }
+    total
+}
+
+/// Whether `gemm` fuses its multiply-adds here: it runs its AVX2 kernels (which fuse) where the
+/// processor has AVX2 and FMA, and otherwise multiplies and adds.
 fn fuses_multiply_add() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return std::arch::is_x86_feature_detected!("fma")
-        && std::arch::is_x86_feature_detected!("avx2");
+    return std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]
-    true
-}
-
-/// The outputs of columns `first..first + width` of every row, `[m, width]`.
-struct ColumnBlock<'a> {
-    x: &'a [f32],
-    w: &'a [f32],
-    shape: (usize, usize, usize),
-    columns: (usize, usize),
-    fused: bool,
-}
-
-impl pulp::WithSimd for ColumnBlock<'_> {
-    type Output = Vec<f32>;
-
-    #[inline(always)]
-    fn with_simd<S: pulp::Simd>(self, _simd: S) -> Vec<f32> {
-        let (m, k, n) = self.shape;
-        let (first, width) = self.columns;
-        let mut block = vec![0.0f32; m * width];
-        for depth in 0..k {
-            let weights = &self.w[depth * n + first..][..width];
-            for (row, out) in block.chunks_exact_mut(width).enumerate() {
-                let a = self.x[row * k + depth];
-                match (depth, self.fused) {
-                    (0, _) => out.iter_mut().zip(weights).for_each(|(o, &b)| *o = a * b),
-                    (_, true) => out
-                        .iter_mut()
-                        .zip(weights)
-                        .for_each(|(o, &b)| *o = a.mul_add(b, *o)),
-                    (_, false) => out
-                        .iter_mut()
-                        .zip(weights)
-                        .for_each(|(o, &b)| *o = a * b + *o),
-                }
-            }
-        }
-        block
-    }
+    false
 }
 
 #[cfg(test)]
