@@ -1,6 +1,7 @@
 //! Tensor operations both model families share: RMSNorm, the half-split rotary, head splitting,
 //! and masked softmax attention (grouped-query).
 
+use super::product::rows_product;
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
 
@@ -77,7 +78,10 @@ pub(crate) fn attend(
     mask: &Tensor,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
-    let heads = q.dims()[0];
+    let (heads, n, _) = q.dims3()?;
+    if n == 1 {
+        return attend_one_query(q, keys_t, values, mask, scale);
+    }
     let kv_heads = keys_t.dims()[0];
     let group = heads / kv_heads;
     let mut outputs = Vec::with_capacity(heads);
@@ -95,6 +99,41 @@ pub(crate) fn attend(
             let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
             outputs.push(weights.matmul(&values)?);
         }
+    }
+    Ok(Tensor::cat(&outputs, 0)?)
+}
+
+/// [`attend`] for one query per head (a decode step): each KV head's group of query heads in one
+/// product against its keys and one weighted sum of its values, both summed as the products of
+/// one head at a time sum them ([`rows_product`]), so the result is [`attend`]'s head by head,
+/// bit for bit, with a fraction of the operations.
+fn attend_one_query(
+    q: &Tensor,
+    keys_t: &Tensor,
+    values: &Tensor,
+    mask: &Tensor,
+    scale: f64,
+) -> Result<Tensor, ModelError> {
+    let heads = q.dims()[0];
+    let kv_heads = keys_t.dims()[0];
+    let group = heads / kv_heads;
+    let one_row_each: Vec<(usize, usize)> = (0..group).map(|row| (row, 1)).collect();
+    let mut outputs = Vec::with_capacity(kv_heads);
+    for kv in 0..kv_heads {
+        let keys_t = keys_t.narrow(0, kv, 1)?.squeeze(0)?;
+        let values = values.narrow(0, kv, 1)?.squeeze(0)?;
+        let queries = q.narrow(0, kv * group, group)?.squeeze(1)?;
+        let mask = match mask.rank() {
+            3 => mask.narrow(0, kv * group, group)?.squeeze(1)?,
+            _ => mask.clone(),
+        };
+        let product = |x: &Tensor, w: &Tensor| rows_product(x, w, &one_row_each);
+        let logits = (product(&queries, &keys_t)? * scale)?.broadcast_add(&mask)?;
+        let max = logits.max_keepdim(D::Minus1)?;
+        let weights = logits.broadcast_sub(&max)?.exp()?;
+        let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+        let mixed = product(&weights, &values)?;
+        outputs.push(mixed.unsqueeze(1)?);
     }
     Ok(Tensor::cat(&outputs, 0)?)
 }
@@ -194,6 +233,89 @@ mod tests {
             assert_eq!(got.len(), want.len());
             for (g, w) in got.iter().zip(&want) {
                 assert!((*g as f64 - w).abs() < 1e-6, "{g} vs {w}");
+            }
+        }
+    }
+
+    /// The head-by-head products [`attend`] makes for several queries, for one query.
+    fn head_by_head(q: &Tensor, keys_t: &Tensor, values: &Tensor, mask: &Tensor) -> Vec<f32> {
+        let (heads, kv_heads) = (q.dims()[0], keys_t.dims()[0]);
+        let group = heads / kv_heads;
+        let mut out = Vec::new();
+        for head in 0..heads {
+            let kv = head / group;
+            let mask = match mask.rank() {
+                3 => mask.narrow(0, head, 1).unwrap(),
+                _ => mask.clone(),
+            };
+            let logits = (q
+                .narrow(0, head, 1)
+                .unwrap()
+                .matmul(&keys_t.narrow(0, kv, 1).unwrap())
+                .unwrap()
+                * 0.125)
+                .unwrap()
+                .broadcast_add(&mask)
+                .unwrap();
+            let max = logits.max_keepdim(D::Minus1).unwrap();
+            let weights = logits.broadcast_sub(&max).unwrap().exp().unwrap();
+            let weights = weights
+                .broadcast_div(&weights.sum_keepdim(D::Minus1).unwrap())
+                .unwrap();
+            let mixed = weights.matmul(&values.narrow(0, kv, 1).unwrap()).unwrap();
+            out.extend(mixed.flatten_all().unwrap().to_vec1::<f32>().unwrap());
+        }
+        out
+    }
+
+    #[test]
+    fn one_query_per_head_is_the_head_by_head_result_bit_for_bit() {
+        let (heads, kv_heads, dim) = (6, 2, 64);
+        let wave = |len: usize, seed: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| ((i as f32 + seed) * 0.391).sin())
+                .collect()
+        };
+        // Depths within, between and beyond gemm's blocks (512 deep for small products, 1,024
+        // for larger ones), in a cache buffer with room to spare.
+        for positions in [40, 600, 1500] {
+            let capacity = positions + 7;
+            let buffer = |seed| {
+                Tensor::from_vec(
+                    wave(kv_heads * capacity * dim, seed),
+                    (kv_heads, capacity, dim),
+                    &Device::Cpu,
+                )
+                .unwrap()
+            };
+            let values = buffer(1.3).narrow(1, 0, positions).unwrap();
+            let keys_t = buffer(2.1)
+                .transpose(1, 2)
+                .unwrap()
+                .contiguous()
+                .unwrap()
+                .narrow(2, 0, positions)
+                .unwrap();
+            let q =
+                Tensor::from_vec(wave(heads * dim, 0.7), (heads, 1, dim), &Device::Cpu).unwrap();
+            let mut per_head = vec![0.0f32; heads * positions];
+            per_head[3 * positions + 5] = f32::NEG_INFINITY;
+            let masks = [
+                Tensor::zeros((1, positions), candle_core::DType::F32, &Device::Cpu).unwrap(),
+                Tensor::from_vec(per_head, (heads, 1, positions), &Device::Cpu).unwrap(),
+            ];
+            for mask in masks {
+                let got: Vec<f32> = attend(&q, &keys_t, &values, &mask, 0.125)
+                    .unwrap()
+                    .flatten_all()
+                    .unwrap()
+                    .to_vec1()
+                    .unwrap();
+                assert_eq!(
+                    got,
+                    head_by_head(&q, &keys_t, &values, &mask),
+                    "{positions} positions"
+                );
             }
         }
     }

@@ -10,63 +10,71 @@
 //! blocks: the same sums as the first path up to that depth, not beyond it (a Llama MLP's down
 //! projection, 1,536 deep in SmolLM2; 2,048 in Gemma 3 270M), and never the second path's.
 //! [`rows_product`] sums a batch of single-token rows as those paths sum one row, so each row
-//! gets its unbatched logits bit for bit.
+//! gets its unbatched logits bit for bit. (The blocks are 512 deep for small products and depend
+//! on the processor's caches otherwise, so no depth is safe to leave to the blocked kernel.)
 
 use super::ModelError;
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
 
-/// The depth up to which `gemm`'s blocked kernel sums as its one-row path does.
-const GEMM_DEPTH_BLOCK: usize = 1024;
-
-/// `x · w` for `x` `[m, k]` stacking `rows` rows of `x.dims()[0] / rows` tokens each and `w`
-/// `[k, n]`, each row's result as it gets it alone: one stacked product where that changes no
-/// sum (one row, or a depth within a `gemm` block), the one-row summation where every row is one
-/// token, else a product per row.
+/// `x · w` for `x` `[m, k]` stacking rows of tokens at `spans` and `w` `[k, n]`, each row's
+/// result as it gets it alone: a product per row unless every row is one token, then the
+/// one-row summation of `gemm` on all of them at once (never its blocked kernel, whose depth
+/// blocks depend on the shapes and on the processor's caches).
 pub(crate) fn rows_product(
     x: &Tensor,
     w: &Tensor,
     spans: &[(usize, usize)],
 ) -> Result<Tensor, ModelError> {
-    let (m, k) = x.dims2()?;
-    let single_tokens = spans.len() > 1 && spans.iter().all(|&(_, n)| n == 1);
-    let transposed = !w.is_contiguous() && w.t()?.is_contiguous();
-    if single_tokens && transposed {
-        let n = w.dims2()?.1;
-        let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let rows_of_w = w.t()?;
-        let (storage, layout) = rows_of_w.storage_and_layout();
-        let out = match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(weights), Some((start, end))) => {
-                dot_rows(&xs, &weights.as_slice::<f32>()?[start..end], (m, k, n))
-            }
-            _ => unreachable!("a contiguous CPU tensor"),
-        };
-        return Ok(Tensor::from_vec(out, (m, n), &Device::Cpu)?);
-    }
-    if spans.len() == 1 || (k <= GEMM_DEPTH_BLOCK && !transposed) {
+    if spans.len() == 1 {
         return Ok(x.matmul(w)?);
     }
-    if single_tokens {
-        let n = w.dims2()?.1;
-        let xs = x.flatten_all()?.to_vec1::<f32>()?;
-        let (storage, layout) = w.storage_and_layout();
-        let out = match (&*storage, layout.contiguous_offsets()) {
-            (Storage::Cpu(weights), Some((start, end))) => {
-                one_token_rows(&xs, &weights.as_slice::<f32>()?[start..end], (m, k, n))
-            }
-            _ => {
-                let ws = w.flatten_all()?.to_vec1::<f32>()?;
-                one_token_rows(&xs, &ws, (m, k, n))
-            }
-        };
-        return Ok(Tensor::from_vec(out, (m, n), &Device::Cpu)?);
+    if spans.iter().any(|&(_, n)| n != 1) {
+        let parts = spans
+            .iter()
+            .map(|&(first, n)| x.narrow(0, first, n)?.matmul(w))
+            .collect::<Result<Vec<_>, _>>()?;
+        return Ok(Tensor::cat(&parts, 0)?);
     }
-    let parts = spans
-        .iter()
-        .map(|&(first, n)| x.narrow(0, first, n)?.matmul(w))
-        .collect::<Result<Vec<_>, _>>()?;
-    Ok(Tensor::cat(&parts, 0)?)
+    let (m, k) = x.dims2()?;
+    let n = w.dims2()?.1;
+    let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let chained = with_rows(w, |rows, stride| {
+        one_token_rows(&xs, rows, stride, (m, k, n))
+    })?;
+    let out = match chained {
+        Some(out) => out,
+        None => {
+            let dotted = with_rows(&w.t()?, |rows, stride| {
+                dot_rows(&xs, rows, stride, (m, k, n))
+            })?;
+            match dotted {
+                Some(out) => out,
+                None => {
+                    let rows = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+                    one_token_rows(&xs, &rows, n, (m, k, n))
+                }
+            }
+        }
+    };
+    Ok(Tensor::from_vec(out, (m, n), &Device::Cpu)?)
+}
+
+/// `f` of the rows of 2-D `t` in memory (from its first element) and their stride, where its
+/// columns are adjacent (a row-major matrix or a slice of its rows or columns); `None` otherwise.
+fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32], usize) -> R) -> Result<Option<R>, ModelError> {
+    let (rows, columns) = t.dims2()?;
+    let (storage, layout) = t.storage_and_layout();
+    let stride = layout.stride();
+    let Storage::Cpu(cpu) = &*storage else {
+        return Ok(None);
+    };
+    if stride[1] != 1 || rows == 0 {
+        return Ok(None);
+    }
+    let start = layout.start_offset();
+    let data = &cpu.as_slice::<f32>()?[start..][..(rows - 1) * stride[0] + columns];
+    Ok(Some(f(data, stride[0])))
 }
 
 /// Columns one task computes.
@@ -74,14 +82,19 @@ const TASK_COLUMNS: usize = 64;
 
 /// `x [m, k] · w [k, n]`, row-major, each output `x[r, 0]·w[0, j]` and then the later terms
 /// added in order by multiply-adds, fused where `gemm` fuses them (AVX2 with FMA).
-fn one_token_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+fn one_token_rows(
+    x: &[f32],
+    w: &[f32],
+    stride: usize,
+    (m, k, n): (usize, usize, usize),
+) -> Vec<f32> {
     let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
     let blocks: Vec<Vec<f32>> = starts
         .par_iter()
         .map(|&first| {
             let width = TASK_COLUMNS.min(n - first);
             let mut block = vec![0.0f32; m * width];
-            chain_block(x, w, (m, k, n), (first, width), &mut block);
+            chain_block(x, (w, stride), (m, k), (first, width), &mut block);
             block
         })
         .collect();
@@ -102,20 +115,22 @@ fn assemble(blocks: &[Vec<f32>], m: usize, n: usize) -> Vec<f32> {
     out
 }
 
-/// Columns `first..first + width` of `x · w` into `block` `[m, width]`, summed as a chain.
+/// Columns `first..first + width` of `x · w` (`w`'s rows `stride` apart) into `block`
+/// `[m, width]`, summed as a chain.
 fn chain_block(
     x: &[f32],
-    w: &[f32],
-    shape: (usize, usize, usize),
+    (w, stride): (&[f32], usize),
+    shape: (usize, usize),
     columns: (usize, usize),
     block: &mut [f32],
 ) {
     #[cfg(target_arch = "x86_64")]
     if fuses_multiply_add() {
         // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
-        return unsafe { chain_block_avx2(x, w, shape, columns, block) };
+        return unsafe { chain_block_avx2(x, (w, stride), shape, columns, block) };
     }
-    let (m, k, n) = shape;
+    let (m, k) = shape;
+    let n = stride;
     let (first, width) = columns;
     for row in 0..m {
         for column in 0..width {
@@ -138,8 +153,8 @@ fn chain_block(
 #[target_feature(enable = "avx2,fma")]
 unsafe fn chain_block_avx2(
     x: &[f32],
-    w: &[f32],
-    (m, k, n): (usize, usize, usize),
+    (w, n): (&[f32], usize),
+    (m, k): (usize, usize),
     (first, width): (usize, usize),
     block: &mut [f32],
 ) {
@@ -215,17 +230,19 @@ unsafe fn chain_strip<const R: usize>(
     out
 }
 
-/// `x [m, k] · wᵀ` for `w` `[n, k]` row-major: each output the dot product of a row of `x` and
-/// one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
-fn dot_rows(x: &[f32], w: &[f32], (m, k, n): (usize, usize, usize)) -> Vec<f32> {
-    let blocks: Vec<Vec<f32>> = w
-        .par_chunks(TASK_COLUMNS * k)
-        .map(|weights| {
-            let columns = weights.len() / k;
-            let mut block = vec![0.0f32; m * columns];
-            for (column, weight) in weights.chunks_exact(k).enumerate() {
+/// `x [m, k] · wᵀ` for `w` `[n, k]` (rows `stride` apart): each output the dot product of a row
+/// of `x` and one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
+fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
+    let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
+    let blocks: Vec<Vec<f32>> = starts
+        .par_iter()
+        .map(|&first| {
+            let width = TASK_COLUMNS.min(n - first);
+            let mut block = vec![0.0f32; m * width];
+            for column in 0..width {
+                let weight = &w[(first + column) * stride..][..k];
                 for row in 0..m {
-                    block[row * columns + column] = gemv_dot(&x[row * k..][..k], weight);
+                    block[row * width + column] = gemv_dot(&x[row * k..][..k], weight);
                 }
             }
             block
