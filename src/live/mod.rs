@@ -30,6 +30,11 @@
 //! be causal (an oracle needing future queries runs under `prefill` only). A `streaming` policy
 //! already changes the prompt's last logits, so its teacher-forced steps start at step 0.
 //!
+//! Those that evict nothing while the prompt runs start from the full run's prefill instead, their
+//! streams fed its recorded prompt vectors (the ones their own prefill makes). The policies of a
+//! session decode together ([`batch`]): each step one forward pass whose rows are the policies,
+//! each row's numbers those it gets alone.
+//!
 //! Every run also measures the live attention ([`drift`]): per layer, the share of each live
 //! query's attention over the whole live cache that its kept set holds, over the teacher-forced
 //! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
