@@ -1,44 +1,14 @@
 //! Several sequences in one forward pass. Every weight product runs once over the rows of all of
 //! them stacked (a decode step of many policies reads each weight matrix once instead of once per
 //! policy), while each sequence keeps its own cache, positions, recorder and mask, and its
-//! attention runs alone, exactly as in a pass of its own. A row of a stacked product is the same
-//! dot products, in the same order, as the product of that row alone, so a sequence's logits do
+//! attention runs alone (on worker threads), exactly as in a pass of its own. A stacked product
+//! sums each row as the product of that row alone does (`product.rs`), so a sequence's logits do
 //! not depend on what it was batched with (`tests/live.rs` checks it bit for bit).
 
-use super::causal_lm::KvCache;
-use super::mask::AttentionMask;
-use super::recorder::Recorder;
+use super::causal_lm::Row;
 use super::ModelError;
 use candle_core::{Device, Tensor};
-
-/// One sequence of a batched forward pass: its next tokens (positions `cache.len()..`), its
-/// cache, what records it, and the policy that masks its attention.
-pub struct Row<'a, 'm> {
-    /// The tokens to run.
-    pub ids: &'a [u32],
-    /// The sequence's cache, appended to.
-    pub cache: &'a mut KvCache,
-    /// Records what attention saw, when given.
-    pub recorder: Option<&'a mut Recorder>,
-    /// Decides what each query attends over; causal when absent.
-    pub mask: Option<&'a mut (dyn AttentionMask + 'm)>,
-}
-
-impl<'a, 'm> Row<'a, 'm> {
-    /// A row of `ids` over `cache`, unrecorded, masked by `mask` when given.
-    pub fn new(
-        ids: &'a [u32],
-        cache: &'a mut KvCache,
-        mask: Option<&'a mut (dyn AttentionMask + 'm)>,
-    ) -> Self {
-        Self {
-            ids,
-            cache,
-            recorder: None,
-            mask,
-        }
-    }
-}
+use rayon::prelude::*;
 
 /// Where each row's tokens sit among the stacked rows: `(first, n)`.
 pub(crate) fn spans(rows: &[Row<'_, '_>]) -> Vec<(usize, usize)> {
@@ -73,6 +43,27 @@ pub(crate) fn stack(mut parts: Vec<Tensor>) -> Result<Tensor, ModelError> {
         return Ok(parts.pop().expect("one part"));
     }
     Ok(Tensor::cat(&parts, 0)?)
+}
+
+/// Each row's attention at one layer, on worker threads: `attention(row, its state, its q, k, v
+/// projections)` for the row's span of the stacked projections; the outputs stacked.
+pub(crate) fn each_row_attends<S: Sync>(
+    rows: &mut [Row<'_, '_>],
+    (states, spans): (&[S], &[(usize, usize)]),
+    (q, k, v): (&Tensor, &Tensor, &Tensor),
+    attention: impl Fn(&mut Row<'_, '_>, &S, (Tensor, Tensor, Tensor)) -> Result<Tensor, ModelError>
+        + Sync,
+) -> Result<Tensor, ModelError> {
+    let outputs = rows
+        .par_iter_mut()
+        .zip(states)
+        .zip(spans)
+        .map(|((row, state), &(first, n))| {
+            let narrow = |t: &Tensor| t.narrow(0, first, n);
+            attention(row, state, (narrow(q)?, narrow(k)?, narrow(v)?))
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    stack(outputs)
 }
 
 /// The hidden states of each row's last token, stacked `[rows, hidden]`.

@@ -2,7 +2,6 @@
 //! ([`CausalLm`]), its geometry ([`ModelSpec`]), its KV cache and the recorder that keeps what
 //! attention saw. Greedy generation is written once, here, for every family.
 
-use super::batch::Row;
 use super::mask::AttentionMask;
 use super::prompt::TextTokenizer;
 use super::recorder::Recorder;
@@ -33,6 +32,35 @@ pub struct ModelSpec {
     /// Per layer, the attention window (the most recent positions a query attends over, its own
     /// included); 0 for global attention.
     pub windows: Vec<usize>,
+}
+
+/// One sequence of a batched forward pass: its next tokens (positions `cache.len()..`), its
+/// cache, what records it, and the policy that masks its attention.
+pub struct Row<'a, 'm> {
+    /// The tokens to run.
+    pub ids: &'a [u32],
+    /// The sequence's cache, appended to.
+    pub cache: &'a mut KvCache,
+    /// Records what attention saw, when given.
+    pub recorder: Option<&'a mut Recorder>,
+    /// Decides what each query attends over; causal when absent.
+    pub mask: Option<&'a mut (dyn AttentionMask + 'm)>,
+}
+
+impl<'a, 'm> Row<'a, 'm> {
+    /// A row of `ids` over `cache`, unrecorded, masked by `mask` when given.
+    pub fn new(
+        ids: &'a [u32],
+        cache: &'a mut KvCache,
+        mask: Option<&'a mut (dyn AttentionMask + 'm)>,
+    ) -> Self {
+        Self {
+            ids,
+            cache,
+            recorder: None,
+            mask,
+        }
+    }
 }
 
 /// A native causal language model: one forward pass over a KV cache that a policy may mask.

@@ -14,9 +14,11 @@
 //! `sliding_window_overlay`: `q - kv < window`). Checked against transformers' own loading of the
 //! same GGUF (docs/assets.md).
 
-use super::batch::{check_rows, last_spans, last_states, row_logits, spans, stack, stacked_ids, Row};
+use super::batch::{
+    check_rows, each_row_attends, last_spans, last_states, row_logits, spans, stacked_ids,
+};
+use super::causal_lm::{CausalLm, ModelSpec, Row};
 use super::product::rows_product;
-use super::causal_lm::{CausalLm, ModelSpec};
 use super::gguf::GgufFile;
 use super::llama::transposed;
 use super::mask::{policy_mask, window_mask};
@@ -26,7 +28,6 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -170,17 +171,13 @@ impl CausalLm for Gemma3 {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
-            let outputs = rows
-                .par_iter_mut()
-                .zip(&sequences)
-                .zip(&spans)
-                .map(|((row, sequence), &(first, n))| {
-                    let narrow = |t: &Tensor| t.narrow(0, first, n);
-                    let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
-                    self.attention((layer, block), row, sequence, projected)
-                })
-                .collect::<Result<Vec<_>, ModelError>>()?;
-            let out = rows_product(&stack(outputs)?, &block.wo, &spans)?;
+            let attended = each_row_attends(
+                rows,
+                (&sequences, &spans),
+                (&q, &k, &v),
+                |row, sequence, projected| self.attention((layer, block), row, sequence, projected),
+            )?;
+            let out = rows_product(&attended, &block.wo, &spans)?;
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);

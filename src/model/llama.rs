@@ -2,9 +2,11 @@
 //! embeddings), run chunk by chunk over a KV cache, with a [`Recorder`] hook that keeps what
 //! attention saw.
 
-use super::batch::{check_rows, last_spans, last_states, row_logits, spans, stack, stacked_ids, Row};
+use super::batch::{
+    check_rows, each_row_attends, last_spans, last_states, row_logits, spans, stacked_ids,
+};
+use super::causal_lm::{CausalLm, ModelSpec, Row};
 use super::product::rows_product;
-use super::causal_lm::{CausalLm, ModelSpec};
 use super::gguf::{unpermute_rows, GgufFile};
 use super::mask::{causal_mask, policy_mask};
 use super::ops::{
@@ -13,7 +15,6 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 use std::path::Path;
 
 struct Block {
@@ -129,17 +130,13 @@ impl CausalLm for Llama {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
-            let outputs = rows
-                .par_iter_mut()
-                .zip(&sequences)
-                .zip(&spans)
-                .map(|((row, sequence), &(first, n))| {
-                    let narrow = |t: &Tensor| t.narrow(0, first, n);
-                    let projected = (narrow(&q)?, narrow(&k)?, narrow(&v)?);
-                    self.attention(layer, row, sequence, projected)
-                })
-                .collect::<Result<Vec<_>, ModelError>>()?;
-            x = (x + rows_product(&stack(outputs)?, &block.wo, &spans)?)?;
+            let attended = each_row_attends(
+                rows,
+                (&sequences, &spans),
+                (&q, &k, &v),
+                |row, sequence, projected| self.attention(layer, row, sequence, projected),
+            )?;
+            x = (x + rows_product(&attended, &block.wo, &spans)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Tensor| rows_product(&h, w, &spans);
             let gated = (product(&block.gate)?.silu()? * product(&block.up)?)?;

@@ -27,9 +27,8 @@ mod recorder;
 mod spm;
 mod tokenizer;
 
-pub use batch::Row;
 pub(crate) use causal_lm::argmax;
-pub use causal_lm::{CausalLm, KvCache, ModelSpec};
+pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};

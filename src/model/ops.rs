@@ -94,13 +94,17 @@ pub(crate) fn attend(
                 _ => mask.clone(),
             };
             let logits = (q.narrow(0, head, 1)?.matmul(&keys_t)? * scale)?.broadcast_add(&mask)?;
-            let max = logits.max_keepdim(D::Minus1)?;
-            let weights = logits.broadcast_sub(&max)?.exp()?;
-            let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-            outputs.push(weights.matmul(&values)?);
+            outputs.push(softmax(&logits)?.matmul(&values)?);
         }
     }
     Ok(Tensor::cat(&outputs, 0)?)
+}
+
+/// Softmax over the last axis, its maximum subtracted first.
+fn softmax(logits: &Tensor) -> Result<Tensor, ModelError> {
+    let max = logits.max_keepdim(D::Minus1)?;
+    let weights = logits.broadcast_sub(&max)?.exp()?;
+    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
 }
 
 /// [`attend`] for one query per head (a decode step): each KV head's group of query heads in one
@@ -129,10 +133,7 @@ fn attend_one_query(
         };
         let product = |x: &Tensor, w: &Tensor| rows_product(x, w, &one_row_each);
         let logits = (product(&queries, &keys_t)? * scale)?.broadcast_add(&mask)?;
-        let max = logits.max_keepdim(D::Minus1)?;
-        let weights = logits.broadcast_sub(&max)?.exp()?;
-        let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-        let mixed = product(&weights, &values)?;
+        let mixed = product(&softmax(&logits)?, &values)?;
         outputs.push(mixed.unsqueeze(1)?);
     }
     Ok(Tensor::cat(&outputs, 0)?)
