@@ -51,7 +51,7 @@ use crate::replay::{
     compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, Protocol, ReplayReport,
     Timing, ValidPolicy,
 };
-use crate::trace::{StorageDtype, TraceReader};
+use crate::trace::{LayerTensors, StorageDtype, TraceReader};
 use batch::PolicyMask;
 use drift::CompressedLayers;
 use rayon::prelude::*;
@@ -59,6 +59,7 @@ use serde::Serialize;
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
+use std::sync::{Arc, Mutex};
 use streams::{AttentionShape, LiveStreams};
 
 /// Errors of a live run.
@@ -338,9 +339,15 @@ impl<'m> LiveSession<'m> {
         Ok(reports.into_iter().flatten().collect())
     }
 
+    /// The most positions a live run holds: the prompt, the longer of the full run and the
+    /// generation, and one more.
+    fn capacity(&self) -> usize {
+        self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1
+    }
+
     /// How many of `policies` decode together in half the available memory.
     fn rows_in_memory(&self, policies: &[ValidPolicy]) -> usize {
-        let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
+        let capacity = self.capacity();
         let largest = policies
             .iter()
             .map(|policy| batch::row_bytes(self.trace.meta(), policy, capacity))
@@ -356,12 +363,13 @@ impl<'m> LiveSession<'m> {
         group: Vec<OpenLoopRun<'_>>,
         share_prefill: bool,
     ) -> Result<Vec<LiveReport>, LiveError> {
+        let recorded = RecordedLayers::new(&self.trace);
         let started = group
             .into_par_iter()
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
                 open_loop.trace = "the full-cache run's f32 recording".into();
-                self.prompt_end(policy, &kept, open_loop, share_prefill)
+                self.prompt_end(policy, &kept, open_loop, (share_prefill, &recorded))
             })
             .collect::<Result<Vec<_>, LiveError>>()?;
         let full = &self.full;
@@ -390,7 +398,7 @@ impl<'m> LiveSession<'m> {
         policy: &'s ValidPolicy,
         kept: &[Kept],
         open_loop: ReplayReport,
-        share_prefill: bool,
+        (share_prefill, recorded): (bool, &RecordedLayers<'_>),
     ) -> Result<batch::Started<'s>, LiveError> {
         let meta = self.trace.meta();
         let compressed = compressed_layers(meta, policy);
@@ -402,7 +410,7 @@ impl<'m> LiveSession<'m> {
             (mask, None, None)
         } else if share_prefill && self.prefill_is_shareable(policy) {
             let mut streams = self.streams(policy)?;
-            self.feed_prompt(&mut streams, &compressed)?;
+            self.feed_prompt(&mut streams, &compressed, recorded)?;
             let mask =
                 CompressedLayers::new(PolicyMask::Streams(streams), &compressed, meta.n_layers);
             (mask, None, None)
@@ -451,7 +459,7 @@ impl<'m> LiveSession<'m> {
             scale: meta.scale,
             softcap: meta.softcap,
         };
-        let capacity = self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1;
+        let capacity = self.capacity();
         let compressed = compressed_layers(meta, policy);
         let budgets = layer_budgets(&self.trace, policy)?;
         let budgets = compressed.iter().map(|&layer| budgets[layer]).collect();
@@ -473,11 +481,12 @@ impl<'m> LiveSession<'m> {
         &self,
         streams: &mut LiveStreams<'_>,
         compressed: &[usize],
+        recorded: &RecordedLayers<'_>,
     ) -> Result<(), LiveError> {
         let prompt_len = self.trace.meta().prompt_len;
         let chunk = self.chunk.max(1);
         for (index, &layer) in compressed.iter().enumerate() {
-            let recorded = self.trace.layer(layer).map_err(PolicyError::from)?;
+            let recorded = recorded.layer(layer)?;
             let values = recorded.v.as_ref().expect("a live recording holds values");
             for past in (0..prompt_len).step_by(chunk) {
                 let rows = ndarray::s![.., past..(past + chunk).min(prompt_len), ..];
@@ -552,6 +561,33 @@ impl Batching {
         rows: Some(1),
         share_prefill: false,
     };
+}
+
+/// The full run's recorded layers, each read from the recording once for all the policies of a
+/// batch whose streams are fed the prompt.
+struct RecordedLayers<'t> {
+    trace: &'t TraceReader,
+    layers: Mutex<Vec<Option<Arc<LayerTensors>>>>,
+}
+
+impl<'t> RecordedLayers<'t> {
+    fn new(trace: &'t TraceReader) -> Self {
+        Self {
+            trace,
+            layers: Mutex::new(vec![None; trace.meta().n_layers]),
+        }
+    }
+
+    /// Layer `layer`, read on first use.
+    fn layer(&self, layer: usize) -> Result<Arc<LayerTensors>, LiveError> {
+        let mut layers = self.layers.lock().expect("no reader panicked");
+        if let Some(read) = &layers[layer] {
+            return Ok(read.clone());
+        }
+        let read = Arc::new(self.trace.layer(layer).map_err(PolicyError::from)?);
+        layers[layer] = Some(read.clone());
+        Ok(read)
+    }
 }
 
 /// A policy's open-loop report and kept sets, and the policy.

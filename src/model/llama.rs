@@ -123,7 +123,7 @@ impl CausalLm for Llama {
         let spans = spans(rows);
         let mut x = self.embedding.embedding(&stacked_ids(rows)?)?;
         let sequences = rows
-            .iter_mut()
+            .iter()
             .map(|row| self.sequence(row))
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
