@@ -327,6 +327,16 @@ fn bad_recipes_name_the_field() {
         .stderr(contains(
             "r.toml: invalid recipe: missing field `depth_percent`",
         ));
+    std::fs::write(
+        dir.path().join("v.toml"),
+        "kind = \"ruler-vt\"\nprompt_tokens = 1000\nnum_hops = 0\n",
+    )
+    .unwrap();
+    kvreplay(&dir)
+        .args(["capture", "--recipe", "v.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains("v.toml: field `num_hops`: must be at least 1"));
     std::fs::write(dir.path().join("k.toml"), "kind = \"haystack\"\n").unwrap();
     kvreplay(&dir)
         .args(["capture", "--recipe", "k.toml"])

@@ -45,6 +45,10 @@ pub struct ClosedLoop {
     pub answer_ok: bool,
     /// Whether the full-cache text succeeds.
     pub full_answer_ok: bool,
+    /// The free-running text's task score (the share of expected strings found; absent in runs
+    /// stored before it was kept, where it is `answer_ok` for their one-answer recipes).
+    #[serde(default)]
+    pub answer_score: Option<f64>,
     /// The free-running text.
     pub text: String,
     /// Whether the kept sets read the full run's future queries (an oracle).
@@ -59,6 +63,14 @@ pub struct ClosedLoop {
     pub live_layers: Option<Vec<f64>>,
 }
 
+impl ClosedLoop {
+    /// The task score, from `answer_ok` for runs stored before scores were kept.
+    pub fn answer_score(&self) -> f64 {
+        self.answer_score
+            .unwrap_or(f64::from(u8::from(self.answer_ok)))
+    }
+}
+
 impl From<&LiveReport> for ClosedLoop {
     fn from(live: &LiveReport) -> Self {
         Self {
@@ -67,6 +79,7 @@ impl From<&LiveReport> for ClosedLoop {
             logprob_lost: live.logprob_lost,
             answer_ok: live.answer_ok,
             full_answer_ok: live.full_answer_ok,
+            answer_score: Some(live.answer_score),
             text: live.text.clone(),
             uses_full_run_future: live.uses_full_run_future,
             live_retained_mass: Some(live.live_retained_mass).filter(|m| m.is_finite()),

@@ -22,7 +22,7 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
             "KL full‖policy",
             "top-1 agreement",
             "logprob lost",
-            "answer ok",
+            "answer score",
         ]
         .map(String::from),
     );
@@ -44,8 +44,8 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
         format!("{:.4}", report.top1),
         format!("{:.4}", report.logprob_lost),
         format!(
-            "{} (full cache: {})",
-            report.answer_ok, report.full_answer_ok
+            "{:.2} (full cache: {:.2})",
+            report.answer_score, report.full_answer_score
         ),
     ]);
     table.push(row);

@@ -100,11 +100,16 @@ pub struct LiveReport {
     pub full_text: String,
     /// The policy's free-running greedy text.
     pub text: String,
-    /// Task success of the free-running text, when the recipe defines one (an `answer`, or the
-    /// full run's text for recipes without one).
+    /// Task success of the free-running text: every expected string of the recipe found (or,
+    /// for recipes without one, the full run's text).
     pub answer_ok: bool,
     /// Whether the full run itself succeeded (a policy can only lose what the model had).
     pub full_answer_ok: bool,
+    /// The free-running text's task score: the share of the recipe's expected strings it
+    /// contains (RULER's `string_match_all`), or 1/0 for the full run's text.
+    pub answer_score: f64,
+    /// The full run's task score.
+    pub full_answer_score: f64,
     /// Teacher-forced steps: from step 1 (step 0 comes from the full prefill, identical in both
     /// runs) unless the timing evicts during the prompt (`streaming`), then from step 0.
     pub steps: Vec<LiveStep>,
@@ -513,17 +518,21 @@ impl<'m> LiveSession<'m> {
         let tokenizer = self.model.tokenizer();
         let full_text = tokenizer.decode(&self.full.tokens);
         let text = tokenizer.decode(&decoded.generated);
-        let success = |candidate: &str| match &self.prompt.answer {
-            Some(answer) => candidate.contains(answer.as_str()),
-            None => candidate == full_text,
+        let score = |candidate: &str| {
+            self.prompt
+                .answer_score(candidate)
+                .unwrap_or(f64::from(u8::from(candidate == full_text)))
         };
+        let (answer_score, full_answer_score) = (score(&text), score(&full_text));
         let steps = decoded.steps;
         let n = steps.len() as f64;
         let live_layers = decoded.live_layers;
         LiveReport {
             policy: decoded.policy.label(),
-            answer_ok: success(&text),
-            full_answer_ok: success(&full_text),
+            answer_ok: answer_score == 1.0,
+            full_answer_ok: full_answer_score == 1.0,
+            answer_score,
+            full_answer_score,
             kl: steps.iter().map(|s| s.kl).sum::<f64>() / n,
             top1: steps.iter().filter(|s| s.top1).count() as f64 / n,
             logprob_lost: steps.iter().map(|s| s.logprob_lost).sum::<f64>() / n,

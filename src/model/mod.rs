@@ -35,7 +35,7 @@ pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;
 pub use spm::SpmTokenizer;
-pub use tokenizer::{ChatMessage, ChatTokenizer};
+pub use tokenizer::{ChatMessage, ChatTokenizer, DEFAULT_SYSTEM};
 
 crate::families! {
     llama::Llama = "llama",

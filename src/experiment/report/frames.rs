@@ -63,6 +63,10 @@ pub(super) fn write_frames(
                 "answer_ok".into(),
                 closed.iter().map(|c| c.answer_ok).collect::<Vec<_>>(),
             ),
+            column(
+                "answer_score",
+                closed.iter().map(|c| c.answer_score()).collect(),
+            ),
             Column::new(
                 "full_answer_ok".into(),
                 closed.iter().map(|c| c.full_answer_ok).collect::<Vec<_>>(),

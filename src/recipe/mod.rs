@@ -1,6 +1,12 @@
-//! Trace recipes: small TOML files in `traces/` that say which prompt to capture. Three kinds:
-//! a needle-in-a-haystack prompt (the test of Kamradt's `needlehaystack` package, built in token
-//! space so the needle's span is exact), a chat message, and a plain text file.
+//! Trace recipes: small TOML files in `traces/` that say which prompt to capture: a
+//! needle-in-a-haystack prompt ([`niah`]), a chat message, a plain text file, and RULER's
+//! synthetic tasks ([`ruler`]). Each builds a prompt in token space, with the spans a trace
+//! records and the strings a correct answer contains.
+
+pub mod niah;
+pub mod ruler;
+
+pub use niah::{NiahRecipe, NIAH_QUESTION_SUFFIX, NIAH_SYSTEM};
 
 use crate::model::{ChatMessage, ChatTokenizer, Template, TextTokenizer};
 use crate::trace::Span;
@@ -20,7 +26,7 @@ pub enum RecipeError {
         source: std::io::Error,
     },
     /// The TOML is malformed, has an unknown key or kind, or a value of the wrong type.
-    #[error("{path}: invalid recipe: {detail} (valid kinds: niah, chat, text)")]
+    #[error("{path}: invalid recipe: {detail} (valid kinds: niah, chat, text, ruler-niah, ruler-vt, ruler-cwe, ruler-fwe)")]
     Parse {
         /// The recipe.
         path: PathBuf,
@@ -45,6 +51,14 @@ pub enum RecipeError {
         /// Tokens needed.
         needed: usize,
     },
+    /// A task's parameters cannot fit its length, or its prompt does not hold its answer.
+    #[error("{task}: {rule}")]
+    Task {
+        /// The task kind.
+        task: &'static str,
+        /// The rule broken.
+        rule: String,
+    },
 }
 
 /// What to capture.
@@ -57,33 +71,18 @@ pub enum Recipe {
     Chat(ChatRecipe),
     /// A text file, fed raw (no chat template).
     Text(TextRecipe),
-}
-
-/// The needle-in-a-haystack recipe.
-#[derive(Debug, Clone, PartialEq, Deserialize)]
-#[serde(deny_unknown_fields)]
-pub struct NiahRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
-    #[serde(default)]
-    pub model: Option<String>,
-    /// Target prompt length in tokens, template included.
-    pub prompt_tokens: usize,
-    /// Where the needle goes, in percent of the context (at the sentence break before it).
-    pub depth_percent: f64,
-    /// The needle sentence.
-    pub needle: String,
-    /// The retrieval question.
-    pub question: String,
-    /// The needle's key phrase: a generation that contains it answered the question (closed-loop
-    /// task success).
-    #[serde(default)]
-    pub answer: Option<String>,
-    /// Text the answer starts with, appended after the prompt (a base model needs one, e.g. "The
-    /// best thing to do in San Francisco is").
-    #[serde(default)]
-    pub answer_prefix: Option<String>,
-    /// Greedy tokens to generate.
-    pub generate: usize,
+    /// RULER's needle tasks: single, multi-key, multi-value and multi-query needles.
+    #[serde(rename = "ruler-niah")]
+    RulerNiah(ruler::niah::NiahTask),
+    /// RULER's variable tracking: chains of `VAR X = VAR Y` assignments.
+    #[serde(rename = "ruler-vt")]
+    RulerVt(ruler::variable_tracking::VariableTracking),
+    /// RULER's common-words extraction from a numbered word list.
+    #[serde(rename = "ruler-cwe")]
+    RulerCwe(ruler::common_words::CommonWords),
+    /// RULER's frequent-words extraction from Zipf-distributed coded words.
+    #[serde(rename = "ruler-fwe")]
+    RulerFwe(ruler::frequent_words::FrequentWords),
 }
 
 /// The chat recipe.
@@ -132,16 +131,26 @@ pub struct BuiltPrompt {
     pub spans: Vec<Span>,
     /// Tokens to generate.
     pub generate: usize,
-    /// What a correct generation contains, when the recipe says.
-    pub answer: Option<String>,
+    /// What a correct generation contains (every string), empty when the recipe says nothing.
+    pub answers: Vec<String>,
 }
 
-/// The needlehaystack system message.
-pub const NIAH_SYSTEM: &str =
-    "You are a helpful AI bot that answers questions for a user. Keep your response short and direct";
-/// Appended to the question by needlehaystack.
-pub const NIAH_QUESTION_SUFFIX: &str =
-    " Don't give information outside the document or repeat your findings";
+impl BuiltPrompt {
+    /// RULER's `string_match_all`: the share of the expected strings that `text` contains,
+    /// ignoring case (`scripts/eval/synthetic/constants.py`); `None` without expected strings.
+    pub fn answer_score(&self, text: &str) -> Option<f64> {
+        if self.answers.is_empty() {
+            return None;
+        }
+        let text = text.to_lowercase();
+        let found = self
+            .answers
+            .iter()
+            .filter(|answer| text.contains(&answer.to_lowercase()))
+            .count();
+        Some(found as f64 / self.answers.len() as f64)
+    }
+}
 
 impl Recipe {
     /// Reads and checks a recipe file.
@@ -171,6 +180,10 @@ impl Recipe {
             Recipe::Niah(niah) => &niah.model,
             Recipe::Chat(chat) => &chat.model,
             Recipe::Text(text) => &text.model,
+            Recipe::RulerNiah(task) => &task.model,
+            Recipe::RulerVt(task) => &task.model,
+            Recipe::RulerCwe(task) => &task.model,
+            Recipe::RulerFwe(task) => &task.model,
         };
         model.as_deref().unwrap_or(crate::assets::MODELS[0].name)
     }
@@ -203,6 +216,14 @@ impl Recipe {
                 return Err(invalid("needle", "needle and question must not be empty"));
             }
         }
+        let task_check = match self {
+            Recipe::RulerNiah(task) => ruler::check(task),
+            Recipe::RulerVt(task) => ruler::check(task),
+            Recipe::RulerCwe(task) => ruler::check(task),
+            Recipe::RulerFwe(task) => ruler::check(task),
+            _ => Ok(()),
+        };
+        task_check.map_err(|(field, rule)| invalid(field, &rule))?;
         Ok(())
     }
 
@@ -214,7 +235,11 @@ impl Recipe {
         base: &Path,
     ) -> Result<BuiltPrompt, RecipeError> {
         match self {
-            Recipe::Niah(niah) => build_niah(niah, tokenizer, essays),
+            Recipe::Niah(niah) => niah::build(niah, tokenizer, essays),
+            Recipe::RulerNiah(task) => ruler::build(task, tokenizer, essays),
+            Recipe::RulerVt(task) => ruler::build(task, tokenizer, essays),
+            Recipe::RulerCwe(task) => ruler::build(task, tokenizer, essays),
+            Recipe::RulerFwe(task) => ruler::build(task, tokenizer, essays),
             Recipe::Chat(chat) if tokenizer.template() == Template::Plain => {
                 let text = match &chat.system {
                     Some(system) => format!("{system}\n\n{}", chat.message),
@@ -224,7 +249,7 @@ impl Recipe {
                     ids: with_bos(tokenizer, tokenizer.encode(&text)),
                     spans: Vec::new(),
                     generate: chat.generate,
-                    answer: chat.answer.clone(),
+                    answers: chat.answer.iter().cloned().collect(),
                 })
             }
             Recipe::Chat(chat) => {
@@ -243,7 +268,7 @@ impl Recipe {
                     ids: tokenizer.encode(&ChatTokenizer::chat_prompt(&messages)),
                     spans: Vec::new(),
                     generate: chat.generate,
-                    answer: chat.answer.clone(),
+                    answers: chat.answer.iter().cloned().collect(),
                 })
             }
             Recipe::Text(text) => {
@@ -258,7 +283,7 @@ impl Recipe {
                     ids,
                     spans: Vec::new(),
                     generate: text.generate,
-                    answer: text.answer.clone(),
+                    answers: text.answer.iter().cloned().collect(),
                 })
             }
         }
@@ -270,37 +295,14 @@ fn with_bos(tokenizer: &dyn TextTokenizer, ids: Vec<u32>) -> Vec<u32> {
     tokenizer.bos().into_iter().chain(ids).collect()
 }
 
-/// The needlehaystack prompt (system, context with the needle, question) in token space: the
-/// context is truncated to fit `prompt_tokens`, and the needle is inserted after the last token
-/// ending in '.' before `depth_percent` of the context (needlehaystack backs up to a '.' token;
-/// we accept any token whose text ends with '.', a deliberate widening for BPE merges like "etc.").
-fn build_niah(
-    niah: &NiahRecipe,
+/// The first `needed` tokens of the essays (in the given order), read one essay at a time and
+/// tokenized as one text after `normalise`.
+fn essay_tokens(
     tokenizer: &dyn TextTokenizer,
     essays: &[PathBuf],
-) -> Result<BuiltPrompt, RecipeError> {
-    let answer_prefix = niah.answer_prefix.as_deref().unwrap_or_default();
-    let (prefix, between, closing) = match tokenizer.template() {
-        Template::ChatMl => (
-            tokenizer.encode(&format!(
-                "{}<|im_start|>user\n",
-                ChatTokenizer::chat_turn("system", NIAH_SYSTEM)
-            )),
-            tokenizer.encode("<|im_end|>\n<|im_start|>user\n"),
-            tokenizer.encode(&format!(
-                "{NIAH_QUESTION_SUFFIX}<|im_end|>\n<|im_start|>assistant\n{answer_prefix}"
-            )),
-        ),
-        Template::Plain => (
-            with_bos(tokenizer, Vec::new()),
-            tokenizer.encode("\n\nQuestion: "),
-            tokenizer.encode(format!("\nAnswer: {answer_prefix}").trim_end()),
-        ),
-    };
-    let question = tokenizer.encode(&niah.question);
-    let needle = tokenizer.encode(&format!("\n{}\n", niah.needle.trim()));
-    let overhead = prefix.len() + between.len() + question.len() + closing.len() + needle.len();
-    let needed = niah.prompt_tokens.saturating_sub(overhead);
+    needed: usize,
+    normalise: fn(&str) -> String,
+) -> Result<Vec<u32>, RecipeError> {
     let mut text = String::new();
     let mut context = Vec::new();
     for essay in essays {
@@ -309,7 +311,7 @@ fn build_niah(
             source,
         })?;
         text.push_str(&essay_text);
-        context = tokenizer.encode(&text);
+        context = tokenizer.encode(&normalise(&text));
         if context.len() >= needed {
             break;
         }
@@ -321,39 +323,17 @@ fn build_niah(
         });
     }
     context.truncate(needed);
-    let mut insertion = if niah.depth_percent >= 100.0 {
-        context.len()
-    } else {
-        (context.len() as f64 * niah.depth_percent / 100.0) as usize
-    };
-    if niah.depth_percent < 100.0 {
-        while insertion > 0 && !tokenizer.token_text(context[insertion - 1]).ends_with('.') {
-            insertion -= 1;
-        }
+    Ok(context)
+}
+
+/// The last position at or before `position` that follows a token ending in '.' (0 if none): a
+/// sentence break in token space.
+fn sentence_break_before(tokenizer: &dyn TextTokenizer, context: &[u32], position: usize) -> usize {
+    let mut insertion = position.min(context.len());
+    while insertion > 0 && !tokenizer.token_text(context[insertion - 1]).ends_with('.') {
+        insertion -= 1;
     }
-    let mut ids = prefix;
-    ids.extend_from_slice(&context[..insertion]);
-    let needle_span = Span {
-        name: "needle".into(),
-        start: ids.len(),
-        end: ids.len() + needle.len(),
-    };
-    ids.extend_from_slice(&needle);
-    ids.extend_from_slice(&context[insertion..]);
-    ids.extend_from_slice(&between);
-    let question_span = Span {
-        name: "question".into(),
-        start: ids.len(),
-        end: ids.len() + question.len(),
-    };
-    ids.extend_from_slice(&question);
-    ids.extend_from_slice(&closing);
-    Ok(BuiltPrompt {
-        ids,
-        spans: vec![needle_span, question_span],
-        generate: niah.generate,
-        answer: niah.answer.clone(),
-    })
+    insertion
 }
 
 #[cfg(test)]

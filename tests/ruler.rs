@@ -1,0 +1,89 @@
+//! RULER's tasks on the real tokenizers: every shipped RULER recipe builds at about 1,000 tokens
+//! on its model, its prompt states its answers (each build checks this with the task's own
+//! solver) and marks its question, and settings that cannot fit their length are refused.
+
+mod common;
+
+use kvreplay::model::{CausalLm, Gemma3, TextTokenizer};
+use kvreplay::recipe::Recipe;
+use std::path::Path;
+
+/// RULER's thirteen synthetic tasks less its two QA tasks (which need SQuAD and HotpotQA).
+const TASKS: [&str; 11] = [
+    "cwe",
+    "fwe",
+    "niah_multikey_1",
+    "niah_multikey_2",
+    "niah_multikey_3",
+    "niah_multiquery",
+    "niah_multivalue",
+    "niah_single_1",
+    "niah_single_2",
+    "niah_single_3",
+    "vt",
+];
+
+fn check_folder(folder: &str, tokenizer: &dyn TextTokenizer) {
+    let essays = common::real_assets().require_essays().unwrap();
+    for task in TASKS {
+        let path = Path::new(folder).join(format!("{task}.toml"));
+        let (recipe, base) = Recipe::load(&path).unwrap();
+        let prompt = recipe
+            .build(tokenizer, &essays, &base)
+            .unwrap_or_else(|err| panic!("{}: {err}", path.display()));
+        assert!(
+            (900..=1000).contains(&prompt.ids.len()),
+            "{}: {} tokens",
+            path.display(),
+            prompt.ids.len()
+        );
+        let text = tokenizer.decode(&prompt.ids);
+        assert!(!prompt.answers.is_empty());
+        for answer in &prompt.answers {
+            assert!(
+                text.contains(answer.as_str()),
+                "{}: {answer}",
+                path.display()
+            );
+        }
+        let question = prompt.spans.iter().find(|s| s.name == "question").unwrap();
+        assert!(question.end < prompt.ids.len(), "{}", path.display());
+        if task.starts_with("niah") {
+            let needle = prompt.spans.iter().find(|s| s.name == "needle").unwrap();
+            let needle_text = tokenizer.decode(&prompt.ids[needle.start..needle.end]);
+            assert!(
+                needle_text.contains("One of the special magic"),
+                "{needle_text}"
+            );
+        }
+    }
+}
+
+#[test]
+fn every_ruler_task_builds_on_smollm2() {
+    check_folder("traces/ruler", common::real_model().tokenizer());
+}
+
+#[test]
+fn every_ruler_task_builds_on_gemma3() {
+    let gemma = Gemma3::load(&common::gemma_path()).unwrap();
+    check_folder("traces/gemma3/ruler", gemma.tokenizer());
+}
+
+#[test]
+fn a_task_that_cannot_fit_its_length_is_refused() {
+    let essays = common::real_assets().require_essays().unwrap();
+    let recipe = Recipe::parse(
+        "kind = \"ruler-niah\"\nprompt_tokens = 400\nnum_needle_k = 16\ntype_needle_k = \"uuids\"\ntype_needle_v = \"uuids\"\n",
+        Path::new("crowded.toml"),
+    )
+    .unwrap();
+    let err = recipe
+        .build(common::real_model().tokenizer(), &essays, Path::new("."))
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.starts_with("ruler-niah: prompt_tokens = 400 cannot hold the task"),
+        "{err}"
+    );
+}
