@@ -88,12 +88,13 @@ pub fn load_recipe_model(recipe: &Path) -> Result<Box<dyn CausalLm + Send>, Capt
     load_model(parsed.model())
 }
 
-/// The prompt recipe file `recipe` builds for `model` (needle recipes read the essays).
+/// The prompt recipe file `recipe` builds for `model` (needle and word-list recipes read the
+/// essays).
 pub fn build_prompt(recipe: &Path, model: &dyn CausalLm) -> Result<BuiltPrompt, CaptureError> {
     let (parsed, base) = Recipe::load(recipe)?;
-    let essays = match parsed {
-        Recipe::Niah(_) => Assets::from_env().require_essays()?,
-        _ => Vec::new(),
+    let essays = match parsed.reads_essays() {
+        true => Assets::from_env().require_essays()?,
+        false => Vec::new(),
     };
     Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }

@@ -382,11 +382,13 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "r.toml",
             "--protocol",
             "question-agnostic",
+            "--timing",
+            "per-step-prompt",
         ])
         .assert()
         .code(2)
         .stderr(contains(
-            "protocol `question-agnostic` is replayed but not yet run live",
+            "protocol `question-agnostic` runs live with timing `prefill`; under `per-step-prompt` it is replayed only",
         ));
 }
 

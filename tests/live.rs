@@ -10,7 +10,7 @@ use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, Batching, LiveSession};
 use kvreplay::model::{CausalLm, KvCache, Recorder};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
-use kvreplay::replay::{replay, Order, PolicyParams, Timing};
+use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing};
 use kvreplay::trace::{StorageDtype, TraceReader};
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
@@ -270,6 +270,99 @@ fn a_chunked_prompt_equals_feeding_it_token_by_token() {
             assert!((x - y).abs() < 1e-4, "{timing:?}: live mass {x} vs {y}");
         }
     }
+}
+
+/// RULER's single needle (number key and value, noise haystack) at ~300 tokens: a prompt with a
+/// `question` span that needs no essays.
+fn needle_with_question() -> BuiltPrompt {
+    let recipe = Recipe::parse(
+        "kind = \"ruler-niah\"\nprompt_tokens = 300\ntype_haystack = \"noise\"\ntype_needle_k = \"numbers\"\ngenerate = 12\n",
+        std::path::Path::new("needle.toml"),
+    )
+    .unwrap();
+    recipe
+        .build(model().tokenizer(), &[], std::path::Path::new("."))
+        .unwrap()
+}
+
+fn question_agnostic(scorer: &str, budget: usize) -> PolicyParams {
+    PolicyParams {
+        scorer: scorer.into(),
+        budget,
+        sinks: 4,
+        protocol: Protocol::QuestionAgnostic,
+        ..PolicyParams::default()
+    }
+}
+
+#[test]
+fn question_agnostic_live_keeping_the_context_is_the_full_run() {
+    // Nothing is evicted, but the question is run again over the context's cache: the same
+    // numbers up to the order of float sums in the question's forward pass.
+    let prompt = needle_with_question();
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let policy = question_agnostic("recency", 4096).check().unwrap();
+    let report = session.run(&policy).unwrap();
+    assert_eq!(report.text, report.full_text);
+    assert!(
+        report.steps.iter().all(|s| s.kl < 1e-6 && s.top1),
+        "{:?}",
+        report.steps
+    );
+    let in_prompt = PolicyParams {
+        protocol: Protocol::QuestionInPrompt,
+        ..question_agnostic("recency", 4096)
+    };
+    let in_prompt = session.run(&in_prompt.check().unwrap()).unwrap();
+    assert_eq!(
+        report.steps.len(),
+        in_prompt.steps.len() + 1,
+        "the first token is compared too: the question ran under the policy"
+    );
+}
+
+#[test]
+fn question_agnostic_live_is_the_question_run_over_the_surviving_context() {
+    // Recency with 4 sinks at budget 32 keeps the same context positions in every layer and
+    // head: the first 4 and the 28 before the question. Running the question over a cache that
+    // holds only those (and the question itself) must give the live run's first logits, whose KL
+    // against the full prefill's is the run's step 0.
+    let model = model();
+    let prompt = needle_with_question();
+    let cut = prompt
+        .spans
+        .iter()
+        .find(|s| s.name == "question")
+        .unwrap()
+        .start;
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model, &prompt, 512, scratch.path()).unwrap();
+    let report = session
+        .run(&question_agnostic("recency", 32).check().unwrap())
+        .unwrap();
+    let mut cache = KvCache::default();
+    let full = model.forward(&prompt.ids, &mut cache, None).unwrap();
+    let mut context = KvCache::default();
+    model
+        .forward(&prompt.ids[..cut], &mut context, None)
+        .unwrap();
+    let kept: Vec<usize> = (0..4).chain(cut - 28..cut).collect();
+    let mut survivors = context.retain(&kept).unwrap();
+    let removed = model
+        .forward(&prompt.ids[cut..], &mut survivors, None)
+        .unwrap();
+    let by_hand = kvreplay::live::compare_step(&full, &removed, 0);
+    assert!(
+        (by_hand.kl - report.steps[0].kl).abs() < 1e-4 * report.steps[0].kl.max(1e-3),
+        "by hand {} against live {}",
+        by_hand.kl,
+        report.steps[0].kl
+    );
+    assert!(
+        report.steps[0].kl > 1e-3,
+        "the evicted context moves the answer"
+    );
 }
 
 #[test]

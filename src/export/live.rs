@@ -4,7 +4,7 @@
 use super::{Format, Table};
 use crate::live::LiveReport;
 use crate::replay::metrics::REGISTRY;
-use crate::replay::Timing;
+use crate::replay::{Protocol, Timing};
 
 /// One row: the policy, its open-loop metrics and its closed-loop outcomes; then the texts.
 pub fn live_table(report: &LiveReport, format: Format) -> String {
@@ -51,10 +51,13 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
     table.push(row);
     let mut out = table.render(format);
     if format == Format::Markdown {
-        let streams_prompt = report.open_loop.settings.get("timing").map(String::as_str)
-            == Some(Timing::Streaming.name());
+        let setting = |key: &str| report.open_loop.settings.get(key).map(String::as_str);
+        let streams_prompt = setting("timing") == Some(Timing::Streaming.name());
+        let agnostic = setting("protocol") == Some(Protocol::QuestionAgnostic.name());
         let first = if streams_prompt {
             "the policy evicts during the prompt, so the first token is compared too"
+        } else if agnostic {
+            "the question runs over the compressed context, so the first token is compared too"
         } else {
             "the first token comes from the full prefill"
         };

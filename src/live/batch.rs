@@ -143,7 +143,7 @@ fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'
         meta.softcap,
     )?;
     let mut steps = Vec::with_capacity(reference.tokens.len());
-    if row.policy.params().timing.evicts_in_prompt() {
+    if row.policy.params().changes_the_prompt() {
         steps.push(compare_step(
             reference.prefill_logits,
             &row.prompt_logits,

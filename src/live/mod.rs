@@ -15,10 +15,12 @@
 //!    query head masked off its evicted positions; at each step the policy's next-token
 //!    distribution is compared with the full run's: KL(p_full ‖ p_policy), top-1 agreement, and
 //!    the log-probability lost on the full run's token. Step 0's distribution comes from the
-//!    prefill itself (identical in both runs) and is left out.
+//!    prefill itself (identical in both runs) and is left out. Under the question-agnostic
+//!    protocol the cut falls where the question starts: the question runs again over the
+//!    context's cache without the evicted positions (and is kept), so step 0 is compared too.
 //! 4. **Free-running.** From the same prefilled cache, greedy decoding under the policy: its text,
-//!    and task success (the recipe's `answer` in the text, or, without one, the same text as the
-//!    full run).
+//!    and task success (the share of the recipe's answers the text holds, or, without any, the
+//!    same text as the full run).
 //!
 //! Timings that evict while the prompt runs or while decoding (`streaming`,
 //! `prefill-then-stream`, `per-step`, `per-step-prompt`) run inside the model instead
@@ -48,8 +50,8 @@ use crate::model::Recorder;
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::BuiltPrompt;
 use crate::replay::{
-    compressed_layers, layer_budgets, replay_keeping, Kept, PolicyError, Protocol, ReplayReport,
-    Timing, ValidPolicy,
+    compressed_layers, layer_budgets, protocol_view, replay_keeping, Kept, PolicyError, Protocol,
+    ReplayReport, Timing, ValidPolicy,
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceReader};
 use batch::PolicyMask;
@@ -111,7 +113,8 @@ pub struct LiveReport {
     /// The full run's task score.
     pub full_answer_score: f64,
     /// Teacher-forced steps: from step 1 (step 0 comes from the full prefill, identical in both
-    /// runs) unless the timing evicts during the prompt (`streaming`), then from step 0.
+    /// runs) unless prompt tokens run under the policy (a `streaming` timing, or the question
+    /// over the compressed context under the question-agnostic protocol), then from step 0.
     pub steps: Vec<LiveStep>,
     /// Mean KL over the teacher-forced steps.
     pub kl: f64,
@@ -198,11 +201,12 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
 pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     let timing = policy.params().timing;
     let protocol = policy.params().protocol;
-    if protocol != Protocol::QuestionInPrompt {
+    if protocol == Protocol::QuestionAgnostic && timing != Timing::Prefill {
         return Err(LiveError::Unsupported(format!(
-            "protocol `{}` is replayed but not yet run live: the model would have to run the \
-             question over the compressed context; use `kvreplay replay` or an open-loop sweep",
-            protocol.name()
+            "protocol `{}` runs live with timing `prefill`; under `{}` it is replayed only \
+             (`kvreplay replay` or an open-loop sweep)",
+            protocol.name(),
+            timing.name()
         )));
     }
     if timing != Timing::Prefill && policy.scorer.reads_future() {
@@ -216,8 +220,8 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     Ok(())
 }
 
-/// Per layer and query head, the prompt positions a policy's kept sets (one [`Kept`] per layer)
-/// leave out.
+/// Per layer and query head, the positions before the cut `prompt_len` that a policy's kept sets
+/// (one [`Kept`] per layer) leave out.
 fn evicted_positions(kept: &[Kept], n_heads: usize, prompt_len: usize) -> Evicted {
     kept.iter()
         .map(|layer| {
@@ -409,10 +413,23 @@ impl<'m> LiveSession<'m> {
         let compressed = compressed_layers(meta, policy);
         let timing = policy.params().timing;
         let (mask, cache, prompt_logits) = if timing == Timing::Prefill {
-            let evicted = evicted_positions(kept, meta.n_heads, meta.prompt_len);
-            let mask =
+            let cut = self.cut(policy)?;
+            let evicted = evicted_positions(kept, meta.n_heads, cut);
+            let mut mask =
                 CompressedLayers::new(PolicyMask::Fixed(evicted), &compressed, meta.n_layers);
-            (mask, None, None)
+            if cut == meta.prompt_len {
+                (mask, None, None)
+            } else {
+                // The question runs over the compressed context and is appended uncompressed.
+                let mut cache = self.full.prefilled.truncated(cut);
+                let mut logits = Vec::new();
+                for piece in self.prompt.ids[cut..].chunks(self.chunk.max(1)) {
+                    logits = self
+                        .model
+                        .forward_masked(piece, &mut cache, None, Some(&mut mask))?;
+                }
+                (mask, Some(cache), Some(logits))
+            }
         } else if share_prefill && self.prefill_is_shareable(policy) {
             let mut streams = self.streams(policy)?;
             self.feed_prompt(&mut streams, &compressed, recorded)?;
@@ -439,6 +456,13 @@ impl<'m> LiveSession<'m> {
                 .map_or(Cow::Borrowed(&self.full.prefill_logits), Cow::Owned),
             open_loop,
         })
+    }
+
+    /// Where `policy` cuts the prompt: its end, or under the question-agnostic protocol where
+    /// the question starts.
+    fn cut(&self, policy: &ValidPolicy) -> Result<usize, LiveError> {
+        let view = protocol_view(&self.trace, policy)?;
+        Ok(view.map_or(self.trace.meta().prompt_len, |view| view.meta().prompt_len))
     }
 
     /// Whether `policy`'s own prefill is the full run's: it evicts nothing while the prompt runs,

@@ -270,6 +270,29 @@ impl KvCache {
         ))
     }
 
+    /// The cache of the first `len` positions alone, as if only they had run (`len` at most
+    /// [`len`](Self::len)).
+    pub fn truncated(&self, len: usize) -> KvCache {
+        let first = |buffer: &Tensor, axis: usize| {
+            buffer
+                .narrow(axis, 0, len)
+                .and_then(|t| t.contiguous())
+                .expect("a cache's first positions are within its buffer")
+        };
+        KvCache {
+            layers: self
+                .layers
+                .iter()
+                .map(|layer| LayerCache {
+                    keys_t: first(&layer.keys_t, KEY_POSITIONS),
+                    values: first(&layer.values, VALUE_POSITIONS),
+                    len,
+                })
+                .collect(),
+            next_position: len,
+        }
+    }
+
     /// The same cache holding only the entries `positions` (ascending) in every layer and head:
     /// the keys keep the rotation of their original positions, as an evicting cache's survivors
     /// do, and the next token still gets the next position.

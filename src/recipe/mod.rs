@@ -188,6 +188,14 @@ impl Recipe {
         model.as_deref().unwrap_or(crate::assets::MODELS[0].name)
     }
 
+    /// Whether building the prompt reads the essays (as haystack or vocabulary).
+    pub fn reads_essays(&self) -> bool {
+        matches!(
+            self,
+            Recipe::Niah(_) | Recipe::RulerNiah(_) | Recipe::RulerCwe(_)
+        )
+    }
+
     fn check(&self, path: &Path) -> Result<(), RecipeError> {
         let invalid = |field: &'static str, rule: &str| RecipeError::Invalid {
             path: path.to_owned(),

@@ -186,6 +186,13 @@ impl Default for PolicyParams {
 }
 
 impl PolicyParams {
+    /// Whether some prompt tokens run under the policy, so the prompt's last logits differ from
+    /// the full cache's: it evicts while the prompt runs, or the question runs over the
+    /// compressed context (question-agnostic).
+    pub fn changes_the_prompt(&self) -> bool {
+        self.timing.evicts_in_prompt() || self.protocol == Protocol::QuestionAgnostic
+    }
+
     /// The same policy with method setting `key` set to `value`.
     pub fn with(mut self, key: &str, value: impl Into<Value>) -> Self {
         self.settings.insert(key.to_owned(), value.into());
