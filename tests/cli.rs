@@ -384,6 +384,8 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "question-agnostic",
             "--timing",
             "per-step-prompt",
+            "--scorer",
+            "true-query",
         ])
         .assert()
         .code(2)
