@@ -49,6 +49,9 @@ pub struct ClosedLoop {
     /// stored before it was kept, where it is `answer_ok` for their one-answer recipes).
     #[serde(default)]
     pub answer_score: Option<f64>,
+    /// The full-cache text's task score (absent in runs stored before it was kept).
+    #[serde(default)]
+    pub full_answer_score: Option<f64>,
     /// The free-running text.
     pub text: String,
     /// Whether the kept sets read the full run's future queries (an oracle).
@@ -69,6 +72,13 @@ impl ClosedLoop {
         self.answer_score
             .unwrap_or(f64::from(u8::from(self.answer_ok)))
     }
+
+    /// The full cache's task score, from `full_answer_ok` for runs stored before scores were
+    /// kept.
+    pub fn full_answer_score(&self) -> f64 {
+        self.full_answer_score
+            .unwrap_or(f64::from(u8::from(self.full_answer_ok)))
+    }
 }
 
 impl From<&LiveReport> for ClosedLoop {
@@ -80,6 +90,7 @@ impl From<&LiveReport> for ClosedLoop {
             answer_ok: live.answer_ok,
             full_answer_ok: live.full_answer_ok,
             answer_score: Some(live.answer_score),
+            full_answer_score: Some(live.full_answer_score),
             text: live.text.clone(),
             uses_full_run_future: live.uses_full_run_future,
             live_retained_mass: Some(live.live_retained_mass).filter(|m| m.is_finite()),

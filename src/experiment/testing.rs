@@ -33,6 +33,7 @@ pub fn closed_run(name: &str, open: [f64; 2], live: Option<[f64; 2]>, kl: f64) -
             answer_ok: true,
             full_answer_ok: true,
             answer_score: Some(1.0),
+            full_answer_score: Some(1.0),
             text: String::new(),
             uses_full_run_future: false,
             live_retained_mass: live.map(|l| (l[0] + l[1]) / 2.0),

@@ -71,6 +71,10 @@ pub(super) fn write_frames(
                 "full_answer_ok".into(),
                 closed.iter().map(|c| c.full_answer_ok).collect::<Vec<_>>(),
             ),
+            column(
+                "full_answer_score",
+                closed.iter().map(|c| c.full_answer_score()).collect(),
+            ),
             Column::new(
                 "text".into(),
                 closed.iter().map(|c| c.text.clone()).collect::<Vec<_>>(),
