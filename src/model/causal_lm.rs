@@ -196,24 +196,7 @@ const VALUE_POSITIONS: usize = 1;
 
 impl Clone for KvCache {
     fn clone(&self) -> Self {
-        let in_use = |buffer: &Tensor, axis: usize, len: usize| {
-            buffer
-                .narrow(axis, 0, len)
-                .and_then(|t| t.contiguous())
-                .expect("a cache's positions in use are within its buffer")
-        };
-        Self {
-            layers: self
-                .layers
-                .iter()
-                .map(|layer| LayerCache {
-                    keys_t: in_use(&layer.keys_t, KEY_POSITIONS, layer.len),
-                    values: in_use(&layer.values, VALUE_POSITIONS, layer.len),
-                    len: layer.len,
-                })
-                .collect(),
-            next_position: self.next_position,
-        }
+        self.first_positions(usize::MAX, self.next_position)
     }
 }
 
@@ -273,23 +256,32 @@ impl KvCache {
     /// The cache of the first `len` positions alone, as if only they had run (`len` at most
     /// [`len`](Self::len)).
     pub fn truncated(&self, len: usize) -> KvCache {
-        let first = |buffer: &Tensor, axis: usize| {
-            buffer
-                .narrow(axis, 0, len)
-                .and_then(|t| t.contiguous())
-                .expect("a cache's first positions are within its buffer")
-        };
+        self.first_positions(len, len)
+    }
+
+    /// A copy of the first `len` positions (at most those in use) of every layer, the next token
+    /// at `next_position`.
+    fn first_positions(&self, len: usize, next_position: usize) -> KvCache {
         KvCache {
             layers: self
                 .layers
                 .iter()
-                .map(|layer| LayerCache {
-                    keys_t: first(&layer.keys_t, KEY_POSITIONS),
-                    values: first(&layer.values, VALUE_POSITIONS),
-                    len,
+                .map(|layer| {
+                    let len = len.min(layer.len);
+                    let first = |buffer: &Tensor, axis: usize| {
+                        buffer
+                            .narrow(axis, 0, len)
+                            .and_then(|t| t.contiguous())
+                            .expect("a cache's positions in use are within its buffer")
+                    };
+                    LayerCache {
+                        keys_t: first(&layer.keys_t, KEY_POSITIONS),
+                        values: first(&layer.values, VALUE_POSITIONS),
+                        len,
+                    }
                 })
                 .collect(),
-            next_position: len,
+            next_position,
         }
     }
 

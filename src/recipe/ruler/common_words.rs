@@ -22,7 +22,7 @@ pub struct CommonWords {
     #[serde(default = "generate")]
     pub generate: usize,
     /// The seed of every random draw (RULER's default, 42).
-    #[serde(default = "seed")]
+    #[serde(default = "super::rulers_seed")]
     pub seed: u64,
     /// Repetitions of each common word (prompts of 4,096 tokens or more).
     #[serde(default = "freq_cw")]
@@ -40,9 +40,6 @@ pub struct CommonWords {
 
 fn generate() -> usize {
     120
-}
-fn seed() -> u64 {
-    42
 }
 fn freq_cw() -> usize {
     30

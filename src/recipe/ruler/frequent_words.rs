@@ -21,7 +21,7 @@ pub struct FrequentWords {
     #[serde(default = "generate")]
     pub generate: usize,
     /// The seed of every random draw (RULER's default, 42).
-    #[serde(default = "seed")]
+    #[serde(default = "super::rulers_seed")]
     pub seed: u64,
     /// The Zipf exponent (RULER's default, 2).
     #[serde(default = "alpha")]
@@ -36,9 +36,6 @@ pub struct FrequentWords {
 
 fn generate() -> usize {
     50
-}
-fn seed() -> u64 {
-    42
 }
 fn alpha() -> f64 {
     2.0

@@ -85,6 +85,11 @@ impl Sources<'_> {
     }
 }
 
+/// RULER's default seed, 42.
+fn rulers_seed() -> u64 {
+    42
+}
+
 /// Checks `task`'s settings: the field and the rule broken.
 pub(super) fn check<T: Task>(task: &T) -> Result<(), (&'static str, String)> {
     if task.prompt_tokens() < 200 {

@@ -25,7 +25,7 @@ pub struct NiahTask {
     #[serde(default = "generate")]
     pub generate: usize,
     /// The seed of every random draw (RULER's default, 42).
-    #[serde(default = "seed")]
+    #[serde(default = "super::rulers_seed")]
     pub seed: u64,
     /// What the needles hide in.
     #[serde(default)]
@@ -75,9 +75,6 @@ pub enum Kind {
 
 fn generate() -> usize {
     128
-}
-fn seed() -> u64 {
-    42
 }
 fn one() -> usize {
     1

@@ -24,7 +24,7 @@ pub struct VariableTracking {
     #[serde(default = "generate")]
     pub generate: usize,
     /// The seed of every random draw (RULER's default, 42).
-    #[serde(default = "seed")]
+    #[serde(default = "super::rulers_seed")]
     pub seed: u64,
     /// Chains of assignments (the first is asked; the others are distractors).
     #[serde(default = "one")]
@@ -39,9 +39,6 @@ pub struct VariableTracking {
 
 fn generate() -> usize {
     30
-}
-fn seed() -> u64 {
-    42
 }
 fn one() -> usize {
     1
