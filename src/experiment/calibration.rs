@@ -20,23 +20,25 @@ use super::store::StoredRun;
 use super::Experiment;
 use super::SweepError;
 use crate::export::{Format, Table};
-use crate::replay::{metrics, RETAINED_MASS};
+use crate::replay::{metrics, Protocol, RETAINED_MASS};
 use sha2::{Digest, Sha256};
 use std::path::PathBuf;
 
-/// A closed-loop outcome of a run: its title, its value, and whether it is defined only on traces
-/// whose full cache answers (a policy cannot keep an answer the model never gives, so such a
-/// trace's runs would only add ties at "no answer").
+/// A closed-loop outcome of a run: its title, its value, and the runs it is defined on (answers
+/// only on traces whose full cache answers: a policy cannot keep an answer the model never gives,
+/// so such a trace's runs would only add ties at "no answer").
 struct Outcome {
     title: &'static str,
     value: fn(&StoredRun) -> f64,
-    needs_full_answer: bool,
+    counts: fn(&StoredRun) -> bool,
 }
 
-impl Outcome {
-    fn counts(&self, run: &StoredRun) -> bool {
-        !self.needs_full_answer || closed(run).full_answer_ok
-    }
+fn every(_: &StoredRun) -> bool {
+    true
+}
+
+fn full_answers(run: &StoredRun) -> bool {
+    closed(run).full_answer_ok
 }
 
 /// The open-loop retained mass of a run.
@@ -52,24 +54,32 @@ const OUTCOMES: [Outcome; 4] = [
     Outcome {
         title: "KL full‖policy",
         value: |r| closed(r).kl,
-        needs_full_answer: false,
+        counts: every,
     },
     Outcome {
         title: "top-1 agreement",
         value: |r| closed(r).top1,
-        needs_full_answer: false,
+        counts: every,
     },
     Outcome {
         title: "logprob lost",
         value: |r| closed(r).logprob_lost,
-        needs_full_answer: false,
+        counts: every,
     },
     Outcome {
         title: "answer ok",
         value: |r| f64::from(u8::from(closed(r).answer_ok)),
-        needs_full_answer: true,
+        counts: full_answers,
     },
 ];
+
+/// RULER's score (the share of the expected strings found), on traces whose full cache scores
+/// above 0.
+const ANSWER_SCORE: Outcome = Outcome {
+    title: "answer score",
+    value: |r| closed(r).answer_score(),
+    counts: |r| closed(r).full_answer_score() > 0.0,
+};
 
 fn interval((value, low, high): (f64, f64, f64)) -> String {
     format!("{value:+.3} [{low:+.3}, {high:+.3}]")
@@ -184,7 +194,7 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
             let (x, y): (Vec<f64>, Vec<f64>) = runs
                 .iter()
                 .zip(&values)
-                .filter(|(r, _)| outcome.counts(r))
+                .filter(|(r, _)| (outcome.counts)(r))
                 .map(|(r, &value)| (value, (outcome.value)(r)))
                 .unzip();
             if x.is_empty() {
@@ -200,7 +210,54 @@ fn correlations(runs: &[StoredRun], trace_names: &[String]) -> String {
         }
     }
     out += &table.render(Format::Markdown);
-    out + &per_trace(runs, trace_names)
+    out + &per_protocol(runs) + &per_trace(runs, trace_names)
+}
+
+/// Per protocol, when the runs have more than one: retained mass against each closed-loop
+/// outcome and RULER's answer score, each bootstrap seeded by the protocol and outcome names.
+fn per_protocol(runs: &[StoredRun]) -> String {
+    let protocol = |run: &StoredRun| {
+        run.report
+            .settings
+            .get("protocol")
+            .map_or(Protocol::QuestionInPrompt.name(), String::as_str)
+            .to_owned()
+    };
+    let protocols: std::collections::BTreeSet<String> = runs.iter().map(protocol).collect();
+    if protocols.len() < 2 {
+        return String::new();
+    }
+    let mut table = Table::new([
+        "protocol",
+        "closed-loop outcome",
+        "points",
+        "Spearman ρ",
+        "Kendall τ-b",
+    ]);
+    for name in &protocols {
+        for outcome in OUTCOMES.iter().chain([&ANSWER_SCORE]) {
+            let (x, y): (Vec<f64>, Vec<f64>) = runs
+                .iter()
+                .filter(|r| &protocol(r) == name && (outcome.counts)(r))
+                .map(|r| (mass(r), (outcome.value)(r)))
+                .unzip();
+            if x.is_empty() {
+                continue;
+            }
+            let seed = trace_seed(&format!("{name} {}", outcome.title));
+            table.push([
+                name.clone(),
+                outcome.title.to_string(),
+                x.len().to_string(),
+                interval(bootstrap(&x, &y, spearman, seed)),
+                interval(bootstrap(&x, &y, kendall, seed)),
+            ]);
+        }
+    }
+    format!(
+        "\nPer protocol: retained mass against each closed-loop outcome (answers only on traces the full cache answers; the answer score, the share of expected strings found, on traces where the full cache scores above 0):\n\n{}",
+        table.render(Format::Markdown)
+    )
 }
 
 /// Per trace: retained mass against KL, each trace's bootstrap seeded by its name, so that its
@@ -225,7 +282,7 @@ fn per_trace(runs: &[StoredRun], trace_names: &[String]) -> String {
     )
 }
 
-/// A bootstrap seed from a trace's name: the first eight bytes of its SHA-256.
+/// A bootstrap seed from a name (a trace's): the first eight bytes of its SHA-256.
 fn trace_seed(trace: &str) -> u64 {
     let digest = Sha256::digest(trace.as_bytes());
     u64::from_le_bytes(digest[..8].try_into().expect("eight bytes"))
@@ -334,6 +391,47 @@ mod tests {
         let beside = per_trace(&both, &["s".into(), "t".into()]);
         assert_eq!(row_of_t(&alone), row_of_t(&beside));
         assert_ne!(trace_seed("s"), trace_seed("t"));
+    }
+
+    #[test]
+    fn each_protocol_gets_its_own_correlations_when_there_are_two() {
+        // Under question-in-prompt KL falls as mass rises; under question-agnostic it rises, and
+        // the answer score follows mass only where the full cache scores above 0.
+        let runs: Vec<StoredRun> = (0..12)
+            .map(|i| {
+                let agnostic = i % 2 == 1;
+                let mass = 0.05 * f64::from(i);
+                let kl = if agnostic { mass } else { 1.0 - mass };
+                let mut run = closed_run(&format!("p{i}"), [mass, mass], None, kl);
+                let protocol = ["question-in-prompt", "question-agnostic"][usize::from(agnostic)];
+                run.report
+                    .settings
+                    .insert("protocol".into(), protocol.into());
+                let closed = run.closed_loop.as_mut().expect("closed loop");
+                closed.answer_score = Some(mass);
+                closed.full_answer_score = Some(if i < 8 { 0.5 } else { 0.0 });
+                run
+            })
+            .collect();
+        let table = per_protocol(&runs);
+        let row = |protocol: &str, outcome: &str| {
+            table
+                .lines()
+                .find(|l| l.starts_with(&format!("| {protocol} ")) && l.contains(outcome))
+                .unwrap_or_else(|| panic!("{protocol} {outcome}: {table}"))
+                .to_owned()
+        };
+        assert!(
+            row("question-in-prompt", "KL").contains("-1.000"),
+            "{table}"
+        );
+        assert!(row("question-agnostic", "KL").contains("+1.000"), "{table}");
+        // Eight runs score above 0 in full, four per protocol.
+        assert!(
+            row("question-agnostic", "answer score").contains("| 4 "),
+            "{table}"
+        );
+        assert!(per_protocol(&runs[..1]).is_empty());
     }
 
     #[test]
