@@ -81,7 +81,11 @@ const ANSWER_SCORE: Outcome = Outcome {
     counts: |r| closed(r).full_answer_score() > 0.0,
 };
 
+/// A statistic and its interval; undefined (one side constant, e.g. no policy answers) as such.
 fn interval((value, low, high): (f64, f64, f64)) -> String {
+    if value.is_nan() {
+        return "— (one side constant)".into();
+    }
     format!("{value:+.3} [{low:+.3}, {high:+.3}]")
 }
 
@@ -432,6 +436,10 @@ mod tests {
             "{table}"
         );
         assert!(per_protocol(&runs[..1]).is_empty());
+        assert_eq!(
+            interval((f64::NAN, f64::NAN, f64::NAN)),
+            "— (one side constant)"
+        );
     }
 
     #[test]
