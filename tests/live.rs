@@ -450,7 +450,9 @@ window = 4
         .lines()
         .next()
         .unwrap()
-        .ends_with("kl,top1,live_retained_mass,logprob_lost,answer_ok,full_answer_ok,text"));
+        .ends_with(
+            "kl,top1,live_retained_mass,logprob_lost,answer_ok,answer_score,full_answer_ok,full_answer_score,text"
+        ));
     assert_eq!(csv.lines().count(), 5);
     assert!(dir.path().join("results/c/calibration.png").is_file());
     // Every run measured its live attention: the drift section and its figure are there.
