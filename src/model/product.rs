@@ -88,13 +88,25 @@ fn one_token_rows(
     stride: usize,
     (m, k, n): (usize, usize, usize),
 ) -> Vec<f32> {
+    by_column_blocks(m, n, |first, width, block| {
+        chain_block(x, (w, stride), (m, k), (first, width), block)
+    })
+}
+
+/// An `[m, n]` output computed in blocks of `TASK_COLUMNS` consecutive columns on worker
+/// threads: `fill(first, width, block)` writes the `[m, width]` block of columns from `first`.
+fn by_column_blocks(
+    m: usize,
+    n: usize,
+    fill: impl Fn(usize, usize, &mut [f32]) + Sync,
+) -> Vec<f32> {
     let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
     let blocks: Vec<Vec<f32>> = starts
         .par_iter()
         .map(|&first| {
             let width = TASK_COLUMNS.min(n - first);
             let mut block = vec![0.0f32; m * width];
-            chain_block(x, (w, stride), (m, k), (first, width), &mut block);
+            fill(first, width, &mut block);
             block
         })
         .collect();
@@ -233,22 +245,14 @@ unsafe fn chain_strip<const R: usize>(
 /// `x [m, k] · wᵀ` for `w` `[n, k]` (rows `stride` apart): each output the dot product of a row
 /// of `x` and one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
 fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
-    let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
-    let blocks: Vec<Vec<f32>> = starts
-        .par_iter()
-        .map(|&first| {
-            let width = TASK_COLUMNS.min(n - first);
-            let mut block = vec![0.0f32; m * width];
-            for column in 0..width {
-                let weight = &w[(first + column) * stride..][..k];
-                for row in 0..m {
-                    block[row * width + column] = gemv_dot(&x[row * k..][..k], weight);
-                }
+    by_column_blocks(m, n, |first, width, block| {
+        for column in 0..width {
+            let weight = &w[(first + column) * stride..][..k];
+            for row in 0..m {
+                block[row * width + column] = gemv_dot(&x[row * k..][..k], weight);
             }
-            block
-        })
-        .collect();
-    assemble(&blocks, m, n)
+        }
+    })
 }
 
 /// `a · b` summed as `gemm`'s `mixed_gemv_rowmajor` sums it: with AVX2 and FMA, eight 8-lane

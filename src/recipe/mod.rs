@@ -188,6 +188,17 @@ impl Recipe {
         model.as_deref().unwrap_or(crate::assets::MODELS[0].name)
     }
 
+    /// The RULER task the recipe is, if it is one.
+    fn ruler_task(&self) -> Option<&dyn ruler::Task> {
+        match self {
+            Recipe::RulerNiah(task) => Some(task),
+            Recipe::RulerVt(task) => Some(task),
+            Recipe::RulerCwe(task) => Some(task),
+            Recipe::RulerFwe(task) => Some(task),
+            Recipe::Niah(_) | Recipe::Chat(_) | Recipe::Text(_) => None,
+        }
+    }
+
     /// Whether building the prompt reads the essays (as haystack or vocabulary).
     pub fn reads_essays(&self) -> bool {
         matches!(
@@ -224,14 +235,9 @@ impl Recipe {
                 return Err(invalid("needle", "needle and question must not be empty"));
             }
         }
-        let task_check = match self {
-            Recipe::RulerNiah(task) => ruler::check(task),
-            Recipe::RulerVt(task) => ruler::check(task),
-            Recipe::RulerCwe(task) => ruler::check(task),
-            Recipe::RulerFwe(task) => ruler::check(task),
-            _ => Ok(()),
-        };
-        task_check.map_err(|(field, rule)| invalid(field, &rule))?;
+        if let Some(task) = self.ruler_task() {
+            ruler::check(task).map_err(|(field, rule)| invalid(field, &rule))?;
+        }
         Ok(())
     }
 
@@ -244,10 +250,13 @@ impl Recipe {
     ) -> Result<BuiltPrompt, RecipeError> {
         match self {
             Recipe::Niah(niah) => niah::build(niah, tokenizer, essays),
-            Recipe::RulerNiah(task) => ruler::build(task, tokenizer, essays),
-            Recipe::RulerVt(task) => ruler::build(task, tokenizer, essays),
-            Recipe::RulerCwe(task) => ruler::build(task, tokenizer, essays),
-            Recipe::RulerFwe(task) => ruler::build(task, tokenizer, essays),
+            Recipe::RulerNiah(_)
+            | Recipe::RulerVt(_)
+            | Recipe::RulerCwe(_)
+            | Recipe::RulerFwe(_) => {
+                let task = self.ruler_task().expect("a RULER kind");
+                ruler::build(task, tokenizer, essays)
+            }
             Recipe::Chat(chat) if tokenizer.template() == Template::Plain => {
                 let text = match &chat.system {
                     Some(system) => format!("{system}\n\n{}", chat.message),

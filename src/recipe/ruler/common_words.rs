@@ -126,8 +126,13 @@ fn numbered<'a>(words: impl Iterator<Item = &'a String>) -> String {
         .join(" ")
 }
 
+/// The recipe kind.
+const KIND: &str = "ruler-cwe";
+
 impl Task for CommonWords {
-    const KIND: &'static str = "ruler-cwe";
+    fn kind(&self) -> &'static str {
+        KIND
+    }
 
     fn prompt_tokens(&self) -> usize {
         self.prompt_tokens
@@ -156,7 +161,7 @@ impl Task for CommonWords {
         let (example_words, (example_common, example_other), (common, other)) = self.sizes();
         if words.len() < example_words {
             return Err(RecipeError::Task {
-                task: Self::KIND,
+                task: KIND,
                 rule: format!(
                     "the essays hold {} words, the examples need {example_words}",
                     words.len()
@@ -181,10 +186,10 @@ impl Task for CommonWords {
                 )
             })
             .collect();
-        fit(Self::KIND, self.prompt_tokens, self.num_cw + 1, |count| {
+        fit(KIND, self.prompt_tokens, self.num_cw + 1, |count| {
             if count > words.len() {
                 return Err(RecipeError::Task {
-                    task: Self::KIND,
+                    task: KIND,
                     rule: format!(
                         "the essays hold {} distinct words, the list needs {count}",
                         words.len()

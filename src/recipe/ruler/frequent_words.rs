@@ -89,8 +89,13 @@ fn zeta(s: f64) -> f64 {
     head + N.powf(1.0 - s) / (s - 1.0) + N.powf(-s) / 2.0 + s * N.powf(-s - 1.0) / 12.0
 }
 
+/// The recipe kind.
+const KIND: &str = "ruler-fwe";
+
 impl Task for FrequentWords {
-    const KIND: &'static str = "ruler-fwe";
+    fn kind(&self) -> &'static str {
+        KIND
+    }
 
     fn prompt_tokens(&self) -> usize {
         self.prompt_tokens
@@ -117,7 +122,7 @@ impl Task for FrequentWords {
         let mut draw = Draw::new(self.seed);
         let vocabulary = self.vocabulary(&mut draw);
         let answers = vocabulary[1..4].to_vec();
-        fit(Self::KIND, self.prompt_tokens, 1, |n| {
+        fit(KIND, self.prompt_tokens, 1, |n| {
             let mut prompt = Assembly::open(sources.tokenizer);
             prompt.text(&format!(
                 "{HEAD}{}",

@@ -39,7 +39,7 @@ use std::path::PathBuf;
 /// One of RULER's tasks, as a recipe kind.
 pub trait Task {
     /// The recipe kind.
-    const KIND: &'static str;
+    fn kind(&self) -> &'static str;
     /// The prompt's length in tokens.
     fn prompt_tokens(&self) -> usize;
     /// Checks the settings on their own: the field and the rule broken.
@@ -91,7 +91,7 @@ fn rulers_seed() -> u64 {
 }
 
 /// Checks `task`'s settings: the field and the rule broken.
-pub(super) fn check<T: Task>(task: &T) -> Result<(), (&'static str, String)> {
+pub(super) fn check(task: &dyn Task) -> Result<(), (&'static str, String)> {
     if task.prompt_tokens() < 200 {
         return Err(("prompt_tokens", "must be at least 200".into()));
     }
@@ -99,8 +99,8 @@ pub(super) fn check<T: Task>(task: &T) -> Result<(), (&'static str, String)> {
 }
 
 /// Builds `task`'s prompt and checks that its decoded text states its answers.
-pub(super) fn build<T: Task>(
-    task: &T,
+pub(super) fn build(
+    task: &dyn Task,
     tokenizer: &dyn TextTokenizer,
     essays: &[PathBuf],
 ) -> Result<BuiltPrompt, RecipeError> {
@@ -111,7 +111,7 @@ pub(super) fn build<T: Task>(
     expected.sort();
     if found != expected {
         return Err(RecipeError::Task {
-            task: T::KIND,
+            task: task.kind(),
             rule: format!(
                 "the prompt's text must state its answers: it states {found:?}, the task expects {expected:?}"
             ),

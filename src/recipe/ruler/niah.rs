@@ -288,8 +288,13 @@ impl NiahTask {
     }
 }
 
+/// The recipe kind.
+const KIND: &str = "ruler-niah";
+
 impl Task for NiahTask {
-    const KIND: &'static str = "ruler-niah";
+    fn kind(&self) -> &'static str {
+        KIND
+    }
 
     fn prompt_tokens(&self) -> usize {
         self.prompt_tokens
@@ -323,7 +328,7 @@ impl Task for NiahTask {
         };
         if uses_words && words.len() < 2 {
             return Err(RecipeError::Task {
-                task: Self::KIND,
+                task: KIND,
                 rule: "`words` keys or values need words of 4 to 12 letters in the essays".into(),
             });
         }
@@ -332,12 +337,12 @@ impl Task for NiahTask {
         match self.type_haystack {
             Haystack::Essay => {
                 let essay = sources.essay_tokens(self.prompt_tokens)?;
-                fit(Self::KIND, self.prompt_tokens, 0, |n| {
+                fit(KIND, self.prompt_tokens, 0, |n| {
                     Ok(self.on_essay(tokenizer, &plan, &essay[..n]))
                 })
             }
             Haystack::Noise | Haystack::Needle => {
-                fit(Self::KIND, self.prompt_tokens, plan.needles.len(), |n| {
+                fit(KIND, self.prompt_tokens, plan.needles.len(), |n| {
                     Ok(self.on_lines(tokenizer, &plan, n, &words))
                 })
             }

@@ -141,7 +141,7 @@ impl VariableTracking {
         let mut draw = Draw::new(!self.seed);
         let chains = Chains::draw(&mut draw, self.num_chains, self.num_hops.min(10), 3);
         let built = fit(
-            Self::KIND,
+            KIND,
             self.example_tokens,
             chains.variables[0].len(),
             |lines| {
@@ -164,8 +164,13 @@ impl VariableTracking {
     }
 }
 
+/// The recipe kind.
+const KIND: &str = "ruler-vt";
+
 impl Task for VariableTracking {
-    const KIND: &'static str = "ruler-vt";
+    fn kind(&self) -> &'static str {
+        KIND
+    }
 
     fn prompt_tokens(&self) -> usize {
         self.prompt_tokens
@@ -193,7 +198,7 @@ impl Task for VariableTracking {
         let mut draw = Draw::new(self.seed);
         let chains = Chains::draw(&mut draw, self.num_chains, self.num_hops, 5);
         let least = self.num_chains * (self.num_hops + 1);
-        fit(Self::KIND, self.prompt_tokens, least, |lines| {
+        fit(KIND, self.prompt_tokens, least, |lines| {
             let haystack = chains.haystack(&mut draw.clone(), lines);
             let mut prompt = Assembly::open(tokenizer);
             prompt.tokens(&example);
