@@ -99,6 +99,27 @@ pub fn build_prompt(recipe: &Path, model: &dyn CausalLm) -> Result<BuiltPrompt, 
     Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }
 
+/// Captures `recipe` into `trace` unless `trace` exists, holding a lock beside it (dropped by
+/// the OS if the holder dies), so that sweeps or shards that start together capture a recipe once;
+/// `capture` runs the capture (with a progress display of the caller's, or none).
+pub fn capture_once(
+    recipe: &Path,
+    trace: &Path,
+    capture: &mut dyn FnMut(&Path, &Path) -> Result<(), CaptureError>,
+) -> Result<(), CaptureError> {
+    let lock = trace.with_extension("safetensors.lock");
+    crate::atomic::with_lock(&lock, || {
+        if trace.is_file() {
+            return Ok(());
+        }
+        capture(recipe, trace)
+    })
+    .map_err(|source| CaptureError::Lock {
+        path: lock.clone(),
+        source,
+    })?
+}
+
 /// Captures recipe file `recipe` with the native model into `out`, fetching the assets first if
 /// they are missing. `progress(done, total)` counts tokens.
 pub fn capture_recipe(

@@ -22,3 +22,18 @@ pub mod replay;
 pub mod splitmix;
 pub mod sys;
 pub mod trace;
+
+/// An error and its causes as one line, each cause once (typed errors often say their cause
+/// already): what the command line prints after `error: ` and what the Python package raises.
+pub fn error_text(err: &(dyn std::error::Error + 'static)) -> String {
+    let mut text = err.to_string();
+    let mut cause = err.source();
+    while let Some(next) = cause {
+        let next_text = next.to_string();
+        if !text.contains(&next_text) {
+            text = format!("{text}: {next_text}");
+        }
+        cause = next.source();
+    }
+    text
+}

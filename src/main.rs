@@ -279,18 +279,6 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
     Ok(())
 }
 
-/// The error and its causes, each cause once: typed errors often say their cause already.
-fn error_text(err: &anyhow::Error) -> String {
-    let mut text = err.to_string();
-    for cause in err.chain().skip(1) {
-        let cause = cause.to_string();
-        if !text.contains(&cause) {
-            text = format!("{text}: {cause}");
-        }
-    }
-    text
-}
-
 fn main() -> ExitCode {
     sys::tune_for_replay();
     let matches = Cli::command()
@@ -310,7 +298,7 @@ fn main() -> ExitCode {
             {
                 return ExitCode::SUCCESS;
             }
-            eprintln!("error: {}", error_text(&err));
+            eprintln!("error: {}", kvreplay::error_text(err.as_ref()));
             ExitCode::from(2)
         }
     }

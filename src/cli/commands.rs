@@ -5,7 +5,7 @@ use super::OutputArgs;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
-use kvreplay::capture::{self, CaptureError};
+use kvreplay::capture;
 use kvreplay::experiment::shard::Shard;
 use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
 use kvreplay::export::{exporter, Format};
@@ -171,24 +171,15 @@ pub fn demo(budget: usize) -> Result<()> {
     Ok(())
 }
 
-/// The experiment's traces, capturing missing recipes when `capture` is set: each capture holds
-/// a lock beside its trace (dropped by the OS if the holder dies), so shards that start together
-/// capture a recipe once.
-fn experiment_traces(experiment: &Experiment, capture: bool) -> Result<Vec<TraceFile>> {
+/// The experiment's traces, capturing missing recipes when `may_capture` is set, each once
+/// ([`capture::capture_once`]).
+fn experiment_traces(experiment: &Experiment, may_capture: bool) -> Result<Vec<TraceFile>> {
     let mut capture_once = |recipe: &Path, trace: &Path| {
-        let lock = trace.with_extension("safetensors.lock");
-        kvreplay::atomic::with_lock(&lock, || {
-            if trace.is_file() {
-                return Ok(());
-            }
+        capture::capture_once(recipe, trace, &mut |recipe, trace| {
             capture_recipe(recipe, trace, StorageDtype::F16, 512).map(|_| ())
         })
-        .map_err(|source| CaptureError::Lock {
-            path: lock.clone(),
-            source,
-        })?
     };
-    Ok(experiment.trace_files(capture.then_some(&mut capture_once as Capture<'_>))?)
+    Ok(experiment.trace_files(may_capture.then_some(&mut capture_once as Capture<'_>))?)
 }
 
 /// Which runs a sweep command runs before its report.

@@ -13,6 +13,7 @@ pub mod cluster;
 mod drift;
 mod error;
 mod figures;
+pub mod frames;
 mod ranking;
 pub mod report;
 pub mod shard;
@@ -26,7 +27,7 @@ mod testing;
 mod traces;
 
 pub use error::SweepError;
-pub use spec::{Comparison, Experiment, ExperimentError, PlannedRun};
+pub use spec::{run_id, Comparison, Experiment, ExperimentError, PlannedRun};
 pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun};
 pub use sweep::{run_sweep, SweepProgress};
 pub use traces::{Capture, TraceFile};

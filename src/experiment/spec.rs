@@ -201,16 +201,18 @@ fn expand_policies(
                         ..PolicyParams::default()
                     },
                 };
-                let mut json = serde_json::to_value(&base).expect("params serialise");
                 let mut label = name.clone();
                 for (key, value) in &combo {
-                    json[key] = to_json(value);
                     if axes.iter().any(|(k, v)| k == key && v.len() > 1) {
                         label = format!("{label} {key}={}", text(value));
                     }
                 }
-                let params: PolicyParams =
-                    serde_json::from_value(json).map_err(|err| policy_error(err.to_string()))?;
+                let settings: Vec<(String, serde_json::Value)> = combo
+                    .iter()
+                    .map(|(key, value)| (key.clone(), to_json(value)))
+                    .collect();
+                let params = presets::overlay(&base, settings.iter().map(|(k, v)| (k, v)))
+                    .map_err(|err| policy_error(err.to_string()))?;
                 params
                     .clone()
                     .check()
@@ -521,7 +523,7 @@ fn is_policy_key(key: &str) -> bool {
 /// trace's file name and the sha256 of its content; for closed-loop runs, of its recipe too)
 /// makes the id unique and stable across runs and machines, and different for a re-captured
 /// trace whose content differs.
-fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: bool) -> String {
+pub fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: bool) -> String {
     let mut settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");

@@ -4,7 +4,7 @@
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::live::LiveReport;
-use crate::replay::ReplayReport;
+use crate::replay::{PolicyParams, ReplayReport};
 use serde::{Deserialize, Serialize};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -64,6 +64,34 @@ pub struct ClosedLoop {
     /// The same per layer, beside the open-loop report's per-layer retained mass.
     #[serde(default)]
     pub live_layers: Option<Vec<f64>>,
+}
+
+impl StoredRun {
+    /// Run `id` of policy `name` (with `params`) on `trace`, as a sweep stores it.
+    pub fn new(
+        id: String,
+        name: &str,
+        trace: &TraceFile,
+        params: &PolicyParams,
+        report: &ReplayReport,
+        closed_loop: Option<ClosedLoop>,
+    ) -> Self {
+        let mut stored_report = StoredReport::from(report);
+        if trace.global_layers.is_some() {
+            // Sliding-window layers hold their windows: memory is no longer the cache size times
+            // the caches, so the replay's own figure is kept.
+            stored_report.kv_entries = Some(report.kv_entries);
+        }
+        Self {
+            id,
+            name: name.to_owned(),
+            trace: trace.path.display().to_string(),
+            trace_sha256: trace.sha256.clone(),
+            report: stored_report,
+            closed_loop,
+            versions: params.method_versions(),
+        }
+    }
 }
 
 impl ClosedLoop {
@@ -259,21 +287,14 @@ pub(crate) fn store(
     report: &ReplayReport,
     closed_loop: Option<ClosedLoop>,
 ) -> Result<(), SweepError> {
-    let mut stored_report = StoredReport::from(report);
-    if trace.global_layers.is_some() {
-        // Sliding-window layers hold their windows: memory is no longer the cache size times
-        // the caches, so the replay's own figure is kept.
-        stored_report.kv_entries = Some(report.kv_entries);
-    }
-    let stored = StoredRun {
-        id: run.id.clone(),
-        name: run.name.clone(),
-        trace: trace.path.display().to_string(),
-        trace_sha256: trace.sha256.clone(),
-        report: stored_report,
+    let stored = StoredRun::new(
+        run.id.clone(),
+        &run.name,
+        trace,
+        &run.params,
+        report,
         closed_loop,
-        versions: run.params.method_versions(),
-    };
+    );
     let json = serde_json::to_vec(&stored).expect("runs serialise");
     write_atomically(&run_path(results, &run.id), &json)
 }

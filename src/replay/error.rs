@@ -46,6 +46,9 @@ pub enum PolicyError {
         /// The rule or the type expected.
         rule: String,
     },
+    /// Settings that do not read as a policy (a value of the wrong type for its key).
+    #[error("policy settings: {0}")]
+    Malformed(String),
     /// A parameter out of range.
     #[error("parameter `{field}` = {value}: {rule}")]
     Param {

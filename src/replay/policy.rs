@@ -324,6 +324,25 @@ impl std::fmt::Debug for ValidPolicy {
 impl PolicyParams {
     /// Checks every rule that does not depend on the trace.
     pub fn check(self) -> Result<ValidPolicy, PolicyError> {
+        self.check_scorer(None)
+    }
+
+    /// [`check`](Self::check) with `scorer` in place of a registered one: a method defined outside
+    /// the library (a Python object), named by `self.scorer` in labels and results. It declares
+    /// no settings; `identity` tells two such scorers of one name apart, so policies share one
+    /// scoring pass only when their scorer is the same object.
+    pub fn check_with_scorer(
+        self,
+        scorer: Box<dyn Scorer>,
+        identity: &str,
+    ) -> Result<ValidPolicy, PolicyError> {
+        self.check_scorer(Some((scorer, identity)))
+    }
+
+    fn check_scorer(
+        self,
+        external: Option<(Box<dyn Scorer>, &str)>,
+    ) -> Result<ValidPolicy, PolicyError> {
         let invalid = |field: &'static str, value: String, rule: &'static str| PolicyError::Param {
             field,
             value,
@@ -344,21 +363,26 @@ impl PolicyParams {
             return Err(invalid("top_k", "0".into(), "must be at least 1"));
         }
         let allocator = lookup("allocator", allocator::REGISTRY, &self.allocator)?;
-        let scorer = lookup("scorer", scorer::REGISTRY, &self.scorer)?;
+        let registered = match external {
+            None => Some(lookup("scorer", scorer::REGISTRY, &self.scorer)?),
+            Some(_) => None,
+        };
         let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
         let given: Map<String, Value> = self.settings.clone().into_iter().collect();
+        let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
         for key in given.keys() {
-            let taken =
-                allocator.method.takes(key) || scorer.method.takes(key) || heads.method.takes(key);
+            let taken = allocator.method.takes(key) || scorer_takes(key) || heads.method.takes(key);
             if !taken {
+                let (scorer_label, scorer_keys) = match &registered {
+                    Some(scorer) => (scorer.label(), scorer.method.keys()),
+                    None => (format!("scorer `{}`", self.scorer), "no settings".into()),
+                };
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
                     chosen: format!(
-                        "{} ({}), {} ({}) or {} ({})",
+                        "{} ({}), {scorer_label} ({scorer_keys}) or {} ({})",
                         allocator.label(),
                         allocator.method.keys(),
-                        scorer.label(),
-                        scorer.method.keys(),
                         heads.label(),
                         heads.method.keys()
                     ),
@@ -366,24 +390,33 @@ impl PolicyParams {
                 });
             }
         }
+        let scorer_settings = registered
+            .as_ref()
+            .map(|scorer| scorer.method.resolve(&given))
+            .unwrap_or_default();
+        let identity = external.as_ref().map_or("", |(_, identity)| *identity);
         let score_key = format!(
-            "{} {} {:?} {:?}",
+            "{} {identity} {} {:?} {:?}",
             self.scorer,
-            Value::Object(scorer.method.resolve(&given)),
+            Value::Object(scorer_settings.clone()),
             self.protection(),
             self.gqa
         );
         let mut settings = self.common_settings();
         for resolved in [
             allocator.method.resolve(&given),
-            scorer.method.resolve(&given),
+            scorer_settings,
             heads.method.resolve(&given),
         ] {
             settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
+        let scorer = match external {
+            Some((scorer, _)) => scorer,
+            None => build(registered.as_ref().expect("looked up above"), &given)?,
+        };
         let policy = ValidPolicy {
             allocator: build(&allocator, &given)?,
-            scorer: build(&scorer, &given)?,
+            scorer,
             heads: build(&heads, &given)?,
             settings,
             score_key,

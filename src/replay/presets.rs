@@ -5,6 +5,7 @@
 //! is its own preset (`snapkv-kvpress`). A preset fixes everything but the budget.
 
 use super::{Granularity, Order, PolicyError, PolicyParams, Timing};
+use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
 pub const NAMES: [&str; 14] = [
@@ -157,9 +158,73 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
     })
 }
 
+/// A policy from settings by key, as an experiment's policy table or Python's keyword arguments
+/// give them: the base is `preset` at `budget` when a preset is named (the defaults otherwise),
+/// and every other key overrides the base's value; the result is read by serde, so a value of the
+/// wrong type is named by its key. What the keys mean is checked later, by
+/// [`PolicyParams::check`].
+pub fn from_settings(given: &Map<String, Value>) -> Result<PolicyParams, PolicyError> {
+    let budget = match given.get("budget") {
+        None => PolicyParams::default().budget,
+        Some(value) => value.as_u64().ok_or_else(|| PolicyError::Param {
+            field: "budget",
+            value: super::settings::text(value),
+            rule: "must be a whole number of tokens",
+        })? as usize,
+    };
+    let base = match given.get("preset") {
+        None => PolicyParams {
+            budget,
+            ..PolicyParams::default()
+        },
+        Some(Value::String(name)) => preset(name, budget)?,
+        Some(other) => preset(&super::settings::text(other), budget)?,
+    };
+    overlay(&base, given.iter().filter(|(key, _)| *key != "preset"))
+        .map_err(|err| PolicyError::Malformed(err.to_string()))
+}
+
+/// `base` with each `(key, value)` set over it, read back by serde.
+pub fn overlay<'a>(
+    base: &PolicyParams,
+    settings: impl IntoIterator<Item = (&'a String, &'a Value)>,
+) -> Result<PolicyParams, serde_json::Error> {
+    let mut json = serde_json::to_value(base).expect("params serialise");
+    for (key, value) in settings {
+        json[key] = value.clone();
+    }
+    serde_json::from_value(json)
+}
+
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    #[test]
+    fn settings_override_a_preset_at_its_budget() {
+        let given = |json: Value| from_settings(json.as_object().unwrap());
+        let params =
+            given(serde_json::json!({"preset": "snapkv", "budget": 64, "window": 4})).unwrap();
+        assert_eq!(params.budget, 64);
+        assert_eq!(params.window, 4);
+        assert_eq!(params.settings["kernel"], 7);
+        assert_eq!(
+            given(serde_json::json!({})).unwrap(),
+            PolicyParams::default()
+        );
+        let err = given(serde_json::json!({"budget": "many"})).unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "parameter `budget` = many: must be a whole number of tokens"
+        );
+        let err = given(serde_json::json!({"timing": "later"})).unwrap_err();
+        assert!(err.to_string().contains("unknown variant `later`"), "{err}");
+        let err = given(serde_json::json!({"preset": "nope"})).unwrap_err();
+        assert!(
+            err.to_string().starts_with("unknown preset `nope`"),
+            "{err}"
+        );
+    }
 
     #[test]
     fn every_preset_checks() {

@@ -17,5 +17,5 @@ pub use error::TraceError;
 pub(crate) use header::read_header;
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};
-pub use reader::{LayerTensors, TraceReader};
+pub use reader::{LayerTensors, TensorLocation, TraceReader};
 pub use writer::{write_trace, LayerArrays, LayerSource, StorageDtype, TraceWriter};

@@ -28,6 +28,17 @@ pub struct LayerTensors {
     pub v: Option<Array3<f32>>,
 }
 
+/// Where one tensor's data lies in a trace file ([`TraceReader::tensor_location`]).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct TensorLocation {
+    /// `F16`, `BF16`, `F32`, `I32` or `I64`.
+    pub dtype: String,
+    /// Its shape.
+    pub shape: Vec<usize>,
+    /// Its bytes in the file (little-endian, row-major).
+    pub bytes: std::ops::Range<usize>,
+}
+
 /// An open, validated trace.
 pub struct TraceReader {
     path: PathBuf,
@@ -268,6 +279,18 @@ impl TraceReader {
     /// Size of the file in bytes.
     pub fn file_len(&self) -> usize {
         self.file_len
+    }
+
+    /// Where tensor `name` lies in the file, for a reader that maps the file itself (the Python
+    /// package's NumPy views): its dtype as safetensors names it, its shape and its byte range.
+    pub fn tensor_location(&self, name: &str) -> Result<TensorLocation, TraceError> {
+        let info = self.info(name)?;
+        let (start, end) = info.data_offsets;
+        Ok(TensorLocation {
+            dtype: format!("{:?}", info.dtype),
+            shape: info.shape.clone(),
+            bytes: self.data_start + start..self.data_start + end,
+        })
     }
 
     /// The token ids.
