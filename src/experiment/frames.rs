@@ -5,6 +5,7 @@
 use super::store::{ClosedLoop, StoredRun};
 use crate::replay::metrics;
 use polars::prelude::*;
+pub use polars::prelude::{DataFrame, PolarsError};
 
 /// One row per run: id, trace, policy, budget, mean kept, KV entries (`kv_entries[i]` for run
 /// `i`), every registered metric (NaN where it was not measured) and, when every run has them,

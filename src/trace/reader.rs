@@ -293,6 +293,18 @@ impl TraceReader {
         })
     }
 
+    /// Where tensor `tensor` (`q`, `k` or `v`) of layer `layer` lies in the file.
+    pub fn layer_location(&self, layer: usize, tensor: &str) -> Result<TensorLocation, TraceError> {
+        if layer >= self.meta.n_layers {
+            return Err(TraceError::NoSuchLayer {
+                path: self.path.clone(),
+                layer,
+                n_layers: self.meta.n_layers,
+            });
+        }
+        self.tensor_location(&format!("layers.{layer}.{tensor}"))
+    }
+
     /// The token ids.
     pub fn tokens(&self) -> Result<Array1<i64>, TraceError> {
         let info = self.info("tokens")?;

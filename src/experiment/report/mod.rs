@@ -51,7 +51,7 @@ fn samples(run: &StoredRun) -> Vec<f64> {
 }
 
 /// A run's KV entries per layer, from its trace's head counts.
-fn kv_entries(run: &StoredRun, traces: &[TraceFile]) -> f64 {
+pub fn kv_entries(run: &StoredRun, traces: &[TraceFile]) -> f64 {
     traces
         .iter()
         .find(|trace| trace.path.display().to_string() == run.trace)

@@ -1,0 +1,70 @@
+//! Experiments from Python: `sweep` runs an experiment file's missing runs and builds its report,
+//! `report` builds the report from stored runs; both return the runs as `Results`.
+
+use crate::errors::raised;
+use crate::results::Results;
+use kvreplay::capture;
+use kvreplay::experiment::{
+    claim_results, report as build_report, run_sweep, stored_runs, Experiment, SweepError,
+    TraceFile,
+};
+use kvreplay::trace::StorageDtype;
+use pyo3::prelude::*;
+use std::path::{Path, PathBuf};
+
+/// Runs an experiment file (resuming: finished runs are skipped), writes its report beside its
+/// runs under `results/<name>/`, and returns the runs with the report's text.
+#[pyfunction]
+#[pyo3(signature = (experiment, results=PathBuf::from("results")))]
+pub fn sweep(py: Python<'_>, experiment: PathBuf, results: PathBuf) -> PyResult<Results> {
+    run_experiment(py, &experiment, &results, true)
+}
+
+/// Rebuilds an experiment's report from its stored runs, running nothing.
+#[pyfunction]
+#[pyo3(signature = (experiment, results=PathBuf::from("results")))]
+pub fn report(py: Python<'_>, experiment: PathBuf, results: PathBuf) -> PyResult<Results> {
+    run_experiment(py, &experiment, &results, false)
+}
+
+fn run_experiment(
+    py: Python<'_>,
+    path: &Path,
+    results_root: &Path,
+    run_missing: bool,
+) -> PyResult<Results> {
+    let experiment = Experiment::load(path).map_err(raised)?;
+    let results = results_root.join(&experiment.name);
+    let (runs, kv_entries, text) = py
+        .detach(|| -> Result<_, SweepError> {
+            if run_missing {
+                claim_results(&results, path)?;
+            }
+            let traces = trace_files(&experiment, run_missing)?;
+            if run_missing {
+                run_sweep(&experiment, &traces, &results, None, &|_, _| {}, &|| {})?;
+            }
+            let command = format!("kvreplay sweep {}", path.display());
+            let text = build_report::build(&experiment, &traces, &results, &command)?;
+            let runs = stored_runs(&experiment, &traces, &results)?;
+            let kv_entries = runs
+                .iter()
+                .map(|run| build_report::kv_entries(run, &traces))
+                .collect();
+            Ok((runs, kv_entries, text))
+        })
+        .map_err(raised)?;
+    Ok(Results::new(runs, kv_entries, Some(text)))
+}
+
+/// The experiment's traces, capturing missing recipes (each once) when `may_capture` is set.
+fn trace_files(experiment: &Experiment, may_capture: bool) -> Result<Vec<TraceFile>, SweepError> {
+    let mut capture_once = |recipe: &Path, trace: &Path| {
+        capture::capture_once(recipe, trace, &mut |recipe, trace| {
+            capture::capture_recipe(recipe, trace, StorageDtype::F16, 512, &mut |_, _| {})
+                .map(|_| ())
+        })
+    };
+    experiment
+        .trace_files(may_capture.then_some(&mut capture_once as kvreplay::experiment::Capture<'_>))
+}

@@ -1,0 +1,36 @@
+//! kvreplay's Python package: one binding layer over the library, with no logic of its own.
+//! Traces open as NumPy views of the mapped file; replay, compare, kept sets, live runs, capture,
+//! sweeps and reports take the settings the TOML and the command line take, by the same names,
+//! checked by the same code; results come back as polars DataFrames; errors are
+//! `kvreplay.KvreplayError` carrying the command line's message; the GIL is released while Rust
+//! works. A scorer may be a Python object ([`scorer`]).
+
+use pyo3::prelude::*;
+
+mod errors;
+mod experiment;
+mod live;
+mod results;
+mod run;
+mod scorer;
+mod settings;
+mod trace;
+
+pub use errors::KvreplayError;
+
+#[pymodule]
+fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    m.add("KvreplayError", m.py().get_type::<KvreplayError>())?;
+    m.add_class::<trace::Trace>()?;
+    m.add_class::<results::Results>()?;
+    m.add_class::<scorer::Cache>()?;
+    m.add_function(wrap_pyfunction!(run::replay, m)?)?;
+    m.add_function(wrap_pyfunction!(run::compare, m)?)?;
+    m.add_function(wrap_pyfunction!(run::kept, m)?)?;
+    m.add_function(wrap_pyfunction!(run::methods, m)?)?;
+    m.add_function(wrap_pyfunction!(live::live, m)?)?;
+    m.add_function(wrap_pyfunction!(live::capture, m)?)?;
+    m.add_function(wrap_pyfunction!(experiment::sweep, m)?)?;
+    m.add_function(wrap_pyfunction!(experiment::report, m)?)?;
+    Ok(())
+}

@@ -1,0 +1,88 @@
+//! `kvreplay.Results`: what a replay, compare or sweep measured, as polars DataFrames with the
+//! columns of `runs.parquet` (one row per run), per layer, and per layer, query head and decode
+//! step.
+
+use crate::errors::message;
+use kvreplay::experiment::frames::{layers_frame, parquet_bytes, runs_frame, samples_frame};
+use kvreplay::experiment::StoredRun;
+use polars_frame::to_polars;
+use pyo3::prelude::*;
+
+/// Measured runs.
+#[pyclass(frozen, module = "kvreplay")]
+pub struct Results {
+    runs: Vec<StoredRun>,
+    kv_entries: Vec<f64>,
+    /// A sweep's report (markdown), when the results come from one.
+    #[pyo3(get)]
+    report: Option<String>,
+}
+
+impl Results {
+    pub fn new(runs: Vec<StoredRun>, kv_entries: Vec<f64>, report: Option<String>) -> Self {
+        Self {
+            runs,
+            kv_entries,
+            report,
+        }
+    }
+}
+
+#[pymethods]
+impl Results {
+    /// One row per run: id, trace, policy, budget, mean_kept, kv_entries, every metric and, for
+    /// closed-loop runs, the closed-loop columns (as `runs.parquet`).
+    #[getter]
+    fn runs<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_polars(py, runs_frame(&self.runs, &self.kv_entries))
+    }
+
+    /// One row per run and measured layer: budget, mean kept and each metric's layer mean.
+    #[getter]
+    fn layers<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_polars(py, layers_frame(&self.runs))
+    }
+
+    /// One row per run, measured layer, query head and decode step: each metric's sample.
+    #[getter]
+    fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        to_polars(py, samples_frame(&self.runs))
+    }
+
+    /// The policies' display names, in order.
+    #[getter]
+    fn policies(&self) -> Vec<String> {
+        self.runs.iter().map(|r| r.name.clone()).collect()
+    }
+
+    fn __len__(&self) -> usize {
+        self.runs.len()
+    }
+
+    fn __repr__(&self) -> String {
+        format!("Results({} runs)", self.runs.len())
+    }
+}
+
+mod polars_frame {
+    use super::message;
+    use pyo3::prelude::*;
+
+    /// A library DataFrame as a polars DataFrame in Python (through Parquet bytes: the two sides
+    /// need not share a polars version).
+    pub fn to_polars<'py>(
+        py: Python<'py>,
+        frame: Result<
+            kvreplay::experiment::frames::DataFrame,
+            kvreplay::experiment::frames::PolarsError,
+        >,
+    ) -> PyResult<Bound<'py, PyAny>> {
+        let mut frame = frame.map_err(|e| message(e.to_string()))?;
+        let bytes = super::parquet_bytes(&mut frame).map_err(|e| message(e.to_string()))?;
+        let buffer = py
+            .import("io")?
+            .getattr("BytesIO")?
+            .call1((pyo3::types::PyBytes::new(py, &bytes),))?;
+        py.import("polars")?.call_method1("read_parquet", (buffer,))
+    }
+}

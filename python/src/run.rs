@@ -1,0 +1,250 @@
+//! Replays from Python: `replay`, `compare`, `kept` and `methods`, over the library's engine.
+
+use crate::errors::{message, raised};
+use crate::results::Results;
+use crate::scorer::{Failure, PyScorer};
+use crate::settings::settings_map;
+use crate::trace::Trace;
+use kvreplay::experiment::{run_id, StoredRun};
+use kvreplay::replay::{
+    compressed_layers, kept_sets, layer_budgets, presets, replay_many, PolicyParams, UnitKept,
+    ValidPolicy,
+};
+use ndarray::{Array3, Array4};
+use numpy::IntoPyArray;
+use pyo3::prelude::*;
+use pyo3::types::{PyDict, PyString};
+
+/// One policy from Python: its display name and parameters, and the failure slot of its Python
+/// scorer, if it has one; the checked policy goes beside it.
+pub struct Policy {
+    pub name: String,
+    pub params: PolicyParams,
+    pub failure: Option<Failure>,
+}
+
+impl Policy {
+    /// The policy `given` (keyword arguments) sets over `defaults`: `name` labels it (default:
+    /// its short label), `scorer` is a registered name or a Python scorer object, `preset`
+    /// and every other key are read as an experiment's policy table reads them.
+    pub fn from_settings(
+        defaults: Option<&Bound<'_, PyDict>>,
+        given: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<(Self, ValidPolicy)> {
+        let mut settings = settings_map(defaults, &["name", "scorer"])?;
+        settings.extend(settings_map(given, &["name", "scorer"])?);
+        let pick = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
+            for dict in [given, defaults].into_iter().flatten() {
+                if let Some(value) = dict.get_item(key)? {
+                    return Ok(Some(value));
+                }
+            }
+            Ok(None)
+        };
+        let name: Option<String> = pick("name")?.map(|n| n.extract()).transpose()?;
+        let scorer = pick("scorer")?;
+        let python_scorer = match &scorer {
+            Some(object) if !object.is_instance_of::<PyString>() => Some(PyScorer::new(object)?),
+            Some(registered) => {
+                settings.insert("scorer".into(), registered.extract::<String>()?.into());
+                None
+            }
+            None => None,
+        };
+        if let Some(python) = &python_scorer {
+            settings.insert("scorer".into(), python.name().into());
+        }
+        let params = presets::from_settings(&settings).map_err(raised)?;
+        let (checked, failure) = match python_scorer {
+            Some(python) => {
+                let failure = python.failure();
+                let identity = format!("{:p}", scorer.as_ref().expect("a scorer").as_ptr());
+                let checked = params
+                    .clone()
+                    .check_with_scorer(Box::new(python), &identity)
+                    .map_err(raised)?;
+                (checked, Some(failure))
+            }
+            None => (params.clone().check().map_err(raised)?, None),
+        };
+        let policy = Self {
+            name: name.unwrap_or_else(|| checked.label()),
+            params,
+            failure,
+        };
+        Ok((policy, checked))
+    }
+
+    /// Raises the Python scorer's failure, if it had one.
+    pub fn check_scorer(&self) -> PyResult<()> {
+        self.failure.as_ref().map_or(Ok(()), Failure::check)
+    }
+}
+
+/// Replays `policies` on `trace` with the GIL released, on `threads` workers (default: all
+/// cores), and collects their runs as a sweep stores them.
+fn replay_policies(
+    py: Python<'_>,
+    trace: &Bound<'_, Trace>,
+    (policies, checked): (Vec<Policy>, Vec<ValidPolicy>),
+    threads: Option<usize>,
+) -> PyResult<Results> {
+    let reader = trace.get().reader();
+    let reports = py.detach(|| {
+        let mut builder = rayon::ThreadPoolBuilder::new();
+        if let Some(threads) = threads {
+            builder = builder.num_threads(threads);
+        }
+        let pool = builder.build().map_err(|e| e.to_string())?;
+        pool.install(|| replay_many(reader, &checked, &|| {}))
+            .map_err(|e| kvreplay::error_text(&e))
+    });
+    for policy in &policies {
+        policy.check_scorer()?;
+    }
+    let reports = reports.map_err(message)?;
+    let identity = trace.get().identity(py)?;
+    let runs = policies
+        .iter()
+        .zip(&reports)
+        .map(|(policy, report)| {
+            let id = run_id(&policy.name, identity, &policy.params, false);
+            StoredRun::new(id, &policy.name, identity, &policy.params, report, None)
+        })
+        .collect();
+    let kv_entries = reports.iter().map(|r| r.kv_entries).collect();
+    Ok(Results::new(runs, kv_entries, None))
+}
+
+/// Replays policies on a trace and measures what they keep.
+///
+/// One policy from the keyword arguments (`budget=64, scorer="knorm"`, `preset="snapkv"`,
+/// any setting `kvreplay methods` lists), or several: `policies=[{...}, {...}]`, each a dict of
+/// the same keys over the keyword arguments; `name` labels a policy. `scorer` may be a Python
+/// object (`kvreplay.Cache` documents what it sees). Returns `Results`.
+#[pyfunction]
+#[pyo3(signature = (trace, policies=None, threads=None, **settings))]
+pub fn replay(
+    py: Python<'_>,
+    trace: &Bound<'_, PyAny>,
+    policies: Option<Vec<Bound<'_, PyDict>>>,
+    threads: Option<usize>,
+    settings: Option<&Bound<'_, PyDict>>,
+) -> PyResult<Results> {
+    let trace = Trace::from_arg(trace)?.into_bound(py);
+    let policies = match policies {
+        None => vec![Policy::from_settings(None, settings)?],
+        Some(list) => list
+            .iter()
+            .map(|given| Policy::from_settings(settings, Some(given)))
+            .collect::<PyResult<_>>()?,
+    };
+    replay_policies(py, &trace, policies.into_iter().unzip(), threads)
+}
+
+/// Replays named presets of the classic methods at one budget (default: every preset), labelled
+/// as `kvreplay compare` labels them.
+#[pyfunction]
+#[pyo3(signature = (trace, budget=128, presets=None, threads=None))]
+pub fn compare(
+    py: Python<'_>,
+    trace: &Bound<'_, PyAny>,
+    budget: usize,
+    presets: Option<Vec<String>>,
+    threads: Option<usize>,
+) -> PyResult<Results> {
+    let trace = Trace::from_arg(trace)?.into_bound(py);
+    let names = presets.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
+    let policies = names
+        .iter()
+        .map(|name| {
+            let params = presets::preset(name, budget).map_err(raised)?;
+            let checked = params.clone().check().map_err(raised)?;
+            let policy = Policy {
+                name: format!("{name} ({})", checked.label()),
+                params,
+                failure: None,
+            };
+            Ok((policy, checked))
+        })
+        .collect::<PyResult<Vec<_>>>()?;
+    replay_policies(py, &trace, policies.into_iter().unzip(), threads)
+}
+
+/// A policy's kept sets as boolean masks, with the keyword arguments of `replay`.
+///
+/// Returns a dict: `layers` (the compressed layers, in order), `budgets` (each one's budget) and
+/// `mask`: `[layer, cache, position]` over the prompt (True: kept at the prompt's end; for a
+/// policy that chooses again later, what it keeps when the first decode step attends), or with
+/// `steps=True`, `[layer, cache, step, position]` over every position, one kept set per decode
+/// step.
+#[pyfunction]
+#[pyo3(signature = (trace, steps=false, **settings))]
+pub fn kept<'py>(
+    py: Python<'py>,
+    trace: &Bound<'py, PyAny>,
+    steps: bool,
+    settings: Option<&Bound<'py, PyDict>>,
+) -> PyResult<Bound<'py, PyDict>> {
+    let trace = Trace::from_arg(trace)?.into_bound(py);
+    let (policy, checked) = Policy::from_settings(None, settings)?;
+    let reader = trace.get().reader();
+    let checked = &checked;
+    let outcome = py.detach(|| -> Result<_, kvreplay::replay::PolicyError> {
+        let budgets = layer_budgets(reader, checked)?;
+        let layers = compressed_layers(reader.meta(), checked);
+        let kept = layers
+            .iter()
+            .map(|&layer| kept_sets(reader, checked, &budgets, layer))
+            .collect::<Result<Vec<_>, _>>()?;
+        Ok((layers, budgets, kept))
+    });
+    policy.check_scorer()?;
+    let (layers, budgets, kept) = outcome.map_err(raised)?;
+    let view = kvreplay::replay::protocol_view(reader, checked).map_err(raised)?;
+    let prompt_len = view.as_ref().unwrap_or(reader).meta().prompt_len;
+    let n_positions = reader.n_positions();
+    let caches = kept.first().map_or(0, |k| k.kept.len());
+    let result = PyDict::new(py);
+    if steps {
+        let n_steps = n_positions - prompt_len;
+        let mut mask =
+            Array4::<bool>::from_elem((layers.len(), caches, n_steps, n_positions), false);
+        for (l, layer) in kept.iter().enumerate() {
+            for (c, unit) in layer.kept.iter().enumerate() {
+                for step in 0..n_steps {
+                    for p in unit.kept_positions(step, prompt_len) {
+                        mask[[l, c, step, p]] = true;
+                    }
+                }
+            }
+        }
+        result.set_item("mask", mask.into_pyarray(py))?;
+    } else {
+        let mut mask = Array3::<bool>::from_elem((layers.len(), caches, prompt_len), false);
+        for (l, layer) in kept.iter().enumerate() {
+            for (c, unit) in layer.kept.iter().enumerate() {
+                let first = match unit {
+                    UnitKept::Fixed(prompt) => prompt.clone(),
+                    UnitKept::PerStep(per_step) => per_step.first().cloned().unwrap_or_default(),
+                };
+                for p in first.into_iter().filter(|&p| p < prompt_len) {
+                    mask[[l, c, p]] = true;
+                }
+            }
+        }
+        result.set_item("mask", mask.into_pyarray(py))?;
+    }
+    let layer_budgets: Vec<usize> = layers.iter().map(|&l| budgets[l]).collect();
+    result.set_item("layers", layers)?;
+    result.set_item("budgets", layer_budgets)?;
+    result.set_item("policy", policy.name)?;
+    Ok(result)
+}
+
+/// Every allocator, head split, scorer and timing with its settings, defaults and source, and
+/// the presets, as `kvreplay methods` prints them (markdown).
+#[pyfunction]
+pub fn methods() -> String {
+    kvreplay::export::methods_markdown()
+}
