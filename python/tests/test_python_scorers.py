@@ -1,0 +1,127 @@
+"""Scorers written in Python: the examples keep what the Rust scorers keep, under every timing a
+Python scorer serves, in replay and live; bad scorers fail with a message naming them."""
+
+import pathlib
+import runpy
+
+import numpy as np
+import pytest
+
+import kvreplay
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"
+
+
+def example(name, cls):
+    return runpy.run_path(str(EXAMPLES / f"{name}.py"))[cls]
+
+
+@pytest.mark.parametrize(
+    "file, cls, rust, settings",
+    [
+        ("snapkv", "SnapKV", "snapkv", {}),
+        ("snapkv", "SnapKV", "snapkv", {"gqa": "query-head", "window": 16}),
+        ("knorm", "Knorm", "knorm", {}),
+        ("knorm", "Knorm", "knorm", {"heads": "adakv", "sinks": 4}),
+        ("h2o", "H2O", "true-query", {"gqa": "query-head", "allocator": "pyramid"}),
+    ],
+)
+@pytest.mark.parametrize("budget", [32, 128])
+def test_examples_keep_what_rust_keeps(trace, file, cls, rust, settings, budget):
+    scorer = example(file, cls)()
+    ours = kvreplay.kept(trace, scorer=scorer, budget=budget, **settings)["mask"]
+    theirs = kvreplay.kept(trace, scorer=rust, budget=budget, **settings)["mask"]
+    assert ours.shape == theirs.shape
+    assert np.array_equal(ours, theirs)
+
+
+def test_reselecting_timings(trace):
+    knorm = example("knorm", "Knorm")()
+    for timing in ["per-step-prompt", "per-step"]:
+        ours = kvreplay.kept(trace, scorer=knorm, budget=48, timing=timing, steps=True)["mask"]
+        theirs = kvreplay.kept(trace, scorer="knorm", budget=48, timing=timing, steps=True)["mask"]
+        assert np.array_equal(ours, theirs), timing
+
+
+def test_metrics_equal_the_rust_scorers(trace):
+    snapkv = example("snapkv", "SnapKV")()
+    ours = kvreplay.replay(trace, scorer=snapkv, budget=64).runs
+    theirs = kvreplay.replay(trace, scorer="snapkv", budget=64).runs
+    assert ours["policy"][0] == "flat+snapkv-numpy@prefill"
+    for metric in ["retained_mass", "topk_recall", "output_error", "mean_kept", "kv_entries"]:
+        assert ours[metric][0] == theirs[metric][0], metric
+
+
+def test_two_python_scorers_of_one_name_are_not_confused(trace):
+    class Fixed:
+        name = "fixed"
+
+        def __init__(self, sign):
+            self.sign = sign
+
+        def score(self, cache):
+            return self.sign * cache.positions.astype(np.float32)
+
+    runs = kvreplay.replay(
+        trace, budget=32, policies=[{"scorer": Fixed(1.0), "name": "late"}, {"scorer": Fixed(-1.0), "name": "early"}]
+    ).runs
+    recency = kvreplay.replay(trace, budget=32, scorer="recency").runs
+    assert runs["retained_mass"][0] == recency["retained_mass"][0]
+    assert runs["retained_mass"][1] != runs["retained_mass"][0]
+
+
+def test_what_a_python_scorer_sees(trace):
+    seen = []
+
+    def record(cache):
+        seen.append(cache)
+        return np.zeros(len(cache.positions), dtype=np.float32)
+
+    kvreplay.kept(trace, scorer=record, budget=64, window=4, sinks=2)
+    assert len(seen) == 30 * 3
+    first = seen[0]
+    assert first.queries.shape == (3, trace.prompt_len, 64) and first.queries.dtype == np.float32
+    assert first.keys.shape == (trace.prompt_len, 64)
+    assert first.values is None
+    assert first.positions.tolist() == list(range(trace.prompt_len))
+    assert (first.newest, first.prompt_len, first.sinks, first.window) == (trace.prompt_len - 1, trace.prompt_len, 2, 4)
+    assert (first.n_heads, first.n_kv_heads, first.layer_window, first.rope_theta) == (9, 3, 0, 100000.0)
+    assert first.scale == pytest.approx(64 ** -0.5)
+    layer, head = seen[-1].layer, seen[-1].kv_head
+    assert np.array_equal(seen[-1].keys, trace.k(layer, dtype="float32")[head, : trace.prompt_len])
+
+
+@pytest.mark.parametrize(
+    "score, message",
+    [
+        (lambda c: np.zeros(3, dtype=np.float32), "returned 3 scores for a cache of"),
+        (lambda c: np.full(len(c.positions), np.nan), "returned a non-finite score \\(NaN\\) at index 0"),
+        (lambda c: np.zeros(len(c.positions), dtype=np.int64), "returned an array of dtype int64"),
+        (lambda c: [0.0] * len(c.positions), "returned list"),
+        (lambda c: 1 / 0, "raised ZeroDivisionError: division by zero"),
+    ],
+)
+def test_bad_scorers_are_named(trace, score, message):
+    with pytest.raises(kvreplay.KvreplayError, match=f"Python scorer `function` at layer 0, cache 0: {message}"):
+        kvreplay.replay(trace, scorer=score, budget=32, threads=1)
+
+
+def test_streaming_timings_are_refused(trace):
+    class Eager:
+        timings = ("streaming",)
+
+        def score(self, cache):
+            return np.zeros(len(cache.positions))
+
+    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `Eager`: timing `streaming` chooses at every token"):
+        kvreplay.replay(trace, scorer=Eager())
+    with pytest.raises(kvreplay.KvreplayError, match="scorer `knorm-numpy` \\(timings: prefill, per-step, per-step-prompt\\)"):
+        kvreplay.replay(trace, scorer=example("knorm", "Knorm")(), timing="streaming")
+
+
+def test_live_with_a_python_scorer(recipe):
+    snapkv = example("snapkv", "SnapKV")()
+    ours = kvreplay.live(recipe, scorer=snapkv, budget=64)
+    theirs = kvreplay.live(recipe, scorer="snapkv", budget=64)
+    for key in ["kl", "top1", "logprob_lost", "text", "answer_score", "live_retained_mass"]:
+        assert ours[key] == theirs[key], key

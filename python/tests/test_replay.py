@@ -1,0 +1,110 @@
+"""Replays from Python equal the command line's, take its settings by the same names and fail
+with its messages."""
+
+import json
+
+import polars as pl
+import pytest
+
+import kvreplay
+from conftest import run_cli
+
+METRICS = ["retained_mass", "topk_recall", "output_error", "value_weighted_mass", "value_gap"]
+
+
+def test_compare_equals_the_command_line(cli, trace, trace_path):
+    results = kvreplay.compare(trace, budget=64, presets=["snapkv", "tova", "streamingllm"])
+    code, out, err = run_cli(
+        cli, "compare", trace_path, "--budget", 64, "--presets", "snapkv,tova,streamingllm",
+        "--format", "json", "--no-layers",
+    )
+    assert code == 0, err
+    expected = json.loads(out)
+    runs = results.runs
+    assert runs["policy"].to_list() == [r["policy"] for r in expected]
+    for metric in METRICS:
+        assert runs[metric].to_list() == [r[metric] for r in expected], metric
+    assert runs["mean_kept"].to_list() == [r["mean_kept"] for r in expected]
+    assert runs["kv_entries"].to_list() == [r["kv_entries"] for r in expected]
+
+
+def test_settings_by_the_command_lines_names(cli, trace, trace_path):
+    ours = kvreplay.replay(trace, scorer="snapkv", budget=48, window=4, kernel=5, pool="max", gqa="query-head")
+    code, out, err = run_cli(
+        cli, "replay", trace_path, "--scorer", "snapkv", "--budget", 48, "--window", 4,
+        "--kernel", 5, "--pool", "max", "--gqa", "query-head", "--format", "json", "--no-layers",
+    )
+    assert code == 0, err
+    expected = json.loads(out)
+    expected = expected[0] if isinstance(expected, list) else expected
+    row = ours.runs.row(0, named=True)
+    assert row["policy"] == expected["policy"] == "flat+snapkv@prefill"
+    for metric in METRICS:
+        assert row[metric] == expected[metric], metric
+
+
+def test_several_policies_in_one_pass(trace):
+    results = kvreplay.replay(
+        trace,
+        budget=64,
+        policies=[{"preset": "snapkv", "name": "snap"}, {"scorer": "knorm"}, {"preset": "h2o", "budget": 32}],
+    )
+    runs = results.runs
+    assert runs["policy"].to_list() == ["snap", "flat+knorm@prefill", "flat+true-query@prefill-then-stream"]
+    assert runs["budget"].to_list() == [64, 64, 32]
+    alone = kvreplay.replay(trace, preset="snapkv", budget=64).runs
+    assert runs["retained_mass"][0] == alone["retained_mass"][0]
+
+
+def test_layer_and_sample_frames(trace):
+    results = kvreplay.replay(trace, preset="snapkv", budget=64)
+    layers, samples = results.layers, results.samples
+    assert layers.height == trace.n_layers
+    assert layers["retained_mass"].mean() == pytest.approx(results.runs["retained_mass"][0], rel=1e-12)
+    steps = trace.n_positions - trace.prompt_len
+    assert samples.height == trace.n_layers * trace.n_heads * steps
+    per_layer = samples.group_by("layer").agg(pl.col("retained_mass").mean()).sort("layer")
+    assert per_layer["retained_mass"].to_list() == pytest.approx(layers["retained_mass"].to_list(), rel=1e-12)
+
+
+def test_kept_masks(trace):
+    kept = kvreplay.kept(trace, preset="snapkv", budget=64)
+    mask = kept["mask"]
+    assert mask.shape == (30, 9, trace.prompt_len)  # snapkv's preset keeps one set per query head
+    assert kept["layers"] == list(range(30)) and kept["budgets"] == [64] * 30
+    assert (mask.sum(axis=-1) == 64).all()
+    assert mask[:, :, -8:].all()  # the observation window is protected
+    streaming = kvreplay.kept(trace, preset="streamingllm", budget=32, steps=True)["mask"]
+    steps = trace.n_positions - trace.prompt_len
+    assert streaming.shape == (30, 3, steps, trace.n_positions)
+    for step in range(steps):
+        now = trace.prompt_len + step
+        kept_now = streaming[0, 0, step]
+        # attend-first: the step's query sees the 32 kept tokens and itself, 4 sinks + 29 recent
+        assert kept_now[:4].all() and kept_now[now - 28 : now + 1].all()
+        assert kept_now.sum() == 33
+
+
+@pytest.mark.parametrize(
+    "settings, flags",
+    [
+        ({"scorer": "nope"}, ["--scorer", "nope"]),
+        ({"scorer": "knorm", "kernel": 3}, ["--scorer", "knorm", "--kernel", "3"]),
+        ({"budget": 4, "window": 8}, ["--budget", "4", "--window", "8"]),
+        ({"scorer": "snapkv", "timing": "streaming"}, ["--scorer", "snapkv", "--timing", "streaming"]),
+        ({"scorer": "snapkv", "kernel": 4}, ["--scorer", "snapkv", "--kernel", "4"]),
+    ],
+)
+def test_errors_carry_the_command_lines_message(cli, trace, trace_path, settings, flags):
+    code, _, err = run_cli(cli, "replay", trace_path, *flags)
+    assert code == 2
+    with pytest.raises(kvreplay.KvreplayError) as raised:
+        kvreplay.replay(trace, **settings)
+    assert err.strip() == f"error: {raised.value}"
+
+
+def test_unknown_preset_and_bad_value(trace):
+    with pytest.raises(kvreplay.KvreplayError, match="unknown preset `nope`; valid: snapkv"):
+        kvreplay.replay(trace, preset="nope")
+    with pytest.raises(kvreplay.KvreplayError, match="setting `window` = \\[1\\]"):
+        kvreplay.replay(trace, window=[1])
