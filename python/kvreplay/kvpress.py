@@ -1,0 +1,141 @@
+"""kvpress's presses as kvreplay scorers: a press's own ``score()`` ranks each cache of a trace, and
+kvreplay applies its allocators, head splits, cache layouts, protections, metrics and closed loop.
+
+kvpress (NVIDIA/kvpress) is not a dependency: install it yourself, without its dependencies, since
+kvpress 0.5.5 pins ``transformers<5.3`` and its model hooks are not used here::
+
+    pip install --no-deps kvpress==0.5.5   # plus torch and transformers for the stand-in module
+
+A press scores one cache (one KV head of one layer) at the end of the prompt, through a stand-in
+attention module that hands it what a Llama attention layer would: ``config`` (the cache's query
+heads over one KV head), ``head_dim``, ``layer_idx``, transformers' own ``LlamaRotaryEmbedding``
+built from the trace's ``rope_theta``, and an identity ``q_proj``, so that ``hidden_states`` carries
+the pre-rotary queries (the trace's queries turned back with that rotary embedding): for a bias-free
+Llama projection these are what ``q_proj(hidden_states)`` would give. ``position_embeddings`` is
+in the keyword arguments; ``attentions`` (the prompt's causal attention weights, as eager attention
+returns them) is given to the presses that read them (``ObservedAttentionPress``).
+
+A press that reads what a trace does not hold (the real hidden states, a model's other weights, a
+component fetched from the hub, extra forward passes) fails on a small probe when it is wrapped,
+before any work, with a ``KvreplayError`` naming the press and what it tried to read.
+"""
+
+import numpy as np
+
+from ._native import KvreplayError
+
+# Presses that read the attention weights they are given rather than computing their own.
+READS_ATTENTIONS = {"ObservedAttentionPress"}
+
+
+class PressScorer:
+    """A kvpress press as a kvreplay scorer (one-shot: kvpress compresses at the end of the prompt)."""
+
+    timings = ("prefill",)
+    needs_values = True
+
+    def __init__(self, press, name=None, probe=True):
+        import torch  # noqa: F401  (the stand-in needs torch and transformers)
+        from transformers import LlamaConfig  # noqa: F401
+
+        self.press = press
+        self.name = name or f"kvpress:{type(press).__name__}"
+        self.reads_attentions = type(press).__name__ in READS_ATTENTIONS
+        self._modules = {}
+        if probe:
+            self._probe()
+
+    def score(self, cache):
+        import torch
+
+        if cache.rope_theta is None:
+            raise ValueError(f"{self.name} needs the trace's rope_theta to rebuild the pre-rotary queries")
+        if cache.values is None:
+            raise ValueError(f"{self.name} needs the trace's values")
+        module = self._module(cache)
+        queries = torch.from_numpy(np.ascontiguousarray(cache.queries))[None]  # [1, g, n, d]
+        keys = torch.from_numpy(np.ascontiguousarray(cache.keys))[None, None]  # [1, 1, n, d]
+        values = torch.from_numpy(np.ascontiguousarray(cache.values))[None, None]
+        n = queries.shape[2]
+        positions = torch.arange(n).unsqueeze(0)
+        cos, sin = module.rotary_emb(queries, positions)
+        hidden = _prerotary(queries, cos, sin).transpose(1, 2).reshape(1, n, -1)
+        attentions = _eager_attentions(queries, keys, cache.scale, cache.softcap) if self.reads_attentions else None
+        with torch.no_grad():
+            scores = self.press.score(module, hidden, keys, values, attentions, {"position_embeddings": (cos, sin)})
+        scores = scores[0, 0].float().numpy()
+        if scores.shape != (n,):
+            raise ValueError(f"{self.name} scored {scores.shape} for {n} positions")
+        return scores[cache.positions]
+
+    def _module(self, cache):
+        key = (cache.layer, cache.query_heads[1] - cache.query_heads[0], cache.keys.shape[1], cache.rope_theta)
+        if key not in self._modules:
+            self._modules[key] = _StandIn(*key)
+        return self._modules[key]
+
+    def _probe(self):
+        """Scores a small synthetic cache, so a press that cannot be replayed fails here, by name."""
+        rng = np.random.default_rng(0)
+        n, d, g = 96, 64, 2
+        probe = _Probe(
+            queries=rng.standard_normal((g, n, d), dtype=np.float32),
+            keys=rng.standard_normal((n, d), dtype=np.float32),
+            values=rng.standard_normal((n, d), dtype=np.float32),
+            positions=np.arange(n),
+            layer=0,
+            query_heads=(0, g),
+            rope_theta=10000.0,
+            scale=d**-0.5,
+            softcap=None,
+        )
+        try:
+            scores = self.score(probe)
+        except Exception as err:  # what the press tried to read, in its own words
+            raise KvreplayError(f"{self.name} cannot be replayed from a trace: {type(err).__name__}: {err}") from err
+        if not np.isfinite(scores).all():
+            raise KvreplayError(f"{self.name} cannot be replayed from a trace: it scores a probe with non-finite values")
+
+
+class _Probe:
+    def __init__(self, **fields):
+        self.__dict__.update(fields)
+
+
+def _StandIn(layer, group, head_dim, rope_theta):
+    """What a press reads of a Llama attention layer, for one KV head and its `group` query heads."""
+    from torch import nn
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    module = nn.Module()
+    module.head_dim = head_dim
+    module.layer_idx = layer
+    module.config = LlamaConfig(
+        hidden_size=group * head_dim,
+        num_attention_heads=group,
+        num_key_value_heads=1,
+        head_dim=head_dim,
+        rope_theta=float(rope_theta),
+        max_position_embeddings=1 << 16,
+    )
+    module.rotary_emb = LlamaRotaryEmbedding(module.config)
+    module.q_proj = nn.Identity()
+    return module
+
+
+def _prerotary(queries, cos, sin):
+    from transformers.models.llama.modeling_llama import rotate_half
+
+    return queries * cos.unsqueeze(1) - rotate_half(queries) * sin.unsqueeze(1)
+
+
+def _eager_attentions(queries, keys, scale, softcap):
+    import torch
+
+    logits = (queries @ keys.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    n = queries.shape[2]
+    future = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
+    return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)

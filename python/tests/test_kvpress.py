@@ -1,0 +1,112 @@
+"""Every ScorerPress of kvpress 0.5.5 that can be built with default arguments, replayed through
+`kvreplay.kvpress.PressScorer`: those kvreplay has a Rust scorer for keep the same sets; those that
+cannot run from a trace fail on the probe, naming the press.
+
+kvpress is the package the Rust parity tests fetch (`pip download --no-deps` into
+$KVREPLAY_HOME/kvpress-0.5.5); its press modules are imported without `kvpress/__init__.py`, which
+pulls the evaluation pipeline's dependencies."""
+
+import importlib
+import inspect
+import os
+import pathlib
+import sys
+import types
+
+import numpy as np
+import pytest
+
+import kvreplay
+from kvreplay.kvpress import PressScorer
+
+HOME = pathlib.Path(os.environ.get("KVREPLAY_HOME", pathlib.Path.home() / ".cache" / "kvreplay"))
+KVPRESS = pathlib.Path(os.environ.get("KVPRESS_PATH", HOME / "kvpress-0.5.5"))
+
+# Presses with a Rust scorer: its name, the policy's settings, and the Rust scorer's own settings
+# that equal the press's defaults.
+EQUIVALENT = {
+    "KnormPress": ("knorm", {}, {}),
+    "KeyDiffPress": ("keydiff", {}, {}),
+    "LagKVPress": ("lagkv", {}, {"lag_size": 128, "n_sink": 4, "cross_scoring": False}),
+    "ExpectedAttentionPress": ("expected-attention", {}, {"n_future_positions": 512, "n_sink": 4}),
+    "SnapKVPress": ("snapkv", {"window": 64}, {"kernel": 5, "pool": "avg", "agg": "mean"}),
+    "TOVAPress": ("tova", {}, {}),
+    "StreamingLLMPress": ("recency", {"sinks": 4}, {}),
+}
+
+# What each press that cannot run from a trace reads instead, as the README's table says.
+CANNOT = {
+    "QFilterPress": "its filters, fetched from the Hugging Face hub for a named model",
+    "KVzapPress": "a trained scorer model fetched from the Hugging Face hub",
+}
+
+
+def scorer_presses():
+    """Every ScorerPress subclass in kvpress.presses, by class name, or the import error."""
+    sys.path.insert(0, str(KVPRESS))
+    root = KVPRESS / "kvpress"
+    for name, path in [("kvpress", root), ("kvpress.presses", root / "presses")]:
+        module = types.ModuleType(name)
+        module.__path__ = [str(path)]
+        sys.modules.setdefault(name, module)
+    base = importlib.import_module("kvpress.presses.scorer_press").ScorerPress
+    found = {}
+    for file in sorted((root / "presses").glob("*_press.py")):
+        try:
+            module = importlib.import_module(f"kvpress.presses.{file.stem}")
+        except Exception as err:  # an optional dependency kvreplay does not install
+            found[file.stem] = err
+            continue
+        for name, cls in inspect.getmembers(module, inspect.isclass):
+            if issubclass(cls, base) and cls is not base and cls.__module__ == module.__name__:
+                found[name] = cls
+    return found
+
+
+PRESSES = scorer_presses() if KVPRESS.is_dir() else {}
+
+
+def test_the_press_list_is_complete():
+    assert KVPRESS.is_dir(), f"{KVPRESS}: run cargo test first (the parity tests fetch kvpress)"
+    names = {name for name, cls in PRESSES.items() if inspect.isclass(cls)}
+    assert set(EQUIVALENT) <= names
+    assert len(names) >= 15, sorted(names)
+
+
+@pytest.mark.parametrize("press_name", sorted(EQUIVALENT))
+@pytest.mark.parametrize("budget", [72, 160])  # above SnapKVPress's window of 64
+def test_presses_keep_what_rust_keeps(trace, press_name, budget):
+    cls = PRESSES[press_name]
+    press = cls(compression_ratio=1 - budget / trace.prompt_len) if press_name == "StreamingLLMPress" else cls()
+    rust, common, own = EQUIVALENT[press_name]
+    ours = kvreplay.kept(trace, scorer=PressScorer(press), budget=budget, **common)["mask"]
+    theirs = kvreplay.kept(trace, scorer=rust, budget=budget, **common, **own)["mask"]
+    differ = (ours != theirs).any(axis=-1).sum()
+    assert differ == 0, f"{press_name}: {differ} of {ours.shape[0] * ours.shape[1]} caches differ"
+
+
+def outcome(cls):
+    """`runs` or why not: each press built with default arguments and wrapped."""
+    try:
+        press = cls()
+    except Exception as err:
+        return f"cannot be built with default arguments: {err}"
+    try:
+        PressScorer(press)
+    except kvreplay.KvreplayError as err:
+        return str(err)
+    return "runs"
+
+
+def test_every_scorer_press_runs_or_says_why(trace):
+    outcomes = {name: outcome(cls) for name, cls in PRESSES.items() if inspect.isclass(cls)}
+    for name in EQUIVALENT:
+        assert outcomes[name] == "runs", (name, outcomes[name])
+    for name, why in outcomes.items():
+        assert why == "runs" or name in why or "cannot be built" in why, (name, why)
+    running = [name for name, why in outcomes.items() if why == "runs"]
+    results = kvreplay.replay(trace, budget=64, policies=[{"scorer": PressScorer(PRESSES[n]())} for n in running])
+    mass = results.runs["retained_mass"].to_list()
+    assert all(0.0 < m <= 1.0 for m in mass), dict(zip(running, mass))
+    report = "\n".join(f"{name}: {why}" for name, why in sorted(outcomes.items()))
+    print(f"\nkvpress 0.5.5 ScorerPresses:\n{report}")
