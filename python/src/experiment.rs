@@ -2,6 +2,7 @@
 //! `report` builds the report from stored runs; both return the runs as `Results`.
 
 use crate::errors::raised;
+use crate::interrupt::interruptible;
 use crate::results::Results;
 use kvreplay::capture;
 use kvreplay::experiment::{
@@ -35,25 +36,24 @@ fn run_experiment(
 ) -> PyResult<Results> {
     let experiment = Experiment::load(path).map_err(raised)?;
     let results = results_root.join(&experiment.name);
-    let (runs, kv_entries, text) = py
-        .detach(|| -> Result<_, SweepError> {
-            if run_missing {
-                claim_results(&results, path)?;
-            }
-            let traces = trace_files(&experiment, run_missing)?;
-            if run_missing {
-                run_sweep(&experiment, &traces, &results, None, &|_, _| {}, &|| {})?;
-            }
-            let command = format!("kvreplay sweep {}", path.display());
-            let text = build_report::build(&experiment, &traces, &results, &command)?;
-            let runs = stored_runs(&experiment, &traces, &results)?;
-            let kv_entries = runs
-                .iter()
-                .map(|run| build_report::kv_entries(run, &traces))
-                .collect();
-            Ok((runs, kv_entries, text))
-        })
-        .map_err(raised)?;
+    let (runs, kv_entries, text) = interruptible(py, |layer_done| -> Result<_, SweepError> {
+        if run_missing {
+            claim_results(&results, path)?;
+        }
+        let traces = trace_files(&experiment, run_missing)?;
+        if run_missing {
+            run_sweep(&experiment, &traces, &results, None, &|_, _| {}, layer_done)?;
+        }
+        let command = format!("kvreplay sweep {}", path.display());
+        let text = build_report::build(&experiment, &traces, &results, &command)?;
+        let runs = stored_runs(&experiment, &traces, &results)?;
+        let kv_entries = runs
+            .iter()
+            .map(|run| build_report::kv_entries(run, &traces))
+            .collect();
+        Ok((runs, kv_entries, text))
+    })?
+    .map_err(raised)?;
     Ok(Results::new(runs, kv_entries, Some(text)))
 }
 

@@ -9,6 +9,7 @@ use pyo3::prelude::*;
 
 mod errors;
 mod experiment;
+mod interrupt;
 mod live;
 mod results;
 mod run;

@@ -1,6 +1,7 @@
 //! Replays from Python: `replay`, `compare`, `kept` and `methods`, over the library's engine.
 
 use crate::errors::{message, raised};
+use crate::interrupt::interruptible;
 use crate::results::Results;
 use crate::scorer::{Failure, PyScorer};
 use crate::settings::settings_map;
@@ -90,15 +91,15 @@ fn replay_policies(
     threads: Option<usize>,
 ) -> PyResult<Results> {
     let reader = trace.get().reader();
-    let reports = py.detach(|| {
+    let reports = interruptible(py, |layer_done| {
         let mut builder = rayon::ThreadPoolBuilder::new();
         if let Some(threads) = threads {
             builder = builder.num_threads(threads);
         }
         let pool = builder.build().map_err(|e| e.to_string())?;
-        pool.install(|| replay_many(reader, &checked, &|| {}))
+        pool.install(|| replay_many(reader, &checked, layer_done))
             .map_err(|e| kvreplay::error_text(&e))
-    });
+    })?;
     for policy in &policies {
         policy.check_scorer()?;
     }
@@ -190,15 +191,21 @@ pub fn kept<'py>(
     let (policy, checked) = Policy::from_settings(None, settings)?;
     let reader = trace.get().reader();
     let checked = &checked;
-    let outcome = py.detach(|| -> Result<_, kvreplay::replay::PolicyError> {
-        let budgets = layer_budgets(reader, checked)?;
-        let layers = compressed_layers(reader.meta(), checked);
-        let kept = layers
-            .iter()
-            .map(|&layer| kept_sets(reader, checked, &budgets, layer))
-            .collect::<Result<Vec<_>, _>>()?;
-        Ok((layers, budgets, kept))
-    });
+    let outcome = interruptible(
+        py,
+        |layer_done| -> Result<_, kvreplay::replay::PolicyError> {
+            let budgets = layer_budgets(reader, checked)?;
+            let layers = compressed_layers(reader.meta(), checked);
+            let kept = layers
+                .iter()
+                .map(|&layer| {
+                    layer_done();
+                    kept_sets(reader, checked, &budgets, layer)
+                })
+                .collect::<Result<Vec<_>, _>>()?;
+            Ok((layers, budgets, kept))
+        },
+    )?;
     policy.check_scorer()?;
     let (layers, budgets, kept) = outcome.map_err(raised)?;
     let view = kvreplay::replay::protocol_view(reader, checked).map_err(raised)?;
