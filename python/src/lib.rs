@@ -3,14 +3,16 @@
 //! sweeps and reports take the settings the TOML and the command line take, by the same names,
 //! checked by the same code; results come back as polars DataFrames; errors are
 //! `kvreplay.KvreplayError` carrying the command line's message; the GIL is released while Rust
-//! works. A scorer may be a Python object ([`scorer`]).
+//! works. A scorer or an allocator may be a Python object ([`scorer`], [`allocator`]).
 
 use pyo3::prelude::*;
 
+mod allocator;
 mod errors;
 mod experiment;
 mod interrupt;
 mod live;
+mod method;
 mod results;
 mod run;
 mod scorer;

@@ -38,7 +38,7 @@ pub fn live<'py>(
             .map_err(|e| text(&e))?;
         Ok(serde_json::to_string(&report).expect("reports serialise"))
     });
-    policy.check_scorer()?;
+    policy.check_methods()?;
     let report = report.map_err(message)?;
     py.import("json")?.call_method1("loads", (report,))
 }

@@ -1,39 +1,42 @@
 //! Replays from Python: `replay`, `compare`, `kept` and `methods`, over the library's engine.
 
+use crate::allocator::PyAllocator;
 use crate::errors::{message, raised};
 use crate::interrupt::interruptible;
+use crate::method::Failure;
 use crate::results::Results;
-use crate::scorer::{Failure, PyScorer};
+use crate::scorer::PyScorer;
 use crate::settings::settings_map;
 use crate::trace::Trace;
 use kvreplay::experiment::{run_id, StoredRun};
 use kvreplay::replay::{
-    compressed_layers, kept_sets, layer_budgets, presets, replay_many, PolicyParams, UnitKept,
-    ValidPolicy,
+    compressed_layers, kept_sets, layer_budgets, presets, replay_many, External, PolicyParams,
+    UnitKept, ValidPolicy,
 };
 use ndarray::{Array3, Array4};
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-/// One policy from Python: its display name and parameters, and the failure slot of its Python
-/// scorer, if it has one; the checked policy goes beside it.
+/// One policy from Python: its display name and parameters, and the failure slots of its
+/// methods written in Python; the checked policy goes beside it.
 pub struct Policy {
     pub name: String,
     pub params: PolicyParams,
-    pub failure: Option<Failure>,
+    pub failures: Vec<Failure>,
 }
 
 impl Policy {
     /// The policy `given` (keyword arguments) sets over `defaults`: `name` labels it (default:
-    /// its short label), `scorer` is a registered name or a Python scorer object, `preset`
-    /// and every other key are read as an experiment's policy table reads them.
+    /// its short label), `scorer` and `allocator` are registered names or Python objects,
+    /// `preset` and every other key are read as an experiment's policy table reads them.
     pub fn from_settings(
         defaults: Option<&Bound<'_, PyDict>>,
         given: Option<&Bound<'_, PyDict>>,
     ) -> PyResult<(Self, ValidPolicy)> {
-        let mut settings = settings_map(defaults, &["name", "scorer"])?;
-        settings.extend(settings_map(given, &["name", "scorer"])?);
+        const OBJECTS: [&str; 3] = ["name", "scorer", "allocator"];
+        let mut settings = settings_map(defaults, &OBJECTS)?;
+        settings.extend(settings_map(given, &OBJECTS)?);
         let pick = |key: &str| -> PyResult<Option<Bound<'_, PyAny>>> {
             for dict in [given, defaults].into_iter().flatten() {
                 if let Some(value) = dict.get_item(key)? {
@@ -43,42 +46,42 @@ impl Policy {
             Ok(None)
         };
         let name: Option<String> = pick("name")?.map(|n| n.extract()).transpose()?;
-        let scorer = pick("scorer")?;
-        let python_scorer = match &scorer {
-            Some(object) if !object.is_instance_of::<PyString>() => Some(PyScorer::new(object)?),
-            Some(registered) => {
-                settings.insert("scorer".into(), registered.extract::<String>()?.into());
-                None
+        let mut external = External::default();
+        let mut failures = Vec::new();
+        if let Some(scorer) = pick("scorer")? {
+            if scorer.is_instance_of::<PyString>() {
+                settings.insert("scorer".into(), scorer.extract::<String>()?.into());
+            } else {
+                let python = PyScorer::new(&scorer)?;
+                settings.insert("scorer".into(), python.name().into());
+                failures.push(python.failure());
+                let identity = format!("{:p}", scorer.as_ptr());
+                external.scorer = Some((Box::new(python), identity));
             }
-            None => None,
-        };
-        if let Some(python) = &python_scorer {
-            settings.insert("scorer".into(), python.name().into());
+        }
+        if let Some(allocator) = pick("allocator")? {
+            if allocator.is_instance_of::<PyString>() {
+                settings.insert("allocator".into(), allocator.extract::<String>()?.into());
+            } else {
+                let python = PyAllocator::new(&allocator)?;
+                settings.insert("allocator".into(), python.name().into());
+                failures.push(python.failure());
+                external.allocator = Some(Box::new(python));
+            }
         }
         let params = presets::from_settings(&settings).map_err(raised)?;
-        let (checked, failure) = match python_scorer {
-            Some(python) => {
-                let failure = python.failure();
-                let identity = format!("{:p}", scorer.as_ref().expect("a scorer").as_ptr());
-                let checked = params
-                    .clone()
-                    .check_with_scorer(Box::new(python), &identity)
-                    .map_err(raised)?;
-                (checked, Some(failure))
-            }
-            None => (params.clone().check().map_err(raised)?, None),
-        };
+        let checked = params.clone().check_with(external).map_err(raised)?;
         let policy = Self {
             name: name.unwrap_or_else(|| checked.label()),
             params,
-            failure,
+            failures,
         };
         Ok((policy, checked))
     }
 
-    /// Raises the Python scorer's failure, if it had one.
-    pub fn check_scorer(&self) -> PyResult<()> {
-        self.failure.as_ref().map_or(Ok(()), Failure::check)
+    /// Raises the first failure of its Python methods, if one failed.
+    pub fn check_methods(&self) -> PyResult<()> {
+        self.failures.iter().try_for_each(Failure::check)
     }
 }
 
@@ -101,7 +104,7 @@ fn replay_policies(
             .map_err(|e| kvreplay::error_text(&e))
     })?;
     for policy in &policies {
-        policy.check_scorer()?;
+        policy.check_methods()?;
     }
     let reports = reports.map_err(message)?;
     let identity = trace.get().identity(py)?;
@@ -164,7 +167,7 @@ pub fn compare(
             let policy = Policy {
                 name: format!("{name} ({})", checked.label()),
                 params,
-                failure: None,
+                failures: Vec::new(),
             };
             Ok((policy, checked))
         })
@@ -206,7 +209,7 @@ pub fn kept<'py>(
             Ok((layers, budgets, kept))
         },
     )?;
-    policy.check_scorer()?;
+    policy.check_methods()?;
     let (layers, budgets, kept) = outcome.map_err(raised)?;
     let view = kvreplay::replay::protocol_view(reader, checked).map_err(raised)?;
     let prompt_len = view.as_ref().unwrap_or(reader).meta().prompt_len;

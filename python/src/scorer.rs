@@ -13,12 +13,13 @@
 //! stops the replay with a `KvreplayError` naming the scorer, layer and cache; nothing is stored.
 
 use crate::errors::message;
+use crate::method::{Failure, PyMethod};
 use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
 use kvreplay::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array1};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Arc;
 
 /// What a Python scorer sees of one cache when asked for scores.
 #[pyclass(frozen, get_all, module = "kvreplay")]
@@ -65,25 +66,16 @@ const SERVED: [Timing; 3] = [Timing::Prefill, Timing::PerStepPrompt, Timing::Per
 
 /// A Python object as a [`Scorer`].
 pub struct PyScorer {
-    shared: Arc<Shared>,
+    shared: Arc<PyMethod>,
     timings: Vec<Timing>,
     needs_values: bool,
-}
-
-/// What every state of one scorer shares: the object and the first failure.
-struct Shared {
-    object: Py<PyAny>,
-    name: String,
-    failure: Mutex<Option<String>>,
 }
 
 impl PyScorer {
     /// `object` as a scorer, its attributes read and checked.
     pub fn new(object: &Bound<'_, PyAny>) -> PyResult<Self> {
-        let name: String = match object.getattr_opt("name")? {
-            Some(name) => name.extract()?,
-            None => object.get_type().name()?.extract()?,
-        };
+        let method = PyMethod::new(object)?;
+        let name = method.name.clone();
         if !object.hasattr("score")? && !object.is_callable() {
             return Err(message(format!(
                 "Python scorer `{name}`: needs a `score(cache)` method or must be callable"
@@ -104,11 +96,7 @@ impl PyScorer {
             None => false,
         };
         Ok(Self {
-            shared: Arc::new(Shared {
-                object: object.clone().unbind(),
-                name,
-                failure: Mutex::new(None),
-            }),
+            shared: Arc::new(method),
             timings,
             needs_values,
         })
@@ -121,19 +109,7 @@ impl PyScorer {
 
     /// A handle on its first failure, read after the replay.
     pub fn failure(&self) -> Failure {
-        Failure(self.shared.clone())
-    }
-}
-
-/// A Python scorer's first failure, if any, once the work is done.
-pub struct Failure(Arc<Shared>);
-
-impl Failure {
-    pub fn check(&self) -> PyResult<()> {
-        match self.0.failure.lock().expect("not poisoned").take() {
-            Some(failure) => Err(message(failure)),
-            None => Ok(()),
-        }
+        Failure::of(&self.shared)
     }
 }
 
@@ -173,7 +149,7 @@ impl Scorer for PyScorer {
 /// One cache's state: nothing but what it is (a Python scorer is stateless).
 #[derive(Clone)]
 struct State {
-    shared: Arc<Shared>,
+    shared: Arc<PyMethod>,
     unit: Unit,
     protect: Protection,
     needs_values: bool,
@@ -184,16 +160,13 @@ impl ScoreState for State {
 
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
-        if self.shared.failure.lock().expect("not poisoned").is_none() {
+        if !self.shared.failed() {
             match Python::attach(|py| self.call(py, layer, cache)) {
                 Ok(scores) => *out = scores,
-                Err(failure) => {
-                    let mut slot = self.shared.failure.lock().expect("not poisoned");
-                    slot.get_or_insert(format!(
-                        "Python scorer `{}` at layer {}, cache {}: {failure}",
-                        self.shared.name, layer.layer, self.unit.index
-                    ));
-                }
+                Err(failure) => self.shared.record(format!(
+                    "Python scorer `{}` at layer {}, cache {}: {failure}",
+                    self.shared.name, layer.layer, self.unit.index
+                )),
             }
         }
         // After a failure the replay runs on to its end on zeros and is then discarded.

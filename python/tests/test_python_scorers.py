@@ -125,3 +125,49 @@ def test_live_with_a_python_scorer(recipe):
     theirs = kvreplay.live(recipe, scorer="snapkv", budget=64)
     for key in ["kl", "top1", "logprob_lost", "text", "answer_score", "live_retained_mass"]:
         assert ours[key] == theirs[key], key
+
+
+def test_a_python_allocator(trace):
+    seen = []
+
+    class Tapered:  # more tokens to the early layers, the same total
+        needs_profile = True
+
+        def allocate(self, given):
+            seen.append(given)
+            n, budget = given["n_layers"], given["budget"]
+            return [budget + (n // 2 - layer) * 2 for layer in range(n)]
+
+    kept = kvreplay.kept(trace, allocator=Tapered(), budget=64)
+    expected = [64 + (15 - layer) * 2 for layer in range(30)]
+    assert kept["budgets"] == expected
+    assert kept["mask"].sum(axis=-1)[:, 0].tolist() == expected
+    given = seen[0]
+    assert (given["n_layers"], given["budget"], given["prompt_len"], given["window"]) == (30, 64, trace.prompt_len, 8)
+    assert len(given["profiles"]) == 30 and all(p["entropy"] > 0 for p in given["profiles"])
+    runs = kvreplay.replay(trace, allocator=Tapered(), scorer=example("knorm", "Knorm")(), budget=64)
+    assert runs.runs["policy"][0] == "Tapered+knorm-numpy@prefill"
+    assert runs.layers["budget"].to_list() == expected
+
+
+def test_a_python_allocator_equal_to_a_registered_one(trace):
+    class Flat:
+        def allocate(self, given):
+            return [given["budget"]] * given["n_layers"]
+
+    ours = kvreplay.replay(trace, allocator=Flat(), preset="snapkv", budget=48).runs
+    theirs = kvreplay.replay(trace, preset="snapkv", budget=48).runs
+    assert ours["retained_mass"][0] == theirs["retained_mass"][0]
+
+
+@pytest.mark.parametrize(
+    "allocate, message",
+    [
+        (lambda given: [64] * 3, "returned 3 budgets for 30 layers"),
+        (lambda given: [1.5] * given["n_layers"], "returned something other than a sequence of whole numbers"),
+        (lambda given: {}["missing"], "raised KeyError: 'missing'"),
+    ],
+)
+def test_bad_allocators_are_named(trace, allocate, message):
+    with pytest.raises(kvreplay.KvreplayError, match=f"Python allocator `function`: {message}"):
+        kvreplay.replay(trace, allocator=allocate, scorer="knorm", budget=64)

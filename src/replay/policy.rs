@@ -302,6 +302,34 @@ fn build<T: ?Sized>(
     })
 }
 
+/// Methods defined outside the library's registries (a Python object), for
+/// [`PolicyParams::check_with`]. A scorer comes with an identity that tells two scorers of one name
+/// apart, so policies share one scoring pass only when their scorer is the same object.
+#[derive(Default)]
+pub struct External {
+    /// The scorer and its identity.
+    pub scorer: Option<(Box<dyn Scorer>, String)>,
+    /// The allocator.
+    pub allocator: Option<Box<dyn Allocator>>,
+}
+
+/// A chosen method with its settings for an error message, or, for one defined outside the
+/// registries, its name.
+fn described<T: ?Sized>(chosen: Option<&Chosen<'_, T>>, axis: &str, name: &str) -> String {
+    match chosen {
+        Some(chosen) => format!("{} ({})", chosen.label(), chosen.method.keys()),
+        None => format!("{axis} `{name}` (no settings)"),
+    }
+}
+
+/// Every value a chosen method runs with (none for a method defined outside the registries).
+fn resolved<T: ?Sized>(
+    chosen: Option<&Chosen<'_, T>>,
+    given: &Map<String, Value>,
+) -> Map<String, Value> {
+    chosen.map(|c| c.method.resolve(given)).unwrap_or_default()
+}
+
 /// A checked policy: the only thing the engine runs.
 pub struct ValidPolicy {
     params: PolicyParams,
@@ -324,25 +352,17 @@ impl std::fmt::Debug for ValidPolicy {
 impl PolicyParams {
     /// Checks every rule that does not depend on the trace.
     pub fn check(self) -> Result<ValidPolicy, PolicyError> {
-        self.check_scorer(None)
+        self.check_external(External::default())
     }
 
-    /// [`check`](Self::check) with `scorer` in place of a registered one: a method defined outside
-    /// the library (a Python object), named by `self.scorer` in labels and results. It declares
-    /// no settings; `identity` tells two such scorers of one name apart, so policies share one
-    /// scoring pass only when their scorer is the same object.
-    pub fn check_with_scorer(
-        self,
-        scorer: Box<dyn Scorer>,
-        identity: &str,
-    ) -> Result<ValidPolicy, PolicyError> {
-        self.check_scorer(Some((scorer, identity)))
+    /// [`check`](Self::check) with methods defined outside the library (Python objects) in place
+    /// of registered ones, named by `self.scorer` / `self.allocator` in labels and results. They
+    /// declare no settings.
+    pub fn check_with(self, external: External) -> Result<ValidPolicy, PolicyError> {
+        self.check_external(external)
     }
 
-    fn check_scorer(
-        self,
-        external: Option<(Box<dyn Scorer>, &str)>,
-    ) -> Result<ValidPolicy, PolicyError> {
+    fn check_external(self, external: External) -> Result<ValidPolicy, PolicyError> {
         let invalid = |field: &'static str, value: String, rule: &'static str| PolicyError::Param {
             field,
             value,
@@ -362,39 +382,42 @@ impl PolicyParams {
         if self.top_k == 0 {
             return Err(invalid("top_k", "0".into(), "must be at least 1"));
         }
-        let allocator = lookup("allocator", allocator::REGISTRY, &self.allocator)?;
-        let registered = match external {
+        let registered_allocator = match external.allocator {
+            None => Some(lookup("allocator", allocator::REGISTRY, &self.allocator)?),
+            Some(_) => None,
+        };
+        let registered = match external.scorer {
             None => Some(lookup("scorer", scorer::REGISTRY, &self.scorer)?),
             Some(_) => None,
         };
         let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
         let given: Map<String, Value> = self.settings.clone().into_iter().collect();
         let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
+        let allocator_takes = |key: &str| {
+            registered_allocator
+                .as_ref()
+                .is_some_and(|a| a.method.takes(key))
+        };
         for key in given.keys() {
-            let taken = allocator.method.takes(key) || scorer_takes(key) || heads.method.takes(key);
+            let taken = allocator_takes(key) || scorer_takes(key) || heads.method.takes(key);
             if !taken {
-                let (scorer_label, scorer_keys) = match &registered {
-                    Some(scorer) => (scorer.label(), scorer.method.keys()),
-                    None => (format!("scorer `{}`", self.scorer), "no settings".into()),
-                };
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
                     chosen: format!(
-                        "{} ({}), {scorer_label} ({scorer_keys}) or {} ({})",
-                        allocator.label(),
-                        allocator.method.keys(),
-                        heads.label(),
-                        heads.method.keys()
+                        "{}, {} or {}",
+                        described(registered_allocator.as_ref(), "allocator", &self.allocator),
+                        described(registered.as_ref(), "scorer", &self.scorer),
+                        described(Some(&heads), "head split", &self.heads),
                     ),
                     owners: owners(key),
                 });
             }
         }
-        let scorer_settings = registered
+        let scorer_settings = resolved(registered.as_ref(), &given);
+        let identity = external
+            .scorer
             .as_ref()
-            .map(|scorer| scorer.method.resolve(&given))
-            .unwrap_or_default();
-        let identity = external.as_ref().map_or("", |(_, identity)| *identity);
+            .map_or("", |(_, identity)| identity.as_str());
         let score_key = format!(
             "{} {identity} {} {:?} {:?}",
             self.scorer,
@@ -404,18 +427,25 @@ impl PolicyParams {
         );
         let mut settings = self.common_settings();
         for resolved in [
-            allocator.method.resolve(&given),
+            resolved(registered_allocator.as_ref(), &given),
             scorer_settings,
             heads.method.resolve(&given),
         ] {
             settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
-        let scorer = match external {
+        let scorer = match external.scorer {
             Some((scorer, _)) => scorer,
             None => build(registered.as_ref().expect("looked up above"), &given)?,
         };
+        let allocator = match external.allocator {
+            Some(allocator) => allocator,
+            None => build(
+                registered_allocator.as_ref().expect("looked up above"),
+                &given,
+            )?,
+        };
         let policy = ValidPolicy {
-            allocator: build(&allocator, &given)?,
+            allocator,
             scorer,
             heads: build(&heads, &given)?,
             settings,
