@@ -3,10 +3,14 @@
 //! step.
 
 use crate::errors::message;
-use kvreplay::experiment::frames::{layers_frame, parquet_bytes, runs_frame, samples_frame};
+use kvreplay::experiment::frames::{
+    layers_frame, parquet_bytes, runs_frame, samples_frame, DataFrame, PolarsError,
+};
 use kvreplay::experiment::StoredRun;
-use polars_frame::to_polars;
 use pyo3::prelude::*;
+use pyo3::types::PyBytes;
+
+type PolarsResult<T> = Result<T, PolarsError>;
 
 /// Measured runs.
 #[pyclass(frozen, module = "kvreplay")]
@@ -64,25 +68,14 @@ impl Results {
     }
 }
 
-mod polars_frame {
-    use super::message;
-    use pyo3::prelude::*;
-
-    /// A library DataFrame as a polars DataFrame in Python (through Parquet bytes: the two sides
-    /// need not share a polars version).
-    pub fn to_polars<'py>(
-        py: Python<'py>,
-        frame: Result<
-            kvreplay::experiment::frames::DataFrame,
-            kvreplay::experiment::frames::PolarsError,
-        >,
-    ) -> PyResult<Bound<'py, PyAny>> {
-        let mut frame = frame.map_err(|e| message(e.to_string()))?;
-        let bytes = super::parquet_bytes(&mut frame).map_err(|e| message(e.to_string()))?;
-        let buffer = py
-            .import("io")?
-            .getattr("BytesIO")?
-            .call1((pyo3::types::PyBytes::new(py, &bytes),))?;
-        py.import("polars")?.call_method1("read_parquet", (buffer,))
-    }
+/// A library DataFrame as a polars DataFrame in Python, through Parquet bytes (the two sides need
+/// not share a polars version).
+fn to_polars<'py>(py: Python<'py>, frame: PolarsResult<DataFrame>) -> PyResult<Bound<'py, PyAny>> {
+    let mut frame = frame.map_err(|e| message(e.to_string()))?;
+    let bytes = parquet_bytes(&mut frame).map_err(|e| message(e.to_string()))?;
+    let buffer = py
+        .import("io")?
+        .getattr("BytesIO")?
+        .call1((PyBytes::new(py, &bytes),))?;
+    py.import("polars")?.call_method1("read_parquet", (buffer,))
 }
