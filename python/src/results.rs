@@ -20,6 +20,8 @@ pub struct Results {
     /// A sweep's report (markdown), when the results come from one.
     #[pyo3(get)]
     report: Option<String>,
+    /// Live runs' full reports as JSON, when the results come from `live`.
+    live_reports: Vec<String>,
 }
 
 impl Results {
@@ -28,6 +30,15 @@ impl Results {
             runs,
             kv_entries,
             report,
+            live_reports: Vec::new(),
+        }
+    }
+
+    /// The same with live runs' full reports (JSON).
+    pub fn with_reports(self, live_reports: Vec<String>) -> Self {
+        Self {
+            live_reports,
+            ..self
         }
     }
 }
@@ -51,6 +62,17 @@ impl Results {
     #[getter]
     fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
         to_polars(py, samples_frame(&self.runs))
+    }
+
+    /// For live runs, each policy's full report as a dict (`kvreplay live --format json`: every
+    /// teacher-forced step, the texts, the per-layer live mass, the open-loop report); else empty.
+    #[getter]
+    fn reports<'py>(&self, py: Python<'py>) -> PyResult<Vec<Bound<'py, PyAny>>> {
+        let json = py.import("json")?;
+        self.live_reports
+            .iter()
+            .map(|report| json.call_method1("loads", (report,)))
+            .collect()
     }
 
     /// The policies' display names, in order.

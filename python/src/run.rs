@@ -79,6 +79,20 @@ impl Policy {
         Ok((policy, checked))
     }
 
+    /// The policies of a call: one from `settings`, or each of `policies` over `settings`.
+    pub fn all(
+        policies: Option<Vec<Bound<'_, PyDict>>>,
+        settings: Option<&Bound<'_, PyDict>>,
+    ) -> PyResult<Vec<(Self, ValidPolicy)>> {
+        match policies {
+            None => Ok(vec![Self::from_settings(None, settings)?]),
+            Some(list) => list
+                .iter()
+                .map(|given| Self::from_settings(settings, Some(given)))
+                .collect(),
+        }
+    }
+
     /// Raises the first failure of its Python methods, if one failed.
     pub fn check_methods(&self) -> PyResult<()> {
         self.failures.iter().try_for_each(Failure::check)
@@ -136,13 +150,7 @@ pub fn replay(
     settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Results> {
     let trace = Trace::from_arg(trace)?.into_bound(py);
-    let policies = match policies {
-        None => vec![Policy::from_settings(None, settings)?],
-        Some(list) => list
-            .iter()
-            .map(|given| Policy::from_settings(settings, Some(given)))
-            .collect::<PyResult<_>>()?,
-    };
+    let policies = Policy::all(policies, settings)?;
     replay_policies(py, &trace, policies.into_iter().unzip(), threads)
 }
 

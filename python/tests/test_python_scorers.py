@@ -121,10 +121,25 @@ def test_streaming_timings_are_refused(trace):
 
 def test_live_with_a_python_scorer(recipe):
     snapkv = example("snapkv", "SnapKV")()
-    ours = kvreplay.live(recipe, scorer=snapkv, budget=64)
-    theirs = kvreplay.live(recipe, scorer="snapkv", budget=64)
-    for key in ["kl", "top1", "logprob_lost", "text", "answer_score", "live_retained_mass"]:
-        assert ours[key] == theirs[key], key
+    results = kvreplay.live(
+        recipe, budget=64, policies=[{"scorer": snapkv}, {"scorer": "snapkv"}, {"preset": "streamingllm", "name": "sl"}]
+    )
+    runs = results.runs
+    closed = ["kl", "top1", "live_retained_mass", "logprob_lost", "answer_ok", "answer_score",
+              "full_answer_ok", "full_answer_score", "text"]
+    assert runs.columns[-len(closed):] == closed
+    assert runs["policy"].to_list() == ["flat+snapkv-numpy@prefill", "flat+snapkv@prefill", "sl"]
+    for column in closed + ["retained_mass", "output_error"]:
+        assert runs[column][0] == runs[column][1], column
+    assert runs["kl"][2] != runs["kl"][1]
+    # Decoded in one batch or alone: the same numbers, bit for bit.
+    alone = kvreplay.live(recipe, scorer="snapkv", budget=64)
+    for column in closed:
+        assert alone.runs[column][0] == runs[column][1], column
+    report = results.reports[2]
+    assert report["policy"] == "flat+recency@streaming" and report["kl"] == runs["kl"][2]
+    assert len(report["steps"]) == 8  # streaming evicts in the prompt: step 0 is compared too
+    assert report["open_loop"]["retained_mass"] == runs["retained_mass"][2]
 
 
 def test_a_python_allocator(trace):

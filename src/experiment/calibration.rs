@@ -132,13 +132,21 @@ fn outcome_table(
     runs: &[StoredRun],
     trace_names: &[String],
 ) -> String {
-    let full_ok = runs
-        .iter()
-        .filter(|r| r.name == names[0] && r.report.nominal_budget == experiment.budgets[0])
-        .filter(|r| closed(r).full_answer_ok)
-        .count();
+    let full = answers(
+        runs.iter()
+            .filter(|r| r.name == names[0] && r.report.nominal_budget == experiment.budgets[0])
+            .map(|r| closed(r).full_answer_score()),
+    );
+    let partial = runs.iter().any(|r| {
+        let closed = closed(r);
+        closed.answer_score().fract() != 0.0 || closed.full_answer_score().fract() != 0.0
+    });
+    let scored = match partial {
+        true => ", counted by task score: each trace adds the share of its expected answers the text gives",
+        false => "",
+    };
     let out = format!(
-        "\nClosed loop: the policy holds the model's real KV cache. Mean KL(p_full ‖ p_policy) of the next-token distributions / top-1 agreement, teacher-forced along the full-cache continuation, and the answers the free-running policy still gives (the full cache answers {full_ok} of {} traces):\n\n",
+        "\nClosed loop: the policy holds the model's real KV cache. Mean KL(p_full ‖ p_policy) of the next-token distributions / top-1 agreement, teacher-forced along the full-cache continuation, and the answers the free-running policy still gives (the full cache answers {full} of {} traces{scored}):\n\n",
         trace_names.len()
     );
     let mut headers = vec!["policy".to_string()];
@@ -160,12 +168,22 @@ fn outcome_table(
                 "{:.3} / {:.2} / {}",
                 of.iter().map(|r| closed(r).kl).sum::<f64>() / n,
                 of.iter().map(|r| closed(r).top1).sum::<f64>() / n,
-                of.iter().filter(|r| closed(r).answer_ok).count()
+                answers(of.iter().map(|r| closed(r).answer_score()))
             ));
         }
         table.push(row);
     }
     out + &table.render(Format::Markdown)
+}
+
+/// Answers given, as the sum of the runs' task scores (1 for a text that gives every expected
+/// answer): a whole sum as a whole number, any other to two decimals.
+fn answers(scores: impl Iterator<Item = f64>) -> String {
+    let sum: f64 = scores.sum();
+    match sum.fract() == 0.0 {
+        true => format!("{sum}"),
+        false => format!("{sum:.2}"),
+    }
 }
 
 /// Pooled and per-trace rank correlations with bootstrap intervals.
@@ -395,6 +413,13 @@ mod tests {
         let beside = per_trace(&both, &["s".into(), "t".into()]);
         assert_eq!(row_of_t(&alone), row_of_t(&beside));
         assert_ne!(trace_seed("s"), trace_seed("t"));
+    }
+
+    #[test]
+    fn answers_sum_the_task_scores() {
+        assert_eq!(answers([1.0, 0.0, 1.0].into_iter()), "2");
+        assert_eq!(answers([0.5, 0.25, 0.0].into_iter()), "0.75");
+        assert_eq!(answers(std::iter::empty()), "0");
     }
 
     #[test]
