@@ -179,7 +179,7 @@ fn outcome_table(
 /// Answers given, as the sum of the runs' task scores (1 for a text that gives every expected
 /// answer): a whole sum as a whole number, any other to two decimals.
 fn answers(scores: impl Iterator<Item = f64>) -> String {
-    let sum: f64 = scores.sum();
+    let sum = scores.fold(0.0, |sum, score| sum + score);
     match sum.fract() == 0.0 {
         true => format!("{sum}"),
         false => format!("{sum:.2}"),
