@@ -9,7 +9,7 @@
 //! One that raises or returns the wrong number of budgets, or anything but whole numbers, stops
 //! the run with a `KvreplayError` naming it.
 
-use crate::method::{Failure, PyMethod};
+use crate::method::PyMethod;
 use kvreplay::replay::allocator::{AllocationInput, Allocator};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -36,11 +36,6 @@ impl PyAllocator {
     /// The name results give it.
     pub fn name(&self) -> &str {
         &self.shared.name
-    }
-
-    /// A handle on its first failure, read after the work.
-    pub fn failure(&self) -> Failure {
-        Failure::of(&self.shared)
     }
 
     fn call(&self, py: Python<'_>, input: &AllocationInput<'_>) -> Result<Vec<usize>, String> {
@@ -98,6 +93,10 @@ impl PyAllocator {
 }
 
 impl Allocator for PyAllocator {
+    fn failure(&self) -> Option<String> {
+        self.shared.failure()
+    }
+
     fn needs_profile(&self) -> bool {
         self.needs_profile
     }

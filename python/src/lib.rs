@@ -10,6 +10,7 @@ use pyo3::prelude::*;
 mod allocator;
 mod errors;
 mod experiment;
+mod externals;
 mod interrupt;
 mod live;
 mod method;

@@ -49,16 +49,13 @@ pub fn live(
             LiveSession::start(model.as_ref(), &prompt, chunk, &scratch).map_err(|e| text(&e))?;
         session.run_many(&checked).map_err(|e| text(&e))
     });
-    for policy in &policies {
-        policy.check_methods()?;
-    }
     let reports = reports.map_err(message)?;
     let identity = py.detach(|| TraceFile::identify(&recipe)).map_err(raised)?;
     let runs = policies
         .iter()
         .zip(&reports)
         .map(|(policy, report)| {
-            let id = run_id(&policy.name, &identity, &policy.params, true);
+            let id = run_id(&policy.name, &identity, &policy.params, true, None);
             let closed = Some(ClosedLoop::from(report));
             StoredRun::new(
                 id,

@@ -1,10 +1,9 @@
 //! What a method written in Python shares with every call: the object, its name, and the first
-//! failure, recorded where the library calls it (it cannot return an error there) and raised once
-//! the work is done.
+//! failure, recorded where the library calls it (it cannot return an error there) and reported
+//! through the method's `failure()`, which the engine checks after each layer and stops with.
 
-use crate::errors::message;
 use pyo3::prelude::*;
-use std::sync::{Arc, Mutex};
+use std::sync::Mutex;
 
 /// A Python object standing for a method.
 pub struct PyMethod {
@@ -32,28 +31,16 @@ impl PyMethod {
         self.failure.lock().expect("not poisoned").is_some()
     }
 
+    /// The first failure, if a call failed.
+    pub fn failure(&self) -> Option<String> {
+        self.failure.lock().expect("not poisoned").clone()
+    }
+
     /// Records `failure` unless an earlier one is recorded.
     pub fn record(&self, failure: String) {
         self.failure
             .lock()
             .expect("not poisoned")
             .get_or_insert(failure);
-    }
-}
-
-/// A Python method's first failure, if any, once the work is done.
-pub struct Failure(Arc<PyMethod>);
-
-impl Failure {
-    pub fn of(method: &Arc<PyMethod>) -> Self {
-        Self(method.clone())
-    }
-
-    /// Raises the recorded failure, if any.
-    pub fn check(&self) -> PyResult<()> {
-        match self.0.failure.lock().expect("not poisoned").take() {
-            Some(failure) => Err(message(failure)),
-            None => Ok(()),
-        }
     }
 }

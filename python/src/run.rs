@@ -3,7 +3,6 @@
 use crate::allocator::PyAllocator;
 use crate::errors::{message, raised};
 use crate::interrupt::interruptible;
-use crate::method::Failure;
 use crate::results::Results;
 use crate::scorer::PyScorer;
 use crate::settings::settings_map;
@@ -18,12 +17,10 @@ use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-/// One policy from Python: its display name and parameters, and the failure slots of its
-/// methods written in Python; the checked policy goes beside it.
+/// One policy from Python: its display name and parameters; the checked policy goes beside it.
 pub struct Policy {
     pub name: String,
     pub params: PolicyParams,
-    pub failures: Vec<Failure>,
 }
 
 impl Policy {
@@ -47,14 +44,12 @@ impl Policy {
         };
         let name: Option<String> = pick("name")?.map(|n| n.extract()).transpose()?;
         let mut external = External::default();
-        let mut failures = Vec::new();
         if let Some(scorer) = pick("scorer")? {
             if scorer.is_instance_of::<PyString>() {
                 settings.insert("scorer".into(), scorer.extract::<String>()?.into());
             } else {
                 let python = PyScorer::new(&scorer)?;
                 settings.insert("scorer".into(), python.name().into());
-                failures.push(python.failure());
                 let identity = format!("{:p}", scorer.as_ptr());
                 external.scorer = Some((Box::new(python), identity));
             }
@@ -65,7 +60,6 @@ impl Policy {
             } else {
                 let python = PyAllocator::new(&allocator)?;
                 settings.insert("allocator".into(), python.name().into());
-                failures.push(python.failure());
                 external.allocator = Some(Box::new(python));
             }
         }
@@ -74,7 +68,6 @@ impl Policy {
         let policy = Self {
             name: name.unwrap_or_else(|| checked.label()),
             params,
-            failures,
         };
         Ok((policy, checked))
     }
@@ -91,11 +84,6 @@ impl Policy {
                 .map(|given| Self::from_settings(settings, Some(given)))
                 .collect(),
         }
-    }
-
-    /// Raises the first failure of its Python methods, if one failed.
-    pub fn check_methods(&self) -> PyResult<()> {
-        self.failures.iter().try_for_each(Failure::check)
     }
 }
 
@@ -117,16 +105,13 @@ fn replay_policies(
         pool.install(|| replay_many(reader, &checked, layer_done))
             .map_err(|e| kvreplay::error_text(&e))
     })?;
-    for policy in &policies {
-        policy.check_methods()?;
-    }
     let reports = reports.map_err(message)?;
     let identity = trace.get().identity(py)?;
     let runs = policies
         .iter()
         .zip(&reports)
         .map(|(policy, report)| {
-            let id = run_id(&policy.name, identity, &policy.params, false);
+            let id = run_id(&policy.name, identity, &policy.params, false, None);
             StoredRun::new(id, &policy.name, identity, &policy.params, report, None)
         })
         .collect();
@@ -175,7 +160,6 @@ pub fn compare(
             let policy = Policy {
                 name: format!("{name} ({})", checked.label()),
                 params,
-                failures: Vec::new(),
             };
             Ok((policy, checked))
         })
@@ -217,7 +201,6 @@ pub fn kept<'py>(
             Ok((layers, budgets, kept))
         },
     )?;
-    policy.check_methods()?;
     let (layers, budgets, kept) = outcome.map_err(raised)?;
     let view = kvreplay::replay::protocol_view(reader, checked).map_err(raised)?;
     let prompt_len = view.as_ref().unwrap_or(reader).meta().prompt_len;

@@ -10,10 +10,11 @@
 //! choose at every token, are refused (one Python call per token, cache and layer).
 //!
 //! A scorer that raises or returns the wrong length, a non-finite score or a non-float dtype
-//! stops the replay with a `KvreplayError` naming the scorer, layer and cache; nothing is stored.
+//! stops the work after the layer with a `KvreplayError` naming the scorer, layer and cache;
+//! nothing of it is stored.
 
 use crate::errors::message;
-use crate::method::{Failure, PyMethod};
+use crate::method::PyMethod;
 use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
 use kvreplay::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array1};
@@ -106,11 +107,6 @@ impl PyScorer {
     pub fn name(&self) -> &str {
         &self.shared.name
     }
-
-    /// A handle on its first failure, read after the replay.
-    pub fn failure(&self) -> Failure {
-        Failure::of(&self.shared)
-    }
 }
 
 /// Timing `name` if a Python scorer can serve it.
@@ -128,6 +124,10 @@ fn served(scorer: &str, name: &str) -> PyResult<Timing> {
 }
 
 impl Scorer for PyScorer {
+    fn failure(&self) -> Option<String> {
+        self.shared.failure()
+    }
+
     fn needs_values(&self) -> bool {
         self.needs_values
     }

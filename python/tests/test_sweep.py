@@ -1,9 +1,14 @@
 """Sweeps and reports from Python: the runs they return are the runs.parquet they write."""
 
+import pathlib
+import runpy
+
 import polars as pl
 import pytest
 
 import kvreplay
+
+EXAMPLES = pathlib.Path(__file__).resolve().parents[2] / "examples" / "python"
 
 
 @pytest.fixture
@@ -47,3 +52,64 @@ def test_experiment_errors_carry_the_file(tmp_path):
     bad.write_text('traces = ["x.safetensors"]\nbudgets = [8]\n[[policy]]\nname = "a"\nwindoww = 3\n')
     with pytest.raises(kvreplay.KvreplayError, match="bad.toml: policy `a`: unknown key `windoww`"):
         kvreplay.sweep(bad, results=tmp_path / "results")
+
+
+def python_experiment(tmp_path, trace_path):
+    path = tmp_path / "python.toml"
+    path.write_text(
+        f"""
+traces = ["{trace_path}"]
+budgets = [32, 64]
+
+[[policy]]
+name = "numpy"
+scorer = "my-snapkv"
+
+[[policy]]
+name = "rust"
+scorer = "snapkv"
+
+[[policy]]
+name = "flat in python"
+scorer = "knorm"
+allocator = "my-flat"
+"""
+    )
+    return path
+
+
+class Flat:
+    def allocate(self, given):
+        return [given["budget"]] * given["n_layers"]
+
+
+def test_sweeps_run_python_methods(tmp_path, trace_path):
+    snapkv = runpy.run_path(str(EXAMPLES / "snapkv.py"))["SnapKV"]()
+    experiment = python_experiment(tmp_path, trace_path)
+    methods = {"my-snapkv": snapkv, "my-flat": Flat()}
+    results = kvreplay.sweep(experiment, results=tmp_path / "results", methods=methods)
+    runs = results.runs
+    assert runs["policy"].to_list() == ["numpy", "numpy", "rust", "rust", "flat in python", "flat in python"]
+    assert runs["retained_mass"][0:2].to_list() == runs["retained_mass"][2:4].to_list()
+    knorm = kvreplay.replay(trace_path, scorer="knorm", budget=32).runs
+    assert runs["retained_mass"][4] == knorm["retained_mass"][0]
+    again = kvreplay.report(experiment, results=tmp_path / "results", methods=methods)
+    assert again.runs.equals(runs)
+    with pytest.raises(kvreplay.KvreplayError, match="unknown scorer `my-snapkv`"):
+        kvreplay.report(experiment, results=tmp_path / "results")
+
+    class SnapKV(type(snapkv)):  # other code under the same name: other runs
+        kernel_note = "changed"
+
+    other = kvreplay.sweep(experiment, results=tmp_path / "results", methods={**methods, "my-snapkv": SnapKV()})
+    assert other.runs["id"][0] != runs["id"][0] and other.runs["id"][2] == runs["id"][2]
+    assert other.runs["retained_mass"][0] == runs["retained_mass"][0]
+
+
+def test_a_failing_python_method_stores_nothing(tmp_path, trace_path):
+    experiment = python_experiment(tmp_path, trace_path)
+    broken = {"my-snapkv": lambda cache: 1 / 0, "my-flat": Flat()}
+    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `function` at layer 0, cache 0: raised ZeroDivisionError"):
+        kvreplay.sweep(experiment, results=tmp_path / "results", methods=broken)
+    stored = list((tmp_path / "results" / "python" / "runs").glob("numpy*.json"))
+    assert stored == []

@@ -7,11 +7,14 @@
 
 use super::traces::{self, Capture, NeedleCell, TraceFile};
 use super::SweepError;
-use crate::replay::{all_methods, common_keys, presets, PolicyParams};
+use crate::replay::{
+    all_methods, common_keys, presets, ExternalMethods, PolicyError, PolicyParams, ValidPolicy,
+};
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// Errors of experiment files; each names the file and the key.
 #[derive(Debug, thiserror::Error)]
@@ -117,6 +120,8 @@ pub struct Experiment {
     pub ranking: Vec<String>,
     /// The policy the rankings show every other as a share of (e.g. the per-step oracle).
     pub ceiling: Option<String>,
+    /// Methods defined outside the library that its policies may name (the Python package's).
+    pub externals: Option<Arc<dyn ExternalMethods>>,
 }
 
 /// One run: a policy at a budget on a trace.
@@ -165,6 +170,7 @@ fn check_budgets(file: &ExperimentFile) -> Result<(), String> {
 fn expand_policies(
     path: &Path,
     file: &ExperimentFile,
+    externals: Option<&dyn ExternalMethods>,
 ) -> Result<Vec<(String, PolicyParams)>, ExperimentError> {
     let mut policies = Vec::new();
     let mut table_names: Vec<String> = Vec::new();
@@ -215,7 +221,7 @@ fn expand_policies(
                     .map_err(|err| policy_error(err.to_string()))?;
                 params
                     .clone()
-                    .check()
+                    .check_in(externals)
                     .map_err(|err| policy_error(format!("{label} at budget {budget}: {err}")))?;
                 policies.push((label, params));
             }
@@ -301,6 +307,7 @@ fn check_closed_loop(
     path: &Path,
     file: &ExperimentFile,
     policies: &[(String, PolicyParams)],
+    externals: Option<&dyn ExternalMethods>,
 ) -> Result<(), ExperimentError> {
     if let Some(trace) = file
         .traces
@@ -318,7 +325,7 @@ fn check_closed_loop(
     for (label, params) in policies {
         let refused = params
             .clone()
-            .check()
+            .check_in(externals)
             .ok()
             .and_then(|policy| crate::live::check_live(&policy).err());
         if let Some(refused) = refused {
@@ -408,6 +415,14 @@ impl Experiment {
     /// Reads and checks an experiment file: unknown keys and names are errors listing the valid
     /// ones, and every expanded policy is checked before anything runs.
     pub fn load(path: &Path) -> Result<Self, ExperimentError> {
+        Self::load_with(path, None)
+    }
+
+    /// [`load`](Self::load), its policies free to name the methods of `externals` too.
+    pub fn load_with(
+        path: &Path,
+        externals: Option<Arc<dyn ExternalMethods>>,
+    ) -> Result<Self, ExperimentError> {
         let parse_error = |detail: String| ExperimentError::Parse {
             path: path.to_owned(),
             detail,
@@ -416,12 +431,12 @@ impl Experiment {
             .try_into()
             .map_err(|err: toml::de::Error| parse_error(err.message().to_owned()))?;
         check_budgets(&file).map_err(parse_error)?;
-        let policies = expand_policies(path, &file)?;
+        let policies = expand_policies(path, &file, externals.as_deref())?;
         let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
         check_named(&file, &names).map_err(parse_error)?;
         check_ranking(&file, &names).map_err(parse_error)?;
         if file.closed_loop {
-            check_closed_loop(path, &file, &policies)?;
+            check_closed_loop(path, &file, &policies, externals.as_deref())?;
         }
         Ok(Self {
             name: path
@@ -438,7 +453,13 @@ impl Experiment {
             closed_loop: file.closed_loop,
             ranking: file.ranking,
             ceiling: file.ceiling,
+            externals,
         })
+    }
+
+    /// Checks `params`, one of its policies, with its external methods.
+    pub fn check(&self, params: &PolicyParams) -> Result<ValidPolicy, PolicyError> {
+        params.clone().check_in(self.externals.as_deref())
     }
 
     /// Every run, for the given trace files (recipes already captured), in a stable order.
@@ -446,8 +467,12 @@ impl Experiment {
         let mut runs = Vec::new();
         for trace in traces {
             for (name, params) in &self.policies {
+                let external = self
+                    .externals
+                    .as_ref()
+                    .and_then(|externals| externals.identity(params));
                 runs.push(PlannedRun {
-                    id: run_id(name, trace, params, self.closed_loop),
+                    id: run_id(name, trace, params, self.closed_loop, external.as_deref()),
                     name: name.clone(),
                     trace: trace.path.clone(),
                     params: params.clone(),
@@ -520,10 +545,17 @@ fn is_policy_key(key: &str) -> bool {
 }
 
 /// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name, the
-/// trace's file name and the sha256 of its content; for closed-loop runs, of its recipe too)
-/// makes the id unique and stable across runs and machines, and different for a re-captured
-/// trace whose content differs.
-pub fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop: bool) -> String {
+/// trace's file name and the sha256 of its content; for closed-loop runs, of its recipe too; for
+/// a policy naming methods defined outside the library, of their `external` identity) makes the
+/// id unique and stable across runs and machines, and different for a re-captured trace whose
+/// content differs or an external method whose code changed.
+pub fn run_id(
+    name: &str,
+    trace: &TraceFile,
+    params: &PolicyParams,
+    closed_loop: bool,
+    external: Option<&str>,
+) -> String {
     let mut settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");
@@ -540,8 +572,12 @@ pub fn run_id(name: &str, trace: &TraceFile, params: &PolicyParams, closed_loop:
         .map(|n| n.to_string_lossy().into_owned())
         .unwrap_or_default();
     let recipe = closed_loop.then_some(&trace.recipe_sha256);
-    let normalised = serde_json::to_string(&(name, &trace_name, &trace.sha256, settings, recipe))
-        .expect("serialise");
+    let identity = (name, &trace_name, &trace.sha256, settings, recipe);
+    let normalised = match external {
+        None => serde_json::to_string(&identity),
+        Some(external) => serde_json::to_string(&(identity, external)),
+    }
+    .expect("serialise");
     let hash = format!("{:x}", Sha256::digest(normalised.as_bytes()));
     let slug: String = format!("{name}-b{}", params.budget)
         .chars()
@@ -593,7 +629,7 @@ mod tests {
         let first_rule = PolicyParams::default();
         assert_eq!(first_rule.method_versions()["scorer"], 1);
         assert_eq!(
-            run_id("p", &trace(), &first_rule, false),
+            run_id("p", &trace(), &first_rule, false, None),
             unversioned_id(&first_rule),
             "a method still at its first rule keeps the ids of runs stored before versions"
         );
@@ -604,7 +640,7 @@ mod tests {
         };
         assert_eq!(bumped.method_versions()["scorer"], 2);
         assert_ne!(
-            run_id("p", &trace(), &bumped, false),
+            run_id("p", &trace(), &bumped, false, None),
             unversioned_id(&bumped)
         );
     }

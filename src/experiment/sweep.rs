@@ -78,7 +78,7 @@ pub fn run_sweep(
         };
         let checked = of_trace
             .iter()
-            .map(|run| Ok((**run, run.params.clone().check()?)))
+            .map(|run| Ok((**run, experiment.check(&run.params)?)))
             .collect::<Result<Vec<_>, SweepError>>()?;
         let most = if experiment.closed_loop {
             LIVE_BATCH

@@ -345,6 +345,9 @@ impl<'m> LiveSession<'m> {
                 .map(|group| self.run_group(group, share))
                 .collect::<Result<_, _>>()?,
         };
+        for policy in policies {
+            policy.check_external()?;
+        }
         Ok(reports.into_iter().flatten().collect())
     }
 

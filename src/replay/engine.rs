@@ -203,6 +203,12 @@ fn measure_pass(
         .iter()
         .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
         .collect::<Result<Vec<_>, _>>()?;
+    let external_failure = || {
+        policies
+            .iter()
+            .try_for_each(|policy| policy.check_external())
+    };
+    external_failure()?;
     let meta = trace.meta();
     let mut per_policy: Vec<Vec<LayerReport>> =
         vec![Vec::with_capacity(meta.n_layers); policies.len()];
@@ -242,6 +248,7 @@ fn measure_pass(
             }
         }
         drop(tensors);
+        external_failure()?;
         layer_done();
     }
     Ok(policies
@@ -606,19 +613,23 @@ pub fn kept_sets(
     let context = context(trace, layer, &tensors);
     let units = units(&context, policy);
     let budget = budgets[layer];
-    Ok(if is_one_shot(policy) {
+    let kept = if is_one_shot(policy) {
         let scored = one_shot_scores(&context, &units, policy, true);
         one_shot_kept(&context, &units, budget, policy, &scored)
     } else {
         per_step_layer_kept(&context, &units, budget, policy, true)
-    })
+    };
+    policy.check_external()?;
+    Ok(kept)
 }
 
 /// Per-layer budgets of `policy` on `trace`, after checking that the two fit together; a
 /// sliding-window layer's entry is its window, which it keeps whatever the policy.
 pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
     let view = protocol_view(trace, policy)?;
-    layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})
+    let budgets = layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})?;
+    policy.check_external()?;
+    Ok(budgets)
 }
 
 /// The caches of one layer under a policy's layout.

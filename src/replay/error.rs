@@ -87,6 +87,9 @@ pub enum PolicyError {
         /// The rule.
         rule: String,
     },
+    /// A method defined outside the library (a Python object) failed where the engine called it.
+    #[error("{0}")]
+    External(String),
     /// Reading the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),

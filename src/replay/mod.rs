@@ -42,7 +42,9 @@ pub(crate) use kept::selection_groups;
 pub use layer::{context, LayerContext, Unit};
 pub use layout::{Aggregation, Granularity, Layers};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
-pub use policy::{all_methods, common_keys, Common, External, PolicyParams, ValidPolicy, COMMON};
+pub use policy::{
+    all_methods, common_keys, Common, External, ExternalMethods, PolicyParams, ValidPolicy, COMMON,
+};
 pub use profile::{entropy_profile, LayerEntropy, LayerProfile};
 pub use protection::Protection;
 pub use scorer::Pooling;

@@ -313,6 +313,30 @@ pub struct External {
     pub allocator: Option<Box<dyn Allocator>>,
 }
 
+/// Methods defined outside the library's registries, by the names policies give them: what an
+/// experiment may name beside the registered methods (the Python package's objects).
+pub trait ExternalMethods: std::fmt::Debug + Send + Sync {
+    /// Fresh methods for the policy `params` (the names it gives that are external ones), or
+    /// `None` when it names none.
+    fn methods(&self, params: &PolicyParams) -> Option<External>;
+    /// What identifies the external methods `params` names beyond their names (their code),
+    /// for run ids; `None` when it names none.
+    fn identity(&self, params: &PolicyParams) -> Option<String>;
+}
+
+impl PolicyParams {
+    /// [`check`](Self::check), with the external methods among `externals` the policy names.
+    pub fn check_in(
+        self,
+        externals: Option<&dyn ExternalMethods>,
+    ) -> Result<ValidPolicy, PolicyError> {
+        match externals.and_then(|externals| externals.methods(&self)) {
+            Some(external) => self.check_with(external),
+            None => self.check(),
+        }
+    }
+}
+
 /// A chosen method with its settings for an error message, or, for one defined outside the
 /// registries, its name.
 fn described<T: ?Sized>(chosen: Option<&Chosen<'_, T>>, axis: &str, name: &str) -> String {
@@ -352,17 +376,17 @@ impl std::fmt::Debug for ValidPolicy {
 impl PolicyParams {
     /// Checks every rule that does not depend on the trace.
     pub fn check(self) -> Result<ValidPolicy, PolicyError> {
-        self.check_external(External::default())
+        self.check_among(External::default())
     }
 
     /// [`check`](Self::check) with methods defined outside the library (Python objects) in place
     /// of registered ones, named by `self.scorer` / `self.allocator` in labels and results. They
     /// declare no settings.
     pub fn check_with(self, external: External) -> Result<ValidPolicy, PolicyError> {
-        self.check_external(external)
+        self.check_among(external)
     }
 
-    fn check_external(self, external: External) -> Result<ValidPolicy, PolicyError> {
+    fn check_among(self, external: External) -> Result<ValidPolicy, PolicyError> {
         let invalid = |field: &'static str, value: String, rule: &'static str| PolicyError::Param {
             field,
             value,
@@ -536,6 +560,14 @@ impl ValidPolicy {
             });
         }
         Ok(self)
+    }
+
+    /// Stops with the first failure of a method defined outside the library, if one failed.
+    pub fn check_external(&self) -> Result<(), PolicyError> {
+        match self.scorer.failure().or_else(|| self.allocator.failure()) {
+            Some(failure) => Err(PolicyError::External(failure)),
+            None => Ok(()),
+        }
     }
 
     /// The checked parameters.

@@ -78,6 +78,11 @@ pub trait Allocator: Send + Sync {
     }
     /// Per-layer budgets.
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize>;
+    /// The first failure of an allocator defined outside the library (a Python object, which
+    /// cannot return an error where the engine calls it): the engine stops with it.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// `value` must be a positive finite number.

@@ -79,6 +79,11 @@ pub trait Scorer: Send + Sync {
     fn reference(&self) -> Option<Box<dyn super::reference::ScorerRule>> {
         None
     }
+    /// The first failure of a scorer defined outside the library (a Python object, which cannot
+    /// return an error where the engine calls it): the engine stops with it after the layer.
+    fn failure(&self) -> Option<String> {
+        None
+    }
 }
 
 /// The scorer registered as `name`, with its default settings, for a scorer that wraps another
