@@ -102,16 +102,16 @@ impl Allocator for PyAllocator {
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        if !self.shared.failed() {
+        if !self.shared.failed_by((0, 0)) {
             match Python::attach(|py| self.call(py, input)) {
                 Ok(budgets) => return budgets,
-                Err(failure) => self.shared.record(format!(
-                    "Python allocator `{}`: {failure}",
-                    self.shared.name
-                )),
+                Err(failure) => self.shared.record(
+                    (0, 0),
+                    format!("Python allocator `{}`: {failure}", self.shared.name),
+                ),
             }
         }
-        // After a failure the work runs on to its end on flat budgets and is then discarded.
+        // After a failure, flat budgets until the engine stops with it.
         vec![input.budget; input.n_layers]
     }
 }

@@ -58,7 +58,7 @@ impl PyExternals {
 }
 
 /// The sha256 of the source of `object`'s class (or of the function), or its qualified name.
-fn code_identity(object: &Bound<'_, PyAny>) -> PyResult<String> {
+pub fn code_identity(object: &Bound<'_, PyAny>) -> PyResult<String> {
     let py = object.py();
     let inspect = py.import("inspect")?;
     let target = match inspect

@@ -55,7 +55,13 @@ pub fn live(
         .iter()
         .zip(&reports)
         .map(|(policy, report)| {
-            let id = run_id(&policy.name, &identity, &policy.params, true, None);
+            let id = run_id(
+                &policy.name,
+                &identity,
+                &policy.params,
+                true,
+                policy.code.as_deref(),
+            );
             let closed = Some(ClosedLoop::from(report));
             StoredRun::new(
                 id,

@@ -10,7 +10,9 @@ pub struct PyMethod {
     pub object: Py<PyAny>,
     /// `object.name`, or its class's name.
     pub name: String,
-    failure: Mutex<Option<String>>,
+    /// The failure at the first place (layer, cache) any call failed: calls run in parallel, so
+    /// the first in place, not in time, keeps the message the same from run to run.
+    failure: Mutex<Option<((usize, usize), String)>>,
 }
 
 impl PyMethod {
@@ -26,21 +28,25 @@ impl PyMethod {
         })
     }
 
-    /// Whether a call has failed.
-    pub fn failed(&self) -> bool {
-        self.failure.lock().expect("not poisoned").is_some()
+    /// Whether a call at `place` (layer, cache) or before it has failed: calls at later places
+    /// are skipped, earlier ones still run, so the first place's failure is the one kept.
+    pub fn failed_by(&self, place: (usize, usize)) -> bool {
+        let recorded = self.failure.lock().expect("not poisoned");
+        recorded.as_ref().is_some_and(|(first, _)| *first <= place)
     }
 
     /// The first failure, if a call failed.
     pub fn failure(&self) -> Option<String> {
-        self.failure.lock().expect("not poisoned").clone()
+        let failure = self.failure.lock().expect("not poisoned");
+        failure.as_ref().map(|(_, message)| message.clone())
     }
 
-    /// Records `failure` unless an earlier one is recorded.
-    pub fn record(&self, failure: String) {
-        self.failure
-            .lock()
-            .expect("not poisoned")
-            .get_or_insert(failure);
+    /// Records the failure of the call at `place` (layer, cache) unless one at an earlier place
+    /// is recorded.
+    pub fn record(&self, place: (usize, usize), failure: String) {
+        let mut recorded = self.failure.lock().expect("not poisoned");
+        if recorded.as_ref().is_none_or(|(first, _)| place < *first) {
+            *recorded = Some((place, failure));
+        }
     }
 }

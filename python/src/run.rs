@@ -2,6 +2,7 @@
 
 use crate::allocator::PyAllocator;
 use crate::errors::{message, raised};
+use crate::externals::code_identity;
 use crate::interrupt::interruptible;
 use crate::results::Results;
 use crate::scorer::PyScorer;
@@ -17,10 +18,12 @@ use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
 
-/// One policy from Python: its display name and parameters; the checked policy goes beside it.
+/// One policy from Python: its display name and parameters, and the code of its Python methods
+/// (for run ids, as a sweep names them); the checked policy goes beside it.
 pub struct Policy {
     pub name: String,
     pub params: PolicyParams,
+    pub code: Option<String>,
 }
 
 impl Policy {
@@ -44,12 +47,14 @@ impl Policy {
         };
         let name: Option<String> = pick("name")?.map(|n| n.extract()).transpose()?;
         let mut external = External::default();
+        let mut code = Vec::new();
         if let Some(scorer) = pick("scorer")? {
             if scorer.is_instance_of::<PyString>() {
                 settings.insert("scorer".into(), scorer.extract::<String>()?.into());
             } else {
                 let python = PyScorer::new(&scorer)?;
                 settings.insert("scorer".into(), python.name().into());
+                code.push(code_identity(&scorer)?);
                 let identity = format!("{:p}", scorer.as_ptr());
                 external.scorer = Some((Box::new(python), identity));
             }
@@ -60,6 +65,7 @@ impl Policy {
             } else {
                 let python = PyAllocator::new(&allocator)?;
                 settings.insert("allocator".into(), python.name().into());
+                code.push(code_identity(&allocator)?);
                 external.allocator = Some(Box::new(python));
             }
         }
@@ -68,6 +74,7 @@ impl Policy {
         let policy = Self {
             name: name.unwrap_or_else(|| checked.label()),
             params,
+            code: (!code.is_empty()).then(|| code.join(" ")),
         };
         Ok((policy, checked))
     }
@@ -111,7 +118,13 @@ fn replay_policies(
         .iter()
         .zip(&reports)
         .map(|(policy, report)| {
-            let id = run_id(&policy.name, identity, &policy.params, false, None);
+            let id = run_id(
+                &policy.name,
+                identity,
+                &policy.params,
+                false,
+                policy.code.as_deref(),
+            );
             StoredRun::new(id, &policy.name, identity, &policy.params, report, None)
         })
         .collect();
@@ -160,6 +173,7 @@ pub fn compare(
             let policy = Policy {
                 name: format!("{name} ({})", checked.label()),
                 params,
+                code: None,
             };
             Ok((policy, checked))
         })

@@ -160,16 +160,20 @@ impl ScoreState for State {
 
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
-        if !self.shared.failed() {
+        let place = (layer.layer, self.unit.index);
+        if !self.shared.failed_by(place) {
             match Python::attach(|py| self.call(py, layer, cache)) {
                 Ok(scores) => *out = scores,
-                Err(failure) => self.shared.record(format!(
-                    "Python scorer `{}` at layer {}, cache {}: {failure}",
-                    self.shared.name, layer.layer, self.unit.index
-                )),
+                Err(failure) => self.shared.record(
+                    place,
+                    format!(
+                        "Python scorer `{}` at layer {}, cache {}: {failure}",
+                        self.shared.name, layer.layer, self.unit.index
+                    ),
+                ),
             }
         }
-        // After a failure the replay runs on to its end on zeros and is then discarded.
+        // After a failure, zeros until the engine stops with it after the layer.
         out.resize(cache.len(), 0.0);
     }
 }

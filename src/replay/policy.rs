@@ -324,19 +324,6 @@ pub trait ExternalMethods: std::fmt::Debug + Send + Sync {
     fn identity(&self, params: &PolicyParams) -> Option<String>;
 }
 
-impl PolicyParams {
-    /// [`check`](Self::check), with the external methods among `externals` the policy names.
-    pub fn check_in(
-        self,
-        externals: Option<&dyn ExternalMethods>,
-    ) -> Result<ValidPolicy, PolicyError> {
-        match externals.and_then(|externals| externals.methods(&self)) {
-            Some(external) => self.check_with(external),
-            None => self.check(),
-        }
-    }
-}
-
 /// A chosen method with its settings for an error message, or, for one defined outside the
 /// registries, its name.
 fn described<T: ?Sized>(chosen: Option<&Chosen<'_, T>>, axis: &str, name: &str) -> String {
@@ -376,17 +363,24 @@ impl std::fmt::Debug for ValidPolicy {
 impl PolicyParams {
     /// Checks every rule that does not depend on the trace.
     pub fn check(self) -> Result<ValidPolicy, PolicyError> {
-        self.check_among(External::default())
+        self.check_with(External::default())
+    }
+
+    /// [`check`](Self::check), with the external methods among `externals` the policy names.
+    pub fn check_in(
+        self,
+        externals: Option<&dyn ExternalMethods>,
+    ) -> Result<ValidPolicy, PolicyError> {
+        match externals.and_then(|externals| externals.methods(&self)) {
+            Some(external) => self.check_with(external),
+            None => self.check(),
+        }
     }
 
     /// [`check`](Self::check) with methods defined outside the library (Python objects) in place
     /// of registered ones, named by `self.scorer` / `self.allocator` in labels and results. They
     /// declare no settings.
     pub fn check_with(self, external: External) -> Result<ValidPolicy, PolicyError> {
-        self.check_among(external)
-    }
-
-    fn check_among(self, external: External) -> Result<ValidPolicy, PolicyError> {
         let invalid = |field: &'static str, value: String, rule: &'static str| PolicyError::Param {
             field,
             value,
