@@ -139,3 +139,46 @@ def _eager_attentions(queries, keys, scale, softcap):
     n = queries.shape[2]
     future = torch.triu(torch.ones(n, n, dtype=torch.bool), 1)
     return torch.softmax(logits.masked_fill(future, float("-inf")), dim=-1)
+
+
+def policy(press):
+    """The kvreplay policy settings that run `press` as kvpress runs it, as keyword arguments for
+    `replay`, `kept`, `live` or a policy dict: its scorer through :class:`PressScorer`, and a
+    wrapping or scheduling press mapped onto kvreplay's own axes where one exists:
+
+    - ``AdaKVPress(press, alpha_safeguard)``: the ``adakv`` head split with ``alpha`` the
+      safeguard and no score normalisation (kvpress compares raw scores across heads);
+    - ``PyramidKVPress``: the ``pyramid`` allocator with the press's ``beta`` and its
+      ``window_size`` as the protected window (its scores are SnapKV's);
+    - ``PerLayerCompressionPress(press, compression_ratios)``: a per-layer budget of
+      ``int(prompt_len * (1 - ratio))``, kvpress's own count, as a Python allocator (the trace's
+      compressed layers must be the press's layers, one ratio each).
+
+    Other wrapping presses (``ChunkKVPress``, ``ChunkPress``, ``ComposedPress``, the decoding
+    presses) have no counterpart and raise :class:`KvreplayError`.
+    """
+    kind = type(press).__name__
+    if kind == "AdaKVPress":
+        return {**policy(press.press), "heads": "adakv", "alpha": float(press.alpha_safeguard), "normalize": False}
+    if kind == "PerLayerCompressionPress":
+        return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
+    if hasattr(press, "score") and not hasattr(press, "press"):
+        settings = {"scorer": PressScorer(press)}
+        if kind == "PyramidKVPress":
+            settings.update(allocator="pyramid", beta=float(press.beta), window=int(press.window_size))
+        return settings
+    raise KvreplayError(f"kvpress:{kind} has no kvreplay counterpart: wrap its inner press's scorer instead")
+
+
+class _RatioBudgets:
+    """kvpress's per-layer compression ratios as per-layer budgets."""
+
+    name = "per-layer-ratios"
+
+    def __init__(self, ratios):
+        self.ratios = ratios
+
+    def allocate(self, given):
+        if given["n_layers"] != len(self.ratios):
+            raise ValueError(f"{len(self.ratios)} compression ratios for {given['n_layers']} compressed layers")
+        return [int(given["prompt_len"] * (1 - ratio)) for ratio in self.ratios]

@@ -112,3 +112,26 @@ def test_every_scorer_press_runs_or_says_why(trace):
     assert all(0.0 < m <= 1.0 for m in mass), dict(zip(running, mass))
     report = "\n".join(f"{name}: {why}" for name, why in sorted(outcomes.items()))
     print(f"\nkvpress 0.5.5 ScorerPresses:\n{report}")
+
+
+def test_wrapping_presses_map_onto_kvreplays_axes(trace):
+    from kvreplay.kvpress import policy
+
+    wrapper = importlib.import_module("kvpress.presses.adakv_press").AdaKVPress
+    ours = kvreplay.kept(trace, budget=96, **policy(wrapper(PRESSES["KnormPress"](), alpha_safeguard=0.3)))["mask"]
+    theirs = kvreplay.kept(trace, budget=96, scorer="knorm", heads="adakv", alpha=0.3, normalize=False)["mask"]
+    assert np.array_equal(ours, theirs)
+
+    pyramid = policy(PRESSES["PyramidKVPress"]())
+    ours = kvreplay.kept(trace, budget=128, **pyramid)
+    theirs = kvreplay.kept(trace, budget=128, allocator="pyramid", beta=20.0, window=64, kernel=5, pool="avg")
+    assert ours["budgets"] == theirs["budgets"] and np.array_equal(ours["mask"], theirs["mask"])
+
+    per_layer = importlib.import_module("kvpress.presses.per_layer_compression_press").PerLayerCompressionPress
+    ratios = [0.5 + 0.01 * layer for layer in range(trace.n_layers)]
+    kept = kvreplay.kept(trace, budget=64, **policy(per_layer(PRESSES["KnormPress"](), compression_ratios=ratios)))
+    assert kept["budgets"] == [int(trace.prompt_len * (1 - r)) for r in ratios]
+
+    chunked = importlib.import_module("kvpress.presses.chunk_press").ChunkPress
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
+        policy(chunked(PRESSES["KnormPress"]()))
