@@ -6,8 +6,8 @@ use common::{write_fixture, Shape};
 use kvreplay::replay::metrics;
 use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Order, PolicyError,
-    PolicyParams, Timing, UnitKept,
+    kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Order,
+    PolicyError, PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
 use proptest::prelude::*;
@@ -358,6 +358,53 @@ fn bit_identical_across_thread_counts() {
             .install(|| replay(&trace, &policy).unwrap())
     };
     assert_eq!(run(1), run(3));
+}
+
+/// The masks of `kept_masks` are the kept sets, position for position: at the prompt's end for a
+/// one-shot policy, at the first decode step for a streaming one, and per step on request.
+#[test]
+fn kept_masks_are_the_kept_sets() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.safetensors");
+    let shape = Shape::default();
+    write_fixture(&path, shape, 5);
+    let trace = TraceReader::open(&path).unwrap();
+    for (scorer, timing) in [("snapkv", Timing::Prefill), ("recency", Timing::Streaming)] {
+        let policy = params(scorer, timing, 6).check().unwrap();
+        let budgets = layer_budgets(&trace, &policy).unwrap();
+        let at_end = kept_masks(&trace, &policy, false, &|| {}).unwrap();
+        let per_step = kept_masks(&trace, &policy, true, &|| {}).unwrap();
+        assert_eq!(at_end.layers, (0..shape.n_layers).collect::<Vec<_>>());
+        assert_eq!(at_end.budgets, budgets);
+        for layer in 0..shape.n_layers {
+            for (cache, unit) in kept_sets(&trace, &policy, &budgets, layer)
+                .unwrap()
+                .kept
+                .iter()
+                .enumerate()
+            {
+                for step in 0..shape.generated {
+                    let kept = unit.kept_positions(step, shape.prompt_len);
+                    let masked: Vec<usize> = (0..shape.prompt_len + shape.generated)
+                        .filter(|&p| per_step.mask[[layer, cache, step, p].as_slice()])
+                        .collect();
+                    assert_eq!(
+                        masked, kept,
+                        "{scorer} layer {layer} cache {cache} step {step}"
+                    );
+                }
+                let first: Vec<usize> = unit
+                    .kept_positions(0, shape.prompt_len)
+                    .into_iter()
+                    .filter(|&p| p < shape.prompt_len)
+                    .collect();
+                let masked: Vec<usize> = (0..shape.prompt_len)
+                    .filter(|&p| at_end.mask[[layer, cache, p].as_slice()])
+                    .collect();
+                assert_eq!(masked, first, "{scorer} layer {layer} cache {cache}");
+            }
+        }
+    }
 }
 
 /// A grid in one pass (one-shot policies that differ only in budget, allocator or head split share

@@ -1,13 +1,12 @@
-//! Runs of the native model from Python: `live` (closed loop under one policy) and `capture`.
+//! Runs of the native model from Python: `live` (closed loop) and `capture`.
 
 use crate::errors::{message, raised};
 use crate::results::Results;
-use crate::run::Policy;
+use crate::run::{stored_runs, Policy};
 use crate::trace::Trace;
-use kvreplay::capture::{build_prompt, capture_recipe, load_recipe_model, CaptureSummary};
-use kvreplay::experiment::{run_id, ClosedLoop, StoredRun, TraceFile};
-use kvreplay::live::{LiveReport, LiveSession};
-use kvreplay::replay::ValidPolicy;
+use kvreplay::capture::{capture_recipe, CaptureSummary};
+use kvreplay::experiment::{ClosedLoop, TraceFile};
+use kvreplay::replay::{ReplayReport, ValidPolicy};
 use kvreplay::trace::StorageDtype;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -29,50 +28,18 @@ pub fn live(
     chunk: usize,
     settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Results> {
-    if recipe.extension().is_none_or(|e| e != "toml") {
-        return Err(message(format!(
-            "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
-            recipe.display()
-        )));
-    }
     let (policies, checked): (Vec<Policy>, Vec<ValidPolicy>) =
         Policy::all(policies, settings)?.into_iter().unzip();
     let scratch = std::env::temp_dir();
-    let reports = py.detach(|| -> Result<Vec<LiveReport>, String> {
-        let text = kvreplay::error_text;
-        for policy in &checked {
-            kvreplay::live::check_live(policy).map_err(|e| text(&e))?;
-        }
-        let model = load_recipe_model(&recipe).map_err(|e| text(&e))?;
-        let prompt = build_prompt(&recipe, model.as_ref()).map_err(|e| text(&e))?;
-        let session =
-            LiveSession::start(model.as_ref(), &prompt, chunk, &scratch).map_err(|e| text(&e))?;
-        session.run_many(&checked).map_err(|e| text(&e))
-    });
-    let reports = reports.map_err(message)?;
+    let reports = py
+        .detach(|| kvreplay::live::run_recipe(&recipe, &checked, chunk, &scratch))
+        .map_err(raised)?;
     let identity = py.detach(|| TraceFile::identify(&recipe)).map_err(raised)?;
-    let runs = policies
+    let outcomes: Vec<(&ReplayReport, Option<ClosedLoop>)> = reports
         .iter()
-        .zip(&reports)
-        .map(|(policy, report)| {
-            let id = run_id(
-                &policy.name,
-                &identity,
-                &policy.params,
-                true,
-                policy.code.as_deref(),
-            );
-            let closed = Some(ClosedLoop::from(report));
-            StoredRun::new(
-                id,
-                &policy.name,
-                &identity,
-                &policy.params,
-                &report.open_loop,
-                closed,
-            )
-        })
+        .map(|report| (&report.open_loop, Some(ClosedLoop::from(report))))
         .collect();
+    let runs = stored_runs(&policies, &identity, &outcomes);
     let kv_entries = reports.iter().map(|r| r.open_loop.kv_entries).collect();
     let json = reports
         .iter()

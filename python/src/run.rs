@@ -8,12 +8,10 @@ use crate::results::Results;
 use crate::scorer::PyScorer;
 use crate::settings::settings_map;
 use crate::trace::Trace;
-use kvreplay::experiment::{run_id, StoredRun};
+use kvreplay::experiment::{run_id, ClosedLoop, StoredRun, TraceFile};
 use kvreplay::replay::{
-    compressed_layers, kept_sets, layer_budgets, presets, replay_many, External, PolicyParams,
-    UnitKept, ValidPolicy,
+    kept_masks, presets, replay_many, External, PolicyParams, ReplayReport, ValidPolicy,
 };
-use ndarray::{Array3, Array4};
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
@@ -114,22 +112,39 @@ fn replay_policies(
     })?;
     let reports = reports.map_err(message)?;
     let identity = trace.get().identity(py)?;
-    let runs = policies
-        .iter()
-        .zip(&reports)
-        .map(|(policy, report)| {
-            let id = run_id(
-                &policy.name,
-                identity,
-                &policy.params,
-                false,
-                policy.code.as_deref(),
-            );
-            StoredRun::new(id, &policy.name, identity, &policy.params, report, None)
-        })
-        .collect();
     let kv_entries = reports.iter().map(|r| r.kv_entries).collect();
-    Ok(Results::new(runs, kv_entries, None))
+    let reports: Vec<(&ReplayReport, Option<ClosedLoop>)> =
+        reports.iter().map(|report| (report, None)).collect();
+    Ok(Results::new(
+        stored_runs(&policies, identity, &reports),
+        kv_entries,
+        None,
+    ))
+}
+
+/// The runs of `policies` on `trace` as a sweep stores them, from each one's open-loop report and
+/// closed-loop outcomes (if run live).
+pub fn stored_runs(
+    policies: &[Policy],
+    trace: &TraceFile,
+    reports: &[(&ReplayReport, Option<ClosedLoop>)],
+) -> Vec<StoredRun> {
+    policies
+        .iter()
+        .zip(reports)
+        .map(|(policy, (report, closed))| {
+            let code = policy.code.as_deref();
+            let id = run_id(&policy.name, trace, &policy.params, closed.is_some(), code);
+            StoredRun::new(
+                id,
+                &policy.name,
+                trace,
+                &policy.params,
+                report,
+                closed.clone(),
+            )
+        })
+        .collect()
 }
 
 /// Replays policies on a trace and measures what they keep.
@@ -165,20 +180,20 @@ pub fn compare(
 ) -> PyResult<Results> {
     let trace = Trace::from_arg(trace)?.into_bound(py);
     let names = presets.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
-    let policies = names
-        .iter()
-        .map(|name| {
-            let params = presets::preset(name, budget).map_err(raised)?;
-            let checked = params.clone().check().map_err(raised)?;
+    let policies = presets::labelled(&names, budget)
+        .map_err(raised)?
+        .into_iter()
+        .map(|(name, checked)| {
+            let params = checked.params().clone();
             let policy = Policy {
-                name: format!("{name} ({})", checked.label()),
+                name,
                 params,
                 code: None,
             };
-            Ok((policy, checked))
+            (policy, checked)
         })
-        .collect::<PyResult<Vec<_>>>()?;
-    replay_policies(py, &trace, policies.into_iter().unzip(), threads)
+        .unzip();
+    replay_policies(py, &trace, policies, threads)
 }
 
 /// A policy's kept sets as boolean masks, with the keyword arguments of `replay`.
@@ -199,60 +214,14 @@ pub fn kept<'py>(
     let trace = Trace::from_arg(trace)?.into_bound(py);
     let (policy, checked) = Policy::from_settings(None, settings)?;
     let reader = trace.get().reader();
-    let checked = &checked;
-    let outcome = interruptible(
-        py,
-        |layer_done| -> Result<_, kvreplay::replay::PolicyError> {
-            let budgets = layer_budgets(reader, checked)?;
-            let layers = compressed_layers(reader.meta(), checked);
-            let kept = layers
-                .iter()
-                .map(|&layer| {
-                    layer_done();
-                    kept_sets(reader, checked, &budgets, layer)
-                })
-                .collect::<Result<Vec<_>, _>>()?;
-            Ok((layers, budgets, kept))
-        },
-    )?;
-    let (layers, budgets, kept) = outcome.map_err(raised)?;
-    let view = kvreplay::replay::protocol_view(reader, checked).map_err(raised)?;
-    let prompt_len = view.as_ref().unwrap_or(reader).meta().prompt_len;
-    let n_positions = reader.n_positions();
-    let caches = kept.first().map_or(0, |k| k.kept.len());
+    let kept = interruptible(py, |layer_done| {
+        kept_masks(reader, &checked, steps, layer_done)
+    })?
+    .map_err(raised)?;
     let result = PyDict::new(py);
-    if steps {
-        let n_steps = n_positions - prompt_len;
-        let mut mask =
-            Array4::<bool>::from_elem((layers.len(), caches, n_steps, n_positions), false);
-        for (l, layer) in kept.iter().enumerate() {
-            for (c, unit) in layer.kept.iter().enumerate() {
-                for step in 0..n_steps {
-                    for p in unit.kept_positions(step, prompt_len) {
-                        mask[[l, c, step, p]] = true;
-                    }
-                }
-            }
-        }
-        result.set_item("mask", mask.into_pyarray(py))?;
-    } else {
-        let mut mask = Array3::<bool>::from_elem((layers.len(), caches, prompt_len), false);
-        for (l, layer) in kept.iter().enumerate() {
-            for (c, unit) in layer.kept.iter().enumerate() {
-                let first = match unit {
-                    UnitKept::Fixed(prompt) => prompt.clone(),
-                    UnitKept::PerStep(per_step) => per_step.first().cloned().unwrap_or_default(),
-                };
-                for p in first.into_iter().filter(|&p| p < prompt_len) {
-                    mask[[l, c, p]] = true;
-                }
-            }
-        }
-        result.set_item("mask", mask.into_pyarray(py))?;
-    }
-    let layer_budgets: Vec<usize> = layers.iter().map(|&l| budgets[l]).collect();
-    result.set_item("layers", layers)?;
-    result.set_item("budgets", layer_budgets)?;
+    result.set_item("mask", kept.mask.into_pyarray(py))?;
+    result.set_item("layers", kept.layers)?;
+    result.set_item("budgets", kept.budgets)?;
     result.set_item("policy", policy.name)?;
     Ok(result)
 }

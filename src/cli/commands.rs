@@ -107,37 +107,26 @@ pub fn compare(
     names: &[String],
     output: &OutputArgs,
 ) -> Result<String> {
-    let policies = names
-        .iter()
-        .map(|name| Ok(presets::preset(name, budget)?.check()?))
-        .collect::<Result<Vec<_>>>()?;
+    let (labels, policies): (Vec<String>, Vec<_>) =
+        presets::labelled(names, budget)?.into_iter().unzip();
     let reports = replay_all(reader, &policies, output.threads)?;
     let labelled: Vec<ReplayReport> = reports
         .into_iter()
-        .zip(names)
-        .map(|(mut report, name)| {
-            report.policy = format!("{name} ({})", report.policy);
-            report
-        })
+        .zip(labels)
+        .map(|(report, policy)| ReplayReport { policy, ..report })
         .collect();
     Ok(exporter(output.format).export(&labelled, !output.no_layers))
 }
 
 /// A live run of `recipe` under `policy`, as text.
 pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -> Result<String> {
-    anyhow::ensure!(
-        recipe.extension().is_some_and(|e| e == "toml"),
-        "{}: live mode runs the model on a recipe (a .toml file), not on a trace",
-        recipe.display()
-    );
-    kvreplay::live::check_live(policy)?;
     let _tuned = sys::ModelMalloc::tune();
-    let model = capture::load_recipe_model(recipe)?;
-    let prompt = capture::build_prompt(recipe, model.as_ref())?;
-    let scratch = std::env::temp_dir();
     let spinner = spinner("live: the full cache, then the policy");
-    let report = kvreplay::live::live(model.as_ref(), &prompt, policy, chunk, &scratch)?;
+    let scratch = std::env::temp_dir();
+    let mut reports =
+        kvreplay::live::run_recipe(recipe, std::slice::from_ref(policy), chunk, &scratch)?;
     spinner.finish_and_clear();
+    let report = reports.pop().expect("one report per policy");
     Ok(match format {
         Format::Json => serde_json::to_string_pretty(&report)? + "\n",
         _ => kvreplay::export::live_table(&report, format),

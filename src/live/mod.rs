@@ -80,6 +80,9 @@ pub enum LiveError {
     /// The policy cannot run live yet.
     #[error("live mode: {0}")]
     Unsupported(String),
+    /// Live mode was given something other than a recipe.
+    #[error("{0}: live mode runs the model on a recipe (a .toml file), not on a trace")]
+    NotARecipe(PathBuf),
 }
 
 /// One teacher-forced decode step.
@@ -658,6 +661,29 @@ pub fn live(
 ) -> Result<LiveReport, LiveError> {
     check_live(policy)?;
     LiveSession::start(model, prompt, chunk, scratch)?.run(policy)
+}
+
+/// Runs `recipe` live under each of `policies` (checked for live mode first): its model loaded,
+/// its prompt built, one full-cache run (prefill in chunks of `chunk` tokens, recorded under
+/// `scratch`), then the policies decoded together ([`LiveSession::run_many`]).
+pub fn run_recipe(
+    recipe: &Path,
+    policies: &[ValidPolicy],
+    chunk: usize,
+    scratch: &Path,
+) -> Result<Vec<LiveReport>, LiveError> {
+    if recipe.extension().is_none_or(|e| e != "toml") {
+        return Err(LiveError::NotARecipe(recipe.to_owned()));
+    }
+    for policy in policies {
+        check_live(policy)?;
+    }
+    let model = crate::capture::load_recipe_model(recipe)?;
+    let prompt = crate::capture::build_prompt(recipe, model.as_ref())?;
+    let session = LiveSession::start(model.as_ref(), &prompt, chunk, scratch)?;
+    let reports = session.run_many(policies);
+    drop(session);
+    reports
 }
 
 #[cfg(test)]

@@ -18,6 +18,7 @@ pub mod head_split;
 mod kept;
 mod layer;
 mod layout;
+mod masks;
 pub mod metrics;
 mod plan;
 mod policy;
@@ -41,6 +42,7 @@ pub use error::PolicyError;
 pub(crate) use kept::selection_groups;
 pub use layer::{context, LayerContext, Unit};
 pub use layout::{Aggregation, Granularity, Layers};
+pub use masks::{kept_masks, KeptMasks};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
 pub use policy::{
     all_methods, common_keys, Common, External, ExternalMethods, PolicyParams, ValidPolicy, COMMON,

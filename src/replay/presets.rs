@@ -4,7 +4,7 @@
 //! lines, and the parity test that checks it). Where kvpress implements a method differently, that
 //! is its own preset (`snapkv-kvpress`). A preset fixes everything but the budget.
 
-use super::{Granularity, Order, PolicyError, PolicyParams, Timing};
+use super::{Granularity, Order, PolicyError, PolicyParams, Timing, ValidPolicy};
 use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
@@ -156,6 +156,21 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             })
         }
     })
+}
+
+/// The presets `names` at `budget`, checked, each labelled `name (label)` as `kvreplay compare`
+/// labels them (`snapkv (flat+snapkv@prefill)`).
+pub fn labelled(
+    names: &[String],
+    budget: usize,
+) -> Result<Vec<(String, ValidPolicy)>, PolicyError> {
+    names
+        .iter()
+        .map(|name| {
+            let policy = preset(name, budget)?.check()?;
+            Ok((format!("{name} ({})", policy.label()), policy))
+        })
+        .collect()
 }
 
 /// A policy from settings by key, as an experiment's policy table or Python's keyword arguments

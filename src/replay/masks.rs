@@ -1,0 +1,79 @@
+//! A policy's kept sets on a trace as boolean masks, for whoever post-processes or plots them
+//! (the Python package's `kept`): one mask per compressed layer and cache, over the prompt at its
+//! end, or over every position at each decode step.
+
+use super::engine::{compressed_layers, kept_sets, layer_budgets, protocol_view, LayerDone};
+use super::{PolicyError, UnitKept, ValidPolicy};
+use crate::trace::TraceReader;
+use ndarray::{ArrayD, IxDyn};
+
+/// The kept sets of one policy on one trace.
+#[derive(Debug, Clone, PartialEq)]
+pub struct KeptMasks {
+    /// The compressed layers, in depth order (the first axis of `mask`).
+    pub layers: Vec<usize>,
+    /// Each compressed layer's budget.
+    pub budgets: Vec<usize>,
+    /// `[layer, cache, position]` over the prompt: kept at the prompt's end (for a policy that
+    /// chooses again later, what it keeps when the first decode step attends); or, per step,
+    /// `[layer, cache, step, position]` over every position.
+    pub mask: ArrayD<bool>,
+}
+
+/// The kept sets of `policy` on `trace`, at the prompt's end or, with `per_step`, at every decode
+/// step; `layer_done` is called after each layer.
+pub fn kept_masks(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    per_step: bool,
+    layer_done: LayerDone<'_>,
+) -> Result<KeptMasks, PolicyError> {
+    let all_budgets = layer_budgets(trace, policy)?;
+    let layers = compressed_layers(trace.meta(), policy);
+    let kept = layers
+        .iter()
+        .map(|&layer| {
+            let kept = kept_sets(trace, policy, &all_budgets, layer);
+            layer_done();
+            kept
+        })
+        .collect::<Result<Vec<_>, _>>()?;
+    let view = protocol_view(trace, policy)?;
+    let prompt_len = view.as_ref().unwrap_or(trace).meta().prompt_len;
+    let n_positions = trace.n_positions();
+    let caches = kept.first().map_or(0, |k| k.kept.len());
+    let steps = n_positions - prompt_len;
+    let shape = match per_step {
+        true => vec![layers.len(), caches, steps, n_positions],
+        false => vec![layers.len(), caches, prompt_len],
+    };
+    let mut mask = ArrayD::from_elem(IxDyn(&shape), false);
+    for (l, layer) in kept.iter().enumerate() {
+        for (c, unit) in layer.kept.iter().enumerate() {
+            if per_step {
+                for step in 0..steps {
+                    for p in unit.kept_positions(step, prompt_len) {
+                        mask[[l, c, step, p].as_slice()] = true;
+                    }
+                }
+            } else {
+                for p in at_prompt_end(unit).iter().filter(|&&p| p < prompt_len) {
+                    mask[[l, c, *p].as_slice()] = true;
+                }
+            }
+        }
+    }
+    Ok(KeptMasks {
+        budgets: layers.iter().map(|&l| all_budgets[l]).collect(),
+        layers,
+        mask,
+    })
+}
+
+/// What a cache holds of the prompt when the first decode step attends.
+fn at_prompt_end(unit: &UnitKept) -> &[usize] {
+    match unit {
+        UnitKept::Fixed(prompt) => prompt,
+        UnitKept::PerStep(steps) => steps.first().map_or(&[], Vec::as_slice),
+    }
+}
