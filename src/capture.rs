@@ -2,7 +2,7 @@
 //! layer's attention saw as a kvtrace/1 file.
 
 use crate::assets::{model_asset, AssetError, Assets};
-use crate::model::{family, CausalLm, ModelError, Recorder};
+use crate::model::{family, CausalLm, HfModel, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
 use crate::trace::{write_trace, StorageDtype, TraceError, TraceMeta};
 use std::collections::BTreeMap;
@@ -61,9 +61,12 @@ pub struct CaptureSummary {
     pub generated_text: String,
 }
 
-/// Native model `name` (a [`MODELS`](crate::assets::MODELS) name), fetching the assets first if
-/// they are missing.
+/// Model `name`: a native one (a [`MODELS`](crate::assets::MODELS) name), fetching the assets
+/// first if they are missing, or a Hugging Face one (`hf:…`, [`HfModel`]).
 pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> {
+    if name.starts_with(crate::model::hf::PREFIX) {
+        return Ok(Box::new(HfModel::load(name)?));
+    }
     Ok(family::load(&model_file(name)?)?)
 }
 
@@ -120,7 +123,7 @@ pub fn capture_once(
     })?
 }
 
-/// Captures recipe file `recipe` with the native model into `out`, fetching the assets first if
+/// Captures recipe file `recipe` with its model into `out`, fetching the assets first if
 /// they are missing. `progress(done, total)` counts tokens.
 pub fn capture_recipe(
     recipe: &Path,
@@ -130,8 +133,7 @@ pub fn capture_recipe(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<CaptureSummary, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
-    let model_path = model_file(parsed.model())?;
-    let model = family::load(&model_path)?;
+    let model = load_model(parsed.model())?;
     let prompt = build_prompt(recipe, model.as_ref())?;
     let options = CaptureOptions {
         storage,
@@ -140,10 +142,13 @@ pub fn capture_recipe(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        model_id: model_path
-            .file_stem()
-            .map(|s| s.to_string_lossy().into_owned())
-            .unwrap_or_else(|| model.spec().name.clone()),
+        model_id: match parsed.model() {
+            name if name.starts_with(crate::model::hf::PREFIX) => name.to_owned(),
+            name => model_file(name)?
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| model.spec().name.clone()),
+        },
     };
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
     let recorder = Recorder::spilling(spill_dir.unwrap_or(Path::new(".")));

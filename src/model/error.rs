@@ -56,6 +56,14 @@ pub enum ModelError {
     /// A forward pass was given nothing to run.
     #[error("forward pass: {0}")]
     Input(String),
+    /// A Hugging Face model could not be loaded or run through transformers.
+    #[error("model `{model}`: {reason}")]
+    Hf {
+        /// The model, as the recipe names it.
+        model: String,
+        /// Why.
+        reason: String,
+    },
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),

@@ -21,13 +21,13 @@ use super::causal_lm::{CausalLm, ModelSpec, Row};
 use super::product::rows_product;
 use super::gguf::GgufFile;
 use super::llama::transposed;
-use super::mask::{policy_mask, window_mask};
+use super::cached_attention::{attend_cached, LayerAttention};
 use super::ops::{
-    attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
+    inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -228,8 +228,6 @@ impl Gemma3 {
         (q, k, v): (Tensor, Tensor, Tensor),
     ) -> Result<Tensor, ModelError> {
         let (spec, eps) = (&self.spec, self.rms_eps);
-        let (n, past) = (row.ids.len(), sequence.past);
-        let total = past + n;
         let window = spec.windows[layer];
         let (cos, sin) = if window > 0 {
             &sequence.sliding
@@ -241,32 +239,13 @@ impl Gemma3 {
         let k = split_heads(&k, spec.n_kv_heads)?;
         let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
         let v = split_heads(&v, spec.n_kv_heads)?;
-        let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
-        if let Some(recorder) = row.recorder.as_deref_mut() {
-            recorder.record(layer, &q, &k, &v)?;
-        }
-        let (keys_t, values) = row.cache.append(layer, k, v)?;
-        // Keys before the chunk's first query's window are never seen: leave them out.
-        let first = match (&policy_mask, window) {
-            (None, window) if window > 0 => (past + 1).saturating_sub(window),
-            _ => 0,
+        let geometry = LayerAttention {
+            layer,
+            n_heads: spec.n_heads,
+            window,
+            scale: spec.scale as f64,
         };
-        let visible = Tensor::from_vec(
-            window_mask(past, n, window, first),
-            (n, total - first),
-            &Device::Cpu,
-        )?;
-        let layer_mask = match policy_mask {
-            Some(values) => Tensor::from_vec(values, (spec.n_heads, n, total), &Device::Cpu)?
-                .broadcast_add(&visible)?,
-            None => visible,
-        };
-        let keys_t = keys_t.narrow(2, first, total - first)?;
-        let values = values.narrow(1, first, total - first)?;
-        let attention = attend(&q, &keys_t, &values, &layer_mask, spec.scale as f64)?;
-        if let Some(recorder) = row.recorder.as_deref_mut() {
-            recorder.record_attention(layer, &attention);
-        }
+        let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
         merge_heads(&attention)
     }
 }

@@ -8,13 +8,13 @@ use super::batch::{
 use super::causal_lm::{CausalLm, ModelSpec, Row};
 use super::product::rows_product;
 use super::gguf::{unpermute_rows, GgufFile};
-use super::mask::{causal_mask, policy_mask};
+use super::cached_attention::{attend_cached, LayerAttention};
 use super::ops::{
-    attend, inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
+    inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 use std::path::Path;
 
 struct Block {
@@ -150,30 +150,23 @@ impl CausalLm for Llama {
     }
 }
 
-/// What a row's attention needs through every layer of one pass: its first position, what its
-/// cache held before the pass, its rotary tables and causal mask.
+/// What a row's attention needs through every layer of one pass: what its cache held before the
+/// pass and its rotary tables.
 struct Sequence {
     past: usize,
     cos: Tensor,
     sin: Tensor,
-    causal: Tensor,
 }
 
 impl Llama {
     fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
         let (n, past) = (row.ids.len(), row.cache.len());
         let (cos, sin) = rotary_tables(&self.inv_freq, row.cache.next_position, n)?;
-        let causal = Tensor::from_vec(causal_mask(1, past, n), (n, past + n), &Device::Cpu)?;
-        Ok(Sequence {
-            past,
-            cos,
-            sin,
-            causal,
-        })
+        Ok(Sequence { past, cos, sin })
     }
 
-    /// One row's attention at `layer`, from its projections `[n, heads * d]`: rotary, the
-    /// policy's mask, the recorder, the cache; returns `[n, heads * d]` before the output
+    /// One row's attention at `layer`, from its projections `[n, heads * d]`: rotary, then
+    /// [`attend_cached`]; returns `[n, heads * d]` before the output
     /// projection.
     fn attention(
         &self,
@@ -184,25 +177,17 @@ impl Llama {
     ) -> Result<Tensor, ModelError> {
         let config = &self.config;
         let (n_heads, n_kv) = (config.n_heads, config.n_kv_heads);
-        let (n, past) = (row.ids.len(), sequence.past);
         let (cos, sin) = (&sequence.cos, &sequence.sin);
         let q = rotate(&split_heads(&q, n_heads)?, cos, sin)?;
         let k = rotate(&split_heads(&k, n_kv)?, cos, sin)?;
         let v = split_heads(&v, n_kv)?;
-        let layer_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
-        let layer_mask = match layer_mask {
-            Some(values) => Tensor::from_vec(values, (n_heads, n, past + n), &Device::Cpu)?,
-            None => sequence.causal.clone(),
+        let geometry = LayerAttention {
+            layer,
+            n_heads,
+            window: 0,
+            scale: 1.0 / (config.head_dim() as f64).sqrt(),
         };
-        if let Some(recorder) = row.recorder.as_deref_mut() {
-            recorder.record(layer, &q, &k, &v)?;
-        }
-        let (keys_t, values) = row.cache.append(layer, k, v)?;
-        let scale = 1.0 / (config.head_dim() as f64).sqrt();
-        let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
-        if let Some(recorder) = row.recorder.as_deref_mut() {
-            recorder.record_attention(layer, &attention);
-        }
+        let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
         merge_heads(&attention)
     }
 }

@@ -15,10 +15,12 @@
 //! (Gemma 3 GGUFs are not permuted: llama.cpp runs them with the half-split rotary already.)
 
 mod batch;
+mod cached_attention;
 mod causal_lm;
 mod error;
 pub mod family;
 mod gguf;
+pub mod hf;
 mod mask;
 mod ops;
 mod product;
@@ -31,6 +33,7 @@ pub(crate) use causal_lm::argmax;
 pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
+pub use hf::HfModel;
 pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;

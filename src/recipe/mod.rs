@@ -89,7 +89,7 @@ pub enum Recipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The user's message.
@@ -107,7 +107,7 @@ pub struct ChatRecipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TextRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`; default `smollm2-135m`).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The file, relative to the recipe.
@@ -213,12 +213,13 @@ impl Recipe {
             field,
             rule: rule.to_owned(),
         };
-        if crate::assets::model_asset(self.model()).is_none() {
+        let hf = self.model().starts_with(crate::model::hf::PREFIX);
+        if !hf && crate::assets::model_asset(self.model()).is_none() {
             let names: Vec<&str> = crate::assets::MODELS.iter().map(|m| m.name).collect();
             return Err(invalid(
                 "model",
                 &format!(
-                    "unknown model `{}` (known: {})",
+                    "unknown model `{}` (known: {}; or `hf:` and a Hugging Face hub id or directory)",
                     self.model(),
                     names.join(", ")
                 ),

@@ -1,0 +1,68 @@
+//! One row's attention at one layer once its queries and keys are rotated: the policy's mask
+//! (within the layer's window), the recorder, the cache appended to, and the weighted values. Every
+//! family whose attention is plain scaled dot-product over a window calls it after its own
+//! projections, norms and rotary.
+
+use super::causal_lm::Row;
+use super::mask::{policy_mask, window_mask};
+use super::ops::attend;
+use super::ModelError;
+use candle_core::{Device, Tensor};
+
+/// The attention geometry of one layer.
+pub(crate) struct LayerAttention {
+    /// The layer's index.
+    pub layer: usize,
+    /// Query heads.
+    pub n_heads: usize,
+    /// The most recent positions a query attends over, its own included (0: global).
+    pub window: usize,
+    /// Softmax scale of the logits.
+    pub scale: f64,
+}
+
+/// `row`'s attention at `geometry.layer` for its post-rotary q `[n_heads, n, d]`, k and v
+/// `[n_kv_heads, n, d]` (the row's cache held `past` positions before them): `[n_heads, n, d]`.
+pub(crate) fn attend_cached(
+    row: &mut Row<'_, '_>,
+    geometry: &LayerAttention,
+    past: usize,
+    (q, k, v): (Tensor, Tensor, Tensor),
+) -> Result<Tensor, ModelError> {
+    let LayerAttention {
+        layer,
+        n_heads,
+        window,
+        scale,
+    } = *geometry;
+    let n = q.dims()[1];
+    let total = past + n;
+    let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
+    if let Some(recorder) = row.recorder.as_deref_mut() {
+        recorder.record(layer, &q, &k, &v)?;
+    }
+    let (keys_t, values) = row.cache.append(layer, k, v)?;
+    // Keys before the chunk's first query's window are never seen: leave them out.
+    let first = match (&policy_mask, window) {
+        (None, window) if window > 0 => (past + 1).saturating_sub(window),
+        _ => 0,
+    };
+    let visible = Tensor::from_vec(
+        window_mask(past, n, window, first),
+        (n, total - first),
+        &Device::Cpu,
+    )?;
+    let layer_mask = match policy_mask {
+        Some(values) => {
+            Tensor::from_vec(values, (n_heads, n, total), &Device::Cpu)?.broadcast_add(&visible)?
+        }
+        None => visible,
+    };
+    let keys_t = keys_t.narrow(2, first, total - first)?;
+    let values = values.narrow(1, first, total - first)?;
+    let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
+    if let Some(recorder) = row.recorder.as_deref_mut() {
+        recorder.record_attention(layer, &attention);
+    }
+    Ok(attention)
+}

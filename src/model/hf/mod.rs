@@ -1,0 +1,289 @@
+//! Any Hugging Face causal LM as a kvreplay model (`model = "hf:<hub id or directory>"` in a
+//! recipe, or `hf:<directory>/<file>.gguf` for a GGUF that transformers loads): transformers runs
+//! the embeddings, projections, norms, rotary, MLPs and head in a worker process, and kvreplay
+//! runs every layer's attention itself, over its own [`KvCache`] with the policy's mask
+//! ([`attend_cached`], the code of the native families). So capture, the full run, the kept
+//! sets, the masked decoding and every closed-loop number go through the same engine as the
+//! native models; only the weights are transformers'.
+//!
+//! The worker (`worker.py`) registers an attention function with transformers'
+//! `AttentionInterface`: each layer's post-rotary q, k, v come to kvreplay and the attention
+//! output goes back. The model runs without a cache of its own (`use_cache=False`, explicit
+//! positions), so a kept set is exactly what kvreplay's cache and mask say. The tokenizer is the
+//! model's own, asked over the same pipe, so recipes build with it as they do with a native one.
+//!
+//! Which Python: `KVREPLAY_HF_PYTHON`, else `$KVREPLAY_HOME/hf-venv/bin/python` if it exists, else
+//! `python3`; it needs torch and transformers ≥ 5 (and `gguf` for GGUF files). Where the weights
+//! run: `KVREPLAY_HF_DEVICE` (default `cpu`) and `KVREPLAY_HF_DTYPE` (`f32`, `bf16`, `f16`;
+//! default `f32`). Refused, as the Python capture refuses them: chunked attention, ALiBi, learned
+//! sinks, attention soft-capping and per-layer softmax scales.
+
+mod worker;
+
+use super::batch::check_rows;
+use super::cached_attention::{attend_cached, LayerAttention};
+use super::causal_lm::{CausalLm, ModelSpec, Row};
+use super::prompt::{Template, TextTokenizer};
+use super::ModelError;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+use serde_json::{json, Value};
+use std::path::PathBuf;
+use std::sync::{Arc, Mutex, MutexGuard};
+use worker::Worker;
+
+/// The prefix of a recipe's `model` that names a Hugging Face model.
+pub const PREFIX: &str = "hf:";
+
+/// A Hugging Face causal LM run by transformers, its attention by kvreplay.
+pub struct HfModel {
+    spec: ModelSpec,
+    /// The softmax scale as the model has it (the spec's is f32).
+    scale: f64,
+    tokenizer: HfTokenizer,
+}
+
+/// The model's own tokenizer, asked through the worker.
+struct HfTokenizer {
+    worker: Arc<Mutex<Worker>>,
+    template: Template,
+    bos: Option<u32>,
+    stop: u32,
+}
+
+impl HfModel {
+    /// Loads `model` (`hf:` and a hub id, a directory, or a `.gguf` file in a directory).
+    pub fn load(model: &str) -> Result<Self, ModelError> {
+        let id = model.strip_prefix(PREFIX).unwrap_or(model);
+        let (dir, gguf) = match id.strip_suffix(".gguf").and(id.rsplit_once('/')) {
+            Some((dir, file)) => (dir, Some(file)),
+            None => (id, None),
+        };
+        let (worker, ready) = Worker::start(&python(), model, (dir, gguf))?;
+        let invalid = |field: &str| worker.failure(&format!("the worker's `{field}` is malformed"));
+        let count = |field: &str| {
+            ready[field]
+                .as_u64()
+                .map(|v| v as usize)
+                .ok_or(invalid(field))
+        };
+        let floats = |field: &str| -> Vec<f32> {
+            ready[field]
+                .as_array()
+                .map(|values| {
+                    values
+                        .iter()
+                        .filter_map(Value::as_f64)
+                        .map(|v| v as f32)
+                        .collect()
+                })
+                .unwrap_or_default()
+        };
+        let scale = ready["scale"].as_f64().ok_or(invalid("scale"))?;
+        let spec = ModelSpec {
+            family: "hf",
+            name: ready["name"].as_str().unwrap_or(id).to_owned(),
+            n_layers: count("n_layers")?,
+            n_heads: count("n_heads")?,
+            n_kv_heads: count("n_kv_heads")?,
+            head_dim: count("head_dim")?,
+            scale: scale as f32,
+            rope_theta: ready["rope_theta"].as_f64().map(|v| v as f32),
+            rope_thetas: floats("rope_thetas"),
+            windows: floats("windows").iter().map(|&w| w as usize).collect(),
+        };
+        let tokenizer = HfTokenizer {
+            template: match ready["template"].as_str() {
+                Some("chatml") => Template::ChatMl,
+                _ => Template::Plain,
+            },
+            bos: ready["bos"].as_u64().map(|id| id as u32),
+            stop: ready["stop"].as_u64().ok_or(invalid("stop"))? as u32,
+            worker: Arc::new(Mutex::new(worker)),
+        };
+        Ok(Self {
+            spec,
+            scale,
+            tokenizer,
+        })
+    }
+
+    fn worker(&self) -> MutexGuard<'_, Worker> {
+        self.tokenizer.worker.lock().expect("no holder panicked")
+    }
+
+    /// Every row's attention at `layer` from the worker's q, k, v `[rows, heads, n, d]` (f32,
+    /// one after the other): the outputs `[rows, n_heads, n, d]` as bytes.
+    fn attend(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        pasts: &[usize],
+        (layer, n): (usize, usize),
+        payload: &[u8],
+    ) -> Result<Vec<u8>, ModelError> {
+        let spec = &self.spec;
+        let (count, heads, kv, d) = (rows.len(), spec.n_heads, spec.n_kv_heads, spec.head_dim);
+        let values: Vec<f32> = payload
+            .chunks_exact(4)
+            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+            .collect();
+        let (q_len, kv_len) = (count * heads * n * d, count * kv * n * d);
+        if values.len() != q_len + 2 * kv_len || layer >= spec.n_layers {
+            return Err(ModelError::Input(format!(
+                "the worker sent {} values for layer {layer}, not {}",
+                values.len(),
+                q_len + 2 * kv_len
+            )));
+        }
+        let tensor = |range: std::ops::Range<usize>, heads: usize| {
+            Tensor::from_slice(&values[range], (count, heads, n, d), &Device::Cpu)
+        };
+        let q = tensor(0..q_len, heads)?;
+        let k = tensor(q_len..q_len + kv_len, kv)?;
+        let v = tensor(q_len + kv_len..values.len(), kv)?;
+        let geometry = LayerAttention {
+            layer,
+            n_heads: heads,
+            window: spec.windows.get(layer).copied().unwrap_or(0),
+            scale: self.scale,
+        };
+        let outputs = rows
+            .par_iter_mut()
+            .zip(pasts)
+            .enumerate()
+            .map(|(index, (row, &past))| {
+                let vectors = (q.get(index)?, k.get(index)?, v.get(index)?);
+                attend_cached(row, &geometry, past, vectors)?
+                    .flatten_all()?
+                    .to_vec1::<f32>()
+                    .map_err(ModelError::from)
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(outputs
+            .iter()
+            .flatten()
+            .flat_map(|value| value.to_le_bytes())
+            .collect())
+    }
+
+    /// One forward pass of rows of equal length.
+    fn forward_equal(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let n = rows[0].ids.len();
+        let windowed = self.spec.windows.iter().any(|&w| w > 0);
+        if windowed && rows.iter().any(|r| r.cache.len() != r.cache.next_position) {
+            return Err(ModelError::Mask(
+                "a cache of a model with sliding-window layers must hold every position".into(),
+            ));
+        }
+        let pasts: Vec<usize> = rows.iter().map(|row| row.cache.len()).collect();
+        let request: Vec<Value> = rows
+            .iter()
+            .map(|row| json!({"ids": row.ids, "position": row.cache.next_position}))
+            .collect();
+        let mut worker = self.worker();
+        worker.send(json!({"op": "forward", "rows": request}), &[])?;
+        loop {
+            let (header, payload) = worker.receive()?;
+            match header["op"].as_str() {
+                Some("attend") => {
+                    let layer = header["layer"].as_u64().unwrap_or(u64::MAX) as usize;
+                    match self.attend(rows, &pasts, (layer, n), &payload) {
+                        Ok(bytes) => worker.send(json!({"op": "attended"}), &bytes)?,
+                        Err(err) => {
+                            worker.send(json!({"op": "abort"}), &[])?;
+                            worker.expect("aborted")?;
+                            return Err(err);
+                        }
+                    }
+                }
+                Some("logits") => {
+                    for row in rows.iter_mut() {
+                        row.cache.next_position += n;
+                    }
+                    let vocab = header["vocab"].as_u64().unwrap_or(0) as usize;
+                    return Ok(payload
+                        .chunks_exact(4)
+                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+                        .collect::<Vec<f32>>()
+                        .chunks(vocab.max(1))
+                        .map(<[f32]>::to_vec)
+                        .collect());
+                }
+                _ => return Err(worker.failure(&format!("unexpected frame {header}"))),
+            }
+        }
+    }
+}
+
+impl CausalLm for HfModel {
+    fn spec(&self) -> &ModelSpec {
+        &self.spec
+    }
+
+    fn tokenizer(&self) -> &dyn TextTokenizer {
+        &self.tokenizer
+    }
+
+    /// Rows of equal length run as one batch of the worker's model; rows of different lengths
+    /// one after another.
+    fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        check_rows(rows)?;
+        if rows.iter().all(|row| row.ids.len() == rows[0].ids.len()) {
+            return self.forward_equal(rows);
+        }
+        let mut logits = Vec::with_capacity(rows.len());
+        for row in rows.iter_mut() {
+            logits.extend(self.forward_equal(std::slice::from_mut(row))?);
+        }
+        Ok(logits)
+    }
+}
+
+impl HfTokenizer {
+    /// Asks the worker; a worker that fails gives `None` (the next forward pass names why).
+    fn ask(&self, request: Value, op: &str) -> Option<Value> {
+        let mut worker = self.worker.lock().expect("no holder panicked");
+        worker.send(request, &[]).ok()?;
+        worker.expect(op).ok().map(|(header, _)| header)
+    }
+}
+
+impl TextTokenizer for HfTokenizer {
+    fn encode(&self, text: &str) -> Vec<u32> {
+        self.ask(json!({"op": "encode", "text": text}), "encoded")
+            .and_then(|reply| serde_json::from_value(reply["ids"].clone()).ok())
+            .unwrap_or_default()
+    }
+
+    fn decode(&self, ids: &[u32]) -> String {
+        self.ask(json!({"op": "decode", "ids": ids}), "decoded")
+            .and_then(|reply| reply["text"].as_str().map(str::to_owned))
+            .unwrap_or_default()
+    }
+
+    fn stop_token(&self) -> u32 {
+        self.stop
+    }
+
+    fn bos(&self) -> Option<u32> {
+        self.bos
+    }
+
+    fn template(&self) -> Template {
+        self.template
+    }
+}
+
+/// The Python that runs the worker.
+fn python() -> PathBuf {
+    if let Some(python) = std::env::var_os("KVREPLAY_HF_PYTHON") {
+        return PathBuf::from(python);
+    }
+    let venv = crate::assets::Assets::from_env()
+        .home()
+        .join("hf-venv/bin/python");
+    match venv.is_file() {
+        true => venv,
+        false => PathBuf::from("python3"),
+    }
+}
