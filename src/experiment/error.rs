@@ -28,6 +28,18 @@ pub enum SweepError {
     /// error type's size).
     #[error(transparent)]
     Live(Box<LiveError>),
+    /// A closed-loop run's model tokenizes its recipe otherwise than the trace captured from it.
+    #[error("{recipe}: model `{model}` builds a prompt that differs from the captured trace {trace} at token {position}: recapture the trace with this model (delete it and run `kvreplay sweep`)")]
+    Tokenization {
+        /// The recipe.
+        recipe: PathBuf,
+        /// The model the recipe names.
+        model: String,
+        /// The trace captured from the recipe.
+        trace: PathBuf,
+        /// The first prompt position whose token differs.
+        position: usize,
+    },
     /// Runs are stored for another content of a trace than the one there now.
     #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
     TraceChanged {

@@ -9,7 +9,7 @@ use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture;
 use crate::live::LiveSession;
 use crate::model::CausalLm;
-use crate::recipe::Recipe;
+use crate::recipe::{BuiltPrompt, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
 use crate::trace::TraceReader;
 use std::path::Path;
@@ -67,6 +67,7 @@ pub fn run_sweep(
                 .map(|(_, model)| model.as_ref())
                 .expect("loaded");
             let prompt = capture::build_prompt(entry, model)?;
+            check_same_prompt(entry, &name, &prompt, &trace.path)?;
             Runner::Live(LiveSession::start(
                 model,
                 &prompt,
@@ -96,6 +97,34 @@ pub fn run_sweep(
         }
     }
     Ok((total - skipped, skipped))
+}
+
+/// Fails unless the trace captured from `recipe` starts with the prompt `model` builds from it
+/// now: a closed-loop run measured against another tokenization's trace would compare two
+/// prompts.
+fn check_same_prompt(
+    recipe: &Path,
+    model: &str,
+    prompt: &BuiltPrompt,
+    trace: &Path,
+) -> Result<(), SweepError> {
+    let tokens = TraceReader::open(trace)
+        .and_then(|reader| reader.tokens())
+        .map_err(PolicyError::from)?;
+    let recorded = tokens.iter().map(|&t| t as u32);
+    let first_difference = recorded
+        .zip(&prompt.ids)
+        .position(|(a, &b)| a != b)
+        .or((tokens.len() < prompt.ids.len()).then_some(tokens.len()));
+    match first_difference {
+        None => Ok(()),
+        Some(position) => Err(SweepError::Tokenization {
+            recipe: recipe.to_owned(),
+            model: model.to_owned(),
+            trace: trace.to_owned(),
+            position,
+        }),
+    }
 }
 
 /// The most replayed policies in one pass: their reports (a few hundred KB each at 8K) are what a

@@ -61,6 +61,7 @@ def kvreplay_attention(module, query, key, value, attention_mask, scaling=None, 
         raise Refused("learned attention sinks (s_aux)")
     if (sliding_window or 0) != WINDOWS[module.layer_idx]:
         raise Refused(f"a sliding window at layer {module.layer_idx} that its module does not declare")
+    CALLS.append(module.layer_idx)
     rows, heads, n, dim = query.shape
     vectors = torch.cat([t.detach().float().reshape(-1) for t in (query, key, value)])
     send({"op": "attend", "layer": module.layer_idx, "rows": rows, "n": n}, vectors.cpu().numpy().tobytes())
@@ -122,8 +123,11 @@ def forward(model, header, device):
     rows = header["rows"]
     ids = torch.tensor([row["ids"] for row in rows], device=device)
     positions = torch.tensor([[row["position"] + i for i in range(len(row["ids"]))] for row in rows], device=device)
+    CALLS.clear()
     with torch.no_grad():
         logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits
+    if CALLS != sorted(WINDOWS):
+        raise Refused(f"an attention that does not go through transformers' AttentionInterface (layers {sorted(WINDOWS)} declared, {CALLS} called it)")
     send({"op": "logits", "rows": len(rows), "vocab": logits.shape[-1]}, logits[:, -1].float().cpu().numpy().tobytes())
 
 
@@ -152,6 +156,8 @@ def main():
         refuse_config(model.config)
         for module in attention_modules(model):
             WINDOWS[module.layer_idx] = int(getattr(module, "sliding_window", None) or 0)
+        if not WINDOWS:
+            raise Refused(f"an attention implementation kvreplay cannot hook ({type(model).__name__} has no attention module with `layer_idx` and `scaling`)")
         name = getattr(model.config, "name_or_path", None) or model_id
         send(dict(describe(model, tokenizer, name), op="ready"))
     except Refused as err:
@@ -177,6 +183,7 @@ def main():
 
 
 WINDOWS = {}  # layer -> the attention window its module declares (0: global)
+CALLS = []  # the layers whose attention ran in the current forward pass
 
 if __name__ == "__main__":
     main()

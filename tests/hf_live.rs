@@ -1,0 +1,157 @@
+//! Closed loop on a Hugging Face model (`hf:`, transformers in a worker process, attention by
+//! kvreplay) against the native live mode, on the same GGUF and recipe for both families: the
+//! same prompt, the same kept sets on the two recordings, and closed-loop numbers within the
+//! stated tolerances (KL per step within 1e-3, the same greedy texts and top-1 agreement, live
+//! mass within 1e-3) for six presets, streaming ones included. The Python environment is the one
+//! `tests/hf_capture.rs` uses.
+
+mod common;
+
+use kvreplay::capture::{capture, CaptureOptions};
+use kvreplay::live::{LiveReport, LiveSession};
+use kvreplay::model::{CausalLm, Gemma3, HfModel, Recorder};
+use kvreplay::recipe::{BuiltPrompt, Recipe};
+use kvreplay::replay::{kept_masks, presets, ValidPolicy};
+use kvreplay::trace::{StorageDtype, TraceReader};
+use std::path::Path;
+
+/// Six presets: one-shot at the prompt's end (SnapKV, PyramidKV, AdaKV), evicting while decoding
+/// (H2O, TOVA) and while the prompt runs (StreamingLLM).
+const PRESETS: [&str; 6] = [
+    "snapkv",
+    "pyramidkv",
+    "adakv",
+    "h2o",
+    "tova",
+    "streamingllm",
+];
+const BUDGET: usize = 64;
+/// KL per step, log-probability lost, live and open-loop retained mass: two f32 implementations
+/// of the same model (q, k, v differ by ~3e-5).
+const TOLERANCE: f64 = 1e-3;
+
+/// The GGUF at `gguf` through transformers, in the test's Python environment (the library
+/// finds it as `$KVREPLAY_HF_PYTHON` or `$KVREPLAY_HOME/hf-venv`).
+fn through_transformers(gguf: &Path) -> HfModel {
+    common::torch_python();
+    HfModel::load(&format!("hf:{}", gguf.display())).expect("transformers loads the GGUF")
+}
+
+fn prompt(model: &dyn CausalLm, recipe: &str) -> BuiltPrompt {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("recipe.toml");
+    std::fs::write(&path, recipe).unwrap();
+    let (parsed, base) = Recipe::load(&path).unwrap();
+    let essays = common::real_assets().require_essays().unwrap();
+    parsed.build(model.tokenizer(), &essays, &base).unwrap()
+}
+
+fn recording(model: &dyn CausalLm, prompt: &BuiltPrompt, out: &Path) -> TraceReader {
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk: 512,
+        recipe_name: "test".into(),
+        model_id: "test".into(),
+    };
+    let recorder = Recorder::default();
+    let captured = capture(model, prompt, &options, recorder, &mut |_, _| {}).unwrap();
+    captured.write(out).unwrap();
+    TraceReader::open(out).unwrap()
+}
+
+fn policies() -> Vec<ValidPolicy> {
+    PRESETS
+        .iter()
+        .map(|name| presets::preset(name, BUDGET).unwrap().check().unwrap())
+        .collect()
+}
+
+fn assert_close(what: &str, native: f64, hf: f64) {
+    assert!(
+        (native - hf).abs() < TOLERANCE,
+        "{what}: native {native}, transformers {hf}"
+    );
+}
+
+fn assert_same_run(native: &LiveReport, hf: &LiveReport) {
+    let name = &native.policy;
+    assert_eq!(native.full_text, hf.full_text, "{name}: full text");
+    assert_eq!(native.text, hf.text, "{name}: free-running text");
+    assert_eq!(native.steps.len(), hf.steps.len(), "{name}: steps");
+    for (step, (a, b)) in native.steps.iter().zip(&hf.steps).enumerate() {
+        assert_close(&format!("{name} step {step} KL"), a.kl, b.kl);
+        assert_close(
+            &format!("{name} step {step} lost"),
+            a.logprob_lost,
+            b.logprob_lost,
+        );
+        assert_eq!(a.top1, b.top1, "{name} step {step}: top-1");
+    }
+    assert_close(
+        &format!("{name} live mass"),
+        native.live_retained_mass,
+        hf.live_retained_mass,
+    );
+    let mass = |r: &LiveReport| r.open_loop.metric("retained_mass").unwrap();
+    assert_close(&format!("{name} open-loop mass"), mass(native), mass(hf));
+    assert_eq!(native.answer_score, hf.answer_score, "{name}: answer");
+}
+
+/// Both models build `recipe` alike, keep the same sets on their recordings, and run the presets
+/// live alike.
+fn check_family(native: &dyn CausalLm, gguf: &Path, recipe: &str) {
+    let hf = through_transformers(gguf);
+    let built = prompt(native, recipe);
+    let hf_built = prompt(&hf, recipe);
+    assert_eq!(built.ids, hf_built.ids, "the prompt's tokens");
+    assert_eq!(built.spans, hf_built.spans, "the prompt's spans");
+    let dir = tempfile::tempdir().unwrap();
+    let ours = recording(native, &built, &dir.path().join("native.safetensors"));
+    let theirs = recording(&hf, &built, &dir.path().join("hf.safetensors"));
+    assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
+    let policies = policies();
+    for policy in &policies {
+        let kept = |trace: &TraceReader| kept_masks(trace, policy, false, &|| {}).unwrap().mask;
+        assert_eq!(kept(&ours), kept(&theirs), "{}: kept sets", policy.label());
+    }
+    let native_runs = LiveSession::start(native, &built, 512, dir.path())
+        .unwrap()
+        .run_many(&policies)
+        .unwrap();
+    let hf_runs = LiveSession::start(&hf, &built, 512, dir.path())
+        .unwrap()
+        .run_many(&policies)
+        .unwrap();
+    for (a, b) in native_runs.iter().zip(&hf_runs) {
+        eprintln!(
+            "{}: KL {:.6} vs {:.6}, text {:?}",
+            a.policy, a.kl, b.kl, b.text
+        );
+        assert_same_run(a, b);
+    }
+    // A lossy budget: the comparison is not of two untouched runs.
+    assert!(native_runs.iter().all(|r| r.kl > 0.0));
+}
+
+const NIAH: &str = "kind = \"niah\"\nprompt_tokens = 400\ndepth_percent = 40.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\ngenerate = 10\n";
+
+#[test]
+fn smollm2_through_transformers_runs_live_as_the_native_model() {
+    let gguf = common::real_assets().model_path();
+    check_family(common::real_model(), &gguf, NIAH);
+}
+
+/// Gemma 3: sliding-window layers, a base model's plain template, a prompt longer than the
+/// 512-token window.
+#[test]
+fn gemma3_through_transformers_runs_live_as_the_native_model() {
+    let gguf = common::gemma_path();
+    let model = Gemma3::load(&gguf).unwrap();
+    let recipe = NIAH
+        .replace("prompt_tokens = 400", "prompt_tokens = 700")
+        .replace(
+            "generate = 10",
+            "generate = 8\nanswer_prefix = \"The best thing to do in San Francisco is\"",
+        );
+    check_family(&model, &gguf, &format!("model = \"gemma3-270m\"\n{recipe}"));
+}
