@@ -155,3 +155,102 @@ fn gemma3_through_transformers_runs_live_as_the_native_model() {
         );
     check_family(&model, &gguf, &format!("model = \"gemma3-270m\"\n{recipe}"));
 }
+
+/// A recipe of SmolLM2 through transformers.
+fn hf_recipe(dir: &Path) -> std::path::PathBuf {
+    let gguf = common::real_assets().model_path();
+    common::torch_python();
+    let path = dir.join("niah-hf.toml");
+    std::fs::write(&path, format!("model = \"hf:{}\"\n{NIAH}", gguf.display())).unwrap();
+    path
+}
+
+fn kvreplay(dir: &Path) -> assert_cmd::Command {
+    let mut command = assert_cmd::Command::cargo_bin("kvreplay").unwrap();
+    command.current_dir(dir);
+    command
+}
+
+#[test]
+fn kvreplay_live_and_a_closed_loop_sweep_run_on_a_transformers_model() {
+    let dir = tempfile::tempdir().unwrap();
+    hf_recipe(dir.path());
+    let live = kvreplay(dir.path())
+        .args(["live", "--recipe", "niah-hf.toml", "--budget", "64"])
+        .args(["--format", "csv"])
+        .assert()
+        .success();
+    let table = String::from_utf8(live.get_output().stdout.clone()).unwrap();
+    assert!(table.contains("flat+snapkv@prefill,64,"), "{table}");
+    std::fs::write(
+        dir.path().join("e.toml"),
+        "description = \"hf\"\ntraces = [\"niah-hf.toml\"]\nbudgets = [64]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\n\
+         [[policy]]\nname = \"h2o\"\npreset = \"h2o\"\n",
+    )
+    .unwrap();
+    kvreplay(dir.path())
+        .args(["sweep", "e.toml"])
+        .assert()
+        .success();
+    let csv = std::fs::read_to_string(dir.path().join("results/e/runs.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    // The trace beside the recipe was captured through transformers.
+    let trace = TraceReader::open(&dir.path().join("niah-hf.safetensors")).unwrap();
+    assert!(
+        trace.meta().model.starts_with("hf:"),
+        "{}",
+        trace.meta().model
+    );
+    // A trace whose prompt the recipe's model does not build is refused, naming the position.
+    std::fs::write(
+        dir.path().join("chat-hf.toml"),
+        std::fs::read_to_string(dir.path().join("niah-hf.toml"))
+            .unwrap()
+            .replace("prompt_tokens = 400", "prompt_tokens = 300"),
+    )
+    .unwrap();
+    std::fs::copy(
+        dir.path().join("niah-hf.safetensors"),
+        dir.path().join("chat-hf.safetensors"),
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("f.toml"),
+        "description = \"hf\"\ntraces = [\"chat-hf.toml\"]\nbudgets = [64]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\n",
+    )
+    .unwrap();
+    let refused = kvreplay(dir.path())
+        .args(["sweep", "f.toml"])
+        .assert()
+        .code(2);
+    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    assert!(
+        message.contains("builds a prompt that differs from the captured trace"),
+        "{message}"
+    );
+}
+
+#[test]
+fn a_model_transformers_cannot_load_is_an_error_naming_it() {
+    let dir = tempfile::tempdir().unwrap();
+    common::torch_python();
+    std::fs::write(
+        dir.path().join("r.toml"),
+        format!(
+            "model = \"hf:{}/no-such-model\"\n{NIAH}",
+            dir.path().display()
+        ),
+    )
+    .unwrap();
+    let refused = kvreplay(dir.path())
+        .args(["live", "--recipe", "r.toml"])
+        .assert()
+        .code(2);
+    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    assert!(
+        message.contains("no-such-model`: transformers cannot load it"),
+        "{message}"
+    );
+}
