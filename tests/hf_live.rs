@@ -254,3 +254,10 @@ fn a_model_transformers_cannot_load_is_an_error_naming_it() {
         "{message}"
     );
 }
+
+#[test]
+fn the_shipped_large_model_recipe_names_a_transformers_model() {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/hf/qwen2.5-7b-niah-8k.toml");
+    let (recipe, _) = Recipe::load(&path).unwrap();
+    assert_eq!(recipe.model(), "hf:Qwen/Qwen2.5-7B-Instruct");
+}

@@ -52,9 +52,15 @@ struct HfTokenizer {
 }
 
 impl HfModel {
-    /// Loads `model` (`hf:` and a hub id, a directory, or a `.gguf` file in a directory).
+    /// Loads `model` (`hf:` and a hub id, a directory, or a `.gguf` file in a directory; a leading
+    /// `~/` is the home directory).
     pub fn load(model: &str) -> Result<Self, ModelError> {
         let id = model.strip_prefix(PREFIX).unwrap_or(model);
+        let home = std::env::var("HOME").unwrap_or_default();
+        let id = &match id.strip_prefix("~/") {
+            Some(rest) => format!("{home}/{rest}"),
+            None => id.to_owned(),
+        };
         let (dir, gguf) = match id.strip_suffix(".gguf").and(id.rsplit_once('/')) {
             Some((dir, file)) => (dir, Some(file)),
             None => (id, None),
