@@ -261,3 +261,47 @@ fn the_shipped_large_model_recipe_names_a_transformers_model() {
     let (recipe, _) = Recipe::load(&path).unwrap();
     assert_eq!(recipe.model(), "hf:Qwen/Qwen2.5-7B-Instruct");
 }
+
+/// A tiny random Gemma 2 (attention soft-capping) with SmolLM2's tokenizer, saved in `dir`.
+fn soft_capped_model(dir: &Path) {
+    let gguf = common::real_assets().model_path();
+    let script = format!(
+        "from transformers import AutoTokenizer, Gemma2Config, Gemma2ForCausalLM\n\
+         tok = AutoTokenizer.from_pretrained({:?}, gguf_file={:?})\n\
+         config = Gemma2Config(vocab_size=len(tok), hidden_size=32, intermediate_size=64, \
+         num_hidden_layers=2, num_attention_heads=2, num_key_value_heads=1, head_dim=16, \
+         attn_logit_softcapping=50.0)\n\
+         Gemma2ForCausalLM(config).save_pretrained({:?})\n\
+         tok.save_pretrained({:?})\n",
+        gguf.parent().unwrap(),
+        gguf.file_name().unwrap(),
+        dir,
+        dir
+    );
+    let status = std::process::Command::new(common::torch_python())
+        .args(["-c", &script])
+        .status()
+        .unwrap();
+    assert!(status.success());
+}
+
+#[test]
+fn a_model_kvreplay_cannot_run_faithfully_is_refused_naming_why() {
+    let dir = tempfile::tempdir().unwrap();
+    let model = dir.path().join("gemma2-tiny");
+    soft_capped_model(&model);
+    std::fs::write(
+        dir.path().join("r.toml"),
+        format!("model = \"hf:{}\"\n{NIAH}", model.display()),
+    )
+    .unwrap();
+    let refused = kvreplay(dir.path())
+        .args(["live", "--recipe", "r.toml"])
+        .assert()
+        .code(2);
+    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    assert!(
+        message.contains("gemma2-tiny`: this model uses attention logit soft-capping"),
+        "{message}"
+    );
+}

@@ -26,7 +26,6 @@ use super::causal_lm::{CausalLm, ModelSpec, Row};
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use candle_core::{Device, Tensor};
-use rayon::prelude::*;
 use serde_json::{json, Value};
 use std::path::PathBuf;
 use std::sync::{Arc, Mutex, MutexGuard};
@@ -63,7 +62,7 @@ impl HfModel {
         };
         let (dir, gguf) = match id.strip_suffix(".gguf").and(id.rsplit_once('/')) {
             Some((dir, file)) => (dir, Some(file)),
-            None => (id, None),
+            None => (id.as_str(), None),
         };
         let (worker, ready) = Worker::start(&python(), model, (dir, gguf))?;
         let invalid = |field: &str| worker.failure(&format!("the worker's `{field}` is malformed"));
@@ -118,22 +117,19 @@ impl HfModel {
         self.tokenizer.worker.lock().expect("no holder panicked")
     }
 
-    /// Every row's attention at `layer` from the worker's q, k, v `[rows, heads, n, d]` (f32,
-    /// one after the other): the outputs `[rows, n_heads, n, d]` as bytes.
+    /// `row`'s attention at `layer` from the worker's q, k, v (f32 `[heads, n, d]` one after
+    /// the other; the row's cache held `past` positions before them): the output
+    /// `[n_heads, n, d]` as bytes.
     fn attend(
         &self,
-        rows: &mut [Row<'_, '_>],
-        pasts: &[usize],
-        (layer, n): (usize, usize),
+        row: &mut Row<'_, '_>,
+        (layer, past): (usize, usize),
         payload: &[u8],
     ) -> Result<Vec<u8>, ModelError> {
         let spec = &self.spec;
-        let (count, heads, kv, d) = (rows.len(), spec.n_heads, spec.n_kv_heads, spec.head_dim);
-        let values: Vec<f32> = payload
-            .chunks_exact(4)
-            .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-            .collect();
-        let (q_len, kv_len) = (count * heads * n * d, count * kv * n * d);
+        let (n, heads, kv, d) = (row.ids.len(), spec.n_heads, spec.n_kv_heads, spec.head_dim);
+        let values = floats(payload);
+        let (q_len, kv_len) = (heads * n * d, kv * n * d);
         if values.len() != q_len + 2 * kv_len || layer >= spec.n_layers {
             return Err(ModelError::Input(format!(
                 "the worker sent {} values for layer {layer}, not {}",
@@ -142,7 +138,7 @@ impl HfModel {
             )));
         }
         let tensor = |range: std::ops::Range<usize>, heads: usize| {
-            Tensor::from_slice(&values[range], (count, heads, n, d), &Device::Cpu)
+            Tensor::from_slice(&values[range], (heads, n, d), &Device::Cpu)
         };
         let q = tensor(0..q_len, heads)?;
         let k = tensor(q_len..q_len + kv_len, kv)?;
@@ -153,47 +149,32 @@ impl HfModel {
             window: spec.windows.get(layer).copied().unwrap_or(0),
             scale: self.scale,
         };
-        let outputs = rows
-            .par_iter_mut()
-            .zip(pasts)
-            .enumerate()
-            .map(|(index, (row, &past))| {
-                let vectors = (q.get(index)?, k.get(index)?, v.get(index)?);
-                attend_cached(row, &geometry, past, vectors)?
-                    .flatten_all()?
-                    .to_vec1::<f32>()
-                    .map_err(ModelError::from)
-            })
-            .collect::<Result<Vec<_>, ModelError>>()?;
-        Ok(outputs
+        let output = attend_cached(row, &geometry, past, (q, k, v))?;
+        let output = output.flatten_all()?.to_vec1::<f32>()?;
+        Ok(output
             .iter()
-            .flatten()
             .flat_map(|value| value.to_le_bytes())
             .collect())
     }
 
-    /// One forward pass of rows of equal length.
-    fn forward_equal(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
-        let n = rows[0].ids.len();
+    /// One row's forward pass: the worker runs the model, kvreplay each layer's attention.
+    fn forward_one(&self, row: &mut Row<'_, '_>) -> Result<Vec<f32>, ModelError> {
         let windowed = self.spec.windows.iter().any(|&w| w > 0);
-        if windowed && rows.iter().any(|r| r.cache.len() != r.cache.next_position) {
+        if windowed && row.cache.len() != row.cache.next_position {
             return Err(ModelError::Mask(
                 "a cache of a model with sliding-window layers must hold every position".into(),
             ));
         }
-        let pasts: Vec<usize> = rows.iter().map(|row| row.cache.len()).collect();
-        let request: Vec<Value> = rows
-            .iter()
-            .map(|row| json!({"ids": row.ids, "position": row.cache.next_position}))
-            .collect();
+        let past = row.cache.len();
+        let request = json!({"op": "forward", "ids": row.ids, "position": row.cache.next_position});
         let mut worker = self.worker();
-        worker.send(json!({"op": "forward", "rows": request}), &[])?;
+        worker.send(request, &[])?;
         loop {
             let (header, payload) = worker.receive()?;
             match header["op"].as_str() {
                 Some("attend") => {
                     let layer = header["layer"].as_u64().unwrap_or(u64::MAX) as usize;
-                    match self.attend(rows, &pasts, (layer, n), &payload) {
+                    match self.attend(row, (layer, past), &payload) {
                         Ok(bytes) => worker.send(json!({"op": "attended"}), &bytes)?,
                         Err(err) => {
                             worker.send(json!({"op": "abort"}), &[])?;
@@ -203,17 +184,8 @@ impl HfModel {
                     }
                 }
                 Some("logits") => {
-                    for row in rows.iter_mut() {
-                        row.cache.next_position += n;
-                    }
-                    let vocab = header["vocab"].as_u64().unwrap_or(0) as usize;
-                    return Ok(payload
-                        .chunks_exact(4)
-                        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
-                        .collect::<Vec<f32>>()
-                        .chunks(vocab.max(1))
-                        .map(<[f32]>::to_vec)
-                        .collect());
+                    row.cache.next_position += row.ids.len();
+                    return Ok(floats(&payload));
                 }
                 _ => return Err(worker.failure(&format!("unexpected frame {header}"))),
             }
@@ -230,18 +202,12 @@ impl CausalLm for HfModel {
         &self.tokenizer
     }
 
-    /// Rows of equal length run as one batch of the worker's model; rows of different lengths
-    /// one after another.
+    /// Each row runs its own forward pass of the worker's model: transformers' products are not
+    /// batch-invariant (a row stacked with others is summed in another order), and a row's
+    /// logits must not depend on what it is batched with.
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
         check_rows(rows)?;
-        if rows.iter().all(|row| row.ids.len() == rows[0].ids.len()) {
-            return self.forward_equal(rows);
-        }
-        let mut logits = Vec::with_capacity(rows.len());
-        for row in rows.iter_mut() {
-            logits.extend(self.forward_equal(std::slice::from_mut(row))?);
-        }
-        Ok(logits)
+        rows.iter_mut().map(|row| self.forward_one(row)).collect()
     }
 }
 
@@ -278,6 +244,14 @@ impl TextTokenizer for HfTokenizer {
     fn template(&self) -> Template {
         self.template
     }
+}
+
+/// Little-endian f32 bytes as values.
+fn floats(bytes: &[u8]) -> Vec<f32> {
+    bytes
+        .chunks_exact(4)
+        .map(|b| f32::from_le_bytes([b[0], b[1], b[2], b[3]]))
+        .collect()
 }
 
 /// The Python that runs the worker.

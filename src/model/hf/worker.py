@@ -4,7 +4,7 @@ the KV cache and computes attention itself.
 Started by kvreplay (`src/model/hf/mod.rs`) as `python -c <this file> MODEL [GGUF_FILE]`; speaks
 on stdin/stdout in frames (a 4-byte little-endian length, a JSON header, then `header["bytes"]`
 raw bytes). kvreplay asks for `encode`, `decode` and `forward`; during a forward the registered
-attention function sends each layer's post-rotary q, k, v (f32, `[rows, heads, n, d]`) and
+attention function sends each layer's post-rotary q, k, v (f32, `[heads, n, d]`) and
 receives the attention output kvreplay computed over its own cache with the policy's mask, so the
 model never holds a cache of its own (it runs with `use_cache=False` and explicit positions).
 KVREPLAY_HF_DEVICE (default cpu) and KVREPLAY_HF_DTYPE (f32, bf16 or f16; default f32) choose
@@ -62,13 +62,13 @@ def kvreplay_attention(module, query, key, value, attention_mask, scaling=None, 
     if (sliding_window or 0) != WINDOWS[module.layer_idx]:
         raise Refused(f"a sliding window at layer {module.layer_idx} that its module does not declare")
     CALLS.append(module.layer_idx)
-    rows, heads, n, dim = query.shape
+    _, heads, n, dim = query.shape
     vectors = torch.cat([t.detach().float().reshape(-1) for t in (query, key, value)])
-    send({"op": "attend", "layer": module.layer_idx, "rows": rows, "n": n}, vectors.cpu().numpy().tobytes())
+    send({"op": "attend", "layer": module.layer_idx}, vectors.cpu().numpy().tobytes())
     header, payload = receive()
     if header["op"] != "attended":
         raise Aborted()
-    out = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(rows, heads, n, dim)
+    out = torch.frombuffer(bytearray(payload), dtype=torch.float32).reshape(1, heads, n, dim)
     return out.to(device=query.device, dtype=query.dtype).transpose(1, 2).contiguous(), None
 
 
@@ -118,17 +118,18 @@ def describe(model, tokenizer, name):
 
 
 def forward(model, header, device):
+    """One sequence's forward pass (transformers' products are not batch-invariant, so kvreplay
+    sends its rows one at a time)."""
     import torch
 
-    rows = header["rows"]
-    ids = torch.tensor([row["ids"] for row in rows], device=device)
-    positions = torch.tensor([[row["position"] + i for i in range(len(row["ids"]))] for row in rows], device=device)
+    ids = torch.tensor([header["ids"]], device=device)
+    positions = torch.arange(header["position"], header["position"] + len(header["ids"]), device=device)[None]
     CALLS.clear()
     with torch.no_grad():
         logits = model(input_ids=ids, position_ids=positions, use_cache=False, logits_to_keep=1).logits
     if CALLS != sorted(WINDOWS):
         raise Refused(f"an attention that does not go through transformers' AttentionInterface (layers {sorted(WINDOWS)} declared, {CALLS} called it)")
-    send({"op": "logits", "rows": len(rows), "vocab": logits.shape[-1]}, logits[:, -1].float().cpu().numpy().tobytes())
+    send({"op": "logits"}, logits[0, -1].float().cpu().numpy().tobytes())
 
 
 def main():
