@@ -305,3 +305,44 @@ fn a_model_kvreplay_cannot_run_faithfully_is_refused_naming_why() {
         "{message}"
     );
 }
+
+/// Batched live runs through transformers are the runs one at a time, each with its own
+/// prefill, bit for bit (each row runs its own forward pass in the worker).
+#[test]
+fn batched_hf_runs_are_the_runs_one_at_a_time() {
+    let hf = through_transformers(&common::real_assets().model_path());
+    let built = prompt(&hf, NIAH);
+    let dir = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(&hf, &built, 512, dir.path()).unwrap();
+    let policies: Vec<ValidPolicy> = [
+        "snapkv",
+        "pyramidkv",
+        "adakv",
+        "snapkv-kvpress",
+        "h2o-kvcache-factory",
+        "rkv",
+        "cake",
+        "h2o",
+        "tova",
+        "quest",
+        "oracle",
+        "streamingllm",
+        "h2o-adapted",
+        "pyramidkv-adapted",
+    ]
+    .iter()
+    .map(|name| presets::preset(name, BUDGET).unwrap().check().unwrap())
+    .collect();
+    let batched = session.run_many(&policies).unwrap();
+    let alone = session
+        .run_batched(&policies, kvreplay::live::Batching::ONE_AT_A_TIME)
+        .unwrap();
+    for (a, b) in batched.iter().zip(&alone) {
+        assert_eq!(a.text, b.text, "{}", a.policy);
+        for (step, (x, y)) in a.steps.iter().zip(&b.steps).enumerate() {
+            assert_eq!(x, y, "{} step {step}", a.policy);
+        }
+        assert_eq!(a.live_layers, b.live_layers, "{}", a.policy);
+        assert_eq!(a, b, "{}", a.policy);
+    }
+}
