@@ -314,25 +314,7 @@ fn batched_hf_runs_are_the_runs_one_at_a_time() {
     let built = prompt(&hf, NIAH);
     let dir = tempfile::tempdir().unwrap();
     let session = LiveSession::start(&hf, &built, 512, dir.path()).unwrap();
-    let policies: Vec<ValidPolicy> = [
-        "snapkv",
-        "pyramidkv",
-        "adakv",
-        "snapkv-kvpress",
-        "h2o-kvcache-factory",
-        "rkv",
-        "cake",
-        "h2o",
-        "tova",
-        "quest",
-        "oracle",
-        "streamingllm",
-        "h2o-adapted",
-        "pyramidkv-adapted",
-    ]
-    .iter()
-    .map(|name| presets::preset(name, BUDGET).unwrap().check().unwrap())
-    .collect();
+    let policies = policies();
     let batched = session.run_many(&policies).unwrap();
     let alone = session
         .run_batched(&policies, kvreplay::live::Batching::ONE_AT_A_TIME)

@@ -475,3 +475,63 @@ window = 4
             "every entry of `traces` must be a recipe",
         ));
 }
+
+/// A policy whose error shows only while it runs fails alone: the sweep stores the others, keeps
+/// its error under `failed/` and exits 2 naming it; a sweep run again retries only it.
+#[test]
+fn a_policy_that_fails_while_running_fails_alone() {
+    model();
+    let dir = tempfile::tempdir().unwrap();
+    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
+    std::fs::copy(
+        root.join("traces/capital.toml"),
+        dir.path().join("capital.toml"),
+    )
+    .unwrap();
+    // The chat recipe has no question span, which the question-agnostic cut needs.
+    std::fs::write(
+        dir.path().join("c.toml"),
+        "traces = [\"capital.toml\"]\nbudgets = [8]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\nwindow = 4\n\
+         [[policy]]\nname = \"agnostic\"\npreset = \"snapkv\"\nwindow = 4\n\
+         protocol = \"question-agnostic\"\n",
+    )
+    .unwrap();
+    let sweep = || {
+        assert_cmd::Command::cargo_bin("kvreplay")
+            .unwrap()
+            .current_dir(dir.path())
+            .args(["sweep", "c.toml"])
+            .assert()
+            .code(2)
+    };
+    let failed = sweep();
+    let message = String::from_utf8(failed.get_output().stderr.clone()).unwrap();
+    assert!(
+        message
+            .contains("1 of 2 runs failed (the others are stored); the first: policy `agnostic`"),
+        "{message}"
+    );
+    let results = dir.path().join("results/c");
+    let names = |sub: &str| -> Vec<String> {
+        std::fs::read_dir(results.join(sub))
+            .unwrap()
+            .map(|e| e.unwrap().file_name().to_string_lossy().into_owned())
+            .collect()
+    };
+    let stored = names("runs");
+    assert!(
+        stored.len() == 1 && stored[0].starts_with("snapkv-"),
+        "{stored:?}"
+    );
+    let errors = names("failed");
+    assert!(
+        errors.len() == 1 && errors[0].starts_with("agnostic-"),
+        "{errors:?}"
+    );
+    let error = std::fs::read_to_string(results.join("failed").join(&errors[0])).unwrap();
+    assert!(error.contains("has no `question` span"), "{error}");
+    let again = sweep();
+    let message = String::from_utf8(again.get_output().stderr.clone()).unwrap();
+    assert!(message.contains("1 of 1 runs failed"), "{message}");
+}

@@ -106,10 +106,15 @@ def test_sweeps_run_python_methods(tmp_path, trace_path):
     assert other.runs["retained_mass"][0] == runs["retained_mass"][0]
 
 
-def test_a_failing_python_method_stores_nothing(tmp_path, trace_path):
+def test_a_failing_python_method_fails_alone(tmp_path, trace_path):
     experiment = python_experiment(tmp_path, trace_path)
     broken = {"my-snapkv": lambda cache: 1 / 0, "my-flat": Flat()}
-    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `function` at layer 0, cache 0: raised ZeroDivisionError"):
+    raised = "2 of 6 runs failed .* policy `numpy` .* Python scorer `function` at layer 0, cache 0: raised ZeroDivisionError"
+    with pytest.raises(kvreplay.KvreplayError, match=raised):
         kvreplay.sweep(experiment, results=tmp_path / "results", methods=broken)
-    stored = list((tmp_path / "results" / "python" / "runs").glob("numpy*.json"))
-    assert stored == []
+    runs = tmp_path / "results" / "python"
+    assert list((runs / "runs").glob("numpy*.json")) == []
+    assert len(list((runs / "runs").glob("*.json"))) == 4
+    errors = sorted((runs / "failed").glob("*.txt"))
+    assert [e.name.split("-")[0] for e in errors] == ["numpy", "numpy"]
+    assert "raised ZeroDivisionError" in errors[0].read_text()

@@ -40,6 +40,22 @@ pub enum SweepError {
         /// The first prompt position whose token differs.
         position: usize,
     },
+    /// Some runs failed on their own; the others of the sweep are stored.
+    #[error("{count} of {total} runs failed (the others are stored); the first: policy `{first_name}` on {first_trace}: {first_error}; every failed run's error is in {dir}")]
+    RunsFailed {
+        /// How many failed.
+        count: usize,
+        /// How many the sweep ran.
+        total: usize,
+        /// The first failure's policy.
+        first_name: String,
+        /// Its trace.
+        first_trace: PathBuf,
+        /// Its error.
+        first_error: String,
+        /// Where the errors are kept.
+        dir: PathBuf,
+    },
     /// Runs are stored for another content of a trace than the one there now.
     #[error("{trace}: the trace changed since {count} stored runs were computed on it (sha256 {stored}…, now {now}…): run `kvreplay sweep` to recompute them")]
     TraceChanged {

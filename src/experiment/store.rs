@@ -255,7 +255,6 @@ pub fn claim_results(results: &Path, experiment: &Path) -> Result<(), SweepError
     }
 }
 
-/// Whether run `id` is stored under `results`.
 /// The stored run of policy `name` at `budget` on `trace`, if any.
 pub(crate) fn find_run<'a>(
     runs: &'a [StoredRun],
@@ -267,6 +266,7 @@ pub(crate) fn find_run<'a>(
         .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
 }
 
+/// Whether run `id` is stored under `results`.
 pub(crate) fn is_stored(results: &Path, id: &str) -> bool {
     run_path(results, id).is_file()
 }
@@ -296,7 +296,34 @@ pub(crate) fn store(
         closed_loop,
     );
     let json = serde_json::to_vec(&stored).expect("runs serialise");
-    write_atomically(&run_path(results, &run.id), &json)
+    write_atomically(&run_path(results, &run.id), &json)?;
+    clear_failure(results, &run.id);
+    Ok(())
+}
+
+/// Where the error of failed run `id` is kept.
+fn failure_path(results: &Path, id: &str) -> PathBuf {
+    results.join("failed").join(format!("{id}.txt"))
+}
+
+/// Keeps the error of a run that failed (its policy `name` on `trace`), replacing an earlier one.
+pub(crate) fn record_failure(
+    results: &Path,
+    run: &PlannedRun,
+    error: &str,
+) -> Result<(), SweepError> {
+    let text = format!(
+        "run {}: policy `{}` on {}\n{error}\n",
+        run.id,
+        run.name,
+        run.trace.display()
+    );
+    write_atomically(&failure_path(results, &run.id), text.as_bytes())
+}
+
+/// Forgets the error of run `id` once it has been stored.
+pub(crate) fn clear_failure(results: &Path, id: &str) {
+    let _ = std::fs::remove_file(failure_path(results, id));
 }
 
 /// The stored runs of the experiment's plan, in plan order (missing ones left out). When runs are

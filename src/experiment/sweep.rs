@@ -3,7 +3,7 @@
 //! stored as it finishes.
 
 use super::shard::{plan_shards, Shard};
-use super::store::{is_stored, store, ClosedLoop};
+use super::store::{is_stored, record_failure, store, ClosedLoop};
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture;
@@ -21,7 +21,9 @@ pub type SweepProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 /// each as it finishes; `layer_done` is called after each layer of each pass. A trace's policies
 /// run in batches ([`batches`]) that share each layer's reading and decode attention, and whose
 /// policies with the same scores share one scoring pass. Returns how many runs were run and how
-/// many were already there.
+/// many were already there; when some failed on their own (their errors kept under
+/// `results/failed/`), the others still run and are stored, and the sweep ends with
+/// [`SweepError::RunsFailed`].
 pub fn run_sweep(
     experiment: &Experiment,
     traces: &[TraceFile],
@@ -47,6 +49,7 @@ pub fn run_sweep(
     let mut done = skipped;
     progress(done, total);
     let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
+    let mut failed: Vec<(&PlannedRun, String)> = Vec::new();
     for (entry, trace) in experiment.traces.iter().zip(traces) {
         let of_trace: Vec<&&PlannedRun> =
             pending.iter().filter(|r| r.trace == trace.path).collect();
@@ -88,15 +91,53 @@ pub fn run_sweep(
         };
         for batch in batches(checked, most) {
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
-            for (run, (report, closed_loop)) in runs.iter().zip(runner.run(&policies, layer_done)?)
-            {
-                store(results, run, trace, &report, closed_loop)?;
+            let outcomes = run_alone_on_failure(&runner, &policies, layer_done);
+            for (run, outcome) in runs.iter().zip(outcomes) {
+                match outcome {
+                    Ok((report, closed_loop)) => store(results, run, trace, &report, closed_loop)?,
+                    Err(error) => {
+                        let error = crate::error_text(&error);
+                        record_failure(results, run, &error)?;
+                        failed.push((*run, error));
+                    }
+                }
             }
             done += runs.len();
             progress(done, total);
         }
     }
-    Ok((total - skipped, skipped))
+    match failed.first() {
+        None => Ok((total - skipped, skipped)),
+        Some((run, error)) => Err(SweepError::RunsFailed {
+            count: failed.len(),
+            total: total - skipped,
+            first_name: run.name.clone(),
+            first_trace: run.trace.clone(),
+            first_error: error.clone(),
+            dir: results.join("failed"),
+        }),
+    }
+}
+
+/// Each of `policies`' outcome on `runner`: one pass for them all, or, when that pass fails (a
+/// policy whose error shows only while it runs, such as a Python method that raises), one pass
+/// per policy, so that a failure is its own policy's and the others' outcomes stand.
+fn run_alone_on_failure(
+    runner: &Runner<'_>,
+    policies: &[ValidPolicy],
+    layer_done: LayerDone<'_>,
+) -> Vec<Result<Outcome, SweepError>> {
+    match runner.run(policies, layer_done) {
+        Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
+        Err(error) if policies.len() == 1 => vec![Err(error)],
+        Err(_) => policies
+            .iter()
+            .map(|policy| {
+                let mut outcome = runner.run(std::slice::from_ref(policy), layer_done)?;
+                Ok(outcome.pop().expect("one outcome per policy"))
+            })
+            .collect(),
+    }
 }
 
 /// Fails unless the trace captured from `recipe` starts with the prompt `model` builds from it
@@ -155,6 +196,9 @@ fn batches(
     batches
 }
 
+/// A run's open-loop report, and its closed-loop outcomes when run live.
+type Outcome = (ReplayReport, Option<ClosedLoop>);
+
 /// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
 /// recipe (closed loop). One is held per trace, so the size of the larger does not matter.
 #[allow(clippy::large_enum_variant)]
@@ -169,7 +213,7 @@ impl Runner<'_> {
         &self,
         policies: &[ValidPolicy],
         layer_done: LayerDone<'_>,
-    ) -> Result<Vec<(ReplayReport, Option<ClosedLoop>)>, SweepError> {
+    ) -> Result<Vec<Outcome>, SweepError> {
         Ok(match self {
             Runner::Replay(reader) => replay_many(reader, policies, layer_done)?
                 .into_iter()
