@@ -232,23 +232,23 @@ fn kvreplay_live_and_a_closed_loop_sweep_run_on_a_transformers_model() {
     );
 }
 
+/// `kvreplay live` on the needle recipe run by `model` in `dir`: it exits 2; its stderr.
+fn refused_live(dir: &Path, model: &str) -> String {
+    let recipe = dir.join("r.toml");
+    std::fs::write(&recipe, format!("model = \"{model}\"\n{NIAH}")).unwrap();
+    let refused = kvreplay(dir)
+        .args(["live", "--recipe", "r.toml"])
+        .assert()
+        .code(2);
+    String::from_utf8(refused.get_output().stderr.clone()).unwrap()
+}
+
 #[test]
 fn a_model_transformers_cannot_load_is_an_error_naming_it() {
     let dir = tempfile::tempdir().unwrap();
     common::torch_python();
-    std::fs::write(
-        dir.path().join("r.toml"),
-        format!(
-            "model = \"hf:{}/no-such-model\"\n{NIAH}",
-            dir.path().display()
-        ),
-    )
-    .unwrap();
-    let refused = kvreplay(dir.path())
-        .args(["live", "--recipe", "r.toml"])
-        .assert()
-        .code(2);
-    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    let model = format!("hf:{}/no-such-model", dir.path().display());
+    let message = refused_live(dir.path(), &model);
     assert!(
         message.contains("no-such-model`: transformers cannot load it"),
         "{message}"
@@ -290,16 +290,7 @@ fn a_model_kvreplay_cannot_run_faithfully_is_refused_naming_why() {
     let dir = tempfile::tempdir().unwrap();
     let model = dir.path().join("gemma2-tiny");
     soft_capped_model(&model);
-    std::fs::write(
-        dir.path().join("r.toml"),
-        format!("model = \"hf:{}\"\n{NIAH}", model.display()),
-    )
-    .unwrap();
-    let refused = kvreplay(dir.path())
-        .args(["live", "--recipe", "r.toml"])
-        .assert()
-        .code(2);
-    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    let message = refused_live(dir.path(), &format!("hf:{}", model.display()));
     assert!(
         message.contains("gemma2-tiny`: this model uses attention logit soft-capping"),
         "{message}"

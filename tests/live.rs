@@ -406,9 +406,8 @@ fn masking_evicted_keys_equals_removing_them() {
     );
 }
 
-#[test]
-fn a_closed_loop_sweep_stores_outcomes_and_reports_the_calibration() {
-    model();
+/// A scratch directory holding the shipped chat recipe.
+fn with_capital_recipe() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
     let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
     std::fs::copy(
@@ -416,6 +415,13 @@ fn a_closed_loop_sweep_stores_outcomes_and_reports_the_calibration() {
         dir.path().join("capital.toml"),
     )
     .unwrap();
+    dir
+}
+
+#[test]
+fn a_closed_loop_sweep_stores_outcomes_and_reports_the_calibration() {
+    model();
+    let dir = with_capital_recipe();
     std::fs::write(
         dir.path().join("c.toml"),
         r#"
@@ -481,13 +487,7 @@ window = 4
 #[test]
 fn a_policy_that_fails_while_running_fails_alone() {
     model();
-    let dir = tempfile::tempdir().unwrap();
-    let root = std::path::Path::new(env!("CARGO_MANIFEST_DIR"));
-    std::fs::copy(
-        root.join("traces/capital.toml"),
-        dir.path().join("capital.toml"),
-    )
-    .unwrap();
+    let dir = with_capital_recipe();
     // The chat recipe has no question span, which the question-agnostic cut needs.
     std::fs::write(
         dir.path().join("c.toml"),
