@@ -232,6 +232,14 @@ fn bad_parameters_exit_2_with_the_rule() {
             "head split `adakv`: setting `alpha` = 1.5: must be in [0, 1]",
         ),
         (
+            vec!["--heads", "threshold", "--threshold", "inf"],
+            "head split `threshold`: setting `threshold` = inf: expected f64",
+        ),
+        (
+            vec!["--heads", "threshold", "--scorer", "knorm", "--window", "0"],
+            "head split `threshold` keeps what scores above a threshold, which may be nothing",
+        ),
+        (
             vec!["--allocator", "pyramid-taper", "--beta", "0.5"],
             "steepness must be a finite number >= 1",
         ),

@@ -623,3 +623,45 @@ fn quest_reads_what_its_code_reads() {
     );
     assert!(same * 2 >= total, "{same} of {total}");
 }
+
+/// kvpress's DMSPress over its Knorm press (decoding off), its own prefill hook run on the
+/// trace's keys: the `threshold` head split keeps exactly the positions it leaves unmasked, per
+/// KV head, at thresholds around the keys' median norm.
+#[test]
+fn the_threshold_split_keeps_what_kvpress_dms_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 13, PROMPT, true);
+    let trace = TraceReader::open(&path).unwrap();
+    for threshold in ["-4.0", "-4.6", "-5.2"] {
+        let policy = |budget| {
+            PolicyParams {
+                scorer: "knorm".into(),
+                heads: "threshold".into(),
+                budget,
+                window: 8,
+                sinks: 0,
+                ..PolicyParams::default()
+            }
+            .with("threshold", threshold.parse::<f64>().unwrap())
+        };
+        check_kvpress(
+            &path,
+            "kvpress_package.py",
+            &["dms", threshold, "8"],
+            policy,
+            &[PROMPT],
+        );
+        // Not a trivial case: every layer keeps more than the window and evicts something.
+        let checked = policy(PROMPT).check().unwrap();
+        let budgets = layer_budgets(&trace, &checked).unwrap();
+        for layer in 0..LAYERS {
+            let kept = kept_sets(&trace, &checked, &budgets, layer).unwrap();
+            let total: usize = kept.budgets.iter().sum();
+            assert!(
+                total > 8 * KV_HEADS && total < PROMPT * KV_HEADS,
+                "{threshold}: {total}"
+            );
+        }
+    }
+}

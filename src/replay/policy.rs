@@ -547,6 +547,12 @@ impl ValidPolicy {
                 rule: "shares head budgets from prefill scores: use --timing prefill",
             });
         }
+        if self.heads.needs_protection() && params.protection().tokens() == 0 {
+            return Err(PolicyError::Unsupported {
+                what: format!("head split `{}`", params.heads),
+                rule: "keeps what scores above a threshold, which may be nothing: protect a sliding window or sinks (--window or --sinks at least 1)",
+            });
+        }
         if self.allocator.needs_mass_curves() && params.timing != Timing::Prefill {
             return Err(PolicyError::Unsupported {
                 what: format!("allocator `{}`", params.allocator),

@@ -23,6 +23,10 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
                                         make_filters.py computes them (see `qfilters`)
   observed-attention                    given the prompt's eager attention weights (see
                                         `eager_attentions`)
+  dms THRESHOLD WINDOW                  DMSPress over KnormPress (decoding=False): its own
+                                        forward_hook on the prompt's keys; BUDGET is ignored
+                                        (it keeps what scores at least THRESHOLD, and the
+                                        last WINDOW positions)
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -46,6 +50,7 @@ SETTINGS = {
     "chunkkv": 1,
     "qfilter": 0,
     "observed-attention": 0,
+    "dms": 2,
 }
 
 
@@ -58,10 +63,11 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
-    from kvpress.presses import observed_attention_press
+    from kvpress.presses import dms_press, observed_attention_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
+        DMS=dms_press.DMSPress,
         ExpectedAttention=expected_attention_press.ExpectedAttentionPress,
         KeyDiff=keydiff_press.KeyDiffPress,
         Knorm=knorm_press.KnormPress,
@@ -125,6 +131,23 @@ def hidden_states(module, queries):
     return prerope.transpose(1, 2).reshape(1, t, -1)
 
 
+def dms_kept(ns, settings, module, h, keys, vals):
+    """The positions DMSPress leaves unmasked per KV head after its prefill hook."""
+    threshold, window = settings
+    press = ns.DMS(press=ns.Knorm(), threshold=float(threshold), sliding_window_size=int(window))
+    n = keys.shape[2]
+    layer = types.SimpleNamespace(keys=keys, values=vals)
+    cache = types.SimpleNamespace(layers={module.layer_idx: layer})
+    module.masked_key_indices = None
+    kwargs = {"hidden_states": h, "past_key_values": cache, "cache_position": torch.arange(n)}
+    press.forward_hook(module, [], kwargs, None)
+    masked = module.masked_key_indices or [torch.tensor([], dtype=torch.long)] * 3
+    gone = [set() for _ in range(keys.shape[1])]
+    for head, token in zip(masked[1].tolist(), masked[2].tolist()):
+        gone[head].add(token)
+    return [[p for p in range(n) if p not in gone[head]] for head in range(keys.shape[1])]
+
+
 def make_press(ns, method, settings, budget, n):
     if method == "knorm":
         return ns.Knorm()
@@ -164,11 +187,14 @@ def main():
         for layer, ((q, k), v) in enumerate(zip(layers, values)):
             module = Attention(meta, layer)
             keys, vals = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-            press = make_press(ns, method, settings, budget, n)
+            press = None if method == "dms" else make_press(ns, method, settings, budget, n)
             if filters is not None:
                 press.q_filters = filters  # what post_init_from_model would load from the hub
             h = hidden_states(module, q[:, :, :n])
             with torch.no_grad():
+                if method == "dms":
+                    out.append({"kept": dms_kept(ns, settings, module, h, keys, vals)})
+                    continue
                 if method == "chunkkv":
                     kept_keys, _ = press.compress(module, h, keys, vals, None, {})
                     # The kept rows, found back among the prompt's keys (distinct random rows).

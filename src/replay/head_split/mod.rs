@@ -10,6 +10,7 @@ crate::registry! {
     HeadSplit:
     uniform::Uniform,
     adakv::AdaKv,
+    threshold::Threshold,
 }
 
 /// A way of sharing a layer's budget among its caches.
@@ -20,6 +21,11 @@ pub trait HeadSplit: Send + Sync {
     }
     /// Whether `split` reads the caches' prompt scores (then the policy must be one-shot).
     fn needs_scores(&self) -> bool {
+        false
+    }
+    /// Whether a cache could keep nothing unless the policy protects a position (sinks or
+    /// window): the policy must then protect at least one.
+    fn needs_protection(&self) -> bool {
         false
     }
     /// Each cache's budget, given the layer's `budget`, one score per candidate position per cache
