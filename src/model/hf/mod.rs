@@ -87,7 +87,7 @@ impl HfModel {
         let scale = ready["scale"].as_f64().ok_or(invalid("scale"))?;
         let spec = ModelSpec {
             family: "hf",
-            name: ready["name"].as_str().unwrap_or(id).to_owned(),
+            name: model.to_owned(),
             n_layers: count("n_layers")?,
             n_heads: count("n_heads")?,
             n_kv_heads: count("n_kv_heads")?,

@@ -80,7 +80,7 @@ def attention_modules(model):
     return sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")), key=lambda m: m.layer_idx)
 
 
-def describe(model, tokenizer, name):
+def describe(model, tokenizer):
     """The model's geometry and template, as kvreplay's ModelSpec holds them."""
     config = model.config
     modules = attention_modules(model)
@@ -102,7 +102,6 @@ def describe(model, tokenizer, name):
     elif isinstance(parameters, dict) and parameters.get("rope_type", "default") == "default" and "rope_theta" in parameters:
         rope_theta = parameters["rope_theta"]
     return {
-        "name": name,
         "n_layers": len(modules),
         "n_heads": config.num_attention_heads,
         "n_kv_heads": config.num_key_value_heads,
@@ -159,8 +158,7 @@ def main():
             WINDOWS[module.layer_idx] = int(getattr(module, "sliding_window", None) or 0)
         if not WINDOWS:
             raise Refused(f"an attention implementation kvreplay cannot hook ({type(model).__name__} has no attention module with `layer_idx` and `scaling`)")
-        name = getattr(model.config, "name_or_path", None) or model_id
-        send(dict(describe(model, tokenizer, name), op="ready"))
+        send(dict(describe(model, tokenizer), op="ready"))
     except Refused as err:
         send({"op": "error", "message": f"this model uses {err}, which kvreplay cannot run faithfully yet"})
         return
