@@ -89,7 +89,8 @@ pub enum Recipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct ChatRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
+    /// or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The user's message.
@@ -107,7 +108,8 @@ pub struct ChatRecipe {
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct TextRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
+    /// or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The file, relative to the recipe.

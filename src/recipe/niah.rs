@@ -11,7 +11,8 @@ use std::path::PathBuf;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct NiahRecipe {
-    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
+    /// or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// Target prompt length in tokens, template included.

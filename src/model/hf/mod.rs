@@ -28,7 +28,7 @@ use super::ModelError;
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
 use std::path::PathBuf;
-use std::sync::{Arc, Mutex, MutexGuard};
+use std::sync::{Mutex, MutexGuard};
 use worker::Worker;
 
 /// The prefix of a recipe's `model` that names a Hugging Face model.
@@ -44,7 +44,7 @@ pub struct HfModel {
 
 /// The model's own tokenizer, asked through the worker.
 struct HfTokenizer {
-    worker: Arc<Mutex<Worker>>,
+    worker: Mutex<Worker>,
     template: Template,
     bos: Option<u32>,
     stop: u32,
@@ -54,37 +54,22 @@ impl HfModel {
     /// Loads `model` (`hf:` and a hub id, a directory, or a `.gguf` file in a directory; a leading
     /// `~/` is the home directory).
     pub fn load(model: &str) -> Result<Self, ModelError> {
-        let id = model.strip_prefix(PREFIX).unwrap_or(model);
-        let home = std::env::var("HOME").unwrap_or_default();
-        let id = &match id.strip_prefix("~/") {
-            Some(rest) => format!("{home}/{rest}"),
-            None => id.to_owned(),
-        };
-        let (dir, gguf) = match id.strip_suffix(".gguf").and(id.rsplit_once('/')) {
-            Some((dir, file)) => (dir, Some(file)),
-            None => (id.as_str(), None),
-        };
-        let (worker, ready) = Worker::start(&python(), model, (dir, gguf))?;
-        let invalid = |field: &str| worker.failure(&format!("the worker's `{field}` is malformed"));
+        let (dir, gguf) = location(model);
+        let (worker, ready) = Worker::start(&python(), model, (&dir, gguf.as_deref()))?;
+        let malformed =
+            |field: &str| worker.failure(&format!("the worker's `{field}` is malformed"));
         let count = |field: &str| {
-            ready[field]
-                .as_u64()
-                .map(|v| v as usize)
-                .ok_or(invalid(field))
+            let value = ready[field].as_u64().map(|v| v as usize);
+            value.ok_or_else(|| malformed(field))
         };
-        let floats = |field: &str| -> Vec<f32> {
-            ready[field]
+        let floats = |field: &str| -> Vec<f64> {
+            let values = ready[field]
                 .as_array()
-                .map(|values| {
-                    values
-                        .iter()
-                        .filter_map(Value::as_f64)
-                        .map(|v| v as f32)
-                        .collect()
-                })
-                .unwrap_or_default()
+                .map(Vec::as_slice)
+                .unwrap_or_default();
+            values.iter().filter_map(Value::as_f64).collect()
         };
-        let scale = ready["scale"].as_f64().ok_or(invalid("scale"))?;
+        let scale = ready["scale"].as_f64().ok_or_else(|| malformed("scale"))?;
         let spec = ModelSpec {
             family: "hf",
             name: model.to_owned(),
@@ -94,17 +79,18 @@ impl HfModel {
             head_dim: count("head_dim")?,
             scale: scale as f32,
             rope_theta: ready["rope_theta"].as_f64().map(|v| v as f32),
-            rope_thetas: floats("rope_thetas"),
+            rope_thetas: floats("rope_thetas").iter().map(|&v| v as f32).collect(),
             windows: floats("windows").iter().map(|&w| w as usize).collect(),
         };
+        let stop = ready["stop"].as_u64().ok_or_else(|| malformed("stop"))? as u32;
         let tokenizer = HfTokenizer {
             template: match ready["template"].as_str() {
                 Some("chatml") => Template::ChatMl,
                 _ => Template::Plain,
             },
             bos: ready["bos"].as_u64().map(|id| id as u32),
-            stop: ready["stop"].as_u64().ok_or(invalid("stop"))? as u32,
-            worker: Arc::new(Mutex::new(worker)),
+            stop,
+            worker: Mutex::new(worker),
         };
         Ok(Self {
             spec,
@@ -246,6 +232,20 @@ impl TextTokenizer for HfTokenizer {
     }
 }
 
+/// Where transformers finds `model`: its directory or hub id, and the GGUF file in it if it names
+/// one; `hf:` dropped and a leading `~/` made the home directory.
+fn location(model: &str) -> (String, Option<String>) {
+    let id = model.strip_prefix(PREFIX).unwrap_or(model);
+    let id = match id.strip_prefix("~/") {
+        Some(rest) => format!("{}/{rest}", std::env::var("HOME").unwrap_or_default()),
+        None => id.to_owned(),
+    };
+    match id.strip_suffix(".gguf").and(id.rsplit_once('/')) {
+        Some((dir, file)) => (dir.to_owned(), Some(file.to_owned())),
+        None => (id, None),
+    }
+}
+
 /// Little-endian f32 bytes as values.
 fn floats(bytes: &[u8]) -> Vec<f32> {
     bytes
@@ -265,5 +265,28 @@ fn python() -> PathBuf {
     match venv.is_file() {
         true => venv,
         false => PathBuf::from("python3"),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_model_names_its_directory_and_gguf() {
+        let gguf = |dir: &str, file: &str| (dir.to_owned(), Some(file.to_owned()));
+        assert_eq!(
+            location("hf:Qwen/Qwen2.5-7B-Instruct"),
+            ("Qwen/Qwen2.5-7B-Instruct".to_owned(), None)
+        );
+        assert_eq!(
+            location("hf:/models/smollm2/m.gguf"),
+            gguf("/models/smollm2", "m.gguf")
+        );
+        let home = std::env::var("HOME").unwrap_or_default();
+        assert_eq!(
+            location("hf:~/m/x.gguf"),
+            gguf(&format!("{home}/m"), "x.gguf")
+        );
     }
 }

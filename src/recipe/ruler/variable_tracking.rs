@@ -15,7 +15,8 @@ use serde::Deserialize;
 #[derive(Debug, Clone, PartialEq, Deserialize)]
 #[serde(deny_unknown_fields)]
 pub struct VariableTracking {
-    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`; or `hf:` and a Hugging Face hub id or directory).
+    /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
+    /// or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// Prompt length in tokens, template, example and answer prefix included.
