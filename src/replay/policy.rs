@@ -597,14 +597,19 @@ impl ValidPolicy {
         usize::from(self.allocator.needs_profile() || self.allocator.needs_mass_curves())
     }
 
-    /// A short name, e.g. `pyramid+snapkv@prefill`.
+    /// A short name, e.g. `pyramid+snapkv@prefill`, or `flat/adakv+snapkv@prefill` with a head
+    /// split other than `uniform`.
     pub fn label(&self) -> String {
         let protocol = match self.params.protocol {
             Protocol::QuestionInPrompt => "",
             Protocol::QuestionAgnostic => " question-agnostic",
         };
+        let heads = match self.params.heads == PolicyParams::default().heads {
+            true => String::new(),
+            false => format!("/{}", self.params.heads),
+        };
         format!(
-            "{}+{}@{}{protocol}",
+            "{}{heads}+{}@{}{protocol}",
             self.params.allocator,
             self.params.scorer,
             self.params.timing.name()
