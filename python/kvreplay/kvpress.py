@@ -150,6 +150,9 @@ def policy(press):
       safeguard and no score normalisation (kvpress compares raw scores across heads);
     - ``PyramidKVPress``: the ``pyramid`` allocator with the press's ``beta`` and its
       ``window_size`` as the protected window (its scores are SnapKV's);
+    - ``DMSPress(press, threshold, sliding_window_size)`` (``decoding=False``): the ``threshold``
+      head split with the window as its protected window; pass a budget at or above the prompt's
+      length, since kvreplay's budget caps each cache and DMS has none;
     - ``PerLayerCompressionPress(press, compression_ratios)``: a per-layer budget of
       ``int(prompt_len * (1 - ratio))``, kvpress's own count, as a Python allocator (the trace's
       compressed layers must be the press's layers, one ratio each).
@@ -160,6 +163,11 @@ def policy(press):
     kind = type(press).__name__
     if kind == "AdaKVPress":
         return {**policy(press.press), "heads": "adakv", "alpha": float(press.alpha_safeguard), "normalize": False}
+    if kind == "DMSPress":
+        if press.decoding or press.threshold is None:
+            raise KvreplayError("kvpress:DMSPress replays with a threshold and decoding=False (kvreplay's `threshold` head split); it evicts only at the prompt's end")
+        window = {"window": int(press.sliding_window_size), "sinks": 0}
+        return {**policy(press.press), "heads": "threshold", "threshold": float(press.threshold), **window}
     if kind == "PerLayerCompressionPress":
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
     if hasattr(press, "score") and not hasattr(press, "press"):

@@ -132,6 +132,14 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     kept = kvreplay.kept(trace, budget=64, **policy(per_layer(PRESSES["KnormPress"](), compression_ratios=ratios)))
     assert kept["budgets"] == [int(trace.prompt_len * (1 - r)) for r in ratios]
 
+    dms = importlib.import_module("kvpress.presses.dms_press").DMSPress
+    ours = kvreplay.kept(trace, budget=trace.prompt_len, **policy(dms(PRESSES["KnormPress"](), threshold=-15.0, sliding_window_size=32)))
+    theirs = kvreplay.kept(trace, budget=trace.prompt_len, scorer="knorm", heads="threshold", threshold=-15.0, window=32, sinks=0)
+    assert ours["budgets"] == theirs["budgets"] and np.array_equal(ours["mask"], theirs["mask"])
+    assert 32 < ours["mask"].sum(axis=-1).mean() < trace.prompt_len  # it evicts, and keeps more than its window
+    with pytest.raises(kvreplay.KvreplayError, match="decoding=False"):
+        policy(dms(PRESSES["KnormPress"](), threshold=-15.0, decoding=True))
+
     chunked = importlib.import_module("kvpress.presses.chunk_press").ChunkPress
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
