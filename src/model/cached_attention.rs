@@ -23,6 +23,8 @@ pub(crate) struct LayerAttention {
 
 /// `row`'s attention at `geometry.layer` for its post-rotary q `[n_heads, n, d]`, k and v
 /// `[n_kv_heads, n, d]` (the row's cache held `past` positions before them): `[n_heads, n, d]`.
+/// A sliding-window layer needs a cache that holds every position (one whose entries were
+/// removed, [`KvCache::retain`](super::KvCache::retain), is refused).
 pub(crate) fn attend_cached(
     row: &mut Row<'_, '_>,
     geometry: &LayerAttention,
@@ -35,6 +37,11 @@ pub(crate) fn attend_cached(
         window,
         scale,
     } = *geometry;
+    if window > 0 && past != row.cache.next_position {
+        return Err(ModelError::Mask(
+            "a sliding-window layer masks by position: its cache must hold every position".into(),
+        ));
+    }
     let n = q.dims()[1];
     let total = past + n;
     let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
@@ -65,4 +72,38 @@ pub(crate) fn attend_cached(
         recorder.record_attention(layer, &attention);
     }
     Ok(attention)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::KvCache;
+
+    fn vectors(heads: usize) -> Tensor {
+        Tensor::ones((heads, 1, 2), candle_core::DType::F32, &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_sliding_layer_refuses_a_cache_with_positions_removed() {
+        let mut cache = KvCache::default();
+        for _ in 0..2 {
+            cache.append(0, vectors(1), vectors(1)).unwrap();
+        }
+        cache.next_position = 2;
+        let mut pruned = cache.retain(&[1]).unwrap();
+        let ids = [7];
+        let geometry = |window| LayerAttention {
+            layer: 0,
+            n_heads: 1,
+            window,
+            scale: 1.0,
+        };
+        let mut row = Row::new(&ids, &mut pruned, None);
+        let qkv = || (vectors(1), vectors(1), vectors(1));
+        let refused = attend_cached(&mut row, &geometry(4), 1, qkv());
+        assert!(matches!(refused, Err(ModelError::Mask(_))));
+        // A global layer attends over what is left.
+        let attended = attend_cached(&mut row, &geometry(0), 1, qkv()).unwrap();
+        assert_eq!(attended.dims(), [1, 1, 2]);
+    }
 }

@@ -204,12 +204,6 @@ struct Sequence {
 impl Gemma3 {
     fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
         let (n, past, start) = (row.ids.len(), row.cache.len(), row.cache.next_position);
-        if past != start {
-            return Err(ModelError::Mask(
-                "a Gemma 3 cache must hold every position (its sliding layers mask by position)"
-                    .into(),
-            ));
-        }
         Ok(Sequence {
             past,
             global: rotary_tables(&self.global_inv_freq, start, n)?,
