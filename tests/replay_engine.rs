@@ -103,8 +103,8 @@ fn engine_matches_brute_force_reference() {
                         let expected = metrics::reference_means(
                             &layer,
                             &expected,
-                            gqa == Granularity::QueryHead,
-                            10,
+                            (gqa == Granularity::QueryHead, 10),
+                            None,
                         )
                         .unwrap_or_else(|missing| panic!("{missing}"));
                         let got = &report.layers[index];
@@ -147,6 +147,126 @@ fn engine_matches_brute_force_reference() {
     }
     // Every scorer ran under at least one timing, in four layouts, on both layers of 4 fixtures.
     assert!(compared >= 4 * scorer::REGISTRY.len() * 4 * 2, "{compared}");
+}
+
+/// Every registered quantizer that quantizes, under every timing and two cache layouts, agrees
+/// with the brute-force reference: the kept sets as without it (quantization never chooses), the
+/// caches' contents rebuilt from nothing at each step (`reference::held_by_step`), and every
+/// metric's definition over the cache's own attention (tolerance 1e-5, 1e-4 for the value gap).
+/// At 16 bits each stores the cache as captured: the report is the plain one, bit for bit.
+#[test]
+fn quantized_caches_match_brute_force_reference() {
+    use kvreplay::replay::quantizer;
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let mut compared = 0;
+    for seed in 0..3u64 {
+        let path = dir.path().join(format!("fixture-{seed}.safetensors"));
+        let layers = write_fixture(&path, shape, seed);
+        let trace = TraceReader::open(&path).unwrap();
+        for method in quantizer::REGISTRY.iter().filter(|m| m.name != "none") {
+            for (scorer, timing) in [
+                ("snapkv", Timing::Prefill),
+                ("tova", Timing::Streaming),
+                ("tova", Timing::PrefillThenStream),
+                ("tova", Timing::PerStep),
+                ("tova", Timing::PerStepPrompt),
+            ] {
+                for gqa in [Granularity::KvHead, Granularity::QueryHead] {
+                    let base = PolicyParams {
+                        gqa,
+                        sinks: (seed % 2) as usize,
+                        ..params(scorer, timing, 7 + seed as usize)
+                    };
+                    let quantized = PolicyParams {
+                        quantizer: method.name.into(),
+                        ..base.clone()
+                    }
+                    .with("bits", if seed == 1 { 4 } else { 2 })
+                    .with("group_size", 4)
+                    .with("residual", 4);
+                    let policy = quantized.clone().check().unwrap();
+                    let scheme = policy.scheme().expect("quantizes below 16 bits");
+                    let report = replay(&trace, &policy).unwrap();
+                    let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
+                    let budgets = layer_budgets(&trace, &policy).unwrap();
+                    for (index, (q, k, v)) in layers.iter().enumerate() {
+                        let layer = Layer {
+                            q,
+                            k,
+                            v,
+                            prompt_len: shape.prompt_len,
+                            scale: 0.5,
+                            index,
+                            rope_theta: common::ROPE_THETA as f64,
+                        };
+                        let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
+                        let sets: Vec<Vec<Vec<usize>>> = kept
+                            .kept
+                            .iter()
+                            .map(|unit| {
+                                (0..shape.generated)
+                                    .map(|step| unit.kept_positions(step, shape.prompt_len))
+                                    .collect()
+                            })
+                            .collect();
+                        let held: Vec<Vec<reference::Held>> = kept
+                            .units
+                            .iter()
+                            .zip(&sets)
+                            .map(|(unit, steps)| {
+                                let history: Vec<Vec<usize>> = match timing.reselects() {
+                                    true => (0..shape.generated)
+                                        .map(|step| (0..=shape.prompt_len + step).collect())
+                                        .collect(),
+                                    false => steps.clone(),
+                                };
+                                reference::held_by_step(&layer, unit.kv_head, &scheme, &history)
+                            })
+                            .collect();
+                        let expected = metrics::reference_means(
+                            &layer,
+                            &sets,
+                            (gqa == Granularity::QueryHead, 10),
+                            Some(&held),
+                        )
+                        .unwrap();
+                        let got = &report.layers[index];
+                        for &(id, want) in &expected {
+                            let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
+                            let value = got.metric(id).unwrap();
+                            assert!(
+                                (value - want).abs() < tolerance,
+                                "{} {scorer} {timing:?} {gqa:?} seed {seed} {id}: {value} vs {want}",
+                                method.name
+                            );
+                        }
+                        let quantized_mass = got.metric("retained_mass").unwrap();
+                        let plain_mass = plain.layers[index].metric("retained_mass").unwrap();
+                        assert!(
+                            quantized_mass < plain_mass,
+                            "{} {scorer} {timing:?} {gqa:?} seed {seed}: {quantized_mass} vs {plain_mass}",
+                            method.name
+                        );
+                        assert!(
+                            got.kv_bytes < plain.layers[index].kv_bytes,
+                            "{} {timing:?} {gqa:?} seed {seed}: {} vs {}",
+                            method.name,
+                            got.kv_bytes,
+                            plain.layers[index].kv_bytes
+                        );
+                        compared += 1;
+                    }
+                    let at_16 = quantized.with("bits", 16).check().unwrap();
+                    let unquantized = replay(&trace, &at_16).unwrap();
+                    assert_eq!(unquantized.layers, plain.layers);
+                    assert_eq!(unquantized.metrics, plain.metrics);
+                    assert_eq!(unquantized.kv_bytes, plain.kv_bytes);
+                }
+            }
+        }
+    }
+    assert_eq!(compared, 3 * 2 * 5 * 2 * shape.n_layers);
 }
 
 /// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key

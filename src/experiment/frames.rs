@@ -8,7 +8,7 @@ use polars::prelude::*;
 pub use polars::prelude::{DataFrame, PolarsError};
 
 /// One row per run: id, trace, policy, budget, mean kept, KV entries (`kv_entries[i]` for run
-/// `i`), every registered metric (NaN where it was not measured) and, when every run has them,
+/// `i`), bytes held per layer (NaN for runs stored before they were kept), every registered metric (NaN where it was not measured) and, when every run has them,
 /// the closed-loop columns.
 pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFrame> {
     let text = |name: &str, pick: &dyn Fn(&StoredRun) -> String| {
@@ -26,6 +26,10 @@ pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFr
         ),
         float("mean_kept", runs.iter().map(|r| r.report.mean_kept)),
         float("kv_entries", kv_entries.iter().copied()),
+        float(
+            "kv_bytes",
+            runs.iter().map(|r| r.report.kv_bytes.unwrap_or(f64::NAN)),
+        ),
     ];
     columns.extend(metrics::REGISTRY.iter().map(|metric| {
         float(

@@ -156,6 +156,10 @@ pub struct StoredReport {
     /// mean cache size times the caches).
     #[serde(default)]
     pub kv_entries: Option<f64>,
+    /// Bytes held per layer, mean over every layer and decode steps ([`ReplayReport::kv_bytes`]);
+    /// absent in runs stored before it was kept.
+    #[serde(default)]
+    pub kv_bytes: Option<f64>,
     /// Where the lost mass went, by region and then by when it left (name, mass; mean over
     /// layers); empty for runs stored before it was measured.
     #[serde(default)]
@@ -216,6 +220,7 @@ impl From<&ReplayReport> for StoredReport {
                 .map(|s| (s.name.clone(), s.kept_fraction, s.kept_mass, s.full_mass))
                 .collect(),
             kv_entries: None,
+            kv_bytes: Some(report.kv_bytes),
             lost: report
                 .lost_by_region
                 .iter()

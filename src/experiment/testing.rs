@@ -18,6 +18,7 @@ pub fn closed_run(name: &str, open: [f64; 2], live: Option<[f64; 2]>, kl: f64) -
         samples: BTreeMap::new(),
         spans: Vec::new(),
         kv_entries: None,
+        kv_bytes: None,
         lost: Vec::new(),
     };
     StoredRun {

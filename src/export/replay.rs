@@ -12,13 +12,14 @@ fn fixed(value: f64) -> String {
 
 /// The headers every table shares after its first columns: mean kept per cache, KV entries per
 /// layer that a decode step reads and that the cache holds (one unit for every layout; they
-/// differ for dynamic sparse attention, which reads part of a cache it keeps whole), then each
-/// metric.
+/// differ for dynamic sparse attention, which reads part of a cache it keeps whole), the bytes a
+/// layer's caches hold (at the trace's width, or as a quantizer stores them), then each metric.
 fn metric_headers(first: &[&str]) -> Vec<String> {
     let mut headers: Vec<String> = first.iter().map(|h| h.to_string()).collect();
     headers.push("mean kept".into());
     headers.push("KV read/layer".into());
     headers.push("KV held/layer".into());
+    headers.push("KiB/layer".into());
     headers.extend(REGISTRY.iter().map(|metric| metric.title().to_string()));
     headers
 }
@@ -26,13 +27,14 @@ fn metric_headers(first: &[&str]) -> Vec<String> {
 /// The cells of those columns: `n/a` for a metric not measured.
 fn metric_cells(
     mean_kept: f64,
-    (read, held): (f64, f64),
+    (read, held, bytes): (f64, f64, f64),
     metrics: &BTreeMap<String, f64>,
 ) -> Vec<String> {
     let mut cells = vec![
         format!("{mean_kept:.1}"),
         format!("{read:.1}"),
         format!("{held:.1}"),
+        format!("{:.1}", bytes / 1024.0),
     ];
     cells.extend(
         REGISTRY
@@ -58,7 +60,7 @@ pub fn summary_table(reports: &[ReplayReport]) -> Table {
         let mut row = vec![report.policy.clone(), report.nominal_budget.to_string()];
         row.extend(metric_cells(
             report.mean_kept,
-            (report.kv_entries, report.held_entries),
+            (report.kv_entries, report.held_entries, report.kv_bytes),
             &report.metrics,
         ));
         for span in &report.spans {
@@ -77,7 +79,7 @@ pub fn layer_table(report: &ReplayReport) -> Table {
         let mut row = vec![layer.layer.to_string(), layer.budget.to_string()];
         row.extend(metric_cells(
             layer.mean_kept,
-            (layer.kv_entries, layer.held_entries),
+            (layer.kv_entries, layer.held_entries, layer.kv_bytes),
             &layer.metrics,
         ));
         table.push(row);

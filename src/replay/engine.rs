@@ -67,7 +67,9 @@ pub struct ReplayReport {
     /// KV entries held per layer, mean over layers and decode steps: `kv_entries` for policies
     /// that evict; the whole cache for re-selecting timings, which read `kv_entries` of it.
     pub held_entries: f64,
-    /// The same in bytes at the trace's dtype: `kv_entries * 2 * head_dim * element bytes`.
+    /// Bytes held per layer, mean over layers and decode steps: `held_entries * 2 * head_dim *
+    /// element bytes` at the trace's dtype, or with a quantizer the mean of the layers' bytes as
+    /// it stores them ([`LayerReport::kv_bytes`]).
     pub kv_bytes: f64,
     /// Span survival, mean over layers.
     pub spans: Vec<SpanReport>,
@@ -237,8 +239,14 @@ fn measure_pass(
         let plan = plans
             .entry(here.clone())
             .or_insert_with(|| Plan::new(&layer_policies));
-        let (reports, whole_layer) =
-            measure_layer(&context, plan, &layer_policies, &layer_budgets, &meta.spans);
+        let (reports, whole_layer) = measure_layer(
+            &context,
+            plan,
+            &layer_policies,
+            &layer_budgets,
+            &meta.spans,
+            trace.element_bytes(),
+        );
         for (&index, report) in here.iter().zip(reports) {
             per_policy[index].push(report);
         }
@@ -272,6 +280,7 @@ fn measure_layer(
     policies: &[&ValidPolicy],
     budgets: &[usize],
     spans: &[Span],
+    width: usize,
 ) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
     let scores = score_prompts(layer, plan, policies, &units);
@@ -285,6 +294,7 @@ fn measure_layer(
         spans,
         units: &units,
         whole_layer: &whole_layer,
+        width,
     };
     let accumulators = match plan.single {
         true => pass.measure_alone(),
@@ -371,6 +381,8 @@ struct LayerPass<'a, 'l> {
     spans: &'a [Span],
     units: &'a [Vec<Unit>],
     whole_layer: &'a [Option<Kept>],
+    /// Bytes of one element at the trace's width.
+    width: usize,
 }
 
 /// Caches of one KV group with their kept sets and budgets.
@@ -427,6 +439,9 @@ impl LayerPass<'_, '_> {
             spans: self.spans,
             top_k: params.top_k,
             dating: Dating::of(params.timing),
+            scheme: self.policies[index].scheme(),
+            reselects: params.timing.reselects(),
+            width: self.width,
         };
         kept.iter()
             .map(|(unit, unit_kept, budget)| {
@@ -695,6 +710,11 @@ fn layer_budgets_with_progress(
         )));
     }
     policy.scorer.check_trace(meta).map_err(mismatch)?;
+    if let Some(scheme) = policy.scheme() {
+        scheme
+            .check_head_dim(meta.head_dim)
+            .map_err(|rule| mismatch(format!("quantizer `{}`: {rule}", params.quantizer)))?;
+    }
     if compressed.is_empty() {
         return Err(mismatch(
             "every layer of the trace attends through a sliding window (`layer_windows`): there is no global layer for a budget to compress".into(),
@@ -754,6 +774,12 @@ fn summarise(
             layer.held_entries = window_entries(trace, meta.window(layer.layer));
         }
     }
+    let entry_bytes = (2 * meta.head_dim * trace.element_bytes()) as f64;
+    if policy.scheme().is_none() {
+        for layer in layers.iter_mut() {
+            layer.kv_bytes = layer.held_entries * entry_bytes;
+        }
+    }
     let n = layers.len() as f64;
     let mean = |f: &dyn Fn(&LayerReport) -> f64| layers.iter().map(f).sum::<f64>() / n;
     let spans = trace
@@ -768,7 +794,12 @@ fn summarise(
             full_mass: mean(&|l| l.spans[index].full_mass),
         })
         .collect();
-    let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries);
+    let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries, 1.0);
+    let held_entries = entries_with_windows(trace, &layers, |l| l.held_entries, 1.0);
+    let kv_bytes = match policy.scheme() {
+        None => held_entries * entry_bytes,
+        Some(_) => entries_with_windows(trace, &layers, |l| l.kv_bytes, entry_bytes),
+    };
     let mean_shares = |shares: &dyn Fn(&LayerReport) -> &Vec<LostShare>| -> Vec<LostShare> {
         shares(&layers[0])
             .iter()
@@ -793,8 +824,8 @@ fn summarise(
             .collect(),
         mean_kept: mean(&|l| l.mean_kept),
         kv_entries,
-        held_entries: entries_with_windows(trace, &layers, |l| l.held_entries),
-        kv_bytes: kv_entries * (2 * trace.meta().head_dim * trace.element_bytes()) as f64,
+        held_entries,
+        kv_bytes,
         spans,
         lost_by_region,
         lost_by_when,
@@ -802,18 +833,19 @@ fn summarise(
     }
 }
 
-/// KV entries per layer, mean over every layer of the model and decode steps: `entries` of the
-/// compressed layers' caches, and each sliding-window layer the policy leaves alone at its own
-/// window, which the model holds and reads whatever the policy.
+/// KV entries (or bytes) per layer, mean over every layer of the model and decode steps: `entries`
+/// of the compressed layers' caches, and each sliding-window layer the policy leaves alone at its
+/// own window, which the model holds and reads whatever the policy, `per_entry` each.
 fn entries_with_windows(
     trace: &TraceReader,
     compressed: &[LayerReport],
     entries: impl Fn(&LayerReport) -> f64,
+    per_entry: f64,
 ) -> f64 {
     let meta = trace.meta();
     let left_alone: f64 = (0..meta.n_layers)
         .filter(|&layer| !compressed.iter().any(|report| report.layer == layer))
-        .map(|layer| window_entries(trace, meta.window(layer)))
+        .map(|layer| window_entries(trace, meta.window(layer)) * per_entry)
         .sum();
     let held: f64 = compressed.iter().map(entries).sum();
     (held + left_alone) / meta.n_layers as f64

@@ -1,6 +1,7 @@
 //! The replay engine: a policy (an [`allocator`] deciding how many tokens each layer keeps, a
 //! [`head_split`] sharing a layer's budget among its caches, a [`scorer`] deciding which tokens,
-//! and a [`Timing`] deciding when) is run over a trace, and [`metrics`] measure what the kept sets
+//! a [`Timing`] deciding when, and a [`quantizer`] deciding how the kept entries are stored) is
+//! run over a trace, and [`metrics`] measure what the kept sets
 //! cost the full cache's attention. Each axis is a registry of methods that declare their own
 //! settings ([`settings`]).
 //!
@@ -25,6 +26,7 @@ mod policy;
 pub mod presets;
 mod profile;
 mod protection;
+pub mod quantizer;
 pub mod reference;
 pub mod scorer;
 mod select;

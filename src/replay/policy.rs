@@ -3,6 +3,7 @@
 
 use super::allocator::{self, Allocator};
 use super::head_split::{self, HeadSplit};
+use super::quantizer::{self, Quantizer, Scheme};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
 use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing};
@@ -47,9 +48,19 @@ pub struct PolicyParams {
     pub protocol: Protocol,
     /// k of the top-k recall metric.
     pub top_k: usize,
+    /// Quantizer name (registry key): how the kept keys and values are stored. Left out of the
+    /// serialised form when it is the default (`none`), so that run ids computed before it
+    /// existed still name the same runs.
+    #[serde(skip_serializing_if = "is_unquantized")]
+    pub quantizer: String,
     /// The chosen methods' own settings (each method's declared parameters), by key.
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
+}
+
+/// Whether `quantizer` names the default, the cache as captured.
+fn is_unquantized(quantizer: &str) -> bool {
+    quantizer == "none"
 }
 
 /// A setting every policy has, beside its methods' own: its key (a field of [`PolicyParams`], a
@@ -158,6 +169,12 @@ pub const COMMON: &[Common] = &[
         values: Vec::new,
         fixed: true,
     },
+    Common {
+        key: "quantizer",
+        about: "How the kept keys and values are stored",
+        values: || registered(quantizer::REGISTRY),
+        fixed: false,
+    },
 ];
 
 /// The keys of [`COMMON`].
@@ -180,6 +197,7 @@ impl Default for PolicyParams {
             layers: Layers::Global,
             protocol: Protocol::QuestionInPrompt,
             top_k: 10,
+            quantizer: "none".into(),
             settings: BTreeMap::new(),
         }
     }
@@ -210,6 +228,7 @@ impl PolicyParams {
         values.insert("order".into(), Value::from(self.order.name()));
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
+        values.insert("quantizer".into(), Value::from(self.quantizer.as_str()));
         values
     }
 
@@ -229,6 +248,12 @@ impl PolicyParams {
             version(
                 "heads",
                 settings::find(head_split::REGISTRY, &self.heads).map(|m| m.version),
+            ),
+            version(
+                "quantizer",
+                settings::find(quantizer::REGISTRY, &self.quantizer)
+                    .filter(|_| !is_unquantized(&self.quantizer))
+                    .map(|m| m.version),
             ),
         ]
         .into_iter()
@@ -350,6 +375,7 @@ pub struct ValidPolicy {
     pub(crate) allocator: Box<dyn Allocator>,
     pub(crate) scorer: Box<dyn Scorer>,
     pub(crate) heads: Box<dyn HeadSplit>,
+    quantizer: Box<dyn Quantizer>,
 }
 
 impl std::fmt::Debug for ValidPolicy {
@@ -409,6 +435,7 @@ impl PolicyParams {
             Some(_) => None,
         };
         let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
+        let quantizer = lookup("quantizer", quantizer::REGISTRY, &self.quantizer)?;
         let given: Map<String, Value> = self.settings.clone().into_iter().collect();
         let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
         let allocator_takes = |key: &str| {
@@ -417,15 +444,19 @@ impl PolicyParams {
                 .is_some_and(|a| a.method.takes(key))
         };
         for key in given.keys() {
-            let taken = allocator_takes(key) || scorer_takes(key) || heads.method.takes(key);
+            let taken = allocator_takes(key)
+                || scorer_takes(key)
+                || heads.method.takes(key)
+                || quantizer.method.takes(key);
             if !taken {
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
                     chosen: format!(
-                        "{}, {} or {}",
+                        "{}, {}, {} or {}",
                         described(registered_allocator.as_ref(), "allocator", &self.allocator),
                         described(registered.as_ref(), "scorer", &self.scorer),
                         described(Some(&heads), "head split", &self.heads),
+                        described(Some(&quantizer), "quantizer", &self.quantizer),
                     ),
                     owners: owners(key),
                 });
@@ -448,6 +479,7 @@ impl PolicyParams {
             resolved(registered_allocator.as_ref(), &given),
             scorer_settings,
             heads.method.resolve(&given),
+            quantizer.method.resolve(&given),
         ] {
             settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
@@ -466,6 +498,7 @@ impl PolicyParams {
             allocator,
             scorer,
             heads: build(&heads, &given)?,
+            quantizer: build(&quantizer, &given)?,
             settings,
             score_key,
             params: self,
@@ -493,6 +526,7 @@ pub fn all_methods() -> Vec<Described> {
     let mut methods = settings::describe("allocator", allocator::REGISTRY);
     methods.extend(settings::describe("scorer", scorer::REGISTRY));
     methods.extend(settings::describe("head split", head_split::REGISTRY));
+    methods.extend(settings::describe("quantizer", quantizer::REGISTRY));
     methods
 }
 
@@ -597,8 +631,8 @@ impl ValidPolicy {
         usize::from(self.allocator.needs_profile() || self.allocator.needs_mass_curves())
     }
 
-    /// A short name, e.g. `pyramid+snapkv@prefill`, or `flat/adakv+snapkv@prefill` with a head
-    /// split other than `uniform`.
+    /// A short name, e.g. `pyramid+snapkv@prefill`, `flat/adakv+snapkv@prefill` with a head
+    /// split other than `uniform`, `flat+snapkv@prefill kivi 2-bit` with a quantizer.
     pub fn label(&self) -> String {
         let protocol = match self.params.protocol {
             Protocol::QuestionInPrompt => "",
@@ -608,12 +642,21 @@ impl ValidPolicy {
             true => String::new(),
             false => format!("/{}", self.params.heads),
         };
+        let quantized = match self.scheme() {
+            Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),
+            None => String::new(),
+        };
         format!(
-            "{}{heads}+{}@{}{protocol}",
+            "{}{heads}+{}@{}{protocol}{quantized}",
             self.params.allocator,
             self.params.scorer,
             self.params.timing.name()
         )
+    }
+
+    /// How its caches store their entries: `None` for the cache as captured.
+    pub fn scheme(&self) -> Option<Scheme> {
+        self.quantizer.scheme()
     }
 
     /// Every setting it runs with, as text in a stable order: the common ones and each chosen
@@ -635,6 +678,7 @@ mod tests {
             order: Order::AttendFirst,
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
+            quantizer: "kivi".into(),
             ..PolicyParams::default()
         };
         let Value::Object(fields) = serde_json::to_value(&params).unwrap() else {

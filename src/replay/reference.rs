@@ -8,6 +8,7 @@
 //! [`Scorer::reference`](super::scorer::Scorer::reference): a registered scorer without one fails
 //! the conformance test, naming it.
 
+use super::quantizer::{quantize_group, Grouping, Scheme};
 use super::{Aggregation, Timing};
 use ndarray::Array3;
 use serde_json::Value;
@@ -530,7 +531,9 @@ pub struct Sample<'a> {
     layer: &'a Layer<'a>,
     kv: usize,
     kept: &'a [usize],
+    query: Vec<f64>,
     weights: Vec<f64>,
+    held: Option<&'a Held>,
     /// k of the top-k recall.
     pub top_k: usize,
 }
@@ -546,14 +549,82 @@ impl<'a> Sample<'a> {
         top_k: usize,
     ) -> Self {
         let visible: Vec<usize> = (0..=at).collect();
-        let weights = layer.attention(&layer.query(head, at), kv, &visible);
+        let query = layer.query(head, at);
+        let weights = layer.attention(&query, kv, &visible);
         Self {
             layer,
             kv,
             kept,
+            query,
             weights,
+            held: None,
             top_k,
         }
+    }
+
+    /// The same sample over a quantized cache holding `held`.
+    pub fn over(self, held: &'a Held) -> Self {
+        Self {
+            held: Some(held),
+            ..self
+        }
+    }
+
+    /// Whether the cache is quantized.
+    pub fn is_quantized(&self) -> bool {
+        self.held.is_some()
+    }
+
+    /// The cache's own attention over the kept positions, in kept order: the full weights
+    /// renormalised over them, or over a quantized cache the softmax against the keys it holds.
+    pub fn cache_weights(&self) -> Vec<f64> {
+        match self.held {
+            None => {
+                let total: f64 = self.kept.iter().map(|&j| self.weights[j]).sum();
+                self.kept.iter().map(|&j| self.weights[j] / total).collect()
+            }
+            Some(held) => {
+                let logits: Vec<f64> = self
+                    .kept
+                    .iter()
+                    .map(|&j| dot(&self.query, &held.keys[j]) * self.layer.scale)
+                    .collect();
+                softmax(&logits)
+            }
+        }
+    }
+
+    /// Per kept position, `min(p_j, m·p̂_j)` with `m` the kept full mass: the kept mass the
+    /// cache's attention, scaled to that share, still puts where the full attention does.
+    pub fn shared_weights(&self) -> Vec<f64> {
+        let cache = self.cache_weights();
+        let m: f64 = self.kept.iter().map(|&j| self.weights[j]).sum();
+        self.kept
+            .iter()
+            .zip(cache)
+            .map(|(&j, w)| self.weights[j].min(m * w))
+            .collect()
+    }
+
+    /// `Σ_kept min(p_j, m·p̂_j)`.
+    pub fn shared_mass(&self) -> f64 {
+        self.shared_weights().iter().sum()
+    }
+
+    /// The cache's attention output, `Σ_kept p̂_j v̂_j`, from the values it holds.
+    pub fn cache_output(&self) -> Vec<f64> {
+        let d = self.layer.v.shape()[2];
+        let mut output = vec![0.0; d];
+        for (&j, w) in self.kept.iter().zip(self.cache_weights()) {
+            let value = match self.held {
+                Some(held) => held.values[j].clone(),
+                None => self.value(j),
+            };
+            for (out, v) in output.iter_mut().zip(value) {
+                *out += w * v;
+            }
+        }
+        output
     }
 
     /// The kept positions.
@@ -603,6 +674,96 @@ impl<'a> Sample<'a> {
                     .sum()
             })
             .collect()
+    }
+}
+
+/// The keys and values a quantized cache holds at one decode step, by position (a position it
+/// never held reads as captured).
+pub struct Held {
+    /// Keys, `[T][d]`.
+    pub keys: Vec<Vec<f64>>,
+    /// Values, `[T][d]`.
+    pub values: Vec<Vec<f64>>,
+}
+
+/// What a cache of `scheme` over KV head `kv` holds at each decode step, given the positions it
+/// held at each step (`held[s]` ascending; step `s`'s new token is `prompt_len + s`), rebuilt from
+/// an empty cache at every step. The rule, from KIVI's description: at each step the entries no
+/// longer held leave, the others new to the cache arrive (the kept prompt at the cut), every
+/// token older than the newest `residual` full-precision ones is quantized on its own
+/// (per-token), or the oldest `residual` full-precision entries are quantized per channel in
+/// groups of `group_size` whenever that many have gathered (per-channel); then the step's own
+/// token arrives at full precision.
+pub fn held_by_step(layer: &Layer, kv: usize, scheme: &Scheme, held: &[Vec<usize>]) -> Vec<Held> {
+    (0..held.len())
+        .map(|step| {
+            let mut keys: Vec<Vec<f32>> = (0..layer.t())
+                .map(|j| (0..layer.head_dim()).map(|x| layer.k[[kv, j, x]]).collect())
+                .collect();
+            let mut values: Vec<Vec<f32>> = (0..layer.t())
+                .map(|j| {
+                    (0..layer.v.shape()[2])
+                        .map(|x| layer.v[[kv, j, x]])
+                        .collect()
+                })
+                .collect();
+            let (mut key_full, mut value_full) = (Vec::new(), Vec::new());
+            let mut before: Vec<usize> = Vec::new();
+            for (s, now) in held.iter().enumerate().take(step + 1) {
+                let newest = layer.prompt_len + s;
+                key_full.retain(|j| now.contains(j));
+                value_full.retain(|j| now.contains(j));
+                for &j in now.iter().filter(|j| !before.contains(j) && **j != newest) {
+                    key_full.push(j);
+                    value_full.push(j);
+                }
+                settle(&mut keys, &mut key_full, scheme.keys, scheme);
+                settle(&mut values, &mut value_full, scheme.values, scheme);
+                if now.contains(&newest) && !before.contains(&newest) {
+                    key_full.push(newest);
+                    value_full.push(newest);
+                }
+                before = now.clone();
+            }
+            let wide = |rows: Vec<Vec<f32>>| -> Vec<Vec<f64>> {
+                rows.into_iter()
+                    .map(|row| row.into_iter().map(f64::from).collect())
+                    .collect()
+            };
+            Held {
+                keys: wide(keys),
+                values: wide(values),
+            }
+        })
+        .collect()
+}
+
+/// Quantizes what `scheme` says is due among the full-precision entries `full` (oldest first).
+fn settle(vectors: &mut [Vec<f32>], full: &mut Vec<usize>, grouping: Grouping, scheme: &Scheme) {
+    let (g, r) = (scheme.group_size, scheme.residual);
+    match grouping {
+        Grouping::PerToken => {
+            while full.len() > r {
+                let j = full.remove(0);
+                for group in vectors[j].chunks_mut(g) {
+                    quantize_group(group, scheme.bits);
+                }
+            }
+        }
+        Grouping::PerChannel => {
+            while full.len() >= r {
+                let block: Vec<usize> = full.drain(..r).collect();
+                for members in block.chunks(g) {
+                    for x in 0..vectors[members[0]].len() {
+                        let mut column: Vec<f32> = members.iter().map(|&j| vectors[j][x]).collect();
+                        quantize_group(&mut column, scheme.bits);
+                        for (&j, value) in members.iter().zip(column) {
+                            vectors[j][x] = value;
+                        }
+                    }
+                }
+            }
+        }
     }
 }
 

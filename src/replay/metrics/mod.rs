@@ -18,6 +18,7 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
+use super::quantizer::{QuantizedCache, Scheme};
 use super::reference;
 use super::select::ranked_head;
 use super::{LayerContext, Unit, UnitKept};
@@ -44,8 +45,10 @@ mod kept_output;
 pub mod lost;
 mod mass_sum;
 mod nested;
+mod policy_attention;
 
 pub use nested::{nested_shares, CacheShares, KeptShare};
+pub use policy_attention::PolicyAttention;
 
 metrics! {
     retained_mass::RetainedMass,
@@ -57,13 +60,14 @@ metrics! {
 
 /// The means of every registered metric over a layer's (query head, decode step) samples under
 /// the kept sets `kept` (per cache, per decode step), by metric id, each sample computed from the
-/// metric's brute-force definition ([`Metric::reference`]). A metric without one is an error
-/// naming it.
+/// metric's brute-force definition ([`Metric::reference`]); `held`, for a quantized cache, is what
+/// each cache holds at each step ([`reference::held_by_step`]). A metric without a definition is
+/// an error naming it.
 pub fn reference_means(
     layer: &reference::Layer,
     kept: &[Vec<Vec<usize>>],
-    per_query_head: bool,
-    top_k: usize,
+    (per_query_head, top_k): (bool, usize),
+    held: Option<&[Vec<reference::Held>]>,
 ) -> Result<Vec<(&'static str, f64)>, String> {
     let n = layer.prompt_len;
     let registry = REGISTRY;
@@ -74,6 +78,10 @@ pub fn reference_means(
         let unit = if per_query_head { head } else { kv };
         for at in n..layer.t() {
             let sample = reference::Sample::new(layer, head, kv, at, &kept[unit][at - n], top_k);
+            let sample = match held {
+                Some(held) => sample.over(&held[unit][at - n]),
+                None => sample,
+            };
             for (sum, metric) in sums.iter_mut().zip(registry) {
                 *sum += metric.reference(&sample).ok_or_else(|| {
                     format!("metric `{}` has no brute-force reference", metric.id())
@@ -140,6 +148,36 @@ pub struct Sample<'a> {
     pub full_value_mass: Option<f64>,
     /// `sum_j p_j` over the full cache in f64 (1 up to the weights' rounding).
     pub total_mass: f64,
+    /// The query's own attention over a cache that stores its entries otherwise than captured (a
+    /// quantizer); `None` for a cache that only evicts, whose attention is the full one
+    /// renormalised over the kept positions.
+    pub policy: Option<&'a PolicyAttention>,
+}
+
+impl<'a> Sample<'a> {
+    /// The kept full-attention mass the cache's attention still puts where the full one does,
+    /// `Σ_kept min(p_j, m·p̂_j)` with `m = Σ_kept p_j`: the kept mass `m` for a cache that only
+    /// evicts (there `m·p̂_j = p_j`), one minus the total-variation distance between `p` and `p̂`
+    /// for one that only quantizes (`m = 1`), and below `m` where quantization moves the kept
+    /// weights.
+    pub fn retained(&self) -> f64 {
+        match self.policy {
+            None => self.kept_mass,
+            Some(_) => self.shared().map(|(_, shared)| shared).sum(),
+        }
+    }
+
+    /// Per kept position `j`, `min(p_j, m·p̂_j)` (`p_j` where the cache only evicts).
+    pub fn shared(&self) -> impl Iterator<Item = (usize, f64)> + use<'_, 'a> {
+        let m = self.kept_mass;
+        self.kept.iter().enumerate().map(move |(i, &j)| {
+            let p = self.weights[j] as f64;
+            match self.policy {
+                None => (j, p),
+                Some(policy) => (j, p.min(m * policy.weights[i])),
+            }
+        })
+    }
 }
 
 /// Span survival, averaged over heads and decode steps.
@@ -177,6 +215,10 @@ pub struct LayerReport {
     /// evicts nothing and reads `kv_entries` of the cache at each step, the whole cache, one
     /// entry per position and KV head.
     pub held_entries: f64,
+    /// Bytes the layer's caches hold, mean over decode steps: `held_entries` keys and values at
+    /// the trace's width, or as a quantizer stores them (integers at their bits, a scale and a
+    /// minimum per group at the trace's width, the full-precision window).
+    pub kv_bytes: f64,
     /// Each metric's mean over query heads (of its mean over decode steps), by id; a metric that
     /// needs values is absent from traces without them.
     #[serde(flatten)]
@@ -380,6 +422,8 @@ pub struct UnitMeasure {
     budget: usize,
     /// Cache size summed over decode steps.
     kept_total: usize,
+    /// Bytes held summed over decode steps, for a quantized cache.
+    bytes_total: f64,
     /// Per metric of [`REGISTRY`] (empty for one not measured), per (step, head), its value.
     metrics: Vec<Vec<f64>>,
     /// Per (step, head, span): share of the span's tokens kept, kept mass, full mass.
@@ -398,6 +442,13 @@ pub struct MeasureSettings<'a> {
     pub top_k: usize,
     /// How the policy's lost positions are dated.
     pub dating: Dating,
+    /// How the caches store their entries: `None` for as captured.
+    pub scheme: Option<Scheme>,
+    /// Whether the kept sets are read from a cache that holds every position (a re-selecting
+    /// timing), which a quantizer then stores whole.
+    pub reselects: bool,
+    /// Bytes of one element at full precision (the trace's storage width).
+    pub width: usize,
 }
 
 /// Measures one cache's kept sets against its group's shared [`DecodeReference`]; `nested`, when
@@ -417,6 +468,9 @@ pub fn measure_unit(
         spans,
         top_k,
         dating,
+        scheme,
+        reselects,
+        width,
     } = settings;
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
@@ -429,6 +483,7 @@ pub fn measure_unit(
         heads: unit.query_heads.clone(),
         budget,
         kept_total: 0,
+        bytes_total: 0.0,
         metrics: REGISTRY
             .iter()
             .map(|metric| Vec::with_capacity(if measured(metric) { samples } else { 0 }))
@@ -447,6 +502,10 @@ pub fn measure_unit(
         UnitKept::PerStep(_) => Vec::new(),
     };
     let mut general = GeneralShare::default();
+    let d = layer.q.shape()[2];
+    let mut quantized =
+        scheme.map(|scheme| QuantizedCache::new(scheme, layer.keys(unit.kv_head), values));
+    let mut held = Vec::new();
     for step in 0..n_steps {
         let position = prompt_len + step;
         let kept_positions: &[usize] = match unit_kept {
@@ -460,6 +519,21 @@ pub fn measure_unit(
             UnitKept::PerStep(steps) => &steps[step],
         };
         measure.kept_total += kept_positions.len();
+        if let Some(cache) = &mut quantized {
+            held.clear();
+            match reselects {
+                true => held.extend(layer.first_visible(position)..=position),
+                false => held.extend_from_slice(kept_positions),
+            }
+            cache.step(&held, position);
+            // A re-selecting timing reads from one whole cache per KV head, which the query-head
+            // caches of a group share.
+            let share = match reselects {
+                true => unit.query_heads.len() as f64 / layer.group_size() as f64,
+                false => 1.0,
+            };
+            measure.bytes_total += cache.bytes(d, width) * share;
+        }
         for &j in kept_positions {
             in_set[j] = true;
         }
@@ -497,7 +571,9 @@ pub fn measure_unit(
                     position,
                 ),
             };
-            let d = layer.q.shape()[2];
+            let policy = quantized
+                .as_ref()
+                .map(|cache| PolicyAttention::new(layer, head, position, kept_positions, cache));
             let metric_sample = Sample {
                 weights,
                 kept: kept_positions,
@@ -514,6 +590,7 @@ pub fn measure_unit(
                 value_norms: reference.value_norms.as_deref(),
                 full_value_mass: reference.value_mass.get(local * n_steps + step).copied(),
                 total_mass: reference.total_mass[local * n_steps + step],
+                policy: policy.as_ref(),
             };
             for (metric, out) in REGISTRY.iter().zip(&mut measure.metrics) {
                 if measured(metric) {
@@ -630,6 +707,8 @@ pub struct LayerAccumulator {
     lost_totals: Vec<f64>,
     unit_budgets: Vec<usize>,
     kept_by_unit: Vec<f64>,
+    /// Bytes held, summed over caches of their mean over decode steps.
+    bytes: f64,
 }
 
 impl LayerAccumulator {
@@ -645,6 +724,7 @@ impl LayerAccumulator {
             lost_totals: vec![0.0; n_spans + 3 + WHEN.len()],
             unit_budgets: Vec::new(),
             kept_by_unit: Vec::new(),
+            bytes: 0.0,
         }
     }
 
@@ -682,6 +762,7 @@ impl LayerAccumulator {
         self.unit_budgets.push(unit.budget);
         self.kept_by_unit
             .push(unit.kept_total as f64 / self.n_steps as f64);
+        self.bytes += unit.bytes_total / self.n_steps as f64;
     }
 
     /// The layer's report.
@@ -715,6 +796,7 @@ impl LayerAccumulator {
             mean_kept: self.kept_by_unit.iter().sum::<f64>() / self.kept_by_unit.len() as f64,
             kv_entries: self.kept_by_unit.iter().sum::<f64>(),
             held_entries: self.kept_by_unit.iter().sum::<f64>(),
+            kv_bytes: self.bytes,
             kept_by_unit: self.kept_by_unit,
             metrics,
             samples: per_sample,
@@ -773,6 +855,9 @@ mod tests {
             spans: &[],
             top_k: 5,
             dating: Dating::of(crate::replay::Timing::Prefill),
+            scheme: None,
+            reselects: false,
+            width: 2,
         };
         let shared = measure_unit(&layer, &unit, &fixed, 34, &reference, settings, None);
         let afresh = measure_unit(&layer, &unit, &listed, 34, &reference, settings, None);

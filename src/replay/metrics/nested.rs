@@ -238,6 +238,9 @@ mod tests {
                 spans: &spans,
                 top_k,
                 dating: Dating::of(Timing::Prefill),
+                scheme: None,
+                reselects: false,
+                width: 2,
             };
             let shares = nested_shares(&layer, &unit, &refs, &reference, &spans, top_k)
                 .expect("top-B sets of one order nest");

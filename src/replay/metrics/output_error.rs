@@ -1,7 +1,8 @@
 //! `output_error`: the relative error of the attention output, `|o_full - o_kept| / |o_full|`,
 //! with `o_full = sum_j p_j v_j` and `o_kept` the same sum over the kept positions renormalised
-//! by the kept mass (MagicPIG, arXiv:2410.16179); 1 when nothing of mass is kept. Traces without
-//! values leave it out.
+//! by the kept mass (MagicPIG, arXiv:2410.16179); 1 when nothing of mass is kept. Over a
+//! quantized cache `o_kept` is the cache's own output, `Σ_kept p̂_j v̂_j`, from the keys and values
+//! as held. Traces without values leave it out.
 
 use super::{Metric, Sample};
 use crate::replay::reference;
@@ -19,7 +20,7 @@ impl Metric for OutputError {
     }
 
     fn about(&self) -> &'static str {
-        "`|o_full − o_kept| / |o_full|`, with `o_kept` the attention output renormalised over the kept keys; needs values."
+        "`|o_full − o_kept| / |o_full|`, with `o_kept` the attention output renormalised over the kept keys (over a quantized cache, its own output from the keys and values as held); needs values."
     }
 
     fn needs_values(&self) -> bool {
@@ -30,7 +31,7 @@ impl Metric for OutputError {
         Some({
             let full = sample.full_output();
             let norm = reference::distance(&full, &vec![0.0; full.len()]);
-            reference::distance(&full, &sample.mean_value(sample.kept())) / norm
+            reference::distance(&full, &sample.cache_output()) / norm
         })
     }
 
@@ -39,6 +40,12 @@ impl Metric for OutputError {
             return f64::NAN;
         };
         let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
+        if let Some(output) = sample.policy.and_then(|policy| policy.output.as_deref()) {
+            return match full_norm > 0.0 {
+                true => reference::distance(full.as_slice().expect("a row"), output) / full_norm,
+                false => 1.0,
+            };
+        }
         if sample.kept_mass <= 0.0 || full_norm <= 0.0 {
             return 1.0;
         }

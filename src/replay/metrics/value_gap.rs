@@ -11,7 +11,10 @@
 //! the kept share, all in f64 from exact products of the f32 weights and values, so the mean of
 //! the discarded values keeps its digits when little is discarded. 0 when less than 1e-9 of the
 //! mass is discarded (the mean of nothing; the product is then 0, as the output error); 1 when
-//! nothing of mass is kept, as the output error. Traces without values leave it out.
+//! nothing of mass is kept, as the output error. Over a quantized cache, where the output error is
+//! not made of discarded positions alone, it is defined by the same product: the output error
+//! over one minus the retained mass (`Σ_kept min(p_j, m·p̂_j)`), 0 when less than 1e-9 of the mass
+//! is lost. Traces without values leave it out.
 
 use super::{Metric, Sample};
 use crate::replay::reference;
@@ -40,6 +43,13 @@ impl Metric for ValueGap {
     }
 
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
+        if sample.is_quantized() {
+            let lost = 1.0 - sample.shared_mass();
+            return Some(match lost < NOTHING_DISCARDED {
+                true => 0.0,
+                false => super::output_error::OutputError.reference(sample)? / lost,
+            });
+        }
         Some({
             let discarded = sample.discarded();
             let p = sample.weights();
@@ -57,6 +67,13 @@ impl Metric for ValueGap {
         let (Some(partial), Some(full)) = (sample.kept_output, sample.full_output) else {
             return f64::NAN;
         };
+        if sample.policy.is_some() {
+            let lost = 1.0 - sample.retained();
+            return match lost < NOTHING_DISCARDED {
+                true => 0.0,
+                false => super::output_error::OutputError.sample(sample) / lost,
+            };
+        }
         let kept = sample.kept_mass;
         let discarded = sample.total_mass - kept;
         let full_norm = full.iter().map(|x| x * x).sum::<f64>().sqrt();
@@ -95,6 +112,7 @@ mod tests {
             value_norms: None,
             full_value_mass: None,
             total_mass: 1.0,
+            policy: None,
         }
     }
 

@@ -2,7 +2,8 @@
 //! weighted by the L1 norm of its value, `sum_{j in S} p_j |v_j|_1 / sum_j p_j |v_j|_1`: the
 //! retained mass of VATP's value-aware attention score (Guo et al., arXiv:2406.12335, eq. 3,
 //! `a_j * |v_j|_1`), so a kept token counts by what it can add to the output, not by its
-//! attention alone. 1 when the full cache's weighted mass is 0. Traces without values leave it
+//! attention alone. 1 when the full cache's weighted mass is 0. Over a quantized cache each kept
+//! position counts with `min(p_j, m·p̂_j)`, as retained mass does. Traces without values leave it
 //! out.
 
 use super::{Metric, Sample};
@@ -32,7 +33,8 @@ impl Metric for ValueWeightedMass {
         Some({
             let p = sample.weights();
             let l1 = |j: usize| sample.value(j).iter().map(|x| x.abs()).sum::<f64>();
-            let kept: f64 = sample.kept().iter().map(|&j| p[j] * l1(j)).sum();
+            let shared = sample.shared_weights();
+            let kept: f64 = sample.kept().iter().zip(shared).map(|(&j, w)| w * l1(j)).sum();
             kept / (0..p.len()).map(|j| p[j] * l1(j)).sum::<f64>()
         })
     }
@@ -44,11 +46,7 @@ impl Metric for ValueWeightedMass {
         if full <= 0.0 {
             return 1.0;
         }
-        let kept: f64 = sample
-            .kept
-            .iter()
-            .map(|&j| sample.weights[j] as f64 * norms[j])
-            .sum();
+        let kept: f64 = sample.shared().map(|(j, p)| p * norms[j]).sum();
         kept / full
     }
 }
