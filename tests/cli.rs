@@ -107,9 +107,74 @@ fn csv_per_layer_rows() {
     let lines: Vec<&str> = out.lines().collect();
     assert_eq!(
         lines[0],
-        "policy,layer,budget,mean kept,KV read/layer,KV held/layer,retained mass,top-k recall,output error,value-weighted mass,value gap"
+        "policy,layer,budget,mean kept,KV read/layer,KV held/layer,KiB/layer,retained mass,top-k recall,output error,value-weighted mass,value gap"
     );
     assert_eq!(lines.len(), 3);
+}
+
+/// `--quantizer` stores the kept entries quantized: the label names it and the bytes drop below
+/// the plain cache's; a bit width or a group the scheme cannot take exits 2 naming the setting.
+#[test]
+fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
+    let dir = fixture();
+    let csv = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "replay",
+            "fixture.safetensors",
+            "--budget",
+            "16",
+            "--format",
+            "csv",
+        ];
+        args.extend_from_slice(extra);
+        let out = stdout(kvreplay(&dir).args(&args));
+        out.lines()
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .map(str::to_owned)
+            .collect()
+    };
+    let plain = csv(&[]);
+    let kivi = csv(&[
+        "--quantizer",
+        "kivi",
+        "--group-size",
+        "4",
+        "--residual",
+        "4",
+    ]);
+    assert_eq!(kivi[0], "flat+snapkv@prefill kivi 2-bit");
+    let kib = |row: &[String]| row[6].parse::<f64>().unwrap();
+    assert!(kib(&kivi) < kib(&plain), "{kivi:?} vs {plain:?}");
+    kvreplay(&dir)
+        .args([
+            "replay",
+            "fixture.safetensors",
+            "--quantizer",
+            "kivi",
+            "--bits",
+            "3",
+        ])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "quantizer `kivi`: setting `bits` = 3: must be 2, 4 or 8",
+        ));
+    kvreplay(&dir)
+        .args([
+            "replay",
+            "fixture.safetensors",
+            "--quantizer",
+            "per-token",
+            "--group-size",
+            "3",
+        ])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "quantizer `per-token`: group_size 3 must divide the head size (4)",
+        ));
 }
 
 /// `--layers all` on a trace whose first layer slides over 6 positions: one CSV row per layer

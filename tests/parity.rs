@@ -665,3 +665,76 @@ fn the_threshold_split_keeps_what_kvpress_dms_keeps() {
         }
     }
 }
+
+/// kvreplay's `kivi` cache holds, at every decode step, the keys and values KIVI's own cache
+/// reads (`tests/reference/kivi.py`, a transcription of its quantizer and of the cache's prompt
+/// and decode paths at commit 876b4d2), bit for bit in f32: keys quantized per channel in blocks
+/// of `residual` (a prompt of 45 leaves 5 full-precision keys at the cut, and a block is
+/// quantized while decoding), values per token once older than the newest `residual`; at 2, 4
+/// and 8 bits.
+#[test]
+fn kivi_holds_what_its_cache_holds() {
+    use kvreplay::replay::quantizer::{Grouping, QuantizedCache, Scheme};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("kivi.safetensors");
+    let prompt_len = 45;
+    write_trace_values(&path, 41, prompt_len, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let (group_size, residual) = (4usize, 8usize);
+    for bits in [2u32, 4, 8] {
+        let args = [bits as usize, group_size, residual].map(|n| n.to_string());
+        let mut official_args = vec![path.display().to_string()];
+        official_args.extend(args);
+        let official = reference("kivi.py", &official_args);
+        let scheme = Scheme {
+            bits,
+            group_size,
+            residual,
+            keys: Grouping::PerChannel,
+            values: Grouping::PerToken,
+        };
+        let mut moved = 0;
+        for layer in 0..LAYERS {
+            let tensors = trace.layer(layer).unwrap();
+            let v = tensors.v.as_ref().unwrap();
+            for head in 0..KV_HEADS {
+                let keys = tensors.k.index_axis(ndarray::Axis(0), head);
+                let values = v.index_axis(ndarray::Axis(0), head);
+                let mut cache = QuantizedCache::new(scheme, keys, Some(values));
+                let theirs = &official["layers"][layer]["heads"][head];
+                for step in 0..GENERATED {
+                    let position = prompt_len + step;
+                    let held: Vec<usize> = (0..=position).collect();
+                    cache.step(&held, position);
+                    for (ours, name) in
+                        [(cache.keys(), "keys"), (cache.values().unwrap(), "values")]
+                    {
+                        for j in 0..=position {
+                            let row: Vec<f32> = theirs[name][step][j]
+                                .as_array()
+                                .unwrap()
+                                .iter()
+                                .map(|x| x.as_f64().unwrap() as f32)
+                                .collect();
+                            let original = match name {
+                                "keys" => keys.row(j).to_vec(),
+                                _ => values.row(j).to_vec(),
+                            };
+                            moved += usize::from(row != original);
+                            assert_eq!(
+                                ours.row(j).to_vec(),
+                                row,
+                                "{bits} bits, layer {layer}, head {head}, step {step}, {name} of {j}"
+                            );
+                        }
+                    }
+                }
+            }
+        }
+        // Not a trivial case: most rows the attention reads were quantized.
+        assert!(
+            moved > LAYERS * KV_HEADS * GENERATED * prompt_len,
+            "{bits} bits: {moved}"
+        );
+    }
+}

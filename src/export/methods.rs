@@ -4,7 +4,9 @@
 
 use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
-use crate::replay::{allocator, common_keys, head_split, presets, scorer, Layers, Timing};
+use crate::replay::{
+    allocator, common_keys, head_split, presets, quantizer, scorer, Layers, Timing,
+};
 use std::fmt::Write;
 
 /// The listing, as Markdown.
@@ -30,6 +32,11 @@ pub fn methods_markdown() -> String {
         &mut out,
         "Scorers (`scorer`): which tokens",
         scorer::REGISTRY,
+    );
+    axis(
+        &mut out,
+        "Quantizers (`quantizer`): how the kept keys and values are stored",
+        quantizer::REGISTRY,
     );
     out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
     for timing in Timing::ALL {

@@ -451,13 +451,18 @@ impl PolicyParams {
             if !taken {
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
-                    chosen: format!(
-                        "{}, {}, {} or {}",
-                        described(registered_allocator.as_ref(), "allocator", &self.allocator),
-                        described(registered.as_ref(), "scorer", &self.scorer),
-                        described(Some(&heads), "head split", &self.heads),
-                        described(Some(&quantizer), "quantizer", &self.quantizer),
-                    ),
+                    chosen: {
+                        let mut chosen = vec![
+                            described(registered_allocator.as_ref(), "allocator", &self.allocator),
+                            described(registered.as_ref(), "scorer", &self.scorer),
+                            described(Some(&heads), "head split", &self.heads),
+                        ];
+                        if !is_unquantized(&self.quantizer) {
+                            chosen.push(described(Some(&quantizer), "quantizer", &self.quantizer));
+                        }
+                        let last = chosen.pop().expect("three or four methods");
+                        format!("{} or {last}", chosen.join(", "))
+                    },
                     owners: owners(key),
                 });
             }
