@@ -449,6 +449,13 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "live mode: scorer `oracle-static` reads future queries, which live mode takes from the full run under the `prefill` timing only, not `streaming`",
         ));
     kvreplay(&dir)
+        .args(["live", "--recipe", "r.toml", "--quantizer", "kivi"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "live mode: quantizer `kivi` is replayed only (`kvreplay replay` or an open-loop sweep): live mode runs the model on the cache as captured",
+        ));
+    kvreplay(&dir)
         .args([
             "live",
             "--recipe",

@@ -212,6 +212,13 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
             timing.name()
         )));
     }
+    if policy.scheme().is_some() {
+        return Err(LiveError::Unsupported(format!(
+            "quantizer `{}` is replayed only (`kvreplay replay` or an open-loop sweep): live mode \
+             runs the model on the cache as captured",
+            policy.params().quantizer
+        )));
+    }
     if timing != Timing::Prefill && policy.scorer.reads_future() {
         return Err(LiveError::Unsupported(format!(
             "scorer `{}` reads future queries, which live mode takes from the full run under \

@@ -32,7 +32,7 @@ impl Quantizer for Kivi {
     fn check(&self) -> Result<(), Broken> {
         check_bits(self.bits)?;
         check_group(self.group_size)?;
-        if self.residual == 0 || self.residual % self.group_size != 0 {
+        if self.residual == 0 || !self.residual.is_multiple_of(self.group_size) {
             return Err(Broken {
                 key: "residual",
                 rule: "must be a positive multiple of group_size (KIVI quantizes the keys `residual` at a time, in groups)".into(),

@@ -61,7 +61,7 @@ impl Scheme {
     /// Whether a head of `head_dim` channels splits into its per-token groups (KIVI asserts it).
     pub fn check_head_dim(&self, head_dim: usize) -> Result<(), String> {
         let per_token = [self.keys, self.values].contains(&Grouping::PerToken);
-        match per_token && head_dim % self.group_size != 0 {
+        match per_token && !head_dim.is_multiple_of(self.group_size) {
             true => Err(format!(
                 "group_size {} must divide the head size ({head_dim}): a token's channels are quantized in groups of it",
                 self.group_size
