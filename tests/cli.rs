@@ -177,6 +177,59 @@ fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
         ));
 }
 
+/// `--interval N` spaces a streaming policy's evictions (the label says so); under a one-shot
+/// timing, or with CAKE's ordered cache, it exits 2 naming the rule.
+#[test]
+fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
+    let dir = fixture();
+    let out = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--scorer",
+        "tova",
+        "--timing",
+        "prefill-then-stream",
+        "--interval",
+        "4",
+        "--budget",
+        "10",
+        "--format",
+        "csv",
+    ]));
+    assert!(
+        out.contains("flat+tova@prefill-then-stream every 4,"),
+        "{out}"
+    );
+    kvreplay(&dir)
+        .args(["replay", "fixture.safetensors", "--interval", "4"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "interval 4 spaces a streaming eviction: use --timing streaming or prefill-then-stream",
+        ));
+    kvreplay(&dir)
+        .args([
+            "replay",
+            "fixture.safetensors",
+            "--scorer",
+            "cake",
+            "--timing",
+            "prefill-then-stream",
+            "--interval",
+            "4",
+        ])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(
+            "scorer `cake` with interval 4 keeps its own cache order through single evictions",
+        ));
+    kvreplay(&dir)
+        .args(["replay", "fixture.safetensors", "--interval", "0"])
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains("interval"));
+}
+
 /// `--layers all` on a trace whose first layer slides over 6 positions: one CSV row per layer
 /// instead of the global layer's alone; a value that is not a choice exits 2 naming them.
 #[test]

@@ -37,14 +37,18 @@ fn engine_matches_brute_force_reference() {
         for method in scorer::REGISTRY {
             let scorer = method.name;
             let timed = Timing::ALL.into_iter().flat_map(|timing| {
-                let orders: &[Order] = if timing.streams() {
-                    &[Order::EvictFirst, Order::AttendFirst]
+                let (orders, intervals): (&[Order], &[usize]) = if timing.streams() {
+                    (&[Order::EvictFirst, Order::AttendFirst], &[1, 3])
                 } else {
-                    &[Order::EvictFirst]
+                    (&[Order::EvictFirst], &[1])
                 };
-                orders.iter().map(move |&order| (timing, order))
+                orders.iter().flat_map(move |&order| {
+                    intervals
+                        .iter()
+                        .map(move |&interval| (timing, order, interval))
+                })
             });
-            for (timing, order) in timed {
+            for (timing, order, interval) in timed {
                 for (gqa, agg) in [
                     (Granularity::KvHead, "mean"),
                     (Granularity::KvHead, "max"),
@@ -55,6 +59,7 @@ fn engine_matches_brute_force_reference() {
                     let mut params = PolicyParams {
                         gqa,
                         order,
+                        interval,
                         sinks: (seed % 2) as usize,
                         ..common::fixture_policy(scorer, timing, budget, seed)
                     };
@@ -88,6 +93,7 @@ fn engine_matches_brute_force_reference() {
                             per_query_head: gqa == Granularity::QueryHead,
                             shared_layer: gqa == Granularity::Layer,
                             attend_first: order == Order::AttendFirst,
+                            interval,
                         };
                         let expected = reference::kept(&layer, &reference_policy);
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
@@ -96,7 +102,7 @@ fn engine_matches_brute_force_reference() {
                                 assert_eq!(
                                     unit_kept.kept_positions(step, shape.prompt_len),
                                     expected[unit][step],
-                                    "{scorer} {timing:?} {order:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
+                                    "{scorer} {timing:?} {order:?} every {interval} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
                                 );
                             }
                         }
@@ -147,6 +153,61 @@ fn engine_matches_brute_force_reference() {
     }
     // Every scorer ran under at least one timing, in four layouts, on both layers of 4 fixtures.
     assert!(compared >= 4 * scorer::REGISTRY.len() * 4 * 2, "{compared}");
+}
+
+/// `interval` by hand: under `prefill-then-stream` with budget 6 and interval 3, the prompt is cut
+/// to 6 at its end and the cache then grows by one token a step until it holds 9, when one
+/// compression cuts it back to 6: with `attend-first` (kvpress's `DecodingPress`, which
+/// compresses after the step's attention) the decode queries read 7, 8, 9, 7, 8 entries; with
+/// `evict-first` 7, 8, 6, 7, 8. StreamingLLM's rule keeps the newest, so after the cut the cache
+/// is the last 6 positions. `interval = 1` is the one-at-a-time stream.
+#[test]
+fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let path = dir.path().join("fixture.safetensors");
+    write_fixture(&path, shape, 3);
+    let trace = TraceReader::open(&path).unwrap();
+    let sizes = |order: Order, interval: usize| -> Vec<usize> {
+        let policy = PolicyParams {
+            order,
+            interval,
+            sinks: 0,
+            window: 0,
+            ..params("recency", Timing::PrefillThenStream, 6)
+        }
+        .check()
+        .unwrap();
+        let budgets = layer_budgets(&trace, &policy).unwrap();
+        let kept = kept_sets(&trace, &policy, &budgets, 0).unwrap();
+        (0..shape.generated)
+            .map(|step| kept.kept[0].kept_positions(step, shape.prompt_len).len())
+            .collect()
+    };
+    assert_eq!(sizes(Order::AttendFirst, 3), [7, 8, 9, 7, 8]);
+    assert_eq!(sizes(Order::EvictFirst, 3), [7, 8, 6, 7, 8]);
+    assert_eq!(sizes(Order::EvictFirst, 1), [6; 5]);
+    let policy = PolicyParams {
+        interval: 3,
+        sinks: 0,
+        window: 0,
+        ..params("recency", Timing::PrefillThenStream, 6)
+    }
+    .check()
+    .unwrap();
+    let budgets = layer_budgets(&trace, &policy).unwrap();
+    let kept = kept_sets(&trace, &policy, &budgets, 0).unwrap();
+    let n = shape.prompt_len;
+    assert_eq!(
+        kept.kept[0].kept_positions(2, n),
+        (n - 3..=n + 2).collect::<Vec<_>>()
+    );
+    assert!(PolicyParams {
+        interval: 3,
+        ..params("snapkv", Timing::Prefill, 6)
+    }
+    .check()
+    .is_err());
 }
 
 /// Every registered quantizer that quantizes, under every timing and two cache layouts, agrees

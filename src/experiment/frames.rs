@@ -8,8 +8,9 @@ use polars::prelude::*;
 pub use polars::prelude::{DataFrame, PolarsError};
 
 /// One row per run: id, trace, policy, budget, mean kept, KV entries (`kv_entries[i]` for run
-/// `i`), bytes held per layer (NaN for runs stored before they were kept), every registered metric (NaN where it was not measured) and, when every run has them,
-/// the closed-loop columns.
+/// `i`), every registered metric (NaN where it was not measured) and, when every run has them,
+/// the closed-loop columns, then the bytes held per layer (NaN for runs stored before they were
+/// kept).
 pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFrame> {
     let text = |name: &str, pick: &dyn Fn(&StoredRun) -> String| {
         Column::new(name.into(), runs.iter().map(pick).collect::<Vec<_>>())
@@ -26,10 +27,6 @@ pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFr
         ),
         float("mean_kept", runs.iter().map(|r| r.report.mean_kept)),
         float("kv_entries", kv_entries.iter().copied()),
-        float(
-            "kv_bytes",
-            runs.iter().map(|r| r.report.kv_bytes.unwrap_or(f64::NAN)),
-        ),
     ];
     columns.extend(metrics::REGISTRY.iter().map(|metric| {
         float(
@@ -42,6 +39,11 @@ pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFr
         let closed: Vec<&ClosedLoop> = runs.iter().filter_map(|r| r.closed_loop.as_ref()).collect();
         columns.extend(closed_loop_columns(&closed));
     }
+    // Last, so that the columns before it keep their places.
+    columns.push(float(
+        "kv_bytes",
+        runs.iter().map(|r| r.report.kv_bytes.unwrap_or(f64::NAN)),
+    ));
     DataFrame::new_infer_height(columns)
 }
 

@@ -29,6 +29,12 @@ pub struct PolicyParams {
     /// it existed still name the same runs.
     #[serde(skip_serializing_if = "Order::is_evict_first")]
     pub order: Order,
+    /// Under a streaming timing, how many tokens the cache grows past its budget before it is cut
+    /// back to it in one compression (1: one token evicted per token arriving). Left out of the
+    /// serialised form when it is the default, so that run ids computed before it existed still
+    /// name the same runs.
+    #[serde(skip_serializing_if = "is_every_token")]
+    pub interval: usize,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
     /// First positions always kept (attention sinks).
@@ -56,6 +62,11 @@ pub struct PolicyParams {
     /// The chosen methods' own settings (each method's declared parameters), by key.
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
+}
+
+/// Whether `interval` is the default, one eviction per arriving token.
+fn is_every_token(interval: &usize) -> bool {
+    *interval == 1
 }
 
 /// Whether `quantizer` names the default, the cache as captured.
@@ -127,6 +138,12 @@ pub const COMMON: &[Common] = &[
         fixed: true,
     },
     Common {
+        key: "interval",
+        about: "Under a streaming timing: tokens the cache grows past its budget before one compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV)",
+        values: Vec::new,
+        fixed: true,
+    },
+    Common {
         key: "budget",
         about: "Nominal tokens per cache (mean over layers), sinks and window included",
         values: Vec::new,
@@ -190,6 +207,7 @@ impl Default for PolicyParams {
             heads: "uniform".into(),
             timing: Timing::Prefill,
             order: Order::EvictFirst,
+            interval: 1,
             budget: 128,
             sinks: 0,
             window: 8,
@@ -226,6 +244,7 @@ impl PolicyParams {
         };
         values.retain(|key, _| common_keys().any(|common| common == key));
         values.insert("order".into(), Value::from(self.order.name()));
+        values.insert("interval".into(), Value::from(self.interval));
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
         values.insert("quantizer".into(), Value::from(self.quantizer.as_str()));
@@ -426,6 +445,9 @@ impl PolicyParams {
         if self.top_k == 0 {
             return Err(invalid("top_k", "0".into(), "must be at least 1"));
         }
+        if self.interval == 0 {
+            return Err(invalid("interval", "0".into(), "must be at least 1"));
+        }
         let registered_allocator = match external.allocator {
             None => Some(lookup("allocator", allocator::REGISTRY, &self.allocator)?),
             Some(_) => None,
@@ -574,6 +596,21 @@ impl ValidPolicy {
                 rule: "moves the prompt-end cut before the question: use --timing prefill, prefill-then-stream or per-step-prompt",
             });
         }
+        if params.interval > 1 && !params.timing.streams() {
+            return Err(PolicyError::Unsupported {
+                what: format!("interval {}", params.interval),
+                rule: "spaces a streaming eviction: use --timing streaming or prefill-then-stream",
+            });
+        }
+        if params.interval > 1 && !self.scorer.cuts_while_decoding() {
+            return Err(PolicyError::Unsupported {
+                what: format!(
+                    "scorer `{}` with interval {}",
+                    params.scorer, params.interval
+                ),
+                rule: "keeps its own cache order through single evictions: use interval 1",
+            });
+        }
         if params.order == Order::AttendFirst && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
                 what: format!("order `{}`", params.order.name()),
@@ -647,12 +684,16 @@ impl ValidPolicy {
             true => String::new(),
             false => format!("/{}", self.params.heads),
         };
+        let interval = match self.params.interval {
+            1 => String::new(),
+            n => format!(" every {n}"),
+        };
         let quantized = match self.scheme() {
             Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),
             None => String::new(),
         };
         format!(
-            "{}{heads}+{}@{}{protocol}{quantized}",
+            "{}{heads}+{}@{}{interval}{protocol}{quantized}",
             self.params.allocator,
             self.params.scorer,
             self.params.timing.name()
@@ -681,6 +722,7 @@ mod tests {
     fn common_settings_are_the_fields_of_a_policy() {
         let params = PolicyParams {
             order: Order::AttendFirst,
+            interval: 4,
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
             quantizer: "kivi".into(),

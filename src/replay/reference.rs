@@ -96,6 +96,9 @@ pub struct Policy<'a> {
     pub shared_layer: bool,
     /// The decode query attends before the step's eviction.
     pub attend_first: bool,
+    /// Under a streaming timing, tokens the cache grows past its budget before one compression
+    /// cuts it back (1: one eviction per token).
+    pub interval: usize,
 }
 
 /// One cache: its query heads, its KV head and its index.
@@ -435,6 +438,27 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                 let scores = mean_over_running(layer, policy, members, &cache, &running);
                 let protected = |j: usize| j < policy.sinks || j + policy.window >= n;
                 let kept = top(&cache, &|j| scores[j], policy.budget, &protected);
+                for index in (0..cache.len()).rev() {
+                    if !kept.contains(&cache[index]) {
+                        cache.remove(index);
+                        for scores in running.iter_mut() {
+                            scores.remove(index);
+                        }
+                    }
+                }
+            }
+        } else if (at >= n || !cut_at_prompt_end) && policy.interval > 1 {
+            // Grown to `budget + interval`: cut back to the budget's best at once, the sinks and
+            // the cache's last `window` entries kept.
+            if cache.len() >= policy.budget + policy.interval {
+                let scores = mean_over_running(layer, policy, members, &cache, &running);
+                let first_recent = cache[cache.len() - policy.window.min(cache.len())..]
+                    .first()
+                    .copied()
+                    .unwrap_or(usize::MAX);
+                let protected = |j: usize| j < policy.sinks || j >= first_recent;
+                let score_of = |j: usize| scores[cache.iter().position(|&c| c == j).unwrap()];
+                let kept = top(&cache, &score_of, policy.budget, &protected);
                 for index in (0..cache.len()).rev() {
                     if !kept.contains(&cache[index]) {
                         cache.remove(index);

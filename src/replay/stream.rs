@@ -117,7 +117,10 @@ pub(crate) fn start_group(
 /// (`streaming`), or after the whole prompt has been scored once and cut to the budget at its end
 /// (`prefill-then-stream`, whose prompt queries attend over the whole prompt, as a prefill does);
 /// under `order = attend-first` a query attends over the cache before its step's eviction
-/// (`budget + 1` tokens). Re-selection keeps every prompt token while the prompt runs, then
+/// (`budget + 1` tokens). With an `interval` above 1 the cache instead grows until it holds
+/// `budget + interval` tokens and one compression cuts it back to `budget` (the one-shot selection
+/// over the whole cache, the last `window` entries and the sinks protected): kvpress's
+/// `DecodingPress`, R-KV. Re-selection keeps every prompt token while the prompt runs, then
 /// re-chooses at every decode step from the full cache (`per-step`), or from the prompt with every
 /// generated token kept (`per-step-prompt`); the first `sinks` and the last `window` of the
 /// positions it chooses from are always kept. On a sliding-window layer the cache holds only what
@@ -132,6 +135,7 @@ pub(crate) struct CacheStream {
     prompt_len: usize,
     timing: Timing,
     order: Order,
+    interval: usize,
     protect: Protection,
 }
 
@@ -158,6 +162,7 @@ impl CacheStream {
             prompt_len: layer.prompt_len,
             timing: params.timing,
             order: params.order,
+            interval: params.interval,
             protect,
         }
     }
@@ -198,9 +203,21 @@ impl CacheStream {
         let cut_at_prompt_end = self.timing == Timing::PrefillThenStream;
         let attends_first = self.order == Order::AttendFirst || (cut_at_prompt_end && !decoding);
         let before = (report && attends_first).then(|| self.whole_cache(position));
+        let streams_now = decoding || !cut_at_prompt_end;
         if cut_at_prompt_end && position + 1 == self.prompt_len {
-            self.cut(layer);
-        } else if (decoding || !cut_at_prompt_end) && self.cache.len() > self.budget {
+            let (protect, prompt_len) = (self.protect, self.prompt_len);
+            self.cut(layer, move |position| protect.covers(position, prompt_len));
+        } else if streams_now && self.interval > 1 {
+            if self.cache.len() >= self.budget + self.interval {
+                // The sinks and the cache's last `window` entries stay.
+                let recent = self.cache.len().saturating_sub(self.protect.window);
+                let first_recent = self.cache.get(recent).copied().unwrap_or(usize::MAX);
+                let sinks = self.protect.sinks;
+                self.cut(layer, move |position| {
+                    position < sinks || position >= first_recent
+                });
+            }
+        } else if streams_now && self.cache.len() > self.budget {
             self.state.scores(layer, &self.cache, &mut self.scores);
             if let Some(index) = victim(&self.cache, &self.scores, self.protect) {
                 self.cache.remove(index);
@@ -210,17 +227,15 @@ impl CacheStream {
         before.or_else(|| report.then(|| self.whole_cache(position)))
     }
 
-    /// Cuts the whole prompt to its `budget` best entries at once (the one-shot selection of
-    /// [`select_top`]), telling the state which entries went in one call.
-    fn cut(&mut self, layer: &LayerContext<'_>) {
+    /// Cuts the cache to its `budget` best entries at once (the one-shot selection of
+    /// [`select_top`], the positions `protected` says kept first), telling the state which
+    /// entries went in one call.
+    fn cut(&mut self, layer: &LayerContext<'_>, protected: impl Fn(usize) -> bool) {
         if self.cache.len() <= self.budget {
             return;
         }
         self.state.scores(layer, &self.cache, &mut self.scores);
-        let (protect, prompt_len) = (self.protect, self.prompt_len);
-        let kept = select_top(&self.cache, &self.scores, self.budget, |position| {
-            protect.covers(position, prompt_len)
-        });
+        let kept = select_top(&self.cache, &self.scores, self.budget, protected);
         let marks: Vec<bool> = self
             .cache
             .iter()

@@ -72,6 +72,10 @@ impl Scorer for Cake {
         matches!(timing, Timing::Prefill | Timing::PrefillThenStream)
     }
 
+    fn cuts_while_decoding(&self) -> bool {
+        false
+    }
+
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
         let window = protect.window.clamp(1, layer.prompt_len);
         let before_window = layer.prompt_len - window;

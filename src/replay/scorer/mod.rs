@@ -68,6 +68,11 @@ pub trait Scorer: Send + Sync {
     fn supports(&self, _timing: Timing) -> bool {
         true
     }
+    /// Whether a streaming cache may cut several entries at once while decoding (`interval` above
+    /// 1); not for a scorer that keeps its own cache order through single evictions (CAKE).
+    fn cuts_while_decoding(&self) -> bool {
+        true
+    }
     /// A fresh state for one cache of one layer; `protect` is the policy's protection (SnapKV's
     /// observation window is its window). `layer` gives the layer's shape and prompt length; only
     /// a scorer that reads the future may read its vectors here.
