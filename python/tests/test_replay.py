@@ -47,6 +47,25 @@ def test_settings_by_the_command_lines_names(cli, trace, trace_path):
         assert row[metric] == expected[metric], metric
 
 
+def test_a_quantized_cache_equals_the_command_line_and_reports_its_bytes(cli, trace, trace_path):
+    settings = dict(scorer="snapkv", budget=64, quantizer="kivi", bits=4, residual=32, interval=1)
+    ours = kvreplay.replay(trace, **settings).runs.row(0, named=True)
+    code, out, err = run_cli(
+        cli, "replay", trace_path, "--scorer", "snapkv", "--budget", 64, "--quantizer", "kivi",
+        "--bits", 4, "--residual", 32, "--format", "json", "--no-layers",
+    )
+    assert code == 0, err
+    expected = json.loads(out)
+    expected = expected[0] if isinstance(expected, list) else expected
+    assert ours["policy"] == expected["policy"] == "flat+snapkv@prefill kivi 4-bit"
+    for metric in METRICS:
+        assert ours[metric] == expected[metric], metric
+    assert ours["kv_bytes"] == expected["kv_bytes"]
+    plain = kvreplay.replay(trace, scorer="snapkv", budget=64).runs.row(0, named=True)
+    assert ours["kv_bytes"] < plain["kv_bytes"]
+    assert ours["output_error"] > plain["output_error"]
+
+
 def test_several_policies_in_one_pass(trace):
     results = kvreplay.replay(
         trace,
