@@ -165,6 +165,14 @@ fn unknown_keys_and_names_are_listed() {
         .assert()
         .code(2)
         .stderr(contains("unknown scorer `h3o`"));
+    let dir = setup(&EXPERIMENT.replace("window = 2\n\n[[policy]]", "bytes = 0.5\n\n[[policy]]"));
+    kvreplay(&dir)
+        .args(["sweep", "e.toml"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "policy `snapkv`: `bytes` (a budget in bytes) is a setting of `kvreplay replay` and of Python",
+        ));
 }
 
 use predicates::prelude::*;

@@ -210,6 +210,54 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     .is_err());
 }
 
+/// A budget in bytes resolves to the most tokens that fit: half of a 20-token prompt's bytes is 10
+/// tokens as captured; with 2-bit per-token integers in groups of 4 channels (head size 4, f32:
+/// a token is 32 bytes as captured, 1 + 8 = 9 bytes per key or value quantized, so 18) and no
+/// full-precision window, 640 · 0.5 = 320 bytes hold 17 tokens (306 bytes; 18 would take 324).
+/// The report's budget is the resolved one; a fraction the protected tokens exceed is refused.
+#[test]
+fn a_budget_in_bytes_resolves_to_the_tokens_that_fit() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let path = dir.path().join("fixture.safetensors");
+    write_fixture(&path, shape, 5);
+    let trace = TraceReader::open(&path).unwrap();
+    let at_half = PolicyParams {
+        bytes: Some(0.5),
+        ..params("knorm", Timing::Prefill, 128)
+    };
+    let plain = at_half.clone().check().unwrap();
+    assert_eq!(
+        kvreplay::replay::nominal_budget(&trace, &plain).unwrap(),
+        10
+    );
+    let report = replay(&trace, &plain).unwrap();
+    assert_eq!(report.nominal_budget, 10);
+    assert_eq!(report.policy, "flat+knorm@prefill at 0.5 of the bytes");
+    let quantized = PolicyParams {
+        quantizer: "per-token".into(),
+        ..at_half.clone()
+    }
+    .with("bits", 2)
+    .with("group_size", 4)
+    .check()
+    .unwrap();
+    assert_eq!(
+        kvreplay::replay::nominal_budget(&trace, &quantized).unwrap(),
+        17
+    );
+    let tiny = PolicyParams {
+        bytes: Some(0.01),
+        ..at_half
+    }
+    .check()
+    .unwrap();
+    assert!(matches!(
+        replay(&trace, &tiny),
+        Err(PolicyError::TraceMismatch { .. })
+    ));
+}
+
 /// Every registered quantizer that quantizes, under every timing and two cache layouts, agrees
 /// with the brute-force reference: the kept sets as without it (quantization never chooses), the
 /// caches' contents rebuilt from nothing at each step (`reference::held_by_step`), and every

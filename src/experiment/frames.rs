@@ -8,9 +8,8 @@ use polars::prelude::*;
 pub use polars::prelude::{DataFrame, PolarsError};
 
 /// One row per run: id, trace, policy, budget, mean kept, KV entries (`kv_entries[i]` for run
-/// `i`), every registered metric (NaN where it was not measured) and, when every run has them,
-/// the closed-loop columns, then the bytes held per layer (NaN for runs stored before they were
-/// kept).
+/// `i`), every registered metric (NaN where it was not measured), the bytes held per layer (NaN
+/// for runs stored before they were kept) and, when every run has them, the closed-loop columns.
 pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFrame> {
     let text = |name: &str, pick: &dyn Fn(&StoredRun) -> String| {
         Column::new(name.into(), runs.iter().map(pick).collect::<Vec<_>>())
@@ -35,15 +34,15 @@ pub fn runs_frame(runs: &[StoredRun], kv_entries: &[f64]) -> PolarsResult<DataFr
                 .map(|r| r.report.metric(metric.id()).unwrap_or(f64::NAN)),
         )
     }));
-    if runs.iter().all(|r| r.closed_loop.is_some()) {
-        let closed: Vec<&ClosedLoop> = runs.iter().filter_map(|r| r.closed_loop.as_ref()).collect();
-        columns.extend(closed_loop_columns(&closed));
-    }
-    // Last, so that the columns before it keep their places.
+    // After the metrics, so that the columns before it keep their places.
     columns.push(float(
         "kv_bytes",
         runs.iter().map(|r| r.report.kv_bytes.unwrap_or(f64::NAN)),
     ));
+    if runs.iter().all(|r| r.closed_loop.is_some()) {
+        let closed: Vec<&ClosedLoop> = runs.iter().filter_map(|r| r.closed_loop.as_ref()).collect();
+        columns.extend(closed_loop_columns(&closed));
+    }
     DataFrame::new_infer_height(columns)
 }
 

@@ -242,6 +242,13 @@ fn policy_axes(
         if key == "name" || key == "preset" {
             continue;
         }
+        if key == "bytes" {
+            return Err(ExperimentError::Policy {
+                path: path.to_owned(),
+                policy: name.to_owned(),
+                detail: "`bytes` (a budget in bytes) is a setting of `kvreplay replay` and of Python; an experiment's budgets are the tokens of `budgets`".into(),
+            });
+        }
         if !is_policy_key(key) {
             return Err(ExperimentError::UnknownKey {
                 path: path.to_owned(),
@@ -250,7 +257,7 @@ fn policy_axes(
                 valid: format!(
                     "{}, or a method's own setting (`kvreplay methods` lists them)",
                     common_keys()
-                        .filter(|k| *k != "budget")
+                        .filter(|k| !matches!(*k, "budget" | "bytes"))
                         .collect::<Vec<_>>()
                         .join(", ")
                 ),
@@ -537,10 +544,11 @@ fn first_repeat<T: PartialEq>(values: &[T]) -> Option<&T> {
         .map(|(_, value)| value)
 }
 
-/// Whether `key` can be set in a `[[policy]]` table: a common setting other than `budget` (the
-/// top-level `budgets` list sets it), or a setting some registered method declares.
+/// Whether `key` can be set in a `[[policy]]` table: a common setting other than `budget` and
+/// `bytes` (the top-level `budgets` list sets the budget), or a setting some registered method
+/// declares.
 fn is_policy_key(key: &str) -> bool {
-    (key != "budget" && common_keys().any(|common| common == key))
+    (!matches!(key, "budget" | "bytes") && common_keys().any(|common| common == key))
         || all_methods().iter().any(|method| method.takes(key))
 }
 

@@ -34,6 +34,7 @@ use super::metrics::{
     MeasureSettings, SpanReport, UnitMeasure,
 };
 use super::plan::Plan;
+use super::quantizer::bytes_at_cut;
 use super::select::ranking;
 use super::Layers;
 use super::{
@@ -262,7 +263,10 @@ fn measure_pass(
     Ok(policies
         .iter()
         .zip(per_policy)
-        .map(|(policy, layers)| summarise(trace, policy, layers))
+        .map(|(policy, layers)| {
+            let nominal = nominal_budget(trace, policy).expect("resolved for its layer budgets");
+            summarise(trace, policy, layers, nominal)
+        })
         .collect())
 }
 
@@ -675,6 +679,32 @@ fn for_each_layer<T: Send>(
         .collect()
 }
 
+/// The policy's nominal budget on `trace`: its `budget`, or, given `bytes`, the most tokens whose
+/// cache, as its quantizer stores it, holds at most that fraction of the full prompt cache's bytes
+/// at the prompt's end ([`bytes_at_cut`]; not monotone: a KIVI cache sheds bytes each time a block
+/// of keys is quantized, so every size is tried).
+pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize, PolicyError> {
+    let params = policy.params();
+    let Some(fraction) = params.bytes else {
+        return Ok(params.budget);
+    };
+    let meta = trace.meta();
+    let (prompt_len, d, width) = (meta.prompt_len, meta.head_dim, trace.element_bytes());
+    let scheme = policy.scheme();
+    let full = bytes_at_cut(None, prompt_len, d, width);
+    let protected = params.protection().tokens().max(1);
+    (protected..=prompt_len)
+        .rev()
+        .find(|&n| bytes_at_cut(scheme.as_ref(), n, d, width) <= fraction * full)
+        .ok_or_else(|| PolicyError::TraceMismatch {
+            path: trace.path().display().to_string(),
+            rule: format!(
+                "bytes {fraction}: a cache of {protected} tokens (the protected sinks and window, or one) already holds {} bytes, more than {fraction} of the full prompt cache's {full}",
+                bytes_at_cut(scheme.as_ref(), protected, d, width)
+            ),
+        })
+}
+
 fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
@@ -742,7 +772,7 @@ fn layer_budgets_with_progress(
     };
     let allocated = policy.allocator.allocate(&AllocationInput {
         n_layers: compressed.len(),
-        budget: params.budget,
+        budget: nominal_budget(trace, policy)?,
         prompt_len,
         protect: params.protection(),
         profiles: &profiles,
@@ -767,6 +797,7 @@ fn summarise(
     trace: &TraceReader,
     policy: &ValidPolicy,
     mut layers: Vec<LayerReport>,
+    nominal_budget: usize,
 ) -> ReplayReport {
     let meta = trace.meta();
     if policy.params().timing.reselects() {
@@ -816,7 +847,7 @@ fn summarise(
         trace: trace.path().display().to_string(),
         policy: policy.label(),
         settings: policy.settings(),
-        nominal_budget: policy.params().budget,
+        nominal_budget,
         metrics: layers[0]
             .metrics
             .keys()

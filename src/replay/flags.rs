@@ -16,8 +16,12 @@ pub fn common_flags() -> Vec<clap::Arg> {
             let values = (common.values)();
             let arg = clap::Arg::new(common.key)
                 .long(common.key.replace('_', "-"))
-                .value_name(common.key.to_uppercase())
-                .default_value(settings::text(&defaults[common.key]));
+                .value_name(common.key.to_uppercase());
+            // A setting without a default (`bytes`) is left out unless given.
+            let arg = match &defaults[common.key] {
+                serde_json::Value::Null => arg,
+                default => arg.default_value(settings::text(default)),
+            };
             match (values.is_empty(), common.fixed) {
                 (true, _) => arg.help(common.about),
                 (false, true) => arg
@@ -89,9 +93,10 @@ pub fn policy_params(matches: &clap::ArgMatches) -> Result<PolicyParams, String>
             continue;
         };
         // A name stays a string even where it reads as a number (`--scorer 1`).
-        let value = match (common.values)().is_empty() {
-            false => serde_json::Value::from(text.as_str()),
-            true => serde_json::Value::from(text.parse::<u64>().map_err(|_| {
+        let value = match ((common.values)().is_empty(), common.whole) {
+            (false, _) => serde_json::Value::from(text.as_str()),
+            (true, false) => settings::from_flag(text),
+            (true, true) => serde_json::Value::from(text.parse::<u64>().map_err(|_| {
                 let flag = common.key.replace('_', "-");
                 format!("--{flag}: `{text}` is not a whole number of tokens")
             })?),

@@ -37,8 +37,8 @@ mod timing;
 pub use allocator::Rounding;
 pub(crate) use engine::units;
 pub use engine::{
-    compressed_layers, kept_sets, layer_budgets, protocol_view, replay, replay_keeping,
-    replay_many, LayerDone, ReplayReport,
+    compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
+    replay_keeping, replay_many, LayerDone, ReplayReport,
 };
 pub use error::PolicyError;
 pub(crate) use kept::selection_groups;

@@ -37,6 +37,14 @@ pub struct PolicyParams {
     pub interval: usize,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
+    /// A budget in bytes, in place of `budget`: a fraction of the full prompt cache's bytes (0.125
+    /// or "1/8"), resolved on each trace to the most tokens whose cache, as the quantizer stores
+    /// it, fits in it at the prompt's end. Left out of the serialised form when not given.
+    #[serde(
+        skip_serializing_if = "Option::is_none",
+        deserialize_with = "fraction::deserialize"
+    )]
+    pub bytes: Option<f64>,
     /// First positions always kept (attention sinks).
     pub sinks: usize,
     /// Recent tokens always kept; also SnapKV's observation window.
@@ -64,6 +72,40 @@ pub struct PolicyParams {
     pub settings: BTreeMap<String, Value>,
 }
 
+/// A fraction given as a number or as `"a/b"`.
+mod fraction {
+    use serde::{Deserialize, Deserializer};
+
+    #[derive(Deserialize)]
+    #[serde(untagged)]
+    enum Given {
+        Number(f64),
+        Text(String),
+    }
+
+    pub fn deserialize<'de, D: Deserializer<'de>>(
+        deserializer: D,
+    ) -> Result<Option<f64>, D::Error> {
+        let given: Option<Given> = Option::deserialize(deserializer)?;
+        given
+            .map(|given| match given {
+                Given::Number(number) => Ok(number),
+                Given::Text(text) => parse(&text).ok_or_else(|| {
+                    serde::de::Error::custom(format!("`{text}` is not a fraction (0.125 or 1/8)"))
+                }),
+            })
+            .transpose()
+    }
+
+    /// `a/b`, or a number.
+    fn parse(text: &str) -> Option<f64> {
+        match text.split_once('/') {
+            Some((a, b)) => Some(a.trim().parse::<f64>().ok()? / b.trim().parse::<f64>().ok()?),
+            None => text.trim().parse().ok(),
+        }
+    }
+}
+
 /// Whether `interval` is the default, one eviction per arriving token.
 fn is_every_token(interval: &usize) -> bool {
     *interval == 1
@@ -88,6 +130,9 @@ pub struct Common {
     /// Whether only those values parse (a fixed set); otherwise they are the registered names,
     /// which the policy's check looks up with its own message.
     pub fixed: bool,
+    /// For a number (no values): whether it is a whole number; otherwise a fraction, given as a
+    /// number or `a/b`.
+    pub whole: bool,
 }
 
 /// The names of a clap value enum.
@@ -111,24 +156,28 @@ pub const COMMON: &[Common] = &[
         about: "How many tokens each layer keeps",
         values: || registered(allocator::REGISTRY),
         fixed: false,
+        whole: true,
     },
     Common {
         key: "scorer",
         about: "Which tokens",
         values: || registered(scorer::REGISTRY),
         fixed: false,
+        whole: true,
     },
     Common {
         key: "heads",
         about: "How a layer's budget is shared among its caches (a head split)",
         values: || registered(head_split::REGISTRY),
         fixed: false,
+        whole: true,
     },
     Common {
         key: "timing",
         about: "When the kept set is chosen",
         values: variants::<Timing>,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "order",
@@ -136,42 +185,56 @@ pub const COMMON: &[Common] = &[
             "Under a streaming timing: whether a step's query attends before or after its eviction",
         values: variants::<Order>,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "interval",
         about: "Under a streaming timing: tokens the cache grows past its budget before one compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV)",
         values: Vec::new,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "budget",
         about: "Nominal tokens per cache (mean over layers), sinks and window included",
         values: Vec::new,
         fixed: true,
+        whole: true,
+    },
+    Common {
+        key: "bytes",
+        about: "A budget as a fraction of the full cache's bytes (0.125 or 1/8), in place of `budget`: the most tokens whose cache, as stored, fits it at the prompt's end",
+        values: Vec::new,
+        fixed: true,
+        whole: false,
     },
     Common {
         key: "sinks",
         about: "Protected first tokens (attention sinks)",
         values: Vec::new,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "window",
         about: "Protected recent tokens; SnapKV's observation window",
         values: Vec::new,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "gqa",
         about: "Cache granularity under grouped-query attention",
         values: variants::<Granularity>,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "layers",
         about: "On a model with sliding-window layers, which layers the budget compresses",
         values: variants::<Layers>,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "protocol",
@@ -179,18 +242,21 @@ pub const COMMON: &[Common] = &[
             "Where the cut falls: at the prompt's end, or before the question (kvpress's pipeline)",
         values: variants::<Protocol>,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "top_k",
         about: "k of the top-k recall",
         values: Vec::new,
         fixed: true,
+        whole: true,
     },
     Common {
         key: "quantizer",
         about: "How the kept keys and values are stored",
         values: || registered(quantizer::REGISTRY),
         fixed: false,
+        whole: true,
     },
 ];
 
@@ -209,6 +275,7 @@ impl Default for PolicyParams {
             order: Order::EvictFirst,
             interval: 1,
             budget: 128,
+            bytes: None,
             sinks: 0,
             window: 8,
             gqa: Granularity::KvHead,
@@ -245,6 +312,7 @@ impl PolicyParams {
         values.retain(|key, _| common_keys().any(|common| common == key));
         values.insert("order".into(), Value::from(self.order.name()));
         values.insert("interval".into(), Value::from(self.interval));
+        values.insert("bytes".into(), Value::from(self.bytes));
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
         values.insert("quantizer".into(), Value::from(self.quantizer.as_str()));
@@ -447,6 +515,13 @@ impl PolicyParams {
         }
         if self.interval == 0 {
             return Err(invalid("interval", "0".into(), "must be at least 1"));
+        }
+        if let Some(bytes) = self.bytes.filter(|b| !(*b > 0.0 && *b <= 1.0)) {
+            return Err(invalid(
+                "bytes",
+                bytes.to_string(),
+                "must be a fraction of the full cache's bytes in (0, 1]",
+            ));
         }
         let registered_allocator = match external.allocator {
             None => Some(lookup("allocator", allocator::REGISTRY, &self.allocator)?),
@@ -692,6 +767,10 @@ impl ValidPolicy {
             Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),
             None => String::new(),
         };
+        let quantized = match self.params.bytes {
+            Some(bytes) => format!("{quantized} at {bytes} of the bytes"),
+            None => quantized,
+        };
         format!(
             "{}{heads}+{}@{}{interval}{protocol}{quantized}",
             self.params.allocator,
@@ -723,6 +802,7 @@ mod tests {
         let params = PolicyParams {
             order: Order::AttendFirst,
             interval: 4,
+            bytes: Some(0.5),
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
             quantizer: "kivi".into(),

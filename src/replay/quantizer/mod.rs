@@ -71,6 +71,32 @@ impl Scheme {
     }
 }
 
+/// Bytes one cache holds right after the prompt's cut when it keeps `n` entries of head size `d`
+/// at full-precision width `width` (bytes), stored by `scheme` (`None`: as captured): what a
+/// budget in bytes is resolved against ([`QuantizedCache::bytes`] counts the same while decoding).
+pub fn bytes_at_cut(scheme: Option<&Scheme>, n: usize, d: usize, width: usize) -> f64 {
+    let width = width as f64;
+    let Some(scheme) = scheme else {
+        return (n * 2 * d) as f64 * width;
+    };
+    let stream = |grouping: Grouping| -> f64 {
+        let (quantized, groups) = match grouping {
+            Grouping::PerToken => {
+                let quantized = n.saturating_sub(scheme.residual);
+                (quantized, quantized * d.div_ceil(scheme.group_size))
+            }
+            Grouping::PerChannel => {
+                let quantized = n / scheme.residual * scheme.residual;
+                (quantized, quantized / scheme.group_size * d)
+            }
+        };
+        (n - quantized) as f64 * d as f64 * width
+            + quantized as f64 * d as f64 * scheme.bits as f64 / 8.0
+            + groups as f64 * 2.0 * width
+    };
+    stream(scheme.keys) + stream(scheme.values)
+}
+
 /// The bit widths a quantizer takes, beside 16 (the cache as captured).
 pub const BITS: [u32; 3] = [2, 4, 8];
 
@@ -147,6 +173,49 @@ mod tests {
             .iter()
             .zip(&original)
             .all(|(a, b)| (a - b).abs() <= step / 2.0 + 1e-6));
+    }
+
+    #[test]
+    fn bytes_at_the_cut_are_what_the_cache_holds_there() {
+        // Every prompt size, both groupings, against the stream's own count right after the cut
+        // (the prompt's entries arrived and settled, the first decode token not yet in).
+        let keys = ndarray::Array2::from_shape_fn((40, 8), |(j, c)| (j * 8 + c) as f32);
+        for scheme in [
+            Scheme {
+                bits: 2,
+                group_size: 4,
+                residual: 8,
+                keys: Grouping::PerChannel,
+                values: Grouping::PerToken,
+            },
+            Scheme {
+                bits: 4,
+                group_size: 8,
+                residual: 3,
+                keys: Grouping::PerToken,
+                values: Grouping::PerToken,
+            },
+        ] {
+            for n in 0..32 {
+                let mut cache = QuantizedCache::new(scheme, keys.view(), None);
+                cache.step(&(0..n).collect::<Vec<_>>(), n);
+                assert_eq!(
+                    bytes_at_cut(Some(&scheme), n, 8, 2),
+                    cache.bytes(8, 2),
+                    "{scheme:?} {n}"
+                );
+            }
+        }
+        assert_eq!(bytes_at_cut(None, 10, 8, 2), 320.0);
+        // KIVI keys quantize a block at `residual`: 8 entries hold fewer bytes than 7.
+        let kivi = Scheme {
+            bits: 2,
+            group_size: 4,
+            residual: 8,
+            keys: Grouping::PerChannel,
+            values: Grouping::PerToken,
+        };
+        assert!(bytes_at_cut(Some(&kivi), 8, 8, 2) < bytes_at_cut(Some(&kivi), 7, 8, 2));
     }
 
     #[test]
