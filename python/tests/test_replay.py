@@ -64,6 +64,14 @@ def test_a_quantized_cache_equals_the_command_line_and_reports_its_bytes(cli, tr
     plain = kvreplay.replay(trace, scorer="snapkv", budget=64).runs.row(0, named=True)
     assert ours["kv_bytes"] < plain["kv_bytes"]
     assert ours["output_error"] > plain["output_error"]
+    # A budget in bytes: the same memory buys more tokens from the quantized cache.
+    at_eighth = kvreplay.replay(trace, policies=[{}, {"quantizer": "kivi", "bits": 4, "residual": 32}], bytes="1/8").runs
+    code, out, err = run_cli(cli, "replay", trace_path, "--bytes", "1/8", "--format", "json", "--no-layers")
+    assert code == 0, err
+    expected = json.loads(out)
+    expected = expected[0] if isinstance(expected, list) else expected
+    assert at_eighth["budget"][0] == expected["nominal_budget"]
+    assert at_eighth["budget"][1] > at_eighth["budget"][0]
 
 
 def test_several_policies_in_one_pass(trace):
