@@ -28,6 +28,15 @@ fn stdout(cmd: &mut Command) -> String {
     String::from_utf8(output).unwrap()
 }
 
+/// Runs `kvreplay args` in `dir` and requires exit 2 with `message` in its error.
+fn refused(dir: &tempfile::TempDir, args: &[&str], message: &str) {
+    kvreplay(dir)
+        .args(args)
+        .assert()
+        .code(2)
+        .stderr(predicates::str::contains(message));
+}
+
 #[test]
 fn replay_markdown_table() {
     let dir = fixture();
@@ -147,38 +156,35 @@ fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
     assert_eq!(kivi[0], "flat+snapkv@prefill kivi 2-bit");
     let kib = |row: &[String]| row[6].parse::<f64>().unwrap();
     assert!(kib(&kivi) < kib(&plain), "{kivi:?} vs {plain:?}");
-    kvreplay(&dir)
-        .args([
+    refused(
+        &dir,
+        &[
             "replay",
             "fixture.safetensors",
             "--quantizer",
             "kivi",
             "--bits",
             "3",
-        ])
-        .assert()
-        .code(2)
-        .stderr(predicates::str::contains(
-            "quantizer `kivi`: setting `bits` = 3: must be 2, 4 or 8",
-        ));
-    kvreplay(&dir)
-        .args([
+        ],
+        "quantizer `kivi`: setting `bits` = 3: must be 2, 4 or 8",
+    );
+    refused(
+        &dir,
+        &[
             "replay",
             "fixture.safetensors",
             "--quantizer",
             "per-token",
             "--group-size",
             "3",
-        ])
-        .assert()
-        .code(2)
-        .stderr(predicates::str::contains(
-            "quantizer `per-token`: group_size 3 must divide the head size (4)",
-        ));
+        ],
+        "quantizer `per-token`: group_size 3 must divide the head size (4)",
+    );
 }
 
 /// `--interval N` spaces a streaming policy's evictions (the label says so); under a one-shot
-/// timing, or with CAKE's ordered cache, it exits 2 naming the rule.
+/// timing, with CAKE's ordered cache, or at 0, it exits 2 naming the rule, as does a budget in
+/// bytes that the protected window alone exceeds.
 #[test]
 fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
     let dir = fixture();
@@ -200,34 +206,34 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
         out.contains("flat+tova@prefill-then-stream every 4,"),
         "{out}"
     );
-    kvreplay(&dir)
-        .args(["replay", "fixture.safetensors", "--interval", "4"])
-        .assert()
-        .code(2)
-        .stderr(predicates::str::contains(
-            "interval 4 spaces a streaming eviction: use --timing streaming or prefill-then-stream",
-        ));
-    kvreplay(&dir)
-        .args([
-            "replay",
-            "fixture.safetensors",
-            "--scorer",
-            "cake",
-            "--timing",
-            "prefill-then-stream",
-            "--interval",
-            "4",
-        ])
-        .assert()
-        .code(2)
-        .stderr(predicates::str::contains(
-            "scorer `cake` with interval 4 keeps its own cache order through single evictions",
-        ));
-    kvreplay(&dir)
-        .args(["replay", "fixture.safetensors", "--interval", "0"])
-        .assert()
-        .code(2)
-        .stderr(predicates::str::contains("interval"));
+    refused(
+        &dir,
+        &["replay", "fixture.safetensors", "--interval", "4"],
+        "interval 4 spaces a streaming eviction: use --timing streaming or prefill-then-stream",
+    );
+    let cake = [
+        "--scorer",
+        "cake",
+        "--timing",
+        "prefill-then-stream",
+        "--interval",
+        "4",
+    ];
+    refused(
+        &dir,
+        &[&["replay", "fixture.safetensors"][..], &cake].concat(),
+        "scorer `cake` with interval 4 keeps its own cache order through single evictions",
+    );
+    refused(
+        &dir,
+        &["replay", "fixture.safetensors", "--interval", "0"],
+        "parameter `interval` = 0: must be at least 1",
+    );
+    refused(
+        &dir,
+        &["replay", "fixture.safetensors", "--bytes", "1/2000"],
+        "bytes 0.0005: a cache of 8 tokens (the protected sinks and window, or one) already holds",
+    );
 }
 
 /// `--layers all` on a trace whose first layer slides over 6 positions: one CSV row per layer

@@ -10,11 +10,29 @@ use kvreplay::replay::{
     PolicyError, PolicyParams, Timing, UnitKept,
 };
 use kvreplay::trace::TraceReader;
+use ndarray::Array3;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
 
 fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
     common::fixture_policy(scorer, timing, budget, 0)
+}
+
+/// Layer `index` of a fixture of `shape` as the reference reads it.
+fn fixture_layer<'a>(
+    (q, k, v): (&'a Array3<f32>, &'a Array3<f32>, &'a Array3<f32>),
+    shape: Shape,
+    index: usize,
+) -> Layer<'a> {
+    Layer {
+        q,
+        k,
+        v,
+        prompt_len: shape.prompt_len,
+        scale: 0.5,
+        index,
+        rope_theta: common::ROPE_THETA as f64,
+    }
 }
 
 /// Every registered scorer, every timing it supports (streaming ones in both orders of attend and
@@ -75,15 +93,7 @@ fn engine_matches_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = Layer {
-                            q,
-                            k,
-                            v,
-                            prompt_len: shape.prompt_len,
-                            scale: 0.5,
-                            index,
-                            rope_theta: common::ROPE_THETA as f64,
-                        };
+                        let layer = fixture_layer((q, k, v), shape, index);
                         let reference_policy = reference::Policy {
                             rule: rule.as_ref(),
                             timing,
@@ -300,15 +310,7 @@ fn quantized_caches_match_brute_force_reference() {
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = Layer {
-                            q,
-                            k,
-                            v,
-                            prompt_len: shape.prompt_len,
-                            scale: 0.5,
-                            index,
-                            rope_theta: common::ROPE_THETA as f64,
-                        };
+                        let layer = fixture_layer((q, k, v), shape, index);
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
                         let sets: Vec<Vec<Vec<usize>>> = kept
                             .kept
