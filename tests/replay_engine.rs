@@ -18,6 +18,19 @@ fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
     common::fixture_policy(scorer, timing, budget, 0)
 }
 
+/// Every metric of `got` within 1e-5 of the reference's `expected` (1e-4 for the value gap: an
+/// f32 engine against an f64 reference).
+fn assert_metrics_agree(got: &kvreplay::replay::LayerReport, expected: &[(&str, f64)], case: &str) {
+    for &(id, want) in expected {
+        let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
+        let value = got.metric(id).unwrap();
+        assert!(
+            (value - want).abs() < tolerance,
+            "{case} {id}: {value} vs {want}"
+        );
+    }
+}
+
 /// Layer `index` of a fixture of `shape` as the reference reads it.
 fn fixture_layer<'a>(
     (q, k, v): (&'a Array3<f32>, &'a Array3<f32>, &'a Array3<f32>),
@@ -124,14 +137,7 @@ fn engine_matches_brute_force_reference() {
                         )
                         .unwrap_or_else(|missing| panic!("{missing}"));
                         let got = &report.layers[index];
-                        for &(id, want) in &expected {
-                            let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
-                            let value = got.metric(id).unwrap();
-                            assert!(
-                                (value - want).abs() < tolerance,
-                                "{scorer} {id}: {value} vs {want}"
-                            );
-                        }
+                        assert_metrics_agree(got, &expected, scorer);
                         // The lost mass, by region and by time, adds up to what was not kept;
                         // only the timing's own kinds of loss occur.
                         let retained = expected.iter().find(|(id, _)| *id == "retained_mass");
@@ -343,15 +349,9 @@ fn quantized_caches_match_brute_force_reference() {
                         )
                         .unwrap();
                         let got = &report.layers[index];
-                        for &(id, want) in &expected {
-                            let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
-                            let value = got.metric(id).unwrap();
-                            assert!(
-                                (value - want).abs() < tolerance,
-                                "{} {scorer} {timing:?} {gqa:?} seed {seed} {id}: {value} vs {want}",
-                                method.name
-                            );
-                        }
+                        let case =
+                            format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
+                        assert_metrics_agree(got, &expected, &case);
                         let quantized_mass = got.metric("retained_mass").unwrap();
                         let plain_mass = plain.layers[index].metric("retained_mass").unwrap();
                         assert!(
