@@ -96,6 +96,8 @@ def test_layer_and_sample_frames(trace):
     assert samples.height == trace.n_layers * trace.n_heads * steps
     per_layer = samples.group_by("layer").agg(pl.col("retained_mass").mean()).sort("layer")
     assert per_layer["retained_mass"].to_list() == pytest.approx(layers["retained_mass"].to_list(), rel=1e-12)
+    # Bytes per layer: the layers' mean is the run's (every layer global here).
+    assert layers["kv_bytes"].mean() == pytest.approx(results.runs["kv_bytes"][0], rel=1e-12)
 
 
 def test_kept_masks(trace):

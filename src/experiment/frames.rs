@@ -79,7 +79,8 @@ fn closed_loop_columns(closed: &[&ClosedLoop]) -> Vec<Column> {
 }
 
 /// One row per run and layer it measured: id, policy, layer (its index among the measured
-/// layers), the layer's budget and mean kept, and each metric's layer mean.
+/// layers), the layer's budget, mean kept and bytes held (NaN for runs stored before they were
+/// kept), and each metric's layer mean.
 pub fn layers_frame(runs: &[StoredRun]) -> PolarsResult<DataFrame> {
     let rows: Vec<(&StoredRun, usize)> = runs
         .iter()
@@ -100,6 +101,11 @@ pub fn layers_frame(runs: &[StoredRun]) -> PolarsResult<DataFrame> {
         float(
             "mean_kept",
             rows.iter().map(|(run, l)| run.report.layer_kept[*l]),
+        ),
+        float(
+            "kv_bytes",
+            rows.iter()
+                .map(|(run, l)| run.report.layer_bytes.get(*l).copied().unwrap_or(f64::NAN)),
         ),
     ]);
     columns.extend(metric_ids(runs).into_iter().map(|id| {

@@ -145,6 +145,10 @@ pub struct StoredReport {
     pub layer_budgets: Vec<usize>,
     /// Per layer: mean kept.
     pub layer_kept: Vec<f64>,
+    /// Per layer: bytes held ([`LayerReport::kv_bytes`](crate::replay::LayerReport)); empty in
+    /// runs stored before they were kept.
+    #[serde(default)]
+    pub layer_bytes: Vec<f64>,
     /// Each metric per layer, by id.
     pub layer_metrics: BTreeMap<String, Vec<f64>>,
     /// Each metric per layer, query head and decode step, by id.
@@ -204,6 +208,7 @@ impl From<&ReplayReport> for StoredReport {
             mean_kept: report.mean_kept,
             layer_budgets: report.layers.iter().map(|l| l.budget).collect(),
             layer_kept: report.layers.iter().map(|l| l.mean_kept).collect(),
+            layer_bytes: report.layers.iter().map(|l| l.kv_bytes).collect(),
             layer_metrics: report
                 .metrics
                 .keys()

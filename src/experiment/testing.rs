@@ -14,6 +14,7 @@ pub fn closed_run(name: &str, open: [f64; 2], live: Option<[f64; 2]>, kl: f64) -
         mean_kept: 64.0,
         layer_budgets: vec![64, 64],
         layer_kept: vec![64.0, 64.0],
+        layer_bytes: Vec::new(),
         layer_metrics: BTreeMap::from([(RETAINED_MASS.to_string(), open.to_vec())]),
         samples: BTreeMap::new(),
         spans: Vec::new(),
