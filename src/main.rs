@@ -96,6 +96,23 @@ enum Command {
         /// Comma-separated preset names (default: every preset, in `kvreplay methods` order).
         #[arg(long, value_delimiter = ',')]
         presets: Option<Vec<String>>,
+        /// A budget in bytes for every preset, in place of `--budget`: a fraction of the full
+        /// prompt cache's bytes (0.125 or 1/8).
+        #[arg(long)]
+        bytes: Option<String>,
+        /// How every preset's kept keys and values are stored (`kvreplay methods` lists the
+        /// quantizers).
+        #[arg(long)]
+        quantizer: Option<String>,
+        /// The quantizer's bits.
+        #[arg(long)]
+        bits: Option<u32>,
+        /// The quantizer's elements per group.
+        #[arg(long)]
+        group_size: Option<u32>,
+        /// The quantizer's full-precision window of newest entries.
+        #[arg(long)]
+        residual: Option<u32>,
         #[command(flatten)]
         output: OutputArgs,
     },
@@ -227,12 +244,28 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             trace,
             budget,
             presets: names,
+            bytes,
+            quantizer,
+            bits,
+            group_size,
+            residual,
             output,
         } => {
             let names =
                 names.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
+            let settings: serde_json::Map<String, serde_json::Value> = [
+                ("bytes", bytes.map(serde_json::Value::from)),
+                ("quantizer", quantizer.map(serde_json::Value::from)),
+                ("bits", bits.map(serde_json::Value::from)),
+                ("group_size", group_size.map(serde_json::Value::from)),
+                ("residual", residual.map(serde_json::Value::from)),
+            ]
+            .into_iter()
+            .filter_map(|(key, value)| Some((key.to_owned(), value?)))
+            .collect();
             let reader = TraceReader::open(&trace)?;
-            print!("{}", commands::compare(&reader, budget, &names, &output)?);
+            let run = (budget, &settings);
+            print!("{}", commands::compare(&reader, run, &names, &output)?);
         }
         Command::Demo { budget } => commands::demo(budget)?,
         Command::Sweep {

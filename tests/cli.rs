@@ -182,6 +182,52 @@ fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
     );
 }
 
+/// `compare --bytes --quantizer --bits` sets a budget in bytes and a quantizer over every preset:
+/// a 4-bit cache keeps more tokens in the same bytes.
+#[test]
+fn compare_sets_bytes_and_a_quantizer_over_every_preset() {
+    let dir = fixture();
+    let budgets = |extra: &[&str]| -> Vec<(String, usize)> {
+        let mut args = vec!["compare", "fixture.safetensors", "--presets", "snapkv,tova"];
+        args.extend_from_slice(extra);
+        args.extend_from_slice(&["--format", "json", "--no-layers"]);
+        let out: serde_json::Value =
+            serde_json::from_str(&stdout(kvreplay(&dir).args(&args))).unwrap();
+        out.as_array()
+            .unwrap()
+            .iter()
+            .map(|r| {
+                (
+                    r["policy"].as_str().unwrap().to_owned(),
+                    r["nominal_budget"].as_u64().unwrap() as usize,
+                )
+            })
+            .collect()
+    };
+    let plain = budgets(&["--bytes", "1/2"]);
+    let quantized = budgets(&[
+        "--bytes",
+        "1/2",
+        "--quantizer",
+        "per-token",
+        "--bits",
+        "4",
+        "--group-size",
+        "4",
+    ]);
+    assert_eq!(
+        plain[0].0,
+        "snapkv (flat+snapkv@prefill at 0.5 of the bytes)"
+    );
+    assert_eq!(
+        quantized[1].0,
+        "tova (flat+tova@prefill-then-stream per-token 4-bit at 0.5 of the bytes)"
+    );
+    for (plain, quantized) in plain.iter().zip(&quantized) {
+        assert!(quantized.1 > plain.1, "{plain:?} vs {quantized:?}");
+    }
+}
+
 /// `--interval N` spaces a streaming policy's evictions (the label says so); under a one-shot
 /// timing, with CAKE's ordered cache, or at 0, it exits 2 naming the rule, as does a budget in
 /// bytes that the protected window alone exceeds.

@@ -168,19 +168,22 @@ pub fn replay(
 }
 
 /// Replays named presets of the classic methods at one budget (default: every preset), labelled
-/// as `kvreplay compare` labels them.
+/// as `kvreplay compare` labels them; keyword settings (`quantizer`, `bits`, `bytes`...) are set
+/// over every preset.
 #[pyfunction]
-#[pyo3(signature = (trace, budget=128, presets=None, threads=None))]
+#[pyo3(signature = (trace, budget=128, presets=None, threads=None, **settings))]
 pub fn compare(
     py: Python<'_>,
     trace: &Bound<'_, PyAny>,
     budget: usize,
     presets: Option<Vec<String>>,
     threads: Option<usize>,
+    settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Results> {
     let trace = Trace::from_arg(trace)?.into_bound(py);
     let names = presets.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
-    let policies = presets::labelled(&names, budget)
+    let settings = settings_map(settings, &[])?;
+    let policies = presets::labelled(&names, budget, &settings)
         .map_err(raised)?
         .into_iter()
         .map(|(name, checked)| {

@@ -72,6 +72,10 @@ def test_a_quantized_cache_equals_the_command_line_and_reports_its_bytes(cli, tr
     expected = expected[0] if isinstance(expected, list) else expected
     assert at_eighth["budget"][0] == expected["nominal_budget"]
     assert at_eighth["budget"][1] > at_eighth["budget"][0]
+    # `compare` sets the same over every preset.
+    compared = kvreplay.compare(trace, presets=["snapkv", "tova"], bytes="1/8", quantizer="kivi", bits=4, residual=32).runs
+    assert compared["policy"][1] == "tova (flat+tova@prefill-then-stream kivi 4-bit at 0.125 of the bytes)"
+    assert compared["budget"].to_list() == [at_eighth["budget"][1]] * 2
 
 
 def test_several_policies_in_one_pass(trace):

@@ -103,12 +103,13 @@ pub fn capture_recipe(
 
 pub fn compare(
     reader: &TraceReader,
-    budget: usize,
+    (budget, settings): (usize, &serde_json::Map<String, serde_json::Value>),
     names: &[String],
     output: &OutputArgs,
 ) -> Result<String> {
-    let (labels, policies): (Vec<String>, Vec<_>) =
-        presets::labelled(names, budget)?.into_iter().unzip();
+    let (labels, policies): (Vec<String>, Vec<_>) = presets::labelled(names, budget, settings)?
+        .into_iter()
+        .unzip();
     let reports = replay_all(reader, &policies, output.threads)?;
     let labelled: Vec<ReplayReport> = reports
         .into_iter()
@@ -156,7 +157,11 @@ pub fn demo(budget: usize) -> Result<()> {
         threads: None,
     };
     let names: Vec<String> = presets::NAMES.iter().map(|n| n.to_string()).collect();
-    print!("{}", compare(&reader, budget, &names, &output)?);
+    let settings = serde_json::Map::new();
+    print!(
+        "{}",
+        compare(&reader, (budget, &settings), &names, &output)?
+    );
     Ok(())
 }
 

@@ -158,16 +158,20 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
     })
 }
 
-/// The presets `names` at `budget`, checked, each labelled `name (label)` as `kvreplay compare`
-/// labels them (`snapkv (flat+snapkv@prefill)`).
+/// The presets `names` at `budget`, each with `settings` set over it (a quantizer, a budget in
+/// bytes), checked, each labelled `name (label)` as `kvreplay compare` labels them (`snapkv
+/// (flat+snapkv@prefill)`).
 pub fn labelled(
     names: &[String],
     budget: usize,
+    settings: &Map<String, Value>,
 ) -> Result<Vec<(String, ValidPolicy)>, PolicyError> {
     names
         .iter()
         .map(|name| {
-            let policy = preset(name, budget)?.check()?;
+            let params = overlay(&preset(name, budget)?, settings)
+                .map_err(|err| PolicyError::Malformed(err.to_string()))?;
+            let policy = params.check()?;
             Ok((format!("{name} ({})", policy.label()), policy))
         })
         .collect()
