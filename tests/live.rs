@@ -230,6 +230,17 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
                 .map(|&(timing, order)| evicting_live(timing, order, budget).check().unwrap()),
         );
     }
+    // Compressions every 4 tokens, as kvpress's DecodingPress and R-KV run them.
+    for (timing, order) in [
+        (Timing::PrefillThenStream, Order::AttendFirst),
+        (Timing::Streaming, Order::EvictFirst),
+    ] {
+        let every_four = PolicyParams {
+            interval: 4,
+            ..evicting_live(timing, order, 12)
+        };
+        policies.push(every_four.check().unwrap());
+    }
     let alone = session
         .run_batched(&policies, Batching::ONE_AT_A_TIME)
         .unwrap();

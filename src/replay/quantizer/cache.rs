@@ -147,23 +147,29 @@ impl QuantizedCache {
     /// prompt's kept entries at the cut, as KIVI's prefill), what is due is quantized, then
     /// `newest` arrives at full precision, so the step's query reads it as captured.
     pub fn step(&mut self, held: &[usize], newest: usize) {
-        let before = std::mem::take(&mut self.held);
+        let before = &self.held;
         for &j in before.iter().filter(|j| held.binary_search(j).is_err()) {
             self.keys.evict(j);
             self.values.evict(j);
         }
-        let arriving = held.iter().filter(|j| before.binary_search(j).is_err());
-        for &j in arriving.clone().filter(|&&j| j != newest) {
-            self.keys.full.push_back(j);
-            self.values.full.push_back(j);
+        let mut newest_arrives = false;
+        for &j in held.iter().filter(|j| before.binary_search(j).is_err()) {
+            match j == newest {
+                true => newest_arrives = true,
+                false => {
+                    self.keys.full.push_back(j);
+                    self.values.full.push_back(j);
+                }
+            }
         }
         self.keys.settle(&self.scheme);
         self.values.settle(&self.scheme);
-        if held.contains(&newest) && before.binary_search(&newest).is_err() {
+        if newest_arrives {
             self.keys.full.push_back(newest);
             self.values.full.push_back(newest);
         }
-        self.held = held.to_vec();
+        self.held.clear();
+        self.held.extend_from_slice(held);
     }
 
     /// The keys as held, `[T, d]` (positions never held are as captured).
