@@ -202,10 +202,12 @@ fn measure_pass(
     layer_done: LayerDone<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
-    let budgets = policies
+    let (nominal, budgets): (Vec<usize>, Vec<Vec<usize>>) = policies
         .iter()
         .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
-        .collect::<Result<Vec<_>, _>>()?;
+        .collect::<Result<Vec<_>, _>>()?
+        .into_iter()
+        .unzip();
     let external_failure = || {
         policies
             .iter()
@@ -263,10 +265,8 @@ fn measure_pass(
     Ok(policies
         .iter()
         .zip(per_policy)
-        .map(|(policy, layers)| {
-            let nominal = nominal_budget(trace, policy).expect("resolved for its layer budgets");
-            summarise(trace, policy, layers, nominal)
-        })
+        .zip(nominal)
+        .map(|((policy, layers), nominal)| summarise(trace, policy, layers, nominal))
         .collect())
 }
 
@@ -646,7 +646,7 @@ pub fn kept_sets(
 /// sliding-window layer's entry is its window, which it keeps whatever the policy.
 pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
     let view = protocol_view(trace, policy)?;
-    let budgets = layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})?;
+    let (_, budgets) = layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})?;
     policy.check_external()?;
     Ok(budgets)
 }
@@ -705,11 +705,12 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
         })
 }
 
+/// The policy's nominal budget on `trace` ([`nominal_budget`]) and every layer's budget.
 fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
     layer_done: LayerDone<'_>,
-) -> Result<Vec<usize>, PolicyError> {
+) -> Result<(usize, Vec<usize>), PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
@@ -770,9 +771,10 @@ fn layer_budgets_with_progress(
     } else {
         Vec::new()
     };
+    let nominal = nominal_budget(trace, policy)?;
     let allocated = policy.allocator.allocate(&AllocationInput {
         n_layers: compressed.len(),
-        budget: nominal_budget(trace, policy)?,
+        budget: nominal,
         prompt_len,
         protect: params.protection(),
         profiles: &profiles,
@@ -790,7 +792,7 @@ fn layer_budgets_with_progress(
         }
         budgets[layer] = budget;
     }
-    Ok(budgets)
+    Ok((nominal, budgets))
 }
 
 fn summarise(

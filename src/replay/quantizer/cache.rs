@@ -108,14 +108,12 @@ impl Stream {
     /// Bytes held: full-precision elements at `width` bytes, integers at `bits`, and one scale and
     /// one minimum at `width` per group with a held member (per token: per `group_size` channels
     /// of each quantized token; per channel: per channel of each group of entries).
-    fn bytes(&self, scheme: &Scheme, d: usize, width: f64) -> f64 {
+    fn bytes(&self, scheme: &Scheme, d: usize, width: usize) -> f64 {
         let groups = match self.grouping {
             Grouping::PerToken => self.quantized * d.div_ceil(scheme.group_size),
             Grouping::PerChannel => self.members.iter().filter(|&&n| n > 0).count() * d,
         };
-        self.full.len() as f64 * d as f64 * width
-            + self.quantized as f64 * d as f64 * scheme.bits as f64 / 8.0
-            + groups as f64 * 2.0 * width
+        scheme.stream_bytes(self.full.len(), self.quantized, groups, (d, width))
     }
 }
 
@@ -184,7 +182,6 @@ impl QuantizedCache {
 
     /// Bytes the cache holds: keys and values of head size `d`, full precision at `width` bytes.
     pub fn bytes(&self, d: usize, width: usize) -> f64 {
-        let width = width as f64;
         self.keys.bytes(&self.scheme, d, width) + self.values.bytes(&self.scheme, d, width)
     }
 }

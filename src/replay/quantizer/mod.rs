@@ -75,11 +75,10 @@ impl Scheme {
 /// at full-precision width `width` (bytes), stored by `scheme` (`None`: as captured): what a
 /// budget in bytes is resolved against ([`QuantizedCache::bytes`] counts the same while decoding).
 pub fn bytes_at_cut(scheme: Option<&Scheme>, n: usize, d: usize, width: usize) -> f64 {
-    let width = width as f64;
     let Some(scheme) = scheme else {
-        return (n * 2 * d) as f64 * width;
+        return (n * 2 * d * width) as f64;
     };
-    let stream = |grouping: Grouping| -> f64 {
+    let stream = |grouping: Grouping| {
         let (quantized, groups) = match grouping {
             Grouping::PerToken => {
                 let quantized = n.saturating_sub(scheme.residual);
@@ -90,11 +89,27 @@ pub fn bytes_at_cut(scheme: Option<&Scheme>, n: usize, d: usize, width: usize) -
                 (quantized, quantized / scheme.group_size * d)
             }
         };
-        (n - quantized) as f64 * d as f64 * width
-            + quantized as f64 * d as f64 * scheme.bits as f64 / 8.0
-            + groups as f64 * 2.0 * width
+        scheme.stream_bytes(n - quantized, quantized, groups, (d, width))
     };
     stream(scheme.keys) + stream(scheme.values)
+}
+
+impl Scheme {
+    /// Bytes of one stream (keys or values) of head size `d`: `full` entries at full precision
+    /// (`width` bytes an element), `quantized` entries at `bits`, and one scale and one minimum at
+    /// `width` for each of `groups` groups.
+    pub(crate) fn stream_bytes(
+        &self,
+        full: usize,
+        quantized: usize,
+        groups: usize,
+        (d, width): (usize, usize),
+    ) -> f64 {
+        let width = width as f64;
+        full as f64 * d as f64 * width
+            + quantized as f64 * d as f64 * self.bits as f64 / 8.0
+            + groups as f64 * 2.0 * width
+    }
 }
 
 /// The bit widths a quantizer takes, beside 16 (the cache as captured).
