@@ -137,6 +137,60 @@ pub struct BuiltPrompt {
     pub answers: Vec<String>,
 }
 
+/// The prompts of the questions asked of one context: each starts with the same `shared` tokens
+/// (the context, which a capture or a live run computes once), then its own question.
+#[derive(Debug, Clone, PartialEq)]
+pub struct BuiltQuestions {
+    /// Leading tokens every question's prompt shares: where the questions start, or the whole
+    /// prompt when there is one question.
+    pub shared: usize,
+    /// Each question's prompt.
+    pub prompts: Vec<BuiltPrompt>,
+}
+
+impl BuiltQuestions {
+    /// One prompt, all of it shared.
+    pub fn one(prompt: BuiltPrompt) -> Self {
+        Self {
+            shared: prompt.ids.len(),
+            prompts: vec![prompt],
+        }
+    }
+
+    /// Several questions' prompts, checked to share their context: every `question` span starts
+    /// at the same token, and every prompt has the first one's tokens before it.
+    fn shared_context(task: &'static str, prompts: Vec<BuiltPrompt>) -> Result<Self, RecipeError> {
+        let question_start = |prompt: &BuiltPrompt| {
+            prompt
+                .spans
+                .iter()
+                .find(|span| span.name == "question")
+                .map(|span| span.start)
+        };
+        let Some(shared) = question_start(&prompts[0]) else {
+            return Err(RecipeError::Task {
+                task,
+                rule: "several questions need a `question` span, where the shared context ends"
+                    .into(),
+            });
+        };
+        for (index, prompt) in prompts.iter().enumerate().skip(1) {
+            let differs = (0..shared).find(|&at| prompt.ids.get(at) != prompts[0].ids.get(at));
+            if let Some(at) = differs.or((question_start(prompt) != Some(shared)).then_some(shared))
+            {
+                return Err(RecipeError::Task {
+                    task,
+                    rule: format!(
+                        "question {}'s context differs from question 1's at token {at}: every question must follow the same context",
+                        index + 1
+                    ),
+                });
+            }
+        }
+        Ok(Self { shared, prompts })
+    }
+}
+
 impl BuiltPrompt {
     /// RULER's `string_match_all`: the share of the expected strings that `text` contains,
     /// ignoring case (`scripts/eval/synthetic/constants.py`); `None` without expected strings.
@@ -201,6 +255,14 @@ impl Recipe {
         }
     }
 
+    /// How many questions the recipe asks of its one context (each a trace of its own).
+    pub fn questions(&self) -> usize {
+        match self {
+            Recipe::RulerNiah(task) => task.questions,
+            _ => 1,
+        }
+    }
+
     /// Whether building the prompt reads the essays (as haystack or vocabulary).
     pub fn reads_essays(&self) -> bool {
         matches!(
@@ -244,7 +306,27 @@ impl Recipe {
         Ok(())
     }
 
-    /// Builds the prompt. `essays` (sorted) are needed by `niah` only; `base` resolves `text`'s file.
+    /// Builds the prompt of each question asked of the context ([`questions`](Self::questions)).
+    /// `essays` (sorted) are needed by the kinds that [read them](Self::reads_essays); `base`
+    /// resolves `text`'s file.
+    pub fn build_questions(
+        &self,
+        tokenizer: &dyn TextTokenizer,
+        essays: &[PathBuf],
+        base: &Path,
+    ) -> Result<BuiltQuestions, RecipeError> {
+        let Some(task) = self.ruler_task() else {
+            return Ok(BuiltQuestions::one(self.build(tokenizer, essays, base)?));
+        };
+        let mut prompts = ruler::build_questions(task, tokenizer, essays)?;
+        match prompts.len() {
+            1 => Ok(BuiltQuestions::one(prompts.remove(0))),
+            _ => BuiltQuestions::shared_context(task.kind(), prompts),
+        }
+    }
+
+    /// Builds the prompt of a recipe that asks one question (see
+    /// [`build_questions`](Self::build_questions)).
     pub fn build(
         &self,
         tokenizer: &dyn TextTokenizer,
@@ -258,7 +340,17 @@ impl Recipe {
             | Recipe::RulerCwe(_)
             | Recipe::RulerFwe(_) => {
                 let task = self.ruler_task().expect("a RULER kind");
-                ruler::build(task, tokenizer, essays)
+                let mut questions = ruler::build_questions(task, tokenizer, essays)?;
+                if questions.len() > 1 {
+                    return Err(RecipeError::Task {
+                        task: task.kind(),
+                        rule: format!(
+                            "asks {} questions of one context: build them with `build_questions`",
+                            questions.len()
+                        ),
+                    });
+                }
+                Ok(questions.remove(0))
             }
             Recipe::Chat(chat) if tokenizer.template() == Template::Plain => {
                 let text = match &chat.system {

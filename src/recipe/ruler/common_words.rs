@@ -155,7 +155,7 @@ impl Task for CommonWords {
         Ok(())
     }
 
-    fn prompt(&self, sources: &Sources<'_>) -> Result<BuiltPrompt, RecipeError> {
+    fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
         let mut words = sources.words()?;
         let mut draw = Draw::new(self.seed);
         draw.shuffle(&mut words);
@@ -206,6 +206,7 @@ impl Task for CommonWords {
             prompt.span("question".into(), &self.question());
             Ok(prompt.close(&self.answer_prefix(), self.generate, list.common))
         })
+        .map(|prompt| vec![prompt])
     }
 
     fn solve(&self, text: &str) -> Vec<String> {

@@ -119,7 +119,7 @@ impl Task for FrequentWords {
         Ok(())
     }
 
-    fn prompt(&self, sources: &Sources<'_>) -> Result<BuiltPrompt, RecipeError> {
+    fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
         let mut draw = Draw::new(self.seed);
         let vocabulary = self.vocabulary(&mut draw);
         let answers = vocabulary[1..4].to_vec();
@@ -132,6 +132,7 @@ impl Task for FrequentWords {
             prompt.span("question".into(), QUESTION);
             Ok(prompt.close(ANSWER_PREFIX, self.generate, answers.clone()))
         })
+        .map(|prompt| vec![prompt])
     }
 
     fn solve(&self, text: &str) -> Vec<String> {

@@ -44,8 +44,9 @@ pub trait Task {
     fn prompt_tokens(&self) -> usize;
     /// Checks the settings on their own: the field and the rule broken.
     fn check(&self) -> Result<(), (&'static str, String)>;
-    /// Builds the prompt and its expected answers.
-    fn prompt(&self, sources: &Sources<'_>) -> Result<BuiltPrompt, RecipeError>;
+    /// Builds the prompt of each question asked of the one context (one, but for `ruler-niah`'s
+    /// `questions`), with its expected answers.
+    fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError>;
     /// The answers, read back from the prompt's decoded text by the task's own rule (independent
     /// of how the prompt was generated).
     fn solve(&self, text: &str) -> Vec<String>;
@@ -98,43 +99,78 @@ pub(super) fn check(task: &dyn Task) -> Result<(), (&'static str, String)> {
     task.check()
 }
 
-/// Builds `task`'s prompt and checks that its decoded text states its answers.
+/// Builds `task`'s prompt (of its first question) and checks that its decoded text states its
+/// answers.
+#[cfg(test)]
 pub(super) fn build(
     task: &dyn Task,
     tokenizer: &dyn TextTokenizer,
     essays: &[PathBuf],
 ) -> Result<BuiltPrompt, RecipeError> {
-    let prompt = task.prompt(&Sources { tokenizer, essays })?;
-    let mut found = task.solve(&tokenizer.decode(&prompt.ids));
-    let mut expected = prompt.answers.clone();
-    found.sort();
-    expected.sort();
-    if found != expected {
-        return Err(RecipeError::Task {
-            task: task.kind(),
-            rule: format!(
-                "the prompt's text must state its answers: it states {found:?}, the task expects {expected:?}"
-            ),
-        });
+    Ok(build_questions(task, tokenizer, essays)?.swap_remove(0))
+}
+
+/// Builds `task`'s prompt of each question and checks that each one's decoded text states its
+/// answers.
+pub(super) fn build_questions(
+    task: &dyn Task,
+    tokenizer: &dyn TextTokenizer,
+    essays: &[PathBuf],
+) -> Result<Vec<BuiltPrompt>, RecipeError> {
+    let prompts = task.prompts(&Sources { tokenizer, essays })?;
+    for prompt in &prompts {
+        let mut found = task.solve(&tokenizer.decode(&prompt.ids));
+        let mut expected = prompt.answers.clone();
+        found.sort();
+        expected.sort();
+        if found != expected {
+            return Err(RecipeError::Task {
+                task: task.kind(),
+                rule: format!(
+                    "the prompt's text must state its answers: it states {found:?}, the task expects {expected:?}"
+                ),
+            });
+        }
     }
-    Ok(prompt)
+    Ok(prompts)
+}
+
+/// What [`fit`] sizes: a prompt, or the prompts of several questions (as long as the longest).
+pub(crate) trait Fitted {
+    /// Its length in tokens.
+    fn tokens(&self) -> usize;
+}
+
+impl Fitted for BuiltPrompt {
+    fn tokens(&self) -> usize {
+        self.ids.len()
+    }
+}
+
+impl Fitted for Vec<BuiltPrompt> {
+    fn tokens(&self) -> usize {
+        self.iter()
+            .map(|prompt| prompt.ids.len())
+            .max()
+            .unwrap_or(0)
+    }
 }
 
 /// The prompt of the largest size `n ≥ least` (needles' haystack lines, words, essay tokens) that
 /// `build(n)` fits in `prompt_tokens`; sizes are tried by doubling, then bisection.
-pub(crate) fn fit(
+pub(crate) fn fit<P: Fitted>(
     kind: &'static str,
     prompt_tokens: usize,
     least: usize,
-    build: impl Fn(usize) -> Result<BuiltPrompt, RecipeError>,
-) -> Result<BuiltPrompt, RecipeError> {
+    build: impl Fn(usize) -> Result<P, RecipeError>,
+) -> Result<P, RecipeError> {
     let first = build(least)?;
-    if first.ids.len() > prompt_tokens {
+    if first.tokens() > prompt_tokens {
         return Err(RecipeError::Task {
             task: kind,
             rule: format!(
                 "prompt_tokens = {prompt_tokens} cannot hold the task: its smallest prompt has {} tokens",
-                first.ids.len()
+                first.tokens()
             ),
         });
     }
@@ -144,7 +180,7 @@ pub(crate) fn fit(
     let mut next = (least.max(1) * 2).min(cap);
     while next < cap {
         let prompt = build(next)?;
-        if prompt.ids.len() > prompt_tokens {
+        if prompt.tokens() > prompt_tokens {
             over = next;
             break;
         }
@@ -154,7 +190,7 @@ pub(crate) fn fit(
     while over - fits > 1 {
         let middle = fits + (over - fits) / 2;
         let prompt = build(middle)?;
-        if prompt.ids.len() > prompt_tokens {
+        if prompt.tokens() > prompt_tokens {
             over = middle;
         } else {
             (fits, best) = (middle, prompt);

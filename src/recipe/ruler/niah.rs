@@ -5,6 +5,12 @@
 //! values, noise or essay haystack), `niah_multikey_1..3` (distractor keys: 4 keys in essays, or
 //! a haystack of needles), `niah_multivalue` (4 values for the key), `niah_multiquery` (4 keys
 //! asked at once).
+//!
+//! Beyond RULER, `questions = N` asks N questions of one context, as SCBench's shared-context
+//! setting does: each question asks `num_needle_q` keys of its own (drawn at once, so the first
+//! question asks what `questions = 1` asks), and every question's prompt is the same haystack and
+//! needles followed by its own question; the needles one question asks are the others'
+//! distractors.
 
 use super::{after_last, depths, fit, nth_span, Assembly, Draw, Sources, Task, Writer};
 use crate::model::TextTokenizer;
@@ -46,6 +52,9 @@ pub struct NiahTask {
     /// Keys asked at once.
     #[serde(default = "one")]
     pub num_needle_q: usize,
+    /// Questions asked of the one context, each of `num_needle_q` keys of its own.
+    #[serde(default = "one")]
+    pub questions: usize,
 }
 
 /// What the needles hide in.
@@ -110,15 +119,17 @@ impl Kind {
     }
 }
 
-/// The needles of one prompt, before the haystack.
+/// The needles of one context, before the haystack, and the questions asked of it.
 #[derive(Clone)]
 struct Plan {
-    /// Each needle's text and whether its key is asked.
-    needles: Vec<(String, bool)>,
-    /// The keys asked, as the question names them.
-    query: String,
-    /// The values of the keys asked.
-    answers: Vec<String>,
+    /// Each needle's text and the index of its key.
+    needles: Vec<(String, usize)>,
+    /// Each question's keys.
+    asked: Vec<Vec<usize>>,
+    /// Each question's keys, as it names them.
+    queries: Vec<String>,
+    /// Each question's answers: the values of its keys.
+    answers: Vec<Vec<String>>,
     /// Every key with needles (distractor haystack needles avoid them).
     keys: Vec<String>,
     /// The stream after the needles were drawn; the haystack continues it.
@@ -139,10 +150,16 @@ impl NiahTask {
         )
     }
 
-    /// RULER's draws: keys, their values, the needles shuffled, the keys asked.
+    /// Keys with needles: at least the keys asked.
+    fn num_keys(&self) -> usize {
+        self.num_needle_k.max(self.num_needle_q * self.questions)
+    }
+
+    /// RULER's draws: keys, their values, the needles shuffled, the keys asked (every question's
+    /// at once, then split).
     fn plan(&self, words: &[String]) -> Plan {
         let mut draw = Draw::new(self.seed);
-        let num_keys = self.num_needle_k.max(self.num_needle_q);
+        let num_keys = self.num_keys();
         let (mut keys, mut values, mut needles) = (Vec::new(), Vec::new(), Vec::new());
         while keys.len() < num_keys {
             let key = self.type_needle_k.draw(&mut draw, words);
@@ -161,19 +178,28 @@ impl NiahTask {
             values.push(key_values);
         }
         draw.shuffle(&mut needles);
-        let asked = draw.sample(num_keys, self.num_needle_q);
-        let queries: Vec<&str> = asked.iter().map(|&i| keys[i].as_str()).collect();
-        let query = match queries.split_last() {
-            Some((last, rest)) if !rest.is_empty() => format!("{}, and {last}", rest.join(", ")),
-            _ => queries[0].to_owned(),
+        let asked: Vec<Vec<usize>> = draw
+            .sample(num_keys, self.num_needle_q * self.questions)
+            .chunks(self.num_needle_q)
+            .map(<[usize]>::to_vec)
+            .collect();
+        let query = |asked: &[usize]| {
+            let names: Vec<&str> = asked.iter().map(|&i| keys[i].as_str()).collect();
+            match names.split_last() {
+                Some((last, rest)) if !rest.is_empty() => {
+                    format!("{}, and {last}", rest.join(", "))
+                }
+                _ => names[0].to_owned(),
+            }
         };
         Plan {
-            needles: needles
-                .into_iter()
-                .map(|(text, key)| (text, asked.contains(&key)))
+            queries: asked.iter().map(|keys| query(keys)).collect(),
+            answers: asked
+                .iter()
+                .map(|keys| keys.iter().flat_map(|&i| values[i].clone()).collect())
                 .collect(),
-            query,
-            answers: asked.iter().flat_map(|&i| values[i].clone()).collect(),
+            needles,
+            asked,
             keys,
             draw,
         }
@@ -204,13 +230,14 @@ impl NiahTask {
         })
     }
 
-    /// Each needle's span name: the asked ones `needle`, `needle-2`…, the others `distractor`…
-    fn span_names(plan: &Plan) -> Vec<String> {
+    /// Each needle's span name in `question`'s prompt: the ones it asks `needle`, `needle-2`…,
+    /// the others `distractor`…
+    fn span_names(plan: &Plan, question: usize) -> Vec<String> {
         let (mut asked, mut other) = (0, 0);
         plan.needles
             .iter()
-            .map(|(_, is_asked)| {
-                let (kind, count) = match is_asked {
+            .map(|(_, key)| {
+                let (kind, count) = match plan.asked[question].contains(key) {
                     true => ("needle", &mut asked),
                     false => ("distractor", &mut other),
                 };
@@ -220,8 +247,26 @@ impl NiahTask {
             .collect()
     }
 
-    /// The prompt with `essay` (essay tokens) as haystack, needles at RULER's depths.
-    fn on_essay(&self, tokenizer: &dyn TextTokenizer, plan: &Plan, essay: &[u32]) -> BuiltPrompt {
+    /// Each question's prompt with `essay` (essay tokens) as haystack, needles at RULER's depths.
+    fn on_essay(
+        &self,
+        tokenizer: &dyn TextTokenizer,
+        plan: &Plan,
+        essay: &[u32],
+    ) -> Vec<BuiltPrompt> {
+        (0..self.questions)
+            .map(|question| self.question_on_essay(tokenizer, plan, essay, question))
+            .collect()
+    }
+
+    /// [`on_essay`](Self::on_essay)'s prompt of `question`.
+    fn question_on_essay(
+        &self,
+        tokenizer: &dyn TextTokenizer,
+        plan: &Plan,
+        essay: &[u32],
+        question: usize,
+    ) -> BuiltPrompt {
         let mut draw = plan.draw.clone();
         let depths = depths();
         let mut at: Vec<usize> = draw
@@ -230,8 +275,8 @@ impl NiahTask {
             .map(|i| sentence_break_before(tokenizer, essay, essay.len() * depths[i] / 100))
             .collect();
         at.sort_unstable();
-        let [head, question, prefix] = self.template(&plan.query);
-        let names = Self::span_names(plan);
+        let [head, asked, prefix] = self.template(&plan.queries[question]);
+        let names = Self::span_names(plan, question);
         let mut prompt = Assembly::open(tokenizer);
         prompt.text(&format!("{head}\n"));
         let mut from = 0;
@@ -241,18 +286,18 @@ impl NiahTask {
             from = position;
         }
         prompt.tokens(&essay[from..]);
-        prompt.span("question".into(), &format!("\n{question}"));
-        prompt.close(&prefix, self.generate, plan.answers.clone())
+        prompt.span("question".into(), &format!("\n{asked}"));
+        prompt.close(&prefix, self.generate, plan.answers[question].clone())
     }
 
-    /// The prompt with `lines` lines of noise or distractor needles as haystack.
+    /// Each question's prompt with `lines` lines of noise or distractor needles as haystack.
     fn on_lines(
         &self,
         tokenizer: &dyn TextTokenizer,
         plan: &Plan,
         lines: usize,
         words: &[String],
-    ) -> BuiltPrompt {
+    ) -> Vec<BuiltPrompt> {
         let mut draw = plan.draw.clone();
         let mut haystack: Vec<Line> = (0..lines)
             .map(|_| match self.type_haystack {
@@ -271,21 +316,25 @@ impl NiahTask {
         for (needle, position) in at.into_iter().enumerate() {
             haystack.insert(position, Line::Needle(needle));
         }
-        let [head, question, prefix] = self.template(&plan.query);
-        let mut names = Self::span_names(plan);
-        let mut prompt = Assembly::open(tokenizer);
-        prompt.text(&head);
-        for line in haystack {
-            match line {
-                Line::Haystack(text) => prompt.text(&format!("\n{text}")),
-                Line::Needle(i) => prompt.span(
-                    std::mem::take(&mut names[i]),
-                    &format!("\n{}", plan.needles[i].0),
-                ),
-            }
-        }
-        prompt.span("question".into(), &format!("\n{question}"));
-        prompt.close(&prefix, self.generate, plan.answers.clone())
+        (0..self.questions)
+            .map(|question| {
+                let [head, asked, prefix] = self.template(&plan.queries[question]);
+                let mut names = Self::span_names(plan, question);
+                let mut prompt = Assembly::open(tokenizer);
+                prompt.text(&head);
+                for line in &haystack {
+                    match *line {
+                        Line::Haystack(ref text) => prompt.text(&format!("\n{text}")),
+                        Line::Needle(i) => prompt.span(
+                            std::mem::take(&mut names[i]),
+                            &format!("\n{}", plan.needles[i].0),
+                        ),
+                    }
+                }
+                prompt.span("question".into(), &format!("\n{asked}"));
+                prompt.close(&prefix, self.generate, plan.answers[question].clone())
+            })
+            .collect()
     }
 }
 
@@ -306,21 +355,24 @@ impl Task for NiahTask {
             ("num_needle_k", self.num_needle_k),
             ("num_needle_v", self.num_needle_v),
             ("num_needle_q", self.num_needle_q),
+            ("questions", self.questions),
         ] {
             if value == 0 {
                 return Err((field, "must be at least 1".into()));
             }
         }
-        if self.num_needle_k * self.num_needle_v > 40 && self.type_haystack == Haystack::Essay {
+        if self.num_keys() * self.num_needle_v > 40 && self.type_haystack == Haystack::Essay {
             return Err((
                 "num_needle_k",
-                "at most 40 needles (num_needle_k × num_needle_v) fit RULER's 40 depths".into(),
+                "at most 40 needles (the larger of num_needle_k and num_needle_q × questions, \
+                 times num_needle_v) fit RULER's 40 depths"
+                    .into(),
             ));
         }
         Ok(())
     }
 
-    fn prompt(&self, sources: &Sources<'_>) -> Result<BuiltPrompt, RecipeError> {
+    fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
         let uses_words = [self.type_needle_k, self.type_needle_v].contains(&Kind::Words);
         let words = if uses_words {
             sources.words()?
@@ -465,6 +517,65 @@ mod tests {
                     magic numbers for c-d is: 7654321.\nWhat is the special magic number for c-d \
                     mentioned in the provided text?";
         assert_eq!(task.solve(text), ["7654321"]);
+    }
+
+    #[test]
+    fn several_questions_share_the_context_and_ask_keys_of_their_own() {
+        let (_dir, essays) = essays(400);
+        let one = built(&task("num_needle_k = 4"));
+        let recipe = crate::recipe::Recipe::RulerNiah(task("num_needle_k = 4\nquestions = 3"));
+        let questions = recipe
+            .build_questions(&Bytes, &essays, std::path::Path::new("."))
+            .unwrap();
+        let prompts = &questions.prompts;
+        assert_eq!(prompts.len(), 3);
+        // The first question asks what one question asks; the others ask other keys.
+        assert_eq!(prompts[0].answers, one.answers);
+        let mut answers: Vec<&String> = prompts.iter().flat_map(|p| &p.answers).collect();
+        answers.dedup();
+        assert_eq!(answers.len(), 3, "{answers:?}");
+        for prompt in prompts {
+            assert!(prompt.ids.len() <= 3000);
+            assert_eq!(
+                prompt.ids[..questions.shared],
+                prompts[0].ids[..questions.shared]
+            );
+            let question = prompt.spans.iter().find(|s| s.name == "question").unwrap();
+            assert_eq!(question.start, questions.shared);
+            // Its needle is the one span named so; the other three keys' are distractors.
+            let names: Vec<&str> = prompt.spans.iter().map(|s| s.name.as_str()).collect();
+            assert_eq!(names.iter().filter(|n| **n == "needle").count(), 1);
+            assert_eq!(
+                names.iter().filter(|n| n.starts_with("distractor")).count(),
+                3
+            );
+            let needle = prompt.spans.iter().find(|s| s.name == "needle").unwrap();
+            let text = Bytes.decode(&prompt.ids[needle.start..needle.end]);
+            assert!(
+                text.ends_with(&format!("is: {}.", prompt.answers[0])),
+                "{text}"
+            );
+        }
+        // A recipe of one question is all context.
+        let single = crate::recipe::Recipe::RulerNiah(task("num_needle_k = 4"))
+            .build_questions(&Bytes, &essays, std::path::Path::new("."))
+            .unwrap();
+        assert_eq!(single.shared, single.prompts[0].ids.len());
+        assert_eq!(single.prompts, [one]);
+    }
+
+    #[test]
+    fn more_questions_than_the_depths_hold_are_refused() {
+        let err = task("questions = 41").check().unwrap_err();
+        assert_eq!(err.0, "num_needle_k");
+        assert!(err.1.contains("num_needle_q × questions"), "{}", err.1);
+        assert_eq!(task("questions = 0").check().unwrap_err().0, "questions");
+        let (_dir, essays) = essays(400);
+        let err = crate::recipe::Recipe::RulerNiah(task("questions = 2"))
+            .build(&Bytes, &essays, std::path::Path::new("."))
+            .unwrap_err()
+            .to_string();
+        assert!(err.contains("asks 2 questions of one context"), "{err}");
     }
 
     #[test]

@@ -193,7 +193,7 @@ impl Task for VariableTracking {
         Ok(())
     }
 
-    fn prompt(&self, sources: &Sources<'_>) -> Result<BuiltPrompt, RecipeError> {
+    fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
         let tokenizer = sources.tokenizer;
         let example = self.example(tokenizer)?;
         let mut draw = Draw::new(self.seed);
@@ -210,6 +210,7 @@ impl Task for VariableTracking {
                 chains.variables[0].clone(),
             ))
         })
+        .map(|prompt| vec![prompt])
     }
 
     fn solve(&self, text: &str) -> Vec<String> {
