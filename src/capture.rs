@@ -2,11 +2,12 @@
 //! layer's attention saw as a kvtrace/1 file.
 
 use crate::assets::{model_asset, AssetError, Assets};
-use crate::model::{family, CausalLm, HfModel, ModelError, Recorder};
-use crate::recipe::{BuiltPrompt, Recipe, RecipeError};
+use crate::model::{family, CausalLm, HfModel, KvCache, ModelError, Recorder};
+use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
 use crate::trace::{write_trace, StorageDtype, TraceError, TraceMeta};
 use std::collections::BTreeMap;
-use std::path::Path;
+use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// How to capture.
 #[derive(Debug, Clone, PartialEq)]
@@ -50,9 +51,11 @@ pub enum CaptureError {
     },
 }
 
-/// What a recipe's capture wrote.
+/// What a recipe's capture wrote (of one question).
 #[derive(Debug, Clone, PartialEq)]
 pub struct CaptureSummary {
+    /// The trace file.
+    pub path: PathBuf,
     /// Prompt tokens.
     pub prompt_tokens: usize,
     /// Generated tokens.
@@ -102,6 +105,29 @@ pub fn build_prompt(recipe: &Path, model: &dyn CausalLm) -> Result<BuiltPrompt, 
     Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }
 
+/// The prompts of the questions recipe file `recipe` asks of its context, built for `model`.
+pub fn build_questions(
+    recipe: &Path,
+    model: &dyn CausalLm,
+) -> Result<BuiltQuestions, CaptureError> {
+    let (parsed, base) = Recipe::load(recipe)?;
+    let essays = match parsed.reads_essays() {
+        true => Assets::from_env().require_essays()?,
+        false => Vec::new(),
+    };
+    Ok(parsed.build_questions(model.tokenizer(), &essays, &base)?)
+}
+
+/// The trace of question `question` (from 0) of a recipe that asks `questions` of one context and
+/// captures into `trace`: `trace` itself for one question, else `<stem>.q<question + 1>.safetensors`
+/// beside it.
+pub fn question_trace(trace: &Path, question: usize, questions: usize) -> PathBuf {
+    match questions {
+        1 => trace.to_owned(),
+        _ => trace.with_extension(format!("q{}.safetensors", question + 1)),
+    }
+}
+
 /// Captures `recipe` into `trace` unless `trace` exists, holding a lock beside it (dropped by
 /// the OS if the holder dies), so that sweeps or shards that start together capture a recipe once;
 /// `capture` runs the capture (with a progress display of the caller's, or none).
@@ -123,18 +149,20 @@ pub fn capture_once(
     })?
 }
 
-/// Captures recipe file `recipe` with its model into `out`, fetching the assets first if
-/// they are missing. `progress(done, total)` counts tokens.
+/// Captures recipe file `recipe` with its model into `out` (a recipe of several questions into
+/// each one's [`question_trace`], the first written last), fetching the assets first if they are
+/// missing. The context the questions share is prefilled once. `progress(done, total)` counts
+/// tokens. Returns each question's summary, in the questions' order.
 pub fn capture_recipe(
     recipe: &Path,
     out: &Path,
     storage: StorageDtype,
     chunk: usize,
     progress: &mut dyn FnMut(usize, usize),
-) -> Result<CaptureSummary, CaptureError> {
+) -> Result<Vec<CaptureSummary>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
     let model = load_model(parsed.model())?;
-    let prompt = build_prompt(recipe, model.as_ref())?;
+    let questions = build_questions(recipe, model.as_ref())?;
     let options = CaptureOptions {
         storage,
         chunk,
@@ -151,14 +179,141 @@ pub fn capture_recipe(
         },
     };
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
-    let recorder = Recorder::spilling(spill_dir.unwrap_or(Path::new(".")));
-    let captured = capture(model.as_ref(), &prompt, &options, recorder, progress)?;
-    captured.write(out)?;
-    Ok(CaptureSummary {
-        prompt_tokens: prompt.ids.len(),
-        generated_tokens: captured.generated.len(),
-        generated_text: captured.generated_text,
-    })
+    let spill_dir = spill_dir.unwrap_or(Path::new("."));
+    let count = questions.prompts.len();
+    let total = questions.shared
+        + questions
+            .prompts
+            .iter()
+            .map(|p| p.ids.len() - questions.shared + p.generate)
+            .sum::<usize>();
+    let mut done = 0;
+    let mut context = Recorder::spilling(spill_dir);
+    let first = &questions.prompts[0].ids[..questions.shared];
+    let (cache, logits) = prefill(model.as_ref(), first, chunk, &mut context, &mut |n| {
+        done += n;
+        progress(done, total)
+    })?;
+    let context = Arc::new(context);
+    let mut summaries = Vec::new();
+    for (index, prompt) in questions.prompts.iter().enumerate().rev() {
+        let recorder = Recorder::spilling(spill_dir).continuing(context.clone());
+        let start = Started {
+            cache: cache.clone(),
+            logits: logits.clone(),
+            shared: questions.shared,
+        };
+        let captured = capture_question(
+            model.as_ref(),
+            prompt,
+            start,
+            &options,
+            recorder,
+            &mut |n| {
+                done += n;
+                progress(done, total)
+            },
+        )?;
+        let mut meta = captured.meta.clone();
+        if count > 1 {
+            for (key, value) in [
+                ("question", (index + 1).to_string()),
+                ("questions", count.to_string()),
+                ("shared_context", questions.shared.to_string()),
+            ] {
+                meta.extra.insert(key.into(), value);
+            }
+        }
+        let path = question_trace(out, index, count);
+        write_layers(&path, &meta, storage, &captured.tokens, &captured.recorder)?;
+        summaries.push(CaptureSummary {
+            path,
+            prompt_tokens: prompt.ids.len(),
+            generated_tokens: captured.generated.len(),
+            generated_text: captured.generated_text,
+        });
+    }
+    summaries.reverse();
+    Ok(summaries)
+}
+
+/// A model's cache after a prefix of a prompt, and its logits there.
+pub struct Started {
+    /// The cache.
+    pub cache: KvCache,
+    /// The logits at its last position.
+    pub logits: Vec<f32>,
+    /// The positions it holds.
+    pub shared: usize,
+}
+
+/// Prefills `ids` in chunks of `chunk` tokens into a new cache, recorded; `progress(n)` after each
+/// chunk of `n` tokens. Returns the cache and the last logits.
+pub fn prefill(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    chunk: usize,
+    recorder: &mut Recorder,
+    progress: &mut dyn FnMut(usize),
+) -> Result<(KvCache, Vec<f32>), ModelError> {
+    let mut cache = KvCache::default();
+    let logits = prefill_onto(model, ids, chunk, &mut cache, recorder, progress)?;
+    Ok((cache, logits))
+}
+
+/// Prefills `ids` in chunks of `chunk` tokens onto `cache`, recorded; `progress(n)` after each
+/// chunk of `n` tokens. Returns the last logits (empty for no tokens).
+pub fn prefill_onto(
+    model: &dyn CausalLm,
+    ids: &[u32],
+    chunk: usize,
+    cache: &mut KvCache,
+    recorder: &mut Recorder,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Vec<f32>, ModelError> {
+    let mut logits = Vec::new();
+    for piece in ids.chunks(chunk.max(1)) {
+        logits = model.forward(piece, cache, Some(recorder))?;
+        progress(piece.len());
+    }
+    Ok(logits)
+}
+
+/// Runs `prompt` on from `start` (its shared context prefilled, `recorder` continuing that
+/// context's recording): the rest of the prompt in chunks, then the greedy continuation.
+fn capture_question(
+    model: &dyn CausalLm,
+    prompt: &BuiltPrompt,
+    start: Started,
+    options: &CaptureOptions,
+    mut recorder: Recorder,
+    progress: &mut dyn FnMut(usize),
+) -> Result<Captured, CaptureError> {
+    let Started {
+        mut cache,
+        mut logits,
+        shared,
+    } = start;
+    let rest = &prompt.ids[shared..];
+    if !rest.is_empty() {
+        logits = prefill_onto(
+            model,
+            rest,
+            options.chunk,
+            &mut cache,
+            &mut recorder,
+            progress,
+        )?;
+    }
+    let generated = model.decode_greedy(
+        &mut cache,
+        &logits,
+        prompt.generate,
+        Some(&mut recorder),
+        None,
+        &mut |_| progress(1),
+    )?;
+    Ok(captured(model, prompt, options, recorder, generated))
 }
 
 /// A finished capture, not yet written.
@@ -234,8 +389,18 @@ pub fn capture(
         Some(&mut recorder),
         &mut |done| progress(done, total),
     )?;
-    let generated_text = model.tokenizer().decode(&generated);
-    Ok(Captured {
+    Ok(captured(model, prompt, options, recorder, generated))
+}
+
+/// The capture of `prompt` that generated `generated`, recorded by `recorder`.
+fn captured(
+    model: &dyn CausalLm,
+    prompt: &BuiltPrompt,
+    options: &CaptureOptions,
+    recorder: Recorder,
+    generated: Vec<u32>,
+) -> Captured {
+    Captured {
         meta: trace_meta(model, prompt, &generated, options),
         tokens: prompt
             .ids
@@ -244,10 +409,10 @@ pub fn capture(
             .map(|id| *id as i64)
             .collect(),
         storage: options.storage,
+        generated_text: model.tokenizer().decode(&generated),
         generated,
-        generated_text,
         recorder,
-    })
+    }
 }
 
 /// The kvtrace/1 header of a run: `prompt` and the `generated` tokens fed back.

@@ -4,7 +4,7 @@ use crate::errors::{message, raised};
 use crate::results::Results;
 use crate::run::{stored_runs, Policy};
 use crate::trace::Trace;
-use kvreplay::capture::{capture_recipe, CaptureSummary};
+use kvreplay::capture::{capture_recipe, question_trace, CaptureSummary};
 use kvreplay::experiment::{ClosedLoop, TraceFile};
 use kvreplay::replay::{ReplayReport, ValidPolicy};
 use kvreplay::trace::StorageDtype;
@@ -18,7 +18,9 @@ use std::path::PathBuf;
 /// closed-loop columns of a closed-loop sweep's `runs.parquet` (next-token KL, top-1 agreement,
 /// log-probability lost, free-running text, answer score, live mass) beside the open-loop
 /// metrics on the full run's recording, and whose `reports` are the reports
-/// `kvreplay live --format json` prints, every teacher-forced step included.
+/// `kvreplay live --format json` prints, every teacher-forced step included. A recipe of several
+/// questions gives each question's runs, its `trace` the file its capture writes
+/// (`<stem>.q1.safetensors`…), the context compressed once where the policy allows.
 #[pyfunction]
 #[pyo3(signature = (recipe, policies=None, chunk=512, **settings))]
 pub fn live(
@@ -31,25 +33,42 @@ pub fn live(
     let (policies, checked): (Vec<Policy>, Vec<ValidPolicy>) =
         Policy::all(policies, settings)?.into_iter().unzip();
     let scratch = std::env::temp_dir();
-    let reports = py
+    let questions = py
         .detach(|| kvreplay::live::run_recipe(&recipe, &checked, chunk, &scratch))
         .map_err(raised)?;
     let identity = py.detach(|| TraceFile::identify(&recipe)).map_err(raised)?;
-    let outcomes: Vec<(&ReplayReport, Option<ClosedLoop>)> = reports
-        .iter()
-        .map(|report| (&report.open_loop, Some(ClosedLoop::from(report))))
-        .collect();
-    let runs = stored_runs(&policies, &identity, &outcomes);
-    let kv_entries = reports.iter().map(|r| r.open_loop.kv_entries).collect();
-    let json = reports
-        .iter()
-        .map(|r| serde_json::to_string(r).expect("reports serialise"))
-        .collect();
+    let count = questions.len();
+    let mut runs = Vec::new();
+    let mut kv_entries = Vec::new();
+    let mut json = Vec::new();
+    for (index, reports) in questions.iter().enumerate() {
+        // A question's runs name the trace its capture writes.
+        let path = match count {
+            1 => recipe.clone(),
+            _ => question_trace(&recipe.with_extension("safetensors"), index, count),
+        };
+        let identity = TraceFile {
+            path,
+            ..identity.clone()
+        };
+        let outcomes: Vec<(&ReplayReport, Option<ClosedLoop>)> = reports
+            .iter()
+            .map(|report| (&report.open_loop, Some(ClosedLoop::from(report))))
+            .collect();
+        runs.extend(stored_runs(&policies, &identity, &outcomes));
+        kv_entries.extend(reports.iter().map(|r| r.open_loop.kv_entries));
+        json.extend(
+            reports
+                .iter()
+                .map(|r| serde_json::to_string(r).expect("reports serialise")),
+        );
+    }
     Ok(Results::new(runs, kv_entries, None).with_reports(json))
 }
 
 /// Captures a recipe with the native model into a kvtrace/1 file (default: the recipe's path
-/// with `.safetensors`) and opens it.
+/// with `.safetensors`) and opens it; a recipe of several questions into one file per question
+/// (`<stem>.q1.safetensors`…), opened as a list.
 #[pyfunction]
 #[pyo3(signature = (recipe, out=None, dtype="f16", chunk=512))]
 pub fn capture(
@@ -58,7 +77,7 @@ pub fn capture(
     out: Option<PathBuf>,
     dtype: &str,
     chunk: usize,
-) -> PyResult<Trace> {
+) -> PyResult<Py<PyAny>> {
     let storage = match dtype {
         "f16" => StorageDtype::F16,
         "bf16" => StorageDtype::Bf16,
@@ -66,8 +85,15 @@ pub fn capture(
         other => return Err(message(format!("dtype `{other}`: valid: f16, bf16, f32"))),
     };
     let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
-    let _: CaptureSummary = py
+    let summaries: Vec<CaptureSummary> = py
         .detach(|| capture_recipe(&recipe, &out, storage, chunk, &mut |_, _| {}))
         .map_err(raised)?;
-    Trace::open_path(out)
+    let mut traces = summaries
+        .into_iter()
+        .map(|summary| Trace::open_path(summary.path))
+        .collect::<PyResult<Vec<Trace>>>()?;
+    match traces.len() {
+        1 => Ok(traces.remove(0).into_pyobject(py)?.into_any().unbind()),
+        _ => Ok(traces.into_pyobject(py)?.into_any().unbind()),
+    }
 }

@@ -9,6 +9,7 @@ use kvreplay::capture;
 use kvreplay::experiment::shard::Shard;
 use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
 use kvreplay::export::{exporter, Format};
+use kvreplay::live::LiveReport;
 use kvreplay::replay::{presets, replay_many, ReplayReport, ValidPolicy};
 use kvreplay::sys;
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -81,24 +82,26 @@ pub fn capture_recipe(
     out: &Path,
     dtype: StorageDtype,
     chunk: usize,
-) -> Result<capture::CaptureSummary, capture::CaptureError> {
+) -> Result<(), capture::CaptureError> {
     let _tuned = sys::ModelMalloc::tune();
     let bar = progress_bar(0, "capture");
     let started = std::time::Instant::now();
-    let summary = capture::capture_recipe(recipe, out, dtype, chunk, &mut |done, total| {
+    let summaries = capture::capture_recipe(recipe, out, dtype, chunk, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
     })?;
     bar.finish_and_clear();
-    println!(
-        "{}: {} prompt + {} generated tokens in {:.1} s\ngenerated: {:?}",
-        out.display(),
-        summary.prompt_tokens,
-        summary.generated_tokens,
-        started.elapsed().as_secs_f64(),
-        summary.generated_text
-    );
-    Ok(summary)
+    for summary in &summaries {
+        println!(
+            "{}: {} prompt + {} generated tokens\ngenerated: {:?}",
+            summary.path.display(),
+            summary.prompt_tokens,
+            summary.generated_tokens,
+            summary.generated_text
+        );
+    }
+    println!("captured in {:.1} s", started.elapsed().as_secs_f64());
+    Ok(())
 }
 
 pub fn compare(
@@ -124,13 +127,15 @@ pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -
     let _tuned = sys::ModelMalloc::tune();
     let spinner = spinner("live: the full cache, then the policy");
     let scratch = std::env::temp_dir();
-    let mut reports =
+    let questions =
         kvreplay::live::run_recipe(recipe, std::slice::from_ref(policy), chunk, &scratch)?;
     spinner.finish_and_clear();
-    let report = reports.pop().expect("one report per policy");
-    Ok(match format {
-        Format::Json => serde_json::to_string_pretty(&report)? + "\n",
-        _ => kvreplay::export::live_table(&report, format),
+    let mut reports: Vec<LiveReport> = questions.into_iter().flatten().collect();
+    Ok(match (format, reports.len()) {
+        (Format::Json, 1) => serde_json::to_string_pretty(&reports[0])? + "\n",
+        (Format::Json, _) => serde_json::to_string_pretty(&reports)? + "\n",
+        (_, 1) => kvreplay::export::live_table(&reports.remove(0), format),
+        _ => kvreplay::export::live_questions_table(&reports, format),
     })
 }
 
@@ -170,7 +175,7 @@ pub fn demo(budget: usize) -> Result<()> {
 fn experiment_traces(experiment: &Experiment, may_capture: bool) -> Result<Vec<TraceFile>> {
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            capture_recipe(recipe, trace, StorageDtype::F16, 512).map(|_| ())
+            capture_recipe(recipe, trace, StorageDtype::F16, 512)
         })
     };
     Ok(experiment.trace_files(may_capture.then_some(&mut capture_once as Capture<'_>))?)

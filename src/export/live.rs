@@ -76,6 +76,67 @@ pub fn live_table(report: &LiveReport, format: Format) -> String {
     out
 }
 
+/// A policy's reports on the questions asked of one context, a row each, then their means (each
+/// question weighs the same): the open-loop retained mass and the closed-loop outcomes.
+pub fn live_questions_table(reports: &[LiveReport], format: Format) -> String {
+    let headers = [
+        "question",
+        "retained mass (open loop)",
+        "retained mass (live)",
+        "KL full‖policy",
+        "top-1 agreement",
+        "logprob lost",
+        "answer score",
+        "full cache's answer score",
+    ];
+    let mut table = Table::with_headers(headers.map(String::from).to_vec());
+    let retained = |r: &LiveReport| r.open_loop.metric("retained_mass").unwrap_or(f64::NAN);
+    let columns: [&dyn Fn(&LiveReport) -> f64; 7] = [
+        &retained,
+        &|r| r.live_retained_mass,
+        &|r| r.kl,
+        &|r| r.top1,
+        &|r| r.logprob_lost,
+        &|r| r.answer_score,
+        &|r| r.full_answer_score,
+    ];
+    let row = |name: String, value: &dyn Fn(&dyn Fn(&LiveReport) -> f64) -> f64| {
+        let mut row = vec![name];
+        row.extend(
+            columns
+                .iter()
+                .map(|column| format!("{:.4}", value(*column))),
+        );
+        row
+    };
+    for (index, report) in reports.iter().enumerate() {
+        table.push(row((index + 1).to_string(), &|column| column(report)));
+    }
+    let n = reports.len() as f64;
+    table.push(row("mean".into(), &|column| {
+        reports.iter().map(column).sum::<f64>() / n
+    }));
+    let mut out = table.render(format);
+    if format == Format::Markdown {
+        if let Some(first) = reports.first() {
+            out = format!(
+                "{}: {} questions of one context\n\n{out}",
+                first.policy,
+                reports.len()
+            );
+        }
+        for (index, report) in reports.iter().enumerate() {
+            out += &format!(
+                "Question {}: {:?} (full cache: {:?})\n",
+                index + 1,
+                report.text,
+                report.full_text
+            );
+        }
+    }
+    out
+}
+
 /// Per layer, the live retained mass minus the open-loop one: where the model's own vectors
 /// drift once tokens are gone (layer 0's vectors do not depend on any eviction: 0 there). On a
 /// model whose policies compress only some layers (a hybrid model's global ones) each value is

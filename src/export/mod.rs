@@ -12,7 +12,7 @@ mod table;
 
 pub use csv::Csv;
 pub use json::Json;
-pub use live::live_table;
+pub use live::{live_questions_table, live_table};
 pub use markdown::Markdown;
 pub use methods::methods_markdown;
 pub use replay::{layer_table, lost_table, summary_table};

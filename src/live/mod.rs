@@ -45,10 +45,10 @@ mod batch;
 mod drift;
 pub(crate) mod streams;
 
-use crate::capture::{write_recording, CaptureError, CaptureOptions};
+use crate::capture::{prefill, prefill_onto, write_recording, CaptureError, CaptureOptions};
 use crate::model::Recorder;
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
-use crate::recipe::BuiltPrompt;
+use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
     compressed_layers, layer_budgets, protocol_view, replay_keeping, Kept, PolicyError, Protocol,
     ReplayReport, Timing, ValidPolicy,
@@ -146,33 +146,51 @@ struct FullRun {
     logits: Vec<Vec<f32>>,
 }
 
-fn full_run(
+/// The full-cache runs of the questions of `questions`: their shared context prefilled once (in
+/// chunks of `chunk` tokens, recorded by `context`), then each question's rest of the prompt and
+/// greedy continuation from a copy of that cache, recorded by a recorder continuing `context`'s
+/// recording. One question whose prompt is all context is the plain full run.
+fn full_runs(
     model: &dyn CausalLm,
-    prompt: &BuiltPrompt,
+    questions: &BuiltQuestions,
     chunk: usize,
-    recorder: &mut Recorder,
-) -> Result<FullRun, ModelError> {
-    let mut cache = KvCache::default();
-    let mut prefill_logits = Vec::new();
-    for piece in prompt.ids.chunks(chunk.max(1)) {
-        prefill_logits = model.forward(piece, &mut cache, Some(recorder))?;
-    }
-    let prefilled = cache.clone();
-    let mut logits = Vec::new();
-    let tokens = model.decode_greedy(
-        &mut cache,
-        &prefill_logits,
-        prompt.generate,
-        Some(recorder),
-        None,
-        &mut |step| logits.push(step.to_vec()),
-    )?;
-    Ok(FullRun {
-        prefilled,
-        prefill_logits,
-        tokens,
-        logits,
-    })
+    scratch: &Path,
+) -> Result<Vec<(FullRun, Recorder)>, ModelError> {
+    let shared = questions.shared;
+    let mut context = Recorder::spilling(scratch);
+    let first = &questions.prompts[0].ids[..shared];
+    let (cache, logits) = prefill(model, first, chunk, &mut context, &mut |_| {})?;
+    let context = Arc::new(context);
+    questions
+        .prompts
+        .iter()
+        .map(|prompt| {
+            let mut recorder = Recorder::spilling(scratch).continuing(context.clone());
+            let mut cache = cache.clone();
+            let rest = &prompt.ids[shared..];
+            let prefill_logits = match rest.is_empty() {
+                true => logits.clone(),
+                false => prefill_onto(model, rest, chunk, &mut cache, &mut recorder, &mut |_| {})?,
+            };
+            let prefilled = cache.clone();
+            let mut logits = Vec::new();
+            let tokens = model.decode_greedy(
+                &mut cache,
+                &prefill_logits,
+                prompt.generate,
+                Some(&mut recorder),
+                None,
+                &mut |step| logits.push(step.to_vec()),
+            )?;
+            let run = FullRun {
+                prefilled,
+                prefill_logits,
+                tokens,
+                logits,
+            };
+            Ok((run, recorder))
+        })
+        .collect()
 }
 
 /// Natural log-softmax in f64.
@@ -275,8 +293,19 @@ impl<'m> LiveSession<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
-        let mut recorder = Recorder::spilling(scratch);
-        let full = full_run(model, prompt, chunk, &mut recorder)?;
+        let questions = BuiltQuestions::one(prompt.clone());
+        let mut questions = LiveQuestions::start(model, &questions, chunk, scratch)?;
+        Ok(questions.sessions.pop().expect("one question, one session"))
+    }
+
+    /// The session of `prompt`'s full run, its recording written to a scratch file.
+    fn recorded(
+        model: &'m dyn CausalLm,
+        prompt: &BuiltPrompt,
+        chunk: usize,
+        scratch: &Path,
+        (full, recorder): (FullRun, Recorder),
+    ) -> Result<Self, LiveError> {
         if full.tokens.len() < 2 {
             return Err(LiveError::Unsupported(
                 "the full run generated fewer than 2 tokens: nothing to compare".into(),
@@ -331,14 +360,22 @@ impl<'m> LiveSession<'m> {
         for policy in policies {
             check_live(policy)?;
         }
+        let runs = replay_keeping(&self.trace, policies)?;
+        self.decode_runs(runs.into_iter().zip(policies).collect(), batching)
+    }
+
+    /// The policies of `runs`, their open-loop reports and kept sets computed, decoded live as
+    /// `batching` says.
+    fn decode_runs(
+        &self,
+        mut runs: Vec<OpenLoopRun<'_>>,
+        batching: Batching,
+    ) -> Result<Vec<LiveReport>, LiveError> {
+        let policies: Vec<&ValidPolicy> = runs.iter().map(|(_, policy)| *policy).collect();
         let most = batching
             .rows
-            .unwrap_or_else(|| self.rows_in_memory(policies))
+            .unwrap_or_else(|| self.rows_in_memory(&policies))
             .max(1);
-        let mut runs: Vec<_> = replay_keeping(&self.trace, policies)?
-            .into_iter()
-            .zip(policies)
-            .collect();
         let mut groups = Vec::new();
         while !runs.is_empty() {
             let rest = runs.split_off(most.min(runs.len()));
@@ -368,7 +405,7 @@ impl<'m> LiveSession<'m> {
     }
 
     /// How many of `policies` decode together in half the available memory.
-    fn rows_in_memory(&self, policies: &[ValidPolicy]) -> usize {
+    fn rows_in_memory(&self, policies: &[&ValidPolicy]) -> usize {
         let capacity = self.capacity();
         let largest = policies
             .iter()
@@ -584,6 +621,77 @@ impl<'m> LiveSession<'m> {
     }
 }
 
+/// The live sessions of the questions asked of one context: one full-cache prefill of the context,
+/// then each question's full run from it. Under the question-agnostic protocol a policy that reads
+/// no future query compresses the context once, and every question is asked of that same
+/// compressed cache (SCBench's shared-context setting).
+pub struct LiveQuestions<'m> {
+    sessions: Vec<LiveSession<'m>>,
+}
+
+impl<'m> LiveQuestions<'m> {
+    /// Runs every question of `questions` with the full cache, the context prefilled once (in
+    /// chunks of `chunk` tokens), each recorded under `scratch`.
+    pub fn start(
+        model: &'m dyn CausalLm,
+        questions: &BuiltQuestions,
+        chunk: usize,
+        scratch: &Path,
+    ) -> Result<Self, LiveError> {
+        let runs = full_runs(model, questions, chunk, scratch)?;
+        let sessions = runs
+            .into_iter()
+            .zip(&questions.prompts)
+            .map(|(run, prompt)| LiveSession::recorded(model, prompt, chunk, scratch, run))
+            .collect::<Result<_, _>>()?;
+        Ok(Self { sessions })
+    }
+
+    /// Each question's session.
+    pub fn sessions(&self) -> &[LiveSession<'m>] {
+        &self.sessions
+    }
+
+    /// Each question's reports of `policies` ([`LiveSession::run_many`] on its session), the
+    /// context compressed once for every policy that
+    /// [cuts it alone](Self::compresses_context_once): its kept sets come from the first
+    /// question's pass and serve all of them. Each question's open-loop metrics are its own.
+    pub fn run_many(&self, policies: &[ValidPolicy]) -> Result<Vec<Vec<LiveReport>>, LiveError> {
+        for policy in policies {
+            check_live(policy)?;
+        }
+        let mut once: Vec<Option<Vec<Kept>>> = Vec::new();
+        self.sessions
+            .iter()
+            .map(|session| {
+                let mut runs = replay_keeping(&session.trace, policies)?;
+                if once.is_empty() {
+                    once = runs
+                        .iter()
+                        .zip(policies)
+                        .map(|((_, kept), policy)| {
+                            Self::compresses_context_once(policy).then(|| kept.clone())
+                        })
+                        .collect();
+                }
+                for ((_, kept), shared) in runs.iter_mut().zip(&once) {
+                    if let Some(shared) = shared {
+                        kept.clone_from(shared);
+                    }
+                }
+                session.decode_runs(runs.into_iter().zip(policies).collect(), Batching::BATCHED)
+            })
+            .collect()
+    }
+
+    /// Whether `policy`'s kept sets depend on the context alone: it cuts before the question
+    /// (the question-agnostic protocol, which runs live under the `prefill` timing) and reads no
+    /// future query.
+    pub fn compresses_context_once(policy: &ValidPolicy) -> bool {
+        policy.params().protocol == Protocol::QuestionAgnostic && !policy.reads_future()
+    }
+}
+
 /// How a session runs its policies live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batching {
@@ -671,14 +779,15 @@ pub fn live(
 }
 
 /// Runs `recipe` live under each of `policies` (checked for live mode first): its model loaded,
-/// its prompt built, one full-cache run (prefill in chunks of `chunk` tokens, recorded under
-/// `scratch`), then the policies decoded together ([`LiveSession::run_many`]).
+/// the prompt of each question it asks built, the full-cache runs (the context prefilled once, in
+/// chunks of `chunk` tokens, recorded under `scratch`), then the policies decoded together
+/// ([`LiveQuestions::run_many`]). Returns each question's reports, in the order of `policies`.
 pub fn run_recipe(
     recipe: &Path,
     policies: &[ValidPolicy],
     chunk: usize,
     scratch: &Path,
-) -> Result<Vec<LiveReport>, LiveError> {
+) -> Result<Vec<Vec<LiveReport>>, LiveError> {
     if recipe.extension().is_none_or(|e| e != "toml") {
         return Err(LiveError::NotARecipe(recipe.to_owned()));
     }
@@ -686,10 +795,10 @@ pub fn run_recipe(
         check_live(policy)?;
     }
     let model = crate::capture::load_recipe_model(recipe)?;
-    let prompt = crate::capture::build_prompt(recipe, model.as_ref())?;
-    let session = LiveSession::start(model.as_ref(), &prompt, chunk, scratch)?;
-    let reports = session.run_many(policies);
-    drop(session);
+    let questions = crate::capture::build_questions(recipe, model.as_ref())?;
+    let sessions = LiveQuestions::start(model.as_ref(), &questions, chunk, scratch)?;
+    let reports = sessions.run_many(policies);
+    drop(sessions);
     reports
 }
 

@@ -22,6 +22,9 @@ pub struct Recorder {
     attention: Vec<Vec<Tensor>>,
     keep_attention: bool,
     spill: Option<Spill>,
+    /// What an earlier recorder recorded of the positions before this one's (a context several
+    /// runs continue from).
+    prefix: Option<std::sync::Arc<Recorder>>,
 }
 
 /// Per layer, a file of its chunks (each chunk's q, then k, then v, f32 little-endian), and the
@@ -74,6 +77,15 @@ impl Recorder {
                 heads: (0, 0, 0),
             }),
             ..Self::default()
+        }
+    }
+
+    /// This recorder after `prefix`, which recorded the positions before the ones it will record:
+    /// its layers are the prefix's, then its own.
+    pub fn continuing(self, prefix: std::sync::Arc<Recorder>) -> Self {
+        Self {
+            prefix: Some(prefix),
+            ..self
         }
     }
 
@@ -133,16 +145,37 @@ impl Recorder {
         Ok(Array3::from_shape_vec((heads, positions, dim), flat).expect("candle shape matches"))
     }
 
-    /// Layer `layer`'s q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`.
+    /// Layer `layer`'s q `[n_heads, T, d]`, k and v `[n_kv_heads, T, d]`, its prefix's
+    /// positions first.
     pub fn layer(&self, layer: usize) -> Result<Qkv, ModelError> {
-        match &self.spill {
-            Some(spill) => spill.layer(layer),
-            None => Ok((
+        let recorded_nothing = match &self.spill {
+            Some(spill) => spill.chunks.is_empty(),
+            None => self.q.is_empty(),
+        };
+        if let (true, Some(prefix)) = (recorded_nothing, &self.prefix) {
+            return prefix.layer(layer);
+        }
+        let own = match &self.spill {
+            Some(spill) => spill.layer(layer)?,
+            None => (
                 Self::joined(&self.q, layer)?,
                 Self::joined(&self.k, layer)?,
                 Self::joined(&self.v, layer)?,
-            )),
-        }
+            ),
+        };
+        let Some(prefix) = &self.prefix else {
+            return Ok(own);
+        };
+        let before = prefix.layer(layer)?;
+        let join = |a: Array3<f32>, b: Array3<f32>| {
+            ndarray::concatenate(ndarray::Axis(1), &[a.view(), b.view()])
+                .expect("the same heads and head dimension")
+        };
+        Ok((
+            join(before.0, own.0),
+            join(before.1, own.1),
+            join(before.2, own.2),
+        ))
     }
 
     /// Layer `layer`'s attention output `[n_heads, T, d]`, if it was kept.
