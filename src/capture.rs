@@ -128,7 +128,7 @@ pub fn question_trace(trace: &Path, question: usize, questions: usize) -> PathBu
     }
 }
 
-/// Captures `recipe` into `trace` unless `trace` exists, holding a lock beside it (dropped by
+/// Captures `recipe` into `trace` (each of its questions' traces) unless it exists, holding a lock beside it (dropped by
 /// the OS if the holder dies), so that sweeps or shards that start together capture a recipe once;
 /// `capture` runs the capture (with a progress display of the caller's, or none).
 pub fn capture_once(
@@ -137,8 +137,11 @@ pub fn capture_once(
     capture: &mut dyn FnMut(&Path, &Path) -> Result<(), CaptureError>,
 ) -> Result<(), CaptureError> {
     let lock = trace.with_extension("safetensors.lock");
+    // A recipe of several questions writes its first question's trace last.
+    let questions = Recipe::load(recipe)?.0.questions();
+    let written_last = question_trace(trace, 0, questions);
     crate::atomic::with_lock(&lock, || {
-        if trace.is_file() {
+        if written_last.is_file() {
             return Ok(());
         }
         capture(recipe, trace)

@@ -406,7 +406,7 @@ impl Experiment {
 
     /// The needle grid of its traces ([`traces::needle_cells`]).
     pub fn needle_cells(&self, traces: &[TraceFile]) -> Vec<NeedleCell> {
-        traces::needle_cells(&self.traces, traces)
+        traces::needle_cells(traces)
     }
 
     /// Policy names in plan order, without repeats.
@@ -608,6 +608,8 @@ mod tests {
         TraceFile {
             path: "t.safetensors".into(),
             sha256: "ab".into(),
+            recipe: None,
+            question: None,
             recipe_sha256: None,
             heads: None,
             prompt_len: None,

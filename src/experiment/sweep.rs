@@ -7,7 +7,7 @@ use super::store::{is_stored, record_failure, store, ClosedLoop};
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
 use crate::capture;
-use crate::live::LiveSession;
+use crate::live::LiveQuestions;
 use crate::model::CausalLm;
 use crate::recipe::{BuiltPrompt, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
@@ -50,39 +50,54 @@ pub fn run_sweep(
     progress(done, total);
     let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
     let mut failed: Vec<(&PlannedRun, String)> = Vec::new();
-    for (entry, trace) in experiment.traces.iter().zip(traces) {
-        let of_trace: Vec<&&PlannedRun> =
-            pending.iter().filter(|r| r.trace == trace.path).collect();
-        if of_trace.is_empty() {
+    for unit in units(traces, experiment.closed_loop) {
+        let of_unit: Vec<Vec<&PlannedRun>> = unit
+            .iter()
+            .map(|trace| {
+                let of_trace = pending.iter().filter(|run| run.trace == trace.path);
+                of_trace.copied().collect()
+            })
+            .collect();
+        // The unit's policies: each pending on one of its traces, once.
+        let mut distinct: Vec<&PlannedRun> = Vec::new();
+        for run in of_unit.iter().flatten() {
+            if !distinct
+                .iter()
+                .any(|d| d.name == run.name && d.params == run.params)
+            {
+                distinct.push(run);
+            }
+        }
+        if distinct.is_empty() {
             continue;
         }
-        let runner = if experiment.closed_loop {
-            let name = Recipe::load(entry)
-                .map_err(crate::capture::CaptureError::from)?
-                .0
-                .model()
-                .to_owned();
-            if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
-                model = Some((name.clone(), capture::load_model(&name)?));
+        let runner = match experiment.closed_loop {
+            true => {
+                let recipe = unit[0].recipe.as_ref().expect("a closed loop runs recipes");
+                let name = Recipe::load(recipe)
+                    .map_err(crate::capture::CaptureError::from)?
+                    .0
+                    .model()
+                    .to_owned();
+                if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
+                    model = Some((name.clone(), capture::load_model(&name)?));
+                }
+                let model = model
+                    .as_ref()
+                    .map(|(_, model)| model.as_ref())
+                    .expect("loaded");
+                let questions = capture::build_questions(recipe, model)?;
+                for (prompt, trace) in questions.prompts.iter().zip(unit) {
+                    check_same_prompt(recipe, &name, prompt, &trace.path)?;
+                }
+                let scratch = std::env::temp_dir();
+                Runner::Live(LiveQuestions::start(model, &questions, 512, &scratch)?)
             }
-            let model = model
-                .as_ref()
-                .map(|(_, model)| model.as_ref())
-                .expect("loaded");
-            let prompt = capture::build_prompt(entry, model)?;
-            check_same_prompt(entry, &name, &prompt, &trace.path)?;
-            Runner::Live(LiveSession::start(
-                model,
-                &prompt,
-                512,
-                &std::env::temp_dir(),
-            )?)
-        } else {
-            Runner::Replay(TraceReader::open(&trace.path).map_err(PolicyError::from)?)
+            false => Runner::Replay(TraceReader::open(&unit[0].path).map_err(PolicyError::from)?),
         };
-        let checked = of_trace
-            .iter()
-            .map(|run| Ok((**run, experiment.check(&run.params)?)))
+        let checked = distinct
+            .into_iter()
+            .map(|run| Ok((run, experiment.check(&run.params)?)))
             .collect::<Result<Vec<_>, SweepError>>()?;
         let most = if experiment.closed_loop {
             LIVE_BATCH
@@ -93,16 +108,26 @@ pub fn run_sweep(
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
             let outcomes = run_alone_on_failure(&runner, &policies, layer_done);
             for (run, outcome) in runs.iter().zip(outcomes) {
-                match outcome {
-                    Ok((report, closed_loop)) => store(results, run, trace, &report, closed_loop)?,
-                    Err(error) => {
-                        let error = crate::error_text(&error);
-                        record_failure(results, run, &error)?;
-                        failed.push((*run, error));
+                for (index, of_trace) in of_unit.iter().enumerate() {
+                    let same =
+                        |other: &&&PlannedRun| other.name == run.name && other.params == run.params;
+                    let Some(pending) = of_trace.iter().find(same) else {
+                        continue;
+                    };
+                    match &outcome {
+                        Ok(outcomes) => {
+                            let (report, closed_loop) = outcomes[index].clone();
+                            store(results, pending, &unit[index], &report, closed_loop)?;
+                        }
+                        Err(error) => {
+                            let error = crate::error_text(error);
+                            record_failure(results, pending, &error)?;
+                            failed.push((*pending, error));
+                        }
                     }
+                    done += 1;
                 }
             }
-            done += runs.len();
             progress(done, total);
         }
     }
@@ -119,14 +144,15 @@ pub fn run_sweep(
     }
 }
 
-/// Each of `policies`' outcome on `runner`: one pass for them all, or, when that pass fails (a
-/// policy whose error shows only while it runs, such as a Python method that raises), one pass
-/// per policy, so that a failure is its own policy's and the others' outcomes stand.
+/// Each of `policies`' outcomes on `runner` (one per trace it runs): one pass for them all, or,
+/// when that pass fails (a policy whose error shows only while it runs, such as a Python method
+/// that raises), one pass per policy, so that a failure is its own policy's and the others'
+/// outcomes stand.
 fn run_alone_on_failure(
     runner: &Runner<'_>,
     policies: &[ValidPolicy],
     layer_done: LayerDone<'_>,
-) -> Vec<Result<Outcome, SweepError>> {
+) -> Vec<Result<Vec<Outcome>, SweepError>> {
     match runner.run(policies, layer_done) {
         Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
         Err(error) if policies.len() == 1 => vec![Err(error)],
@@ -136,6 +162,18 @@ fn run_alone_on_failure(
                 let mut outcome = runner.run(std::slice::from_ref(policy), layer_done)?;
                 Ok(outcome.pop().expect("one outcome per policy"))
             })
+            .collect(),
+    }
+}
+
+/// What one runner runs: a trace (open loop), or every trace of one recipe, which a closed loop
+/// runs together (the questions a recipe asks of one context share its prefill). `traces` come in
+/// the experiment's order, a recipe's questions together.
+fn units(traces: &[TraceFile], closed_loop: bool) -> Vec<&[TraceFile]> {
+    match closed_loop {
+        false => traces.chunks(1).collect(),
+        true => traces
+            .chunk_by(|a, b| a.recipe == b.recipe && b.question.is_some_and(|q| q > 0))
             .collect(),
     }
 }
@@ -199,34 +237,39 @@ fn batches(
 /// A run's open-loop report, and its closed-loop outcomes when run live.
 type Outcome = (ReplayReport, Option<ClosedLoop>);
 
-/// What runs a trace's policies: the open-loop replay of its trace file, or a live session of its
-/// recipe (closed loop). One is held per trace, so the size of the larger does not matter.
+/// What runs a trace's policies: the open-loop replay of its trace file, or the live sessions of
+/// its recipe's questions (closed loop). One is held at a time, so the size of the larger does not
+/// matter.
 #[allow(clippy::large_enum_variant)]
 enum Runner<'m> {
     Replay(TraceReader),
-    Live(LiveSession<'m>),
+    Live(LiveQuestions<'m>),
 }
 
 impl Runner<'_> {
-    /// Each policy's open-loop report, and its closed-loop outcomes when run live.
+    /// Each policy's open-loop report, and its closed-loop outcomes when run live, on each of the
+    /// runner's traces.
     fn run(
         &self,
         policies: &[ValidPolicy],
         layer_done: LayerDone<'_>,
-    ) -> Result<Vec<Outcome>, SweepError> {
+    ) -> Result<Vec<Vec<Outcome>>, SweepError> {
         Ok(match self {
             Runner::Replay(reader) => replay_many(reader, policies, layer_done)?
                 .into_iter()
-                .map(|report| (report, None))
+                .map(|report| vec![(report, None)])
                 .collect(),
-            Runner::Live(session) => session
-                .run_many(policies)?
-                .into_iter()
-                .map(|live| {
-                    let closed = ClosedLoop::from(&live);
-                    (live.open_loop, Some(closed))
-                })
-                .collect(),
+            Runner::Live(questions) => {
+                let mut reports = questions.run_many(policies)?;
+                let mut by_policy = vec![Vec::new(); policies.len()];
+                for question in &mut reports {
+                    for (outcomes, live) in by_policy.iter_mut().zip(question.drain(..)) {
+                        let closed = ClosedLoop::from(&live);
+                        outcomes.push((live.open_loop, Some(closed)));
+                    }
+                }
+                by_policy
+            }
         })
     }
 }

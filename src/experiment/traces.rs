@@ -4,7 +4,7 @@
 
 use super::SweepError;
 use crate::assets::sha256_file;
-use crate::capture::CaptureError;
+use crate::capture::{question_trace, CaptureError};
 use crate::recipe::Recipe;
 use crate::trace::{read_header, TraceMeta};
 use sha2::{Digest, Sha256};
@@ -19,6 +19,11 @@ pub struct TraceFile {
     pub path: PathBuf,
     /// sha256 of its bytes, lower-case hex.
     pub sha256: String,
+    /// The recipe file it was captured from, if any.
+    pub recipe: Option<PathBuf>,
+    /// Which of the recipe's questions it asks (from 0), for a recipe that asks several of one
+    /// context.
+    pub question: Option<usize>,
     /// sha256 of the recipe file it was captured from, if any.
     pub recipe_sha256: Option<String>,
     /// Its query and KV heads, as its header says (read while hashing it; `None` for a file
@@ -54,6 +59,8 @@ impl TraceFile {
         Ok(Self {
             path: path.to_owned(),
             sha256,
+            recipe: None,
+            question: None,
             recipe_sha256: None,
             heads: count("n_heads").zip(count("n_kv_heads")),
             prompt_len: count("prompt_len"),
@@ -123,56 +130,66 @@ pub struct NeedleCell {
 }
 
 /// The trace files of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the
-/// trace beside it (`.safetensors`); one not captured yet is captured with `capture`, or is an
-/// error when there is none (`kvreplay report` runs nothing).
+/// trace beside it (`.safetensors`), or for one per question when it asks several of one context
+/// ([`question_trace`]); one not captured yet is captured with `capture`, or is an error when
+/// there is none (`kvreplay report` runs nothing).
 pub(crate) fn trace_files(
     entries: &[PathBuf],
     mut capture: Option<Capture<'_>>,
 ) -> Result<Vec<TraceFile>, SweepError> {
-    entries
-        .iter()
-        .map(|entry| {
-            let is_recipe = entry.extension().is_some_and(|e| e == "toml");
-            let trace = if is_recipe {
-                entry.with_extension("safetensors")
-            } else {
-                entry.clone()
-            };
-            if !trace.is_file() {
-                match capture.as_mut() {
-                    Some(capture) if is_recipe => capture(entry, &trace)?,
-                    _ => {
-                        return Err(SweepError::Io {
-                            path: trace,
-                            detail: if is_recipe {
-                                "not captured yet; run `kvreplay sweep` first".into()
-                            } else {
-                                "trace file not found".into()
-                            },
-                        })
-                    }
+    let mut files = Vec::new();
+    for entry in entries {
+        if entry.extension().is_none_or(|e| e != "toml") {
+            if !entry.is_file() {
+                return Err(SweepError::Io {
+                    path: entry.clone(),
+                    detail: "trace file not found".into(),
+                });
+            }
+            files.push(TraceFile::identify(entry)?);
+            continue;
+        }
+        let questions = Recipe::load(entry)
+            .map_err(CaptureError::from)?
+            .0
+            .questions();
+        let trace = entry.with_extension("safetensors");
+        let traces: Vec<PathBuf> = (0..questions)
+            .map(|question| question_trace(&trace, question, questions))
+            .collect();
+        if traces.iter().any(|trace| !trace.is_file()) {
+            // A capture writes the first question last: it stands for them all.
+            match capture.as_mut() {
+                Some(capture) => capture(entry, &trace)?,
+                None => {
+                    return Err(SweepError::Io {
+                        path: traces[0].clone(),
+                        detail: "not captured yet; run `kvreplay sweep` first".into(),
+                    })
                 }
             }
-            let mut file = TraceFile::identify(&trace)?;
-            if is_recipe {
-                let recipe = sha256_file(entry).map_err(|err| SweepError::Io {
-                    path: entry.clone(),
-                    detail: err.to_string(),
-                })?;
-                file.recipe_sha256 = Some(recipe);
-            }
-            Ok(file)
-        })
-        .collect()
+        }
+        let recipe_sha256 = sha256_file(entry).map_err(|err| SweepError::Io {
+            path: entry.clone(),
+            detail: err.to_string(),
+        })?;
+        for (question, trace) in traces.iter().enumerate() {
+            files.push(TraceFile {
+                recipe: Some(entry.clone()),
+                question: (questions > 1).then_some(question),
+                recipe_sha256: Some(recipe_sha256.clone()),
+                ..TraceFile::identify(trace)?
+            });
+        }
+    }
+    Ok(files)
 }
 
-/// The needle grid: for each of `traces` made from a needle recipe of `entries`, its prompt
-/// length and depth.
-pub(crate) fn needle_cells(entries: &[PathBuf], traces: &[TraceFile]) -> Vec<NeedleCell> {
-    entries
+/// The needle grid: for each of `traces` made from a needle recipe, its prompt length and depth.
+pub(crate) fn needle_cells(traces: &[TraceFile]) -> Vec<NeedleCell> {
+    traces
         .iter()
-        .zip(traces)
-        .filter_map(|(entry, trace)| match Recipe::load(entry) {
+        .filter_map(|trace| match Recipe::load(trace.recipe.as_ref()?) {
             Ok((Recipe::Niah(niah), _)) => Some(NeedleCell {
                 trace: trace.path.clone(),
                 length: niah.prompt_tokens,
