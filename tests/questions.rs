@@ -1,0 +1,209 @@
+//! Several questions of one context (SCBench's shared-context setting) on the real model: the
+//! context is captured once (every question's trace holds the same context vectors, bit for bit),
+//! a live run compresses it once and asks every question of that cache (the same reports as
+//! compressing it for each question), and a closed-loop sweep stores each question's runs.
+
+mod common;
+
+use common::real_model as model;
+use kvreplay::capture::{build_questions, capture, capture_recipe, CaptureOptions};
+use kvreplay::live::LiveQuestions;
+use kvreplay::model::Recorder;
+use kvreplay::recipe::BuiltQuestions;
+use kvreplay::replay::{PolicyParams, Protocol, ValidPolicy};
+use kvreplay::trace::{StorageDtype, TraceReader};
+use std::path::{Path, PathBuf};
+
+/// Two questions about ~400 tokens of essays with four keys hidden in them, each asking one key.
+const RECIPE: &str =
+    "kind = \"ruler-niah\"\nprompt_tokens = 400\nnum_needle_k = 4\nquestions = 2\ngenerate = 8\n";
+
+/// The recipe, written into `dir`.
+fn recipe(dir: &Path) -> PathBuf {
+    common::real_assets().require_essays().unwrap();
+    let path = dir.join("two.toml");
+    std::fs::write(&path, RECIPE).unwrap();
+    path
+}
+
+fn policy(scorer: &str, protocol: Protocol) -> ValidPolicy {
+    PolicyParams {
+        budget: 48,
+        window: 4,
+        scorer: scorer.into(),
+        protocol,
+        ..PolicyParams::default()
+    }
+    .check()
+    .unwrap()
+}
+
+#[test]
+fn the_questions_share_one_captured_context() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = recipe(dir.path());
+    let out = dir.path().join("two.safetensors");
+    let summaries = capture_recipe(&recipe, &out, StorageDtype::F32, 128, &mut |_, _| {}).unwrap();
+    let paths: Vec<&PathBuf> = summaries.iter().map(|s| &s.path).collect();
+    assert_eq!(
+        paths,
+        [
+            dir.path().join("two.q1.safetensors"),
+            dir.path().join("two.q2.safetensors")
+        ]
+        .iter()
+        .collect::<Vec<_>>()
+    );
+    assert!(!out.exists());
+    let traces: Vec<TraceReader> = paths
+        .iter()
+        .map(|p| TraceReader::open(p).unwrap())
+        .collect();
+    let shared: usize = traces[0].meta().extra["shared_context"].parse().unwrap();
+    for (index, trace) in traces.iter().enumerate() {
+        let extra = &trace.meta().extra;
+        assert_eq!(extra["question"], (index + 1).to_string());
+        assert_eq!(extra["questions"], "2");
+        let question = trace
+            .meta()
+            .spans
+            .iter()
+            .find(|s| s.name == "question")
+            .unwrap();
+        assert_eq!(question.start, shared);
+    }
+    // The context's tokens and every layer's q, k and v are the same bits in both traces; the
+    // questions differ.
+    let tokens: Vec<Vec<i64>> = traces
+        .iter()
+        .map(|t| t.tokens().unwrap().to_vec())
+        .collect();
+    assert_eq!(tokens[0][..shared], tokens[1][..shared]);
+    assert_ne!(tokens[0][shared..], tokens[1][shared..]);
+    let context = ndarray::s![.., ..shared, ..];
+    for layer in [0, 14, 29] {
+        let (a, b) = (
+            traces[0].layer(layer).unwrap(),
+            traces[1].layer(layer).unwrap(),
+        );
+        assert_eq!(a.q.slice(context), b.q.slice(context));
+        assert_eq!(a.k.slice(context), b.k.slice(context));
+        assert_eq!(
+            a.v.as_ref().unwrap().slice(context),
+            b.v.as_ref().unwrap().slice(context)
+        );
+    }
+}
+
+#[test]
+fn a_recipe_of_one_question_captures_as_before() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = Path::new("traces/capital.toml");
+    let out = dir.path().join("capital.safetensors");
+    capture_recipe(recipe, &out, StorageDtype::F32, 16, &mut |_, _| {}).unwrap();
+    let prompt = build_questions(recipe, model()).unwrap().prompts.remove(0);
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk: 16,
+        recipe_name: "capital.toml".into(),
+        model_id: "m".into(),
+    };
+    let alone = capture(
+        model(),
+        &prompt,
+        &options,
+        Recorder::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let path = dir.path().join("alone.safetensors");
+    alone.write(&path).unwrap();
+    let (a, b) = (
+        TraceReader::open(&out).unwrap(),
+        TraceReader::open(&path).unwrap(),
+    );
+    assert_eq!(a.tokens().unwrap(), b.tokens().unwrap());
+    for layer in 0..a.meta().n_layers {
+        let (a, b) = (a.layer(layer).unwrap(), b.layer(layer).unwrap());
+        assert_eq!((&a.q, &a.k, &a.v), (&b.q, &b.k, &b.v), "layer {layer}");
+    }
+}
+
+#[test]
+fn one_compression_serves_every_question_as_compressing_for_each_would() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = recipe(dir.path());
+    let questions = build_questions(&recipe, model()).unwrap();
+    let policies = [
+        policy("snapkv", Protocol::QuestionAgnostic),
+        policy("knorm", Protocol::QuestionAgnostic),
+        policy("snapkv", Protocol::QuestionInPrompt),
+    ];
+    assert!(LiveQuestions::compresses_context_once(&policies[0]));
+    assert!(!LiveQuestions::compresses_context_once(&policies[2]));
+    let together = LiveQuestions::start(model(), &questions, 128, dir.path()).unwrap();
+    let reports = together.run_many(&policies).unwrap();
+    assert_eq!(reports.len(), 2);
+    for (index, prompt) in questions.prompts.iter().enumerate() {
+        // The question asked alone, its context prefilled the same way and compressed for it.
+        let alone = BuiltQuestions {
+            shared: questions.shared,
+            prompts: vec![prompt.clone()],
+        };
+        let alone = LiveQuestions::start(model(), &alone, 128, dir.path()).unwrap();
+        let expected = alone.sessions()[0].run_many(&policies).unwrap();
+        assert_eq!(reports[index], expected, "question {}", index + 1);
+    }
+    // The questions ask different keys of the one context: the full runs answer each.
+    for question in &reports {
+        assert_eq!(
+            question[0].full_answer_score, 1.0,
+            "{}",
+            question[0].full_text
+        );
+    }
+    assert_ne!(reports[0][0].full_text, reports[1][0].full_text);
+    // The question-agnostic policies kept the same context for both questions; their open-loop
+    // metrics are each question's own.
+    assert_ne!(
+        reports[0][0].open_loop.metric("retained_mass"),
+        reports[1][0].open_loop.metric("retained_mass")
+    );
+}
+
+#[test]
+fn a_closed_loop_sweep_stores_each_questions_runs() {
+    let dir = tempfile::tempdir().unwrap();
+    recipe(dir.path());
+    std::fs::write(
+        dir.path().join("q.toml"),
+        "description = \"two questions\"\ntraces = [\"two.toml\"]\nbudgets = [48]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\nscorer = \"snapkv\"\nwindow = 4\nprotocol = \"question-agnostic\"\n",
+    )
+    .unwrap();
+    assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["sweep", "q.toml"])
+        .assert()
+        .success();
+    for question in ["two.q1.safetensors", "two.q2.safetensors"] {
+        assert!(dir.path().join(question).is_file());
+    }
+    let csv = std::fs::read_to_string(dir.path().join("results/q/runs.csv")).unwrap();
+    assert_eq!(csv.lines().count(), 3, "{csv}");
+    assert!(
+        csv.contains("two.q1.safetensors") && csv.contains("two.q2.safetensors"),
+        "{csv}"
+    );
+    // Run again: everything is stored, nothing is captured or run again.
+    let again = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["sweep", "q.toml"])
+        .assert()
+        .success();
+    let out = String::from_utf8(again.get_output().stderr.clone()).unwrap()
+        + &String::from_utf8(again.get_output().stdout.clone()).unwrap();
+    assert!(!out.contains("captured in"), "{out}");
+}
