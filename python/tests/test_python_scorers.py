@@ -186,3 +186,19 @@ def test_a_python_allocator_equal_to_a_registered_one(trace):
 def test_bad_allocators_are_named(trace, allocate, message):
     with pytest.raises(kvreplay.KvreplayError, match=f"Python allocator `function`: {message}"):
         kvreplay.replay(trace, allocator=allocate, scorer="knorm", budget=64)
+
+
+def test_several_questions_of_one_context(tmp_path):
+    recipe = tmp_path / "two.toml"
+    recipe.write_text('kind = "ruler-niah"\nprompt_tokens = 400\nnum_needle_k = 4\nquestions = 2\ngenerate = 8\n')
+    traces = kvreplay.capture(recipe)
+    assert [t.path.name for t in traces] == ["two.q1.safetensors", "two.q2.safetensors"]
+    results = kvreplay.live(recipe, scorer="snapkv", budget=48, protocol="question-agnostic")
+    runs = results.runs
+    assert [p.split("/")[-1] for p in runs["trace"].to_list()] == ["two.q1.safetensors", "two.q2.safetensors"]
+    # Each question's own full run answers it; the two ask different keys.
+    assert runs["full_answer_score"].to_list() == [1.0, 1.0]
+    assert results.reports[0]["full_text"] != results.reports[1]["full_text"]
+    # Both traces hold the same context: their questions start at the same token.
+    starts = [[start for name, start, _ in t.spans if name == "question"] for t in traces]
+    assert starts[0] == starts[1] and starts[0][0] > 0

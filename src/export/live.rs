@@ -125,6 +125,7 @@ pub fn live_questions_table(reports: &[LiveReport], format: Format) -> String {
                 reports.len()
             );
         }
+        out += "\nFree-running greedy texts under the policy:\n";
         for (index, report) in reports.iter().enumerate() {
             out += &format!(
                 "Question {}: {:?} (full cache: {:?})\n",
