@@ -196,6 +196,36 @@ fn a_closed_loop_sweep_stores_each_questions_runs() {
         csv.contains("two.q1.safetensors") && csv.contains("two.q2.safetensors"),
         "{csv}"
     );
+    // `kvreplay live` prints a row per question and their mean.
+    let live = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args([
+            "live", "--recipe", "two.toml", "--scorer", "snapkv", "--budget", "48",
+        ])
+        .args(["--window", "4", "--protocol", "question-agnostic"])
+        .assert()
+        .success();
+    let table = String::from_utf8(live.get_output().stdout.clone()).unwrap();
+    assert!(table.contains("2 questions of one context"), "{table}");
+    for row in ["| 1 ", "| 2 ", "| mean "] {
+        assert!(table.lines().any(|l| l.starts_with(row)), "{table}");
+    }
+    // Its numbers are the sweep's, question by question.
+    let kl_of = |row: &str| -> String {
+        let line = table.lines().find(|l| l.starts_with(row)).unwrap();
+        line.split('|').nth(4).unwrap().trim().to_owned()
+    };
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let kl = header.iter().position(|c| *c == "kl").unwrap();
+    for (question, row) in [
+        ("two.q1.safetensors", "| 1 "),
+        ("two.q2.safetensors", "| 2 "),
+    ] {
+        let line = csv.lines().find(|l| l.contains(question)).unwrap();
+        let stored: f64 = line.split(',').nth(kl).unwrap().parse().unwrap();
+        assert_eq!(format!("{stored:.4}"), kl_of(row), "{question}");
+    }
     // Run again: everything is stored, nothing is captured or run again.
     let again = assert_cmd::Command::cargo_bin("kvreplay")
         .unwrap()

@@ -102,6 +102,7 @@ pub(crate) fn section(
     let mut out = outcome_table(experiment, names, runs, trace_names);
     out += &correlations(runs, trace_names);
     out += &rankings(experiment, names, runs, trace_names);
+    out += &super::protocols::section(&experiment.budgets, runs, trace_names);
     let (drift, mut figures) = super::drift::section(names, runs, layers, files)?;
     out += &drift;
     let series: Vec<Series> = names

@@ -14,6 +14,7 @@ mod drift;
 mod error;
 mod figures;
 pub mod frames;
+mod protocols;
 mod ranking;
 pub mod report;
 pub mod shard;

@@ -90,32 +90,32 @@ pub fn live_questions_table(reports: &[LiveReport], format: Format) -> String {
         "full cache's answer score",
     ];
     let mut table = Table::with_headers(headers.map(String::from).to_vec());
-    let retained = |r: &LiveReport| r.open_loop.metric("retained_mass").unwrap_or(f64::NAN);
-    let columns: [&dyn Fn(&LiveReport) -> f64; 7] = [
-        &retained,
-        &|r| r.live_retained_mass,
-        &|r| r.kl,
-        &|r| r.top1,
-        &|r| r.logprob_lost,
-        &|r| r.answer_score,
-        &|r| r.full_answer_score,
-    ];
-    let row = |name: String, value: &dyn Fn(&dyn Fn(&LiveReport) -> f64) -> f64| {
+    let values = |r: &LiveReport| {
+        [
+            r.open_loop.metric("retained_mass").unwrap_or(f64::NAN),
+            r.live_retained_mass,
+            r.kl,
+            r.top1,
+            r.logprob_lost,
+            r.answer_score,
+            r.full_answer_score,
+        ]
+    };
+    let row = |name: String, values: [f64; 7]| {
         let mut row = vec![name];
-        row.extend(
-            columns
-                .iter()
-                .map(|column| format!("{:.4}", value(*column))),
-        );
+        row.extend(values.iter().map(|value| format!("{value:.4}")));
         row
     };
+    let mut sum = [0.0; 7];
     for (index, report) in reports.iter().enumerate() {
-        table.push(row((index + 1).to_string(), &|column| column(report)));
+        let report = values(report);
+        sum.iter_mut()
+            .zip(report)
+            .for_each(|(sum, value)| *sum += value);
+        table.push(row((index + 1).to_string(), report));
     }
     let n = reports.len() as f64;
-    table.push(row("mean".into(), &|column| {
-        reports.iter().map(column).sum::<f64>() / n
-    }));
+    table.push(row("mean".into(), sum.map(|total| total / n)));
     let mut out = table.render(format);
     if format == Format::Markdown {
         if let Some(first) = reports.first() {

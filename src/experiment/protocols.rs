@@ -1,0 +1,313 @@
+//! Two report sections of a closed-loop experiment that runs its policies under both protocols
+//! (the cut at the prompt's end, or before the question): which open-loop metric predicts the
+//! closed-loop KL on each trace under each protocol, and whether the protocol changes the ranking
+//! of the methods (the question kvpress's authors raise about SnapKV's window vote).
+//!
+//! - Metrics: per (trace, protocol), Spearman's ρ between each open-loop metric and KL over that
+//!   cell's (policy, budget) points. Output error is negated, so for every metric higher is a
+//!   better cache and a perfect predictor has ρ = −1; the best is the lowest ρ. The answer-span
+//!   mass is the share of the full attention on the spans that state the answer (`needle…`,
+//!   `chain…`) that the kept sets hold, Σ kept mass / Σ full mass.
+//! - Rankings: per (trace, budget), the methods (a policy's name less its `protocol=` part)
+//!   ordered by KL under each protocol; Kendall's τ-b between the two orders, and whether both
+//!   put the same method first.
+
+use super::stats::{kendall, spearman};
+use super::store::StoredRun;
+use crate::export::{Format, Table};
+use crate::replay::{Protocol, RETAINED_MASS};
+use std::collections::BTreeSet;
+
+/// An open-loop number of a run, oriented so that higher is a better cache.
+struct Predictor {
+    title: &'static str,
+    value: fn(&StoredRun) -> Option<f64>,
+}
+
+const PREDICTORS: [Predictor; 5] = [
+    Predictor {
+        title: "retained mass",
+        value: |r| r.report.metric(RETAINED_MASS),
+    },
+    Predictor {
+        title: "top-k recall",
+        value: |r| r.report.metric("topk_recall"),
+    },
+    Predictor {
+        title: "−output error",
+        value: |r| r.report.metric("output_error").map(|e| -e),
+    },
+    Predictor {
+        title: "value-weighted mass",
+        value: |r| r.report.metric("value_weighted_mass"),
+    },
+    Predictor {
+        title: "answer-span mass",
+        value: answer_span_mass,
+    },
+];
+
+/// The share of the full attention on the answer-bearing spans (`needle…`, `chain…`) that the
+/// kept sets hold; `None` for a trace without such spans.
+fn answer_span_mass(run: &StoredRun) -> Option<f64> {
+    let answer = |name: &str| name.starts_with("needle") || name.starts_with("chain");
+    let (kept, full) = run
+        .report
+        .spans
+        .iter()
+        .filter(|(name, ..)| answer(name))
+        .fold((0.0, 0.0), |(kept, full), (_, _, k, f)| {
+            (kept + k, full + f)
+        });
+    (full > 0.0).then(|| kept / full)
+}
+
+/// A run's protocol, by name.
+fn protocol(run: &StoredRun) -> &str {
+    run.report
+        .settings
+        .get("protocol")
+        .map_or(Protocol::QuestionInPrompt.name(), String::as_str)
+}
+
+/// A run's method: its name less the `protocol=` part an experiment's label gives it.
+fn method(run: &StoredRun) -> String {
+    let suffix = format!(" protocol={}", protocol(run));
+    run.name.replace(&suffix, "")
+}
+
+fn kl(run: &StoredRun) -> f64 {
+    run.closed_loop.as_ref().expect("closed-loop runs").kl
+}
+
+/// Both sections, at the experiment's `budgets`, when the runs hold more than one protocol; empty
+/// otherwise.
+pub(crate) fn section(budgets: &[usize], runs: &[StoredRun], traces: &[String]) -> String {
+    let protocols: BTreeSet<&str> = runs.iter().map(protocol).collect();
+    if protocols.len() < 2 {
+        return String::new();
+    }
+    predictors(runs, traces, &protocols) + &rankings(budgets, runs, traces)
+}
+
+/// Per (trace, protocol): each predictor's ρ with KL and the best of them.
+fn predictors(runs: &[StoredRun], traces: &[String], protocols: &BTreeSet<&str>) -> String {
+    let mut headers = vec!["trace".to_string(), "protocol".into(), "points".into()];
+    headers.extend(PREDICTORS.iter().map(|p| format!("ρ {}", p.title)));
+    headers.push("best".into());
+    let mut table = Table::with_headers(headers);
+    let mut wins = vec![0usize; PREDICTORS.len()];
+    for trace in traces {
+        for &name in protocols {
+            let cell: Vec<&StoredRun> = runs
+                .iter()
+                .filter(|r| &r.trace == trace && protocol(r) == name)
+                .collect();
+            if cell.len() < 3 {
+                continue;
+            }
+            let rhos: Vec<Option<f64>> = PREDICTORS
+                .iter()
+                .map(|p| {
+                    let x: Option<Vec<f64>> = cell.iter().map(|r| (p.value)(r)).collect();
+                    let y: Vec<f64> = cell.iter().map(|r| kl(r)).collect();
+                    x.map(|x| spearman(&x, &y)).filter(|rho| rho.is_finite())
+                })
+                .collect();
+            let best = (0..rhos.len())
+                .filter_map(|i| rhos[i].map(|rho| (i, rho)))
+                .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+            let mut row = vec![trace.clone(), name.to_owned(), cell.len().to_string()];
+            row.extend(
+                rhos.iter()
+                    .map(|rho| rho.map_or("—".into(), |r| format!("{r:+.3}"))),
+            );
+            row.push(best.map_or("—".into(), |(i, _)| PREDICTORS[i].title.to_owned()));
+            if let Some((i, _)) = best {
+                wins[i] += 1;
+            }
+            table.push(row);
+        }
+    }
+    let tally: Vec<String> = PREDICTORS
+        .iter()
+        .zip(&wins)
+        .map(|(p, n)| format!("{} {n}", p.title))
+        .collect();
+    format!(
+        "\nWhich open-loop metric predicts KL, per trace and protocol: Spearman ρ over the cell's (policy, budget) points, every metric oriented so that higher is a better cache (output error negated), so a perfect predictor has ρ = −1 and the best is the lowest; the answer-span mass is the share of the full attention on the spans stating the answer (`needle…`, `chain…`) that is kept (— where a trace has none):\n\n{}\nBest per cell: {}.\n",
+        table.render(Format::Markdown),
+        tally.join(", ")
+    )
+}
+
+/// Per budget: how far the order of the methods by KL under one protocol is the order under the
+/// other.
+fn rankings(budgets: &[usize], runs: &[StoredRun], traces: &[String]) -> String {
+    let protocols: Vec<&str> = runs
+        .iter()
+        .map(protocol)
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect();
+    let (first, second) = (protocols[0], protocols[1]);
+    let mut table = Table::new([
+        "budget",
+        "mean τ-b of the two orders",
+        "same best method",
+        &format!("best methods, {first}"),
+        &format!("best methods, {second}"),
+    ]);
+    for &budget in budgets {
+        let (mut taus, mut same, mut cells) = (Vec::new(), 0, 0);
+        let mut bests: [Vec<String>; 2] = [Vec::new(), Vec::new()];
+        for trace in traces {
+            let of = |name: &str| -> Vec<&StoredRun> {
+                runs.iter()
+                    .filter(|r| {
+                        &r.trace == trace
+                            && r.report.nominal_budget == budget
+                            && protocol(r) == name
+                    })
+                    .collect()
+            };
+            let (a, b) = (of(first), of(second));
+            let paired: Vec<(f64, f64, String)> = a
+                .iter()
+                .filter_map(|ra| {
+                    let rb = b.iter().find(|rb| method(rb) == method(ra))?;
+                    Some((-kl(ra), -kl(rb), method(ra)))
+                })
+                .collect();
+            if paired.len() < 2 {
+                continue;
+            }
+            cells += 1;
+            let (x, y): (Vec<f64>, Vec<f64>) = paired.iter().map(|(x, y, _)| (*x, *y)).unzip();
+            let tau = kendall(&x, &y);
+            if tau.is_finite() {
+                taus.push(tau);
+            }
+            let best = |values: &[f64]| {
+                (0..values.len())
+                    .max_by(|&i, &j| values[i].total_cmp(&values[j]).then(j.cmp(&i)))
+                    .expect("two or more")
+            };
+            let (bx, by) = (best(&x), best(&y));
+            same += usize::from(bx == by);
+            bests[0].push(paired[bx].2.clone());
+            bests[1].push(paired[by].2.clone());
+        }
+        let mean = taus.iter().sum::<f64>() / taus.len().max(1) as f64;
+        table.push([
+            budget.to_string(),
+            format!("{mean:+.3}"),
+            format!("{same} of {cells}"),
+            tally(&bests[0]),
+            tally(&bests[1]),
+        ]);
+    }
+    format!(
+        "\nDoes the protocol change the ranking of the methods? Per (trace, budget), the methods (a policy's name less its protocol) ordered by closed-loop KL under each protocol: Kendall τ-b between the two orders, mean over traces; on how many traces both put the same method first; and which methods come first under each (traces each):\n\n{}",
+        table.render(Format::Markdown)
+    )
+}
+
+/// `names` counted, most frequent first: "snapkv 6, knorm 3".
+fn tally(names: &[String]) -> String {
+    let mut counts: Vec<(usize, &String)> = names
+        .iter()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .map(|name| (names.iter().filter(|n| *n == name).count(), name))
+        .collect();
+    counts.sort_by(|a, b| b.0.cmp(&a.0).then(a.1.cmp(b.1)));
+    counts
+        .iter()
+        .map(|(n, name)| format!("{name} {n}"))
+        .collect::<Vec<_>>()
+        .join(", ")
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::experiment::testing::closed_run;
+
+    /// A run of `name` under `protocol` on trace `t`: retained mass `mass`, KL `kl`.
+    fn run(name: &str, protocol: &str, mass: f64, kl: f64) -> StoredRun {
+        let mut run = closed_run(
+            &format!("{name} protocol={protocol}"),
+            [mass, mass],
+            None,
+            kl,
+        );
+        run.report
+            .settings
+            .insert("protocol".into(), protocol.into());
+        run.report.metrics.insert("output_error".into(), kl / 10.0);
+        run.report.spans = vec![
+            ("needle".into(), 0.5, mass / 2.0, 0.5),
+            ("question".into(), 1.0, 0.1, 0.1),
+        ];
+        run
+    }
+
+    #[test]
+    fn the_answer_span_mass_is_the_kept_share_of_the_answer_spans() {
+        let mut r = run("a", "question-agnostic", 0.6, 1.0);
+        r.report.spans.push(("chain-2".into(), 1.0, 0.2, 0.5));
+        // (0.3 + 0.2) / (0.5 + 0.5); the question's span is not an answer's.
+        assert_eq!(answer_span_mass(&r), Some(0.5));
+        r.report.spans.clear();
+        assert_eq!(answer_span_mass(&r), None);
+    }
+
+    #[test]
+    fn a_reversed_order_under_the_other_protocol_is_tau_minus_one() {
+        // Under question-in-prompt a < b < c by KL; question-agnostic reverses it.
+        let runs = vec![
+            run("a", "question-in-prompt", 0.9, 0.1),
+            run("b", "question-in-prompt", 0.8, 0.2),
+            run("c", "question-in-prompt", 0.7, 0.3),
+            run("a", "question-agnostic", 0.7, 0.3),
+            run("b", "question-agnostic", 0.8, 0.2),
+            run("c", "question-agnostic", 0.9, 0.1),
+        ];
+        let text = section(&[64], &runs, &["t".into()]);
+        let cells: Vec<&str> = text
+            .lines()
+            .find(|l| l.starts_with("| 64 "))
+            .unwrap()
+            .split('|')
+            .map(str::trim)
+            .collect();
+        assert_eq!(
+            cells[1..6],
+            ["64", "-1.000", "0 of 1", "c 1", "a 1"],
+            "{text}"
+        );
+        // KL is retained mass reversed, and output error is KL: ρ = −1 for both, mass first.
+        let row = text
+            .lines()
+            .find(|l| l.starts_with("| t ") && l.contains("question-in-prompt"))
+            .unwrap();
+        assert!(
+            row.contains("-1.000") && row.trim_end().ends_with("retained mass |"),
+            "{row}"
+        );
+        assert!(
+            text.contains("Best per cell: retained mass 2, top-k recall 0"),
+            "{text}"
+        );
+    }
+
+    #[test]
+    fn one_protocol_adds_nothing() {
+        let runs = vec![
+            run("a", "question-in-prompt", 0.9, 0.1),
+            run("b", "question-in-prompt", 0.8, 0.2),
+        ];
+        assert_eq!(section(&[64], &runs, &["t".into()]), "");
+    }
+}
