@@ -171,8 +171,107 @@ fn unknown_keys_and_names_are_listed() {
         .assert()
         .code(2)
         .stderr(contains(
-            "policy `snapkv`: `bytes` (a budget in bytes) is a setting of `kvreplay replay` and of Python",
+            "policy `snapkv`: `bytes` in a [[policy]]: an experiment's budgets in bytes are its top-level `bytes` list",
         ));
+    for (bytes, error) in [
+        ("bytes = [0.5]\n", "`budgets` and `bytes` are both given"),
+        (
+            "bytes = [\"half\"]\n",
+            "`bytes` lists \"half\": each is a fraction",
+        ),
+    ] {
+        let dir = setup(&EXPERIMENT.replace(
+            "budgets = [6, 10]\n",
+            &format!("budgets = [6, 10]\n{bytes}"),
+        ));
+        kvreplay(&dir)
+            .args(["sweep", "e.toml"])
+            .assert()
+            .code(2)
+            .stderr(contains(error));
+    }
+}
+
+/// Budgets in bytes: each run resolves its fraction on its trace to the tokens `kvreplay replay
+/// --bytes` resolves it to, and the report's columns are the fractions.
+#[test]
+fn an_experiment_at_equal_bytes_runs_each_fraction_as_replay_resolves_it() {
+    let experiment = r#"
+description = "equal bytes"
+traces = ["fixture.safetensors"]
+bytes = ["1/2", 0.25]
+
+[[policy]]
+name = "plain"
+scorer = "snapkv"
+window = 2
+
+[[policy]]
+name = "kivi"
+scorer = "snapkv"
+window = 2
+quantizer = "kivi"
+bits = 4
+group_size = 4
+residual = 4
+"#;
+    let dir = setup(experiment);
+    let out = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    assert!(
+        report.contains("1/2 of the bytes") && report.contains("1/4 of the bytes"),
+        "{report}"
+    );
+    let csv = std::fs::read_to_string(dir.path().join("results/e/runs.csv")).unwrap();
+    let header: Vec<&str> = csv.lines().next().unwrap().split(',').collect();
+    let column = |name: &str| header.iter().position(|c| *c == name).unwrap();
+    let mut checked = 0;
+    for (name, quantizer) in [
+        ("plain", &[][..]),
+        (
+            "kivi",
+            &[
+                "--quantizer",
+                "kivi",
+                "--bits",
+                "4",
+                "--group-size",
+                "4",
+                "--residual",
+                "4",
+            ][..],
+        ),
+    ] {
+        for fraction in ["1/2", "0.25"] {
+            let mut args = vec![
+                "replay",
+                "fixture.safetensors",
+                "--scorer",
+                "snapkv",
+                "--window",
+                "2",
+                "--bytes",
+                fraction,
+                "--format",
+                "json",
+            ];
+            args.extend_from_slice(quantizer);
+            let replayed = kvreplay(&dir).args(&args).assert().success();
+            let json: serde_json::Value =
+                serde_json::from_slice(&replayed.get_output().stdout).unwrap();
+            let resolved = json["nominal_budget"].as_u64().unwrap().to_string();
+            let bytes = json["kv_bytes"].as_f64().unwrap();
+            let row = csv
+                .lines()
+                .skip(1)
+                .map(|l| l.split(',').collect::<Vec<_>>())
+                .find(|row| row[column("policy")] == name && row[column("budget")] == resolved)
+                .unwrap_or_else(|| panic!("{name} at {fraction} ({resolved} tokens): {csv}"));
+            assert_eq!(row[column("kv_bytes")].parse::<f64>().unwrap(), bytes);
+            checked += 1;
+        }
+    }
+    assert_eq!(checked, 4);
 }
 
 use predicates::prelude::*;
@@ -500,7 +599,7 @@ fn an_extending_experiment_inherits_what_it_does_not_set() {
     assert_eq!(wider.description, base.description);
     assert_eq!(wider.traces, base.traces);
     assert_eq!(wider.compare, base.compare);
-    assert_eq!(wider.budgets, [6, 8, 10]);
+    assert_eq!(wider.budgets, [6, 8, 10].map(kvreplay::experiment::Budget::Tokens));
     assert_eq!(wider.policies.len(), 3 * 3);
     let at = |experiment: &Experiment, budget: usize| -> Vec<String> {
         let policies = experiment.policies.iter();

@@ -17,8 +17,8 @@
 use super::figures::{scatter, FigureFiles, Series};
 use super::stats::{bootstrap, kendall, spearman, BOOTSTRAP_RESAMPLES};
 use super::store::StoredRun;
-use super::Experiment;
 use super::SweepError;
+use super::{Budget, Experiment};
 use crate::export::{Format, Table};
 use crate::replay::{metrics, Protocol, RETAINED_MASS};
 use sha2::{Digest, Sha256};
@@ -135,7 +135,7 @@ fn outcome_table(
 ) -> String {
     let full = answers(
         runs.iter()
-            .filter(|r| r.name == names[0] && r.report.nominal_budget == experiment.budgets[0])
+            .filter(|r| r.name == names[0] && experiment.budgets[0].holds(r))
             .map(|r| closed(r).full_answer_score()),
     );
     let partial = runs.iter().any(|r| {
@@ -151,14 +151,14 @@ fn outcome_table(
         trace_names.len()
     );
     let mut headers = vec!["policy".to_string()];
-    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    headers.extend(experiment.budgets.iter().map(Budget::header));
     let mut table = Table::with_headers(headers);
     for name in names {
         let mut row = vec![name.clone()];
         for &budget in &experiment.budgets {
             let of: Vec<&StoredRun> = runs
                 .iter()
-                .filter(|r| &r.name == name && r.report.nominal_budget == budget)
+                .filter(|r| &r.name == name && budget.holds(r))
                 .collect();
             if of.is_empty() {
                 row.push("—".into());
@@ -327,9 +327,8 @@ fn rankings(
             let of: Vec<&StoredRun> = names
                 .iter()
                 .filter_map(|name| {
-                    runs.iter().find(|r| {
-                        &r.name == name && &r.trace == trace && r.report.nominal_budget == budget
-                    })
+                    runs.iter()
+                        .find(|r| &r.name == name && &r.trace == trace && budget.holds(r))
                 })
                 .collect();
             if of.len() < 2 {

@@ -8,6 +8,7 @@
 //! is also run live in the model ([`crate::live`]) and the report adds the [`calibration`] of
 //! open-loop metrics against closed-loop outcomes.
 
+mod budget;
 pub mod calibration;
 pub mod cluster;
 mod drift;
@@ -27,6 +28,7 @@ mod sweep;
 mod testing;
 mod traces;
 
+pub use budget::Budget;
 pub use error::SweepError;
 pub use spec::{run_id, Comparison, Experiment, ExperimentError, PlannedRun};
 pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun};

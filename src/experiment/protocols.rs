@@ -14,6 +14,7 @@
 
 use super::stats::{kendall, spearman};
 use super::store::StoredRun;
+use super::Budget;
 use crate::export::{Format, Table};
 use crate::replay::{Protocol, RETAINED_MASS};
 use std::collections::BTreeSet;
@@ -82,7 +83,7 @@ fn kl(run: &StoredRun) -> f64 {
 
 /// Both sections, at the experiment's `budgets`, when the runs hold more than one protocol; empty
 /// otherwise.
-pub(crate) fn section(budgets: &[usize], runs: &[StoredRun], traces: &[String]) -> String {
+pub(crate) fn section(budgets: &[Budget], runs: &[StoredRun], traces: &[String]) -> String {
     let protocols: BTreeSet<&str> = runs.iter().map(protocol).collect();
     if protocols.len() < 2 {
         return String::new();
@@ -143,7 +144,7 @@ fn predictors(runs: &[StoredRun], traces: &[String], protocols: &BTreeSet<&str>)
 
 /// Per budget: how far the order of the methods by KL under one protocol is the order under the
 /// other.
-fn rankings(budgets: &[usize], runs: &[StoredRun], traces: &[String]) -> String {
+fn rankings(budgets: &[Budget], runs: &[StoredRun], traces: &[String]) -> String {
     let protocols: Vec<&str> = runs
         .iter()
         .map(protocol)
@@ -164,11 +165,7 @@ fn rankings(budgets: &[usize], runs: &[StoredRun], traces: &[String]) -> String 
         for trace in traces {
             let of = |name: &str| -> Vec<&StoredRun> {
                 runs.iter()
-                    .filter(|r| {
-                        &r.trace == trace
-                            && r.report.nominal_budget == budget
-                            && protocol(r) == name
-                    })
+                    .filter(|r| &r.trace == trace && budget.holds(r) && protocol(r) == name)
                     .collect()
             };
             let (a, b) = (of(first), of(second));
@@ -274,7 +271,7 @@ mod tests {
             run("b", "question-agnostic", 0.8, 0.2),
             run("c", "question-agnostic", 0.9, 0.1),
         ];
-        let text = section(&[64], &runs, &["t".into()]);
+        let text = section(&[Budget::Tokens(64)], &runs, &["t".into()]);
         let cells: Vec<&str> = text
             .lines()
             .find(|l| l.starts_with("| 64 "))
@@ -308,6 +305,6 @@ mod tests {
             run("a", "question-in-prompt", 0.9, 0.1),
             run("b", "question-in-prompt", 0.8, 0.2),
         ];
-        assert_eq!(section(&[64], &runs, &["t".into()]), "");
+        assert_eq!(section(&[Budget::Tokens(64)], &runs, &["t".into()]), "");
     }
 }

@@ -7,7 +7,7 @@
 
 use super::stats::{kendall, mean_ci};
 use super::store::{find_run, StoredRun};
-use super::Experiment;
+use super::{Budget, Experiment};
 use crate::export::{Format, Table};
 use crate::replay::metrics::REGISTRY;
 
@@ -99,7 +99,7 @@ fn standings(
 /// The ranking table: the ceiling first (unranked), then the ranked policies.
 fn table(experiment: &Experiment, ranked: &[Standing], ceiling: Option<&Standing>) -> Table {
     let mut headers = vec!["rank".to_string(), "policy".to_string()];
-    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    headers.extend(experiment.budgets.iter().map(Budget::header));
     headers.push("mean".into());
     if ceiling.is_some() {
         headers.push("share of ceiling".into());

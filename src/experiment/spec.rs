@@ -6,9 +6,11 @@
 //! the two cannot drift apart). A base does not itself extend another.
 
 use super::traces::{self, Capture, NeedleCell, TraceFile};
+use super::Budget;
 use super::SweepError;
 use crate::replay::{
-    all_methods, common_keys, presets, ExternalMethods, PolicyError, PolicyParams, ValidPolicy,
+    all_methods, common_keys, parse_fraction, presets, ExternalMethods, PolicyError, PolicyParams,
+    ValidPolicy,
 };
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -79,6 +81,8 @@ struct ExperimentFile {
     #[serde(default)]
     budgets: Vec<usize>,
     #[serde(default)]
+    bytes: Vec<toml::Value>,
+    #[serde(default)]
     entropy_window: Option<usize>,
     #[serde(default)]
     heatmap_budget: Option<usize>,
@@ -103,8 +107,8 @@ pub struct Experiment {
     pub description: String,
     /// Trace files or recipes, relative to the working directory.
     pub traces: Vec<PathBuf>,
-    /// Budgets, the shared axis.
-    pub budgets: Vec<usize>,
+    /// Budgets, the shared axis: in tokens (`budgets`) or in bytes (`bytes`).
+    pub budgets: Vec<Budget>,
     /// When set, the per-layer entropy profile (this many last prompt queries) is reported.
     pub entropy_window: Option<usize>,
     /// When set, needle heatmaps (context length × depth) at this budget.
@@ -138,31 +142,60 @@ pub struct PlannedRun {
 }
 
 /// `ranking` names known metrics, each once, and `ceiling` one of the policies (and needs a
-/// The experiment measures something, and its budgets are given once each where policies run.
-fn check_budgets(file: &ExperimentFile) -> Result<(), String> {
+/// The experiment measures something, and its budgets are given once each, in tokens or in bytes,
+/// where policies run; returns the budget axis.
+fn check_budgets(file: &ExperimentFile) -> Result<Vec<Budget>, String> {
     if file.policy.is_empty() && file.entropy_window.is_none() {
         return Err(
             "no [[policy]] and no `entropy_window`: the experiment measures nothing".into(),
         );
     }
-    if !file.policy.is_empty() && file.budgets.is_empty() {
-        return Err("`budgets` is empty: the policies need at least one budget".into());
+    let bytes = file
+        .bytes
+        .iter()
+        .map(|value| {
+            let fraction = match value {
+                toml::Value::Float(number) => Some(*number),
+                toml::Value::Integer(number) => Some(*number as f64),
+                toml::Value::String(text) => parse_fraction(text),
+                _ => None,
+            };
+            fraction.ok_or_else(|| {
+                format!("`bytes` lists {value}: each is a fraction of the full cache's bytes (0.125 or \"1/8\")")
+            })
+        })
+        .collect::<Result<Vec<f64>, String>>()?;
+    if !file.budgets.is_empty() && !bytes.is_empty() {
+        return Err(
+            "`budgets` and `bytes` are both given: an experiment's budget axis is in tokens or in bytes".into(),
+        );
     }
-    if file.policy.is_empty() && !file.budgets.is_empty() {
+    if !file.policy.is_empty() && file.budgets.is_empty() && bytes.is_empty() {
+        return Err(
+            "`budgets` is empty: the policies need at least one budget (tokens in `budgets`, or fractions of the full cache's bytes in `bytes`)".into(),
+        );
+    }
+    if file.policy.is_empty() && !(file.budgets.is_empty() && bytes.is_empty()) {
         return Err("`budgets` are given but no [[policy]] runs at them".into());
     }
     if let Some(budget) = first_repeat(&file.budgets) {
         return Err(format!("budget {budget} is listed twice in `budgets`"));
     }
+    if let Some(fraction) = first_repeat(&bytes) {
+        return Err(format!("{fraction} is listed twice in `bytes`"));
+    }
     if let Some(budget) = file.heatmap_budget {
         if !file.budgets.contains(&budget) {
             return Err(format!(
-                "heatmap_budget = {budget} is not one of the budgets {:?}",
+                "heatmap_budget = {budget} is not one of the budgets {:?} (in tokens)",
                 file.budgets
             ));
         }
     }
-    Ok(())
+    Ok(match bytes.is_empty() {
+        true => file.budgets.iter().map(|&b| Budget::Tokens(b)).collect(),
+        false => bytes.into_iter().map(Budget::Bytes).collect(),
+    })
 }
 
 /// Every `[[policy]]` table expanded over its listed values and the budgets, each checked: the
@@ -170,6 +203,7 @@ fn check_budgets(file: &ExperimentFile) -> Result<(), String> {
 fn expand_policies(
     path: &Path,
     file: &ExperimentFile,
+    budgets: &[Budget],
     externals: Option<&dyn ExternalMethods>,
 ) -> Result<Vec<(String, PolicyParams)>, ExperimentError> {
     let mut policies = Vec::new();
@@ -198,7 +232,11 @@ fn expand_policies(
         };
         let axes = policy_axes(path, &name, table)?;
         for combo in combinations(&axes) {
-            for &budget in &file.budgets {
+            for &column in budgets {
+                let (budget, bytes) = match column {
+                    Budget::Tokens(tokens) => (tokens, None),
+                    Budget::Bytes(fraction) => (PolicyParams::default().budget, Some(fraction)),
+                };
                 let base = match table.get("preset") {
                     Some(preset) => presets::preset(&text(preset), budget)
                         .map_err(|err| policy_error(err.to_string()))?,
@@ -207,6 +245,7 @@ fn expand_policies(
                         ..PolicyParams::default()
                     },
                 };
+                let base = PolicyParams { bytes, ..base };
                 let mut label = name.clone();
                 for (key, value) in &combo {
                     if axes.iter().any(|(k, v)| k == key && v.len() > 1) {
@@ -219,10 +258,9 @@ fn expand_policies(
                     .collect();
                 let params = presets::overlay(&base, settings.iter().map(|(k, v)| (k, v)))
                     .map_err(|err| policy_error(err.to_string()))?;
-                params
-                    .clone()
-                    .check_in(externals)
-                    .map_err(|err| policy_error(format!("{label} at budget {budget}: {err}")))?;
+                params.clone().check_in(externals).map_err(|err| {
+                    policy_error(format!("{label} at {}: {err}", column.header()))
+                })?;
                 policies.push((label, params));
             }
         }
@@ -246,7 +284,7 @@ fn policy_axes(
             return Err(ExperimentError::Policy {
                 path: path.to_owned(),
                 policy: name.to_owned(),
-                detail: "`bytes` (a budget in bytes) is a setting of `kvreplay replay` and of Python; an experiment's budgets are the tokens of `budgets`".into(),
+                detail: "`bytes` in a [[policy]]: an experiment's budgets in bytes are its top-level `bytes` list (`bytes = [\"1/4\", \"1/8\"]`), in place of `budgets`".into(),
             });
         }
         if !is_policy_key(key) {
@@ -437,8 +475,8 @@ impl Experiment {
         let file: ExperimentFile = toml::Value::Table(extended_table(path)?)
             .try_into()
             .map_err(|err: toml::de::Error| parse_error(err.message().to_owned()))?;
-        check_budgets(&file).map_err(parse_error)?;
-        let policies = expand_policies(path, &file, externals.as_deref())?;
+        let budgets = check_budgets(&file).map_err(parse_error)?;
+        let policies = expand_policies(path, &file, &budgets, externals.as_deref())?;
         let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
         check_named(&file, &names).map_err(parse_error)?;
         check_ranking(&file, &names).map_err(parse_error)?;
@@ -452,7 +490,7 @@ impl Experiment {
                 .unwrap_or_else(|| "experiment".into()),
             description: file.description,
             traces: file.traces,
-            budgets: file.budgets,
+            budgets,
             entropy_window: file.entropy_window,
             heatmap_budget: file.heatmap_budget,
             policies,

@@ -2,7 +2,7 @@
 //! killed sweep leaves only finished runs and a rerun skips them; reading them back for reports.
 
 use super::SweepError;
-use super::{Experiment, PlannedRun, TraceFile};
+use super::{Budget, Experiment, PlannedRun, TraceFile};
 use crate::live::LiveReport;
 use crate::replay::{PolicyParams, ReplayReport};
 use serde::{Deserialize, Serialize};
@@ -269,11 +269,11 @@ pub fn claim_results(results: &Path, experiment: &Path) -> Result<(), SweepError
 pub(crate) fn find_run<'a>(
     runs: &'a [StoredRun],
     name: &str,
-    budget: usize,
+    budget: Budget,
     trace: &str,
 ) -> Option<&'a StoredRun> {
     runs.iter()
-        .find(|r| r.name == name && r.report.nominal_budget == budget && r.trace == trace)
+        .find(|r| r.name == name && budget.holds(r) && r.trace == trace)
 }
 
 /// Whether run `id` is stored under `results`.

@@ -47,7 +47,8 @@ pub use layout::{Aggregation, Granularity, Layers};
 pub use masks::{kept_masks, KeptMasks};
 pub use metrics::{DecodeReference, LayerReport, Metric, SpanReport, RETAINED_MASS};
 pub use policy::{
-    all_methods, common_keys, Common, External, ExternalMethods, PolicyParams, ValidPolicy, COMMON,
+    all_methods, common_keys, parse_fraction, Common, External, ExternalMethods, PolicyParams,
+    ValidPolicy, COMMON,
 };
 pub use profile::{entropy_profile, LayerEntropy, LayerProfile};
 pub use protection::Protection;

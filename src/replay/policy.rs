@@ -90,19 +90,19 @@ mod fraction {
         given
             .map(|given| match given {
                 Given::Number(number) => Ok(number),
-                Given::Text(text) => parse(&text).ok_or_else(|| {
+                Given::Text(text) => super::parse_fraction(&text).ok_or_else(|| {
                     serde::de::Error::custom(format!("`{text}` is not a fraction (0.125 or 1/8)"))
                 }),
             })
             .transpose()
     }
+}
 
-    /// `a/b`, or a number.
-    fn parse(text: &str) -> Option<f64> {
-        match text.split_once('/') {
-            Some((a, b)) => Some(a.trim().parse::<f64>().ok()? / b.trim().parse::<f64>().ok()?),
-            None => text.trim().parse().ok(),
-        }
+/// A fraction as a person writes it: `a/b`, or a number.
+pub fn parse_fraction(text: &str) -> Option<f64> {
+    match text.split_once('/') {
+        Some((a, b)) => Some(a.trim().parse::<f64>().ok()? / b.trim().parse::<f64>().ok()?),
+        None => text.trim().parse().ok(),
     }
 }
 

@@ -13,6 +13,7 @@ pub(super) fn lost_section(
 ) -> String {
     let budget = experiment
         .heatmap_budget
+        .map(Budget::Tokens)
         .unwrap_or(experiment.budgets[experiment.budgets.len() / 2]);
     let of = |name: &String| -> Vec<&StoredRun> {
         trace_names

@@ -46,7 +46,7 @@ pub(super) fn mass_section(
             let entries = per_trace.iter().map(|r| kv_entries(r, traces)).sum::<f64>()
                 / per_trace.len() as f64;
             row.push(format!("{mean:.4} ± {half:.4} ({entries:.0})"));
-            points.push((budget as f64, mean));
+            points.push((budget.position(), mean));
         }
         table.push(row);
         mass_series.push((name.clone(), points));
@@ -65,7 +65,7 @@ pub(super) fn model_section(
 ) -> String {
     let mut out = "Models side by side (the trace header's `model`, with its number of traces): mean retained mass over each model's traces, ± 95% CI (Student t over per-trace means) where it has several. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window. Each model's part below has the full tables.\n\n".to_string();
     let mut headers = vec!["policy".to_string(), "model".to_string()];
-    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    headers.extend(experiment.budgets.iter().map(Budget::header));
     let mut table = Table::with_headers(headers);
     for name in names {
         for (model, traces) in models {

@@ -15,7 +15,7 @@ use super::stats::{mean_ci, sign_test};
 use super::store::{find_run, stored_runs, write_atomically, StoredRun};
 use super::traces::NeedleCell;
 use super::SweepError;
-use super::{Experiment, TraceFile};
+use super::{Budget, Experiment, TraceFile};
 use crate::export::{Format, Table};
 use crate::replay::{entropy_profile, PolicyError, RETAINED_MASS};
 use crate::trace::{layer_kind, TraceReader};
@@ -254,6 +254,6 @@ fn files_line(frames: &[PathBuf], figures: &[PathBuf]) -> String {
 /// A table with a `policy` column and one column per budget.
 fn budget_table(experiment: &Experiment) -> Table {
     let mut headers = vec!["policy".to_string()];
-    headers.extend(experiment.budgets.iter().map(|b| format!("B = {b}")));
+    headers.extend(experiment.budgets.iter().map(Budget::header));
     Table::with_headers(headers)
 }

@@ -25,7 +25,7 @@ pub(super) fn needle_section(
         let mut values = vec![vec![f64::NAN; lengths.len()]; depths.len()];
         for cell in grid {
             let trace = cell.trace.display().to_string();
-            if let Some(run) = find_run(runs, &name, budget, &trace) {
+            if let Some(run) = find_run(runs, &name, Budget::Tokens(budget), &trace) {
                 if let Some((_, _, kept, full)) = run.report.spans.iter().find(|s| s.0 == "needle")
                 {
                     let row = depths

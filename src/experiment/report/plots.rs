@@ -14,7 +14,7 @@ pub(super) fn figures_of_runs(
     let mut figures = line_chart(
         &files.stem("retained_mass_vs_budget"),
         &format!("{}: retained attention mass", experiment.name),
-        "budget (tokens per cache)",
+        experiment.budgets[0].axis_title(),
         "mean retained mass",
         mass_series,
         true,
