@@ -599,7 +599,10 @@ fn an_extending_experiment_inherits_what_it_does_not_set() {
     assert_eq!(wider.description, base.description);
     assert_eq!(wider.traces, base.traces);
     assert_eq!(wider.compare, base.compare);
-    assert_eq!(wider.budgets, [6, 8, 10].map(kvreplay::experiment::Budget::Tokens));
+    assert_eq!(
+        wider.budgets,
+        [6, 8, 10].map(kvreplay::experiment::Budget::Tokens)
+    );
     assert_eq!(wider.policies.len(), 3 * 3);
     let at = |experiment: &Experiment, budget: usize| -> Vec<String> {
         let policies = experiment.policies.iter();
@@ -718,4 +721,42 @@ fn the_readme_shows_the_quickstart_experiment_as_shipped() {
         readme.contains(&format!("```toml\n{quickstart}```")),
         "README.md's experiment example differs from experiments/quickstart.toml"
     );
+}
+
+/// An error ranks lowest first.
+#[test]
+fn ranking_by_an_error_puts_the_lowest_first() {
+    let experiment = EXPERIMENT.replace(
+        "budgets = [6, 10]",
+        "budgets = [6, 10]\nranking = [\"output_error\"]",
+    );
+    let dir = setup(&experiment);
+    let out = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
+    let report = String::from_utf8(out.get_output().stdout.clone()).unwrap();
+    let section = report
+        .split("Ranking by output error")
+        .nth(1)
+        .expect("a ranking by output error");
+    assert!(
+        section.starts_with(
+            " (mean over the traces at each budget; ranked by the mean over budgets, lowest first)"
+        ),
+        "{section}"
+    );
+    let means: Vec<f64> = section
+        .lines()
+        .filter(|l| l.starts_with("| ") && !l.starts_with("| rank"))
+        .map(|l| {
+            l.split('|')
+                .map(str::trim)
+                .filter(|c| !c.is_empty())
+                .last()
+                .unwrap()
+                .parse()
+                .unwrap()
+        })
+        .collect();
+    assert_eq!(means.len(), 3);
+    assert!(means.windows(2).all(|pair| pair[0] <= pair[1]), "{means:?}");
+    assert!(means[0] < means[2], "{means:?}");
 }

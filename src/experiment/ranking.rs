@@ -37,18 +37,27 @@ pub(super) fn section(
     let mut out = String::new();
     let mut orders: Vec<(String, Vec<String>)> = Vec::new();
     for id in &experiment.ranking {
-        let title = REGISTRY
-            .iter()
-            .find(|metric| metric.id() == id)
-            .map_or(id.as_str(), |metric| metric.title());
+        let metric = REGISTRY.iter().find(|metric| metric.id() == id);
+        let title = metric.map_or(id.as_str(), |metric| metric.title());
+        let lower_first = metric.is_some_and(|metric| metric.lower_is_better());
         let standings = standings(experiment, runs, trace_names, id);
         let (ceiling, mut ranked): (Vec<Standing>, Vec<Standing>) = standings
             .into_iter()
             .partition(|s| Some(&s.name) == experiment.ceiling.as_ref());
         ranked.retain(|s| s.per_budget.iter().any(Option::is_some));
-        ranked.sort_by(|a, b| b.mean().total_cmp(&a.mean()).then(a.name.cmp(&b.name)));
+        ranked.sort_by(|a, b| {
+            let order = match lower_first {
+                true => a.mean().total_cmp(&b.mean()),
+                false => b.mean().total_cmp(&a.mean()),
+            };
+            order.then(a.name.cmp(&b.name))
+        });
+        let first = match lower_first {
+            true => "lowest",
+            false => "highest",
+        };
         out += &format!(
-            "\nRanking by {title} (mean over the traces at each budget; ranked by the mean over budgets{}):\n\n",
+            "\nRanking by {title} (mean over the traces at each budget; ranked by the mean over budgets, {first} first{}):\n\n",
             match &experiment.ceiling {
                 Some(name) => format!(
                     "; in brackets, the share of the ceiling `{name}` at the same budget, and its mean over budgets in the last column"

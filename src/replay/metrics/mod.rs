@@ -113,6 +113,10 @@ pub trait Metric: Send + Sync {
     fn needs_values(&self) -> bool {
         false
     }
+    /// Whether a lower value is a better cache (an error), where a higher one is (a mass).
+    fn lower_is_better(&self) -> bool {
+        false
+    }
     /// Its value on one sample.
     fn sample(&self, sample: &Sample<'_>) -> f64;
     /// Its value on one sample by its definition, in f64 over every position the query sees

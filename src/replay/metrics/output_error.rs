@@ -27,6 +27,10 @@ impl Metric for OutputError {
         true
     }
 
+    fn lower_is_better(&self) -> bool {
+        true
+    }
+
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
         Some({
             let full = sample.full_output();
