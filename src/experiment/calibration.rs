@@ -15,7 +15,7 @@
 //!   came with the higher KL by the widest margins.
 
 use super::figures::{scatter, FigureFiles, Series};
-use super::stats::{bootstrap, kendall, spearman, BOOTSTRAP_RESAMPLES};
+use super::stats::{best_index, bootstrap, kendall, spearman, BOOTSTRAP_RESAMPLES};
 use super::store::StoredRun;
 use super::SweepError;
 use super::{Budget, Experiment};
@@ -341,12 +341,7 @@ fn rankings(
             if tau.is_finite() {
                 taus.push(tau);
             }
-            let best = |values: &[f64]| {
-                (0..values.len())
-                    .max_by(|&a, &b| values[a].total_cmp(&values[b]).then(b.cmp(&a)))
-                    .expect("two or more")
-            };
-            if best(&mass) == best(&kl) {
+            if best_index(&mass) == best_index(&kl) {
                 same_best += 1;
             }
             for a in 0..of.len() {

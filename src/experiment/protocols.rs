@@ -12,7 +12,7 @@
 //!   ordered by KL under each protocol; Kendall's τ-b between the two orders, and whether both
 //!   put the same method first.
 
-use super::stats::{kendall, spearman};
+use super::stats::{best_index, kendall, spearman};
 use super::store::StoredRun;
 use super::Budget;
 use crate::export::{Format, Table};
@@ -185,11 +185,7 @@ fn rankings(budgets: &[Budget], runs: &[StoredRun], traces: &[String]) -> String
             if tau.is_finite() {
                 taus.push(tau);
             }
-            let best = |values: &[f64]| {
-                (0..values.len())
-                    .max_by(|&i, &j| values[i].total_cmp(&values[j]).then(j.cmp(&i)))
-                    .expect("two or more")
-            };
+            let best = |values: &[f64]| best_index(values).expect("two or more");
             let (bx, by) = (best(&x), best(&y));
             same += usize::from(bx == by);
             bests[0].push(paired[bx].2.clone());

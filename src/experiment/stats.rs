@@ -41,6 +41,11 @@ pub fn sign_test(differences: &[f64]) -> f64 {
     (2.0 * tail).min(1.0)
 }
 
+/// The index of the largest of `values`, the first of equal ones; `None` when there are none.
+pub fn best_index(values: &[f64]) -> Option<usize> {
+    (0..values.len()).max_by(|&a, &b| values[a].total_cmp(&values[b]).then(b.cmp(&a)))
+}
+
 /// Average ranks (1-based; ties share the mean of their ranks).
 pub fn ranks(values: &[f64]) -> Vec<f64> {
     let mut order: Vec<usize> = (0..values.len()).collect();
@@ -164,6 +169,12 @@ fn percentiles(values: Vec<f64>, low: f64, high: f64) -> (f64, f64) {
 mod tests {
     use super::*;
     use approx::assert_abs_diff_eq;
+
+    #[test]
+    fn the_best_index_is_the_first_largest() {
+        assert_eq!(best_index(&[0.2, 0.7, 0.7, 0.1]), Some(1));
+        assert_eq!(best_index(&[]), None);
+    }
 
     #[test]
     fn interval_by_hand() {
