@@ -97,11 +97,7 @@ pub fn load_recipe_model(recipe: &Path) -> Result<Box<dyn CausalLm + Send>, Capt
 /// The prompt recipe file `recipe` builds for `model` (needle and word-list recipes read the
 /// essays).
 pub fn build_prompt(recipe: &Path, model: &dyn CausalLm) -> Result<BuiltPrompt, CaptureError> {
-    let (parsed, base) = Recipe::load(recipe)?;
-    let essays = match parsed.reads_essays() {
-        true => Assets::from_env().require_essays()?,
-        false => Vec::new(),
-    };
+    let (parsed, base, essays) = load_with_essays(recipe)?;
     Ok(parsed.build(model.tokenizer(), &essays, &base)?)
 }
 
@@ -110,12 +106,18 @@ pub fn build_questions(
     recipe: &Path,
     model: &dyn CausalLm,
 ) -> Result<BuiltQuestions, CaptureError> {
+    let (parsed, base, essays) = load_with_essays(recipe)?;
+    Ok(parsed.build_questions(model.tokenizer(), &essays, &base)?)
+}
+
+/// Recipe file `recipe`, the folder its paths are relative to, and the essays if it reads them.
+fn load_with_essays(recipe: &Path) -> Result<(Recipe, PathBuf, Vec<PathBuf>), CaptureError> {
     let (parsed, base) = Recipe::load(recipe)?;
     let essays = match parsed.reads_essays() {
         true => Assets::from_env().require_essays()?,
         false => Vec::new(),
     };
-    Ok(parsed.build_questions(model.tokenizer(), &essays, &base)?)
+    Ok((parsed, base, essays))
 }
 
 /// The trace of question `question` (from 0) of a recipe that asks `questions` of one context and
@@ -241,13 +243,13 @@ pub fn capture_recipe(
 }
 
 /// A model's cache after a prefix of a prompt, and its logits there.
-pub struct Started {
+struct Started {
     /// The cache.
-    pub cache: KvCache,
+    cache: KvCache,
     /// The logits at its last position.
-    pub logits: Vec<f32>,
+    logits: Vec<f32>,
     /// The positions it holds.
-    pub shared: usize,
+    shared: usize,
 }
 
 /// Prefills `ids` in chunks of `chunk` tokens into a new cache, recorded; `progress(n)` after each
