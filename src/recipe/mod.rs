@@ -459,6 +459,51 @@ mod tests {
         Recipe::load(&path).unwrap().0
     }
 
+    fn prompt(ids: &[u32], question: usize) -> BuiltPrompt {
+        BuiltPrompt {
+            ids: ids.to_vec(),
+            spans: vec![Span {
+                name: "question".into(),
+                start: question,
+                end: ids.len(),
+            }],
+            generate: 4,
+            answers: Vec::new(),
+        }
+    }
+
+    #[test]
+    fn questions_must_follow_the_same_context() {
+        let shared = BuiltQuestions::shared_context(
+            "t",
+            vec![prompt(&[1, 2, 3, 9], 3), prompt(&[1, 2, 3, 8, 8], 3)],
+        )
+        .unwrap();
+        assert_eq!(shared.shared, 3);
+        let differs = |second: BuiltPrompt| {
+            BuiltQuestions::shared_context("t", vec![prompt(&[1, 2, 3, 9], 3), second])
+                .unwrap_err()
+                .to_string()
+        };
+        assert_eq!(
+            differs(prompt(&[1, 5, 3, 9], 3)),
+            "t: question 2's context differs from question 1's at token 1: every question must follow the same context"
+        );
+        // The same tokens, the question starting elsewhere.
+        assert!(differs(prompt(&[1, 2, 3, 9], 2)).contains("at token 3"));
+        let none = BuiltQuestions::shared_context(
+            "t",
+            vec![BuiltPrompt {
+                spans: Vec::new(),
+                ..prompt(&[1], 0)
+            }],
+        );
+        assert!(none
+            .unwrap_err()
+            .to_string()
+            .contains("need a `question` span"));
+    }
+
     #[test]
     fn text_and_chat_recipes_take_an_answer() {
         let text = load("kind = \"text\"\nfile = \"p.txt\"\ngenerate = 4\nanswer = \"Paris\"\n");
