@@ -523,16 +523,7 @@ fn ranking_orders_policies_by_their_mean_over_budgets_against_the_ceiling() {
         .split("Ranking by top-")
         .next()
         .unwrap();
-    let rows: Vec<Vec<&str>> = section
-        .lines()
-        .filter(|l| l.starts_with("| ") && !l.starts_with("| rank"))
-        .map(|l| {
-            l.split('|')
-                .map(str::trim)
-                .filter(|c| !c.is_empty())
-                .collect()
-        })
-        .collect();
+    let rows = ranking_rows(section);
     assert_eq!(rows[0][0], "ceiling");
     assert_eq!(rows[0][1], "snapkv");
     let ranked: Vec<(&str, f64)> = rows[1..]
@@ -743,20 +734,25 @@ fn ranking_by_an_error_puts_the_lowest_first() {
         ),
         "{section}"
     );
-    let means: Vec<f64> = section
+    let means: Vec<f64> = ranking_rows(section)
+        .iter()
+        .map(|row| row.last().unwrap().parse().unwrap())
+        .collect();
+    assert_eq!(means.len(), 3);
+    assert!(means.windows(2).all(|pair| pair[0] <= pair[1]), "{means:?}");
+    assert!(means[0] < means[2], "{means:?}");
+}
+
+/// The rows of a ranking table (every cell trimmed), its header left out.
+fn ranking_rows(section: &str) -> Vec<Vec<&str>> {
+    section
         .lines()
         .filter(|l| l.starts_with("| ") && !l.starts_with("| rank"))
         .map(|l| {
             l.split('|')
                 .map(str::trim)
                 .filter(|c| !c.is_empty())
-                .last()
-                .unwrap()
-                .parse()
-                .unwrap()
+                .collect()
         })
-        .collect();
-    assert_eq!(means.len(), 3);
-    assert!(means.windows(2).all(|pair| pair[0] <= pair[1]), "{means:?}");
-    assert!(means[0] < means[2], "{means:?}");
+        .collect()
 }
