@@ -1,9 +1,7 @@
 //! The budget axis of an experiment: each column a budget in tokens (`budgets`) or in bytes, a
 //! fraction of the full prompt cache's (`bytes`), which each run resolves on its own trace to the
 //! tokens that fit as its quantizer stores them. A stored run belongs to a column by what it was
-//! given, not by the tokens it resolved to.
-
-use super::store::StoredRun;
+//! given, not by the tokens it resolved to ([`StoredRun::ran_at`](super::StoredRun::ran_at)).
 
 /// One column of the budget axis.
 #[derive(Debug, Clone, Copy, PartialEq)]
@@ -38,19 +36,6 @@ impl Budget {
             Budget::Bytes(fraction) => fraction,
         }
     }
-
-    /// Whether `run` was run at this budget.
-    pub fn holds(&self, run: &StoredRun) -> bool {
-        let bytes = run
-            .report
-            .settings
-            .get("bytes")
-            .and_then(|text| text.parse::<f64>().ok());
-        match *self {
-            Budget::Tokens(tokens) => bytes.is_none() && run.report.nominal_budget == tokens,
-            Budget::Bytes(fraction) => bytes == Some(fraction),
-        }
-    }
 }
 
 /// Its value alone: `128`, or `1/8`.
@@ -75,17 +60,9 @@ fn fraction_text(fraction: f64) -> String {
 #[cfg(test)]
 mod tests {
     use super::*;
-    use crate::experiment::testing::closed_run;
 
     #[test]
-    fn a_run_belongs_to_the_column_it_was_given() {
-        let tokens = closed_run("a", [0.5, 0.5], None, 0.1);
-        let mut bytes = tokens.clone();
-        bytes.report.settings.insert("bytes".into(), "0.125".into());
-        // Both resolved to 64 tokens; only the first was given 64.
-        assert!(Budget::Tokens(64).holds(&tokens) && !Budget::Tokens(64).holds(&bytes));
-        assert!(Budget::Bytes(0.125).holds(&bytes) && !Budget::Bytes(0.25).holds(&bytes));
-        assert!(!Budget::Bytes(0.125).holds(&tokens));
+    fn columns_are_named_by_what_they_give() {
         assert_eq!(Budget::Bytes(0.125).header(), "1/8 of the bytes");
         assert_eq!(Budget::Bytes(0.3).to_string(), "0.3");
         assert_eq!(Budget::Tokens(64).header(), "B = 64");

@@ -135,7 +135,7 @@ fn outcome_table(
 ) -> String {
     let full = answers(
         runs.iter()
-            .filter(|r| r.name == names[0] && experiment.budgets[0].holds(r))
+            .filter(|r| r.name == names[0] && r.ran_at(experiment.budgets[0]))
             .map(|r| closed(r).full_answer_score()),
     );
     let partial = runs.iter().any(|r| {
@@ -158,7 +158,7 @@ fn outcome_table(
         for &budget in &experiment.budgets {
             let of: Vec<&StoredRun> = runs
                 .iter()
-                .filter(|r| &r.name == name && budget.holds(r))
+                .filter(|r| &r.name == name && r.ran_at(budget))
                 .collect();
             if of.is_empty() {
                 row.push("—".into());
@@ -328,7 +328,7 @@ fn rankings(
                 .iter()
                 .filter_map(|name| {
                     runs.iter()
-                        .find(|r| &r.name == name && &r.trace == trace && budget.holds(r))
+                        .find(|r| &r.name == name && &r.trace == trace && r.ran_at(budget))
                 })
                 .collect();
             if of.len() < 2 {

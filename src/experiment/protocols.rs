@@ -165,7 +165,7 @@ fn rankings(budgets: &[Budget], runs: &[StoredRun], traces: &[String]) -> String
         for trace in traces {
             let of = |name: &str| -> Vec<&StoredRun> {
                 runs.iter()
-                    .filter(|r| &r.trace == trace && budget.holds(r) && protocol(r) == name)
+                    .filter(|r| &r.trace == trace && r.ran_at(budget) && protocol(r) == name)
                     .collect()
             };
             let (a, b) = (of(first), of(second));

@@ -265,6 +265,21 @@ pub fn claim_results(results: &Path, experiment: &Path) -> Result<(), SweepError
     }
 }
 
+impl StoredRun {
+    /// Whether the run was run at `budget`: given those tokens, or that fraction of the bytes.
+    pub fn ran_at(&self, budget: Budget) -> bool {
+        let bytes = self
+            .report
+            .settings
+            .get("bytes")
+            .and_then(|text| text.parse::<f64>().ok());
+        match budget {
+            Budget::Tokens(tokens) => bytes.is_none() && self.report.nominal_budget == tokens,
+            Budget::Bytes(fraction) => bytes == Some(fraction),
+        }
+    }
+}
+
 /// The stored run of policy `name` at `budget` on `trace`, if any.
 pub(crate) fn find_run<'a>(
     runs: &'a [StoredRun],
@@ -273,7 +288,7 @@ pub(crate) fn find_run<'a>(
     trace: &str,
 ) -> Option<&'a StoredRun> {
     runs.iter()
-        .find(|r| r.name == name && budget.holds(r) && r.trace == trace)
+        .find(|r| r.name == name && r.ran_at(budget) && r.trace == trace)
 }
 
 /// Whether run `id` is stored under `results`.
@@ -404,5 +419,22 @@ fn short(digest: &str) -> String {
         "none".into()
     } else {
         digest.chars().take(12).collect()
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::experiment::testing::closed_run;
+
+    #[test]
+    fn a_run_belongs_to_the_budget_it_was_given() {
+        let tokens = closed_run("a", [0.5, 0.5], None, 0.1);
+        let mut bytes = tokens.clone();
+        bytes.report.settings.insert("bytes".into(), "0.125".into());
+        // Both resolved to 64 tokens; only the first was given 64.
+        assert!(tokens.ran_at(Budget::Tokens(64)) && !bytes.ran_at(Budget::Tokens(64)));
+        assert!(bytes.ran_at(Budget::Bytes(0.125)) && !bytes.ran_at(Budget::Bytes(0.25)));
+        assert!(!tokens.ran_at(Budget::Bytes(0.125)));
     }
 }

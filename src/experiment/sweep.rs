@@ -51,48 +51,12 @@ pub fn run_sweep(
     let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
     let mut failed: Vec<(&PlannedRun, String)> = Vec::new();
     for unit in units(traces, experiment.closed_loop) {
-        let of_unit: Vec<Vec<&PlannedRun>> = unit
-            .iter()
-            .map(|trace| {
-                let of_trace = pending.iter().filter(|run| run.trace == trace.path);
-                of_trace.copied().collect()
-            })
-            .collect();
-        // The unit's policies: each pending on one of its traces, once.
-        let mut distinct: Vec<&PlannedRun> = Vec::new();
-        for run in of_unit.iter().flatten() {
-            if !distinct
-                .iter()
-                .any(|d| d.name == run.name && d.params == run.params)
-            {
-                distinct.push(run);
-            }
-        }
+        let (of_unit, distinct) = pending_in(unit, &pending);
         if distinct.is_empty() {
             continue;
         }
         let runner = match experiment.closed_loop {
-            true => {
-                let recipe = unit[0].recipe.as_ref().expect("a closed loop runs recipes");
-                let name = Recipe::load(recipe)
-                    .map_err(crate::capture::CaptureError::from)?
-                    .0
-                    .model()
-                    .to_owned();
-                if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
-                    model = Some((name.clone(), capture::load_model(&name)?));
-                }
-                let model = model
-                    .as_ref()
-                    .map(|(_, model)| model.as_ref())
-                    .expect("loaded");
-                let questions = capture::build_questions(recipe, model)?;
-                for (prompt, trace) in questions.prompts.iter().zip(unit) {
-                    check_same_prompt(recipe, &name, prompt, &trace.path)?;
-                }
-                let scratch = std::env::temp_dir();
-                Runner::Live(LiveQuestions::start(model, &questions, 512, &scratch)?)
-            }
+            true => live_runner(unit, &mut model)?,
             false => Runner::Replay(TraceReader::open(&unit[0].path).map_err(PolicyError::from)?),
         };
         let checked = distinct
@@ -142,6 +106,61 @@ pub fn run_sweep(
             dir: results.join("failed"),
         }),
     }
+}
+
+/// The runs of `pending` on each trace of `unit`, and the unit's policies: each run pending on one
+/// of its traces, once (by name and settings).
+fn pending_in<'p>(
+    unit: &[TraceFile],
+    pending: &[&'p PlannedRun],
+) -> (Vec<Vec<&'p PlannedRun>>, Vec<&'p PlannedRun>) {
+    let of_unit: Vec<Vec<&PlannedRun>> = unit
+        .iter()
+        .map(|trace| {
+            let of_trace = pending.iter().filter(|run| run.trace == trace.path);
+            of_trace.copied().collect()
+        })
+        .collect();
+    let mut distinct: Vec<&PlannedRun> = Vec::new();
+    for run in of_unit.iter().flatten() {
+        if !distinct
+            .iter()
+            .any(|d| d.name == run.name && d.params == run.params)
+        {
+            distinct.push(run);
+        }
+    }
+    (of_unit, distinct)
+}
+
+/// The live sessions of the questions of `unit`'s recipe, its model loaded into `model` unless it
+/// is there already; each question's prompt checked against its trace's.
+fn live_runner<'m>(
+    unit: &[TraceFile],
+    model: &'m mut Option<(String, Box<dyn CausalLm + Send>)>,
+) -> Result<Runner<'m>, SweepError> {
+    let recipe = unit[0].recipe.as_ref().expect("a closed loop runs recipes");
+    let name = Recipe::load(recipe)
+        .map_err(crate::capture::CaptureError::from)?
+        .0
+        .model()
+        .to_owned();
+    if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
+        *model = Some((name.clone(), capture::load_model(&name)?));
+    }
+    let slot: &'m Option<(String, Box<dyn CausalLm + Send>)> = model;
+    let model = slot
+        .as_ref()
+        .map(|(_, model)| model.as_ref())
+        .expect("loaded");
+    let questions = capture::build_questions(recipe, model)?;
+    for (prompt, trace) in questions.prompts.iter().zip(unit) {
+        check_same_prompt(recipe, &name, prompt, &trace.path)?;
+    }
+    let scratch = std::env::temp_dir();
+    Ok(Runner::Live(LiveQuestions::start(
+        model, &questions, 512, &scratch,
+    )?))
 }
 
 /// Each of `policies`' outcomes on `runner` (one per trace it runs): one pass for them all, or,
