@@ -193,32 +193,27 @@ pub fn capture_recipe(
             .map(|p| p.ids.len() - questions.shared + p.generate)
             .sum::<usize>();
     let mut done = 0;
-    let mut context = Recorder::spilling(spill_dir);
-    let first = &questions.prompts[0].ids[..questions.shared];
-    let (cache, logits) = prefill(model.as_ref(), first, chunk, &mut context, &mut |n| {
+    let mut summaries = Vec::new();
+    let mut tick = |n: usize| {
         done += n;
         progress(done, total)
-    })?;
-    let context = Arc::new(context);
-    let mut summaries = Vec::new();
-    for (index, prompt) in questions.prompts.iter().enumerate().rev() {
-        let recorder = Recorder::spilling(spill_dir).continuing(context.clone());
-        let start = Started {
-            cache: cache.clone(),
-            logits: logits.clone(),
-            shared: questions.shared,
-        };
-        let captured = capture_question(
-            model.as_ref(),
-            prompt,
-            start,
-            &options,
-            recorder,
-            &mut |n| {
-                done += n;
-                progress(done, total)
-            },
+    };
+    let mut write = |index: usize, run: PromptRun, tick: &mut dyn FnMut(usize)| {
+        let prompt = &questions.prompts[index];
+        let PromptRun {
+            mut cache,
+            logits,
+            mut recorder,
+        } = run;
+        let generated = model.decode_greedy(
+            &mut cache,
+            &logits,
+            prompt.generate,
+            Some(&mut recorder),
+            None,
+            &mut |_| tick(1),
         )?;
+        let captured = captured(model.as_ref(), prompt, &options, recorder, generated);
         let mut meta = captured.meta.clone();
         if count > 1 {
             for (key, value) in [
@@ -237,38 +232,74 @@ pub fn capture_recipe(
             generated_tokens: captured.generated.len(),
             generated_text: captured.generated_text,
         });
-    }
+        Ok::<(), CaptureError>(())
+    };
+    prefill_questions(
+        model.as_ref(),
+        &questions,
+        (chunk, spill_dir),
+        &mut tick,
+        &mut write,
+    )?;
     summaries.reverse();
     Ok(summaries)
 }
 
-/// A model's cache after a prefix of a prompt, and its logits there.
-struct Started {
-    /// The cache.
-    cache: KvCache,
-    /// The logits at its last position.
-    logits: Vec<f32>,
-    /// The positions it holds.
-    shared: usize,
+/// A question's prompt run with the full cache: the cache at its end, the logits there, and its
+/// recording so far (the shared context's, continued).
+pub struct PromptRun {
+    /// The cache after the prompt.
+    pub cache: KvCache,
+    /// The logits at the prompt's last position.
+    pub logits: Vec<f32>,
+    /// What attention saw of the prompt.
+    pub recorder: Recorder,
 }
 
-/// Prefills `ids` in chunks of `chunk` tokens into a new cache, recorded; `progress(n)` after each
-/// chunk of `n` tokens. Returns the cache and the last logits.
-pub fn prefill(
+/// Runs the prompt of every question of `questions` with the full cache: their shared context
+/// prefilled once (in chunks of `chunk` tokens, recorded in files under `spill_dir`), then each
+/// question's own tokens from a copy of that cache, its recorder continuing the context's. Hands
+/// each run to `then` with the question's index and `progress`, the last question first (a
+/// capture writes the first question's trace last, so that it stands for them all). `progress(n)`
+/// after each chunk of `n` tokens. One question whose prompt is all context is a plain prefill.
+pub fn prefill_questions<E: From<ModelError>>(
     model: &dyn CausalLm,
-    ids: &[u32],
-    chunk: usize,
-    recorder: &mut Recorder,
+    questions: &BuiltQuestions,
+    (chunk, spill_dir): (usize, &Path),
     progress: &mut dyn FnMut(usize),
-) -> Result<(KvCache, Vec<f32>), ModelError> {
+    then: &mut dyn FnMut(usize, PromptRun, &mut dyn FnMut(usize)) -> Result<(), E>,
+) -> Result<(), E> {
+    let shared = questions.shared;
+    let mut context = Recorder::spilling(spill_dir);
     let mut cache = KvCache::default();
-    let logits = prefill_onto(model, ids, chunk, &mut cache, recorder, progress)?;
-    Ok((cache, logits))
+    let first = &questions.prompts[0].ids[..shared];
+    let logits = prefill_onto(model, first, chunk, &mut cache, &mut context, progress)?;
+    let context = Arc::new(context);
+    for (index, prompt) in questions.prompts.iter().enumerate().rev() {
+        let mut run = PromptRun {
+            cache: cache.clone(),
+            logits: logits.clone(),
+            recorder: Recorder::spilling(spill_dir).continuing(context.clone()),
+        };
+        let rest = &prompt.ids[shared..];
+        if !rest.is_empty() {
+            run.logits = prefill_onto(
+                model,
+                rest,
+                chunk,
+                &mut run.cache,
+                &mut run.recorder,
+                progress,
+            )?;
+        }
+        then(index, run, progress)?;
+    }
+    Ok(())
 }
 
 /// Prefills `ids` in chunks of `chunk` tokens onto `cache`, recorded; `progress(n)` after each
 /// chunk of `n` tokens. Returns the last logits (empty for no tokens).
-pub fn prefill_onto(
+fn prefill_onto(
     model: &dyn CausalLm,
     ids: &[u32],
     chunk: usize,
@@ -282,43 +313,6 @@ pub fn prefill_onto(
         progress(piece.len());
     }
     Ok(logits)
-}
-
-/// Runs `prompt` on from `start` (its shared context prefilled, `recorder` continuing that
-/// context's recording): the rest of the prompt in chunks, then the greedy continuation.
-fn capture_question(
-    model: &dyn CausalLm,
-    prompt: &BuiltPrompt,
-    start: Started,
-    options: &CaptureOptions,
-    mut recorder: Recorder,
-    progress: &mut dyn FnMut(usize),
-) -> Result<Captured, CaptureError> {
-    let Started {
-        mut cache,
-        mut logits,
-        shared,
-    } = start;
-    let rest = &prompt.ids[shared..];
-    if !rest.is_empty() {
-        logits = prefill_onto(
-            model,
-            rest,
-            options.chunk,
-            &mut cache,
-            &mut recorder,
-            progress,
-        )?;
-    }
-    let generated = model.decode_greedy(
-        &mut cache,
-        &logits,
-        prompt.generate,
-        Some(&mut recorder),
-        None,
-        &mut |_| progress(1),
-    )?;
-    Ok(captured(model, prompt, options, recorder, generated))
 }
 
 /// A finished capture, not yet written.

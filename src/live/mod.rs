@@ -45,7 +45,7 @@ mod batch;
 mod drift;
 pub(crate) mod streams;
 
-use crate::capture::{prefill, prefill_onto, write_recording, CaptureError, CaptureOptions};
+use crate::capture::{prefill_questions, write_recording, CaptureError, CaptureOptions, PromptRun};
 use crate::model::Recorder;
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
@@ -146,51 +146,45 @@ struct FullRun {
     logits: Vec<Vec<f32>>,
 }
 
-/// The full-cache runs of the questions of `questions`: their shared context prefilled once (in
-/// chunks of `chunk` tokens, recorded by `context`), then each question's rest of the prompt and
-/// greedy continuation from a copy of that cache, recorded by a recorder continuing `context`'s
-/// recording. One question whose prompt is all context is the plain full run.
+/// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
+/// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`), each then decoded
+/// greedily, with its recording. One question whose prompt is all context is the plain full run.
 fn full_runs(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
     chunk: usize,
     scratch: &Path,
 ) -> Result<Vec<(FullRun, Recorder)>, ModelError> {
-    let shared = questions.shared;
-    let mut context = Recorder::spilling(scratch);
-    let first = &questions.prompts[0].ids[..shared];
-    let (cache, logits) = prefill(model, first, chunk, &mut context, &mut |_| {})?;
-    let context = Arc::new(context);
-    questions
-        .prompts
-        .iter()
-        .map(|prompt| {
-            let mut recorder = Recorder::spilling(scratch).continuing(context.clone());
-            let mut cache = cache.clone();
-            let rest = &prompt.ids[shared..];
-            let prefill_logits = match rest.is_empty() {
-                true => logits.clone(),
-                false => prefill_onto(model, rest, chunk, &mut cache, &mut recorder, &mut |_| {})?,
-            };
-            let prefilled = cache.clone();
-            let mut logits = Vec::new();
-            let tokens = model.decode_greedy(
-                &mut cache,
-                &prefill_logits,
-                prompt.generate,
-                Some(&mut recorder),
-                None,
-                &mut |step| logits.push(step.to_vec()),
-            )?;
-            let run = FullRun {
-                prefilled,
-                prefill_logits,
-                tokens,
-                logits,
-            };
-            Ok((run, recorder))
-        })
-        .collect()
+    let mut runs = Vec::new();
+    let mut decode = |index: usize, run: PromptRun, _: &mut dyn FnMut(usize)| {
+        let PromptRun {
+            mut cache,
+            logits: prefill_logits,
+            mut recorder,
+        } = run;
+        let prefilled = cache.clone();
+        let mut logits = Vec::new();
+        let tokens = model.decode_greedy(
+            &mut cache,
+            &prefill_logits,
+            questions.prompts[index].generate,
+            Some(&mut recorder),
+            None,
+            &mut |step| logits.push(step.to_vec()),
+        )?;
+        let run = FullRun {
+            prefilled,
+            prefill_logits,
+            tokens,
+            logits,
+        };
+        runs.push((run, recorder));
+        Ok::<(), ModelError>(())
+    };
+    prefill_questions(model, questions, (chunk, scratch), &mut |_| {}, &mut decode)?;
+    // They came last question first.
+    runs.reverse();
+    Ok(runs)
 }
 
 /// Natural log-softmax in f64.
