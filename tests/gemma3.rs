@@ -247,12 +247,23 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
         "a sliding layer at 32 tokens loses mass: {open_first}"
     );
     assert!(tova_all.open_loop.kv_entries < tova.open_loop.kv_entries);
-    // Decoded together, the prefill shared where nothing is evicted while the prompt runs: each
-    // report is the one its policy gets alone with its own prefill, bit for bit.
-    let policies = [compressed, compressed_all].map(|p| p.check().unwrap());
+    // Decoded together, the prefill shared where nothing is evicted while the prompt runs, and
+    // a one-shot cut's teacher-forced tokens in one pass (on the global layers, and on every
+    // layer, its sliding ones masked within their window): each report is the one its policy
+    // gets alone with its own prefill, one pass per token, bit for bit.
+    let snapkv = PolicyParams {
+        budget: 32,
+        ..PolicyParams::default()
+    };
+    let snapkv_all = PolicyParams {
+        layers: Layers::All,
+        ..snapkv.clone()
+    };
+    let policies = [compressed, compressed_all, snapkv, snapkv_all].map(|p| p.check().unwrap());
     let alone = session
         .run_batched(&policies, Batching::ONE_AT_A_TIME)
         .unwrap();
     assert_eq!((&alone[0], &alone[1]), (&reports[1], &reports[3]));
+    assert!(alone[2].kl > 0.0 && alone[3].kl > 0.0);
     assert_eq!(session.run_many(&policies).unwrap(), alone);
 }

@@ -8,7 +8,7 @@ mod common;
 use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, Batching, LiveSession};
-use kvreplay::model::{CausalLm, KvCache, Recorder};
+use kvreplay::model::{CausalLm, KvCache, Recorder, Row};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing};
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -248,11 +248,79 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
     for rows in [None, Some(3)] {
         let batching = Batching {
             rows,
-            share_prefill: true,
+            ..Batching::BATCHED
         };
         let together = session.run_batched(&policies, batching).unwrap();
         assert_eq!(together, alone, "{batching:?}");
     }
+}
+
+#[test]
+fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
+    // A teacher-forced decode under a fixed eviction: two rows of 70 and 40 known tokens in one
+    // `forward_steps` pass (more states than one output product takes) give every logit and the
+    // cache of feeding each row's tokens one pass at a time, bit for bit.
+    let model = model();
+    let prompt = capital();
+    let mut prefilled = KvCache::default();
+    model.forward(&prompt.ids, &mut prefilled, None).unwrap();
+    let n = prompt.ids.len();
+    let config = model.config();
+    let evicted: kvreplay::model::Evicted = (0..config.n_layers)
+        .map(|layer| {
+            (0..config.n_heads)
+                .map(|head| (1..n - 4).filter(|p| (p + layer + head) % 3 == 0).collect())
+                .collect()
+        })
+        .collect();
+    let tokens: [Vec<u32>; 2] = [
+        (0..70).map(|i| 300 + 7 * i).collect(),
+        (0..40).map(|i| 900 + 11 * i).collect(),
+    ];
+    let one_at_a_time: Vec<(Vec<Vec<f32>>, KvCache)> = tokens
+        .iter()
+        .map(|ids| {
+            let (mut cache, mut mask) = (prefilled.clone(), evicted.clone());
+            let logits = ids
+                .iter()
+                .map(|&id| {
+                    model
+                        .forward_masked(&[id], &mut cache, None, Some(&mut mask))
+                        .unwrap()
+                })
+                .collect();
+            (logits, cache)
+        })
+        .collect();
+    let mut caches = [prefilled.clone(), prefilled.clone()];
+    let mut masks = [evicted.clone(), evicted.clone()];
+    let mut got = vec![Vec::new(), Vec::new()];
+    {
+        let mut rows: Vec<Row<'_, '_>> = caches
+            .iter_mut()
+            .zip(&mut masks)
+            .zip(&tokens)
+            .map(|((cache, mask), ids)| Row::new(ids, cache, Some(mask)))
+            .collect();
+        model
+            .forward_steps(&mut rows, &mut |row, step, logits| {
+                assert_eq!(got[row].len(), step, "steps in order");
+                got[row].push(logits.to_vec());
+            })
+            .unwrap();
+    }
+    for (row, (logits, cache)) in one_at_a_time.iter().enumerate() {
+        assert!(got[row] == *logits, "row {row}: logits differ");
+        assert_eq!(caches[row].len(), cache.len());
+        for layer in [0, config.n_layers - 1] {
+            assert_eq!(caches[row].keys(layer).unwrap(), cache.keys(layer).unwrap());
+        }
+    }
+    // The eviction matters: unmasked, the first step's logits differ.
+    let unmasked = model
+        .forward(&tokens[0][..1], &mut prefilled.clone(), None)
+        .unwrap();
+    assert!(unmasked != one_at_a_time[0].0[0]);
 }
 
 #[test]

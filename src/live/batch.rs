@@ -74,10 +74,15 @@ pub(super) struct Reference<'a> {
     pub prefill_logits: &'a [f32],
     /// Free-running tokens at most.
     pub generate: usize,
+    /// Whether rows whose kept sets are fixed take the teacher-forced tokens in one pass.
+    pub forced_in_one_pass: bool,
 }
 
 /// One row's teacher-forced state: its mask measuring the live mass, its cache and its steps.
 struct Teacher<'s> {
+    /// Whether the kept sets were fixed at the prompt's end (a one-shot cut) and the tokens go
+    /// in one pass.
+    fixed: bool,
     mask: CompressedLayers<LiveMass<PolicyMask<'s>>>,
     cache: KvCache,
     steps: Vec<LiveStep>,
@@ -151,6 +156,7 @@ fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'
         ));
     }
     Ok(Teacher {
+        fixed: reference.forced_in_one_pass && matches!(row.mask.inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
         cache: row.cache.as_ref().clone(),
         steps,
@@ -164,6 +170,50 @@ fn teacher_forced<'s>(
     reference: &Reference<'_>,
     mut teachers: Vec<Teacher<'s>>,
 ) -> Result<Vec<Teacher<'s>>, ModelError> {
+    let (mut fixed, mut evolving): (Vec<_>, Vec<_>) =
+        teachers.iter_mut().partition(|teacher| teacher.fixed);
+    in_one_pass(reference, &mut fixed)?;
+    step_by_step(reference, &mut evolving)?;
+    Ok(teachers)
+}
+
+/// Rows whose kept sets were fixed at the prompt's end: every token in one pass
+/// ([`CausalLm::forward_steps`](crate::model::CausalLm::forward_steps)), the numbers those of
+/// [`step_by_step`] bit for bit.
+fn in_one_pass(
+    reference: &Reference<'_>,
+    teachers: &mut [&mut Teacher<'_>],
+) -> Result<(), ModelError> {
+    let tokens = reference.tokens;
+    if teachers.is_empty() || tokens.is_empty() {
+        return Ok(());
+    }
+    let (mut rows, mut steps): (Vec<Row<'_, '_>>, Vec<&mut Vec<LiveStep>>) = teachers
+        .iter_mut()
+        .map(|teacher| {
+            let Teacher {
+                mask, cache, steps, ..
+            } = &mut **teacher;
+            (Row::new(tokens, cache, Some(mask)), steps)
+        })
+        .unzip();
+    reference
+        .model
+        .forward_steps(&mut rows, &mut |row, step, logits| {
+            if let Some(&next) = tokens.get(step + 1) {
+                steps[row].push(compare_step(&reference.logits[step], logits, next));
+            }
+        })
+}
+
+/// Rows whose policies evict as tokens arrive: one pass per token.
+fn step_by_step(
+    reference: &Reference<'_>,
+    teachers: &mut [&mut Teacher<'_>],
+) -> Result<(), ModelError> {
+    if teachers.is_empty() {
+        return Ok(());
+    }
     for (index, &token) in reference.tokens.iter().enumerate() {
         let ids = [token];
         let mut rows: Vec<Row<'_, '_>> = teachers
@@ -179,7 +229,7 @@ fn teacher_forced<'s>(
             }
         }
     }
-    Ok(teachers)
+    Ok(())
 }
 
 /// Greedy decoding of every row, up to `generate` tokens each, a row leaving the batch at its

@@ -84,10 +84,12 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
         }
         let mask = self.inner.layer_mask(layer, chunk)?;
         let total = chunk.past + n;
-        for head in 0..n_heads {
-            let keys = ndarray::ArrayView2::from_shape((total, head_dim), &keys[head / self.group])
-                .expect("one row per position");
-            for row in 0..n {
+        // Query after query, as many one-token chunks add them up.
+        for row in 0..n {
+            for head in 0..n_heads {
+                let keys =
+                    ndarray::ArrayView2::from_shape((total, head_dim), &keys[head / self.group])
+                        .expect("one row per position");
                 let position = chunk.past + row;
                 let first = first_visible(position, self.windows[layer]);
                 let everything: Vec<usize> = (first..=position).collect();

@@ -375,15 +375,14 @@ impl<'m> LiveSession<'m> {
             let rest = runs.split_off(most.min(runs.len()));
             groups.push(std::mem::replace(&mut runs, rest));
         }
-        let share = batching.share_prefill;
         let reports: Vec<Vec<LiveReport>> = match most {
             1 => groups
                 .into_par_iter()
-                .map(|group| self.run_group(group, share))
+                .map(|group| self.run_group(group, batching))
                 .collect::<Result<_, _>>()?,
             _ => groups
                 .into_iter()
-                .map(|group| self.run_group(group, share))
+                .map(|group| self.run_group(group, batching))
                 .collect::<Result<_, _>>()?,
         };
         for policy in policies {
@@ -414,8 +413,9 @@ impl<'m> LiveSession<'m> {
     fn run_group(
         &self,
         group: Vec<OpenLoopRun<'_>>,
-        share_prefill: bool,
+        batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
+        let share_prefill = batching.share_prefill;
         let recorded = RecordedLayers::new(&self.trace);
         let started = group
             .into_par_iter()
@@ -433,6 +433,7 @@ impl<'m> LiveSession<'m> {
             logits: &full.logits,
             prefill_logits: &full.prefill_logits,
             generate: self.prompt.generate,
+            forced_in_one_pass: batching.forced_in_one_pass,
         };
         Ok(batch::decode(&reference, started)?
             .into_iter()
@@ -695,19 +696,25 @@ pub struct Batching {
     /// Whether a policy that evicts nothing while the prompt runs starts from the full run's
     /// prefill (its streams fed the recorded prompt vectors) instead of running its own.
     pub share_prefill: bool,
+    /// Whether the rows whose kept sets are fixed at the prompt's end take the full run's
+    /// tokens in one pass ([`CausalLm::forward_steps`]) instead of one pass per token.
+    pub forced_in_one_pass: bool,
 }
 
 impl Batching {
-    /// As many rows as fit in memory, the full run's prefill shared.
+    /// As many rows as fit in memory, the full run's prefill shared, fixed cuts teacher-forced
+    /// in one pass.
     pub const BATCHED: Batching = Batching {
         rows: None,
         share_prefill: true,
+        forced_in_one_pass: true,
     };
-    /// Each policy alone, with its own prefill unless it cuts at the prompt's end: the closed
-    /// loop as it ran before batching, which the bench and the tests compare with.
+    /// Each policy alone, with its own prefill unless it cuts at the prompt's end, one pass per
+    /// token: the closed loop as it ran before batching, which the bench and the tests compare with.
     pub const ONE_AT_A_TIME: Batching = Batching {
         rows: Some(1),
         share_prefill: false,
+        forced_in_one_pass: false,
     };
 }
 

@@ -23,7 +23,7 @@ pub(crate) fn spans(rows: &[Row<'_, '_>]) -> Vec<(usize, usize)> {
 }
 
 /// The spans of the rows' last tokens, stacked one per row.
-pub(crate) fn last_spans(spans: &[(usize, usize)]) -> Vec<(usize, usize)> {
+fn last_spans(spans: &[(usize, usize)]) -> Vec<(usize, usize)> {
     (0..spans.len()).map(|row| (row, 1)).collect()
 }
 
@@ -67,7 +67,7 @@ pub(crate) fn each_row_attends<S: Sync>(
 }
 
 /// The hidden states of each row's last token, stacked `[rows, hidden]`.
-pub(crate) fn last_states(x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
+fn last_states(x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
     stack(
         spans
             .iter()
@@ -77,16 +77,67 @@ pub(crate) fn last_states(x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor
 }
 
 /// Per row, its logits, from the stacked `[rows, vocab]`.
-pub(crate) fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
+fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
     Ok(logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
 }
 
-/// Checks that a batch has rows and that none of them is empty.
-pub(crate) fn check_rows(rows: &[Row<'_, '_>]) -> Result<(), ModelError> {
-    if rows.is_empty() || rows.iter().any(|row| row.ids.is_empty()) {
-        return Err(ModelError::Input(
-            "a forward pass needs at least one row, each with at least one token".into(),
-        ));
+/// How a pass feeds each row's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Feed {
+    /// As one chunk (a prefill): each row's products and attention over its tokens at once.
+    Chunk,
+    /// As if one token at a time ([`CausalLm::forward_steps`](super::CausalLm::forward_steps)):
+    /// every product summed per token as a one-token pass sums it, and each query attending as
+    /// its own step would.
+    Steps,
+}
+
+/// The spans the weight products sum by: the rows' own, or one per token when fed step by step.
+pub(crate) fn product_spans(spans: &[(usize, usize)], feed: Feed) -> Vec<(usize, usize)> {
+    match feed {
+        Feed::Chunk => spans.to_vec(),
+        Feed::Steps => {
+            let tokens: usize = spans.iter().map(|&(_, n)| n).sum();
+            (0..tokens).map(|token| (token, 1)).collect()
+        }
+    }
+}
+
+/// Per row, the logits at its last token: `logits(states, spans)` of the stacked hidden states
+/// `x` of the rows at `spans`, read at each row's last token.
+pub(crate) fn last_logits(
+    x: &Tensor,
+    spans: &[(usize, usize)],
+    logits: impl Fn(&Tensor, &[(usize, usize)]) -> Result<Tensor, ModelError>,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    row_logits(&logits(&last_states(x, spans)?, &last_spans(spans))?)
+}
+
+/// Hidden states per output product when every token's logits are wanted: bounds the logits held
+/// at once (a Gemma 3 row of 262,144 is 1 MiB) while the output weight is still read once for
+/// many tokens.
+const STATES_PER_PRODUCT: usize = 128;
+
+/// Every token's logits, `on_logits(row, step, logits)`, each summed as a one-token pass sums it:
+/// `logits(states, one span per token)` of the stacked hidden states `x` of the rows at `spans`.
+pub(crate) fn every_step_logits(
+    x: &Tensor,
+    spans: &[(usize, usize)],
+    logits: impl Fn(&Tensor, &[(usize, usize)]) -> Result<Tensor, ModelError>,
+    on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+) -> Result<(), ModelError> {
+    let owners: Vec<(usize, usize)> = spans
+        .iter()
+        .enumerate()
+        .flat_map(|(row, &(_, n))| (0..n).map(move |step| (row, step)))
+        .collect();
+    for (group, owners) in owners.chunks(STATES_PER_PRODUCT).enumerate() {
+        let states = x.narrow(0, group * STATES_PER_PRODUCT, owners.len())?;
+        let one_each: Vec<(usize, usize)> = (0..owners.len()).map(|t| (t, 1)).collect();
+        let values = row_logits(&logits(&states, &one_each)?)?;
+        for (&(row, step), values) in owners.iter().zip(&values) {
+            on_logits(row, step, values);
+        }
     }
     Ok(())
 }

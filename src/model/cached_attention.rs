@@ -3,6 +3,7 @@
 //! family whose attention is plain scaled dot-product over a window calls it after its own
 //! projections, norms and rotary.
 
+use super::batch::Feed;
 use super::causal_lm::Row;
 use super::mask::{policy_mask, window_mask};
 use super::ops::attend;
@@ -19,6 +20,8 @@ pub(crate) struct LayerAttention {
     pub window: usize,
     /// Softmax scale of the logits.
     pub scale: f64,
+    /// Whether the row's tokens attend as one chunk or one step at a time.
+    pub feed: Feed,
 }
 
 /// `row`'s attention at `geometry.layer` for its post-rotary q `[n_heads, n, d]`, k and v
@@ -35,7 +38,7 @@ pub(crate) fn attend_cached(
         layer,
         n_heads,
         window,
-        scale,
+        ..
     } = *geometry;
     if window > 0 && past != row.cache.next_position {
         return Err(ModelError::Mask(
@@ -43,12 +46,49 @@ pub(crate) fn attend_cached(
         ));
     }
     let n = q.dims()[1];
-    let total = past + n;
     let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record(layer, &q, &k, &v)?;
     }
     let (keys_t, values) = row.cache.append(layer, k, v)?;
+    let attention = match geometry.feed {
+        Feed::Steps if n > 1 => {
+            let each = (0..n)
+                .map(|query| {
+                    let seen = past + query + 1;
+                    let mask = policy_mask
+                        .as_deref()
+                        .map(|mask| query_lines(mask, (n_heads, n, past + n), query));
+                    attend_visible(
+                        &q.narrow(1, query, 1)?,
+                        (&keys_t.narrow(2, 0, seen)?, &values.narrow(1, 0, seen)?),
+                        (mask, past + query),
+                        geometry,
+                    )
+                })
+                .collect::<Result<Vec<_>, ModelError>>()?;
+            Tensor::cat(&each, 1)?
+        }
+        _ => attend_visible(&q, (&keys_t, &values), (policy_mask, past), geometry)?,
+    };
+    if let Some(recorder) = row.recorder.as_deref_mut() {
+        recorder.record_attention(layer, &attention);
+    }
+    Ok(attention)
+}
+
+/// Queries `q` `[n_heads, n, d]` at positions `past..past + n` attending over the cache's first
+/// `past + n` positions (keys transposed, values) as `policy_mask` `[n_heads, n, past + n]`
+/// decides (when it does), within the layer's window.
+fn attend_visible(
+    q: &Tensor,
+    (keys_t, values): (&Tensor, &Tensor),
+    (policy_mask, past): (Option<Vec<f32>>, usize),
+    geometry: &LayerAttention,
+) -> Result<Tensor, ModelError> {
+    let (n_heads, window) = (geometry.n_heads, geometry.window);
+    let n = q.dims()[1];
+    let total = past + n;
     // Keys before the chunk's first query's window are never seen: leave them out.
     let first = match (&policy_mask, window) {
         (None, window) if window > 0 => (past + 1).saturating_sub(window),
@@ -67,11 +107,17 @@ pub(crate) fn attend_cached(
     };
     let keys_t = keys_t.narrow(2, first, total - first)?;
     let values = values.narrow(1, first, total - first)?;
-    let attention = attend(&q, &keys_t, &values, &layer_mask, scale)?;
-    if let Some(recorder) = row.recorder.as_deref_mut() {
-        recorder.record_attention(layer, &attention);
-    }
-    Ok(attention)
+    attend(q, &keys_t, &values, &layer_mask, geometry.scale)
+}
+
+/// Query `query`'s lines of a chunk's mask `[heads, n, total]`, up to its own position:
+/// `[heads, 1, total - n + query + 1]`, the mask its own one-token step would get.
+fn query_lines(mask: &[f32], (heads, n, total): (usize, usize, usize), query: usize) -> Vec<f32> {
+    let seen = total - n + query + 1;
+    (0..heads)
+        .flat_map(|head| &mask[(head * n + query) * total..][..seen])
+        .copied()
+        .collect()
 }
 
 #[cfg(test)]
@@ -97,6 +143,7 @@ mod tests {
             n_heads: 1,
             window,
             scale: 1.0,
+            feed: Feed::Chunk,
         };
         let mut row = Row::new(&ids, &mut pruned, None);
         let qkv = || (vectors(1), vectors(1), vectors(1));

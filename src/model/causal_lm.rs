@@ -80,6 +80,41 @@ pub trait CausalLm: Sync {
     /// the same bit for bit whatever it is batched with.
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
+    /// Runs every row's tokens as if each token were fed alone, after the one before it (a
+    /// teacher-forced decode, whose tokens are known): each row's cache, and the logits after
+    /// each of its tokens, passed to `on_logits(row, step, logits)`, are those of that many
+    /// one-token [`forward_rows`](Self::forward_rows) calls, bit for bit. A row's mask sees its
+    /// tokens as one chunk, so it must decide each query's attention from the positions up to
+    /// its own alone (a fixed eviction does; a policy that evicts as tokens arrive does not).
+    /// This implementation makes the one-token passes; a native family runs one pass.
+    fn forward_steps(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        check_rows(rows)?;
+        let longest = rows.iter().map(|row| row.ids.len()).max().unwrap_or(0);
+        for step in 0..longest {
+            let mut running = Vec::with_capacity(rows.len());
+            let mut indices = Vec::with_capacity(rows.len());
+            for (index, row) in rows.iter_mut().enumerate() {
+                if let Some(token) = row.ids.get(step..=step) {
+                    indices.push(index);
+                    running.push(Row {
+                        ids: token,
+                        cache: &mut *row.cache,
+                        recorder: row.recorder.as_deref_mut(),
+                        mask: row.mask.as_deref_mut(),
+                    });
+                }
+            }
+            for (index, logits) in indices.into_iter().zip(self.forward_rows(&mut running)?) {
+                on_logits(index, step, &logits);
+            }
+        }
+        Ok(())
+    }
+
     /// [`forward_rows`](Self::forward_rows) of one row: `ids` at positions `cache.len()..`.
     fn forward_masked(
         &self,
@@ -159,6 +194,16 @@ pub trait CausalLm: Sync {
         }
         Ok(generated)
     }
+}
+
+/// Checks that a batch has rows and that none of them is empty.
+pub(crate) fn check_rows(rows: &[Row<'_, '_>]) -> Result<(), ModelError> {
+    if rows.is_empty() || rows.iter().any(|row| row.ids.is_empty()) {
+        return Err(ModelError::Input(
+            "a forward pass needs at least one row, each with at least one token".into(),
+        ));
+    }
+    Ok(())
 }
 
 /// Index of the largest value; the lowest index wins ties.

@@ -15,9 +15,9 @@
 //! same GGUF (docs/assets.md).
 
 use super::batch::{
-    check_rows, each_row_attends, last_spans, last_states, row_logits, spans, stacked_ids,
+    each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
-use super::causal_lm::{CausalLm, ModelSpec, Row};
+use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
 use super::product::rows_product;
 use super::gguf::GgufFile;
 use super::llama::transposed;
@@ -159,17 +159,40 @@ impl CausalLm for Gemma3 {
     }
 
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (x, spans) = self.hidden(rows, Feed::Chunk)?;
+        last_logits(&x, &spans, |states, spans| self.logits(states, spans))
+    }
+
+    fn forward_steps(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        let (x, spans) = self.hidden(rows, Feed::Steps)?;
+        every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
+    }
+}
+
+impl Gemma3 {
+    /// Every row's tokens through every block, fed as `feed` says: the stacked hidden states
+    /// before the output norm, and where each row's tokens sit among them.
+    fn hidden(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        feed: Feed,
+    ) -> Result<(Tensor, Vec<(usize, usize)>), ModelError> {
         check_rows(rows)?;
         let eps = self.rms_eps;
         let spans = spans(rows);
+        let sums = product_spans(&spans, feed);
         let mut x = (self.embedding.embedding(&stacked_ids(rows)?)? * self.embedding_scale)?;
         let sequences = rows
             .iter()
-            .map(|row| self.sequence(row))
+            .map(|row| self.sequence(row, feed))
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let product = |w: &Tensor| rows_product(&h, w, &sums);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
             let attended = each_row_attends(
                 rows,
@@ -177,19 +200,25 @@ impl CausalLm for Gemma3 {
                 (&q, &k, &v),
                 |row, sequence, projected| self.attention((layer, block), row, sequence, projected),
             )?;
-            let out = rows_product(&attended, &block.wo, &spans)?;
+            let out = rows_product(&attended, &block.wo, &sums)?;
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let product = |w: &Tensor| rows_product(&h, w, &sums);
             let gated = (product(&block.gate)?.gelu()? * product(&block.up)?)?;
-            let down = rows_product(&gated, &block.down, &spans)?;
+            let down = rows_product(&gated, &block.down, &sums)?;
             x = (x + rms_norm(&down, &block.post_ffw_norm, eps)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
             row.cache.next_position += n;
         }
-        let last = rms_norm(&last_states(&x, &spans)?, &self.output_norm, eps)?;
-        row_logits(&rows_product(&last, &self.embedding.t()?, &last_spans(&spans))?)
+        Ok((x, spans))
+    }
+
+    /// The logits of hidden states `states` stacking rows at `spans` (the tied embedding as the
+    /// output layer).
+    fn logits(&self, states: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
+        let normed = rms_norm(states, &self.output_norm, self.rms_eps)?;
+        rows_product(&normed, &self.embedding.t()?, spans)
     }
 }
 
@@ -197,15 +226,17 @@ impl CausalLm for Gemma3 {
 /// the pass and its two rotary tables.
 struct Sequence {
     past: usize,
+    feed: Feed,
     global: (Tensor, Tensor),
     sliding: (Tensor, Tensor),
 }
 
 impl Gemma3 {
-    fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
+    fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past, start) = (row.ids.len(), row.cache.len(), row.cache.next_position);
         Ok(Sequence {
             past,
+            feed,
             global: rotary_tables(&self.global_inv_freq, start, n)?,
             sliding: rotary_tables(&self.sliding_inv_freq, start, n)?,
         })
@@ -238,6 +269,7 @@ impl Gemma3 {
             n_heads: spec.n_heads,
             window,
             scale: spec.scale as f64,
+            feed: sequence.feed,
         };
         let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
         merge_heads(&attention)

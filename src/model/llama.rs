@@ -3,9 +3,9 @@
 //! attention saw.
 
 use super::batch::{
-    check_rows, each_row_attends, last_spans, last_states, row_logits, spans, stacked_ids,
+    each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
-use super::causal_lm::{CausalLm, ModelSpec, Row};
+use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
 use super::product::rows_product;
 use super::gguf::{unpermute_rows, GgufFile};
 use super::cached_attention::{attend_cached, LayerAttention};
@@ -117,18 +117,40 @@ impl CausalLm for Llama {
     }
 
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError> {
+        let (x, spans) = self.hidden(rows, Feed::Chunk)?;
+        last_logits(&x, &spans, |states, spans| self.logits(states, spans))
+    }
+
+    fn forward_steps(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+    ) -> Result<(), ModelError> {
+        let (x, spans) = self.hidden(rows, Feed::Steps)?;
+        every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
+    }
+}
+
+impl Llama {
+    /// Every row's tokens through every block, fed as `feed` says: the stacked hidden states
+    /// before the output norm, and where each row's tokens sit among them.
+    fn hidden(
+        &self,
+        rows: &mut [Row<'_, '_>],
+        feed: Feed,
+    ) -> Result<(Tensor, Vec<(usize, usize)>), ModelError> {
         check_rows(rows)?;
-        let config = &self.config;
-        let eps = config.rms_eps;
+        let eps = self.config.rms_eps;
         let spans = spans(rows);
+        let sums = product_spans(&spans, feed);
         let mut x = self.embedding.embedding(&stacked_ids(rows)?)?;
         let sequences = rows
             .iter()
-            .map(|row| self.sequence(row))
+            .map(|row| self.sequence(row, feed))
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let product = |w: &Tensor| rows_product(&h, w, &sums);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
             let attended = each_row_attends(
                 rows,
@@ -136,17 +158,22 @@ impl CausalLm for Llama {
                 (&q, &k, &v),
                 |row, sequence, projected| self.attention(layer, row, sequence, projected),
             )?;
-            x = (x + rows_product(&attended, &block.wo, &spans)?)?;
+            x = (x + rows_product(&attended, &block.wo, &sums)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &spans);
+            let product = |w: &Tensor| rows_product(&h, w, &sums);
             let gated = (product(&block.gate)?.silu()? * product(&block.up)?)?;
-            x = (x + rows_product(&gated, &block.down, &spans)?)?;
+            x = (x + rows_product(&gated, &block.down, &sums)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
             row.cache.next_position += n;
         }
-        let last = rms_norm(&last_states(&x, &spans)?, &self.output_norm, eps)?;
-        row_logits(&rows_product(&last, &self.output, &last_spans(&spans))?)
+        Ok((x, spans))
+    }
+
+    /// The logits of hidden states `states` stacking rows at `spans`.
+    fn logits(&self, states: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
+        let normed = rms_norm(states, &self.output_norm, self.config.rms_eps)?;
+        rows_product(&normed, &self.output, spans)
     }
 }
 
@@ -154,15 +181,21 @@ impl CausalLm for Llama {
 /// pass and its rotary tables.
 struct Sequence {
     past: usize,
+    feed: Feed,
     cos: Tensor,
     sin: Tensor,
 }
 
 impl Llama {
-    fn sequence(&self, row: &Row<'_, '_>) -> Result<Sequence, ModelError> {
+    fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past) = (row.ids.len(), row.cache.len());
         let (cos, sin) = rotary_tables(&self.inv_freq, row.cache.next_position, n)?;
-        Ok(Sequence { past, cos, sin })
+        Ok(Sequence {
+            past,
+            feed,
+            cos,
+            sin,
+        })
     }
 
     /// One row's attention at `layer`, from its projections `[n, heads * d]`: rotary, then
@@ -186,6 +219,7 @@ impl Llama {
             n_heads,
             window: 0,
             scale: 1.0 / (config.head_dim() as f64).sqrt(),
+            feed: sequence.feed,
         };
         let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
         merge_heads(&attention)

@@ -20,9 +20,9 @@
 
 mod worker;
 
-use super::batch::check_rows;
+use super::batch::Feed;
 use super::cached_attention::{attend_cached, LayerAttention};
-use super::causal_lm::{CausalLm, ModelSpec, Row};
+use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use candle_core::{Device, Tensor};
@@ -134,6 +134,7 @@ impl HfModel {
             n_heads: heads,
             window: spec.windows.get(layer).copied().unwrap_or(0),
             scale: self.scale,
+            feed: Feed::Chunk,
         };
         let output = attend_cached(row, &geometry, past, (q, k, v))?;
         let output = output.flatten_all()?.to_vec1::<f32>()?;
