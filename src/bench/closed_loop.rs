@@ -9,6 +9,7 @@ use crate::capture::{build_prompt, load_model, CaptureError};
 use crate::live::{Batching, LiveError, LiveSession};
 use crate::model::{CausalLm, Evicted, KvCache, Row};
 use crate::replay::{presets, PolicyError, ValidPolicy};
+use candle_core::{Device, Tensor};
 use std::path::Path;
 use std::time::Instant;
 
@@ -48,13 +49,45 @@ pub struct ClosedLoopSpeed {
     pub runs: usize,
     /// Seconds for them one at a time, then batched.
     pub seconds: (f64, f64),
-    /// Milliseconds per decode step per row, one at a time then batched: the `prefill`-timing
-    /// presets alone (no prefill of their own), over their teacher-forced and free-running steps.
-    pub decode_ms: (f64, f64),
+    /// Milliseconds per decode step per row, one at a time, batched one pass per token, and
+    /// batched with the teacher-forced tokens in one pass: the `prefill`-timing presets alone (no
+    /// prefill of their own), over their teacher-forced and free-running steps.
+    pub decode_ms: (f64, f64, f64),
     /// Decode steps (teacher-forced plus free-running) per run of that measurement.
     pub steps: usize,
     /// Rows of the single-step measurement, and its milliseconds for one row and for them all.
     pub step: (usize, f64, f64),
+    /// The batched run's essential work, where the model's family knows its weights.
+    pub essential: Option<EssentialWork>,
+}
+
+/// The work a batched run of the presets cannot avoid: one prefill per distinct prompt-time
+/// cache (the full run's, and one per policy that runs the prompt on its own) and every row's
+/// decode steps (the weight products and the attention over its context, within each layer's
+/// window), timed at the model-shaped matrix-product peak measured in the same run.
+#[derive(Debug, Clone, Copy)]
+pub struct EssentialWork {
+    /// Prefills.
+    pub prefills: usize,
+    /// Multiply-adds of the prefills and of the decode steps.
+    pub multiply_adds: (f64, f64),
+    /// Multiply-adds of the single decode step of many rows.
+    pub step: f64,
+    /// The peak, GFLOP/s (two per multiply-add), on every thread.
+    pub peak: f64,
+}
+
+impl EssentialWork {
+    /// Seconds of the prefills and of the decode steps at the peak.
+    pub fn seconds(&self) -> (f64, f64) {
+        let at_peak = |macs: f64| 2.0 * macs / (self.peak * 1e9);
+        (at_peak(self.multiply_adds.0), at_peak(self.multiply_adds.1))
+    }
+
+    /// Milliseconds of the single decode step of many rows at the peak.
+    pub fn step_ms(&self) -> f64 {
+        2e3 * self.step / (self.peak * 1e9)
+    }
 }
 
 fn model_error(error: impl Into<LiveError>) -> BenchError {
@@ -72,24 +105,100 @@ pub fn closed_loop_speed(recipe: &Path) -> Result<ClosedLoopSpeed, BenchError> {
         .iter()
         .map(|name| presets::preset(name, BUDGET)?.check())
         .collect::<Result<Vec<ValidPolicy>, PolicyError>>()?;
-    let (unbatched, batched) = side_by_side(&session, &policies)?;
+    let (unbatched, batched) = side_by_side(&session, &policies, Batching::BATCHED)?;
     let one_shot = policies
         .iter()
         .filter(|p| p.params().timing == crate::replay::Timing::Prefill)
         .map(|p| p.params().clone().check())
         .collect::<Result<Vec<ValidPolicy>, PolicyError>>()?;
-    let (decode_one, decode_all) = side_by_side(&session, &one_shot)?;
+    let stepped = Batching {
+        forced_in_one_pass: false,
+        ..Batching::BATCHED
+    };
+    let (decode_one, decode_stepped) = side_by_side(&session, &one_shot, stepped)?;
+    let (_, decode_all) = side_by_side(&session, &one_shot, Batching::BATCHED)?;
     let steps = 2 * prompt.generate;
+    let step = single_step(model.as_ref(), &prompt.ids)?;
     let per_row_step = |seconds: f64| 1e3 * seconds / (one_shot.len() * steps) as f64;
     Ok(ClosedLoopSpeed {
         model: model.spec().name.clone(),
         prompt_tokens: prompt.ids.len(),
         runs: policies.len(),
         seconds: (unbatched, batched),
-        decode_ms: (per_row_step(decode_one), per_row_step(decode_all)),
+        decode_ms: (
+            per_row_step(decode_one),
+            per_row_step(decode_stepped),
+            per_row_step(decode_all),
+        ),
         steps,
-        step: single_step(model.as_ref(), &prompt.ids)?,
+        step,
+        essential: essential_work(
+            &session,
+            model.as_ref(),
+            &policies,
+            (prompt.ids.len(), steps, step.0),
+        ),
     })
+}
+
+/// The essential work of `policies` batched on `session`'s prompt of `prompt` tokens, each row
+/// decoding `steps` tokens (teacher-forced and free-running), and of one decode step of
+/// `step_rows` rows; `None` where the family does not count its weights.
+fn essential_work(
+    session: &LiveSession<'_>,
+    model: &dyn CausalLm,
+    policies: &[ValidPolicy],
+    (prompt, steps, step_rows): (usize, usize, usize),
+) -> Option<EssentialWork> {
+    let weights = model.weight_products_per_token()? as f64;
+    let spec = model.spec();
+    // One query at `position`: q·k and weights·v over what each layer's window shows it.
+    let attention = |position: usize| -> f64 {
+        let seen = |window: usize| match window {
+            0 => position + 1,
+            window => window.min(position + 1),
+        };
+        let per_head = spec.windows.iter().map(|&w| seen(w)).sum::<usize>();
+        (2 * spec.n_heads * spec.head_dim * per_head) as f64
+    };
+    let prefills = 1 + policies
+        .iter()
+        .filter(|p| session.prefills_on_its_own(p))
+        .count();
+    let prefill = (0..prompt).map(|t| weights + attention(t)).sum::<f64>();
+    let row = (prompt..prompt + steps)
+        .map(|t| weights + attention(t))
+        .sum::<f64>();
+    Some(EssentialWork {
+        prefills,
+        multiply_adds: (prefills as f64 * prefill, policies.len() as f64 * row),
+        step: step_rows as f64 * (weights + attention(prompt)),
+        peak: product_peak(),
+    })
+}
+
+/// Best GFLOP/s of a model-shaped product (a 512-token chunk through a 1,024 → 2,048
+/// projection), as the model runs its products: candle on every thread.
+fn product_peak() -> f64 {
+    let (m, k, n) = (512, 1024, 2048);
+    let operand = |rows: usize, columns: usize| {
+        let values = (0..rows * columns)
+            .map(|i| (i % 13) as f32 * 0.01)
+            .collect();
+        Tensor::from_vec(values, (rows, columns), &Device::Cpu)
+    };
+    let (Ok(a), Ok(b)) = (operand(m, k), operand(k, n)) else {
+        return f64::NAN;
+    };
+    let mut best = 0.0f64;
+    for _ in 0..5 {
+        let started = Instant::now();
+        if a.matmul(&b).is_err() {
+            return f64::NAN;
+        }
+        best = best.max(2.0 * (m * k * n) as f64 / started.elapsed().as_secs_f64() / 1e9);
+    }
+    best
 }
 
 fn capture_error(error: CaptureError) -> BenchError {
@@ -102,11 +211,12 @@ fn load_model_of(recipe: &Path) -> Result<Box<dyn CausalLm + Send>, BenchError> 
     load_model(parsed.model()).map_err(capture_error)
 }
 
-/// Seconds for `policies` decoded one at a time, then batched; fails unless both give the same
-/// reports.
+/// Seconds for `policies` decoded one at a time, then as `batched` says; fails unless both give
+/// the same reports.
 fn side_by_side(
     session: &LiveSession<'_>,
     policies: &[ValidPolicy],
+    batched: Batching,
 ) -> Result<(f64, f64), BenchError> {
     let started = Instant::now();
     let alone = session
@@ -115,7 +225,7 @@ fn side_by_side(
     let unbatched = started.elapsed().as_secs_f64();
     let started = Instant::now();
     let together = session
-        .run_batched(policies, Batching::BATCHED)
+        .run_batched(policies, batched)
         .map_err(model_error)?;
     let batched = started.elapsed().as_secs_f64();
     if alone != together {

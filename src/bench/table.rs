@@ -356,18 +356,39 @@ fn closed_loop_rows(recipes: &[PathBuf], progress: &dyn Fn(&str)) -> Result<Tabl
                 alone / together
             ),
         ]);
-        let (one, all) = speed.decode_ms;
+        if let Some(work) = speed.essential {
+            let (prefills, decode) = work.seconds();
+            table.push([
+                format!(
+                    "{what}: the batched runs | their essential work ({} prefills, {} rows × {} steps, at the {:.1} GFLOP/s product peak)",
+                    work.prefills, speed.runs, speed.steps, work.peak
+                ),
+                format!(
+                    "{together:.1} s | {:.1} s ({prefills:.1} s prefills, {decode:.1} s decode) = {:.1}× the essential work",
+                    prefills + decode,
+                    together / (prefills + decode)
+                ),
+            ]);
+        }
+        let (one, stepped, all) = speed.decode_ms;
         table.push([
             format!(
-                "{what}: decode, ms per token per row (its prefill-timing runs, {} steps each), one at a time | batched",
+                "{what}: decode, ms per token per row (its prefill-timing runs, {} steps each), one at a time | batched, a pass per token | batched, teacher-forced in one pass",
                 speed.steps
             ),
-            format!("{one:.1} | {all:.1}, {:.2}× faster", one / all),
+            format!(
+                "{one:.1} | {stepped:.1} | {all:.1}, {:.2}× faster",
+                one / all
+            ),
         ]);
         let (rows, one, all) = speed.step;
+        let essential = speed.essential.map_or(String::new(), |work| {
+            let ms = work.step_ms();
+            format!("; its essential work {ms:.1} = {:.1}× one row", ms / one)
+        });
         table.push([
             format!("{what}: one decode step, 1 row | {rows} rows (ms)"),
-            format!("{one:.1} | {all:.1} = {:.1}× one row", all / one),
+            format!("{one:.1} | {all:.1} = {:.1}× one row{essential}", all / one),
         ]);
     }
     Ok(table)

@@ -106,30 +106,36 @@ pub(super) fn decode<'s>(
         .iter()
         .map(|row| teacher(reference, row))
         .collect::<Result<Vec<_>, _>>()?;
-    let teachers = teacher_forced(reference, teachers)?;
+    // What the teacher-forced rows measured; their caches go before the free-running copies come.
+    let measured: Vec<(Vec<LiveStep>, Vec<f64>)> = teacher_forced(reference, teachers)?
+        .into_iter()
+        .map(|teacher| (teacher.steps, teacher.mask.inner().per_layer()))
+        .collect();
     let mut policies = Vec::with_capacity(rows.len());
     let mut free = Vec::with_capacity(rows.len());
     for row in rows {
         policies.push((row.policy, row.open_loop));
         free.push(Free {
             next: argmax(&row.prompt_logits),
+            cache: row.cache.with_room(reference.generate)?,
             mask: row.mask,
-            cache: row.cache.into_owned(),
             generated: Vec::new(),
         });
     }
     let free = free_running(reference, free)?;
     Ok(policies
         .into_iter()
-        .zip(teachers)
+        .zip(measured)
         .zip(free)
-        .map(|(((policy, open_loop), teacher), free)| Decoded {
-            policy,
-            live_layers: teacher.mask.inner().per_layer(),
-            steps: teacher.steps,
-            generated: free.generated,
-            open_loop,
-        })
+        .map(
+            |(((policy, open_loop), (steps, live_layers)), free)| Decoded {
+                policy,
+                live_layers,
+                steps,
+                generated: free.generated,
+                open_loop,
+            },
+        )
         .collect())
 }
 
@@ -158,7 +164,7 @@ fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'
     Ok(Teacher {
         fixed: reference.forced_in_one_pass && matches!(row.mask.inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
-        cache: row.cache.as_ref().clone(),
+        cache: row.cache.with_room(reference.tokens.len())?,
         steps,
     })
 }
@@ -265,9 +271,15 @@ fn free_running<'s>(
 }
 
 /// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
-/// cache twice (the start and the running copy), its streams' vectors twice when it streams, and
-/// the live keys that measure its mass.
-pub(super) fn row_bytes(meta: &TraceMeta, policy: &ValidPolicy, capacity: usize) -> usize {
+/// running cache (and the start it copies, when it prefilled on its own), its streams' vectors
+/// twice when it streams (the policy's and the copy that measures its live mass), and the live
+/// keys that measure its mass. The teacher-forced cache is freed before the free-running copy is
+/// made.
+pub(super) fn row_bytes(
+    meta: &TraceMeta,
+    policy: &ValidPolicy,
+    (capacity, own_prefill): (usize, bool),
+) -> usize {
     const F32: usize = 4;
     let compressed = crate::replay::compressed_layers(meta, policy).len();
     let (heads, kv, d) = (meta.n_heads, meta.n_kv_heads, meta.head_dim);
@@ -277,5 +289,5 @@ pub(super) fn row_bytes(meta: &TraceMeta, policy: &ValidPolicy, capacity: usize)
         _ => compressed * (heads + 2 * kv) * d * capacity * F32,
     };
     let keys = compressed * kv * d * capacity * F32;
-    2 * cache + 2 * streams + keys
+    (1 + usize::from(own_prefill)) * cache + 2 * streams + keys
 }

@@ -362,21 +362,13 @@ impl<'m> LiveSession<'m> {
     /// `batching` says.
     fn decode_runs(
         &self,
-        mut runs: Vec<OpenLoopRun<'_>>,
+        runs: Vec<OpenLoopRun<'_>>,
         batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
         let policies: Vec<&ValidPolicy> = runs.iter().map(|(_, policy)| *policy).collect();
-        let most = batching
-            .rows
-            .unwrap_or_else(|| self.rows_in_memory(&policies))
-            .max(1);
-        let mut groups = Vec::new();
-        while !runs.is_empty() {
-            let rest = runs.split_off(most.min(runs.len()));
-            groups.push(std::mem::replace(&mut runs, rest));
-        }
-        let reports: Vec<Vec<LiveReport>> = match most {
-            1 => groups
+        let groups = self.batches(runs, batching.rows);
+        let reports: Vec<Vec<LiveReport>> = match batching.rows {
+            Some(1) => groups
                 .into_par_iter()
                 .map(|group| self.run_group(group, batching))
                 .collect::<Result<_, _>>()?,
@@ -397,15 +389,28 @@ impl<'m> LiveSession<'m> {
         self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1
     }
 
-    /// How many of `policies` decode together in half the available memory.
-    fn rows_in_memory(&self, policies: &[&ValidPolicy]) -> usize {
+    /// `runs` in batches, in order: at most `rows` each when given, else as many as fit in half
+    /// the available memory (by [`batch::row_bytes`]).
+    fn batches<'r>(
+        &self,
+        mut runs: Vec<OpenLoopRun<'r>>,
+        rows: Option<usize>,
+    ) -> Vec<Vec<OpenLoopRun<'r>>> {
         let capacity = self.capacity();
-        let largest = policies
+        let bytes: Vec<usize> = runs
             .iter()
-            .map(|policy| batch::row_bytes(self.trace.meta(), policy, capacity))
-            .max()
-            .unwrap_or(1);
-        (crate::sys::available_memory() / 2 / largest.max(1)).max(1)
+            .map(|&(_, policy)| {
+                let own = self.prefills_on_its_own(policy);
+                batch::row_bytes(self.trace.meta(), policy, (capacity, own))
+            })
+            .collect();
+        let room = crate::sys::available_memory() / 2;
+        let mut batches = Vec::new();
+        for size in batch_sizes(&bytes, room, rows).into_iter().rev() {
+            batches.push(runs.split_off(runs.len() - size));
+        }
+        batches.reverse();
+        batches
     }
 
     /// One batch: each policy started at the prompt's end (its own masked prefill when it evicts
@@ -501,6 +506,12 @@ impl<'m> LiveSession<'m> {
                 .map_or(Cow::Borrowed(&self.full.prefill_logits), Cow::Owned),
             open_loop,
         })
+    }
+
+    /// Whether `policy`, batched, runs the prompt on its own instead of starting from the full
+    /// run's prefill: it evicts while the prompt runs, or streams over a sliding-window layer.
+    pub fn prefills_on_its_own(&self, policy: &ValidPolicy) -> bool {
+        policy.params().timing != Timing::Prefill && !self.prefill_is_shareable(policy)
     }
 
     /// Where `policy` cuts the prompt: its end, or under the question-agnostic protocol where
@@ -687,6 +698,26 @@ impl<'m> LiveQuestions<'m> {
     }
 }
 
+/// The sizes of consecutive batches of rows of `bytes`: at most `rows` each when given, else as
+/// many as fit in `room` together (one at least).
+fn batch_sizes(bytes: &[usize], room: usize, rows: Option<usize>) -> Vec<usize> {
+    let mut sizes: Vec<usize> = Vec::new();
+    let mut used = 0;
+    for &row in bytes {
+        let full = sizes.last().is_none_or(|&size| match rows {
+            Some(most) => size >= most.max(1),
+            None => used + row > room,
+        });
+        if full {
+            sizes.push(0);
+            used = 0;
+        }
+        used += row;
+        *sizes.last_mut().expect("a batch") += 1;
+    }
+    sizes
+}
+
 /// How a session runs its policies live.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub struct Batching {
@@ -819,5 +850,17 @@ mod tests {
         assert!(!step.top1);
         let same = compare_step(&[1.0, 2.0, 0.5], &[1.0, 2.0, 0.5], 2);
         assert_eq!((same.kl, same.top1, same.logprob_lost), (0.0, true, 0.0));
+    }
+
+    #[test]
+    fn batches_fill_the_room_in_order_and_a_row_too_large_goes_alone() {
+        let bytes = [4, 3, 2, 6, 11, 1, 1];
+        // Room 9: 4+3+2 | 6 | 11 (alone, over the room) | 1+1.
+        assert_eq!(batch_sizes(&bytes, 9, None), [3, 1, 1, 2]);
+        assert_eq!(batch_sizes(&bytes, 100, None), [7]);
+        // A row count ignores the bytes.
+        assert_eq!(batch_sizes(&bytes, 1, Some(3)), [3, 3, 1]);
+        assert_eq!(batch_sizes(&bytes, 1, Some(1)), [1; 7]);
+        assert!(batch_sizes(&[], 9, None).is_empty());
     }
 }

@@ -34,12 +34,7 @@ pub(crate) fn attend_cached(
     past: usize,
     (q, k, v): (Tensor, Tensor, Tensor),
 ) -> Result<Tensor, ModelError> {
-    let LayerAttention {
-        layer,
-        n_heads,
-        window,
-        ..
-    } = *geometry;
+    let LayerAttention { layer, window, .. } = *geometry;
     if window > 0 && past != row.cache.next_position {
         return Err(ModelError::Mask(
             "a sliding-window layer masks by position: its cache must hold every position".into(),
@@ -52,23 +47,12 @@ pub(crate) fn attend_cached(
     }
     let (keys_t, values) = row.cache.append(layer, k, v)?;
     let attention = match geometry.feed {
-        Feed::Steps if n > 1 => {
-            let each = (0..n)
-                .map(|query| {
-                    let seen = past + query + 1;
-                    let mask = policy_mask
-                        .as_deref()
-                        .map(|mask| query_lines(mask, (n_heads, n, past + n), query));
-                    attend_visible(
-                        &q.narrow(1, query, 1)?,
-                        (&keys_t.narrow(2, 0, seen)?, &values.narrow(1, 0, seen)?),
-                        (mask, past + query),
-                        geometry,
-                    )
-                })
-                .collect::<Result<Vec<_>, ModelError>>()?;
-            Tensor::cat(&each, 1)?
-        }
+        Feed::Steps if n > 1 => attend_each_query(
+            &q,
+            (&keys_t, &values),
+            (policy_mask.as_deref(), past),
+            geometry,
+        )?,
         _ => attend_visible(&q, (&keys_t, &values), (policy_mask, past), geometry)?,
     };
     if let Some(recorder) = row.recorder.as_deref_mut() {
@@ -108,6 +92,31 @@ fn attend_visible(
     let keys_t = keys_t.narrow(2, first, total - first)?;
     let values = values.narrow(1, first, total - first)?;
     attend(q, &keys_t, &values, &layer_mask, geometry.scale)
+}
+
+/// [`attend_visible`] of each query of `q` `[n_heads, n, d]` alone, over the positions up to its
+/// own, as its one-token step attends: the same sums, bit for bit.
+fn attend_each_query(
+    q: &Tensor,
+    (keys_t, values): (&Tensor, &Tensor),
+    (policy_mask, past): (Option<&[f32]>, usize),
+    geometry: &LayerAttention,
+) -> Result<Tensor, ModelError> {
+    let n = q.dims()[1];
+    let each = (0..n)
+        .map(|query| {
+            let seen = past + query + 1;
+            let mask =
+                policy_mask.map(|mask| query_lines(mask, (geometry.n_heads, n, past + n), query));
+            attend_visible(
+                &q.narrow(1, query, 1)?,
+                (&keys_t.narrow(2, 0, seen)?, &values.narrow(1, 0, seen)?),
+                (mask, past + query),
+                geometry,
+            )
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    Ok(Tensor::cat(&each, 1)?)
 }
 
 /// Query `query`'s lines of a chunk's mask `[heads, n, total]`, up to its own position:

@@ -80,6 +80,13 @@ pub trait CausalLm: Sync {
     /// the same bit for bit whatever it is batched with.
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
+    /// The multiply-adds of the weight products one token costs (every block's projections and
+    /// the output layer), where the family knows them: the model's part of a closed loop's
+    /// essential work.
+    fn weight_products_per_token(&self) -> Option<usize> {
+        None
+    }
+
     /// Runs every row's tokens as if each token were fed alone, after the one before it (a
     /// teacher-forced decode, whose tokens are known): each row's cache, and the logits after
     /// each of its tokens, passed to `on_logits(row, step, logits)`, are those of that many
@@ -298,6 +305,34 @@ impl KvCache {
         ))
     }
 
+    /// A copy with room for `extra` more positions in every layer, so that as many appends grow
+    /// no buffer (a clone has no room: its first append doubles it).
+    pub fn with_room(&self, extra: usize) -> Result<KvCache, ModelError> {
+        let layers = self
+            .layers
+            .iter()
+            .map(|layer| {
+                let copy = |buffer: &Tensor, axis: usize| -> Result<Tensor, ModelError> {
+                    let used = buffer.narrow(axis, 0, layer.len)?;
+                    let mut dims = used.dims().to_vec();
+                    dims[axis] += extra;
+                    let room = Tensor::zeros(dims, used.dtype(), used.device())?;
+                    room.slice_set(&used.contiguous()?, axis, 0)?;
+                    Ok(room)
+                };
+                Ok(LayerCache {
+                    keys_t: copy(&layer.keys_t, KEY_POSITIONS)?,
+                    values: copy(&layer.values, VALUE_POSITIONS)?,
+                    len: layer.len,
+                })
+            })
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        Ok(KvCache {
+            layers,
+            next_position: self.next_position,
+        })
+    }
+
     /// The cache of the first `len` positions alone, as if only they had run (`len` at most
     /// [`len`](Self::len)).
     pub fn truncated(&self, len: usize) -> KvCache {
@@ -430,6 +465,16 @@ mod tests {
         assert_eq!(newest(&clone), 0.5 + 172.0);
         assert_eq!(newest(&cache), 0.25 + 172.0);
         assert_eq!(rows(&clone)[..whole.len() / 2], whole[..whole.len() / 2]);
+        // A copy with room holds the same positions and takes appends without growing.
+        let roomy = cache.with_room(3).unwrap();
+        assert_eq!(rows(&roomy), rows(&cache));
+        assert_eq!(roomy.layers[0].keys_t.dims()[2], start + 1 + 3);
+        let mut grown = roomy;
+        for n in [1, 2] {
+            let (k, v) = chunk(start + 1, n, 0.0);
+            grown.append(0, k, v).unwrap();
+        }
+        assert_eq!(grown.layers[0].keys_t.dims()[2], start + 4);
         // Keeping positions 0 and 6 keeps their keys.
         let kept = cache.retain(&[0, 6]).unwrap();
         assert_eq!(kept.len(), 2);

@@ -163,6 +163,16 @@ impl CausalLm for Gemma3 {
         last_logits(&x, &spans, |states, spans| self.logits(states, spans))
     }
 
+    fn weight_products_per_token(&self) -> Option<usize> {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
+            .map(Tensor::elem_count)
+            .sum();
+        Some(blocks + self.embedding.elem_count())
+    }
+
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
@@ -171,6 +181,15 @@ impl CausalLm for Gemma3 {
         let (x, spans) = self.hidden(rows, Feed::Steps)?;
         every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
     }
+}
+
+/// What a row's attention needs through every layer of one pass: what its cache held before
+/// the pass and its two rotary tables.
+struct Sequence {
+    past: usize,
+    feed: Feed,
+    global: (Tensor, Tensor),
+    sliding: (Tensor, Tensor),
 }
 
 impl Gemma3 {
@@ -220,18 +239,8 @@ impl Gemma3 {
         let normed = rms_norm(states, &self.output_norm, self.rms_eps)?;
         rows_product(&normed, &self.embedding.t()?, spans)
     }
-}
 
-/// What a row's attention needs through every layer of one pass: what its cache held before
-/// the pass and its two rotary tables.
-struct Sequence {
-    past: usize,
-    feed: Feed,
-    global: (Tensor, Tensor),
-    sliding: (Tensor, Tensor),
-}
-
-impl Gemma3 {
+    /// What `row`'s attention needs through the pass, its tokens fed as `feed` says.
     fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past, start) = (row.ids.len(), row.cache.len(), row.cache.next_position);
         Ok(Sequence {

@@ -121,6 +121,16 @@ impl CausalLm for Llama {
         last_logits(&x, &spans, |states, spans| self.logits(states, spans))
     }
 
+    fn weight_products_per_token(&self) -> Option<usize> {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
+            .map(Tensor::elem_count)
+            .sum();
+        Some(blocks + self.output.elem_count())
+    }
+
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
@@ -129,6 +139,15 @@ impl CausalLm for Llama {
         let (x, spans) = self.hidden(rows, Feed::Steps)?;
         every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
     }
+}
+
+/// What a row's attention needs through every layer of one pass: what its cache held before the
+/// pass and its rotary tables.
+struct Sequence {
+    past: usize,
+    feed: Feed,
+    cos: Tensor,
+    sin: Tensor,
 }
 
 impl Llama {
@@ -175,18 +194,8 @@ impl Llama {
         let normed = rms_norm(states, &self.output_norm, self.config.rms_eps)?;
         rows_product(&normed, &self.output, spans)
     }
-}
 
-/// What a row's attention needs through every layer of one pass: what its cache held before the
-/// pass and its rotary tables.
-struct Sequence {
-    past: usize,
-    feed: Feed,
-    cos: Tensor,
-    sin: Tensor,
-}
-
-impl Llama {
+    /// What `row`'s attention needs through the pass, its tokens fed as `feed` says.
     fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past) = (row.ids.len(), row.cache.len());
         let (cos, sin) = rotary_tables(&self.inv_freq, row.cache.next_position, n)?;
