@@ -7,7 +7,7 @@
 use super::BenchError;
 use crate::capture::{build_prompt, load_model, CaptureError};
 use crate::live::{Batching, LiveError, LiveSession};
-use crate::model::{CausalLm, Evicted, KvCache, Row};
+use crate::model::{CausalLm, Evicted, KvCache, ModelSpec, Row, WeightProducts};
 use crate::replay::{presets, PolicyError, ValidPolicy};
 use candle_core::{Device, Tensor};
 use std::path::Path;
@@ -150,9 +150,30 @@ fn essential_work(
     policies: &[ValidPolicy],
     (prompt, steps, step_rows): (usize, usize, usize),
 ) -> Option<EssentialWork> {
-    let weights = model.weight_products_per_token()? as f64;
-    let spec = model.spec();
-    // One query at `position`: q·k and weights·v over what each layer's window shows it.
+    let weights = model.weight_products_per_token()?;
+    let (prefill, row, step) = multiply_adds(weights, model.spec(), (prompt, steps));
+    let prefills = 1 + policies
+        .iter()
+        .filter(|p| session.prefills_on_its_own(p))
+        .count();
+    Some(EssentialWork {
+        prefills,
+        multiply_adds: (prefills as f64 * prefill, policies.len() as f64 * row),
+        step: step_rows as f64 * step,
+        peak: product_peak(),
+    })
+}
+
+/// Multiply-adds of one prefill of `prompt` tokens, of one row's `steps` decode steps after it,
+/// and of one decode step right after the prompt: the weight products (the logits of a
+/// prefill's last token only, of every decode step) and each query's q·k and weights·v over
+/// what each layer's window shows it.
+fn multiply_adds(
+    weights: WeightProducts,
+    spec: &ModelSpec,
+    (prompt, steps): (usize, usize),
+) -> (f64, f64, f64) {
+    let (blocks, output) = (weights.blocks as f64, weights.output as f64);
     let attention = |position: usize| -> f64 {
         let seen = |window: usize| match window {
             0 => position + 1,
@@ -161,20 +182,11 @@ fn essential_work(
         let per_head = spec.windows.iter().map(|&w| seen(w)).sum::<usize>();
         (2 * spec.n_heads * spec.head_dim * per_head) as f64
     };
-    let prefills = 1 + policies
-        .iter()
-        .filter(|p| session.prefills_on_its_own(p))
-        .count();
-    let prefill = (0..prompt).map(|t| weights + attention(t)).sum::<f64>();
+    let prefill = output + (0..prompt).map(|t| blocks + attention(t)).sum::<f64>();
     let row = (prompt..prompt + steps)
-        .map(|t| weights + attention(t))
+        .map(|t| blocks + output + attention(t))
         .sum::<f64>();
-    Some(EssentialWork {
-        prefills,
-        multiply_adds: (prefills as f64 * prefill, policies.len() as f64 * row),
-        step: step_rows as f64 * (weights + attention(prompt)),
-        peak: product_peak(),
-    })
+    (prefill, row, blocks + output + attention(prompt))
 }
 
 /// Best GFLOP/s of a model-shaped product (a 512-token chunk through a 1,024 → 2,048
@@ -238,7 +250,8 @@ fn side_by_side(
 
 /// One decode step after the prompt `ids`: milliseconds for one row, then for as many rows as fit
 /// in a third of the available memory (at most [`STEP_ROWS`]), each masked as a `prefill` cut is
-/// (one that evicts nothing); best of three.
+/// (one that evicts nothing), its cache with room for the step as a live row's has; best of
+/// three.
 fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), BenchError> {
     let mut prefilled = KvCache::default();
     for piece in ids.chunks(512) {
@@ -251,7 +264,9 @@ fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), B
     let timed = |rows: usize| -> Result<f64, BenchError> {
         let mut best = f64::INFINITY;
         for _ in 0..3 {
-            let mut caches: Vec<KvCache> = (0..rows).map(|_| prefilled.clone()).collect();
+            let mut caches = (0..rows)
+                .map(|_| prefilled.with_room(1))
+                .collect::<Result<Vec<KvCache>, _>>()?;
             let nothing: Evicted = vec![vec![Vec::new(); spec.n_heads]; spec.n_layers];
             let mut masks = vec![nothing; rows];
             let mut batch: Vec<Row<'_, '_>> = caches
@@ -266,4 +281,34 @@ fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), B
         Ok(1e3 * best)
     };
     Ok((rows, timed(1)?, timed(rows)?))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn essential_multiply_adds_by_hand() {
+        // One head of one dimension, a global layer and a layer of window 2; blocks 10, logits 3.
+        let spec = ModelSpec {
+            family: "llama",
+            name: "tiny".into(),
+            n_layers: 2,
+            n_heads: 1,
+            n_kv_heads: 1,
+            head_dim: 1,
+            scale: 1.0,
+            rope_theta: None,
+            rope_thetas: Vec::new(),
+            windows: vec![0, 2],
+        };
+        let weights = WeightProducts {
+            blocks: 10,
+            output: 3,
+        };
+        // A query at t sees t + 1 and min(2, t + 1) positions, each twice (q·k, weights·v):
+        // attention 4, 8, 10, 12, 14 at t = 0..=4. Prefill of 3: 3 + (10+4) + (10+8) + (10+10)
+        // = 55; two steps at t = 3, 4: (13+12) + (13+14) = 52; one step at t = 3: 25.
+        assert_eq!(multiply_adds(weights, &spec, (3, 2)), (55.0, 52.0, 25.0));
+    }
 }

@@ -34,6 +34,15 @@ pub struct ModelSpec {
     pub windows: Vec<usize>,
 }
 
+/// The multiply-adds of a model's weight products for one token.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct WeightProducts {
+    /// Every block's projections.
+    pub blocks: usize,
+    /// The output layer (the logits).
+    pub output: usize,
+}
+
 /// One sequence of a batched forward pass: its next tokens (positions `cache.len()..`), its
 /// cache, what records it, and the policy that masks its attention.
 pub struct Row<'a, 'm> {
@@ -80,10 +89,10 @@ pub trait CausalLm: Sync {
     /// the same bit for bit whatever it is batched with.
     fn forward_rows(&self, rows: &mut [Row<'_, '_>]) -> Result<Vec<Vec<f32>>, ModelError>;
 
-    /// The multiply-adds of the weight products one token costs (every block's projections and
-    /// the output layer), where the family knows them: the model's part of a closed loop's
-    /// essential work.
-    fn weight_products_per_token(&self) -> Option<usize> {
+    /// The multiply-adds of the weight products one token costs, where the family knows them:
+    /// every block's projections, and the output layer (which a prefill runs for its last token
+    /// only). The model's part of a closed loop's essential work.
+    fn weight_products_per_token(&self) -> Option<WeightProducts> {
         None
     }
 

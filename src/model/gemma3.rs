@@ -17,7 +17,7 @@
 use super::batch::{
     each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
-use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
+use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
 use super::gguf::GgufFile;
 use super::llama::transposed;
@@ -163,16 +163,6 @@ impl CausalLm for Gemma3 {
         last_logits(&x, &spans, |states, spans| self.logits(states, spans))
     }
 
-    fn weight_products_per_token(&self) -> Option<usize> {
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
-            .map(Tensor::elem_count)
-            .sum();
-        Some(blocks + self.embedding.elem_count())
-    }
-
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
@@ -180,6 +170,19 @@ impl CausalLm for Gemma3 {
     ) -> Result<(), ModelError> {
         let (x, spans) = self.hidden(rows, Feed::Steps)?;
         every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
+    }
+
+    fn weight_products_per_token(&self) -> Option<WeightProducts> {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
+            .map(Tensor::elem_count)
+            .sum();
+        Some(WeightProducts {
+            blocks,
+            output: self.embedding.elem_count(),
+        })
     }
 }
 

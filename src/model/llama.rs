@@ -5,7 +5,7 @@
 use super::batch::{
     each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
-use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
+use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
 use super::gguf::{unpermute_rows, GgufFile};
 use super::cached_attention::{attend_cached, LayerAttention};
@@ -121,16 +121,6 @@ impl CausalLm for Llama {
         last_logits(&x, &spans, |states, spans| self.logits(states, spans))
     }
 
-    fn weight_products_per_token(&self) -> Option<usize> {
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
-            .map(Tensor::elem_count)
-            .sum();
-        Some(blocks + self.output.elem_count())
-    }
-
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
@@ -138,6 +128,19 @@ impl CausalLm for Llama {
     ) -> Result<(), ModelError> {
         let (x, spans) = self.hidden(rows, Feed::Steps)?;
         every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
+    }
+
+    fn weight_products_per_token(&self) -> Option<WeightProducts> {
+        let blocks: usize = self
+            .blocks
+            .iter()
+            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
+            .map(Tensor::elem_count)
+            .sum();
+        Some(WeightProducts {
+            blocks,
+            output: self.output.elem_count(),
+        })
     }
 }
 

@@ -30,7 +30,7 @@ mod spm;
 mod tokenizer;
 
 pub(crate) use causal_lm::argmax;
-pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row};
+pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row, WeightProducts};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub use hf::HfModel;
