@@ -19,6 +19,14 @@ fn capital() -> BuiltPrompt {
     recipe.build(model().tokenizer(), &[], &base).unwrap()
 }
 
+/// The chat recipe and the model's cache after its prompt.
+fn prefilled_capital() -> (BuiltPrompt, KvCache) {
+    let prompt = capital();
+    let mut cache = KvCache::default();
+    model().forward(&prompt.ids, &mut cache, None).unwrap();
+    (prompt, cache)
+}
+
 fn snapkv(budget: usize) -> PolicyParams {
     PolicyParams {
         budget,
@@ -261,9 +269,7 @@ fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
     // `forward_steps` pass (more states than one output product takes) give every logit and the
     // cache of feeding each row's tokens one pass at a time, bit for bit.
     let model = model();
-    let prompt = capital();
-    let mut prefilled = KvCache::default();
-    model.forward(&prompt.ids, &mut prefilled, None).unwrap();
+    let (prompt, prefilled) = prefilled_capital();
     let n = prompt.ids.len();
     let config = model.config();
     let evicted: kvreplay::model::Evicted = (0..config.n_layers)
@@ -451,9 +457,7 @@ fn masking_evicted_keys_equals_removing_them() {
     // keep their rotation either way, and the new token gets position n in both). Only the order
     // of float sums differs: tolerance 1e-4 on logits of magnitude ~20.
     let model = model();
-    let prompt = capital();
-    let mut cache = KvCache::default();
-    model.forward(&prompt.ids, &mut cache, None).unwrap();
+    let (prompt, cache) = prefilled_capital();
     let n = prompt.ids.len();
     let evicted: Vec<usize> = (3..n - 6).filter(|p| p % 3 != 0).collect();
     let kept: Vec<usize> = (0..n).filter(|p| !evicted.contains(p)).collect();

@@ -81,6 +81,11 @@ fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
     Ok(logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
 }
 
+/// The multiply-adds one token costs through `weights`: their elements, together.
+pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Tensor>) -> usize {
+    weights.map(Tensor::elem_count).sum()
+}
+
 /// How a pass feeds each row's tokens.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]
 pub(crate) enum Feed {

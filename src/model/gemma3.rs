@@ -15,7 +15,7 @@
 //! same GGUF (docs/assets.md).
 
 use super::batch::{
-    each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    each_row_attends, elements, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
@@ -50,6 +50,13 @@ struct Block {
     up: Tensor,
     down: Tensor,
     post_ffw_norm: Tensor,
+}
+
+impl Block {
+    /// The weights of its linear layers.
+    fn projections(&self) -> [&Tensor; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
+    }
 }
 
 /// A loaded Gemma 3 model: f32 weights, the tokenizer and the two rotary tables.
@@ -173,14 +180,8 @@ impl CausalLm for Gemma3 {
     }
 
     fn weight_products_per_token(&self) -> Option<WeightProducts> {
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
-            .map(Tensor::elem_count)
-            .sum();
         Some(WeightProducts {
-            blocks,
+            blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.embedding.elem_count(),
         })
     }

@@ -3,7 +3,7 @@
 //! attention saw.
 
 use super::batch::{
-    each_row_attends, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    each_row_attends, elements, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
@@ -28,6 +28,13 @@ struct Block {
     gate: Tensor,
     up: Tensor,
     down: Tensor,
+}
+
+impl Block {
+    /// The weights of its linear layers.
+    fn projections(&self) -> [&Tensor; 7] {
+        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
+    }
 }
 
 /// A loaded model: f32 weights, the tokenizer and the rotary tables.
@@ -131,14 +138,8 @@ impl CausalLm for Llama {
     }
 
     fn weight_products_per_token(&self) -> Option<WeightProducts> {
-        let blocks: usize = self
-            .blocks
-            .iter()
-            .flat_map(|b| [&b.wq, &b.wk, &b.wv, &b.wo, &b.gate, &b.up, &b.down])
-            .map(Tensor::elem_count)
-            .sum();
         Some(WeightProducts {
-            blocks,
+            blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.output.elem_count(),
         })
     }
