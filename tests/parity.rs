@@ -738,3 +738,71 @@ fn kivi_holds_what_its_cache_holds() {
         );
     }
 }
+
+/// kvpress's ThinKPress composed after its Knorm press (`ComposedPress([KnormPress,
+/// ThinKPress])`'s order), its own `compress` run on the kept keys: the `think` channels of each
+/// KV head's cache prune exactly the channels it zeroes, at two ratios, two query windows and
+/// three budgets (the whole prompt among them).
+#[test]
+fn think_prunes_the_channels_kvpress_think_zeroes() {
+    use kvreplay::replay::channels::PrunedKeys;
+    use kvreplay::replay::{context, Storage};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("think.safetensors");
+    write_trace_values(&path, 17, PROMPT, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let budgets = [16, 32, PROMPT];
+    let mut pruned_sets = 0;
+    for (ratio, window) in [("0.5", 8), ("0.25", 32)] {
+        let policy = |budget| {
+            PolicyParams {
+                scorer: "knorm".into(),
+                budget,
+                window: 0,
+                sinks: 0,
+                channels: "think".into(),
+                ..PolicyParams::default()
+            }
+            .with("key_channel_ratio", ratio.parse::<f64>().unwrap())
+            .with("query_window", window)
+        };
+        let settings = ["think", ratio, &window.to_string()].map(str::to_owned);
+        let mut args = vec![path.display().to_string()];
+        args.extend(settings.iter().cloned());
+        args.extend(budgets.iter().map(usize::to_string));
+        let official = reference("kvpress_package.py", &args);
+        let settings: Vec<&str> = settings.iter().map(String::as_str).collect();
+        check_kvpress(&path, "kvpress_package.py", &settings, policy, &budgets);
+        for budget in budgets {
+            let checked = policy(budget).check().unwrap();
+            let Storage::PrunedKeys(pruning) = checked.storage() else {
+                panic!("think prunes")
+            };
+            let layer_budgets = layer_budgets(&trace, &checked).unwrap();
+            for layer in 0..LAYERS {
+                let tensors = trace.layer(layer).unwrap();
+                let ctx = context(&trace, layer, &tensors);
+                let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
+                for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+                    let UnitKept::Fixed(prompt) = unit_kept else {
+                        panic!("one-shot")
+                    };
+                    let mut cache = PrunedKeys::new(pruning, &ctx, unit);
+                    cache.step(prompt);
+                    let theirs = positions(
+                        &official[budget.to_string()]["layers"][layer]["pruned"][unit.index],
+                    );
+                    assert_eq!(
+                        cache.pruned_channels(),
+                        theirs,
+                        "ratio {ratio}, window {window}, budget {budget}, layer {layer}, cache {}",
+                        unit.index
+                    );
+                    assert_eq!(theirs.len(), pruning.pruned(HEAD_DIM));
+                    pruned_sets += 1;
+                }
+            }
+        }
+    }
+    assert_eq!(pruned_sets, 2 * 3 * LAYERS * KV_HEADS);
+}

@@ -155,9 +155,14 @@ def policy(press):
       length, since kvreplay's budget caps each cache and DMS has none;
     - ``PerLayerCompressionPress(press, compression_ratios)``: a per-layer budget of
       ``int(prompt_len * (1 - ratio))``, kvpress's own count, as a Python allocator (the trace's
-      compressed layers must be the press's layers, one ratio each).
+      compressed layers must be the press's layers, one ratio each);
+    - ``ThinKPress(key_channel_compression_ratio, window_size)``: the ``think`` key channels with
+      ``key_channel_ratio`` and ``query_window``; alone it evicts nothing, so pass a budget at or
+      above the prompt's length;
+    - ``ComposedPress([press, ThinKPress(...)])``: the press's policy with the ``think`` channels
+      (ThinK last, so it scores the kept keys, as kvpress composes them).
 
-    Other wrapping presses (``ChunkKVPress``, ``ChunkPress``, ``ComposedPress``, the decoding
+    Other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other compositions, the decoding
     presses) have no counterpart and raise :class:`KvreplayError`.
     """
     kind = type(press).__name__
@@ -168,6 +173,14 @@ def policy(press):
             raise KvreplayError("kvpress:DMSPress replays with a threshold and decoding=False (kvreplay's `threshold` head split); it evicts only at the prompt's end")
         window = {"window": int(press.sliding_window_size), "sinks": 0}
         return {**policy(press.press), "heads": "threshold", "threshold": float(press.threshold), **window}
+    if kind == "ThinKPress":
+        ratio, window = float(press.key_channel_compression_ratio), int(press.window_size)
+        return {"channels": "think", "key_channel_ratio": ratio, "query_window": window}
+    if kind == "ComposedPress":
+        inner = list(press.presses)
+        if len(inner) == 2 and type(inner[1]).__name__ == "ThinKPress" and type(inner[0]).__name__ != "ThinKPress":
+            return {**policy(inner[0]), **policy(inner[1])}
+        raise KvreplayError("kvpress:ComposedPress replays as [a press, ThinKPress]: ThinK last, scoring the kept keys")
     if kind == "PerLayerCompressionPress":
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
     if hasattr(press, "score") and not hasattr(press, "press"):

@@ -22,6 +22,8 @@ from kvreplay.kvpress import PressScorer
 HOME = pathlib.Path(os.environ.get("KVREPLAY_HOME", pathlib.Path.home() / ".cache" / "kvreplay"))
 KVPRESS = pathlib.Path(os.environ.get("KVPRESS_PATH", HOME / "kvpress-0.5.5"))
 
+METRICS = ["retained_mass", "topk_recall", "output_error", "value_weighted_mass"]
+
 # Presses with a Rust scorer: its name, the policy's settings, and the Rust scorer's own settings
 # that equal the press's defaults.
 EQUIVALENT = {
@@ -139,6 +141,17 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     assert 32 < ours["mask"].sum(axis=-1).mean() < trace.prompt_len  # it evicts, and keeps more than its window
     with pytest.raises(kvreplay.KvreplayError, match="decoding=False"):
         policy(dms(PRESSES["KnormPress"](), threshold=-15.0, decoding=True))
+
+    think = importlib.import_module("kvpress.presses.think_press").ThinKPress
+    composed = importlib.import_module("kvpress.presses.composed_press").ComposedPress
+    pruned = policy(composed([PRESSES["KnormPress"](), think(key_channel_compression_ratio=0.25, window_size=16)]))
+    ours = kvreplay.replay(trace, budget=96, **pruned).runs.row(0, named=True)
+    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", channels="think", key_channel_ratio=0.25, query_window=16).runs.row(0, named=True)
+    plain = kvreplay.replay(trace, budget=96, scorer="knorm").runs.row(0, named=True)
+    assert [ours[m] for m in METRICS] == [theirs[m] for m in METRICS] and ours["kv_bytes"] == theirs["kv_bytes"]
+    assert ours["kv_bytes"] < plain["kv_bytes"] and ours["retained_mass"] < plain["retained_mass"]
+    with pytest.raises(kvreplay.KvreplayError, match="ThinK last"):
+        policy(composed([think(key_channel_compression_ratio=0.25), PRESSES["KnormPress"]()]))
 
     chunked = importlib.import_module("kvpress.presses.chunk_press").ChunkPress
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):

@@ -224,11 +224,15 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
             timing.name()
         )));
     }
-    if policy.scheme().is_some() {
+    if !policy.storage().is_captured() {
+        let params = policy.params();
+        let (axis, name) = match policy.scheme() {
+            Some(_) => ("quantizer", &params.quantizer),
+            None => ("channels", &params.channels),
+        };
         return Err(LiveError::Unsupported(format!(
-            "quantizer `{}` is replayed only (`kvreplay replay` or an open-loop sweep): live mode \
-             runs the model on the cache as captured",
-            policy.params().quantizer
+            "{axis} `{name}` is replayed only (`kvreplay replay` or an open-loop sweep): live mode \
+             runs the model on the cache as captured"
         )));
     }
     if timing != Timing::Prefill && policy.scorer.reads_future() {

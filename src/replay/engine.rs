@@ -34,11 +34,11 @@ use super::metrics::{
     MeasureSettings, SpanReport, UnitMeasure,
 };
 use super::plan::Plan;
-use super::quantizer::bytes_at_cut;
 use super::select::ranking;
 use super::Layers;
 use super::{
-    context, Kept, LayerContext, LayerProfile, PolicyError, Protocol, Unit, UnitKept, ValidPolicy,
+    context, Kept, LayerContext, LayerProfile, PolicyError, Protocol, Storage, Unit, UnitKept,
+    ValidPolicy,
 };
 use crate::trace::{Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
@@ -443,7 +443,7 @@ impl LayerPass<'_, '_> {
             spans: self.spans,
             top_k: params.top_k,
             dating: Dating::of(params.timing),
-            scheme: self.policies[index].scheme(),
+            storage: self.policies[index].storage(),
             reselects: params.timing.reselects(),
             width: self.width,
         };
@@ -680,8 +680,8 @@ fn for_each_layer<T: Send>(
 }
 
 /// The policy's nominal budget on `trace`: its `budget`, or, given `bytes`, the most tokens whose
-/// cache, as its quantizer stores it, holds at most that fraction of the full prompt cache's bytes
-/// at the prompt's end ([`bytes_at_cut`]; not monotone: a KIVI cache sheds bytes each time a block
+/// cache, as its storage holds it, holds at most that fraction of the full prompt cache's bytes
+/// at the prompt's end ([`Storage::bytes_at_cut`]; not monotone: a KIVI cache sheds bytes each time a block
 /// of keys is quantized, so every size is tried).
 pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize, PolicyError> {
     let params = policy.params();
@@ -690,17 +690,17 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
     };
     let meta = trace.meta();
     let (prompt_len, d, width) = (meta.prompt_len, meta.head_dim, trace.element_bytes());
-    let scheme = policy.scheme();
-    let full = bytes_at_cut(None, prompt_len, d, width);
+    let storage = policy.storage();
+    let full = Storage::Captured.bytes_at_cut(prompt_len, d, width);
     let protected = params.protection().tokens().max(1);
     (protected..=prompt_len)
         .rev()
-        .find(|&n| bytes_at_cut(scheme.as_ref(), n, d, width) <= fraction * full)
+        .find(|&n| storage.bytes_at_cut(n, d, width) <= fraction * full)
         .ok_or_else(|| PolicyError::TraceMismatch {
             path: trace.path().display().to_string(),
             rule: format!(
                 "bytes {fraction}: a cache of {protected} tokens (the protected sinks and window, or one) already holds {} bytes, more than {fraction} of the full prompt cache's {full}",
-                bytes_at_cut(scheme.as_ref(), protected, d, width)
+                storage.bytes_at_cut(protected, d, width)
             ),
         })
 }
@@ -808,7 +808,7 @@ fn summarise(
         }
     }
     let entry_bytes = (2 * meta.head_dim * trace.element_bytes()) as f64;
-    if policy.scheme().is_none() {
+    if policy.storage().is_captured() {
         for layer in layers.iter_mut() {
             layer.kv_bytes = layer.held_entries * entry_bytes;
         }
@@ -829,9 +829,9 @@ fn summarise(
         .collect();
     let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries, 1.0);
     let held_entries = entries_with_windows(trace, &layers, |l| l.held_entries, 1.0);
-    let kv_bytes = match policy.scheme() {
-        None => held_entries * entry_bytes,
-        Some(_) => entries_with_windows(trace, &layers, |l| l.kv_bytes, entry_bytes),
+    let kv_bytes = match policy.storage().is_captured() {
+        true => held_entries * entry_bytes,
+        false => entries_with_windows(trace, &layers, |l| l.kv_bytes, entry_bytes),
     };
     let mean_shares = |shares: &dyn Fn(&LayerReport) -> &Vec<LostShare>| -> Vec<LostShare> {
         shares(&layers[0])

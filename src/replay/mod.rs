@@ -1,7 +1,7 @@
 //! The replay engine: a policy (an [`allocator`] deciding how many tokens each layer keeps, a
 //! [`head_split`] sharing a layer's budget among its caches, a [`scorer`] deciding which tokens,
-//! a [`Timing`] deciding when, and a [`quantizer`] deciding how the kept entries are stored) is
-//! run over a trace, and [`metrics`] measure what the kept sets
+//! a [`Timing`] deciding when, and a [`quantizer`] and a key-[`channels`] rule deciding how the kept
+//! entries are stored) is run over a trace, and [`metrics`] measure what the kept sets
 //! cost the full cache's attention. Each axis is a registry of methods that declare their own
 //! settings ([`settings`]).
 //!
@@ -12,6 +12,7 @@
 //! because every layer is computed independently and collected in order.
 
 pub mod allocator;
+pub mod channels;
 mod engine;
 mod error;
 pub mod flags;
@@ -31,6 +32,7 @@ pub mod reference;
 pub mod scorer;
 mod select;
 pub mod settings;
+mod storage;
 mod stream;
 mod timing;
 
@@ -54,5 +56,6 @@ pub use profile::{entropy_profile, LayerEntropy, LayerProfile};
 pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
+pub use storage::{HeldCache, Storage};
 pub(crate) use stream::{Attended, CacheStream};
 pub use timing::{Order, Protocol, Timing};

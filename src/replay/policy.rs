@@ -2,10 +2,12 @@
 //! ([`ValidPolicy`]): every rule is checked once, before any layer is read (linfa's ParamGuard).
 
 use super::allocator::{self, Allocator};
+use super::channels::{self, KeyChannels};
 use super::head_split::{self, HeadSplit};
 use super::quantizer::{self, Quantizer, Scheme};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
+use super::storage::Storage;
 use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
@@ -67,6 +69,11 @@ pub struct PolicyParams {
     /// existed still name the same runs.
     #[serde(skip_serializing_if = "is_unquantized")]
     pub quantizer: String,
+    /// Key-channel rule name (registry key): which channels of the kept keys are stored. Left
+    /// out of the serialised form when it is the default (`none`), so that run ids computed before
+    /// it existed still name the same runs.
+    #[serde(skip_serializing_if = "keeps_every_channel")]
+    pub channels: String,
     /// The chosen methods' own settings (each method's declared parameters), by key.
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
@@ -114,6 +121,11 @@ fn is_every_token(interval: &usize) -> bool {
 /// Whether `quantizer` names the default, the cache as captured.
 fn is_unquantized(quantizer: &str) -> bool {
     quantizer == "none"
+}
+
+/// Whether `channels` names the default, every key channel stored.
+fn keeps_every_channel(channels: &str) -> bool {
+    channels == "none"
 }
 
 /// A setting every policy has, beside its methods' own: its key (a field of [`PolicyParams`], a
@@ -258,6 +270,13 @@ pub const COMMON: &[Common] = &[
         fixed: false,
         whole: true,
     },
+    Common {
+        key: "channels",
+        about: "Which channels of the kept keys are stored (ThinK prunes them)",
+        values: || registered(channels::REGISTRY),
+        fixed: false,
+        whole: true,
+    },
 ];
 
 /// The keys of [`COMMON`].
@@ -283,6 +302,7 @@ impl Default for PolicyParams {
             protocol: Protocol::QuestionInPrompt,
             top_k: 10,
             quantizer: "none".into(),
+            channels: "none".into(),
             settings: BTreeMap::new(),
         }
     }
@@ -316,6 +336,7 @@ impl PolicyParams {
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
         values.insert("quantizer".into(), Value::from(self.quantizer.as_str()));
+        values.insert("channels".into(), Value::from(self.channels.as_str()));
         values
     }
 
@@ -340,6 +361,12 @@ impl PolicyParams {
                 "quantizer",
                 settings::find(quantizer::REGISTRY, &self.quantizer)
                     .filter(|_| !is_unquantized(&self.quantizer))
+                    .map(|m| m.version),
+            ),
+            version(
+                "channels",
+                settings::find(channels::REGISTRY, &self.channels)
+                    .filter(|_| !keeps_every_channel(&self.channels))
                     .map(|m| m.version),
             ),
         ]
@@ -463,6 +490,7 @@ pub struct ValidPolicy {
     pub(crate) scorer: Box<dyn Scorer>,
     pub(crate) heads: Box<dyn HeadSplit>,
     quantizer: Box<dyn Quantizer>,
+    channels: Box<dyn KeyChannels>,
 }
 
 impl std::fmt::Debug for ValidPolicy {
@@ -533,6 +561,7 @@ impl PolicyParams {
         };
         let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
         let quantizer = lookup("quantizer", quantizer::REGISTRY, &self.quantizer)?;
+        let key_channels = lookup("channels", channels::REGISTRY, &self.channels)?;
         let given: Map<String, Value> = self.settings.clone().into_iter().collect();
         let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
         let allocator_takes = |key: &str| {
@@ -544,7 +573,8 @@ impl PolicyParams {
             let taken = allocator_takes(key)
                 || scorer_takes(key)
                 || heads.method.takes(key)
-                || quantizer.method.takes(key);
+                || quantizer.method.takes(key)
+                || key_channels.method.takes(key);
             if !taken {
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
@@ -557,7 +587,10 @@ impl PolicyParams {
                         if !is_unquantized(&self.quantizer) {
                             chosen.push(described(Some(&quantizer), "quantizer", &self.quantizer));
                         }
-                        let last = chosen.pop().expect("three or four methods");
+                        if !keeps_every_channel(&self.channels) {
+                            chosen.push(described(Some(&key_channels), "channels", &self.channels));
+                        }
+                        let last = chosen.pop().expect("three to five methods");
                         format!("{} or {last}", chosen.join(", "))
                     },
                     owners: owners(key),
@@ -582,6 +615,7 @@ impl PolicyParams {
             scorer_settings,
             heads.method.resolve(&given),
             quantizer.method.resolve(&given),
+            key_channels.method.resolve(&given),
         ] {
             settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
@@ -601,6 +635,7 @@ impl PolicyParams {
             scorer,
             heads: build(&heads, &given)?,
             quantizer: build(&quantizer, &given)?,
+            channels: build(&key_channels, &given)?,
             settings,
             score_key,
             params: self,
@@ -623,12 +658,14 @@ impl PolicyParams {
     }
 }
 
-/// Every registered method of every axis: allocators, scorers, head splits.
+/// Every registered method of every axis: allocators, scorers, head splits, quantizers, key
+/// channels.
 pub fn all_methods() -> Vec<Described> {
     let mut methods = settings::describe("allocator", allocator::REGISTRY);
     methods.extend(settings::describe("scorer", scorer::REGISTRY));
     methods.extend(settings::describe("head split", head_split::REGISTRY));
     methods.extend(settings::describe("quantizer", quantizer::REGISTRY));
+    methods.extend(settings::describe("channels", channels::REGISTRY));
     methods
 }
 
@@ -704,6 +741,15 @@ impl ValidPolicy {
                 rule: "keeps what scores above a threshold, which may be nothing: protect a sliding window or sinks (--window or --sinks at least 1)",
             });
         }
+        if self.scheme().is_some() && self.channels.pruning().is_some() {
+            return Err(PolicyError::Unsupported {
+                what: format!(
+                    "quantizer `{}` with channels `{}`",
+                    params.quantizer, params.channels
+                ),
+                rule: "are not combined yet: a cache either quantizes or prunes key channels",
+            });
+        }
         if self.allocator.needs_mass_curves() && params.timing != Timing::Prefill {
             return Err(PolicyError::Unsupported {
                 what: format!("allocator `{}`", params.allocator),
@@ -767,6 +813,13 @@ impl ValidPolicy {
             Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),
             None => String::new(),
         };
+        let quantized = match self.channels.pruning() {
+            Some(pruning) => format!(
+                "{quantized} {} {} of key channels pruned",
+                self.params.channels, pruning.fraction
+            ),
+            None => quantized,
+        };
         let quantized = match self.params.bytes {
             Some(bytes) => format!("{quantized} at {bytes} of the bytes"),
             None => quantized,
@@ -782,6 +835,16 @@ impl ValidPolicy {
     /// How its caches store their entries: `None` for the cache as captured.
     pub fn scheme(&self) -> Option<Scheme> {
         self.quantizer.scheme()
+    }
+
+    /// How its caches store their kept entries: quantized, with pruned key channels, or as
+    /// captured (the two are not combined, [`PolicyParams::check`]).
+    pub fn storage(&self) -> Storage {
+        match (self.scheme(), self.channels.pruning()) {
+            (Some(scheme), _) => Storage::Quantized(scheme),
+            (None, Some(pruning)) => Storage::PrunedKeys(pruning),
+            (None, None) => Storage::Captured,
+        }
     }
 
     /// Every setting it runs with, as text in a stable order: the common ones and each chosen

@@ -8,10 +8,12 @@
 //! [`Scorer::reference`](super::scorer::Scorer::reference): a registered scorer without one fails
 //! the conformance test, naming it.
 
+use super::channels::ChannelPruning;
 use super::quantizer::{quantize_group, Grouping, Scheme};
 use super::{Aggregation, Timing};
 use ndarray::Array3;
 use serde_json::Value;
+use std::ops::Range;
 
 /// A scorer's brute-force rule, and the settings it runs with on the test fixtures.
 pub trait ScorerRule: Send + Sync {
@@ -586,7 +588,7 @@ impl<'a> Sample<'a> {
         }
     }
 
-    /// The same sample over a quantized cache holding `held`.
+    /// The same sample over a cache holding `held` (quantized, or with pruned key channels).
     pub fn over(self, held: &'a Held) -> Self {
         Self {
             held: Some(held),
@@ -594,13 +596,14 @@ impl<'a> Sample<'a> {
         }
     }
 
-    /// Whether the cache is quantized.
-    pub fn is_quantized(&self) -> bool {
-        self.held.is_some()
+    /// Whether the cache holds its entries as captured.
+    pub fn is_captured(&self) -> bool {
+        self.held.is_none()
     }
 
     /// The cache's own attention over the kept positions, in kept order: the full weights
-    /// renormalised over them, or over a quantized cache the softmax against the keys it holds.
+    /// renormalised over them, or over a cache that stores them otherwise the softmax against the
+    /// keys it holds.
     pub fn cache_weights(&self) -> Vec<f64> {
         match self.held {
             None => {
@@ -701,8 +704,9 @@ impl<'a> Sample<'a> {
     }
 }
 
-/// The keys and values a quantized cache holds at one decode step, by position (a position it
-/// never held reads as captured).
+/// The keys and values a cache that stores its entries otherwise than captured (quantized, with
+/// pruned key channels) holds at one decode step, by position (a position it never held reads as
+/// captured).
 pub struct Held {
     /// Keys, `[T][d]`.
     pub keys: Vec<Vec<f64>>,
@@ -758,6 +762,63 @@ pub fn held_by_step(layer: &Layer, kv: usize, scheme: &Scheme, held: &[Vec<usize
                 keys: wide(keys),
                 values: wide(values),
             }
+        })
+        .collect()
+}
+
+/// What a cache over KV head `kv`, read by query heads `heads`, holds at each decode step when it
+/// prunes key channels as `pruning` says, given the positions it held at each step (`held[s]`
+/// ascending). The rule, from ThinK's description: at the cut (step 0), each channel `c` scores
+/// `mean_{h, i}(q_{h,i,c}²) · mean_j(k_{j,c}²)` over the last `window` prompt queries `i` of each
+/// head `h` and the prompt positions `j` held then; the `int(d · fraction)` lowest (the lower
+/// channel first among equals) are zero in every prompt key from then on; values and generated
+/// keys are as captured.
+pub fn pruned_by_step(
+    layer: &Layer,
+    (kv, heads): (usize, Range<usize>),
+    pruning: &ChannelPruning,
+    held: &[Vec<usize>],
+) -> Vec<Held> {
+    let n = layer.prompt_len;
+    let d = layer.head_dim();
+    let window = n.saturating_sub(pruning.window)..n;
+    let prompt_held: Vec<usize> = held[0].iter().copied().filter(|&j| j < n).collect();
+    let score = |c: usize| {
+        let query = heads
+            .clone()
+            .map(|h| {
+                let squares: f64 = window.clone().map(|i| layer.query(h, i)[c].powi(2)).sum();
+                squares / window.len() as f64
+            })
+            .sum::<f64>()
+            / heads.len() as f64;
+        let key: f64 = prompt_held
+            .iter()
+            .map(|&j| layer.key(kv, j)[c].powi(2))
+            .sum::<f64>()
+            / prompt_held.len().max(1) as f64;
+        query * key
+    };
+    let mut by_score: Vec<(f64, usize)> = (0..d).map(|c| (score(c), c)).collect();
+    by_score.sort_by(|a, b| a.0.total_cmp(&b.0).then(a.1.cmp(&b.1)));
+    let pruned: Vec<usize> = by_score[..pruning.pruned(d)]
+        .iter()
+        .map(|&(_, c)| c)
+        .collect();
+    let keys: Vec<Vec<f64>> = (0..layer.t())
+        .map(|j| {
+            let mut key = layer.key(kv, j);
+            if j < n {
+                pruned.iter().for_each(|&c| key[c] = 0.0);
+            }
+            key
+        })
+        .collect();
+    let values: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.value(kv, j)).collect();
+    held.iter()
+        .map(|_| Held {
+            keys: keys.clone(),
+            values: values.clone(),
         })
         .collect()
 }

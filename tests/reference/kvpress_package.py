@@ -27,6 +27,10 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
                                         forward_hook on the prompt's keys; BUDGET is ignored
                                         (it keeps what scores at least THRESHOLD, and the
                                         last WINDOW positions)
+  think RATIO WINDOW                    ThinKPress(RATIO, WINDOW) composed after KnormPress
+                                        (kvpress's ComposedPress order): its own `compress` on
+                                        the kept keys; adds "pruned": [[channels] per KV head],
+                                        the channels it zeroed
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -51,6 +55,7 @@ SETTINGS = {
     "qfilter": 0,
     "observed-attention": 0,
     "dms": 2,
+    "think": 2,
 }
 
 
@@ -63,7 +68,7 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
-    from kvpress.presses import dms_press, observed_attention_press
+    from kvpress.presses import dms_press, observed_attention_press, think_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
@@ -74,6 +79,7 @@ def presses():
         LagKV=lagkv_press.LagKVPress,
         ObservedAttention=observed_attention_press.ObservedAttentionPress,
         QFilter=qfilter_press.QFilterPress,
+        ThinK=think_press.ThinKPress,
     )
 
 
@@ -148,8 +154,21 @@ def dms_kept(ns, settings, module, h, keys, vals):
     return [[p for p in range(n) if p not in gone[head]] for head in range(keys.shape[1])]
 
 
+def think_pruned(ns, settings, module, h, keys, vals, kept):
+    """The channels ThinKPress zeroes per KV head, run on the keys the Knorm selection `kept`."""
+    ratio, window = settings
+    press = ns.ThinK(key_channel_compression_ratio=float(ratio), window_size=int(window))
+    gathered = [keys[0, head, kept[head]] for head in range(keys.shape[1])]
+    kept_keys = torch.stack(gathered).unsqueeze(0).clone()
+    t = h.shape[1]
+    kwargs = {"hidden_states": h, "position_embeddings": module.rotary_emb(h, torch.arange(t).unsqueeze(0))}
+    pruned_keys, _ = press.compress(module, h, kept_keys, vals, None, kwargs)
+    zero = (pruned_keys[0] == 0).all(dim=1)  # [KV heads, d]: a channel zeroed in every kept key
+    return [torch.nonzero(row).flatten().tolist() for row in zero]
+
+
 def make_press(ns, method, settings, budget, n):
-    if method == "knorm":
+    if method == "knorm" or method == "think":
         return ns.Knorm()
     if method == "keydiff":
         return ns.KeyDiff()
@@ -204,7 +223,12 @@ def main():
                     continue
                 attentions = eager_attentions(meta, q, k, n) if method == "observed-attention" else None
                 scores = press.score(module, h, keys, vals, attentions, {})
-            out.append({"kept": top_positions(scores, budget, n), "scores": scores[0].tolist()})
+                kept = top_positions(scores, budget, n)
+            result_layer = {"kept": kept, "scores": scores[0].tolist()}
+            if method == "think":
+                with torch.no_grad():
+                    result_layer["pruned"] = think_pruned(ns, settings, module, h, keys, vals, kept)
+            out.append(result_layer)
         result[str(budget)] = {"layers": out}
     emit(result)
 

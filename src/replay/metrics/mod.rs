@@ -18,9 +18,9 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
-use super::quantizer::{QuantizedCache, Scheme};
 use super::reference;
 use super::select::ranked_head;
+use super::storage::{HeldCache, Storage};
 use super::{LayerContext, Unit, UnitKept};
 use crate::trace::Span;
 use lost::{Dating, LostMassCounter, LostShare, Regions, WHEN};
@@ -60,7 +60,7 @@ metrics! {
 
 /// The means of every registered metric over a layer's (query head, decode step) samples under
 /// the kept sets `kept` (per cache, per decode step), by metric id, each sample computed from the
-/// metric's brute-force definition ([`Metric::reference`]); `held`, for a quantized cache, is what
+/// metric's brute-force definition ([`Metric::reference`]); `held`, for a cache that stores its entries otherwise than captured, is what
 /// each cache holds at each step ([`reference::held_by_step`]). A metric without a definition is
 /// an error naming it.
 pub fn reference_means(
@@ -153,7 +153,7 @@ pub struct Sample<'a> {
     /// `sum_j p_j` over the full cache in f64 (1 up to the weights' rounding).
     pub total_mass: f64,
     /// The query's own attention over a cache that stores its entries otherwise than captured (a
-    /// quantizer); `None` for a cache that only evicts, whose attention is the full one
+    /// quantizer, pruned key channels); `None` for a cache that only evicts, whose attention is the full one
     /// renormalised over the kept positions.
     pub policy: Option<&'a PolicyAttention>,
 }
@@ -220,8 +220,9 @@ pub struct LayerReport {
     /// entry per position and KV head.
     pub held_entries: f64,
     /// Bytes the layer's caches hold, mean over decode steps: `held_entries` keys and values at
-    /// the trace's width, or as a quantizer stores them (integers at their bits, a scale and a
-    /// minimum per group at the trace's width, the full-precision window).
+    /// the trace's width, or as its storage holds them (integers at their bits, a scale and a
+    /// minimum per group at the trace's width, the full-precision window; keys without their
+    /// pruned channels, and the channel mask).
     pub kv_bytes: f64,
     /// Each metric's mean over query heads (of its mean over decode steps), by id; a metric that
     /// needs values is absent from traces without them.
@@ -426,7 +427,8 @@ pub struct UnitMeasure {
     budget: usize,
     /// Cache size summed over decode steps.
     kept_total: usize,
-    /// Bytes held summed over decode steps, for a quantized cache.
+    /// Bytes held summed over decode steps, for a cache that stores its entries otherwise than
+    /// captured.
     bytes_total: f64,
     /// Per metric of [`REGISTRY`] (empty for one not measured), per (step, head), its value.
     metrics: Vec<Vec<f64>>,
@@ -446,10 +448,10 @@ pub struct MeasureSettings<'a> {
     pub top_k: usize,
     /// How the policy's lost positions are dated.
     pub dating: Dating,
-    /// How the caches store their entries: `None` for as captured.
-    pub scheme: Option<Scheme>,
+    /// How the caches store their entries.
+    pub storage: Storage,
     /// Whether the kept sets are read from a cache that holds every position (a re-selecting
-    /// timing), which a quantizer then stores whole.
+    /// timing), which its storage then holds whole.
     pub reselects: bool,
     /// Bytes of one element at full precision (the trace's storage width).
     pub width: usize,
@@ -472,7 +474,7 @@ pub fn measure_unit(
         spans,
         top_k,
         dating,
-        scheme,
+        storage,
         reselects,
         width,
     } = settings;
@@ -507,8 +509,7 @@ pub fn measure_unit(
     };
     let mut general = GeneralShare::default();
     let d = layer.q.shape()[2];
-    let mut quantized =
-        scheme.map(|scheme| QuantizedCache::new(scheme, layer.keys(unit.kv_head), values));
+    let mut stored = HeldCache::new(storage, layer, unit);
     let mut held = Vec::new();
     for step in 0..n_steps {
         let position = prompt_len + step;
@@ -523,7 +524,7 @@ pub fn measure_unit(
             UnitKept::PerStep(steps) => &steps[step],
         };
         measure.kept_total += kept_positions.len();
-        if let Some(cache) = &mut quantized {
+        if let Some(cache) = &mut stored {
             held.clear();
             match reselects {
                 true => held.extend(layer.first_visible(position)..=position),
@@ -575,7 +576,7 @@ pub fn measure_unit(
                     position,
                 ),
             };
-            let policy = quantized
+            let policy = stored
                 .as_ref()
                 .map(|cache| PolicyAttention::new(layer, head, position, kept_positions, cache));
             let metric_sample = Sample {
@@ -859,7 +860,7 @@ mod tests {
             spans: &[],
             top_k: 5,
             dating: Dating::of(crate::replay::Timing::Prefill),
-            scheme: None,
+            storage: Storage::Captured,
             reselects: false,
             width: 2,
         };

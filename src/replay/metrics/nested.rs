@@ -238,7 +238,7 @@ mod tests {
                 spans: &spans,
                 top_k,
                 dating: Dating::of(Timing::Prefill),
-                scheme: None,
+                storage: crate::replay::Storage::Captured,
                 reselects: false,
                 width: 2,
             };

@@ -1,13 +1,13 @@
 //! The attention a query pays over a cache that stores its kept entries otherwise than captured
-//! (a quantizer, [`crate::replay::quantizer`]): the softmax over the kept positions of the logits
+//! (quantized or with pruned key channels, [`crate::replay::Storage`]): the softmax over the kept positions of the logits
 //! against the keys as held, and the output from the values as held, both in f64. Metrics compare
 //! it with the full model's attention; for a cache that only evicts, it is the full attention
 //! renormalised over the kept positions, which the plain path measures without computing it.
 
-use crate::replay::quantizer::QuantizedCache;
+use crate::replay::HeldCache;
 use crate::replay::LayerContext;
 
-/// A query's attention over a quantized cache: weights over the kept positions (kept order) and,
+/// A query's attention over a cache that stores its entries otherwise than captured: weights over the kept positions (kept order) and,
 /// when the trace has values, the output.
 #[derive(Debug, Clone, Default)]
 pub struct PolicyAttention {
@@ -25,7 +25,7 @@ impl PolicyAttention {
         head: usize,
         position: usize,
         kept: &[usize],
-        cache: &QuantizedCache,
+        cache: &HeldCache,
     ) -> Self {
         let query = layer.query(head, position);
         let keys = cache.keys();

@@ -43,7 +43,7 @@ impl Metric for ValueGap {
     }
 
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
-        if sample.is_quantized() {
+        if !sample.is_captured() {
             let lost = 1.0 - sample.shared_mass();
             return Some(match lost < NOTHING_DISCARDED {
                 true => 0.0,
