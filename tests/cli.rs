@@ -182,6 +182,78 @@ fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
     );
 }
 
+/// `--channels think` prunes key channels: the label names it and the bytes drop below the plain
+/// cache's by the pruned channels (head size 4, half pruned: a quarter of each prompt entry's
+/// elements, less a bit a channel); a ratio out of range, a setting of an unchosen rule and a
+/// quantizer beside it exit 2 naming the rule.
+#[test]
+fn pruned_key_channels_are_labelled_and_hold_fewer_bytes() {
+    let dir = fixture();
+    let csv = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "replay",
+            "fixture.safetensors",
+            "--budget",
+            "16",
+            "--format",
+            "csv",
+        ];
+        args.extend_from_slice(extra);
+        let out = stdout(kvreplay(&dir).args(&args));
+        out.lines()
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .map(str::to_owned)
+            .collect()
+    };
+    let plain = csv(&[]);
+    let think = csv(&["--channels", "think", "--query-window", "4"]);
+    assert_eq!(
+        think[0],
+        "flat+snapkv@prefill think 0.5 of key channels pruned"
+    );
+    let kib = |row: &[String]| row[6].parse::<f64>().unwrap();
+    assert!(
+        kib(&think) < kib(&plain) * 0.9 && kib(&think) > kib(&plain) * 0.7,
+        "{think:?} vs {plain:?}"
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--channels",
+            "think",
+            "--key-channel-ratio",
+            "1",
+        ],
+        "channels `think`: setting `key_channel_ratio` = 1: must be in [0, 1)",
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--key-channel-ratio",
+            "0.5",
+        ],
+        "it is a setting of channels `think`",
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--channels",
+            "think",
+            "--quantizer",
+            "kivi",
+        ],
+        "quantizer `kivi` with channels `think` are not combined yet",
+    );
+}
+
 /// `compare --bytes --quantizer --bits` sets a budget in bytes and a quantizer over every preset:
 /// a 4-bit cache keeps more tokens in the same bytes.
 #[test]
@@ -559,6 +631,13 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
         .code(2)
         .stderr(contains(
             "live mode: quantizer `kivi` is replayed only (`kvreplay replay` or an open-loop sweep): live mode runs the model on the cache as captured",
+        ));
+    kvreplay(&dir)
+        .args(["live", "--recipe", "r.toml", "--channels", "think"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "live mode: channels `think` is replayed only (`kvreplay replay` or an open-loop sweep)",
         ));
     kvreplay(&dir)
         .args([

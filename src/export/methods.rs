@@ -5,7 +5,7 @@
 use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
 use crate::replay::{
-    allocator, common_keys, head_split, presets, quantizer, scorer, Layers, Timing,
+    allocator, channels, common_keys, head_split, presets, quantizer, scorer, Layers, Timing,
 };
 use std::fmt::Write;
 
@@ -37,6 +37,11 @@ pub fn methods_markdown() -> String {
         &mut out,
         "Quantizers (`quantizer`): how the kept keys and values are stored",
         quantizer::REGISTRY,
+    );
+    axis(
+        &mut out,
+        "Key channels (`channels`): which channels of the kept keys are stored",
+        channels::REGISTRY,
     );
     out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
     for timing in Timing::ALL {
