@@ -5,7 +5,7 @@
 use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
 use crate::replay::{
-    allocator, channels, common_keys, head_split, presets, quantizer, scorer, Layers, Timing,
+    allocator, channels, common_keys, head_split, merge, presets, quantizer, scorer, Layers, Timing,
 };
 use std::fmt::Write;
 
@@ -42,6 +42,11 @@ pub fn methods_markdown() -> String {
         &mut out,
         "Key channels (`channels`): which channels of the kept keys are stored",
         channels::REGISTRY,
+    );
+    axis(
+        &mut out,
+        "Merges (`merge`): what becomes of the values evicted at the cut",
+        merge::REGISTRY,
     );
     out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
     for timing in Timing::ALL {

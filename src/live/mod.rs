@@ -51,7 +51,7 @@ use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCac
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
     compressed_layers, layer_budgets, protocol_view, replay_keeping, Kept, PolicyError, Protocol,
-    ReplayReport, Timing, ValidPolicy,
+    ReplayReport, Storage, Timing, ValidPolicy,
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceReader};
 use batch::PolicyMask;
@@ -226,9 +226,10 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     }
     if !policy.storage().is_captured() {
         let params = policy.params();
-        let (axis, name) = match policy.scheme() {
-            Some(_) => ("quantizer", &params.quantizer),
-            None => ("channels", &params.channels),
+        let (axis, name) = match policy.storage() {
+            Storage::Quantized(_) => ("quantizer", &params.quantizer),
+            Storage::PrunedKeys(_) => ("channels", &params.channels),
+            _ => ("merge", &params.merge),
         };
         return Err(LiveError::Unsupported(format!(
             "{axis} `{name}` is replayed only (`kvreplay replay` or an open-loop sweep): live mode \

@@ -741,6 +741,12 @@ fn layer_budgets_with_progress(
         )));
     }
     policy.scorer.check_trace(meta).map_err(mismatch)?;
+    if matches!(policy.storage(), Storage::Merged(_)) && !trace.has_values() {
+        return Err(mismatch(format!(
+            "merge `{}` folds evicted values into kept ones, and this trace has none (capture with values)",
+            params.merge
+        )));
+    }
     if let Some(scheme) = policy.scheme() {
         scheme
             .check_head_dim(meta.head_dim)
@@ -808,7 +814,7 @@ fn summarise(
         }
     }
     let entry_bytes = (2 * meta.head_dim * trace.element_bytes()) as f64;
-    if policy.storage().is_captured() {
+    if policy.storage().keeps_captured_keys() {
         for layer in layers.iter_mut() {
             layer.kv_bytes = layer.held_entries * entry_bytes;
         }
@@ -829,7 +835,7 @@ fn summarise(
         .collect();
     let kv_entries = entries_with_windows(trace, &layers, |l| l.kv_entries, 1.0);
     let held_entries = entries_with_windows(trace, &layers, |l| l.held_entries, 1.0);
-    let kv_bytes = match policy.storage().is_captured() {
+    let kv_bytes = match policy.storage().keeps_captured_keys() {
         true => held_entries * entry_bytes,
         false => entries_with_windows(trace, &layers, |l| l.kv_bytes, entry_bytes),
     };

@@ -1,7 +1,7 @@
 //! The replay engine: a policy (an [`allocator`] deciding how many tokens each layer keeps, a
 //! [`head_split`] sharing a layer's budget among its caches, a [`scorer`] deciding which tokens,
-//! a [`Timing`] deciding when, and a [`quantizer`] and a key-[`channels`] rule deciding how the kept
-//! entries are stored) is run over a trace, and [`metrics`] measure what the kept sets
+//! a [`Timing`] deciding when, and a [`quantizer`], a key-[`channels`] rule and a [`merge`] rule
+//! deciding how the kept entries are stored) is run over a trace, and [`metrics`] measure what the kept sets
 //! cost the full cache's attention. Each axis is a registry of methods that declare their own
 //! settings ([`settings`]).
 //!
@@ -21,6 +21,7 @@ mod kept;
 mod layer;
 mod layout;
 mod masks;
+pub mod merge;
 pub mod metrics;
 mod plan;
 mod policy;

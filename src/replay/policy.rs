@@ -4,6 +4,7 @@
 use super::allocator::{self, Allocator};
 use super::channels::{self, KeyChannels};
 use super::head_split::{self, HeadSplit};
+use super::merge::{self, Merge};
 use super::quantizer::{self, Quantizer, Scheme};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
@@ -74,6 +75,11 @@ pub struct PolicyParams {
     /// it existed still name the same runs.
     #[serde(skip_serializing_if = "keeps_every_channel")]
     pub channels: String,
+    /// Merge rule name (registry key): what becomes of the values evicted at the cut. Left out
+    /// of the serialised form when it is the default (`none`), so that run ids computed before it
+    /// existed still name the same runs.
+    #[serde(skip_serializing_if = "drops_evicted")]
+    pub merge: String,
     /// The chosen methods' own settings (each method's declared parameters), by key.
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
@@ -126,6 +132,11 @@ fn is_unquantized(quantizer: &str) -> bool {
 /// Whether `channels` names the default, every key channel stored.
 fn keeps_every_channel(channels: &str) -> bool {
     channels == "none"
+}
+
+/// Whether `merge` names the default, evicted entries dropped.
+fn drops_evicted(merge: &str) -> bool {
+    merge == "none"
 }
 
 /// A setting every policy has, beside its methods' own: its key (a field of [`PolicyParams`], a
@@ -277,6 +288,13 @@ pub const COMMON: &[Common] = &[
         fixed: false,
         whole: true,
     },
+    Common {
+        key: "merge",
+        about: "What becomes of the values evicted at the cut (kvpress's MergingPress folds them into kept ones)",
+        values: || registered(merge::REGISTRY),
+        fixed: false,
+        whole: true,
+    },
 ];
 
 /// The keys of [`COMMON`].
@@ -303,6 +321,7 @@ impl Default for PolicyParams {
             top_k: 10,
             quantizer: "none".into(),
             channels: "none".into(),
+            merge: "none".into(),
             settings: BTreeMap::new(),
         }
     }
@@ -337,6 +356,7 @@ impl PolicyParams {
         values.insert("protocol".into(), Value::from(self.protocol.name()));
         values.insert("quantizer".into(), Value::from(self.quantizer.as_str()));
         values.insert("channels".into(), Value::from(self.channels.as_str()));
+        values.insert("merge".into(), Value::from(self.merge.as_str()));
         values
     }
 
@@ -367,6 +387,12 @@ impl PolicyParams {
                 "channels",
                 settings::find(channels::REGISTRY, &self.channels)
                     .filter(|_| !keeps_every_channel(&self.channels))
+                    .map(|m| m.version),
+            ),
+            version(
+                "merge",
+                settings::find(merge::REGISTRY, &self.merge)
+                    .filter(|_| !drops_evicted(&self.merge))
                     .map(|m| m.version),
             ),
         ]
@@ -491,6 +517,7 @@ pub struct ValidPolicy {
     pub(crate) heads: Box<dyn HeadSplit>,
     quantizer: Box<dyn Quantizer>,
     channels: Box<dyn KeyChannels>,
+    merge: Box<dyn Merge>,
 }
 
 impl std::fmt::Debug for ValidPolicy {
@@ -562,6 +589,7 @@ impl PolicyParams {
         let heads = lookup("head split", head_split::REGISTRY, &self.heads)?;
         let quantizer = lookup("quantizer", quantizer::REGISTRY, &self.quantizer)?;
         let key_channels = lookup("channels", channels::REGISTRY, &self.channels)?;
+        let merge_rule = lookup("merge", merge::REGISTRY, &self.merge)?;
         let given: Map<String, Value> = self.settings.clone().into_iter().collect();
         let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
         let allocator_takes = |key: &str| {
@@ -574,7 +602,8 @@ impl PolicyParams {
                 || scorer_takes(key)
                 || heads.method.takes(key)
                 || quantizer.method.takes(key)
-                || key_channels.method.takes(key);
+                || key_channels.method.takes(key)
+                || merge_rule.method.takes(key);
             if !taken {
                 return Err(PolicyError::UnknownSetting {
                     key: key.clone(),
@@ -590,7 +619,10 @@ impl PolicyParams {
                         if !keeps_every_channel(&self.channels) {
                             chosen.push(described(Some(&key_channels), "channels", &self.channels));
                         }
-                        let last = chosen.pop().expect("three to five methods");
+                        if !drops_evicted(&self.merge) {
+                            chosen.push(described(Some(&merge_rule), "merge", &self.merge));
+                        }
+                        let last = chosen.pop().expect("three to six methods");
                         format!("{} or {last}", chosen.join(", "))
                     },
                     owners: owners(key),
@@ -616,6 +648,7 @@ impl PolicyParams {
             heads.method.resolve(&given),
             quantizer.method.resolve(&given),
             key_channels.method.resolve(&given),
+            merge_rule.method.resolve(&given),
         ] {
             settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
         }
@@ -636,6 +669,7 @@ impl PolicyParams {
             heads: build(&heads, &given)?,
             quantizer: build(&quantizer, &given)?,
             channels: build(&key_channels, &given)?,
+            merge: build(&merge_rule, &given)?,
             settings,
             score_key,
             params: self,
@@ -659,13 +693,14 @@ impl PolicyParams {
 }
 
 /// Every registered method of every axis: allocators, scorers, head splits, quantizers, key
-/// channels.
+/// channels, merges.
 pub fn all_methods() -> Vec<Described> {
     let mut methods = settings::describe("allocator", allocator::REGISTRY);
     methods.extend(settings::describe("scorer", scorer::REGISTRY));
     methods.extend(settings::describe("head split", head_split::REGISTRY));
     methods.extend(settings::describe("quantizer", quantizer::REGISTRY));
     methods.extend(settings::describe("channels", channels::REGISTRY));
+    methods.extend(settings::describe("merge", merge::REGISTRY));
     methods
 }
 
@@ -750,6 +785,23 @@ impl ValidPolicy {
                 rule: "are not combined yet: a cache either quantizes or prunes key channels",
             });
         }
+        if self.merge.merging().is_some() {
+            if params.timing != Timing::Prefill {
+                return Err(PolicyError::Unsupported {
+                    what: format!("merge `{}`", params.merge),
+                    rule: "folds what the one cut at the prompt's end evicts: use --timing prefill",
+                });
+            }
+            if self.scheme().is_some() || self.channels.pruning().is_some() {
+                return Err(PolicyError::Unsupported {
+                    what: format!(
+                        "merge `{}` with quantizer `{}` and channels `{}`",
+                        params.merge, params.quantizer, params.channels
+                    ),
+                    rule: "are not combined yet: a cache merges, quantizes or prunes key channels",
+                });
+            }
+        }
         if self.allocator.needs_mass_curves() && params.timing != Timing::Prefill {
             return Err(PolicyError::Unsupported {
                 what: format!("allocator `{}`", params.allocator),
@@ -820,6 +872,10 @@ impl ValidPolicy {
             ),
             None => quantized,
         };
+        let quantized = match self.merge.merging() {
+            Some(_) => format!("{quantized} merging by {}", self.params.merge),
+            None => quantized,
+        };
         let quantized = match self.params.bytes {
             Some(bytes) => format!("{quantized} at {bytes} of the bytes"),
             None => quantized,
@@ -837,13 +893,14 @@ impl ValidPolicy {
         self.quantizer.scheme()
     }
 
-    /// How its caches store their kept entries: quantized, with pruned key channels, or as
-    /// captured (the two are not combined, [`PolicyParams::check`]).
+    /// How its caches store their kept entries: quantized, with pruned key channels, with evicted
+    /// values merged in, or as captured (they are not combined, [`PolicyParams::check`]).
     pub fn storage(&self) -> Storage {
-        match (self.scheme(), self.channels.pruning()) {
-            (Some(scheme), _) => Storage::Quantized(scheme),
-            (None, Some(pruning)) => Storage::PrunedKeys(pruning),
-            (None, None) => Storage::Captured,
+        match (self.scheme(), self.channels.pruning(), self.merge.merging()) {
+            (Some(scheme), _, _) => Storage::Quantized(scheme),
+            (None, Some(pruning), _) => Storage::PrunedKeys(pruning),
+            (None, None, Some(merge)) => Storage::Merged(merge),
+            (None, None, None) => Storage::Captured,
         }
     }
 

@@ -9,6 +9,7 @@
 //! the conformance test, naming it.
 
 use super::channels::ChannelPruning;
+use super::merge::ValueMerge;
 use super::quantizer::{quantize_group, Grouping, Scheme};
 use super::{Aggregation, Timing};
 use ndarray::Array3;
@@ -815,6 +816,90 @@ pub fn pruned_by_step(
         })
         .collect();
     let values: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.value(kv, j)).collect();
+    held.iter()
+        .map(|_| Held {
+            keys: keys.clone(),
+            values: values.clone(),
+        })
+        .collect()
+}
+
+/// What a cache over KV head `kv` holds at each decode step when it merges as `merge` says, given
+/// the positions it held at each step (`held[s]` ascending; the `prefill` timing, so step 0's
+/// prompt positions are the kept ones). The rule, from kvpress's `MergingPress` docstring: every
+/// prompt position not kept finds the kept key of highest cosine similarity (norms floored at
+/// 1e-6; the first among equals); it merges when that similarity reaches the threshold and, for a
+/// fraction below 1, the `1 − fraction` quantile of the merging similarities (the others at −∞);
+/// its weight is `max(s, 0) · |v_e| / (|v_e| + |v_t| + 1e-6)`; a kept value that received total
+/// weight `W > 0` becomes `(v_t + Σ w v_e) / (1 + W)`. Keys and generated values are as captured.
+pub fn merged_by_step(
+    layer: &Layer,
+    kv: usize,
+    merge: &ValueMerge,
+    held: &[Vec<usize>],
+) -> Vec<Held> {
+    let n = layer.prompt_len;
+    let keys: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.key(kv, j)).collect();
+    let mut values: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.value(kv, j)).collect();
+    let kept: Vec<usize> = held[0].iter().copied().filter(|&j| j < n).collect();
+    let evicted: Vec<usize> = (0..n).filter(|j| !kept.contains(j)).collect();
+    let norm = |x: &[f64]| dot(x, x).sqrt();
+    let cosine = |a: &[f64], b: &[f64]| dot(a, b) / (norm(a).max(1e-6) * norm(b).max(1e-6));
+    let best: Vec<(f64, usize)> = evicted
+        .iter()
+        .map(|&e| {
+            kept.iter().map(|&t| (cosine(&keys[e], &keys[t]), t)).fold(
+                (f64::NEG_INFINITY, usize::MAX),
+                |a, b| if b.0 > a.0 { b } else { a },
+            )
+        })
+        .collect();
+    let mut merges: Vec<bool> = best
+        .iter()
+        .map(|&(s, _)| s >= merge.similarity_threshold)
+        .collect();
+    if merge.merge_fraction < 1.0 && merges.contains(&true) {
+        let mut candidates: Vec<f64> = best
+            .iter()
+            .zip(&merges)
+            .map(|(&(s, _), &m)| if m { s } else { f64::NEG_INFINITY })
+            .collect();
+        candidates.sort_by(f64::total_cmp);
+        let at = (1.0 - merge.merge_fraction) * (candidates.len() - 1) as f64;
+        let (a, b, w) = (
+            candidates[at.floor() as usize],
+            candidates[at.ceil() as usize],
+            at.fract(),
+        );
+        let cut = if w < 0.5 {
+            a + w * (b - a)
+        } else {
+            b - (b - a) * (1.0 - w)
+        };
+        for (m, &(s, _)) in merges.iter_mut().zip(&best) {
+            *m = *m && s >= cut;
+        }
+    }
+    let original = values.clone();
+    let mut total = vec![0.0; layer.t()];
+    let mut sums = vec![vec![0.0; original[0].len()]; layer.t()];
+    for ((&e, &(s, t)), &m) in evicted.iter().zip(&best).zip(&merges) {
+        if m && t != usize::MAX {
+            let w =
+                s.max(0.0) * norm(&original[e]) / (norm(&original[e]) + norm(&original[t]) + 1e-6);
+            total[t] += w;
+            for (sum, x) in sums[t].iter_mut().zip(&original[e]) {
+                *sum += w * x;
+            }
+        }
+    }
+    for &t in kept.iter().filter(|&&t| total[t] > 0.0) {
+        values[t] = original[t]
+            .iter()
+            .zip(&sums[t])
+            .map(|(v, s)| (v + s) / (1.0 + total[t]))
+            .collect();
+    }
     held.iter()
         .map(|_| Held {
             keys: keys.clone(),

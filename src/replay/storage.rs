@@ -1,9 +1,11 @@
 //! How a policy's caches store their kept entries ([`Storage`]): as captured, quantized (a
-//! [`quantizer`](super::quantizer)), or with pruned key channels ([`channels`](super::channels)),
+//! [`quantizer`](super::quantizer)), with pruned key channels ([`channels`](super::channels)), or
+//! with evicted values merged into them ([`merge`](super::merge)),
 //! the bytes each takes at the prompt's cut, and what a cache that stores otherwise than captured
 //! holds step by step ([`HeldCache`]), which the metrics read their attention from.
 
 use super::channels::{ChannelPruning, PrunedKeys};
+use super::merge::ValueMerge;
 use super::quantizer::{self, QuantizedCache, Scheme};
 use super::{LayerContext, Unit};
 use ndarray::ArrayView2;
@@ -17,13 +19,21 @@ pub enum Storage {
     Quantized(Scheme),
     /// Keys without some channels.
     PrunedKeys(ChannelPruning),
+    /// Evicted values merged into kept ones.
+    Merged(ValueMerge),
 }
 
 impl Storage {
-    /// Whether the cache holds its entries as captured, so its attention is the full one
-    /// renormalised over the kept positions.
+    /// Whether the cache holds its entries as captured.
     pub fn is_captured(&self) -> bool {
         *self == Storage::Captured
+    }
+
+    /// Whether its attention is the full one renormalised over the kept positions and its bytes
+    /// those of its entries as captured: as captured, or with merged values (keys as captured,
+    /// nothing stored beside the entries).
+    pub fn keeps_captured_keys(&self) -> bool {
+        matches!(self, Storage::Captured | Storage::Merged(_))
     }
 
     /// Bytes one cache holds right after the prompt's cut when it keeps `n` entries of head size
@@ -31,7 +41,7 @@ impl Storage {
     /// ([`HeldCache::bytes`] counts the same while decoding).
     pub fn bytes_at_cut(&self, n: usize, d: usize, width: usize) -> f64 {
         match self {
-            Storage::Captured => quantizer::bytes_at_cut(None, n, d, width),
+            Storage::Captured | Storage::Merged(_) => quantizer::bytes_at_cut(None, n, d, width),
             Storage::Quantized(scheme) => quantizer::bytes_at_cut(Some(scheme), n, d, width),
             Storage::PrunedKeys(pruning) => pruning.bytes_at_cut(n, d, width),
         }
@@ -48,10 +58,11 @@ pub enum HeldCache {
 }
 
 impl HeldCache {
-    /// An empty cache of `unit` in `layer` under `storage`; `None` for the cache as captured.
+    /// An empty cache of `unit` in `layer` under `storage`; `None` for a cache whose keys are as
+    /// captured (as captured, or merging: the metrics read its merged values directly).
     pub fn new(storage: Storage, layer: &LayerContext<'_>, unit: &Unit) -> Option<Self> {
         match storage {
-            Storage::Captured => None,
+            Storage::Captured | Storage::Merged(_) => None,
             Storage::Quantized(scheme) => Some(HeldCache::Quantized(QuantizedCache::new(
                 scheme,
                 layer.keys(unit.kv_head),

@@ -18,6 +18,7 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
+use super::merge::MergedValues;
 use super::reference;
 use super::select::ranked_head;
 use super::storage::{HeldCache, Storage};
@@ -481,7 +482,11 @@ pub fn measure_unit(
     let prompt_len = layer.prompt_len;
     let n_positions = layer.n_positions();
     let n_steps = n_positions - prompt_len;
-    let values = layer.values(unit.kv_head);
+    let merged = merged_values(storage, layer, unit, unit_kept);
+    let values: Option<ArrayView2<f32>> = match &merged {
+        Some(merged) => Some(merged.values()),
+        None => layer.values(unit.kv_head).map(|values| values.reborrow()),
+    };
     let samples = n_steps * unit.query_heads.len();
     let has_values = values.is_some();
     let measured = move |metric: &&dyn Metric| has_values || !metric.needs_values();
@@ -501,7 +506,7 @@ pub fn measure_unit(
     let buckets = lost.buckets();
     measure.lost = vec![0.0; samples * buckets];
     let mut in_set = vec![false; n_positions];
-    let shared_prompt = shared_prompt_outputs(layer, unit, unit_kept, reference);
+    let shared_prompt = shared_prompt_outputs(layer, unit, unit_kept, reference, values);
     // A fixed prompt set grows by one generated position per step: one buffer, extended.
     let mut fixed = match unit_kept {
         UnitKept::Fixed(prompt) => prompt.clone(),
@@ -666,6 +671,21 @@ impl GeneralShare {
     }
 }
 
+/// Under a merge, the cache's values after the cut merged the evicted ones into its kept prompt
+/// set (the `prefill` timing's fixed set); its keys are as captured, so its attention is the full
+/// one renormalised and only the values it reads differ.
+fn merged_values(
+    storage: Storage,
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    unit_kept: &UnitKept,
+) -> Option<MergedValues> {
+    let (Storage::Merged(merge), UnitKept::Fixed(prompt)) = (storage, unit_kept) else {
+        return None;
+    };
+    Some(MergedValues::new(merge, layer, unit, prompt))
+}
+
 /// Under prefill timing, where nothing slides out while the model decodes, every step keeps the
 /// same prompt positions: their share of every step's kept outputs (`[steps × heads × d]`),
 /// summed in one pass, with the number of kept prompt positions. Each step's sums then continue
@@ -675,6 +695,7 @@ fn shared_prompt_outputs(
     unit: &Unit,
     unit_kept: &UnitKept,
     reference: &DecodeReference,
+    values: Option<ArrayView2<f32>>,
 ) -> Option<(usize, Vec<f64>)> {
     let UnitKept::Fixed(prompt) = unit_kept else {
         return None;
@@ -686,7 +707,7 @@ fn shared_prompt_outputs(
     {
         return None;
     }
-    let values = layer.values(unit.kv_head)?;
+    let values = values?;
     let prompt_len = layer.prompt_len;
     let rows: Vec<&[f32]> = (prompt_len..=last)
         .flat_map(|position| {

@@ -1,0 +1,50 @@
+//! One cache's values as a merging cache holds them after the prompt's cut: the visible prompt
+//! entries it does not keep folded into those it does; entries generated later as captured.
+
+use super::ValueMerge;
+use crate::replay::{LayerContext, Unit};
+use ndarray::{Array2, ArrayView2};
+
+/// A merging cache's values over one KV head.
+#[derive(Debug, Clone)]
+pub struct MergedValues {
+    values: Array2<f32>,
+}
+
+impl MergedValues {
+    /// The values of `unit` in `layer` once the cut kept the prompt positions `kept`
+    /// (ascending) and `merge` folded the other visible prompt positions into them; the trace
+    /// must have values (checked before any layer is read).
+    pub fn new(merge: ValueMerge, layer: &LayerContext<'_>, unit: &Unit, kept: &[usize]) -> Self {
+        let cut = layer.prompt_len;
+        let mut values = layer
+            .values(unit.kv_head)
+            .expect("a merge is refused on a trace without values")
+            .to_owned();
+        let kept: Vec<usize> = kept.iter().copied().filter(|&j| j < cut).collect();
+        let evicted: Vec<usize> = (layer.first_visible(cut.saturating_sub(1))..cut)
+            .filter(|j| kept.binary_search(j).is_err())
+            .collect();
+        let keys = layer.keys(unit.kv_head);
+        let rows = |a: ArrayView2<'_, f32>| -> Vec<Vec<f32>> {
+            a.rows().into_iter().map(|row| row.to_vec()).collect()
+        };
+        let (key_rows, value_rows) = (rows(keys), rows(values.view()));
+        let key_slices: Vec<&[f32]> = key_rows.iter().map(Vec::as_slice).collect();
+        let value_slices: Vec<&[f32]> = value_rows.iter().map(Vec::as_slice).collect();
+        let merged = merge.merged(&key_slices, &value_slices, (&kept, &evicted));
+        for (&j, value) in kept.iter().zip(merged) {
+            values
+                .row_mut(j)
+                .iter_mut()
+                .zip(value)
+                .for_each(|(x, v)| *x = v);
+        }
+        Self { values }
+    }
+
+    /// The values as held, `[T, d]`.
+    pub fn values(&self) -> ArrayView2<'_, f32> {
+        self.values.view()
+    }
+}
