@@ -182,7 +182,7 @@ mod tests {
     #[test]
     fn quantiles_interpolate_as_torch() {
         assert_eq!(quantile(&[1.0, 2.0, 3.0, 4.0], 0.5), 2.5);
-        assert_eq!(quantile(&[4.0, 1.0, 3.0], 0.25), 1.5);
+        assert_eq!(quantile(&[4.0, 1.0, 3.0], 0.25), 2.0);
         assert!(quantile(&[f64::NEG_INFINITY, 1.0], 0.25).is_nan());
         assert_eq!(quantile(&[f64::NEG_INFINITY, 1.0], 0.75), f64::NEG_INFINITY);
     }
