@@ -806,3 +806,78 @@ fn think_prunes_the_channels_kvpress_think_zeroes() {
     }
     assert_eq!(pruned_sets, 2 * 3 * LAYERS * KV_HEADS);
 }
+
+/// kvpress's MergingPress over its Knorm press, its own `merge` given the Knorm selection: the
+/// `similarity` merge holds the values it writes to every kept position (within 1e-5, f64 against
+/// its f32), at two thresholds and two fractions and two budgets; the merge moves over a quarter
+/// of them (268 of 576 here; a kept entry no evicted one picks stays).
+#[test]
+fn similarity_merges_what_kvpress_merging_merges() {
+    use kvreplay::replay::merge::MergedValues;
+    use kvreplay::replay::{context, Storage};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("merging.safetensors");
+    write_trace_values(&path, 23, PROMPT, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let budgets = [16, 32];
+    let (mut rows, mut moved) = (0, 0);
+    for (threshold, fraction) in [("0.0", "1.0"), ("0.1", "0.5")] {
+        let policy = |budget| {
+            PolicyParams {
+                scorer: "knorm".into(),
+                budget,
+                window: 0,
+                sinks: 0,
+                merge: "similarity".into(),
+                ..PolicyParams::default()
+            }
+            .with("similarity_threshold", threshold.parse::<f64>().unwrap())
+            .with("merge_fraction", fraction.parse::<f64>().unwrap())
+        };
+        let settings = ["merging", threshold, fraction];
+        let mut args = vec![path.display().to_string()];
+        args.extend(settings.iter().map(|s| s.to_string()));
+        args.extend(budgets.iter().map(usize::to_string));
+        let official = reference("kvpress_package.py", &args);
+        check_kvpress(&path, "kvpress_package.py", &settings, policy, &budgets);
+        for budget in budgets {
+            let checked = policy(budget).check().unwrap();
+            let Storage::Merged(merge) = checked.storage() else {
+                panic!("similarity merges")
+            };
+            let layer_budgets = layer_budgets(&trace, &checked).unwrap();
+            for layer in 0..LAYERS {
+                let tensors = trace.layer(layer).unwrap();
+                let ctx = context(&trace, layer, &tensors);
+                let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
+                for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+                    let UnitKept::Fixed(prompt) = unit_kept else {
+                        panic!("one-shot")
+                    };
+                    let ours = MergedValues::new(merge, &ctx, unit, prompt);
+                    let theirs =
+                        &official[budget.to_string()]["layers"][layer]["merged"][unit.index];
+                    let original = ctx.values(unit.kv_head).unwrap();
+                    for (i, &j) in prompt.iter().enumerate() {
+                        let row: Vec<f32> = theirs[i]
+                            .as_array()
+                            .unwrap()
+                            .iter()
+                            .map(|x| x.as_f64().unwrap() as f32)
+                            .collect();
+                        for (a, b) in ours.values().row(j).iter().zip(&row) {
+                            assert!(
+                                (a - b).abs() < 1e-5,
+                                "{threshold} {fraction} at {budget}, layer {layer}, cache {}, position {j}: {a} vs {b}",
+                                unit.index
+                            );
+                        }
+                        moved += usize::from(original.row(j).to_vec() != row);
+                        rows += 1;
+                    }
+                }
+            }
+        }
+    }
+    assert!(moved * 4 > rows, "{moved} of {rows} kept values moved");
+}

@@ -31,6 +31,9 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
                                         (kvpress's ComposedPress order): its own `compress` on
                                         the kept keys; adds "pruned": [[channels] per KV head],
                                         the channels it zeroed
+  merging THRESHOLD FRACTION            MergingPress(KnormPress, THRESHOLD, FRACTION): its own
+                                        `merge` given the Knorm selection; adds "merged":
+                                        [[value rows of the kept positions] per KV head]
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -56,6 +59,7 @@ SETTINGS = {
     "observed-attention": 0,
     "dms": 2,
     "think": 2,
+    "merging": 2,
 }
 
 
@@ -68,7 +72,7 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
-    from kvpress.presses import dms_press, observed_attention_press, think_press
+    from kvpress.presses import dms_press, merging_press, observed_attention_press, think_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
@@ -80,6 +84,7 @@ def presses():
         ObservedAttention=observed_attention_press.ObservedAttentionPress,
         QFilter=qfilter_press.QFilterPress,
         ThinK=think_press.ThinKPress,
+        Merging=merging_press.MergingPress,
     )
 
 
@@ -167,8 +172,17 @@ def think_pruned(ns, settings, module, h, keys, vals, kept):
     return [torch.nonzero(row).flatten().tolist() for row in zero]
 
 
+def merged_values(ns, settings, keys, vals, kept):
+    """The values of the kept positions after MergingPress.merge folds the others into them."""
+    threshold, fraction = settings
+    press = ns.Merging(press=ns.Knorm(), similarity_threshold=float(threshold), merge_fraction=float(fraction))
+    indices = torch.tensor(kept).unsqueeze(0)
+    _, merged = press.merge(keys, vals, indices)
+    return [merged[0, head, kept[head]].tolist() for head in range(keys.shape[1])]
+
+
 def make_press(ns, method, settings, budget, n):
-    if method == "knorm" or method == "think":
+    if method in ("knorm", "think", "merging"):
         return ns.Knorm()
     if method == "keydiff":
         return ns.KeyDiff()
@@ -228,6 +242,9 @@ def main():
             if method == "think":
                 with torch.no_grad():
                     result_layer["pruned"] = think_pruned(ns, settings, module, h, keys, vals, kept)
+            if method == "merging":
+                with torch.no_grad():
+                    result_layer["merged"] = merged_values(ns, settings, keys, vals, kept)
             out.append(result_layer)
         result[str(budget)] = {"layers": out}
     emit(result)
