@@ -254,6 +254,76 @@ fn pruned_key_channels_are_labelled_and_hold_fewer_bytes() {
     );
 }
 
+/// `--merge similarity` folds the evicted values into kept ones: the label names it, the bytes and
+/// retained mass are the plain run's and the output error moves; a merge under a timing other than
+/// `prefill`, a setting out of range and a quantizer beside it exit 2 naming the rule.
+#[test]
+fn merged_values_are_labelled_and_hold_the_same_bytes() {
+    let dir = fixture();
+    let csv = |extra: &[&str]| -> Vec<String> {
+        let mut args = vec![
+            "replay",
+            "fixture.safetensors",
+            "--budget",
+            "12",
+            "--format",
+            "csv",
+        ];
+        args.extend_from_slice(extra);
+        let out = stdout(kvreplay(&dir).args(&args));
+        out.lines()
+            .nth(1)
+            .unwrap()
+            .split(',')
+            .map(str::to_owned)
+            .collect()
+    };
+    let plain = csv(&[]);
+    let merged = csv(&["--merge", "similarity"]);
+    assert_eq!(merged[0], "flat+snapkv@prefill merging by similarity");
+    // KiB/layer, retained mass the same; output error not.
+    assert_eq!((&merged[6], &merged[7]), (&plain[6], &plain[7]));
+    assert_ne!(merged[9], plain[9]);
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--merge",
+            "similarity",
+            "--timing",
+            "streaming",
+            "--scorer",
+            "tova",
+        ],
+        "merge `similarity` folds what the one cut at the prompt's end evicts: use --timing prefill",
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--merge",
+            "similarity",
+            "--merge-fraction",
+            "0",
+        ],
+        "merge `similarity`: setting `merge_fraction` = 0: must be in (0, 1]",
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--merge",
+            "similarity",
+            "--quantizer",
+            "kivi",
+        ],
+        "are not combined yet",
+    );
+}
+
 /// `compare --bytes --quantizer --bits` sets a budget in bytes and a quantizer over every preset:
 /// a 4-bit cache keeps more tokens in the same bytes.
 #[test]
@@ -638,6 +708,13 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
         .code(2)
         .stderr(contains(
             "live mode: channels `think` is replayed only (`kvreplay replay` or an open-loop sweep)",
+        ));
+    kvreplay(&dir)
+        .args(["live", "--recipe", "r.toml", "--merge", "similarity"])
+        .assert()
+        .code(2)
+        .stderr(contains(
+            "live mode: merge `similarity` is replayed only (`kvreplay replay` or an open-loop sweep)",
         ));
     kvreplay(&dir)
         .args([

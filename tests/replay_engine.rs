@@ -730,6 +730,21 @@ fn value_scorers_need_values() {
     let err = replay(&trace, &policy("lagkv")).unwrap_err().to_string();
     assert!(err.contains("`lagkv`") && err.contains("values"), "{err}");
     assert!(replay(&trace, &policy("knorm")).is_ok());
+    let merging = PolicyParams {
+        scorer: "knorm".into(),
+        merge: "similarity".into(),
+        budget: 3,
+        window: 0,
+        sinks: 0,
+        ..PolicyParams::default()
+    };
+    let err = replay(&trace, &merging.check().unwrap())
+        .unwrap_err()
+        .to_string();
+    assert!(
+        err.contains("merge `similarity` folds evicted values") && err.contains("has none"),
+        "{err}"
+    );
 }
 
 /// The seed library's PyramidKV-adapted with beta = 1 is its H2O-adapted, bit for bit.
