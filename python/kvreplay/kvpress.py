@@ -160,7 +160,9 @@ def policy(press):
       ``key_channel_ratio`` and ``query_window``; alone it evicts nothing, so pass a budget at or
       above the prompt's length;
     - ``ComposedPress([press, ThinKPress(...)])``: the press's policy with the ``think`` channels
-      (ThinK last, so it scores the kept keys, as kvpress composes them).
+      (ThinK last, so it scores the kept keys, as kvpress composes them);
+    - ``MergingPress(press, similarity_threshold, merge_fraction)``: the press's policy with the
+      ``similarity`` merge, the values it evicts at the cut folded into the kept ones.
 
     Other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other compositions, the decoding
     presses) have no counterpart and raise :class:`KvreplayError`.
@@ -181,6 +183,9 @@ def policy(press):
         if len(inner) == 2 and type(inner[1]).__name__ == "ThinKPress" and type(inner[0]).__name__ != "ThinKPress":
             return {**policy(inner[0]), **policy(inner[1])}
         raise KvreplayError("kvpress:ComposedPress replays as [a press, ThinKPress]: ThinK last, scoring the kept keys")
+    if kind == "MergingPress":
+        merge = {"similarity_threshold": float(press.similarity_threshold), "merge_fraction": float(press.merge_fraction)}
+        return {**policy(press.press), "merge": "similarity", **merge}
     if kind == "PerLayerCompressionPress":
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
     if hasattr(press, "score") and not hasattr(press, "press"):

@@ -153,6 +153,13 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     with pytest.raises(kvreplay.KvreplayError, match="ThinK last"):
         policy(composed([think(key_channel_compression_ratio=0.25), PRESSES["KnormPress"]()]))
 
+    merging = importlib.import_module("kvpress.presses.merging_press").MergingPress
+    folded = policy(merging(press=PRESSES["KnormPress"](), similarity_threshold=0.1, merge_fraction=0.5))
+    ours = kvreplay.replay(trace, budget=96, **folded).runs.row(0, named=True)
+    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", merge="similarity", similarity_threshold=0.1, merge_fraction=0.5).runs.row(0, named=True)
+    assert [ours[m] for m in METRICS] == [theirs[m] for m in METRICS]
+    assert ours["kv_bytes"] == plain["kv_bytes"] and ours["retained_mass"] == plain["retained_mass"]
+
     chunked = importlib.import_module("kvpress.presses.chunk_press").ChunkPress
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
