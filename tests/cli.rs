@@ -549,7 +549,7 @@ fn bad_parameters_exit_2_with_the_rule() {
         ),
         (
             vec!["--heads", "threshold", "--scorer", "knorm", "--window", "0"],
-            "head split `threshold` keeps what scores above a threshold, which may be nothing",
+            "head split `threshold` may leave a cache only its protected positions, which may be nothing",
         ),
         (
             vec!["--allocator", "pyramid-taper", "--beta", "0.5"],

@@ -881,3 +881,61 @@ fn similarity_merges_what_kvpress_merging_merges() {
     }
     assert!(moved * 4 > rows, "{moved} of {rows} kept values moved");
 }
+
+/// kvpress's DuoAttention with on-the-fly scores (`tests/reference/kvpress_duo.py`, a
+/// transcription of `duo_attention_on_the_fly` and the streaming mask of
+/// `DuoAttentionPress.post_init_from_model`): calibrated on the trace itself at three ratios, the
+/// `duo` split makes exactly its streaming heads keep only their sinks and recent window, and the
+/// others keep the whole prompt.
+#[test]
+fn duo_streams_the_heads_kvpress_duo_attention_streams() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("duo.safetensors");
+    write_trace(&path, 29, PROMPT);
+    let trace = TraceReader::open(&path).unwrap();
+    let (sinks, window) = (4, 8);
+    let mut streaming_seen = 0;
+    for ratio in ["0.25", "0.5", "0.75"] {
+        let official = reference(
+            "kvpress_duo.py",
+            &[path.display().to_string(), ratio.into(), "64".into()],
+        );
+        let policy = PolicyParams {
+            scorer: "knorm".into(),
+            heads: "duo".into(),
+            budget: PROMPT,
+            sinks,
+            window,
+            ..PolicyParams::default()
+        }
+        .with("head_compression_ratio", ratio.parse::<f64>().unwrap())
+        .with("calibration", path.display().to_string())
+        .with("q_len", 64)
+        .check()
+        .unwrap();
+        let budgets = layer_budgets(&trace, &policy).unwrap();
+        for layer in 0..LAYERS {
+            let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
+            for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+                let UnitKept::Fixed(prompt) = unit_kept else {
+                    panic!("one-shot")
+                };
+                let streaming = official["streaming"][layer][unit.kv_head]
+                    .as_bool()
+                    .unwrap();
+                let expected: Vec<usize> = match streaming {
+                    true => (0..sinks).chain(PROMPT - window..PROMPT).collect(),
+                    false => (0..PROMPT).collect(),
+                };
+                assert_eq!(
+                    prompt, &expected,
+                    "ratio {ratio}, layer {layer}, head {}",
+                    unit.kv_head
+                );
+                streaming_seen += usize::from(streaming);
+            }
+        }
+    }
+    // round(6 · 0.25) + round(6 · 0.5) + round(6 · 0.75) = 2 + 3 + 4 streaming heads.
+    assert_eq!(streaming_seen, 9);
+}

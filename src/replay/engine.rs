@@ -741,6 +741,7 @@ fn layer_budgets_with_progress(
         )));
     }
     policy.scorer.check_trace(meta).map_err(mismatch)?;
+    policy.heads.check_trace(meta).map_err(mismatch)?;
     if matches!(policy.storage(), Storage::Merged(_)) && !trace.has_values() {
         return Err(mismatch(format!(
             "merge `{}` folds evicted values into kept ones, and this trace has none (capture with values)",

@@ -770,10 +770,16 @@ impl ValidPolicy {
                 rule: "shares head budgets from prefill scores: use --timing prefill",
             });
         }
+        if self.heads.needs_one_shot() && params.timing != Timing::Prefill {
+            return Err(PolicyError::Unsupported {
+                what: format!("head split `{}`", params.heads),
+                rule: "splits the heads once, at the prompt's end: use --timing prefill",
+            });
+        }
         if self.heads.needs_protection() && params.protection().tokens() == 0 {
             return Err(PolicyError::Unsupported {
                 what: format!("head split `{}`", params.heads),
-                rule: "keeps what scores above a threshold, which may be nothing: protect a sliding window or sinks (--window or --sinks at least 1)",
+                rule: "may leave a cache only its protected positions, which may be nothing: protect a sliding window or sinks (--window or --sinks at least 1)",
             });
         }
         if self.scheme().is_some() && self.channels.pruning().is_some() {

@@ -43,6 +43,7 @@ impl HeadSplit for AdaKv {
 
     fn split(
         &self,
+        _layer: usize,
         cap: usize,
         scores: &[Vec<f32>],
         _n_caches: usize,
@@ -120,9 +121,9 @@ mod tests {
             alpha,
             normalize: false,
         };
-        assert_eq!(plain(0.2).split(3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
+        assert_eq!(plain(0.2).split(0, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
         // With alpha 1 every cache gets exactly the floor: B.
-        assert_eq!(plain(1.0).split(3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
+        assert_eq!(plain(1.0).split(0, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
     }
 
     #[test]
@@ -138,7 +139,7 @@ mod tests {
                 alpha: 0.0,
                 normalize,
             }
-            .split(1, &scores, 2, &[0, 1, 2, 3], Protection::default())
+            .split(0, 1, &scores, 2, &[0, 1, 2, 3], Protection::default())
         };
         assert_eq!(split(true), vec![1, 1]);
         assert_eq!(split(false), vec![2, 0]);

@@ -5,12 +5,14 @@
 
 use super::settings::Broken;
 use super::Protection;
+use crate::trace::TraceMeta;
 
 crate::registry! {
     HeadSplit:
     uniform::Uniform,
     adakv::AdaKv,
     threshold::Threshold,
+    duo::Duo,
 }
 
 /// A way of sharing a layer's budget among its caches.
@@ -23,17 +25,28 @@ pub trait HeadSplit: Send + Sync {
     fn needs_scores(&self) -> bool {
         false
     }
+    /// Whether it splits the heads once, at the prompt's end, without reading scores (then the
+    /// policy must be one-shot).
+    fn needs_one_shot(&self) -> bool {
+        false
+    }
     /// Whether a cache could keep nothing unless the policy protects a position (sinks or
     /// window): the policy must then protect at least one.
     fn needs_protection(&self) -> bool {
         false
     }
-    /// Each cache's budget, given the layer's `budget`, one score per candidate position per cache
-    /// (empty when `needs_scores` is false), the candidates (the positions a whole cache holds at
-    /// the prompt's end, ascending: the prompt, or a sliding-window layer's window) and the
-    /// protection.
+    /// Whether it can split the caches of `meta`'s layers (a split calibrated on another trace
+    /// needs the same model); the message names the rule.
+    fn check_trace(&self, _meta: &TraceMeta) -> Result<(), String> {
+        Ok(())
+    }
+    /// Each cache's budget in layer `layer`, given the layer's `budget`, one score per candidate
+    /// position per cache (empty when `needs_scores` is false), the candidates (the positions a
+    /// whole cache holds at the prompt's end, ascending: the prompt, or a sliding-window layer's
+    /// window) and the protection.
     fn split(
         &self,
+        layer: usize,
         budget: usize,
         scores: &[Vec<f32>],
         n_caches: usize,

@@ -33,6 +33,7 @@ impl HeadSplit for Threshold {
 
     fn split(
         &self,
+        _layer: usize,
         cap: usize,
         scores: &[Vec<f32>],
         _n_caches: usize,
@@ -75,7 +76,7 @@ mod tests {
             window: 2,
         };
         let split = |threshold, cap| {
-            Threshold { threshold }.split(cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)
+            Threshold { threshold }.split(0, cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)
         };
         assert_eq!(split(0.4, 64), vec![4, 2]);
         // A score equal to the threshold stays (DMS evicts `scores < threshold`).

@@ -11,6 +11,7 @@ crate::settings! {
 impl HeadSplit for Uniform {
     fn split(
         &self,
+        _layer: usize,
         budget: usize,
         _scores: &[Vec<f32>],
         n_caches: usize,

@@ -1,0 +1,321 @@
+//! `duo`: DuoAttention's retrieval and streaming heads (Xiao et al., ICLR 2025, arXiv:2410.10819),
+//! as kvpress 0.5.5 runs it with `on_the_fly_scoring` (`DuoAttentionPress`,
+//! `kvpress/presses/duo_attention_press.py`): every KV head of every layer gets a score from a
+//! calibration text, the `round(n · head_compression_ratio)` lowest over all layers become
+//! streaming heads, which keep only the policy's protected sinks and recent window, and the
+//! others are retrieval heads, which keep the layer's budget (the whole prompt at a budget at or
+//! above its length: DuoAttention exactly; below it, retrieval heads are themselves compressed by
+//! the scorer).
+//!
+//! The score (`duo_attention_on_the_fly`, lines 147-212): per query head, the mean pre-rotary
+//! query and per KV head the mean pre-rotary key over the calibration text are repeated at
+//! positions `0..q_len` (500) and rotated there; the last query's softmax over those keys, scaled
+//! by `1/√d`, gives the area under its cumulative attention curve, `mean_j Σ_{i≤j} p_i`; a KV head
+//! scores the mean over its query heads. The streaming heads are the lowest (lines 86-90:
+//! `np.argsort` over all heads; `round` to even). kvpress scores 50 BookSum chapters; here the
+//! prompt of the `calibration` trace, which may be the trace replayed itself (the prompt only, so
+//! no look-ahead). On a model with sliding-window layers the ranking runs over its global layers
+//! (a sliding layer's cache is its window already, and kvpress refuses such models); the sliding
+//! layers' heads stay retrieval heads. Deliberate deviations: the pre-rotary vectors are the trace's post-rotary ones
+//! turned back with its rotary base (f64); equal scores make the lower (layer, head) streaming
+//! first; a cache read by one query head (`gqa = query-head`) follows its KV head, and a cache over
+//! several KV heads (`gqa = layer`) is a streaming head only when all of them are.
+
+use super::HeadSplit;
+use crate::replay::rotary::{rotate, Rotary};
+use crate::replay::settings::Broken;
+use crate::replay::Protection;
+use crate::trace::{TraceMeta, TraceReader};
+use ndarray::{Array1, ArrayView2, Axis};
+use std::sync::{Arc, OnceLock};
+
+crate::settings! {
+    /// DuoAttention: retrieval heads keep the budget, streaming heads their sinks and recent window
+    /// (arXiv:2410.10819; kvpress `DuoAttentionPress`, on-the-fly scores).
+    pub struct Duo = "duo" {
+        /// Share of the KV heads, over all layers, made streaming heads (kvpress's
+        /// `head_compression_ratio`), in [0, 1].
+        head_compression_ratio: f64 = 0.5,
+        /// The kvtrace/1 file whose prompt scores the heads (kvpress: 50 BookSum chapters); it may
+        /// be the trace replayed itself.
+        calibration: String = String::new(),
+        /// Positions the mean query and key are repeated at (kvpress's `q_len`).
+        q_len: usize = 500,
+    }
+    loaded {
+        /// The calibration trace's geometry and heads, read once when the settings are checked.
+        calibrated: Arc<OnceLock<Calibrated>>,
+    }
+}
+
+/// What a calibration trace gives: its geometry, its head scores and the streaming heads.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Calibrated {
+    /// (layers, heads, KV heads, head_dim).
+    geometry: (usize, usize, usize, usize),
+    /// Per layer, per KV head: the score.
+    pub scores: Vec<Vec<f64>>,
+    /// Per layer, per KV head: whether it is a streaming head.
+    pub streaming: Vec<Vec<bool>>,
+}
+
+impl HeadSplit for Duo {
+    /// Reads the calibration trace and scores its heads: a file that cannot be read, or whose
+    /// layers have no rotary base, is an error of the setting, before anything runs.
+    fn check(&self) -> Result<(), Broken> {
+        if !(0.0..=1.0).contains(&self.head_compression_ratio) {
+            return Err(Broken {
+                key: "head_compression_ratio",
+                rule: "must be in [0, 1]: the share of the KV heads made streaming heads".into(),
+            });
+        }
+        if self.q_len == 0 {
+            return Err(Broken {
+                key: "q_len",
+                rule: "must be at least 1".into(),
+            });
+        }
+        if self.calibration.trim().is_empty() {
+            return Err(Broken {
+                key: "calibration",
+                rule: "must be the path of a kvtrace/1 file whose prompt scores the heads (it may be the trace replayed)".into(),
+            });
+        }
+        if self.calibrated.get().is_some() {
+            return Ok(());
+        }
+        let calibrated = self.calibrate().map_err(|rule| Broken {
+            key: "calibration",
+            rule: rule.into(),
+        })?;
+        let _ = self.calibrated.set(calibrated);
+        Ok(())
+    }
+
+    fn needs_protection(&self) -> bool {
+        true
+    }
+
+    fn needs_one_shot(&self) -> bool {
+        true
+    }
+
+    fn check_trace(&self, meta: &TraceMeta) -> Result<(), String> {
+        let calibrated = self.calibrated();
+        let geometry = (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim);
+        match calibrated.geometry == geometry {
+            true => Ok(()),
+            false => Err(format!(
+                "head split `duo`: calibration trace {} has (layers, heads, KV heads, head_dim) = {:?}, this trace {:?}: it must come from the same model",
+                self.calibration, calibrated.geometry, geometry
+            )),
+        }
+    }
+
+    fn split(
+        &self,
+        layer: usize,
+        budget: usize,
+        _scores: &[Vec<f32>],
+        n_caches: usize,
+        _candidates: &[usize],
+        protect: Protection,
+    ) -> Vec<usize> {
+        let streaming = &self.calibrated().streaming[layer];
+        let n_kv = streaming.len();
+        (0..n_caches)
+            .map(|cache| {
+                let covered = match n_caches >= n_kv {
+                    true => {
+                        let kv = cache * n_kv / n_caches;
+                        kv..kv + 1
+                    }
+                    false => cache * n_kv / n_caches..(cache + 1) * n_kv / n_caches,
+                };
+                match streaming[covered].iter().all(|&s| s) {
+                    true => protect.tokens(),
+                    false => budget,
+                }
+            })
+            .collect()
+    }
+}
+
+impl Duo {
+    fn calibrated(&self) -> &Calibrated {
+        self.calibrated
+            .get()
+            .expect("the settings are checked before a split")
+    }
+
+    /// Scores every KV head of the calibration trace and picks the streaming ones.
+    fn calibrate(&self) -> Result<Calibrated, String> {
+        let trace = TraceReader::open(std::path::Path::new(&self.calibration))
+            .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
+        let meta = trace.meta();
+        let scores = (0..meta.n_layers)
+            .map(|layer| {
+                let theta = meta.rope_theta_of(layer).ok_or_else(|| {
+                    format!("the calibration trace's layer {layer} has no rotary base (`rope_theta`): its vectors cannot be turned back")
+                })?;
+                let tensors = trace
+                    .layer(layer)
+                    .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
+                let prompt = meta.prompt_len;
+                let mean = |vectors: ArrayView2<f32>| pre_rotary_mean(vectors, prompt, theta);
+                let queries: Vec<Array1<f64>> = tensors
+                    .q
+                    .axis_iter(Axis(0))
+                    .map(|q| mean(q))
+                    .collect();
+                let keys: Vec<Array1<f64>> = tensors
+                    .k
+                    .axis_iter(Axis(0))
+                    .map(|k| mean(k))
+                    .collect();
+                Ok(head_scores(&queries, &keys, theta, self.q_len))
+            })
+            .collect::<Result<Vec<Vec<f64>>, String>>()?;
+        let global = meta.global_layers();
+        let ranked: Vec<Vec<f64>> = scores
+            .iter()
+            .enumerate()
+            .map(|(layer, heads)| match global.contains(&layer) {
+                true => heads.clone(),
+                false => Vec::new(),
+            })
+            .collect();
+        let mut streaming = streaming_heads(&ranked, self.head_compression_ratio);
+        for (heads, layer_scores) in streaming.iter_mut().zip(&scores) {
+            heads.resize(layer_scores.len(), false);
+        }
+        Ok(Calibrated {
+            geometry: (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim),
+            scores,
+            streaming,
+        })
+    }
+}
+
+/// The mean over the first `prompt` rows of `vectors` (`[T, d]`, post-rotary), each turned back
+/// by the rotary of base `theta` at its position.
+fn pre_rotary_mean(vectors: ArrayView2<f32>, prompt: usize, theta: f32) -> Array1<f64> {
+    let rotary = Rotary::new(theta, vectors.ncols());
+    let mut sum = Array1::<f64>::zeros(vectors.ncols());
+    for (position, row) in vectors.rows().into_iter().take(prompt).enumerate() {
+        let (cos, sin) = rotary.at(position);
+        let minus_sin: Vec<f64> = sin.iter().map(|s| -s).collect();
+        sum += &rotate(row.mapv(f64::from).view(), &cos, &minus_sin);
+    }
+    sum / prompt.max(1) as f64
+}
+
+/// DuoAttention's on-the-fly score of each KV head: the mean, over its query heads, of the area
+/// under the cumulative attention curve of the mean query at position `q_len − 1` over the mean
+/// key at positions `0..q_len`.
+fn head_scores(queries: &[Array1<f64>], keys: &[Array1<f64>], theta: f32, q_len: usize) -> Vec<f64> {
+    let d = keys[0].len();
+    let rotary = Rotary::new(theta, d);
+    let group = queries.len() / keys.len();
+    let angles: Vec<(Vec<f64>, Vec<f64>)> = (0..q_len).map(|j| rotary.at(j)).collect();
+    let rotated_keys: Vec<Vec<Array1<f64>>> = keys
+        .iter()
+        .map(|k| angles.iter().map(|(c, s)| rotate(k.view(), c, s)).collect())
+        .collect();
+    let (cos, sin) = &angles[q_len - 1];
+    let area = |head: usize| {
+        let query = rotate(queries[head].view(), cos, sin);
+        let logits: Vec<f64> = rotated_keys[head / group]
+            .iter()
+            .map(|key| query.dot(key) / (d as f64).sqrt())
+            .collect();
+        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+        let exp: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
+        let total: f64 = exp.iter().sum();
+        let mut cumulative = 0.0;
+        exp.iter()
+            .map(|e| {
+                cumulative += e / total;
+                cumulative
+            })
+            .sum::<f64>()
+            / q_len as f64
+    };
+    (0..keys.len())
+        .map(|kv| (kv * group..(kv + 1) * group).map(area).sum::<f64>() / group as f64)
+        .collect()
+}
+
+/// The `round(n · ratio)` lowest-scoring heads over all layers (ties to even in the rounding, as
+/// Python's `round`; the lower (layer, head) first among equal scores).
+fn streaming_heads(scores: &[Vec<f64>], ratio: f64) -> Vec<Vec<bool>> {
+    let flat: Vec<(f64, usize, usize)> = scores
+        .iter()
+        .enumerate()
+        .flat_map(|(layer, heads)| heads.iter().enumerate().map(move |(h, &s)| (s, layer, h)))
+        .collect();
+    let n = (flat.len() as f64 * ratio).round_ties_even() as usize;
+    let mut order = flat.clone();
+    order.sort_by(|a, b| a.0.total_cmp(&b.0).then((a.1, a.2).cmp(&(b.1, b.2))));
+    let mut streaming: Vec<Vec<bool>> = scores.iter().map(|h| vec![false; h.len()]).collect();
+    for &(_, layer, head) in &order[..n] {
+        streaming[layer][head] = true;
+    }
+    streaming
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use ndarray::array;
+
+    #[test]
+    fn the_lowest_heads_over_all_layers_stream() {
+        let scores = vec![vec![0.5, 0.1], vec![0.3, 0.9], vec![0.2, 0.7]];
+        // 6 heads at 0.5: 3 streaming, the lowest 0.1, 0.2, 0.3.
+        assert_eq!(
+            streaming_heads(&scores, 0.5),
+            [vec![false, true], vec![true, false], vec![true, false]]
+        );
+        // 6 · 0.25 = 1.5 rounds to 2 (even); 6 · 0.75 = 4.5 to 4.
+        let count = |r: f64| streaming_heads(&scores, r).concat().iter().filter(|&&s| s).count();
+        assert_eq!((count(0.25), count(0.75), count(0.0), count(1.0)), (2, 4, 0, 6));
+    }
+
+    #[test]
+    fn a_flat_attention_has_the_area_of_a_uniform_curve() {
+        // A zero query gives every key the same logit, p = 1/n; the cumulative curve is j/n
+        // (j = 1..n), its mean (n + 1) / (2n) = 5/8 at n = 4.
+        let key = array![1.0, 0.0];
+        let area = head_scores(&[array![0.0, 0.0]], &[key.clone()], 10_000.0, 4)[0];
+        assert!((area - 5.0 / 8.0).abs() < 1e-12, "{area}");
+        // Two positions, d = 2 (one pair, turning by the position in radians): the query at
+        // position 1 against keys at 0 and 1: logits q·R(0)k and q·R(1)k over √2; with q = k =
+        // [1, 0], R(1)q·k = cos 1 and R(1)q·R(1)k = 1, so p_0 = e^{cos 1/√2} / (e^{cos 1/√2} +
+        // e^{1/√2}) and the area (p_0 + 1) / 2.
+        let (a, b) = ((1f64.cos() / 2f64.sqrt()).exp(), (1.0 / 2f64.sqrt()).exp());
+        let two = head_scores(&[array![1.0, 0.0]], &[key.clone()], 10_000.0, 2)[0];
+        assert!((two - (a / (a + b) + 1.0) / 2.0).abs() < 1e-12, "{two}");
+        // A KV head scores the mean of its query heads: [q, q] as [q].
+        let q = array![0.3, -1.2];
+        let one = head_scores(&[q.clone()], &[key.clone()], 10_000.0, 50)[0];
+        let two = head_scores(&[q.clone(), q], &[key], 10_000.0, 50)[0];
+        assert!((one - two).abs() < 1e-15);
+    }
+
+    #[test]
+    fn turning_back_undoes_the_rotary() {
+        // A constant pre-rotary vector rotated at each position has itself as pre-rotary mean.
+        let rotary = Rotary::new(10_000.0, 4);
+        let x = array![0.5, -1.0, 2.0, 0.25];
+        let rows: Vec<f32> = (0..6)
+            .flat_map(|p| {
+                let (c, s) = rotary.at(p);
+                rotate(x.view(), &c, &s).mapv(|v| v as f32).to_vec()
+            })
+            .collect();
+        let vectors = ndarray::Array2::from_shape_vec((6, 4), rows).unwrap();
+        let mean = pre_rotary_mean(vectors.view(), 6, 10_000.0);
+        assert!(mean.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-6), "{mean}");
+    }
+}
