@@ -324,6 +324,85 @@ fn merged_values_are_labelled_and_hold_the_same_bytes() {
     );
 }
 
+/// `--heads duo` needs a calibration trace of the same model, a ratio in [0, 1], a known scoring,
+/// protection and the `prefill` timing: each refusal exits 2 naming the rule; calibrated on the
+/// trace itself it runs.
+#[test]
+fn duo_heads_are_refused_without_what_they_need() {
+    let dir = fixture();
+    let duo = |extra: &[&'static str]| -> Vec<&'static str> {
+        let mut args = vec![
+            "replay",
+            "fixture.safetensors",
+            "--heads",
+            "duo",
+            "--sinks",
+            "1",
+        ];
+        args.extend_from_slice(extra);
+        args
+    };
+    refused(&dir, &duo(&[]), "head split `duo`: setting `calibration` = its default: must be the path of a kvtrace/1 file");
+    refused(
+        &dir,
+        &duo(&["--calibration", "missing.safetensors"]),
+        "the calibration trace cannot be read",
+    );
+    refused(
+        &dir,
+        &duo(&[
+            "--calibration",
+            "fixture.safetensors",
+            "--head-compression-ratio",
+            "1.5",
+        ]),
+        "must be in [0, 1]: the share of the KV heads made streaming heads",
+    );
+    refused(
+        &dir,
+        &duo(&["--calibration", "fixture.safetensors", "--scores", "oracle"]),
+        "must be `on-the-fly`",
+    );
+    refused(
+        &dir,
+        &duo(&[
+            "--calibration",
+            "fixture.safetensors",
+            "--timing",
+            "streaming",
+            "--scorer",
+            "tova",
+        ]),
+        "head split `duo` splits the heads once, at the prompt's end: use --timing prefill",
+    );
+    write_fixture(
+        &dir.path().join("other.safetensors"),
+        Shape {
+            n_layers: 3,
+            ..Shape::default()
+        },
+        1,
+    );
+    refused(
+        &dir,
+        &duo(&["--calibration", "other.safetensors"]),
+        "it must come from the same model",
+    );
+    let out = stdout(kvreplay(&dir).args(duo(&[
+        "--calibration",
+        "fixture.safetensors",
+        "--format",
+        "csv",
+    ])));
+    assert!(
+        out.lines()
+            .nth(1)
+            .unwrap()
+            .starts_with("flat/duo+snapkv@prefill"),
+        "{out}"
+    );
+}
+
 /// `compare --bytes --quantizer --bits` sets a budget in bytes and a quantizer over every preset:
 /// a 4-bit cache keeps more tokens in the same bytes.
 #[test]

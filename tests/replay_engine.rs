@@ -619,6 +619,81 @@ fn merged_caches_match_brute_force_reference() {
     assert_eq!(compared, 3 * 2 * 2 * shape.n_layers);
 }
 
+/// The `duo` head split, calibrated on the trace itself: its streaming caches keep exactly their
+/// sinks and recent window, its retrieval caches the whole prompt, in the number the ratio says;
+/// scored by the decode attention (the oracle), its retained mass is at least the on-the-fly
+/// score's at every ratio (it streams the heads whose decode queries lose least, and a retrieval
+/// head loses nothing), and both fall as more heads stream.
+#[test]
+fn duo_streams_the_heads_the_ratio_says_and_its_oracle_loses_least() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 3,
+        prompt_len: 40,
+        ..Shape::default()
+    };
+    let path = dir.path().join("duo.safetensors");
+    write_fixture(&path, shape, 5);
+    let trace = TraceReader::open(&path).unwrap();
+    let (sinks, window) = (2, 4);
+    let policy = |ratio: f64, scores: &str| {
+        PolicyParams {
+            scorer: "knorm".into(),
+            heads: "duo".into(),
+            budget: shape.prompt_len,
+            sinks,
+            window,
+            ..PolicyParams::default()
+        }
+        .with("head_compression_ratio", ratio)
+        .with("calibration", path.display().to_string())
+        .with("scores", scores)
+        .check()
+        .unwrap()
+    };
+    let mut last = [f64::INFINITY; 2];
+    for ratio in [0.0, 1.0 / 3.0, 2.0 / 3.0, 1.0] {
+        let mut masses = [0.0; 2];
+        for (i, scores) in ["on-the-fly", "decode"].into_iter().enumerate() {
+            let policy = policy(ratio, scores);
+            let budgets = layer_budgets(&trace, &policy).unwrap();
+            let mut streaming = 0;
+            for layer in 0..shape.n_layers {
+                let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
+                for unit_kept in &kept.kept {
+                    let UnitKept::Fixed(prompt) = unit_kept else {
+                        panic!("one-shot")
+                    };
+                    match prompt.len() {
+                        n if n == shape.prompt_len => {}
+                        n if n == sinks + window => {
+                            let ends: Vec<usize> = (0..sinks)
+                                .chain(shape.prompt_len - window..shape.prompt_len)
+                                .collect();
+                            assert_eq!(prompt, &ends);
+                            streaming += 1;
+                        }
+                        n => panic!("{scores} {ratio}: a cache of {n}"),
+                    }
+                }
+            }
+            let heads = shape.n_layers * shape.n_kv_heads;
+            assert_eq!(
+                streaming,
+                (heads as f64 * ratio).round() as usize,
+                "{scores} {ratio}"
+            );
+            masses[i] = replay(&trace, &policy)
+                .unwrap()
+                .metric("retained_mass")
+                .unwrap();
+            assert!(masses[i] <= last[i] + 1e-12, "{scores} {ratio}");
+        }
+        assert!(masses[1] >= masses[0] - 1e-12, "{ratio}: {masses:?}");
+        last = masses;
+    }
+}
+
 /// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key
 /// 0. Full attention of q = 1 (scale 1) over keys [1, 2, 3, 0]: softmax = e^k / (e + e^2 + e^3 + 1)
 /// = [0.0871443, 0.2368828, 0.6439142, 0.0320586]. StreamingLLM with 1 sink and budget 2 keeps

@@ -41,6 +41,10 @@ crate::settings! {
         calibration: String = String::new(),
         /// Positions the mean query and key are repeated at (kvpress's `q_len`).
         q_len: usize = 500,
+        /// How the heads are scored: `on-the-fly` (kvpress's, from the calibration prompt) or
+        /// `decode` (the attention the calibration trace's decode queries put beyond the sinks
+        /// and recent window: an oracle bound when it is the trace replayed).
+        scores: String = "on-the-fly".to_string(),
     }
     loaded {
         /// The calibration trace's geometry and heads, read once when the settings are checked.
@@ -53,11 +57,19 @@ crate::settings! {
 pub struct Calibrated {
     /// (layers, heads, KV heads, head_dim).
     geometry: (usize, usize, usize, usize),
-    /// Per layer, per KV head: the score.
+    /// Per layer, per KV head: the on-the-fly score.
     pub scores: Vec<Vec<f64>>,
-    /// Per layer, per KV head: whether it is a streaming head.
+    /// Per layer, per KV head: whether it is a streaming head by the on-the-fly score.
     pub streaming: Vec<Vec<bool>>,
+    /// Per layer, per KV head, per position: the decode queries' mean attention (over steps and
+    /// the group's query heads), read only for `scores = "decode"`; the prompt's length.
+    pub decode: (Vec<Vec<Vec<f64>>>, usize),
+    /// The global layers, which the ranking runs over.
+    global: Vec<usize>,
 }
+
+/// The two ways of scoring heads.
+const SCORES: [&str; 2] = ["on-the-fly", "decode"];
 
 impl HeadSplit for Duo {
     /// Reads the calibration trace and scores its heads: a file that cannot be read, or whose
@@ -67,6 +79,12 @@ impl HeadSplit for Duo {
             return Err(Broken {
                 key: "head_compression_ratio",
                 rule: "must be in [0, 1]: the share of the KV heads made streaming heads".into(),
+            });
+        }
+        if !SCORES.contains(&self.scores.as_str()) {
+            return Err(Broken {
+                key: "scores",
+                rule: "must be `on-the-fly` (kvpress's, from the calibration prompt) or `decode` (the calibration trace's decode attention)".into(),
             });
         }
         if self.q_len == 0 {
@@ -121,7 +139,14 @@ impl HeadSplit for Duo {
         _candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
-        let streaming = &self.calibrated().streaming[layer];
+        let decoded;
+        let streaming = match self.scores.as_str() {
+            "decode" => {
+                decoded = self.calibrated().decode_streaming(protect, self.head_compression_ratio);
+                &decoded[layer]
+            }
+            _ => &self.calibrated().streaming[layer],
+        };
         let n_kv = streaming.len();
         (0..n_caches)
             .map(|cache| {
@@ -177,24 +202,83 @@ impl Duo {
             })
             .collect::<Result<Vec<Vec<f64>>, String>>()?;
         let global = meta.global_layers();
-        let ranked: Vec<Vec<f64>> = scores
-            .iter()
-            .enumerate()
-            .map(|(layer, heads)| match global.contains(&layer) {
-                true => heads.clone(),
-                false => Vec::new(),
+        let streaming = ranked_over(&scores, &global, self.head_compression_ratio);
+        let decoding = self.scores == "decode";
+        let decode = (0..meta.n_layers)
+            .filter(|_| decoding)
+            .map(|layer| {
+                let tensors = trace
+                    .layer(layer)
+                    .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
+                Ok(decode_mass(&crate::replay::context(&trace, layer, &tensors)))
             })
-            .collect();
-        let mut streaming = streaming_heads(&ranked, self.head_compression_ratio);
-        for (heads, layer_scores) in streaming.iter_mut().zip(&scores) {
-            heads.resize(layer_scores.len(), false);
-        }
+            .collect::<Result<Vec<_>, String>>()?;
         Ok(Calibrated {
             geometry: (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim),
             scores,
             streaming,
+            decode: (decode, meta.prompt_len),
+            global,
         })
     }
+}
+
+impl Calibrated {
+    /// The streaming heads by the decode attention: each KV head scores the mean mass its decode
+    /// queries put on the prompt positions a streaming head drops (beyond `protect`'s sinks and
+    /// before its recent window), and the lowest become streaming heads.
+    fn decode_streaming(&self, protect: Protection, ratio: f64) -> Vec<Vec<bool>> {
+        let (decode, prompt) = &self.decode;
+        let dropped = protect.sinks..prompt.saturating_sub(protect.window);
+        let lost: Vec<Vec<f64>> = decode
+            .iter()
+            .map(|heads| {
+                heads
+                    .iter()
+                    .map(|mass| dropped.clone().map(|j| mass[j]).sum())
+                    .collect()
+            })
+            .collect();
+        ranked_over(&lost, &self.global, ratio)
+    }
+}
+
+/// Per KV head, per position, the mean attention of the layer's decode queries (over the steps
+/// and the KV head's query heads).
+fn decode_mass(layer: &crate::replay::LayerContext<'_>) -> Vec<Vec<f64>> {
+    let group = layer.group_size();
+    let n_kv = layer.k.shape()[0];
+    (0..n_kv)
+        .map(|kv| {
+            let attention = layer.decode_attention(kv * group..(kv + 1) * group);
+            let (heads, steps, t) = attention.dim();
+            let mut mass = vec![0.0; t];
+            for weights in attention.rows() {
+                for (m, &w) in mass.iter_mut().zip(weights) {
+                    *m += f64::from(w) / (heads * steps) as f64;
+                }
+            }
+            mass
+        })
+        .collect()
+}
+
+/// [`streaming_heads`] ranked over the `global` layers only; the others' heads stay retrieval
+/// heads.
+fn ranked_over(scores: &[Vec<f64>], global: &[usize], ratio: f64) -> Vec<Vec<bool>> {
+    let ranked: Vec<Vec<f64>> = scores
+        .iter()
+        .enumerate()
+        .map(|(layer, heads)| match global.contains(&layer) {
+            true => heads.clone(),
+            false => Vec::new(),
+        })
+        .collect();
+    let mut streaming = streaming_heads(&ranked, ratio);
+    for (heads, layer_scores) in streaming.iter_mut().zip(scores) {
+        heads.resize(layer_scores.len(), false);
+    }
+    streaming
 }
 
 /// The mean over the first `prompt` rows of `vectors` (`[T, d]`, post-rotary), each turned back
@@ -301,6 +385,35 @@ mod tests {
         let one = head_scores(&[q.clone()], &[key.clone()], 10_000.0, 50)[0];
         let two = head_scores(&[q.clone(), q], &[key], 10_000.0, 50)[0];
         assert!((one - two).abs() < 1e-15);
+    }
+
+    #[test]
+    fn decode_scores_stream_the_heads_that_lose_least() {
+        // Prompt 4, sinks 1, window 1: a streaming head drops positions 1 and 2. Layer 0's heads
+        // lose 0.5 and 0.1, layer 1's 0.3 and 0.0; layer 2 is a sliding layer, never ranked.
+        let mass = |a: f64, b: f64| vec![0.1, a, b, 0.2, 0.1];
+        let calibrated = Calibrated {
+            geometry: (3, 2, 2, 4),
+            scores: Vec::new(),
+            streaming: Vec::new(),
+            decode: (
+                vec![
+                    vec![mass(0.3, 0.2), mass(0.05, 0.05)],
+                    vec![mass(0.2, 0.1), mass(0.0, 0.0)],
+                    vec![mass(0.0, 0.0), mass(0.0, 0.0)],
+                ],
+                4,
+            ),
+            global: vec![0, 1],
+        };
+        let protect = Protection {
+            sinks: 1,
+            window: 1,
+        };
+        assert_eq!(
+            calibrated.decode_streaming(protect, 0.5),
+            [vec![false, true], vec![false, true], vec![false, false]]
+        );
     }
 
     #[test]
