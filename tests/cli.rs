@@ -29,6 +29,27 @@ fn stdout(cmd: &mut Command) -> String {
 }
 
 /// Runs `kvreplay args` in `dir` and requires exit 2 with `message` in its error.
+/// The first data row of `kvreplay replay fixture.safetensors --budget BUDGET --format csv` with
+/// `extra` flags, by column.
+fn replay_row(dir: &tempfile::TempDir, budget: &str, extra: &[&str]) -> Vec<String> {
+    let mut args = vec![
+        "replay",
+        "fixture.safetensors",
+        "--budget",
+        budget,
+        "--format",
+        "csv",
+    ];
+    args.extend_from_slice(extra);
+    let out = stdout(kvreplay(dir).args(&args));
+    out.lines()
+        .nth(1)
+        .unwrap()
+        .split(',')
+        .map(str::to_owned)
+        .collect()
+}
+
 fn refused(dir: &tempfile::TempDir, args: &[&str], message: &str) {
     kvreplay(dir)
         .args(args)
@@ -126,24 +147,7 @@ fn csv_per_layer_rows() {
 #[test]
 fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
     let dir = fixture();
-    let csv = |extra: &[&str]| -> Vec<String> {
-        let mut args = vec![
-            "replay",
-            "fixture.safetensors",
-            "--budget",
-            "16",
-            "--format",
-            "csv",
-        ];
-        args.extend_from_slice(extra);
-        let out = stdout(kvreplay(&dir).args(&args));
-        out.lines()
-            .nth(1)
-            .unwrap()
-            .split(',')
-            .map(str::to_owned)
-            .collect()
-    };
+    let csv = |extra: &[&str]| replay_row(&dir, "16", extra);
     let plain = csv(&[]);
     let kivi = csv(&[
         "--quantizer",
@@ -189,24 +193,7 @@ fn a_quantized_cache_is_labelled_and_holds_fewer_bytes() {
 #[test]
 fn pruned_key_channels_are_labelled_and_hold_fewer_bytes() {
     let dir = fixture();
-    let csv = |extra: &[&str]| -> Vec<String> {
-        let mut args = vec![
-            "replay",
-            "fixture.safetensors",
-            "--budget",
-            "16",
-            "--format",
-            "csv",
-        ];
-        args.extend_from_slice(extra);
-        let out = stdout(kvreplay(&dir).args(&args));
-        out.lines()
-            .nth(1)
-            .unwrap()
-            .split(',')
-            .map(str::to_owned)
-            .collect()
-    };
+    let csv = |extra: &[&str]| replay_row(&dir, "16", extra);
     let plain = csv(&[]);
     let think = csv(&["--channels", "think", "--query-window", "4"]);
     assert_eq!(
@@ -260,24 +247,7 @@ fn pruned_key_channels_are_labelled_and_hold_fewer_bytes() {
 #[test]
 fn merged_values_are_labelled_and_hold_the_same_bytes() {
     let dir = fixture();
-    let csv = |extra: &[&str]| -> Vec<String> {
-        let mut args = vec![
-            "replay",
-            "fixture.safetensors",
-            "--budget",
-            "12",
-            "--format",
-            "csv",
-        ];
-        args.extend_from_slice(extra);
-        let out = stdout(kvreplay(&dir).args(&args));
-        out.lines()
-            .nth(1)
-            .unwrap()
-            .split(',')
-            .map(str::to_owned)
-            .collect()
-    };
+    let csv = |extra: &[&str]| replay_row(&dir, "12", extra);
     let plain = csv(&[]);
     let merged = csv(&["--merge", "similarity"]);
     assert_eq!(merged[0], "flat+snapkv@prefill merging by similarity");

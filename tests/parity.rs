@@ -15,7 +15,8 @@ mod common;
 
 use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{
-    kept_sets, layer_budgets, presets, Granularity, Kept, PolicyParams, UnitKept,
+    context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, PolicyParams,
+    Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
@@ -254,6 +255,27 @@ fn cake_keeps_what_its_cache_keeps() {
     let path = dir.path().join("parity.safetensors");
     write_trace(&path, 5, 112);
     check_streaming(&path, "cake", "cake.py", &[40, 48, 64], true);
+}
+
+/// Calls `check` with every layer's index and context, and each of its caches with the prompt
+/// positions `policy` (one-shot) keeps in it.
+fn for_each_one_shot_cache(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    mut check: impl FnMut(usize, &LayerContext<'_>, &Unit, &[usize]),
+) {
+    let budgets = layer_budgets(trace, policy).unwrap();
+    for layer in 0..LAYERS {
+        let tensors = trace.layer(layer).unwrap();
+        let ctx = context(trace, layer, &tensors);
+        let kept = kept_sets(trace, policy, &budgets, layer).unwrap();
+        for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+            let UnitKept::Fixed(prompt) = unit_kept else {
+                panic!("one-shot")
+            };
+            check(layer, &ctx, unit, prompt);
+        }
+    }
 }
 
 /// Compares a one-shot method with one cache per KV head (a kvpress press, R-KV) with its
@@ -746,7 +768,7 @@ fn kivi_holds_what_its_cache_holds() {
 #[test]
 fn think_prunes_the_channels_kvpress_think_zeroes() {
     use kvreplay::replay::channels::PrunedKeys;
-    use kvreplay::replay::{context, Storage};
+    use kvreplay::replay::Storage;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("think.safetensors");
     write_trace_values(&path, 17, PROMPT, true);
@@ -778,30 +800,20 @@ fn think_prunes_the_channels_kvpress_think_zeroes() {
             let Storage::PrunedKeys(pruning) = checked.storage() else {
                 panic!("think prunes")
             };
-            let layer_budgets = layer_budgets(&trace, &checked).unwrap();
-            for layer in 0..LAYERS {
-                let tensors = trace.layer(layer).unwrap();
-                let ctx = context(&trace, layer, &tensors);
-                let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
-                for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-                    let UnitKept::Fixed(prompt) = unit_kept else {
-                        panic!("one-shot")
-                    };
-                    let mut cache = PrunedKeys::new(pruning, &ctx, unit);
-                    cache.step(prompt);
-                    let theirs = positions(
-                        &official[budget.to_string()]["layers"][layer]["pruned"][unit.index],
-                    );
-                    assert_eq!(
-                        cache.pruned_channels(),
-                        theirs,
-                        "ratio {ratio}, window {window}, budget {budget}, layer {layer}, cache {}",
-                        unit.index
-                    );
-                    assert_eq!(theirs.len(), pruning.pruned(HEAD_DIM));
-                    pruned_sets += 1;
-                }
-            }
+            for_each_one_shot_cache(&trace, &checked, |layer, ctx, unit, prompt| {
+                let mut cache = PrunedKeys::new(pruning, ctx, unit);
+                cache.step(prompt);
+                let theirs =
+                    positions(&official[budget.to_string()]["layers"][layer]["pruned"][unit.index]);
+                assert_eq!(
+                    cache.pruned_channels(),
+                    theirs,
+                    "ratio {ratio}, window {window}, budget {budget}, layer {layer}, cache {}",
+                    unit.index
+                );
+                assert_eq!(theirs.len(), pruning.pruned(HEAD_DIM));
+                pruned_sets += 1;
+            });
         }
     }
     assert_eq!(pruned_sets, 2 * 3 * LAYERS * KV_HEADS);
@@ -814,7 +826,7 @@ fn think_prunes_the_channels_kvpress_think_zeroes() {
 #[test]
 fn similarity_merges_what_kvpress_merging_merges() {
     use kvreplay::replay::merge::MergedValues;
-    use kvreplay::replay::{context, Storage};
+    use kvreplay::replay::Storage;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("merging.safetensors");
     write_trace_values(&path, 23, PROMPT, true);
@@ -845,38 +857,28 @@ fn similarity_merges_what_kvpress_merging_merges() {
             let Storage::Merged(merge) = checked.storage() else {
                 panic!("similarity merges")
             };
-            let layer_budgets = layer_budgets(&trace, &checked).unwrap();
-            for layer in 0..LAYERS {
-                let tensors = trace.layer(layer).unwrap();
-                let ctx = context(&trace, layer, &tensors);
-                let kept = kept_sets(&trace, &checked, &layer_budgets, layer).unwrap();
-                for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-                    let UnitKept::Fixed(prompt) = unit_kept else {
-                        panic!("one-shot")
-                    };
-                    let ours = MergedValues::new(merge, &ctx, unit, prompt);
-                    let theirs =
-                        &official[budget.to_string()]["layers"][layer]["merged"][unit.index];
-                    let original = ctx.values(unit.kv_head).unwrap();
-                    for (i, &j) in prompt.iter().enumerate() {
-                        let row: Vec<f32> = theirs[i]
-                            .as_array()
-                            .unwrap()
-                            .iter()
-                            .map(|x| x.as_f64().unwrap() as f32)
-                            .collect();
-                        for (a, b) in ours.values().row(j).iter().zip(&row) {
-                            assert!(
-                                (a - b).abs() < 1e-5,
-                                "{threshold} {fraction} at {budget}, layer {layer}, cache {}, position {j}: {a} vs {b}",
-                                unit.index
-                            );
-                        }
-                        moved += usize::from(original.row(j).to_vec() != row);
-                        rows += 1;
+            for_each_one_shot_cache(&trace, &checked, |layer, ctx, unit, prompt| {
+                let ours = MergedValues::new(merge, ctx, unit, prompt);
+                let theirs = &official[budget.to_string()]["layers"][layer]["merged"][unit.index];
+                let original = ctx.values(unit.kv_head).unwrap();
+                for (i, &j) in prompt.iter().enumerate() {
+                    let row: Vec<f32> = theirs[i]
+                        .as_array()
+                        .unwrap()
+                        .iter()
+                        .map(|x| x.as_f64().unwrap() as f32)
+                        .collect();
+                    for (a, b) in ours.values().row(j).iter().zip(&row) {
+                        assert!(
+                            (a - b).abs() < 1e-5,
+                            "{threshold} {fraction} at {budget}, layer {layer}, cache {}, position {j}: {a} vs {b}",
+                            unit.index
+                        );
                     }
+                    moved += usize::from(original.row(j).to_vec() != row);
+                    rows += 1;
                 }
-            }
+            });
         }
     }
     assert!(moved * 4 > rows, "{moved} of {rows} kept values moved");
@@ -913,28 +915,21 @@ fn duo_streams_the_heads_kvpress_duo_attention_streams() {
         .with("q_len", 64)
         .check()
         .unwrap();
-        let budgets = layer_budgets(&trace, &policy).unwrap();
-        for layer in 0..LAYERS {
-            let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
-            for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
-                let UnitKept::Fixed(prompt) = unit_kept else {
-                    panic!("one-shot")
-                };
-                let streaming = official["streaming"][layer][unit.kv_head]
-                    .as_bool()
-                    .unwrap();
-                let expected: Vec<usize> = match streaming {
-                    true => (0..sinks).chain(PROMPT - window..PROMPT).collect(),
-                    false => (0..PROMPT).collect(),
-                };
-                assert_eq!(
-                    prompt, &expected,
-                    "ratio {ratio}, layer {layer}, head {}",
-                    unit.kv_head
-                );
-                streaming_seen += usize::from(streaming);
-            }
-        }
+        for_each_one_shot_cache(&trace, &policy, |layer, _, unit, prompt| {
+            let streaming = official["streaming"][layer][unit.kv_head]
+                .as_bool()
+                .unwrap();
+            let expected: Vec<usize> = match streaming {
+                true => (0..sinks).chain(PROMPT - window..PROMPT).collect(),
+                false => (0..PROMPT).collect(),
+            };
+            assert_eq!(
+                prompt, expected,
+                "ratio {ratio}, layer {layer}, head {}",
+                unit.kv_head
+            );
+            streaming_seen += usize::from(streaming);
+        });
     }
     // round(6 · 0.25) + round(6 · 0.5) + round(6 · 0.75) = 2 + 3 + 4 streaming heads.
     assert_eq!(streaming_seen, 9);

@@ -6,8 +6,8 @@ use common::{write_fixture, Shape};
 use kvreplay::replay::metrics;
 use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
-    kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Order,
-    PolicyError, PolicyParams, Timing, UnitKept,
+    kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept, Order,
+    PolicyError, PolicyParams, ReplayReport, Timing, Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::TraceReader;
 use ndarray::Array3;
@@ -29,6 +29,54 @@ fn assert_metrics_agree(got: &kvreplay::replay::LayerReport, expected: &[(&str, 
             "{case} {id}: {value} vs {want}"
         );
     }
+}
+
+/// Checks layer `index` of `report` (a policy that stores its entries otherwise than captured)
+/// against every metric's brute-force definition over caches whose contents `held` rebuilds from
+/// the positions each cache holds at each step (its kept sets, or under a re-selecting timing
+/// every position it sees); returns the caches and those positions.
+fn stored_layer_agrees(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    (layer, index, shape): (&Layer, usize, Shape),
+    (report, case): (&ReplayReport, &str),
+    held: impl Fn(&Unit, &[Vec<usize>]) -> Vec<reference::Held>,
+) -> (Kept, Vec<Vec<Vec<usize>>>) {
+    let budgets = layer_budgets(trace, policy).unwrap();
+    let kept = kept_sets(trace, policy, &budgets, index).unwrap();
+    let steps = 0..shape.generated;
+    let sets: Vec<Vec<Vec<usize>>> = kept
+        .kept
+        .iter()
+        .map(|unit| {
+            steps
+                .clone()
+                .map(|step| unit.kept_positions(step, shape.prompt_len))
+                .collect()
+        })
+        .collect();
+    let histories: Vec<Vec<Vec<usize>>> = sets
+        .iter()
+        .map(|unit_sets| match policy.params().timing.reselects() {
+            true => steps
+                .clone()
+                .map(|step| (0..=shape.prompt_len + step).collect())
+                .collect(),
+            false => unit_sets.clone(),
+        })
+        .collect();
+    let contents: Vec<Vec<reference::Held>> = kept
+        .units
+        .iter()
+        .zip(&histories)
+        .map(|(unit, history)| held(unit, history))
+        .collect();
+    let per_query_head = policy.params().gqa == Granularity::QueryHead;
+    let top_k = policy.params().top_k;
+    let expected =
+        metrics::reference_means(layer, &sets, (per_query_head, top_k), Some(&contents)).unwrap();
+    assert_metrics_agree(&report.layers[index], &expected, case);
+    (kept, histories)
 }
 
 /// Layer `index` of a fixture of `shape` as the reference reads it.
@@ -314,44 +362,20 @@ fn quantized_caches_match_brute_force_reference() {
                     let scheme = policy.scheme().expect("quantizes below 16 bits");
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
-                    let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
                         let layer = fixture_layer((q, k, v), shape, index);
-                        let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
-                        let sets: Vec<Vec<Vec<usize>>> = kept
-                            .kept
-                            .iter()
-                            .map(|unit| {
-                                (0..shape.generated)
-                                    .map(|step| unit.kept_positions(step, shape.prompt_len))
-                                    .collect()
-                            })
-                            .collect();
-                        let held: Vec<Vec<reference::Held>> = kept
-                            .units
-                            .iter()
-                            .zip(&sets)
-                            .map(|(unit, steps)| {
-                                let history: Vec<Vec<usize>> = match timing.reselects() {
-                                    true => (0..shape.generated)
-                                        .map(|step| (0..=shape.prompt_len + step).collect())
-                                        .collect(),
-                                    false => steps.clone(),
-                                };
-                                reference::held_by_step(&layer, unit.kv_head, &scheme, &history)
-                            })
-                            .collect();
-                        let expected = metrics::reference_means(
-                            &layer,
-                            &sets,
-                            (gqa == Granularity::QueryHead, 10),
-                            Some(&held),
-                        )
-                        .unwrap();
-                        let got = &report.layers[index];
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
-                        assert_metrics_agree(got, &expected, &case);
+                        stored_layer_agrees(
+                            &trace,
+                            &policy,
+                            (&layer, index, shape),
+                            (&report, &case),
+                            |unit, history| {
+                                reference::held_by_step(&layer, unit.kv_head, &scheme, history)
+                            },
+                        );
+                        let got = &report.layers[index];
                         let quantized_mass = got.metric("retained_mass").unwrap();
                         let plain_mass = plain.layers[index].metric("retained_mass").unwrap();
                         assert!(
@@ -426,48 +450,21 @@ fn channel_pruned_caches_match_brute_force_reference() {
                     };
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
-                    let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
                         let layer = fixture_layer((q, k, v), shape, index);
-                        let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
-                        let sets: Vec<Vec<Vec<usize>>> = kept
-                            .kept
-                            .iter()
-                            .map(|unit| {
-                                (0..shape.generated)
-                                    .map(|step| unit.kept_positions(step, shape.prompt_len))
-                                    .collect()
-                            })
-                            .collect();
-                        let histories: Vec<Vec<Vec<usize>>> = sets
-                            .iter()
-                            .map(|steps| match timing.reselects() {
-                                true => (0..shape.generated)
-                                    .map(|step| (0..=shape.prompt_len + step).collect())
-                                    .collect(),
-                                false => steps.clone(),
-                            })
-                            .collect();
-                        let held: Vec<Vec<reference::Held>> = kept
-                            .units
-                            .iter()
-                            .zip(&histories)
-                            .map(|(unit, history)| {
-                                let reader = (unit.kv_head, unit.query_heads.clone());
-                                reference::pruned_by_step(&layer, reader, &pruning, history)
-                            })
-                            .collect();
-                        let expected = metrics::reference_means(
-                            &layer,
-                            &sets,
-                            (gqa == Granularity::QueryHead, 10),
-                            Some(&held),
-                        )
-                        .unwrap();
-                        let got = &report.layers[index];
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
-                        assert_metrics_agree(got, &expected, &case);
+                        let (kept, histories) = stored_layer_agrees(
+                            &trace,
+                            &policy,
+                            (&layer, index, shape),
+                            (&report, &case),
+                            |unit, history| {
+                                let reader = (unit.kv_head, unit.query_heads.clone());
+                                reference::pruned_by_step(&layer, reader, &pruning, history)
+                            },
+                        );
+                        let got = &report.layers[index];
                         let pruned_mass = got.metric("retained_mass").unwrap();
                         let plain_mass = plain.layers[index].metric("retained_mass").unwrap();
                         assert!(
@@ -563,37 +560,19 @@ fn merged_caches_match_brute_force_reference() {
                     };
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
-                    let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
                         let layer = fixture_layer((q, k, v), shape, index);
-                        let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
-                        let sets: Vec<Vec<Vec<usize>>> = kept
-                            .kept
-                            .iter()
-                            .map(|unit| {
-                                (0..shape.generated)
-                                    .map(|step| unit.kept_positions(step, shape.prompt_len))
-                                    .collect()
-                            })
-                            .collect();
-                        let held: Vec<Vec<reference::Held>> = kept
-                            .units
-                            .iter()
-                            .zip(&sets)
-                            .map(|(unit, steps)| {
-                                reference::merged_by_step(&layer, unit.kv_head, &rule, steps)
-                            })
-                            .collect();
-                        let expected = metrics::reference_means(
-                            &layer,
-                            &sets,
-                            (gqa == Granularity::QueryHead, 10),
-                            Some(&held),
-                        )
-                        .unwrap();
-                        let got = &report.layers[index];
                         let case = format!("{} {scorer} {gqa:?} seed {seed}", method.name);
-                        assert_metrics_agree(got, &expected, &case);
+                        stored_layer_agrees(
+                            &trace,
+                            &policy,
+                            (&layer, index, shape),
+                            (&report, &case),
+                            |unit, history| {
+                                reference::merged_by_step(&layer, unit.kv_head, &rule, history)
+                            },
+                        );
+                        let got = &report.layers[index];
                         let plain_layer = &plain.layers[index];
                         assert_eq!(
                             got.metric("retained_mass"),

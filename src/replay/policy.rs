@@ -932,6 +932,8 @@ mod tests {
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
             quantizer: "kivi".into(),
+            channels: "think".into(),
+            merge: "similarity".into(),
             ..PolicyParams::default()
         };
         let Value::Object(fields) = serde_json::to_value(&params).unwrap() else {

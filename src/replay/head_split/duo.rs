@@ -191,12 +191,12 @@ impl Duo {
                 let queries: Vec<Array1<f64>> = tensors
                     .q
                     .axis_iter(Axis(0))
-                    .map(|q| mean(q))
+                    .map(&mean)
                     .collect();
                 let keys: Vec<Array1<f64>> = tensors
                     .k
                     .axis_iter(Axis(0))
-                    .map(|k| mean(k))
+                    .map(&mean)
                     .collect();
                 Ok(head_scores(&queries, &keys, theta, self.q_len))
             })
@@ -371,18 +371,18 @@ mod tests {
         // A zero query gives every key the same logit, p = 1/n; the cumulative curve is j/n
         // (j = 1..n), its mean (n + 1) / (2n) = 5/8 at n = 4.
         let key = array![1.0, 0.0];
-        let area = head_scores(&[array![0.0, 0.0]], &[key.clone()], 10_000.0, 4)[0];
+        let area = head_scores(&[array![0.0, 0.0]], std::slice::from_ref(&key), 10_000.0, 4)[0];
         assert!((area - 5.0 / 8.0).abs() < 1e-12, "{area}");
         // Two positions, d = 2 (one pair, turning by the position in radians): the query at
         // position 1 against keys at 0 and 1: logits q·R(0)k and q·R(1)k over √2; with q = k =
         // [1, 0], R(1)q·k = cos 1 and R(1)q·R(1)k = 1, so p_0 = e^{cos 1/√2} / (e^{cos 1/√2} +
         // e^{1/√2}) and the area (p_0 + 1) / 2.
         let (a, b) = ((1f64.cos() / 2f64.sqrt()).exp(), (1.0 / 2f64.sqrt()).exp());
-        let two = head_scores(&[array![1.0, 0.0]], &[key.clone()], 10_000.0, 2)[0];
+        let two = head_scores(&[array![1.0, 0.0]], std::slice::from_ref(&key), 10_000.0, 2)[0];
         assert!((two - (a / (a + b) + 1.0) / 2.0).abs() < 1e-12, "{two}");
         // A KV head scores the mean of its query heads: [q, q] as [q].
         let q = array![0.3, -1.2];
-        let one = head_scores(&[q.clone()], &[key.clone()], 10_000.0, 50)[0];
+        let one = head_scores(std::slice::from_ref(&q), std::slice::from_ref(&key), 10_000.0, 50)[0];
         let two = head_scores(&[q.clone(), q], &[key], 10_000.0, 50)[0];
         assert!((one - two).abs() < 1e-15);
     }
