@@ -8,6 +8,10 @@
 //!   better cache and a perfect predictor has ρ = −1; the best is the lowest ρ. The answer-span
 //!   mass is the share of the full attention on the spans that state the answer (`needle…`,
 //!   `chain…`) that the kept sets hold, Σ kept mass / Σ full mass.
+//! - Every outcome: per (trace, protocol) again, each metric's ρ with each closed-loop outcome
+//!   (KL, top-1 agreement, log-probability lost, and the answer score on the traces where the
+//!   full cache scores above 0), oriented so that +1 is a perfect predictor; per outcome, each
+//!   metric's median over the cells and the cells where it predicts best.
 //! - Rankings: per (trace, budget), the methods (a policy's name less its `protocol=` part)
 //!   ordered by KL under each protocol; Kendall's τ-b between the two orders, and whether both
 //!   put the same method first.
@@ -81,6 +85,45 @@ fn kl(run: &StoredRun) -> f64 {
     run.closed_loop.as_ref().expect("closed-loop runs").kl
 }
 
+/// A closed-loop outcome of a run, and whether a lower value is a better cache.
+struct Outcome {
+    title: &'static str,
+    value: fn(&StoredRun) -> Option<f64>,
+    lower_is_better: bool,
+}
+
+const OUTCOMES: [Outcome; 4] = [
+    Outcome {
+        title: "KL full‖policy",
+        value: |r| Some(kl(r)),
+        lower_is_better: true,
+    },
+    Outcome {
+        title: "top-1 agreement",
+        value: |r| r.closed_loop.as_ref().map(|c| c.top1),
+        lower_is_better: false,
+    },
+    Outcome {
+        title: "logprob lost",
+        value: |r| r.closed_loop.as_ref().map(|c| c.logprob_lost),
+        lower_is_better: true,
+    },
+    Outcome {
+        title: "answer score",
+        value: answer_score,
+        lower_is_better: false,
+    },
+];
+
+/// The free-running text's task score, on a trace where the full cache scores above 0 (a policy
+/// cannot keep an answer the model never gives).
+fn answer_score(run: &StoredRun) -> Option<f64> {
+    let closed = run.closed_loop.as_ref()?;
+    let score = |given: Option<f64>, ok: bool| given.unwrap_or(f64::from(u8::from(ok)));
+    let full = score(closed.full_answer_score, closed.full_answer_ok);
+    (full > 0.0).then(|| score(closed.answer_score, closed.answer_ok))
+}
+
 /// Both sections, at the experiment's `budgets`, when the runs hold more than one protocol; empty
 /// otherwise.
 pub(crate) fn section(budgets: &[Budget], runs: &[StoredRun], traces: &[String]) -> String {
@@ -88,7 +131,94 @@ pub(crate) fn section(budgets: &[Budget], runs: &[StoredRun], traces: &[String])
     if protocols.len() < 2 {
         return String::new();
     }
-    predictors(runs, traces, &protocols) + &rankings(budgets, runs, traces)
+    predictors(runs, traces, &protocols)
+        + &every_outcome(runs, traces, &protocols)
+        + &rankings(budgets, runs, traces)
+}
+
+/// The runs of each (trace, protocol) cell with at least three points.
+fn cells<'r>(
+    runs: &'r [StoredRun],
+    traces: &[String],
+    protocols: &BTreeSet<&str>,
+) -> Vec<Vec<&'r StoredRun>> {
+    let mut cells = Vec::new();
+    for trace in traces {
+        for &name in protocols {
+            let cell: Vec<&StoredRun> = runs
+                .iter()
+                .filter(|r| &r.trace == trace && protocol(r) == name)
+                .collect();
+            if cell.len() >= 3 {
+                cells.push(cell);
+            }
+        }
+    }
+    cells
+}
+
+/// Per outcome and predictor: the median over the cells of ρ oriented so that +1 is a perfect
+/// predictor, the cells where it is defined, and those where it is the best predictor.
+fn every_outcome(runs: &[StoredRun], traces: &[String], protocols: &BTreeSet<&str>) -> String {
+    let cells = cells(runs, traces, protocols);
+    let mut table = Table::new([
+        "closed-loop outcome",
+        "open-loop metric",
+        "cells",
+        "median oriented ρ",
+        "cells it predicts best",
+    ]);
+    for outcome in &OUTCOMES {
+        let sign = if outcome.lower_is_better { -1.0 } else { 1.0 };
+        let per_cell: Vec<Vec<Option<f64>>> = cells
+            .iter()
+            .map(|cell| {
+                let points: Vec<&&StoredRun> = cell
+                    .iter()
+                    .filter(|r| (outcome.value)(r).is_some())
+                    .collect();
+                let y: Vec<f64> = points.iter().filter_map(|r| (outcome.value)(r)).collect();
+                PREDICTORS
+                    .iter()
+                    .map(|p| {
+                        let x: Option<Vec<f64>> = points.iter().map(|r| (p.value)(r)).collect();
+                        let x = x.filter(|_| points.len() >= 3)?;
+                        Some(sign * spearman(&x, &y)).filter(|rho| rho.is_finite())
+                    })
+                    .collect()
+            })
+            .collect();
+        let mut wins = vec![0usize; PREDICTORS.len()];
+        for rhos in &per_cell {
+            let best = (0..rhos.len())
+                .filter_map(|i| rhos[i].map(|rho| (i, rho)))
+                .max_by(|a, b| a.1.total_cmp(&b.1).then(b.0.cmp(&a.0)));
+            if let Some((i, _)) = best {
+                wins[i] += 1;
+            }
+        }
+        for (i, predictor) in PREDICTORS.iter().enumerate() {
+            let mut rhos: Vec<f64> = per_cell.iter().filter_map(|rhos| rhos[i]).collect();
+            rhos.sort_by(f64::total_cmp);
+            let median = match rhos.len() {
+                0 => "—".to_string(),
+                n if n % 2 == 1 => format!("{:+.3}", rhos[n / 2]),
+                n => format!("{:+.3}", (rhos[n / 2 - 1] + rhos[n / 2]) / 2.0),
+            };
+            table.push([
+                outcome.title.to_string(),
+                predictor.title.to_string(),
+                rhos.len().to_string(),
+                median,
+                wins[i].to_string(),
+            ]);
+        }
+    }
+    format!(
+        "
+Which open-loop metric predicts which closed-loop outcome: per (trace, protocol) cell as above, Spearman ρ with each outcome, oriented so that +1 is a perfect predictor (negated for KL and log-probability lost); the answer score only on traces where the full cache scores above 0, over the cells where the policies' scores differ. Per outcome and metric, the median over the cells where ρ is defined, and in how many cells the metric predicts best:\n\n{}",
+        table.render(Format::Markdown)
+    )
 }
 
 /// Per (trace, protocol): each predictor's ρ with KL and the best of them.
@@ -293,6 +423,58 @@ mod tests {
             text.contains("Best per cell: retained mass 2, top-k recall 0"),
             "{text}"
         );
+    }
+
+    #[test]
+    fn every_outcome_is_oriented_so_that_plus_one_predicts_perfectly() {
+        // Two cells of three runs. KL falls as the mass rises (a perfect predictor: oriented ρ
+        // +1); top-1 rises with the mass in the first cell and falls in the second (+1, −1:
+        // median 0); logprob lost is constant (ρ undefined: no cell); the answer score falls
+        // where the mass rises in one cell, is constant in the other, and counts only where
+        // the full cache answers. Output error and the answer-span mass follow the mass here, so
+        // every defined metric ties, and the first listed predicts best.
+        let mut runs = Vec::new();
+        for (protocol, top1_sign, answers) in [
+            ("question-in-prompt", 1.0, [1.0, 0.5, 0.0]),
+            ("question-agnostic", -1.0, [1.0, 1.0, 1.0]),
+        ] {
+            for (i, mass) in [0.9, 0.8, 0.7].into_iter().enumerate() {
+                let mut r = run(&format!("m{i}"), protocol, mass, 1.0 - mass);
+                let closed = r.closed_loop.as_mut().unwrap();
+                closed.top1 = 0.5 + top1_sign * (mass - 0.8);
+                closed.answer_score = Some(answers[2 - i]);
+                runs.push(r);
+            }
+        }
+        let text = every_outcome(&runs, &["t".into()], &protocols_of(&runs));
+        let row = |outcome: &str, metric: &str| -> Vec<String> {
+            text.lines()
+                .find(|l| {
+                    l.starts_with(&format!("| {outcome} ")) && l.contains(&format!("| {metric} "))
+                })
+                .unwrap_or_else(|| panic!("{outcome} {metric}: {text}"))
+                .split('|')
+                .map(|c| c.trim().to_owned())
+                .filter(|c| !c.is_empty())
+                .collect()
+        };
+        assert_eq!(
+            row("KL full‖policy", "retained mass")[2..],
+            ["2", "+1.000", "2"]
+        );
+        assert_eq!(
+            row("top-1 agreement", "retained mass")[2..],
+            ["2", "+0.000", "2"]
+        );
+        assert_eq!(row("logprob lost", "retained mass")[2..], ["0", "—", "0"]);
+        assert_eq!(
+            row("answer score", "retained mass")[2..],
+            ["1", "-1.000", "1"]
+        );
+    }
+
+    fn protocols_of(runs: &[StoredRun]) -> BTreeSet<&str> {
+        runs.iter().map(protocol).collect()
     }
 
     #[test]
