@@ -136,12 +136,12 @@ pub(crate) fn section(budgets: &[Budget], runs: &[StoredRun], traces: &[String])
         + &rankings(budgets, runs, traces)
 }
 
-/// The runs of each (trace, protocol) cell with at least three points.
-fn cells<'r>(
-    runs: &'r [StoredRun],
-    traces: &[String],
-    protocols: &BTreeSet<&str>,
-) -> Vec<Vec<&'r StoredRun>> {
+/// Each (trace, protocol) cell with at least three points, with its runs.
+fn cells<'a>(
+    runs: &'a [StoredRun],
+    traces: &'a [String],
+    protocols: &BTreeSet<&'a str>,
+) -> Vec<(&'a str, &'a str, Vec<&'a StoredRun>)> {
     let mut cells = Vec::new();
     for trace in traces {
         for &name in protocols {
@@ -150,7 +150,7 @@ fn cells<'r>(
                 .filter(|r| &r.trace == trace && protocol(r) == name)
                 .collect();
             if cell.len() >= 3 {
-                cells.push(cell);
+                cells.push((trace.as_str(), name, cell));
             }
         }
     }
@@ -172,7 +172,7 @@ fn every_outcome(runs: &[StoredRun], traces: &[String], protocols: &BTreeSet<&st
         let sign = if outcome.lower_is_better { -1.0 } else { 1.0 };
         let per_cell: Vec<Vec<Option<f64>>> = cells
             .iter()
-            .map(|cell| {
+            .map(|(_, _, cell)| {
                 let points: Vec<&&StoredRun> = cell
                     .iter()
                     .filter(|r| (outcome.value)(r).is_some())
@@ -228,37 +228,28 @@ fn predictors(runs: &[StoredRun], traces: &[String], protocols: &BTreeSet<&str>)
     headers.push("best".into());
     let mut table = Table::with_headers(headers);
     let mut wins = vec![0usize; PREDICTORS.len()];
-    for trace in traces {
-        for &name in protocols {
-            let cell: Vec<&StoredRun> = runs
-                .iter()
-                .filter(|r| &r.trace == trace && protocol(r) == name)
-                .collect();
-            if cell.len() < 3 {
-                continue;
-            }
-            let rhos: Vec<Option<f64>> = PREDICTORS
-                .iter()
-                .map(|p| {
-                    let x: Option<Vec<f64>> = cell.iter().map(|r| (p.value)(r)).collect();
-                    let y: Vec<f64> = cell.iter().map(|r| kl(r)).collect();
-                    x.map(|x| spearman(&x, &y)).filter(|rho| rho.is_finite())
-                })
-                .collect();
-            let best = (0..rhos.len())
-                .filter_map(|i| rhos[i].map(|rho| (i, rho)))
-                .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
-            let mut row = vec![trace.clone(), name.to_owned(), cell.len().to_string()];
-            row.extend(
-                rhos.iter()
-                    .map(|rho| rho.map_or("—".into(), |r| format!("{r:+.3}"))),
-            );
-            row.push(best.map_or("—".into(), |(i, _)| PREDICTORS[i].title.to_owned()));
-            if let Some((i, _)) = best {
-                wins[i] += 1;
-            }
-            table.push(row);
+    for (trace, name, cell) in cells(runs, traces, protocols) {
+        let rhos: Vec<Option<f64>> = PREDICTORS
+            .iter()
+            .map(|p| {
+                let x: Option<Vec<f64>> = cell.iter().map(|r| (p.value)(r)).collect();
+                let y: Vec<f64> = cell.iter().map(|r| kl(r)).collect();
+                x.map(|x| spearman(&x, &y)).filter(|rho| rho.is_finite())
+            })
+            .collect();
+        let best = (0..rhos.len())
+            .filter_map(|i| rhos[i].map(|rho| (i, rho)))
+            .min_by(|a, b| a.1.total_cmp(&b.1).then(a.0.cmp(&b.0)));
+        let mut row = vec![trace.to_owned(), name.to_owned(), cell.len().to_string()];
+        row.extend(
+            rhos.iter()
+                .map(|rho| rho.map_or("—".into(), |r| format!("{r:+.3}"))),
+        );
+        row.push(best.map_or("—".into(), |(i, _)| PREDICTORS[i].title.to_owned()));
+        if let Some((i, _)) = best {
+            wins[i] += 1;
         }
+        table.push(row);
     }
     let tally: Vec<String> = PREDICTORS
         .iter()
