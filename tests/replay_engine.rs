@@ -31,6 +31,15 @@ fn assert_metrics_agree(got: &kvreplay::replay::LayerReport, expected: &[(&str, 
     }
 }
 
+/// A scorer for each timing: SnapKV one-shot, TOVA under the others.
+const EVERY_TIMING: [(&str, Timing); 5] = [
+    ("snapkv", Timing::Prefill),
+    ("tova", Timing::Streaming),
+    ("tova", Timing::PrefillThenStream),
+    ("tova", Timing::PerStep),
+    ("tova", Timing::PerStepPrompt),
+];
+
 /// Checks layer `index` of `report` (a policy that stores its entries otherwise than captured)
 /// against every metric's brute-force definition over caches whose contents `held` rebuilds from
 /// the positions each cache holds at each step (its kept sets, or under a re-selecting timing
@@ -338,13 +347,7 @@ fn quantized_caches_match_brute_force_reference() {
         let layers = write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in quantizer::REGISTRY.iter().filter(|m| m.name != "none") {
-            for (scorer, timing) in [
-                ("snapkv", Timing::Prefill),
-                ("tova", Timing::Streaming),
-                ("tova", Timing::PrefillThenStream),
-                ("tova", Timing::PerStep),
-                ("tova", Timing::PerStepPrompt),
-            ] {
+            for (scorer, timing) in EVERY_TIMING {
                 for gqa in [Granularity::KvHead, Granularity::QueryHead] {
                     let base = PolicyParams {
                         gqa,
@@ -425,13 +428,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
         let layers = write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in channels::REGISTRY.iter().filter(|m| m.name != "none") {
-            for (scorer, timing) in [
-                ("snapkv", Timing::Prefill),
-                ("tova", Timing::Streaming),
-                ("tova", Timing::PrefillThenStream),
-                ("tova", Timing::PerStep),
-                ("tova", Timing::PerStepPrompt),
-            ] {
+            for (scorer, timing) in EVERY_TIMING {
                 for gqa in [Granularity::KvHead, Granularity::QueryHead] {
                     let base = PolicyParams {
                         gqa,
