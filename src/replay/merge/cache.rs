@@ -25,14 +25,7 @@ impl MergedValues {
         let evicted: Vec<usize> = (layer.first_visible(cut.saturating_sub(1))..cut)
             .filter(|j| kept.binary_search(j).is_err())
             .collect();
-        let keys = layer.keys(unit.kv_head);
-        let rows = |a: ArrayView2<'_, f32>| -> Vec<Vec<f32>> {
-            a.rows().into_iter().map(|row| row.to_vec()).collect()
-        };
-        let (key_rows, value_rows) = (rows(keys), rows(values.view()));
-        let key_slices: Vec<&[f32]> = key_rows.iter().map(Vec::as_slice).collect();
-        let value_slices: Vec<&[f32]> = value_rows.iter().map(Vec::as_slice).collect();
-        let merged = merge.merged(&key_slices, &value_slices, (&kept, &evicted));
+        let merged = merge.merged(layer.keys(unit.kv_head), values.view(), (&kept, &evicted));
         for (&j, value) in kept.iter().zip(merged) {
             values
                 .row_mut(j)

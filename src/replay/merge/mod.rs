@@ -12,6 +12,7 @@ mod cache;
 pub use cache::MergedValues;
 
 use super::settings::Broken;
+use ndarray::{ArrayView1, ArrayView2};
 
 crate::registry! {
     Merge:
@@ -43,7 +44,7 @@ pub struct ValueMerge {
 const EPS: f64 = 1e-6;
 
 impl ValueMerge {
-    /// The values `values` (`[T, d]`, f32 rows) of the `kept` positions after the `evicted` ones
+    /// The values `values` (`[T, d]`) of the `kept` positions after the `evicted` ones
     /// are folded in, in kept order, as kvpress 0.5.5's `MergingPress.merge` computes them
     /// (`kvpress/presses/merging_press.py` lines 101-175) in f64: keys normalised by
     /// `max(|k|, 1e-6)`; each evicted entry's target the kept key of highest cosine similarity
@@ -54,20 +55,21 @@ impl ValueMerge {
     /// becomes `(v_t + Σ w v_e) / (1 + W)`, the others stay as they were.
     pub fn merged(
         &self,
-        keys: &[&[f32]],
-        values: &[&[f32]],
+        keys: ArrayView2<f32>,
+        values: ArrayView2<f32>,
         (kept, evicted): (&[usize], &[usize]),
     ) -> Vec<Vec<f32>> {
-        let unit = |row: &[f32]| -> Vec<f64> {
-            let norm = row.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
-            row.iter().map(|&x| x as f64 / norm.max(EPS)).collect()
+        let norm =
+            |row: ArrayView1<f32>| row.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
+        let unit = |row: ArrayView1<f32>| -> Vec<f64> {
+            let norm = norm(row).max(EPS);
+            row.iter().map(|&x| x as f64 / norm).collect()
         };
-        let norm = |row: &[f32]| row.iter().map(|&x| (x as f64).powi(2)).sum::<f64>().sqrt();
-        let kept_keys: Vec<Vec<f64>> = kept.iter().map(|&j| unit(keys[j])).collect();
+        let kept_keys: Vec<Vec<f64>> = kept.iter().map(|&j| unit(keys.row(j))).collect();
         let best: Vec<(f64, usize)> = evicted
             .iter()
             .map(|&e| {
-                let key = unit(keys[e]);
+                let key = unit(keys.row(e));
                 let mut best = (f64::NEG_INFINITY, 0);
                 for (t, kept_key) in kept_keys.iter().enumerate() {
                     let s: f64 = key.iter().zip(kept_key).map(|(a, b)| a * b).sum();
@@ -79,16 +81,16 @@ impl ValueMerge {
             })
             .collect();
         let merges = self.gate(&best);
-        let d = values.first().map_or(0, |v| v.len());
+        let d = values.ncols();
         let mut sums = vec![vec![0.0f64; d]; kept.len()];
         let mut weights = vec![0.0f64; kept.len()];
         for ((&e, &(s, t)), merges) in evicted.iter().zip(&best).zip(merges) {
             if !merges || kept.is_empty() {
                 continue;
             }
-            let (evicted_norm, target_norm) = (norm(values[e]), norm(values[kept[t]]));
+            let (evicted_norm, target_norm) = (norm(values.row(e)), norm(values.row(kept[t])));
             let w = s.max(0.0) * evicted_norm / (evicted_norm + target_norm + EPS);
-            for (sum, &x) in sums[t].iter_mut().zip(values[e]) {
+            for (sum, &x) in sums[t].iter_mut().zip(values.row(e)) {
                 *sum += w * x as f64;
             }
             weights[t] += w;
@@ -96,12 +98,13 @@ impl ValueMerge {
         kept.iter()
             .zip(sums.iter().zip(&weights))
             .map(|(&j, (sum, &w))| match w > 0.0 {
-                true => values[j]
+                true => values
+                    .row(j)
                     .iter()
                     .zip(sum)
                     .map(|(&v, &s)| ((v as f64 + s) / (1.0 + w)) as f32)
                     .collect(),
-                false => values[j].to_vec(),
+                false => values.row(j).to_vec(),
             })
             .collect()
     }
@@ -154,13 +157,14 @@ mod tests {
         // (key [-1, 0]: cosine −1 and 0, so key 1 at 0; its weight is then 0).
         // Entry 2 into 0: w = 0.9487 · |[0, 2]| / (2 + 2 + 1e-6) = 0.9487 · 2 / 4 ≈ 0.4743;
         // v_0 = ([2, 0] + w [0, 2]) / (1 + w) = [2 / 1.4743, 0.9487 / 1.4743].
-        let keys: Vec<&[f32]> = vec![&[1.0, 0.0], &[0.0, 1.0], &[3.0, 1.0], &[-1.0, 0.0]];
-        let values: Vec<&[f32]> = vec![&[2.0, 0.0], &[0.0, 4.0], &[0.0, 2.0], &[5.0, 5.0]];
+        let keys = ndarray::array![[1.0f32, 0.0], [0.0, 1.0], [3.0, 1.0], [-1.0, 0.0]];
+        let values = ndarray::array![[2.0f32, 0.0], [0.0, 4.0], [0.0, 2.0], [5.0, 5.0]];
+        let (keys, values) = (keys.view(), values.view());
         let merge = ValueMerge {
             similarity_threshold: 0.0,
             merge_fraction: 1.0,
         };
-        let merged = merge.merged(&keys, &values, (&[0, 1], &[2, 3]));
+        let merged = merge.merged(keys, values, (&[0, 1], &[2, 3]));
         let s = 3.0 / 10f64.sqrt();
         let w = s * 2.0 / (4.0 + EPS);
         let expected = [(2.0 / (1.0 + w)) as f32, (2.0 * w / (1.0 + w)) as f32];
@@ -174,7 +178,7 @@ mod tests {
             ..merge
         };
         assert_eq!(
-            strict.merged(&keys, &values, (&[0, 1], &[2, 3])),
+            strict.merged(keys, values, (&[0, 1], &[2, 3])),
             [vec![2.0, 0.0], vec![0.0, 4.0]]
         );
     }
