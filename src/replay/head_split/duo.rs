@@ -52,20 +52,26 @@ crate::settings! {
     }
 }
 
-/// What a calibration trace gives: its geometry, its head scores and the streaming heads.
+/// What a calibration trace gives: its geometry, the layers the ranking runs over, and what the
+/// chosen scoring reads of its heads.
 #[derive(Debug, Clone, PartialEq)]
 pub struct Calibrated {
     /// (layers, heads, KV heads, head_dim).
     geometry: (usize, usize, usize, usize),
-    /// Per layer, per KV head: the on-the-fly score.
-    pub scores: Vec<Vec<f64>>,
-    /// Per layer, per KV head: whether it is a streaming head by the on-the-fly score.
-    pub streaming: Vec<Vec<bool>>,
-    /// Per layer, per KV head, per position: the decode queries' mean attention (over steps and
-    /// the group's query heads), read only for `scores = "decode"`; the prompt's length.
-    pub decode: (Vec<Vec<Vec<f64>>>, usize),
     /// The global layers, which the ranking runs over.
     global: Vec<usize>,
+    evidence: Evidence,
+}
+
+/// What the chosen scoring reads of the calibration trace's heads.
+#[derive(Debug, Clone, PartialEq)]
+enum Evidence {
+    /// `on-the-fly`: per layer, per KV head, whether it is a streaming head.
+    OnTheFly(Vec<Vec<bool>>),
+    /// `decode`: per layer, per KV head, per position, the decode queries' mean attention (over
+    /// steps and the group's query heads), and the prompt's length; the streaming heads follow
+    /// from the policy's protection.
+    Decode(Vec<Vec<Vec<f64>>>, usize),
 }
 
 /// The two ways of scoring heads.
@@ -139,13 +145,14 @@ impl HeadSplit for Duo {
         _candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
+        let calibrated = self.calibrated();
         let decoded;
-        let streaming = match self.scores.as_str() {
-            "decode" => {
-                decoded = self.calibrated().decode_streaming(protect, self.head_compression_ratio);
+        let streaming = match &calibrated.evidence {
+            Evidence::OnTheFly(streaming) => &streaming[layer],
+            Evidence::Decode(..) => {
+                decoded = calibrated.decode_streaming(protect, self.head_compression_ratio);
                 &decoded[layer]
             }
-            _ => &self.calibrated().streaming[layer],
         };
         let n_kv = streaming.len();
         (0..n_caches)
@@ -173,52 +180,24 @@ impl Duo {
             .expect("the settings are checked before a split")
     }
 
-    /// Scores every KV head of the calibration trace and picks the streaming ones.
+    /// Reads the calibration trace once, layer by layer, for what the chosen scoring needs: the
+    /// on-the-fly scores (then the streaming heads), or the decode attention.
     fn calibrate(&self) -> Result<Calibrated, String> {
         let trace = TraceReader::open(std::path::Path::new(&self.calibration))
             .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
         let meta = trace.meta();
-        let scores = (0..meta.n_layers)
-            .map(|layer| {
-                let theta = meta.rope_theta_of(layer).ok_or_else(|| {
-                    format!("the calibration trace's layer {layer} has no rotary base (`rope_theta`): its vectors cannot be turned back")
-                })?;
-                let tensors = trace
-                    .layer(layer)
-                    .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
-                let prompt = meta.prompt_len;
-                let mean = |vectors: ArrayView2<f32>| pre_rotary_mean(vectors, prompt, theta);
-                let queries: Vec<Array1<f64>> = tensors
-                    .q
-                    .axis_iter(Axis(0))
-                    .map(&mean)
-                    .collect();
-                let keys: Vec<Array1<f64>> = tensors
-                    .k
-                    .axis_iter(Axis(0))
-                    .map(&mean)
-                    .collect();
-                Ok(head_scores(&queries, &keys, theta, self.q_len))
-            })
-            .collect::<Result<Vec<Vec<f64>>, String>>()?;
         let global = meta.global_layers();
-        let streaming = ranked_over(&scores, &global, self.head_compression_ratio);
-        let decoding = self.scores == "decode";
-        let decode = (0..meta.n_layers)
-            .filter(|_| decoding)
-            .map(|layer| {
-                let tensors = trace
-                    .layer(layer)
-                    .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
-                Ok(decode_mass(&crate::replay::context(&trace, layer, &tensors)))
-            })
-            .collect::<Result<Vec<_>, String>>()?;
+        let evidence = match self.scores == "decode" {
+            true => Evidence::Decode(each_layer(&trace, |l| Ok(decode_mass(l)))?, meta.prompt_len),
+            false => {
+                let scores = each_layer(&trace, |l| on_the_fly_scores(l, self.q_len))?;
+                Evidence::OnTheFly(ranked_over(&scores, &global, self.head_compression_ratio))
+            }
+        };
         Ok(Calibrated {
             geometry: (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim),
-            scores,
-            streaming,
-            decode: (decode, meta.prompt_len),
             global,
+            evidence,
         })
     }
 }
@@ -228,7 +207,9 @@ impl Calibrated {
     /// queries put on the prompt positions a streaming head drops (beyond `protect`'s sinks and
     /// before its recent window), and the lowest become streaming heads.
     fn decode_streaming(&self, protect: Protection, ratio: f64) -> Vec<Vec<bool>> {
-        let (decode, prompt) = &self.decode;
+        let Evidence::Decode(decode, prompt) = &self.evidence else {
+            unreachable!("decode scores read the decode attention")
+        };
         let dropped = protect.sinks..prompt.saturating_sub(protect.window);
         let lost: Vec<Vec<f64>> = decode
             .iter()
@@ -241,6 +222,36 @@ impl Calibrated {
             .collect();
         ranked_over(&lost, &self.global, ratio)
     }
+}
+
+/// `read` of every layer of `trace`, each read once.
+fn each_layer<T>(
+    trace: &TraceReader,
+    read: impl Fn(&crate::replay::LayerContext<'_>) -> Result<T, String>,
+) -> Result<Vec<T>, String> {
+    (0..trace.meta().n_layers)
+        .map(|layer| {
+            let tensors = trace
+                .layer(layer)
+                .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
+            read(&crate::replay::context(trace, layer, &tensors))
+        })
+        .collect()
+}
+
+/// Each KV head's on-the-fly score ([`head_scores`]) in `layer`, from the mean pre-rotary query
+/// and key of its prompt.
+fn on_the_fly_scores(layer: &crate::replay::LayerContext<'_>, q_len: usize) -> Result<Vec<f64>, String> {
+    let theta = layer.rope_theta.ok_or_else(|| {
+        format!(
+            "the calibration trace's layer {} has no rotary base (`rope_theta`): its vectors cannot be turned back",
+            layer.layer
+        )
+    })?;
+    let mean = |vectors: ArrayView2<f32>| pre_rotary_mean(vectors, layer.prompt_len, theta);
+    let queries: Vec<Array1<f64>> = layer.q.axis_iter(Axis(0)).map(&mean).collect();
+    let keys: Vec<Array1<f64>> = layer.k.axis_iter(Axis(0)).map(&mean).collect();
+    Ok(head_scores(&queries, &keys, theta, q_len))
 }
 
 /// Per KV head, per position, the mean attention of the layer's decode queries (over the steps
@@ -394,9 +405,8 @@ mod tests {
         let mass = |a: f64, b: f64| vec![0.1, a, b, 0.2, 0.1];
         let calibrated = Calibrated {
             geometry: (3, 2, 2, 4),
-            scores: Vec::new(),
-            streaming: Vec::new(),
-            decode: (
+            global: vec![0, 1],
+            evidence: Evidence::Decode(
                 vec![
                     vec![mass(0.3, 0.2), mass(0.05, 0.05)],
                     vec![mass(0.2, 0.1), mass(0.0, 0.0)],
@@ -404,7 +414,6 @@ mod tests {
                 ],
                 4,
             ),
-            global: vec![0, 1],
         };
         let protect = Protection {
             sinks: 1,
