@@ -6,7 +6,7 @@ mod product;
 mod softmax;
 
 pub use product::{scaled_product, PackedKeys};
-pub use softmax::{softmax, softmax_in_place, softmax_into};
+pub use softmax::{softmax, softmax_f64, softmax_in_place, softmax_into};
 
 use ndarray::{s, Array2, ArrayView1, ArrayView2, ArrayView3};
 

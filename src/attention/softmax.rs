@@ -9,6 +9,15 @@
 //! niah-2k's prompt rows this took the softmax from ~0.75 s to ~0.45 s of the bench's 30-layer
 //! scoring kernel (perf; the product takes ~0.93 s); what is left is exp's arithmetic.
 
+/// A stable softmax in f64 (no fixed kernel): for what is measured in f64, a cache's own
+/// attention over the keys it holds, or a head's score.
+pub fn softmax_f64(logits: &[f64]) -> Vec<f64> {
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let exp: Vec<f64> = logits.iter().map(|&l| (l - max).exp()).collect();
+    let total: f64 = exp.iter().sum();
+    exp.into_iter().map(|e| e / total).collect()
+}
+
 /// In-place softmax; an empty slice stays empty. Inputs must be finite (traces are checked on
 /// load); an entry more than 87 below the largest gets ~1.6e-38 / sum, not 0.
 pub fn softmax_in_place(values: &mut [f32]) {

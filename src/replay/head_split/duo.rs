@@ -22,6 +22,7 @@
 //! several KV heads (`gqa = layer`) is a streaming head only when all of them are.
 
 use super::HeadSplit;
+use crate::attention::softmax_f64;
 use crate::replay::rotary::{rotate, Rotary};
 use crate::replay::settings::Broken;
 use crate::replay::Protection;
@@ -324,13 +325,11 @@ fn head_scores(queries: &[Array1<f64>], keys: &[Array1<f64>], theta: f32, q_len:
             .iter()
             .map(|key| query.dot(key) / (d as f64).sqrt())
             .collect();
-        let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-        let exp: Vec<f64> = logits.iter().map(|l| (l - max).exp()).collect();
-        let total: f64 = exp.iter().sum();
         let mut cumulative = 0.0;
-        exp.iter()
-            .map(|e| {
-                cumulative += e / total;
+        softmax_f64(&logits)
+            .iter()
+            .map(|p| {
+                cumulative += p;
                 cumulative
             })
             .sum::<f64>()

@@ -4,6 +4,7 @@
 //! it with the full model's attention; for a cache that only evicts, it is the full attention
 //! renormalised over the kept positions, which the plain path measures without computing it.
 
+use crate::attention::softmax_f64;
 use crate::replay::HeldCache;
 use crate::replay::LayerContext;
 
@@ -46,7 +47,7 @@ impl PolicyAttention {
                 }
             })
             .collect();
-        let weights = softmax(&logits);
+        let weights = softmax_f64(&logits);
         let output = cache.values().map(|values| {
             let mut output = vec![0.0f64; values.ncols()];
             for (&j, &w) in kept.iter().zip(&weights) {
@@ -58,12 +59,4 @@ impl PolicyAttention {
         });
         Self { weights, output }
     }
-}
-
-/// A stable softmax in f64.
-fn softmax(logits: &[f64]) -> Vec<f64> {
-    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let exp: Vec<f64> = logits.iter().map(|&l| (l - max).exp()).collect();
-    let total: f64 = exp.iter().sum();
-    exp.into_iter().map(|e| e / total).collect()
 }
