@@ -50,17 +50,17 @@ impl Storage {
 
 /// What one cache holds, step by step, when it stores its entries otherwise than captured.
 #[derive(Debug, Clone)]
-pub enum HeldCache {
+pub enum HeldCache<'a> {
     /// A quantizing cache.
     Quantized(QuantizedCache),
     /// A channel-pruning cache.
-    PrunedKeys(PrunedKeys),
+    PrunedKeys(PrunedKeys<'a>),
 }
 
-impl HeldCache {
+impl<'a> HeldCache<'a> {
     /// An empty cache of `unit` in `layer` under `storage`; `None` for a cache whose keys are as
     /// captured (as captured, or merging: the metrics read its merged values directly).
-    pub fn new(storage: Storage, layer: &LayerContext<'_>, unit: &Unit) -> Option<Self> {
+    pub fn new(storage: Storage, layer: &LayerContext<'a>, unit: &Unit) -> Option<Self> {
         match storage {
             Storage::Captured | Storage::Merged(_) => None,
             Storage::Quantized(scheme) => Some(HeldCache::Quantized(QuantizedCache::new(

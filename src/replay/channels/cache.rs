@@ -7,14 +7,15 @@ use super::{lowest_channels, mask_bytes, ChannelPruning};
 use crate::replay::{LayerContext, Unit};
 use ndarray::{s, Array2, ArrayView2};
 
-/// A channel-pruning cache over one KV head's keys and (when the trace has them) values.
+/// A channel-pruning cache over one KV head's keys and (when the trace has them) values; the
+/// values are the trace's, read in place.
 #[derive(Debug, Clone)]
-pub struct PrunedKeys {
+pub struct PrunedKeys<'a> {
     pruning: ChannelPruning,
     /// The scoring queries, one `[window, d]` block per query head reading the cache.
     queries: Vec<Array2<f32>>,
     keys: Array2<f32>,
-    values: Option<Array2<f32>>,
+    values: Option<ArrayView2<'a, f32>>,
     /// Where the prompt ends: positions before it are the prompt's.
     cut: usize,
     /// The pruned channels, once chosen at the cut.
@@ -23,9 +24,9 @@ pub struct PrunedKeys {
     held: (usize, usize),
 }
 
-impl PrunedKeys {
+impl<'a> PrunedKeys<'a> {
     /// An empty cache of `unit` in `layer`, pruning as `pruning` says at the layer's cut.
-    pub fn new(pruning: ChannelPruning, layer: &LayerContext<'_>, unit: &Unit) -> Self {
+    pub fn new(pruning: ChannelPruning, layer: &LayerContext<'a>, unit: &Unit) -> Self {
         let cut = layer.prompt_len;
         let first = cut.saturating_sub(pruning.window);
         let queries = unit
@@ -37,7 +38,7 @@ impl PrunedKeys {
             pruning,
             queries,
             keys: layer.keys(unit.kv_head).to_owned(),
-            values: layer.values(unit.kv_head).map(|v| v.to_owned()),
+            values: layer.values(unit.kv_head),
             cut,
             pruned: None,
             held: (0, 0),
@@ -77,7 +78,7 @@ impl PrunedKeys {
 
     /// The values as held (as captured), when the trace has them.
     pub fn values(&self) -> Option<ArrayView2<'_, f32>> {
-        self.values.as_ref().map(Array2::view)
+        self.values.as_ref().map(ArrayView2::view)
     }
 
     /// Bytes the cache holds: values whole, prompt keys without their pruned channels, later keys

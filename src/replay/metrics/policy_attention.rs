@@ -26,7 +26,7 @@ impl PolicyAttention {
         head: usize,
         position: usize,
         kept: &[usize],
-        cache: &HeldCache,
+        cache: &HeldCache<'_>,
     ) -> Self {
         let query = layer.query(head, position);
         let keys = cache.keys();
