@@ -744,27 +744,20 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
         .stderr(contains(
             "live mode: scorer `oracle-static` reads future queries, which live mode takes from the full run under the `prefill` timing only, not `streaming`",
         ));
-    kvreplay(&dir)
-        .args(["live", "--recipe", "r.toml", "--quantizer", "kivi"])
-        .assert()
-        .code(2)
-        .stderr(contains(
-            "live mode: quantizer `kivi` is replayed only (`kvreplay replay` or an open-loop sweep): live mode runs the model on the cache as captured",
-        ));
-    kvreplay(&dir)
-        .args(["live", "--recipe", "r.toml", "--channels", "think"])
-        .assert()
-        .code(2)
-        .stderr(contains(
-            "live mode: channels `think` is replayed only (`kvreplay replay` or an open-loop sweep)",
-        ));
-    kvreplay(&dir)
-        .args(["live", "--recipe", "r.toml", "--merge", "similarity"])
-        .assert()
-        .code(2)
-        .stderr(contains(
-            "live mode: merge `similarity` is replayed only (`kvreplay replay` or an open-loop sweep)",
-        ));
+    for (axis, method) in [
+        ("--quantizer", "kivi"),
+        ("--channels", "think"),
+        ("--merge", "similarity"),
+    ] {
+        kvreplay(&dir)
+            .args(["live", "--recipe", "r.toml", axis, method, "--gqa", "query-head"])
+            .assert()
+            .code(2)
+            .stderr(contains(format!(
+                "live mode: {} `{method}` runs live on one cache per KV head (`gqa = kv-head` or `layer`), which the query heads of a group share; under `gqa = query-head` each would store its own, which is replayed only",
+                &axis[2..]
+            )));
+    }
     kvreplay(&dir)
         .args([
             "live",

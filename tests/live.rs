@@ -7,7 +7,7 @@ mod common;
 
 use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::live::{live, Batching, LiveSession};
+use kvreplay::live::{live, Batching, LiveSession, LiveStep};
 use kvreplay::model::{CausalLm, KvCache, Recorder, Row};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
 use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing};
@@ -82,7 +82,9 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
     .unwrap();
     let path = scratch.path().join("capital.safetensors");
     captured.write(&path).unwrap();
-    let mut open_loop = replay(&TraceReader::open(&path).unwrap(), &policy).unwrap();
+    // Bytes counted at 16 bits, as live mode counts its f32 recording.
+    let trace = TraceReader::open(&path).unwrap().counting_elements_at(2);
+    let mut open_loop = replay(&trace, &policy).unwrap();
     open_loop.trace = first.open_loop.trace.clone();
     assert_eq!(open_loop, first.open_loop);
     // Bit-identical rerun, with another chunk size for the prefill too.
@@ -617,4 +619,278 @@ fn a_policy_that_fails_while_running_fails_alone() {
     let again = sweep();
     let message = String::from_utf8(again.get_output().stderr.clone()).unwrap();
     assert!(message.contains("1 of 1 runs failed"), "{message}");
+}
+
+/// The capital recipe's kept prompt positions under `recency` with 4 sinks at a budget of 16:
+/// the sinks and the last 12, in every layer and head.
+fn recency_16(prompt_len: usize) -> (PolicyParams, Vec<usize>) {
+    let params = PolicyParams {
+        scorer: "recency".into(),
+        budget: 16,
+        sinks: 4,
+        ..PolicyParams::default()
+    };
+    (params, (0..4).chain(prompt_len - 12..prompt_len).collect())
+}
+
+/// What a stored cache holds, rebuilt by brute force for the brute-force run below.
+enum ByHand {
+    /// The open-loop quantizing cache per (layer, KV head), its rows written from the model's
+    /// cache as they arrive; every held row rewritten at every step.
+    Quantized(kvreplay::replay::quantizer::Scheme),
+    /// ThinK at the cut: `pruned` channels chosen from the last `window` prompt queries.
+    Think { pruned: usize, window: usize },
+    /// kvpress's merge at the cut.
+    Merged(kvreplay::replay::merge::ValueMerge),
+}
+
+/// The teacher-forced steps of `prompt` with the positions not in `kept` masked in every layer
+/// and head and the cache stored as `by_hand` says, one `forward_masked` call per token, the
+/// stored rows rewritten by hand before each.
+fn stored_by_hand(prompt: &BuiltPrompt, kept: &[usize], by_hand: &ByHand) -> Vec<LiveStep> {
+    use kvreplay::model::{Evicted, Rewrite};
+    use ndarray::{s, Array3, ArrayView2, Axis};
+    let model = model();
+    let spec = model.spec();
+    let (n_layers, n_kv, group) = (
+        spec.n_layers,
+        spec.n_kv_heads,
+        spec.n_heads / spec.n_kv_heads,
+    );
+    let prompt_len = prompt.ids.len();
+    let mut recorder = Recorder::default();
+    let mut full = KvCache::default();
+    let prefill_logits = model
+        .forward(&prompt.ids, &mut full, Some(&mut recorder))
+        .unwrap();
+    let mut cache = full.with_room(64).unwrap();
+    let mut logits = Vec::new();
+    let tokens = model
+        .decode_greedy(
+            &mut full,
+            &prefill_logits,
+            prompt.generate,
+            None,
+            None,
+            &mut |l| logits.push(l.to_vec()),
+        )
+        .unwrap();
+    let gone: Vec<usize> = (0..prompt_len).filter(|j| !kept.contains(j)).collect();
+    let evicted: Evicted = vec![vec![gone.clone(); spec.n_heads]; n_layers];
+    let rewrite =
+        |cache: &mut KvCache, layer: usize, rows: &[usize], kv: (Array3<f32>, Array3<f32>)| {
+            let pick = |a: &Array3<f32>| a.select(Axis(1), rows);
+            let rewrite = Rewrite {
+                positions: rows.to_vec(),
+                keys: pick(&kv.0),
+                values: pick(&kv.1),
+            };
+            cache.overwrite(layer, &rewrite).unwrap();
+        };
+    // At the cut: ThinK's and the merge's prompt entries.
+    for layer in 0..n_layers {
+        let (mut keys, mut values) = (cache.keys(layer).unwrap(), cache.values(layer).unwrap());
+        match by_hand {
+            ByHand::Think { pruned, window } => {
+                let q = recorder.layer(layer).unwrap().0;
+                for kv in 0..n_kv {
+                    let queries: Vec<ArrayView2<f32>> = (kv * group..(kv + 1) * group)
+                        .map(|head| q.slice(s![head, prompt_len - window..prompt_len, ..]))
+                        .collect();
+                    let channels = kvreplay::replay::channels::lowest_channels(
+                        &queries,
+                        keys.slice(s![kv, ..prompt_len, ..]),
+                        kept,
+                        *pruned,
+                    );
+                    for c in channels {
+                        keys.slice_mut(s![kv, ..prompt_len, c]).fill(0.0);
+                    }
+                }
+            }
+            ByHand::Merged(merge) => {
+                for kv in 0..n_kv {
+                    let merged = merge.merged(
+                        keys.slice(s![kv, .., ..]),
+                        values.slice(s![kv, .., ..]),
+                        (kept, &gone),
+                    );
+                    for (&j, value) in kept.iter().zip(merged) {
+                        values
+                            .slice_mut(s![kv, j, ..])
+                            .assign(&ndarray::Array1::from(value));
+                    }
+                }
+            }
+            ByHand::Quantized(_) => {}
+        }
+        rewrite(&mut cache, layer, kept, (keys, values));
+    }
+    let capacity = prompt_len + tokens.len();
+    let mut quantized: Vec<Vec<kvreplay::replay::quantizer::QuantizedCache>> = match by_hand {
+        ByHand::Quantized(scheme) => (0..n_layers)
+            .map(|_| {
+                (0..n_kv)
+                    .map(|_| {
+                        kvreplay::replay::quantizer::QuantizedCache::unwritten(
+                            *scheme,
+                            capacity,
+                            spec.head_dim,
+                        )
+                    })
+                    .collect()
+            })
+            .collect(),
+        _ => Vec::new(),
+    };
+    let mut steps = Vec::new();
+    for (t, &token) in tokens.iter().enumerate() {
+        let position = prompt_len + t;
+        let held: Vec<usize> = kept.iter().copied().chain(prompt_len..=position).collect();
+        for (layer, caches) in quantized.iter_mut().enumerate() {
+            let (keys, values) = (cache.keys(layer).unwrap(), cache.values(layer).unwrap());
+            // The entries that arrived since the last step, as the model wrote them.
+            let arrived = if t == 0 {
+                0..prompt_len
+            } else {
+                position - 1..position
+            };
+            for (kv, stored) in caches.iter_mut().enumerate() {
+                for j in arrived.clone() {
+                    stored.write(j, keys.slice(s![kv, j, ..]), values.slice(s![kv, j, ..]));
+                }
+                stored.step(&held, position);
+            }
+            let rows = &held[..held.len() - 1];
+            let (mut keys, mut values) = (keys, values);
+            for (kv, stored) in caches.iter().enumerate() {
+                for &j in rows {
+                    keys.slice_mut(s![kv, j, ..]).assign(&stored.keys().row(j));
+                    values
+                        .slice_mut(s![kv, j, ..])
+                        .assign(&stored.values().unwrap().row(j));
+                }
+            }
+            rewrite(&mut cache, layer, rows, (keys, values));
+        }
+        let step = model
+            .forward_masked(&[token], &mut cache, None, Some(&mut evicted.clone()))
+            .unwrap();
+        if let Some(&next) = tokens.get(t + 1) {
+            steps.push(kvreplay::live::compare_step(&logits[t], &step, next));
+        }
+    }
+    steps
+}
+
+/// Live on a quantized, channel-pruned or merged cache: the model runs over what the cache
+/// stores, and its teacher-forced steps are, bit for bit, those of a brute force that rewrites
+/// every held entry of the model's cache by hand before each token (the open-loop quantizing
+/// cache fed the model's own vectors; ThinK's channels and kvpress's merge computed at the cut
+/// from the model's own prompt). Batched or one at a time, the reports are the same; at 16 bits
+/// the quantizer stores the cache as captured and the run is the plain one.
+#[test]
+fn stored_caches_run_live_as_a_brute_force_rewrites_them() {
+    use kvreplay::replay::merge::ValueMerge;
+    use kvreplay::replay::quantizer::{Grouping, Scheme};
+    let prompt = capital();
+    let (plain, kept) = recency_16(prompt.ids.len());
+    let with = |axis: &str, name: &str, settings: &[(&str, f64)]| {
+        let mut params = plain.clone();
+        match axis {
+            "quantizer" => params.quantizer = name.into(),
+            "channels" => params.channels = name.into(),
+            _ => params.merge = name.into(),
+        }
+        for &(key, value) in settings {
+            params = match key {
+                "key_channel_ratio" | "similarity_threshold" => params.with(key, value),
+                _ => params.with(key, value as u64),
+            };
+        }
+        params
+    };
+    let kivi = with(
+        "quantizer",
+        "kivi",
+        &[("bits", 2.0), ("group_size", 4.0), ("residual", 8.0)],
+    );
+    let per_token = with(
+        "quantizer",
+        "per-token",
+        &[("bits", 4.0), ("group_size", 16.0), ("residual", 2.0)],
+    );
+    let think = with(
+        "channels",
+        "think",
+        &[("key_channel_ratio", 0.5), ("query_window", 8.0)],
+    );
+    let merged = with("merge", "similarity", &[("similarity_threshold", 0.0)]);
+    let cases = [
+        (
+            kivi,
+            ByHand::Quantized(Scheme {
+                bits: 2,
+                group_size: 4,
+                residual: 8,
+                keys: Grouping::PerChannel,
+                values: Grouping::PerToken,
+            }),
+        ),
+        (
+            per_token,
+            ByHand::Quantized(Scheme {
+                bits: 4,
+                group_size: 16,
+                residual: 2,
+                keys: Grouping::PerToken,
+                values: Grouping::PerToken,
+            }),
+        ),
+        (
+            think,
+            ByHand::Think {
+                pruned: 32,
+                window: 8,
+            },
+        ),
+        (
+            merged,
+            ByHand::Merged(ValueMerge {
+                similarity_threshold: 0.0,
+                merge_fraction: 1.0,
+            }),
+        ),
+    ];
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let policies: Vec<_> = cases
+        .iter()
+        .map(|(params, _)| params.clone().check().unwrap())
+        .collect();
+    let reports = session.run_many(&policies).unwrap();
+    let plain_report = session.run(&plain.clone().check().unwrap()).unwrap();
+    for (((_, by_hand), policy), report) in cases.iter().zip(&policies).zip(&reports) {
+        let label = policy.label();
+        assert_eq!(
+            report.steps,
+            stored_by_hand(&prompt, &kept, by_hand),
+            "{label}"
+        );
+        assert_ne!(report.steps, plain_report.steps, "{label} changes the run");
+    }
+    assert_eq!(
+        session
+            .run_batched(&policies, Batching::ONE_AT_A_TIME)
+            .unwrap(),
+        reports
+    );
+    let at_16 = PolicyParams {
+        quantizer: "kivi".into(),
+        ..plain
+    }
+    .with("bits", 16)
+    .check()
+    .unwrap();
+    assert_eq!(session.run(&at_16).unwrap().steps, plain_report.steps);
 }

@@ -5,6 +5,7 @@
 //! bit for bit. Free-running rows that stop leave the batch.
 
 use super::drift::{CompressedLayers, LiveMass};
+use super::stored::Stored;
 use super::streams::LiveStreams;
 use super::{compare_step, LiveStep};
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache};
@@ -39,8 +40,8 @@ impl AttentionMask for PolicyMask<'_> {
 /// A policy's run at the prompt's end, ready to decode.
 pub(super) struct Started<'s> {
     pub policy: &'s ValidPolicy,
-    /// The policy's mask on the model's layers.
-    pub mask: CompressedLayers<PolicyMask<'s>>,
+    /// The policy's mask, and how its caches store their entries, on the model's layers.
+    pub mask: CompressedLayers<Stored<PolicyMask<'s>>>,
     /// The cache after the prompt: the full run's, shared, unless the policy evicted while the
     /// prompt ran.
     pub cache: Cow<'s, KvCache>,
@@ -80,17 +81,17 @@ pub(super) struct Reference<'a> {
 
 /// One row's teacher-forced state: its mask measuring the live mass, its cache and its steps.
 struct Teacher<'s> {
-    /// Whether the kept sets were fixed at the prompt's end (a one-shot cut) and the tokens go
-    /// in one pass.
+    /// Whether the kept sets were fixed at the prompt's end (a one-shot cut), the entries stored
+    /// as captured, and the tokens go in one pass.
     fixed: bool,
-    mask: CompressedLayers<LiveMass<PolicyMask<'s>>>,
+    mask: CompressedLayers<LiveMass<Stored<PolicyMask<'s>>>>,
     cache: KvCache,
     steps: Vec<LiveStep>,
 }
 
 /// One free-running row.
 struct Free<'s> {
-    mask: CompressedLayers<PolicyMask<'s>>,
+    mask: CompressedLayers<Stored<PolicyMask<'s>>>,
     cache: KvCache,
     next: u32,
     generated: Vec<u32>,
@@ -162,7 +163,9 @@ fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'
         ));
     }
     Ok(Teacher {
-        fixed: reference.forced_in_one_pass && matches!(row.mask.inner(), PolicyMask::Fixed(_)),
+        fixed: reference.forced_in_one_pass
+            && row.mask.inner().is_captured()
+            && matches!(row.mask.inner().inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
         cache: row.cache.with_room(reference.tokens.len())?,
         steps,
@@ -272,8 +275,8 @@ fn free_running<'s>(
 
 /// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
 /// running cache (and the start it copies, when it prefilled on its own), its streams' vectors
-/// twice when it streams (the policy's and the copy that measures its live mass), and the live
-/// keys that measure its mass. The teacher-forced cache is freed before the free-running copy is
+/// twice when it streams (the policy's and the copy that measures its live mass), the live
+/// keys that measure its mass, and a stored cache's own vectors. The teacher-forced cache is freed before the free-running copy is
 /// made.
 pub(super) fn row_bytes(
     meta: &TraceMeta,
@@ -289,5 +292,11 @@ pub(super) fn row_bytes(
         _ => compressed * (heads + 2 * kv) * d * capacity * F32,
     };
     let keys = compressed * kv * d * capacity * F32;
-    (1 + usize::from(own_prefill)) * cache + 2 * streams + keys
+    // A stored cache's own copy of its keys and values, in the teacher-forced and the
+    // free-running mask.
+    let stored = match policy.storage().is_captured() {
+        true => 0,
+        false => 2 * compressed * 2 * kv * d * capacity * F32,
+    };
+    (1 + usize::from(own_prefill)) * cache + 2 * streams + keys + stored
 }

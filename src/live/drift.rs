@@ -4,7 +4,7 @@
 //! shows, layer by layer, how far the model's own vectors drift once tokens are gone.
 
 use crate::attention::{attend_positions, first_visible};
-use crate::model::{AttentionMask, ChunkVectors, KvCache, ModelError};
+use crate::model::{AttentionMask, ChunkVectors, KvCache, ModelError, Rewrite};
 
 /// Wraps a policy's mask and adds up per layer the share of each live query head's full causal
 /// attention that its mask keeps.
@@ -113,6 +113,10 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
         }
         Ok(mask)
     }
+
+    fn rewrite(&mut self, layer: usize) -> Option<Rewrite> {
+        self.inner.rewrite(layer)
+    }
 }
 
 /// A policy's masks on the model layers it compresses only (a hybrid model's global layers, or
@@ -152,5 +156,9 @@ impl<M: AttentionMask> AttentionMask for CompressedLayers<M> {
             Some(compressed) => self.inner.layer_mask(compressed, chunk),
             None => Ok(None),
         }
+    }
+
+    fn rewrite(&mut self, layer: usize) -> Option<Rewrite> {
+        self.inner.rewrite(self.index[layer]?)
     }
 }

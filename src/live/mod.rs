@@ -37,12 +37,19 @@
 //! session decode together ([`batch`]): each step one forward pass whose rows are the policies,
 //! each row's numbers those it gets alone.
 //!
+//! A policy that stores its kept entries otherwise than captured (a quantizer, pruned key
+//! channels, merged values) runs on what its caches store ([`stored`]): from the cut on, the
+//! entries its storage changes are written over the model's cache before each step's queries
+//! attend, so the model reads the dequantized, pruned or merged vectors, of its own making. Such
+//! a row takes its tokens one at a time, since what the cache stores changes from step to step.
+//!
 //! Every run also measures the live attention ([`drift`]): per layer, the share of each live
 //! query's attention over the whole live cache that its kept set holds, over the teacher-forced
 //! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
 
 mod batch;
 mod drift;
+mod stored;
 pub(crate) mod streams;
 
 use crate::capture::{prefill_questions, write_recording, CaptureError, CaptureOptions, PromptRun};
@@ -50,8 +57,8 @@ use crate::model::Recorder;
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
-    compressed_layers, layer_budgets, protocol_view, replay_keeping, Kept, PolicyError, Protocol,
-    ReplayReport, Storage, Timing, ValidPolicy,
+    compressed_layers, layer_budgets, protocol_view, replay_keeping, Granularity, Kept,
+    PolicyError, Protocol, ReplayReport, Storage, Timing, ValidPolicy,
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceReader};
 use batch::PolicyMask;
@@ -62,6 +69,7 @@ use std::borrow::Cow;
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
+use stored::{Store, Stored};
 use streams::{AttentionShape, LiveStreams};
 
 /// Errors of a live run.
@@ -212,7 +220,8 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
 }
 
 /// Whether `policy` can run live: an oracle that reads future queries gets them from the full
-/// run, which only the `prefill` timing can use (the others run the model's own queries).
+/// run, which only the `prefill` timing can use (the others run the model's own queries); a cache
+/// stored otherwise than captured is one per KV head, as the model's cache is.
 pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     let timing = policy.params().timing;
     let protocol = policy.params().protocol;
@@ -224,16 +233,17 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
             timing.name()
         )));
     }
-    if !policy.storage().is_captured() {
+    if !policy.storage().is_captured() && policy.params().gqa == Granularity::QueryHead {
         let params = policy.params();
-        let (axis, name) = match policy.storage() {
-            Storage::Quantized(_) => ("quantizer", &params.quantizer),
-            Storage::PrunedKeys(_) => ("channels", &params.channels),
-            _ => ("merge", &params.merge),
+        let axis = match policy.storage() {
+            Storage::Quantized(_) => format!("quantizer `{}`", params.quantizer),
+            Storage::PrunedKeys(_) => format!("channels `{}`", params.channels),
+            _ => format!("merge `{}`", params.merge),
         };
         return Err(LiveError::Unsupported(format!(
-            "{axis} `{name}` is replayed only (`kvreplay replay` or an open-loop sweep): live mode \
-             runs the model on the cache as captured"
+            "{axis} runs live on one cache per KV head (`gqa = kv-head` or `layer`), which the \
+             query heads of a group share; under `gqa = query-head` each would store its own, \
+             which is replayed only (`kvreplay replay` or an open-loop sweep)"
         )));
     }
     if timing != Timing::Prefill && policy.scorer.reads_future() {
@@ -325,7 +335,11 @@ impl<'m> LiveSession<'m> {
         write_recording(model, prompt, &full.tokens, &recorder, &options, &path)
             .map_err(CaptureError::from)?;
         drop(recorder);
-        let trace = TraceReader::open(&path).map_err(PolicyError::from)?;
+        // Recorded at f32 for the kept sets' sake; bytes counted as a capture's default dtype
+        // stores them, so a budget in bytes keeps what it keeps on a capture of the same run.
+        let trace = TraceReader::open(&path)
+            .map_err(PolicyError::from)?
+            .counting_elements_at(StorageDtype::default().element_bytes());
         Ok(Self {
             model,
             prompt: prompt.clone(),
@@ -467,18 +481,42 @@ impl<'m> LiveSession<'m> {
         let meta = self.trace.meta();
         let compressed = compressed_layers(meta, policy);
         let timing = policy.params().timing;
+        let prompt_len = meta.prompt_len;
+        let stored = |inner, cut, recorded_until| -> Result<_, LiveError> {
+            let layers = (meta, compressed.as_slice());
+            let store = Store::new(
+                policy,
+                layers,
+                (cut, self.capacity()),
+                (recorded, recorded_until),
+            )?;
+            Ok(CompressedLayers::new(
+                Stored::new(inner, store),
+                &compressed,
+                meta.n_layers,
+            ))
+        };
         let (mask, cache, prompt_logits) = if timing == Timing::Prefill {
             let cut = self.cut(policy)?;
             let evicted = evicted_positions(kept, meta.n_heads, cut);
-            let mut mask =
-                CompressedLayers::new(PolicyMask::Fixed(evicted), &compressed, meta.n_layers);
-            if cut == meta.prompt_len {
+            let mut mask = stored(PolicyMask::Fixed(evicted), cut, cut)?;
+            if cut == prompt_len {
                 (mask, None, None)
             } else {
-                // The question runs over the compressed context and is appended uncompressed.
-                let mut cache = self.full.prefilled.truncated(cut);
+                // The question runs over the compressed context and is appended uncompressed;
+                // a cache stored otherwise than captured takes it a token at a time (each one a
+                // step of its storage).
+                let mut cache = self
+                    .full
+                    .prefilled
+                    .truncated(cut)
+                    .with_room(prompt_len - cut)?;
+                let piece = match mask.inner().is_captured() {
+                    true => self.chunk.max(1),
+                    false => 1,
+                };
                 let mut logits = Vec::new();
-                for piece in self.prompt.ids[cut..].chunks(self.chunk.max(1)) {
+                for piece in self.prompt.ids[cut..].chunks(piece) {
                     logits = self
                         .model
                         .forward_masked(piece, &mut cache, None, Some(&mut mask))?;
@@ -488,12 +526,11 @@ impl<'m> LiveSession<'m> {
         } else if share_prefill && self.prefill_is_shareable(policy) {
             let mut streams = self.streams(policy)?;
             self.feed_prompt(&mut streams, &compressed, recorded)?;
-            let mask =
-                CompressedLayers::new(PolicyMask::Streams(streams), &compressed, meta.n_layers);
+            let mask = stored(PolicyMask::Streams(streams), prompt_len, prompt_len)?;
             (mask, None, None)
         } else {
             let streams = PolicyMask::Streams(self.streams(policy)?);
-            let mut mask = CompressedLayers::new(streams, &compressed, meta.n_layers);
+            let mut mask = stored(streams, prompt_len, 0)?;
             let mut cache = KvCache::default();
             let mut logits = Vec::new();
             for piece in self.prompt.ids.chunks(self.chunk.max(1)) {

@@ -42,6 +42,9 @@ pub(crate) fn attend_cached(
     }
     let n = q.dims()[1];
     let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
+    if let Some(rewrite) = row.mask.as_deref_mut().and_then(|mask| mask.rewrite(layer)) {
+        row.cache.overwrite(layer, &rewrite)?;
+    }
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record(layer, &q, &k, &v)?;
     }

@@ -2,7 +2,7 @@
 //! ([`CausalLm`]), its geometry ([`ModelSpec`]), its KV cache and the recorder that keeps what
 //! attention saw. Greedy generation is written once, here, for every family.
 
-use super::mask::AttentionMask;
+use super::mask::{AttentionMask, Rewrite};
 use super::prompt::TextTokenizer;
 use super::recorder::Recorder;
 use super::ModelError;
@@ -277,6 +277,56 @@ impl KvCache {
         let layer = &self.layers[layer];
         let keys = layer.keys_t.narrow(KEY_POSITIONS, 0, layer.len)?;
         super::mask::to_array(&keys.transpose(1, 2)?.contiguous()?)
+    }
+
+    /// The cached values of `layer`, `[n_kv_heads, positions, head_dim]`.
+    pub fn values(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
+        let layer = &self.layers[layer];
+        let values = layer.values.narrow(VALUE_POSITIONS, 0, layer.len)?;
+        super::mask::to_array(&values.contiguous()?)
+    }
+
+    /// Writes `rewrite`'s keys and values over their positions of layer `layer`, in place, a run
+    /// of consecutive positions at a time. The cache must hold its own buffers (a
+    /// [`with_room`](Self::with_room) copy, or one grown by its own appends): a clone or a
+    /// truncation may share them with the cache it came from, which would change too.
+    pub fn overwrite(&mut self, layer: usize, rewrite: &Rewrite) -> Result<(), ModelError> {
+        let cache = &self.layers[layer];
+        if rewrite
+            .positions
+            .last()
+            .is_some_and(|&last| last >= cache.len)
+        {
+            return Err(ModelError::Mask(format!(
+                "a rewrite reaches position {} of a cache of {} positions",
+                rewrite.positions[rewrite.positions.len() - 1],
+                cache.len
+            )));
+        }
+        let mut start = 0;
+        while start < rewrite.positions.len() {
+            let first = rewrite.positions[start];
+            let run = rewrite.positions[start..]
+                .iter()
+                .enumerate()
+                .take_while(|&(i, &position)| position == first + i)
+                .count();
+            let rows = ndarray::s![.., start..start + run, ..];
+            let tensor = |rows: ndarray::ArrayView3<f32>| -> Result<Tensor, ModelError> {
+                let dims = rows.dim();
+                let flat: Vec<f32> = rows.iter().copied().collect();
+                Ok(Tensor::from_vec(flat, dims, &Device::Cpu)?)
+            };
+            let keys_t = tensor(rewrite.keys.slice(rows))?
+                .transpose(1, 2)?
+                .contiguous()?;
+            cache.keys_t.slice_set(&keys_t, KEY_POSITIONS, first)?;
+            cache
+                .values
+                .slice_set(&tensor(rewrite.values.slice(rows))?, VALUE_POSITIONS, first)?;
+            start += run;
+        }
+        Ok(())
     }
 
     /// Appends a chunk's keys and values `[n_kv_heads, n, d]` to layer `layer` and returns the

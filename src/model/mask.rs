@@ -5,6 +5,20 @@
 use super::ModelError;
 use ndarray::{Array3, ArrayView3};
 
+/// Entries of one layer's cache that a policy stores otherwise than the model wrote them (a
+/// quantizing cache's dequantized vectors, keys without their pruned channels, merged values):
+/// the new contents of `positions` (ascending, each before the chunk being run), keys and values
+/// `[n_kv_heads, positions.len(), d]` for every KV head.
+#[derive(Debug, Clone, PartialEq)]
+pub struct Rewrite {
+    /// The positions rewritten, ascending.
+    pub positions: Vec<usize>,
+    /// Their keys as stored.
+    pub keys: Array3<f32>,
+    /// Their values as stored.
+    pub values: Array3<f32>,
+}
+
 /// A chunk's vectors at one layer, as attention is about to use them: post-rotary queries
 /// `[n_heads, n, d]`, post-rotary keys and values `[n_kv_heads, n, d]`, for positions
 /// `past..past + n`.
@@ -29,6 +43,13 @@ pub trait AttentionMask: Send {
         layer: usize,
         chunk: &ChunkVectors<'_>,
     ) -> Result<Option<Vec<f32>>, ModelError>;
+
+    /// What the chunk whose mask [`layer_mask`](Self::layer_mask) just gave for layer `layer`
+    /// reads from the cache otherwise than the model wrote it: written over those entries before
+    /// the chunk's queries attend. `None` (the default): the cache as the model wrote it.
+    fn rewrite(&mut self, _layer: usize) -> Option<Rewrite> {
+        None
+    }
 }
 
 /// What `policy` (when there is one) decides for layer `layer` of a chunk whose first position is

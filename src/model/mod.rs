@@ -34,7 +34,7 @@ pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row, WeightProducts};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub use hf::HfModel;
-pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted};
+pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted, Rewrite};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;
 pub use spm::SpmTokenizer;

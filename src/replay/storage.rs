@@ -77,7 +77,9 @@ impl<'a> HeldCache<'a> {
     /// Brings the cache to hold `held` (ascending) at the step whose new token is `newest`.
     pub fn step(&mut self, held: &[usize], newest: usize) {
         match self {
-            HeldCache::Quantized(cache) => cache.step(held, newest),
+            HeldCache::Quantized(cache) => {
+                cache.step(held, newest);
+            }
             HeldCache::PrunedKeys(cache) => cache.step(held),
         }
     }

@@ -50,6 +50,8 @@ pub struct TraceReader {
     n_positions: usize,
     storage: Dtype,
     has_values: bool,
+    /// Bytes a cache holds per element, when set apart from the file's dtype.
+    cache_element_bytes: Option<usize>,
 }
 
 impl std::fmt::Debug for TraceReader {
@@ -107,6 +109,7 @@ impl TraceReader {
             n_positions: 0,
             storage: Dtype::F32,
             has_values: false,
+            cache_element_bytes: None,
         };
         reader.check_tensors()?;
         Ok(reader)
@@ -242,6 +245,7 @@ impl TraceReader {
             n_positions: self.n_positions,
             storage: self.storage,
             has_values: self.has_values,
+            cache_element_bytes: self.cache_element_bytes,
         })
     }
 
@@ -260,10 +264,21 @@ impl TraceReader {
         self.n_positions
     }
 
-    /// Bytes of one stored element of q, k and v (2 for F16 and BF16, 4 for F32).
+    /// Bytes a cache holds per full-precision element: the file's dtype's (2 for F16 and BF16, 4
+    /// for F32) unless [counted otherwise](Self::counting_elements_at).
     pub fn element_bytes(&self) -> usize {
-        self.info("layers.0.k")
-            .map_or(4, |info| info.dtype.bitsize() / 8)
+        self.cache_element_bytes.unwrap_or_else(|| {
+            self.info("layers.0.k")
+                .map_or(4, |info| info.dtype.bitsize() / 8)
+        })
+    }
+
+    /// The same reader counting a cache's full-precision elements at `bytes` each, whatever its
+    /// file stores: live mode's f32 recording counts the cache at the width a capture stores by
+    /// default, so budgets in bytes resolve as on a capture of the same run.
+    pub fn counting_elements_at(mut self, bytes: usize) -> Self {
+        self.cache_element_bytes = Some(bytes);
+        self
     }
 
     /// Whether the trace stores values (needed for the output-error metric).

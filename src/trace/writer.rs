@@ -40,6 +40,11 @@ pub enum StorageDtype {
 }
 
 impl StorageDtype {
+    /// Bytes of one element.
+    pub fn element_bytes(self) -> usize {
+        self.dtype().bitsize() / 8
+    }
+
     fn dtype(self) -> Dtype {
         match self {
             Self::F16 => Dtype::F16,

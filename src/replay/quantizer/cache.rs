@@ -6,7 +6,7 @@
 //! dequantized, so attention reads them as it reads captured ones.
 
 use super::{quantize_group, Grouping, Scheme};
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array2, ArrayView1, ArrayView2};
 use std::collections::VecDeque;
 
 /// The entries of one stream (the keys, or the values) and where each one stands.
@@ -27,10 +27,10 @@ struct Stream {
 }
 
 impl Stream {
-    fn new(grouping: Grouping, n_positions: usize, vectors: Option<ArrayView2<f32>>) -> Self {
+    fn new(grouping: Grouping, n_positions: usize, vectors: Option<Array2<f32>>) -> Self {
         Self {
             grouping,
-            vectors: vectors.map(|v| v.to_owned()),
+            vectors,
             full: VecDeque::new(),
             group_of: vec![None; n_positions],
             members: Vec::new(),
@@ -50,13 +50,15 @@ impl Stream {
 
     /// Quantizes what the scheme says is due: per token, every full-precision entry beyond the
     /// newest `residual`; per channel, the oldest `residual` entries whenever that many are full
-    /// precision, in groups of `group_size` consecutive entries.
-    fn settle(&mut self, scheme: &Scheme) {
+    /// precision, in groups of `group_size` consecutive entries. Adds the positions quantized to
+    /// `quantized`.
+    fn settle(&mut self, scheme: &Scheme, quantized: &mut Vec<usize>) {
         match self.grouping {
             Grouping::PerToken => {
                 while self.full.len() > scheme.residual {
                     let position = self.full.pop_front().expect("more than residual");
                     self.quantize_token(position, scheme);
+                    quantized.push(position);
                 }
             }
             Grouping::PerChannel => {
@@ -65,6 +67,7 @@ impl Stream {
                     for group in block.chunks(scheme.group_size) {
                         self.quantize_channels(group, scheme.bits);
                     }
+                    quantized.extend(block);
                 }
             }
         }
@@ -131,6 +134,17 @@ impl QuantizedCache {
     /// An empty cache of `scheme` over a head's keys and (when the trace has them) values,
     /// `[T, d]`.
     pub fn new(scheme: Scheme, keys: ArrayView2<f32>, values: Option<ArrayView2<f32>>) -> Self {
+        Self::holding(scheme, keys.to_owned(), values.map(|v| v.to_owned()))
+    }
+
+    /// An empty cache of `scheme` over `n_positions` positions of head size `d` whose vectors
+    /// are [written](Self::write) as they arrive (a running model's).
+    pub fn unwritten(scheme: Scheme, n_positions: usize, d: usize) -> Self {
+        let zeros = || Array2::zeros((n_positions, d));
+        Self::holding(scheme, zeros(), Some(zeros()))
+    }
+
+    fn holding(scheme: Scheme, keys: Array2<f32>, values: Option<Array2<f32>>) -> Self {
         let n = keys.nrows();
         Self {
             scheme,
@@ -140,11 +154,24 @@ impl QuantizedCache {
         }
     }
 
+    /// Sets position `position`'s key and value as captured, before it is held.
+    pub fn write(&mut self, position: usize, key: ArrayView1<f32>, value: ArrayView1<f32>) {
+        for (stream, vector) in [
+            (&mut self.keys, key.view()),
+            (&mut self.values, value.view()),
+        ] {
+            if let Some(vectors) = &mut stream.vectors {
+                vectors.row_mut(position).assign(&vector);
+            }
+        }
+    }
+
     /// Brings the cache to hold `held` (ascending) at the step whose new token is `newest`:
     /// entries no longer held leave, entries new to the cache other than `newest` arrive (the
     /// prompt's kept entries at the cut, as KIVI's prefill), what is due is quantized, then
-    /// `newest` arrives at full precision, so the step's query reads it as captured.
-    pub fn step(&mut self, held: &[usize], newest: usize) {
+    /// `newest` arrives at full precision, so the step's query reads it as captured. Returns the
+    /// positions quantized at this step (their key, their value or both), ascending.
+    pub fn step(&mut self, held: &[usize], newest: usize) -> Vec<usize> {
         let before = &self.held;
         for &j in before.iter().filter(|j| held.binary_search(j).is_err()) {
             self.keys.evict(j);
@@ -160,14 +187,18 @@ impl QuantizedCache {
                 }
             }
         }
-        self.keys.settle(&self.scheme);
-        self.values.settle(&self.scheme);
+        let mut quantized = Vec::new();
+        self.keys.settle(&self.scheme, &mut quantized);
+        self.values.settle(&self.scheme, &mut quantized);
         if newest_arrives {
             self.keys.full.push_back(newest);
             self.values.full.push_back(newest);
         }
         self.held.clear();
         self.held.extend_from_slice(held);
+        quantized.sort_unstable();
+        quantized.dedup();
+        quantized
     }
 
     /// The keys as held, `[T, d]` (positions never held are as captured).
@@ -213,7 +244,8 @@ mod tests {
         let values = Array2::from_shape_fn((t, 2), |(j, c)| (j as f32 * 0.7 + c as f32).sin());
         let mut cache = QuantizedCache::new(kivi(4, 2), keys.view(), Some(values.view()));
         let prompt: Vec<usize> = (0..=10).collect();
-        cache.step(&prompt, 10);
+        // Quantized at the cut: keys 0..8, values 0..6.
+        assert_eq!(cache.step(&prompt, 10), (0..8).collect::<Vec<_>>());
         let changed = |now: ArrayView2<f32>, was: &Array2<f32>| -> Vec<usize> {
             (0..t).filter(|&j| now.row(j) != was.row(j)).collect()
         };
@@ -232,14 +264,14 @@ mod tests {
         // Next step: 11 arrives; first the values beyond the newest 4 (6) are quantized.
         let mut held = prompt.clone();
         held.push(11);
-        cache.step(&held, 11);
+        assert_eq!(cache.step(&held, 11), [6]);
         assert_eq!(cache.values.full, [7, 8, 9, 10, 11]);
         assert_eq!(cache.keys.full, [8, 9, 10, 11]);
         // Then 12: the keys' residual had reached 4, so 8..12 are quantized before 12 arrives;
         // evicting 3 leaves its group {2, 3} with one member, whose scales stay.
         held.retain(|&j| j != 3);
         held.push(12);
-        cache.step(&held, 12);
+        assert_eq!(cache.step(&held, 12), [7, 8, 9, 10, 11]);
         assert_eq!(cache.keys.full, [12]);
         assert_eq!(cache.keys.quantized, 11);
         assert_eq!(cache.keys.members.iter().filter(|&&n| n > 0).count(), 6);

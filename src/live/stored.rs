@@ -1,0 +1,355 @@
+//! A policy's cache stored otherwise than captured while the model runs: quantized, with pruned
+//! key channels, or with evicted values merged into kept ones ([`Storage`]). The bookkeeping is
+//! the open-loop replay's ([`QuantizedCache`], [`lowest_channels`], [`ValueMerge::merged`]), run
+//! over the running model's own vectors: at each step from the prompt's cut on, the policy's mask
+//! says which positions each KV head's cache holds, and what the storage then changes (entries
+//! quantized as they age, prompt keys pruned or kept values merged at the cut) is written over the
+//! model's cache before the step's queries attend ([`Rewrite`]). As in the replay, a step's newest
+//! entry reads as captured at its own step, and the model's own vectors are what gets quantized,
+//! pruned or merged.
+
+use super::{LiveError, RecordedLayers};
+use crate::attention::first_visible;
+use crate::model::{AttentionMask, ChunkVectors, ModelError, Rewrite};
+use crate::replay::channels::{lowest_channels, ChannelPruning};
+use crate::replay::merge::ValueMerge;
+use crate::replay::quantizer::QuantizedCache;
+use crate::replay::{Storage, ValidPolicy};
+use crate::trace::TraceMeta;
+use ndarray::{s, Array2, Array3, ArrayView1, ArrayView2, Axis};
+
+/// A policy's mask, and the storage of its caches on the layers the mask numbers (none when it
+/// stores them as captured).
+#[derive(Clone)]
+pub(super) struct Stored<M> {
+    inner: M,
+    store: Option<Store>,
+}
+
+impl<M> Stored<M> {
+    /// `inner` over caches stored as `store` says.
+    pub fn new(inner: M, store: Option<Store>) -> Self {
+        Self { inner, store }
+    }
+
+    /// The policy's mask.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
+    /// Whether the caches hold their entries as the model wrote them.
+    pub fn is_captured(&self) -> bool {
+        self.store.is_none()
+    }
+}
+
+impl<M: AttentionMask> AttentionMask for Stored<M> {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        let mask = self.inner.layer_mask(layer, chunk)?;
+        if let Some(store) = &mut self.store {
+            store.pending[layer] = store.step(layer, chunk, mask.as_deref())?;
+        }
+        Ok(mask)
+    }
+
+    fn rewrite(&mut self, layer: usize) -> Option<Rewrite> {
+        self.store.as_mut()?.pending[layer].take()
+    }
+}
+
+/// The caches of a policy that stores its entries otherwise than captured, one per KV head of
+/// each layer it compresses.
+#[derive(Clone)]
+pub(super) struct Store {
+    /// Where the prompt's cut falls: the steps from there on are the replay's decode steps.
+    cut: usize,
+    /// Query heads per KV head.
+    group: usize,
+    /// Whether the policy re-selects at every step from the whole cache, which then holds every
+    /// visible position.
+    reselects: bool,
+    /// Per layer (numbered as the policy's mask numbers them), its window (0: global) and its
+    /// caches.
+    layers: Vec<(usize, Vec<UnitStore>)>,
+    /// Per layer, the rewrite of the chunk just masked.
+    pending: Vec<Option<Rewrite>>,
+}
+
+impl Store {
+    /// The caches of `policy` on the model layers `compressed` of a model of header `meta`, the
+    /// prompt cut at `cut`, `capacity` positions at most; `None` when the policy stores its
+    /// entries as captured. The vectors of positions before `recorded.1` come from the full run's
+    /// recording (where the row starts from its cache); later ones from the chunks the model runs.
+    pub fn new(
+        policy: &ValidPolicy,
+        (meta, compressed): (&TraceMeta, &[usize]),
+        (cut, capacity): (usize, usize),
+        recorded: (&RecordedLayers<'_>, usize),
+    ) -> Result<Option<Self>, LiveError> {
+        let storage = policy.storage();
+        if storage.is_captured() {
+            return Ok(None);
+        }
+        let group = meta.n_heads / meta.n_kv_heads;
+        let (recorded, until) = recorded;
+        let layers = compressed
+            .iter()
+            .map(|&layer| {
+                let caches: Vec<UnitStore> = (0..meta.n_kv_heads)
+                    .map(|_| UnitStore::new(storage, (capacity, cut), meta.head_dim))
+                    .collect();
+                let mut stored = (meta.window(layer), caches);
+                if until > 0 {
+                    let tensors = recorded.layer(layer)?;
+                    let values = tensors.v.as_ref().expect("a live recording holds values");
+                    for position in 0..until {
+                        let chunk = s![.., position, ..];
+                        record(
+                            &mut stored.1,
+                            group,
+                            position,
+                            (
+                                tensors.q.slice(chunk),
+                                tensors.k.slice(chunk),
+                                values.slice(chunk),
+                            ),
+                        );
+                    }
+                }
+                Ok(stored)
+            })
+            .collect::<Result<Vec<_>, LiveError>>()?;
+        Ok(Some(Self {
+            cut,
+            group,
+            reselects: policy.params().timing.reselects(),
+            pending: vec![None; layers.len()],
+            layers,
+        }))
+    }
+
+    /// Records the chunk's vectors; at a step from the cut on, steps every cache of `layer` to
+    /// what its query head's `mask` line holds and returns what changed.
+    fn step(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+        mask: Option<&[f32]>,
+    ) -> Result<Option<Rewrite>, ModelError> {
+        let n = chunk.q.dim().1;
+        let (window, caches) = &mut self.layers[layer];
+        for row in 0..n {
+            let vectors = s![.., row, ..];
+            let qkv = (
+                chunk.q.slice(vectors),
+                chunk.k.slice(vectors),
+                chunk.v.slice(vectors),
+            );
+            record(caches, self.group, chunk.past + row, qkv);
+        }
+        let position = chunk.past + n - 1;
+        if position < self.cut {
+            return Ok(None);
+        }
+        if n != 1 {
+            return Err(ModelError::Mask(format!(
+                "a cache stored otherwise than captured steps one token at a time from the \
+                 prompt's cut ({}); a chunk of {n} came at position {}",
+                self.cut, chunk.past
+            )));
+        }
+        let first = first_visible(position, *window);
+        let mut changed = Vec::new();
+        for (kv_head, cache) in caches.iter_mut().enumerate() {
+            let line = mask
+                .filter(|_| !self.reselects)
+                .map(|mask| &mask[kv_head * self.group * (position + 1)..][..=position]);
+            let held: Vec<usize> = (first..=position)
+                .filter(|&j| line.is_none_or(|line| line[j] == 0.0))
+                .collect();
+            changed.extend(cache.step(&held, position, self.cut, *window));
+        }
+        changed.sort_unstable();
+        changed.dedup();
+        Ok((!changed.is_empty()).then(|| rewrite(caches, changed)))
+    }
+}
+
+/// Sets position `position`'s vectors (q `[n_heads, d]`, k and v `[n_kv_heads, d]`) in the
+/// caches of one layer, `group` query heads per KV head.
+fn record(
+    caches: &mut [UnitStore],
+    group: usize,
+    position: usize,
+    (q, k, v): (ArrayView2<f32>, ArrayView2<f32>, ArrayView2<f32>),
+) {
+    for (kv_head, cache) in caches.iter_mut().enumerate() {
+        let queries = q.slice(s![kv_head * group..(kv_head + 1) * group, ..]);
+        cache.record(position, queries, (k.row(kv_head), v.row(kv_head)));
+    }
+}
+
+/// The rewrite of `positions` (ascending) from every KV head's cache of a layer.
+fn rewrite(caches: &[UnitStore], positions: Vec<usize>) -> Rewrite {
+    let d = caches[0].row(positions[0]).0.len();
+    let shape = (caches.len(), positions.len(), d);
+    let (mut keys, mut values) = (Array3::zeros(shape), Array3::zeros(shape));
+    for (kv_head, cache) in caches.iter().enumerate() {
+        for (index, &j) in positions.iter().enumerate() {
+            let (key, value) = cache.row(j);
+            keys.slice_mut(s![kv_head, index, ..]).assign(&key);
+            values.slice_mut(s![kv_head, index, ..]).assign(&value);
+        }
+    }
+    Rewrite {
+        positions,
+        keys,
+        values,
+    }
+}
+
+/// One KV head's cache of one layer.
+#[derive(Clone)]
+enum UnitStore {
+    /// Quantized as its entries age.
+    Quantized(QuantizedCache),
+    /// Its held prompt keys without the pruned channels from the cut on.
+    PrunedKeys {
+        pruning: ChannelPruning,
+        /// Per query head of the group, the last `pruning.window` prompt queries, `[window, d]`.
+        queries: Vec<Array2<f32>>,
+        prompt: Prompt,
+    },
+    /// Its kept prompt values with the evicted ones merged in from the cut on.
+    Merged { merge: ValueMerge, prompt: Prompt },
+}
+
+/// The prompt's keys and values of one KV head, `[cut, d]`, and whether the cut has changed them.
+#[derive(Clone)]
+struct Prompt {
+    keys: Array2<f32>,
+    values: Array2<f32>,
+    cut_done: bool,
+}
+
+impl UnitStore {
+    fn new(storage: Storage, (capacity, cut): (usize, usize), d: usize) -> Self {
+        let prompt = || Prompt {
+            keys: Array2::zeros((cut, d)),
+            values: Array2::zeros((cut, d)),
+            cut_done: false,
+        };
+        match storage {
+            Storage::Quantized(scheme) => {
+                UnitStore::Quantized(QuantizedCache::unwritten(scheme, capacity, d))
+            }
+            Storage::PrunedKeys(pruning) => UnitStore::PrunedKeys {
+                pruning,
+                queries: Vec::new(),
+                prompt: prompt(),
+            },
+            Storage::Merged(merge) => UnitStore::Merged {
+                merge,
+                prompt: prompt(),
+            },
+            Storage::Captured => unreachable!("a captured cache has no store"),
+        }
+    }
+
+    /// Sets position `position`'s key and value and, for ThinK's scoring window, the queries of
+    /// the group `[group, d]`.
+    fn record(
+        &mut self,
+        position: usize,
+        queries: ArrayView2<f32>,
+        (key, value): (ArrayView1<f32>, ArrayView1<f32>),
+    ) {
+        let prompt = match self {
+            UnitStore::Quantized(cache) => return cache.write(position, key, value),
+            UnitStore::PrunedKeys {
+                pruning,
+                queries: window,
+                prompt,
+            } => {
+                let cut = prompt.keys.nrows();
+                let first = cut.saturating_sub(pruning.window);
+                if (first..cut).contains(&position) {
+                    if window.is_empty() {
+                        let d = queries.ncols();
+                        *window = vec![Array2::zeros((cut - first, d)); queries.nrows()];
+                    }
+                    for (block, query) in window.iter_mut().zip(queries.rows()) {
+                        block.row_mut(position - first).assign(&query);
+                    }
+                }
+                prompt
+            }
+            UnitStore::Merged { prompt, .. } => prompt,
+        };
+        if position < prompt.keys.nrows() {
+            prompt.keys.row_mut(position).assign(&key);
+            prompt.values.row_mut(position).assign(&value);
+        }
+    }
+
+    /// Brings the cache to hold `held` (ascending) at the step of `newest`, the prompt cut at
+    /// `cut`, in a layer of window `window` (0: global); returns the positions whose key or value
+    /// changed.
+    fn step(&mut self, held: &[usize], newest: usize, cut: usize, window: usize) -> Vec<usize> {
+        let prompt_held = &held[..held.partition_point(|&j| j < cut)];
+        match self {
+            UnitStore::Quantized(cache) => cache.step(held, newest),
+            UnitStore::PrunedKeys {
+                pruning,
+                queries,
+                prompt,
+            } if !prompt.cut_done => {
+                let queries: Vec<ArrayView2<f32>> = queries.iter().map(Array2::view).collect();
+                let d = prompt.keys.ncols();
+                let channels =
+                    lowest_channels(&queries, prompt.keys.view(), prompt_held, pruning.pruned(d));
+                for &c in &channels {
+                    prompt.keys.column_mut(c).fill(0.0);
+                }
+                prompt.cut_done = true;
+                prompt_held.to_vec()
+            }
+            UnitStore::Merged { merge, prompt } if !prompt.cut_done => {
+                let evicted: Vec<usize> = (first_visible(cut.saturating_sub(1), window)..cut)
+                    .filter(|j| prompt_held.binary_search(j).is_err())
+                    .collect();
+                let merged = merge.merged(
+                    prompt.keys.view(),
+                    prompt.values.view(),
+                    (prompt_held, &evicted),
+                );
+                for (&j, value) in prompt_held.iter().zip(merged) {
+                    prompt.values.row_mut(j).assign(&ArrayView1::from(&value));
+                }
+                prompt.cut_done = true;
+                prompt_held.to_vec()
+            }
+            _ => Vec::new(),
+        }
+    }
+
+    /// Position `j`'s key and value as held (before the cut for a prompt store).
+    fn row(&self, j: usize) -> (ArrayView1<'_, f32>, ArrayView1<'_, f32>) {
+        match self {
+            UnitStore::Quantized(cache) => (
+                cache.keys().index_axis_move(Axis(0), j),
+                cache
+                    .values()
+                    .expect("a live cache holds values")
+                    .index_axis_move(Axis(0), j),
+            ),
+            UnitStore::PrunedKeys { prompt, .. } | UnitStore::Merged { prompt, .. } => {
+                (prompt.keys.row(j), prompt.values.row(j))
+            }
+        }
+    }
+}
