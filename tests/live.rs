@@ -251,10 +251,36 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
         };
         policies.push(every_four.check().unwrap());
     }
+    // Caches stored otherwise than captured, under every timing: quantized (the model's own
+    // vectors recorded from its prefill, or from the full run's recording where it shares it),
+    // and ThinK's pruned keys under a streaming timing.
+    let plain_runs = policies.len();
+    for &(timing, order) in &EVICTING {
+        let quantized = PolicyParams {
+            quantizer: "kivi".into(),
+            ..evicting_live(timing, order, 20)
+        };
+        let quantized = quantized
+            .with("bits", 2)
+            .with("group_size", 4)
+            .with("residual", 8);
+        policies.push(quantized.check().unwrap());
+    }
+    let pruned = PolicyParams {
+        channels: "think".into(),
+        ..evicting_live(Timing::PrefillThenStream, Order::AttendFirst, 20)
+    };
+    policies.push(pruned.with("query_window", 8).check().unwrap());
     let alone = session
         .run_batched(&policies, Batching::ONE_AT_A_TIME)
         .unwrap();
     assert!(alone.iter().all(|report| report.kl > 0.0));
+    // Each quantized run differs from the same policy's plain run (budget 20: the EVICTING runs
+    // after the first two and the four at 12).
+    let plain_20 = &alone[2 + EVICTING.len()..2 + 2 * EVICTING.len()];
+    for (stored, plain) in alone[plain_runs..].iter().zip(plain_20) {
+        assert_ne!(stored.steps, plain.steps, "{}", stored.policy);
+    }
     for rows in [None, Some(3)] {
         let batching = Batching {
             rows,
