@@ -766,14 +766,14 @@ fn live_mode_refuses_what_it_cannot_run_before_loading_anything() {
             "--protocol",
             "question-agnostic",
             "--timing",
-            "per-step-prompt",
+            "streaming",
             "--scorer",
             "true-query",
         ])
         .assert()
         .code(2)
         .stderr(contains(
-            "protocol `question-agnostic` runs live with timing `prefill`; under `per-step-prompt` it is replayed only",
+            "moves the prompt-end cut before the question: use --timing prefill, prefill-then-stream or per-step-prompt",
         ));
 }
 

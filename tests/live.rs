@@ -423,6 +423,17 @@ fn question_agnostic_live_keeping_the_context_is_the_full_run() {
         "{:?}",
         report.steps
     );
+    // The same under the timings that stream or re-select after the cut: their streams are fed
+    // the context and run the question as their first decode steps.
+    for timing in [Timing::PrefillThenStream, Timing::PerStepPrompt] {
+        let streaming = PolicyParams {
+            timing,
+            ..question_agnostic("recency", 4096)
+        };
+        let streamed = session.run(&streaming.check().unwrap()).unwrap();
+        assert_eq!(streamed.steps, report.steps, "{timing:?}");
+        assert_eq!(streamed.text, report.text, "{timing:?}");
+    }
     let in_prompt = PolicyParams {
         protocol: Protocol::QuestionInPrompt,
         ..question_agnostic("recency", 4096)
@@ -919,4 +930,59 @@ fn stored_caches_run_live_as_a_brute_force_rewrites_them() {
     .check()
     .unwrap();
     assert_eq!(session.run(&at_16).unwrap().steps, plain_report.steps);
+}
+
+/// Under the question-agnostic protocol, the timings that stream or re-select after the cut run
+/// live: each policy's report with its own prefill (the context in its own chunks under its
+/// streams, then the question) is the one it gets with the full run's context shared (its streams
+/// fed the recorded context, the question run over the context's cache), batched: the same texts
+/// and top-1 choices, KL and lost log-probability within 1e-4 (relative above 1). Not bit for
+/// bit: alone, the context's forward pass is chunked at the cut, where the full run's chunk held
+/// the question too, which moves the last bits of its sums.
+#[test]
+fn question_agnostic_streams_run_live_the_same_shared_or_alone() {
+    let prompt = needle_with_question();
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let policies: Vec<_> = [Timing::PrefillThenStream, Timing::PerStepPrompt]
+        .into_iter()
+        .flat_map(|timing| {
+            ["recency", "true-query"].map(|scorer| {
+                PolicyParams {
+                    timing,
+                    ..question_agnostic(scorer, 32)
+                }
+                .check()
+                .unwrap()
+            })
+        })
+        .collect();
+    let together = session.run_many(&policies).unwrap();
+    let alone = session
+        .run_batched(&policies, Batching::ONE_AT_A_TIME)
+        .unwrap();
+    let close = |a: f64, b: f64| (a - b).abs() <= 1e-4 * a.abs().max(b.abs()).max(1.0);
+    let prefill = session
+        .run(&question_agnostic("recency", 32).check().unwrap())
+        .unwrap();
+    for (shared, own) in together.iter().zip(&alone) {
+        let policy = &shared.policy;
+        assert_eq!(shared.text, own.text, "{policy}");
+        assert_eq!(shared.open_loop, own.open_loop, "{policy}");
+        assert_eq!(shared.steps.len(), own.steps.len(), "{policy}");
+        for (a, b) in shared.steps.iter().zip(&own.steps) {
+            assert!(
+                a.top1 == b.top1 && close(a.kl, b.kl),
+                "{policy}: {a:?} {b:?}"
+            );
+            assert!(
+                close(a.logprob_lost, b.logprob_lost),
+                "{policy}: {a:?} {b:?}"
+            );
+        }
+        assert!(shared.steps[0].kl > 1e-3, "{policy}: the context is cut");
+        assert_eq!(shared.steps.len(), prefill.steps.len(), "{policy}");
+    }
+    // Re-running is bit for bit.
+    assert_eq!(session.run_many(&policies).unwrap(), together);
 }

@@ -163,3 +163,28 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     chunked = importlib.import_module("kvpress.presses.chunk_press").ChunkPress
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
+
+
+def test_pruning_merging_and_quantizing_presses_run_live(recipe):
+    # ThinK's pruned keys, kvpress's merge and a KIVI cache: the model runs on what each stores.
+    from kvreplay.kvpress import policy
+
+    think = importlib.import_module("kvpress.presses.think_press").ThinKPress
+    composed = importlib.import_module("kvpress.presses.composed_press").ComposedPress
+    merging = importlib.import_module("kvpress.presses.merging_press").MergingPress
+    knorm = PRESSES["KnormPress"]
+    results = kvreplay.live(
+        recipe,
+        budget=64,
+        policies=[
+            {"scorer": "knorm"},
+            policy(composed([knorm(), think(key_channel_compression_ratio=0.5, window_size=16)])),
+            policy(merging(press=knorm())),
+            {"scorer": "knorm", "quantizer": "kivi", "bits": 2, "group_size": 16, "residual": 32},
+        ],
+    )
+    runs = results.runs
+    plain = runs.row(0, named=True)
+    for row in runs.iter_rows(named=True):
+        assert row["mean_kept"] == plain["mean_kept"]
+    assert len(set(runs["kl"].to_list())) == 4, "each storage changes what the model does"

@@ -33,7 +33,10 @@
 //! already changes the prompt's last logits, so its teacher-forced steps start at step 0.
 //!
 //! Those that evict nothing while the prompt runs start from the full run's prefill instead, their
-//! streams fed its recorded prompt vectors (the ones their own prefill makes). The policies of a
+//! streams fed its recorded prompt vectors (the ones their own prefill makes). Under the
+//! question-agnostic protocol (`prefill-then-stream` and `per-step-prompt` too) the streams cut
+//! where the question starts: they are fed the context, and the question runs over the context's
+//! cache under them, its tokens their first decode steps. The policies of a
 //! session decode together ([`batch`]): each step one forward pass whose rows are the policies,
 //! each row's numbers those it gets alone.
 //!
@@ -224,15 +227,6 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
 /// stored otherwise than captured is one per KV head, as the model's cache is.
 pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
     let timing = policy.params().timing;
-    let protocol = policy.params().protocol;
-    if protocol == Protocol::QuestionAgnostic && timing != Timing::Prefill {
-        return Err(LiveError::Unsupported(format!(
-            "protocol `{}` runs live with timing `prefill`; under `{}` it is replayed only \
-             (`kvreplay replay` or an open-loop sweep)",
-            protocol.name(),
-            timing.name()
-        )));
-    }
     if !policy.storage().is_captured() && policy.params().gqa == Granularity::QueryHead {
         let params = policy.params();
         let axis = match policy.storage() {
@@ -496,47 +490,25 @@ impl<'m> LiveSession<'m> {
                 meta.n_layers,
             ))
         };
+        let cut = self.cut(policy)?;
         let (mask, cache, prompt_logits) = if timing == Timing::Prefill {
-            let cut = self.cut(policy)?;
             let evicted = evicted_positions(kept, meta.n_heads, cut);
             let mut mask = stored(PolicyMask::Fixed(evicted), cut, cut)?;
-            if cut == prompt_len {
-                (mask, None, None)
-            } else {
-                // The question runs over the compressed context and is appended uncompressed;
-                // a cache stored otherwise than captured takes it a token at a time (each one a
-                // step of its storage).
-                let mut cache = self
-                    .full
-                    .prefilled
-                    .truncated(cut)
-                    .with_room(prompt_len - cut)?;
-                let piece = match mask.inner().is_captured() {
-                    true => self.chunk.max(1),
-                    false => 1,
-                };
-                let mut logits = Vec::new();
-                for piece in self.prompt.ids[cut..].chunks(piece) {
-                    logits = self
-                        .model
-                        .forward_masked(piece, &mut cache, None, Some(&mut mask))?;
-                }
-                (mask, Some(cache), Some(logits))
-            }
+            let question = self.question_over_context(cut, &mut mask)?;
+            (mask, question.0, question.1)
         } else if share_prefill && self.prefill_is_shareable(policy) {
-            let mut streams = self.streams(policy)?;
-            self.feed_prompt(&mut streams, &compressed, recorded)?;
-            let mask = stored(PolicyMask::Streams(streams), prompt_len, prompt_len)?;
-            (mask, None, None)
+            let mut streams = self.streams(policy, cut)?;
+            self.feed_prompt(&mut streams, &compressed, recorded, cut)?;
+            let mut mask = stored(PolicyMask::Streams(streams), cut, cut)?;
+            let question = self.question_over_context(cut, &mut mask)?;
+            (mask, question.0, question.1)
         } else {
-            let streams = PolicyMask::Streams(self.streams(policy)?);
-            let mut mask = stored(streams, prompt_len, 0)?;
+            let streams = PolicyMask::Streams(self.streams(policy, cut)?);
+            let mut mask = stored(streams, cut, 0)?;
             let mut cache = KvCache::default();
-            let mut logits = Vec::new();
-            for piece in self.prompt.ids.chunks(self.chunk.max(1)) {
-                logits = self
-                    .model
-                    .forward_masked(piece, &mut cache, None, Some(&mut mask))?;
+            let mut logits = self.run_tokens((0..cut, cut), &mut cache, &mut mask)?;
+            if cut < prompt_len {
+                logits = self.run_tokens((cut..prompt_len, cut), &mut cache, &mut mask)?;
             }
             (mask, Some(cache), Some(logits))
         };
@@ -548,6 +520,49 @@ impl<'m> LiveSession<'m> {
                 .map_or(Cow::Borrowed(&self.full.prefill_logits), Cow::Owned),
             open_loop,
         })
+    }
+
+    /// Under the question-agnostic protocol (`cut` before the prompt's end), the question run
+    /// over the context's cache under `mask` and appended uncompressed: the cache after it and
+    /// its last logits. `(None, None)` when the cut is the prompt's end.
+    fn question_over_context(
+        &self,
+        cut: usize,
+        mask: &mut CompressedLayers<Stored<PolicyMask<'_>>>,
+    ) -> Result<(Option<KvCache>, Option<Vec<f32>>), LiveError> {
+        let prompt_len = self.prompt.ids.len();
+        if cut == prompt_len {
+            return Ok((None, None));
+        }
+        let mut cache = self
+            .full
+            .prefilled
+            .truncated(cut)
+            .with_room(prompt_len - cut)?;
+        let logits = self.run_tokens((cut..prompt_len, cut), &mut cache, mask)?;
+        Ok((Some(cache), Some(logits)))
+    }
+
+    /// Runs the prompt's tokens `tokens` over `cache` under `mask`, in the session's chunks (a
+    /// token at a time from the cut `cut` on when the caches are stored otherwise than captured,
+    /// each token a step of their storage); the last logits.
+    fn run_tokens(
+        &self,
+        (tokens, cut): (std::ops::Range<usize>, usize),
+        cache: &mut KvCache,
+        mask: &mut CompressedLayers<Stored<PolicyMask<'_>>>,
+    ) -> Result<Vec<f32>, LiveError> {
+        let piece = match mask.inner().is_captured() || tokens.end <= cut {
+            true => self.chunk.max(1),
+            false => 1,
+        };
+        let mut logits = Vec::new();
+        for piece in self.prompt.ids[tokens].chunks(piece) {
+            logits = self
+                .model
+                .forward_masked(piece, cache, None, Some(&mut *mask))?;
+        }
+        Ok(logits)
     }
 
     /// Whether `policy`, batched, runs the prompt on its own instead of starting from the full
@@ -576,8 +591,12 @@ impl<'m> LiveSession<'m> {
     }
 
     /// The streams of a policy that evicts while the model runs, on the layers it compresses,
-    /// with the budgets the open-loop replay gives them.
-    fn streams<'s>(&'s self, policy: &'s ValidPolicy) -> Result<LiveStreams<'s>, LiveError> {
+    /// with the budgets the open-loop replay gives them, the prompt cut at `cut`.
+    fn streams<'s>(
+        &'s self,
+        policy: &'s ValidPolicy,
+        cut: usize,
+    ) -> Result<LiveStreams<'s>, LiveError> {
         let meta = self.trace.meta();
         let shape = AttentionShape {
             n_heads: meta.n_heads,
@@ -596,21 +615,23 @@ impl<'m> LiveSession<'m> {
             policy,
             (budgets, rope_thetas, windows),
             shape,
-            meta.prompt_len,
+            cut,
             capacity,
         ))
     }
 
-    /// Feeds the full run's recorded prompt vectors to `streams` (on model layers `compressed`)
-    /// in the prefill's chunks, as the model's own prefill would; fails if the policy hides any
-    /// prompt position from a prompt query, since the prompt then runs differently.
+    /// Feeds the full run's recorded vectors of the prompt's first `cut` positions (the context,
+    /// under the question-agnostic protocol) to `streams` (on model layers `compressed`) in the
+    /// prefill's chunks, as the model's own prefill would; fails if the policy hides any of them
+    /// from a query among them, since the prompt then runs differently.
     fn feed_prompt(
         &self,
         streams: &mut LiveStreams<'_>,
         compressed: &[usize],
         recorded: &RecordedLayers<'_>,
+        cut: usize,
     ) -> Result<(), LiveError> {
-        let prompt_len = self.trace.meta().prompt_len;
+        let prompt_len = cut;
         let chunk = self.chunk.max(1);
         for (index, &layer) in compressed.iter().enumerate() {
             let recorded = recorded.layer(layer)?;
@@ -733,8 +754,8 @@ impl<'m> LiveQuestions<'m> {
     }
 
     /// Whether `policy`'s kept sets depend on the context alone: it cuts before the question
-    /// (the question-agnostic protocol, which runs live under the `prefill` timing) and reads no
-    /// future query.
+    /// (the question-agnostic protocol) and reads no future query. (Under a streaming timing the
+    /// kept sets are the streams', which start from the same context in every question.)
     pub fn compresses_context_once(policy: &ValidPolicy) -> bool {
         policy.params().protocol == Protocol::QuestionAgnostic && !policy.reads_future()
     }

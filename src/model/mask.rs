@@ -1,6 +1,8 @@
 //! Which cached positions each query attends over, decided layer by layer while the forward pass
 //! runs: how a KV-cache policy holds the model's real cache. The cache keeps every key; a policy's
 //! evictions are masks, so each query head can keep its own set and positions keep their rotation.
+//! A policy that stores its entries otherwise than captured (quantized, pruned, merged) also
+//! rewrites them in the cache before a chunk attends ([`Rewrite`]).
 
 use super::ModelError;
 use ndarray::{Array3, ArrayView3};
