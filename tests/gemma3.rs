@@ -247,10 +247,12 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
         "a sliding layer at 32 tokens loses mass: {open_first}"
     );
     assert!(tova_all.open_loop.kv_entries < tova.open_loop.kv_entries);
-    // Decoded together, the prefill shared where nothing is evicted while the prompt runs, and
-    // a one-shot cut's teacher-forced tokens in one pass (on the global layers, and on every
-    // layer, its sliding ones masked within their window): each report is the one its policy
-    // gets alone with its own prefill, one pass per token, bit for bit.
+    // Decoded together, the prefill shared where nothing is evicted while the prompt runs, a
+    // one-shot cut's teacher-forced tokens in one pass (on the global layers, and on every layer,
+    // its sliding ones masked within their window), and each row's cache copy holding only the
+    // 512-position window of the sliding layers it does not compress (the 800-token prompt's
+    // first 288 positions gone there): each report is the one its policy gets alone with its own
+    // prefill, whole caches, one pass per token, bit for bit.
     let snapkv = PolicyParams {
         budget: 32,
         ..PolicyParams::default()

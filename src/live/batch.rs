@@ -77,6 +77,33 @@ pub(super) struct Reference<'a> {
     pub generate: usize,
     /// Whether rows whose kept sets are fixed take the teacher-forced tokens in one pass.
     pub forced_in_one_pass: bool,
+    /// Whether a row's cache copies hold only the windows of the sliding layers it does not
+    /// compress.
+    pub windowed_copies: bool,
+}
+
+impl Reference<'_> {
+    /// A row of `policy`'s copy of `cache` with room for `extra` positions: only the window of
+    /// each sliding-window layer the policy does not compress (its queries attend over their
+    /// window alone), when the batch keeps copies windowed.
+    fn copy(
+        &self,
+        cache: &KvCache,
+        policy: &ValidPolicy,
+        extra: usize,
+    ) -> Result<KvCache, ModelError> {
+        if !self.windowed_copies {
+            return cache.with_room(extra);
+        }
+        let compressed = crate::replay::compressed_layers(self.meta, policy);
+        let windows: Vec<usize> = (0..self.meta.n_layers)
+            .map(|layer| match compressed.contains(&layer) {
+                true => 0,
+                false => self.meta.window(layer),
+            })
+            .collect();
+        cache.with_room_windowed(extra, &windows)
+    }
 }
 
 /// One row's teacher-forced state: its mask measuring the live mass, its cache and its steps.
@@ -118,7 +145,7 @@ pub(super) fn decode<'s>(
         policies.push((row.policy, row.open_loop));
         free.push(Free {
             next: argmax(&row.prompt_logits),
-            cache: row.cache.with_room(reference.generate)?,
+            cache: reference.copy(&row.cache, row.policy, reference.generate)?,
             mask: row.mask,
             generated: Vec::new(),
         });
@@ -167,7 +194,7 @@ fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'
             && row.mask.inner().is_captured()
             && matches!(row.mask.inner().inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
-        cache: row.cache.with_room(reference.tokens.len())?,
+        cache: reference.copy(&row.cache, row.policy, reference.tokens.len())?,
         steps,
     })
 }
@@ -274,19 +301,33 @@ fn free_running<'s>(
 }
 
 /// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
-/// running cache (and the start it copies, when it prefilled on its own), its streams' vectors
-/// twice when it streams (the policy's and the copy that measures its live mass), the live
-/// keys that measure its mass, and a stored cache's own vectors. The teacher-forced cache is freed before the free-running copy is
-/// made.
+/// running cache (only the windows of the sliding layers it does not compress when its copies
+/// are `windowed`; and the start it copies, whole, when it prefilled on its own), its streams'
+/// vectors twice when it streams (the policy's and the copy that measures its live mass), the
+/// live keys that measure its mass, and a stored cache's own vectors. The teacher-forced cache is
+/// freed before the free-running copy is made.
 pub(super) fn row_bytes(
     meta: &TraceMeta,
     policy: &ValidPolicy,
-    (capacity, own_prefill): (usize, bool),
+    (capacity, own_prefill, windowed): (usize, bool, bool),
 ) -> usize {
     const F32: usize = 4;
-    let compressed = crate::replay::compressed_layers(meta, policy).len();
+    let compressed = crate::replay::compressed_layers(meta, policy);
     let (heads, kv, d) = (meta.n_heads, meta.n_kv_heads, meta.head_dim);
-    let cache = meta.n_layers * 2 * kv * d * capacity * F32;
+    let entry = 2 * kv * d * F32;
+    let room = capacity.saturating_sub(meta.prompt_len);
+    let copy: usize = (0..meta.n_layers)
+        .map(|layer| {
+            let window = meta.window(layer);
+            let held = match windowed && window > 0 && !compressed.contains(&layer) {
+                true => (window + room).min(capacity),
+                false => capacity,
+            };
+            entry * held
+        })
+        .sum();
+    let whole = meta.n_layers * entry * capacity;
+    let compressed = compressed.len();
     let streams = match policy.params().timing {
         crate::replay::Timing::Prefill => 0,
         _ => compressed * (heads + 2 * kv) * d * capacity * F32,
@@ -298,5 +339,52 @@ pub(super) fn row_bytes(
         true => 0,
         false => 2 * compressed * 2 * kv * d * capacity * F32,
     };
-    (1 + usize::from(own_prefill)) * cache + 2 * streams + keys + stored
+    usize::from(own_prefill) * whole + copy + 2 * streams + keys + stored
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::replay::PolicyParams;
+
+    #[test]
+    fn a_windowed_row_holds_its_sliding_layers_windows_only() {
+        // Gemma 3 270M's shape: 18 layers, one KV head of 256, a window of 512 on all but layers
+        // 5, 11 and 17; an 8,000-token prompt and 33 positions of room.
+        let meta = TraceMeta {
+            model: "gemma3".into(),
+            n_layers: 18,
+            n_heads: 4,
+            n_kv_heads: 1,
+            head_dim: 256,
+            prompt_len: 8000,
+            scale: 1.0,
+            softcap: None,
+            rope_theta: None,
+            rope_thetas: Vec::new(),
+            windows: (0..18).map(|l| if l % 6 == 5 { 0 } else { 512 }).collect(),
+            spans: Vec::new(),
+            extra: Default::default(),
+        };
+        let policy = PolicyParams::default().check().unwrap();
+        // A position of one layer: keys and values, 256 f32 each: 2,048 bytes.
+        let capacity = 8033;
+        let entry = 2048;
+        let keys = 3 * 1024 * capacity;
+        let whole = row_bytes(&meta, &policy, (capacity, false, false));
+        assert_eq!(whole, 18 * entry * capacity + keys);
+        let windowed = row_bytes(&meta, &policy, (capacity, false, true));
+        assert_eq!(windowed, (3 * capacity + 15 * (512 + 33)) * entry + keys);
+        // 80 rows: 25.7 GB (24,475 MiB) whole, 7.3 GB (6,925 MiB) windowed.
+        assert_eq!((80 * whole) >> 20, 24_475);
+        assert_eq!((80 * windowed) >> 20, 6_925);
+        // A policy that compresses every layer keeps them whole.
+        let all = PolicyParams {
+            layers: crate::replay::Layers::All,
+            ..PolicyParams::default()
+        };
+        let all = all.check().unwrap();
+        let whole_all = 18 * entry * capacity + 18 * 1024 * capacity;
+        assert_eq!(row_bytes(&meta, &all, (capacity, false, true)), whole_all);
+    }
 }

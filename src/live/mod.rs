@@ -379,7 +379,7 @@ impl<'m> LiveSession<'m> {
         batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
         let policies: Vec<&ValidPolicy> = runs.iter().map(|(_, policy)| *policy).collect();
-        let groups = self.batches(runs, batching.rows);
+        let groups = self.batches(runs, batching);
         let reports: Vec<Vec<LiveReport>> = match batching.rows {
             Some(1) => groups
                 .into_par_iter()
@@ -402,24 +402,25 @@ impl<'m> LiveSession<'m> {
         self.prompt.ids.len() + self.full.tokens.len().max(self.prompt.generate) + 1
     }
 
-    /// `runs` in batches, in order: at most `rows` each when given, else as many as fit in half
-    /// the available memory (by [`batch::row_bytes`]).
+    /// `runs` in batches, in order: at most `batching.rows` each when given, else as many as fit
+    /// in half the available memory (by [`batch::row_bytes`]).
     fn batches<'r>(
         &self,
         mut runs: Vec<OpenLoopRun<'r>>,
-        rows: Option<usize>,
+        batching: Batching,
     ) -> Vec<Vec<OpenLoopRun<'r>>> {
         let capacity = self.capacity();
         let bytes: Vec<usize> = runs
             .iter()
             .map(|&(_, policy)| {
                 let own = self.prefills_on_its_own(policy);
-                batch::row_bytes(self.trace.meta(), policy, (capacity, own))
+                let shape = (capacity, own, batching.windowed_copies);
+                batch::row_bytes(self.trace.meta(), policy, shape)
             })
             .collect();
         let room = crate::sys::available_memory() / 2;
         let mut batches = Vec::new();
-        for size in batch_sizes(&bytes, room, rows).into_iter().rev() {
+        for size in batch_sizes(&bytes, room, batching.rows).into_iter().rev() {
             batches.push(runs.split_off(runs.len() - size));
         }
         batches.reverse();
@@ -452,6 +453,7 @@ impl<'m> LiveSession<'m> {
             prefill_logits: &full.prefill_logits,
             generate: self.prompt.generate,
             forced_in_one_pass: batching.forced_in_one_pass,
+            windowed_copies: batching.windowed_copies,
         };
         Ok(batch::decode(&reference, started)?
             .into_iter()
@@ -793,15 +795,20 @@ pub struct Batching {
     /// Whether the rows whose kept sets are fixed at the prompt's end take the full run's
     /// tokens in one pass ([`CausalLm::forward_steps`]) instead of one pass per token.
     pub forced_in_one_pass: bool,
+    /// Whether each row's copy of its cache holds only the window of the sliding-window layers
+    /// its policy does not compress ([`KvCache::with_room_windowed`]): the same numbers, a
+    /// fraction of the memory on a hybrid model's long prompts.
+    pub windowed_copies: bool,
 }
 
 impl Batching {
     /// As many rows as fit in memory, the full run's prefill shared, fixed cuts teacher-forced
-    /// in one pass.
+    /// in one pass, row caches kept to the sliding layers' windows.
     pub const BATCHED: Batching = Batching {
         rows: None,
         share_prefill: true,
         forced_in_one_pass: true,
+        windowed_copies: true,
     };
     /// Each policy alone, with its own prefill unless it cuts at the prompt's end, one pass per
     /// token: the closed loop as it ran before batching, which the bench and the tests compare with.
@@ -809,6 +816,7 @@ impl Batching {
         rows: Some(1),
         share_prefill: false,
         forced_in_one_pass: false,
+        windowed_copies: false,
     };
 }
 

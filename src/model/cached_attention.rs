@@ -48,15 +48,13 @@ pub(crate) fn attend_cached(
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record(layer, &q, &k, &v)?;
     }
-    let (keys_t, values) = row.cache.append(layer, k, v)?;
+    let (keys_t, values, start) = row.cache.append(layer, k, v)?;
+    let held = (&keys_t, &values, start);
     let attention = match geometry.feed {
-        Feed::Steps if n > 1 => attend_each_query(
-            &q,
-            (&keys_t, &values),
-            (policy_mask.as_deref(), past),
-            geometry,
-        )?,
-        _ => attend_visible(&q, (&keys_t, &values), (policy_mask, past), geometry)?,
+        Feed::Steps if n > 1 => {
+            attend_each_query(&q, held, (policy_mask.as_deref(), past), geometry)?
+        }
+        _ => attend_visible(&q, held, (policy_mask, past), geometry)?,
     };
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record_attention(layer, &attention);
@@ -64,12 +62,12 @@ pub(crate) fn attend_cached(
     Ok(attention)
 }
 
-/// Queries `q` `[n_heads, n, d]` at positions `past..past + n` attending over the cache's first
-/// `past + n` positions (keys transposed, values) as `policy_mask` `[n_heads, n, past + n]`
-/// decides (when it does), within the layer's window.
+/// Queries `q` `[n_heads, n, d]` at positions `past..past + n` attending over the cache's
+/// positions up to `past + n` (keys transposed, values, both from position `start` on) as
+/// `policy_mask` `[n_heads, n, past + n]` decides (when it does), within the layer's window.
 fn attend_visible(
     q: &Tensor,
-    (keys_t, values): (&Tensor, &Tensor),
+    (keys_t, values, start): (&Tensor, &Tensor, usize),
     (policy_mask, past): (Option<Vec<f32>>, usize),
     geometry: &LayerAttention,
 ) -> Result<Tensor, ModelError> {
@@ -81,6 +79,13 @@ fn attend_visible(
         (None, window) if window > 0 => (past + 1).saturating_sub(window),
         _ => 0,
     };
+    if first < start {
+        return Err(ModelError::Mask(format!(
+            "layer {} attends from position {first}, and its cache holds positions from {start} \
+             (a cache kept to its window serves unmasked sliding-window layers only)",
+            geometry.layer
+        )));
+    }
     let visible = Tensor::from_vec(
         window_mask(past, n, window, first),
         (n, total - first),
@@ -92,8 +97,8 @@ fn attend_visible(
         }
         None => visible,
     };
-    let keys_t = keys_t.narrow(2, first, total - first)?;
-    let values = values.narrow(1, first, total - first)?;
+    let keys_t = keys_t.narrow(2, first - start, total - first)?;
+    let values = values.narrow(1, first - start, total - first)?;
     attend(q, &keys_t, &values, &layer_mask, geometry.scale)
 }
 
@@ -101,19 +106,24 @@ fn attend_visible(
 /// own, as its one-token step attends: the same sums, bit for bit.
 fn attend_each_query(
     q: &Tensor,
-    (keys_t, values): (&Tensor, &Tensor),
+    (keys_t, values, start): (&Tensor, &Tensor, usize),
     (policy_mask, past): (Option<&[f32]>, usize),
     geometry: &LayerAttention,
 ) -> Result<Tensor, ModelError> {
     let n = q.dims()[1];
     let each = (0..n)
         .map(|query| {
-            let seen = past + query + 1;
+            let seen = past + query + 1 - start;
             let mask =
                 policy_mask.map(|mask| query_lines(mask, (geometry.n_heads, n, past + n), query));
+            let held = (
+                &keys_t.narrow(2, 0, seen)?,
+                &values.narrow(1, 0, seen)?,
+                start,
+            );
             attend_visible(
                 &q.narrow(1, query, 1)?,
-                (&keys_t.narrow(2, 0, seen)?, &values.narrow(1, 0, seen)?),
+                held,
                 (mask, past + query),
                 geometry,
             )
@@ -164,5 +174,72 @@ mod tests {
         // A global layer attends over what is left.
         let attended = attend_cached(&mut row, &geometry(0), 1, qkv()).unwrap();
         assert_eq!(attended.dims(), [1, 1, 2]);
+    }
+
+    /// `[heads, n, 4]` vectors that differ by head, position and channel.
+    fn varied(heads: usize, positions: std::ops::Range<usize>, salt: f32) -> Tensor {
+        let n = positions.len();
+        let values: Vec<f32> = (0..heads)
+            .flat_map(|h| {
+                positions.clone().flat_map(move |p| {
+                    (0..4).map(move |c| ((h * 7 + p * 3 + c) as f32 * 0.37 + salt).sin())
+                })
+            })
+            .collect();
+        Tensor::from_vec(values, (heads, n, 4), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn a_cache_kept_to_its_window_attends_as_the_whole_cache() {
+        // A sliding layer of window 4 over 10 cached positions: the next tokens' attention over a
+        // copy holding the last 4 positions equals the whole cache's, bit for bit, fed as one chunk
+        // or a query at a time; a policy mask, which spans every position, is refused there.
+        let mut whole = KvCache::default();
+        whole
+            .append(0, varied(1, 0..10, 0.1), varied(1, 0..10, 0.2))
+            .unwrap();
+        whole.next_position = 10;
+        let windowed = whole.with_room_windowed(3, &[4]).unwrap();
+        let ids = [1, 2, 3];
+        for feed in [Feed::Chunk, Feed::Steps] {
+            let geometry = LayerAttention {
+                layer: 0,
+                n_heads: 2,
+                window: 4,
+                scale: 0.5,
+                feed,
+            };
+            let qkv = || {
+                (
+                    varied(2, 10..13, 0.3),
+                    varied(1, 10..13, 0.4),
+                    varied(1, 10..13, 0.5),
+                )
+            };
+            let attend = |cache: &KvCache| {
+                let mut cache = cache.with_room(0).unwrap();
+                let mut row = Row::new(&ids, &mut cache, None);
+                let out = attend_cached(&mut row, &geometry, 10, qkv()).unwrap();
+                out.flatten_all().unwrap().to_vec1::<f32>().unwrap()
+            };
+            assert_eq!(attend(&windowed), attend(&whole), "{feed:?}");
+        }
+        let mut masked = windowed.with_room(1).unwrap();
+        let mut nothing: crate::model::Evicted = vec![vec![Vec::new(); 2]];
+        let mut row = Row::new(&ids[..1], &mut masked, Some(&mut nothing));
+        let geometry = LayerAttention {
+            layer: 0,
+            n_heads: 2,
+            window: 4,
+            scale: 0.5,
+            feed: Feed::Chunk,
+        };
+        let qkv = (
+            varied(2, 10..11, 0.3),
+            varied(1, 10..11, 0.4),
+            varied(1, 10..11, 0.5),
+        );
+        let refused = attend_cached(&mut row, &geometry, 10, qkv);
+        assert!(matches!(refused, Err(ModelError::Mask(_))), "{refused:?}");
     }
 }

@@ -235,9 +235,11 @@ pub(crate) fn argmax(values: &[f32]) -> u32 {
 
 /// The keys and values seen so far, per layer: the keys transposed, `[n_kv_heads, head_dim,
 /// capacity]` (the layout the logit product reads), the values `[n_kv_heads, capacity,
-/// head_dim]`, the first `len` positions in use. The buffers grow by doubling, so a decode step
-/// writes its own column and row instead of copying the cache. A clone copies what is in use: a
-/// buffer is written in place only beyond every other holder's positions.
+/// head_dim]`, the positions `start..len` in use (`start` is 0 unless a copy
+/// [kept a sliding-window layer's window only](Self::with_room_windowed)). The buffers grow by
+/// doubling, so a decode step writes its own column and row instead of copying the cache. A clone
+/// copies what is in use: a buffer is written in place only beyond every other holder's
+/// positions.
 #[derive(Default)]
 pub struct KvCache {
     layers: Vec<LayerCache>,
@@ -248,7 +250,28 @@ pub struct KvCache {
 struct LayerCache {
     keys_t: Tensor,
     values: Tensor,
+    /// The first position held (buffer index 0).
+    start: usize,
+    /// One past the last position held.
     len: usize,
+}
+
+impl LayerCache {
+    /// Positions held.
+    fn held(&self) -> usize {
+        self.len - self.start
+    }
+
+    /// The buffer index of position `position`, when it is held.
+    fn index(&self, position: usize) -> Result<usize, ModelError> {
+        match (self.start..self.len).contains(&position) {
+            true => Ok(position - self.start),
+            false => Err(ModelError::Mask(format!(
+                "position {position} is not in a cache holding positions {}..{}",
+                self.start, self.len
+            ))),
+        }
+    }
 }
 
 /// Axis of the positions in the transposed keys and in the values.
@@ -272,17 +295,19 @@ impl KvCache {
         self.len() == 0
     }
 
-    /// The cached keys of `layer`, `[n_kv_heads, positions, head_dim]`.
+    /// The cached keys of `layer`, `[n_kv_heads, positions, head_dim]` (the positions it holds:
+    /// all of them, unless a copy kept a sliding-window layer's window only).
     pub fn keys(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
         let layer = &self.layers[layer];
-        let keys = layer.keys_t.narrow(KEY_POSITIONS, 0, layer.len)?;
+        let keys = layer.keys_t.narrow(KEY_POSITIONS, 0, layer.held())?;
         super::mask::to_array(&keys.transpose(1, 2)?.contiguous()?)
     }
 
-    /// The cached values of `layer`, `[n_kv_heads, positions, head_dim]`.
+    /// The cached values of `layer`, `[n_kv_heads, positions, head_dim]` (the positions it
+    /// holds, as [`keys`](Self::keys)).
     pub fn values(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
         let layer = &self.layers[layer];
-        let values = layer.values.narrow(VALUE_POSITIONS, 0, layer.len)?;
+        let values = layer.values.narrow(VALUE_POSITIONS, 0, layer.held())?;
         super::mask::to_array(&values.contiguous()?)
     }
 
@@ -292,16 +317,11 @@ impl KvCache {
     /// truncation may share them with the cache it came from, which would change too.
     pub fn overwrite(&mut self, layer: usize, rewrite: &Rewrite) -> Result<(), ModelError> {
         let cache = &self.layers[layer];
-        if rewrite
-            .positions
-            .last()
-            .is_some_and(|&last| last >= cache.len)
+        for position in [rewrite.positions.first(), rewrite.positions.last()]
+            .into_iter()
+            .flatten()
         {
-            return Err(ModelError::Mask(format!(
-                "a rewrite reaches position {} of a cache of {} positions",
-                rewrite.positions[rewrite.positions.len() - 1],
-                cache.len
-            )));
+            cache.index(*position)?;
         }
         let mut start = 0;
         while start < rewrite.positions.len() {
@@ -320,10 +340,13 @@ impl KvCache {
             let keys_t = tensor(rewrite.keys.slice(rows))?
                 .transpose(1, 2)?
                 .contiguous()?;
-            cache.keys_t.slice_set(&keys_t, KEY_POSITIONS, first)?;
-            cache
-                .values
-                .slice_set(&tensor(rewrite.values.slice(rows))?, VALUE_POSITIONS, first)?;
+            let offset = cache.index(first)?;
+            cache.keys_t.slice_set(&keys_t, KEY_POSITIONS, offset)?;
+            cache.values.slice_set(
+                &tensor(rewrite.values.slice(rows))?,
+                VALUE_POSITIONS,
+                offset,
+            )?;
             start += run;
         }
         Ok(())
@@ -331,25 +354,32 @@ impl KvCache {
 
     /// Appends a chunk's keys and values `[n_kv_heads, n, d]` to layer `layer` and returns the
     /// layer's whole cache: keys transposed `[n_kv_heads, d, positions]`, values
-    /// `[n_kv_heads, positions, d]`.
+    /// `[n_kv_heads, positions, d]`, for the positions `start..` it holds, and `start`.
     pub(crate) fn append(
         &mut self,
         layer: usize,
         k: Tensor,
         v: Tensor,
-    ) -> Result<(Tensor, Tensor), ModelError> {
+    ) -> Result<(Tensor, Tensor, usize), ModelError> {
         let k_t = k.transpose(1, 2)?.contiguous()?;
-        let (keys_t, values, len) = match self.layers.get(layer) {
-            Some(cache) => (Some(&cache.keys_t), Some(&cache.values), cache.len),
-            None => (None, None, 0),
+        let (keys_t, values, start, len) = match self.layers.get(layer) {
+            Some(cache) => (
+                Some(&cache.keys_t),
+                Some(&cache.values),
+                cache.start,
+                cache.len,
+            ),
+            None => (None, None, 0, 0),
         };
-        let keys_t = grown(keys_t, len, &k_t, KEY_POSITIONS)?;
-        let values = grown(values, len, &v, VALUE_POSITIONS)?;
-        keys_t.slice_set(&k_t, KEY_POSITIONS, len)?;
-        values.slice_set(&v.contiguous()?, VALUE_POSITIONS, len)?;
+        let held = len - start;
+        let keys_t = grown(keys_t, held, &k_t, KEY_POSITIONS)?;
+        let values = grown(values, held, &v, VALUE_POSITIONS)?;
+        keys_t.slice_set(&k_t, KEY_POSITIONS, held)?;
+        values.slice_set(&v.contiguous()?, VALUE_POSITIONS, held)?;
         let cache = LayerCache {
             keys_t,
             values,
+            start,
             len: len + k.dims()[1],
         };
         if self.layers.len() <= layer {
@@ -359,20 +389,42 @@ impl KvCache {
         }
         let cache = &self.layers[layer];
         Ok((
-            cache.keys_t.narrow(KEY_POSITIONS, 0, cache.len)?,
-            cache.values.narrow(VALUE_POSITIONS, 0, cache.len)?,
+            cache.keys_t.narrow(KEY_POSITIONS, 0, cache.held())?,
+            cache.values.narrow(VALUE_POSITIONS, 0, cache.held())?,
+            cache.start,
         ))
     }
 
     /// A copy with room for `extra` more positions in every layer, so that as many appends grow
     /// no buffer (a clone has no room: its first append doubles it).
     pub fn with_room(&self, extra: usize) -> Result<KvCache, ModelError> {
+        self.with_room_windowed(extra, &[])
+    }
+
+    /// [`with_room`](Self::with_room), holding only the last `windows[layer]` positions of each
+    /// layer whose entry is above 0 (every position of the others): a sliding-window layer whose
+    /// queries attend over their window alone needs no more, and the attention it computes is the
+    /// same, bit for bit (its sums already leave the keys before the window out). A layer whose
+    /// queries a policy masks must keep every position (its masked sums run over them all).
+    pub fn with_room_windowed(
+        &self,
+        extra: usize,
+        windows: &[usize],
+    ) -> Result<KvCache, ModelError> {
         let layers = self
             .layers
             .iter()
-            .map(|layer| {
+            .enumerate()
+            .map(|(index, layer)| {
+                let start = match windows.get(index) {
+                    Some(&window) if window > 0 => {
+                        layer.start.max(layer.len.saturating_sub(window))
+                    }
+                    _ => layer.start,
+                };
+                let (from, held) = (start - layer.start, layer.len - start);
                 let copy = |buffer: &Tensor, axis: usize| -> Result<Tensor, ModelError> {
-                    let used = buffer.narrow(axis, 0, layer.len)?;
+                    let used = buffer.narrow(axis, from, held)?;
                     let mut dims = used.dims().to_vec();
                     dims[axis] += extra;
                     let room = Tensor::zeros(dims, used.dtype(), used.device())?;
@@ -382,6 +434,7 @@ impl KvCache {
                 Ok(LayerCache {
                     keys_t: copy(&layer.keys_t, KEY_POSITIONS)?,
                     values: copy(&layer.values, VALUE_POSITIONS)?,
+                    start,
                     len: layer.len,
                 })
             })
@@ -406,16 +459,17 @@ impl KvCache {
                 .layers
                 .iter()
                 .map(|layer| {
-                    let len = len.min(layer.len);
+                    let len = len.clamp(layer.start, layer.len);
                     let first = |buffer: &Tensor, axis: usize| {
                         buffer
-                            .narrow(axis, 0, len)
+                            .narrow(axis, 0, len - layer.start)
                             .and_then(|t| t.contiguous())
                             .expect("a cache's positions in use are within its buffer")
                     };
                     LayerCache {
                         keys_t: first(&layer.keys_t, KEY_POSITIONS),
                         values: first(&layer.values, VALUE_POSITIONS),
+                        start: layer.start,
                         len,
                     }
                 })
@@ -428,21 +482,25 @@ impl KvCache {
     /// the keys keep the rotation of their original positions, as an evicting cache's survivors
     /// do, and the next token still gets the next position.
     pub fn retain(&self, positions: &[usize]) -> Result<KvCache, ModelError> {
-        let index: Vec<u32> = positions.iter().map(|&p| p as u32).collect();
-        let index = Tensor::from_vec(index, positions.len(), &Device::Cpu)?;
         let layers = self
             .layers
             .iter()
             .map(|layer| {
+                let index = positions
+                    .iter()
+                    .map(|&p| layer.index(p).map(|i| i as u32))
+                    .collect::<Result<Vec<u32>, ModelError>>()?;
+                let index = Tensor::from_vec(index, positions.len(), &Device::Cpu)?;
                 let kept = |buffer: &Tensor, axis: usize| {
                     buffer
-                        .narrow(axis, 0, layer.len)?
+                        .narrow(axis, 0, layer.held())?
                         .contiguous()?
                         .index_select(&index, axis)
                 };
                 Ok(LayerCache {
                     keys_t: kept(&layer.keys_t, KEY_POSITIONS)?,
                     values: kept(&layer.values, VALUE_POSITIONS)?,
+                    start: 0,
                     len: positions.len(),
                 })
             })
@@ -506,8 +564,9 @@ mod tests {
         let mut start = 0;
         for n in [1, 2, 3, 1] {
             let (k, v) = chunk(start, n, 0.0);
-            let (keys_t, values) = cache.append(0, k, v).unwrap();
+            let (keys_t, values, first) = cache.append(0, k, v).unwrap();
             start += n;
+            assert_eq!(first, 0);
             assert_eq!(keys_t.dims(), [2, 3, start]);
             assert_eq!(values.dims(), [2, start, 3]);
         }
@@ -538,5 +597,44 @@ mod tests {
         let kept = cache.retain(&[0, 6]).unwrap();
         assert_eq!(kept.len(), 2);
         assert_eq!(kept.keys(0).unwrap()[[1, 1, 0]], 160.0);
+    }
+
+    #[test]
+    fn a_windowed_copy_holds_the_last_positions_and_appends_after_them() {
+        let mut cache = KvCache::default();
+        let (k, v) = chunk(0, 7, 0.0);
+        cache.append(0, k, v).unwrap();
+        // Layer 0 kept to its last 3 positions (4, 5, 6), with room for 2 more.
+        let mut windowed = cache.with_room_windowed(2, &[3]).unwrap();
+        assert_eq!((windowed.layers[0].start, windowed.len()), (4, 7));
+        let (last, _) = chunk(4, 3, 0.0);
+        let last: Vec<f32> = last.flatten_all().unwrap().to_vec1().unwrap();
+        assert_eq!(rows(&windowed), last);
+        let (k, v) = chunk(7, 1, 0.0);
+        let (keys_t, values, start) = windowed.append(0, k, v).unwrap();
+        assert_eq!(keys_t.dims(), [2, 3, 4]);
+        assert_eq!((values.dims(), start), (&[2usize, 4, 3][..], 4));
+        assert_eq!(
+            windowed.layers[0].keys_t.dims()[2],
+            5,
+            "appended into its room"
+        );
+        assert_eq!(windowed.keys(0).unwrap()[[1, 3, 0]], 170.0);
+        // Positions before the window are gone: naming them is an error.
+        assert!(windowed.retain(&[3, 5]).is_err());
+        let keys = ndarray::Array3::zeros((2, 1, 3));
+        let rewrite = |position| Rewrite {
+            positions: vec![position],
+            keys: keys.clone(),
+            values: keys.clone(),
+        };
+        assert!(windowed.overwrite(0, &rewrite(3)).is_err());
+        windowed.overwrite(0, &rewrite(5)).unwrap();
+        assert_eq!(windowed.keys(0).unwrap()[[0, 1, 0]], 0.0);
+        // A window wider than the layer, or 0, keeps every position.
+        for windows in [[9], [0]] {
+            let whole = cache.with_room_windowed(0, &windows).unwrap();
+            assert_eq!(rows(&whole), rows(&cache));
+        }
     }
 }
