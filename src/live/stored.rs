@@ -1,6 +1,6 @@
 //! A policy's cache stored otherwise than captured while the model runs: quantized, with pruned
 //! key channels, or with evicted values merged into kept ones ([`Storage`]). The bookkeeping is
-//! the open-loop replay's ([`QuantizedCache`], [`lowest_channels`], [`ValueMerge::merged`]), run
+//! the open-loop replay's ([`QuantizedCache`], [`ChannelPruning::prune_prompt`], [`ValueMerge::merge_into`]), run
 //! over the running model's own vectors: at each step from the prompt's cut on, the policy's mask
 //! says which positions each KV head's cache holds, and what the storage then changes (entries
 //! quantized as they age, prompt keys pruned or kept values merged at the cut) is written over the
@@ -11,7 +11,7 @@
 use super::{LiveError, RecordedLayers};
 use crate::attention::first_visible;
 use crate::model::{AttentionMask, ChunkVectors, ModelError, Rewrite};
-use crate::replay::channels::{lowest_channels, ChannelPruning};
+use crate::replay::channels::ChannelPruning;
 use crate::replay::merge::ValueMerge;
 use crate::replay::quantizer::QuantizedCache;
 use crate::replay::{Storage, ValidPolicy};
@@ -309,27 +309,17 @@ impl UnitStore {
                 prompt,
             } if !prompt.cut_done => {
                 let queries: Vec<ArrayView2<f32>> = queries.iter().map(Array2::view).collect();
-                let d = prompt.keys.ncols();
-                let channels =
-                    lowest_channels(&queries, prompt.keys.view(), prompt_held, pruning.pruned(d));
-                for &c in &channels {
-                    prompt.keys.column_mut(c).fill(0.0);
-                }
+                pruning.prune_prompt(&queries, prompt.keys.view_mut(), prompt_held);
                 prompt.cut_done = true;
                 prompt_held.to_vec()
             }
             UnitStore::Merged { merge, prompt } if !prompt.cut_done => {
-                let evicted: Vec<usize> = (first_visible(cut.saturating_sub(1), window)..cut)
-                    .filter(|j| prompt_held.binary_search(j).is_err())
-                    .collect();
-                let merged = merge.merged(
+                let visible = first_visible(cut.saturating_sub(1), window)..cut;
+                merge.merge_into(
                     prompt.keys.view(),
-                    prompt.values.view(),
-                    (prompt_held, &evicted),
+                    &mut prompt.values,
+                    (prompt_held, visible),
                 );
-                for (&j, value) in prompt_held.iter().zip(merged) {
-                    prompt.values.row_mut(j).assign(&ArrayView1::from(&value));
-                }
                 prompt.cut_done = true;
                 prompt_held.to_vec()
             }

@@ -317,11 +317,9 @@ impl KvCache {
     /// truncation may share them with the cache it came from, which would change too.
     pub fn overwrite(&mut self, layer: usize, rewrite: &Rewrite) -> Result<(), ModelError> {
         let cache = &self.layers[layer];
-        for position in [rewrite.positions.first(), rewrite.positions.last()]
-            .into_iter()
-            .flatten()
-        {
-            cache.index(*position)?;
+        // Each run's first position is checked as it is written; the last one bounds them all.
+        if let Some(&last) = rewrite.positions.last() {
+            cache.index(last)?;
         }
         let mut start = 0;
         while start < rewrite.positions.len() {

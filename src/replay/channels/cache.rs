@@ -3,7 +3,7 @@
 //! those channels of every prompt key read as zero from then on (what a query gets from a
 //! channel that is not stored); keys that arrive later keep every channel.
 
-use super::{lowest_channels, mask_bytes, ChannelPruning};
+use super::{mask_bytes, ChannelPruning};
 use crate::replay::{LayerContext, Unit};
 use ndarray::{s, Array2, ArrayView2};
 
@@ -51,16 +51,10 @@ impl<'a> PrunedKeys<'a> {
         let prompt = held.partition_point(|&j| j < self.cut);
         if self.pruned.is_none() {
             let queries: Vec<ArrayView2<f32>> = self.queries.iter().map(Array2::view).collect();
-            let d = self.keys.ncols();
-            let channels = lowest_channels(
-                &queries,
-                self.keys.view(),
-                &held[..prompt],
-                self.pruning.pruned(d),
-            );
-            for &c in &channels {
-                self.keys.slice_mut(s![..self.cut, c]).fill(0.0);
-            }
+            let prompt_keys = self.keys.slice_mut(s![..self.cut, ..]);
+            let channels = self
+                .pruning
+                .prune_prompt(&queries, prompt_keys, &held[..prompt]);
             self.pruned = Some(channels);
         }
         self.held = (prompt, held.len() - prompt);

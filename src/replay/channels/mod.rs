@@ -47,6 +47,22 @@ impl ChannelPruning {
         (d as f64 * self.fraction) as usize
     }
 
+    /// Chooses the channels to prune from the scoring `queries` and the `held` rows of the prompt
+    /// keys `keys` (`[cut, d]`, [`lowest_channels`]) and zeroes them in every row of `keys`, in
+    /// place; returns them.
+    pub fn prune_prompt(
+        &self,
+        queries: &[ArrayView2<f32>],
+        mut keys: ndarray::ArrayViewMut2<f32>,
+        held: &[usize],
+    ) -> Vec<usize> {
+        let channels = lowest_channels(queries, keys.view(), held, self.pruned(keys.ncols()));
+        for &c in &channels {
+            keys.column_mut(c).fill(0.0);
+        }
+        channels
+    }
+
     /// Bytes one cache holds right after the prompt's cut when it keeps `n` prompt entries of head
     /// size `d` at `width` bytes an element: values whole, keys without their pruned channels, and
     /// the mask of kept channels (one bit a channel).

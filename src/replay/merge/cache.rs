@@ -22,17 +22,8 @@ impl MergedValues {
             .expect("a merge is refused on a trace without values")
             .to_owned();
         let kept: Vec<usize> = kept.iter().copied().filter(|&j| j < cut).collect();
-        let evicted: Vec<usize> = (layer.first_visible(cut.saturating_sub(1))..cut)
-            .filter(|j| kept.binary_search(j).is_err())
-            .collect();
-        let merged = merge.merged(layer.keys(unit.kv_head), values.view(), (&kept, &evicted));
-        for (&j, value) in kept.iter().zip(merged) {
-            values
-                .row_mut(j)
-                .iter_mut()
-                .zip(value)
-                .for_each(|(x, v)| *x = v);
-        }
+        let visible = layer.first_visible(cut.saturating_sub(1))..cut;
+        merge.merge_into(layer.keys(unit.kv_head), &mut values, (&kept, visible));
         Self { values }
     }
 

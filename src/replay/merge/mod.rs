@@ -109,6 +109,22 @@ impl ValueMerge {
             .collect()
     }
 
+    /// Folds the visible prompt positions `visible` that `kept` (ascending, prompt positions)
+    /// leaves out into the kept ones of `values` (`[T, d]`), in place ([`merged`](Self::merged)
+    /// over `keys`).
+    pub fn merge_into(
+        &self,
+        keys: ArrayView2<f32>,
+        values: &mut ndarray::Array2<f32>,
+        (kept, visible): (&[usize], std::ops::Range<usize>),
+    ) {
+        let evicted: Vec<usize> = visible.filter(|j| kept.binary_search(j).is_err()).collect();
+        let merged = self.merged(keys, values.view(), (kept, &evicted));
+        for (&j, value) in kept.iter().zip(merged) {
+            values.row_mut(j).assign(&ndarray::ArrayView1::from(&value));
+        }
+    }
+
     /// Which evicted entries merge, given each one's best similarity: the threshold gate, then,
     /// below a fraction of 1, the quantile gate.
     fn gate(&self, best: &[(f64, usize)]) -> Vec<bool> {
