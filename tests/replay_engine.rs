@@ -670,6 +670,79 @@ fn duo_streams_the_heads_the_ratio_says_and_its_oracle_loses_least() {
     }
 }
 
+/// A budget in bytes under `duo`: the streaming heads keep their sinks and window, and the
+/// retrieval heads the most tokens that keep the caches' mean within the bytes. 3 layers × 2 KV
+/// heads, prompt 40, f32, d = 4 (32 bytes a token); at ratio 1/3 two of the six heads stream with
+/// 2 + 4 tokens, so half the bytes (20 tokens a cache on average) gives the other four
+/// (6 · 20 − 2 · 6) / 4 = 27 tokens. Every head streaming fits any budget: the whole prompt.
+/// Calibrations of two models serve each its own trace; one of the wrong model is refused.
+#[test]
+fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_leave() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 3,
+        prompt_len: 40,
+        ..Shape::default()
+    };
+    let path = dir.path().join("duo.safetensors");
+    write_fixture(&path, shape, 5);
+    let other_shape = Shape {
+        head_dim: 8,
+        ..shape
+    };
+    let other = dir.path().join("other.safetensors");
+    write_fixture(&other, other_shape, 6);
+    let policy = |ratio: f64, calibration: String| {
+        PolicyParams {
+            scorer: "knorm".into(),
+            heads: "duo".into(),
+            bytes: Some(0.5),
+            sinks: 2,
+            window: 4,
+            ..PolicyParams::default()
+        }
+        .with("head_compression_ratio", ratio)
+        .with("calibration", calibration)
+        .with("scores", "decode")
+        .check()
+    };
+    let both = format!("{}, {}", path.display(), other.display());
+    let trace = TraceReader::open(&path).unwrap();
+    let third = policy(1.0 / 3.0, both.clone()).unwrap();
+    assert_eq!(
+        kvreplay::replay::nominal_budget(&trace, &third).unwrap(),
+        27
+    );
+    let budgets = layer_budgets(&trace, &third).unwrap();
+    let kept: usize = (0..shape.n_layers)
+        .map(|layer| {
+            let kept = kept_sets(&trace, &third, &budgets, layer).unwrap();
+            kept.budgets.iter().sum::<usize>()
+        })
+        .sum();
+    assert_eq!(kept, 4 * 27 + 2 * 6);
+    let all = policy(1.0, both.clone()).unwrap();
+    assert_eq!(kvreplay::replay::nominal_budget(&trace, &all).unwrap(), 40);
+    let other_trace = TraceReader::open(&other).unwrap();
+    assert_eq!(
+        kvreplay::replay::nominal_budget(&other_trace, &third).unwrap(),
+        27
+    );
+    let report = replay(&other_trace, &third).unwrap();
+    assert_eq!(report.nominal_budget, 27);
+    let only_other = policy(1.0 / 3.0, other.display().to_string()).unwrap();
+    let err = replay(&trace, &only_other).unwrap_err().to_string();
+    assert!(
+        err.contains("one calibration trace must come from the same model"),
+        "{err}"
+    );
+    let twice = policy(0.5, format!("{}, {}", path.display(), path.display()));
+    assert!(twice
+        .unwrap_err()
+        .to_string()
+        .contains("of an earlier calibration trace"));
+}
+
 /// A tiny case by hand: one head, d = 1, keys 1, 2, 3 and a decode query 1 at position 3 with key
 /// 0. Full attention of q = 1 (scale 1) over keys [1, 2, 3, 0]: softmax = e^k / (e + e^2 + e^3 + 1)
 /// = [0.0871443, 0.2368828, 0.6439142, 0.0320586]. StreamingLLM with 1 sink and budget 2 keeps

@@ -682,7 +682,9 @@ fn for_each_layer<T: Send>(
 /// The policy's nominal budget on `trace`: its `budget`, or, given `bytes`, the most tokens whose
 /// cache, as its storage holds it, holds at most that fraction of the full prompt cache's bytes
 /// at the prompt's end ([`Storage::bytes_at_cut`]; not monotone: a KIVI cache sheds bytes each time a block
-/// of keys is quantized, so every size is tried).
+/// of keys is quantized, so every size is tried). Where the head split gives a share of the
+/// caches only their protected positions (DuoAttention's streaming heads), the caches' mean bytes
+/// must fit: the budget is what the others keep.
 pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize, PolicyError> {
     let params = policy.params();
     let Some(fraction) = params.bytes else {
@@ -692,17 +694,43 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
     let (prompt_len, d, width) = (meta.prompt_len, meta.head_dim, trace.element_bytes());
     let storage = policy.storage();
     let full = Storage::Captured.bytes_at_cut(prompt_len, d, width);
-    let protected = params.protection().tokens().max(1);
+    let protection = params.protection();
+    let streaming = policy.heads.protected_only_share(
+        meta,
+        &compressed_layers(meta, policy),
+        caches_per_layer(meta, params.gqa),
+        protection,
+    );
+    let streaming_bytes = streaming * storage.bytes_at_cut(protection.tokens(), d, width);
+    // The mean mixes fractions: a size that fits exactly must not fail by a rounding (1e-12).
+    let mean_bytes = |n| (1.0 - streaming) * storage.bytes_at_cut(n, d, width) + streaming_bytes;
+    let protected = protection.tokens().max(1);
     (protected..=prompt_len)
         .rev()
-        .find(|&n| storage.bytes_at_cut(n, d, width) <= fraction * full)
+        .find(|&n| mean_bytes(n) <= fraction * full * (1.0 + 1e-12))
         .ok_or_else(|| PolicyError::TraceMismatch {
             path: trace.path().display().to_string(),
-            rule: format!(
-                "bytes {fraction}: a cache of {protected} tokens (the protected sinks and window, or one) already holds {} bytes, more than {fraction} of the full prompt cache's {full}",
-                storage.bytes_at_cut(protected, d, width)
-            ),
+            rule: match streaming > 0.0 {
+                false => format!(
+                    "bytes {fraction}: a cache of {protected} tokens (the protected sinks and window, or one) already holds {} bytes, more than {fraction} of the full prompt cache's {full}",
+                    mean_bytes(protected)
+                ),
+                true => format!(
+                    "bytes {fraction}: with {streaming:.3} of the caches streaming heads of {} tokens (the protected sinks and window), caches of {protected} tokens beside them already hold {} bytes on average, more than {fraction} of the full prompt cache's {full}",
+                    protection.tokens(),
+                    mean_bytes(protected)
+                ),
+            },
         })
+}
+
+/// How many caches each layer of `meta`'s model holds under the layout `gqa`.
+fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
+    match gqa {
+        super::Granularity::QueryHead => meta.n_heads,
+        super::Granularity::KvHead => meta.n_kv_heads,
+        super::Granularity::Layer => 1,
+    }
 }
 
 /// The policy's nominal budget on `trace` ([`nominal_budget`]) and every layer's budget.

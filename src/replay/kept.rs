@@ -103,10 +103,9 @@ pub(crate) fn one_shot_kept(
     let prompt_len = layer.prompt_len;
     let groups = selection_groups(units, policy);
     let prompt: Vec<usize> = layer.prompt_cache().collect();
-    let group_budgets =
-        policy
-            .heads
-            .split(layer.layer, budget, scored, groups.len(), &prompt, protect);
+    let group_budgets = policy
+        .heads
+        .split(layer, budget, scored, groups.len(), &prompt, protect);
     let protected = |position: usize| protect.covers(position, prompt_len);
     let mut kept = Vec::with_capacity(units.len());
     let mut budgets = Vec::with_capacity(units.len());

@@ -9,7 +9,7 @@
 //! position. torch.round rounds half to even, and so does this.
 
 use super::HeadSplit;
-use crate::replay::Protection;
+use crate::replay::{LayerContext, Protection};
 use crate::replay::settings::Broken;
 
 crate::settings! {
@@ -43,7 +43,7 @@ impl HeadSplit for AdaKv {
 
     fn split(
         &self,
-        _layer: usize,
+        _layer: &LayerContext<'_>,
         cap: usize,
         scores: &[Vec<f32>],
         _n_caches: usize,
@@ -117,13 +117,15 @@ mod tests {
             vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
         ];
         let none = Protection::default();
+        let (q, k) = (ndarray::Array3::zeros((2, 6, 2)), ndarray::Array3::zeros((2, 6, 2)));
+        let layer = crate::replay::scorer::testing::context(&q, &k, 6);
         let plain = |alpha| AdaKv {
             alpha,
             normalize: false,
         };
-        assert_eq!(plain(0.2).split(0, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
+        assert_eq!(plain(0.2).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
         // With alpha 1 every cache gets exactly the floor: B.
-        assert_eq!(plain(1.0).split(0, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
+        assert_eq!(plain(1.0).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
     }
 
     #[test]
@@ -134,12 +136,14 @@ mod tests {
         // Normalised, the top 2 are 0.3 (cache 1) and 0.16 (cache 0): caps [1, 1].
         // Unnormalised they are 0.4 and 0.4, both cache 0: caps [2, 0].
         let scores = vec![vec![0.4, 0.4, 0.2, 0.0], vec![0.3, 0.0, 0.0, 0.0]];
+        let (q, k) = (ndarray::Array3::zeros((2, 4, 2)), ndarray::Array3::zeros((2, 4, 2)));
+        let layer = crate::replay::scorer::testing::context(&q, &k, 4);
         let split = |normalize| {
             AdaKv {
                 alpha: 0.0,
                 normalize,
             }
-            .split(0, 1, &scores, 2, &[0, 1, 2, 3], Protection::default())
+            .split(&layer, 1, &scores, 2, &[0, 1, 2, 3], Protection::default())
         };
         assert_eq!(split(true), vec![1, 1]);
         assert_eq!(split(false), vec![2, 0]);

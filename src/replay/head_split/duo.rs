@@ -25,7 +25,7 @@ use super::HeadSplit;
 use crate::attention::softmax_f64;
 use crate::replay::rotary::{rotate, Rotary};
 use crate::replay::settings::Broken;
-use crate::replay::Protection;
+use crate::replay::{LayerContext, Protection};
 use crate::trace::{TraceMeta, TraceReader};
 use ndarray::{Array1, ArrayView2, Axis};
 use std::sync::{Arc, OnceLock};
@@ -38,7 +38,8 @@ crate::settings! {
         /// `head_compression_ratio`), in [0, 1].
         head_compression_ratio: f64 = 0.5,
         /// The kvtrace/1 file whose prompt scores the heads (kvpress: 50 BookSum chapters); it may
-        /// be the trace replayed itself.
+        /// be the trace replayed itself. Several files, comma-separated, one per model: each trace
+        /// replayed is split by the one of its model (a sweep over models).
         calibration: String = String::new(),
         /// Positions the mean query and key are repeated at (kvpress's `q_len`).
         q_len: usize = 500,
@@ -48,8 +49,8 @@ crate::settings! {
         scores: String = "on-the-fly".to_string(),
     }
     loaded {
-        /// The calibration trace's geometry and heads, read once when the settings are checked.
-        calibrated: Arc<OnceLock<Calibrated>>,
+        /// Each calibration trace's geometry and heads, read once when the settings are checked.
+        calibrated: Arc<OnceLock<Vec<Calibrated>>>,
     }
 }
 
@@ -109,7 +110,7 @@ impl HeadSplit for Duo {
         if self.calibrated.get().is_some() {
             return Ok(());
         }
-        let calibrated = self.calibrate().map_err(|rule| Broken {
+        let calibrated = self.calibrate_each().map_err(|rule| Broken {
             key: "calibration",
             rule: rule.into(),
         })?;
@@ -126,66 +127,114 @@ impl HeadSplit for Duo {
     }
 
     fn check_trace(&self, meta: &TraceMeta) -> Result<(), String> {
-        let calibrated = self.calibrated();
         let geometry = (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim);
-        match calibrated.geometry == geometry {
+        let calibrated = self.calibrated_each();
+        match calibrated.iter().any(|c| c.geometry == geometry) {
             true => Ok(()),
             false => Err(format!(
-                "head split `duo`: calibration trace {} has (layers, heads, KV heads, head_dim) = {:?}, this trace {:?}: it must come from the same model",
-                self.calibration, calibrated.geometry, geometry
+                "head split `duo`: calibration {} has (layers, heads, KV heads, head_dim) = {}, this trace {geometry:?}: one calibration trace must come from the same model",
+                self.calibration,
+                calibrated.iter().map(|c| format!("{:?}", c.geometry)).collect::<Vec<_>>().join(", ")
             )),
         }
     }
 
+    fn protected_only_share(
+        &self,
+        meta: &TraceMeta,
+        layers: &[usize],
+        n_caches: usize,
+        protect: Protection,
+    ) -> f64 {
+        let calibrated = self.calibrated_for((meta.n_heads, meta.n_kv_heads, meta.head_dim));
+        let streaming = calibrated.streaming(protect, self.head_compression_ratio);
+        let streams: Vec<bool> = layers
+            .iter()
+            .flat_map(|&layer| streaming_caches(&streaming[layer], n_caches))
+            .collect();
+        streams.iter().filter(|&&s| s).count() as f64 / streams.len().max(1) as f64
+    }
+
     fn split(
         &self,
-        layer: usize,
+        layer: &LayerContext<'_>,
         budget: usize,
         _scores: &[Vec<f32>],
         n_caches: usize,
         _candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
-        let calibrated = self.calibrated();
-        let decoded;
-        let streaming = match &calibrated.evidence {
-            Evidence::OnTheFly(streaming) => &streaming[layer],
-            Evidence::Decode(..) => {
-                decoded = calibrated.decode_streaming(protect, self.head_compression_ratio);
-                &decoded[layer]
-            }
-        };
-        let n_kv = streaming.len();
-        (0..n_caches)
-            .map(|cache| {
-                let covered = match n_caches >= n_kv {
-                    true => {
-                        let kv = cache * n_kv / n_caches;
-                        kv..kv + 1
-                    }
-                    false => cache * n_kv / n_caches..(cache + 1) * n_kv / n_caches,
-                };
-                match streaming[covered].iter().all(|&s| s) {
-                    true => protect.tokens(),
-                    false => budget,
-                }
+        let heads = (layer.q.shape()[0], layer.k.shape()[0], layer.q.shape()[2]);
+        let calibrated = self.calibrated_for(heads);
+        let streaming = calibrated.streaming(protect, self.head_compression_ratio);
+        streaming_caches(&streaming[layer.layer], n_caches)
+            .into_iter()
+            .map(|streams| match streams {
+                true => protect.tokens(),
+                false => budget,
             })
             .collect()
     }
 }
 
+/// Whether each of a layer's `n_caches` caches is a streaming one, its layer's KV heads streaming
+/// as `streaming` says: a cache read by one query head follows its KV head, a cache over several
+/// KV heads streams only when all of them do.
+fn streaming_caches(streaming: &[bool], n_caches: usize) -> Vec<bool> {
+    let n_kv = streaming.len();
+    (0..n_caches)
+        .map(|cache| {
+            let covered = match n_caches >= n_kv {
+                true => {
+                    let kv = cache * n_kv / n_caches;
+                    kv..kv + 1
+                }
+                false => cache * n_kv / n_caches..(cache + 1) * n_kv / n_caches,
+            };
+            streaming[covered].iter().all(|&s| s)
+        })
+        .collect()
+}
+
 impl Duo {
-    fn calibrated(&self) -> &Calibrated {
+    fn calibrated_each(&self) -> &[Calibrated] {
         self.calibrated
             .get()
             .expect("the settings are checked before a split")
     }
 
+    /// The calibration of the model whose layers have `heads` (heads, KV heads, head_dim); the
+    /// trace was checked to have one.
+    fn calibrated_for(&self, heads: (usize, usize, usize)) -> &Calibrated {
+        self.calibrated_each()
+            .iter()
+            .find(|c| (c.geometry.1, c.geometry.2, c.geometry.3) == heads)
+            .expect("the trace is checked to have a calibration of its model")
+    }
+
+    /// Reads each calibration trace of the comma-separated list; two of the same heads are
+    /// refused, as a layer could not tell which is its model's.
+    fn calibrate_each(&self) -> Result<Vec<Calibrated>, String> {
+        let mut each: Vec<Calibrated> = Vec::new();
+        for path in self.calibration.split(',').map(str::trim) {
+            let calibrated = self.calibrate(path)?;
+            let heads = |c: &Calibrated| (c.geometry.1, c.geometry.2, c.geometry.3);
+            if each.iter().any(|c| heads(c) == heads(&calibrated)) {
+                return Err(format!(
+                    "{path} has the (heads, KV heads, head_dim) {:?} of an earlier calibration trace: give one per model",
+                    heads(&calibrated)
+                ));
+            }
+            each.push(calibrated);
+        }
+        Ok(each)
+    }
+
     /// Reads the calibration trace once, layer by layer, for what the chosen scoring needs: the
     /// on-the-fly scores (then the streaming heads), or the decode attention.
-    fn calibrate(&self) -> Result<Calibrated, String> {
-        let trace = TraceReader::open(std::path::Path::new(&self.calibration))
-            .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
+    fn calibrate(&self, path: &str) -> Result<Calibrated, String> {
+        let trace = TraceReader::open(std::path::Path::new(path))
+            .map_err(|err| format!("the calibration trace {path} cannot be read: {err}"))?;
         let meta = trace.meta();
         let global = meta.global_layers();
         let evidence = match self.scores == "decode" {
@@ -204,6 +253,15 @@ impl Duo {
 }
 
 impl Calibrated {
+    /// Per layer, per KV head, whether it is a streaming head: as scored on the fly, or by the
+    /// decode attention beyond `protect` at `ratio`.
+    fn streaming(&self, protect: Protection, ratio: f64) -> std::borrow::Cow<'_, [Vec<bool>]> {
+        match &self.evidence {
+            Evidence::OnTheFly(streaming) => streaming.as_slice().into(),
+            Evidence::Decode(..) => self.decode_streaming(protect, ratio).into(),
+        }
+    }
+
     /// The streaming heads by the decode attention: each KV head scores the mean mass its decode
     /// queries put on the prompt positions a streaming head drops (beyond `protect`'s sinks and
     /// before its recent window), and the lowest become streaming heads.

@@ -4,7 +4,7 @@
 //! tokens itself. Splits that read scores are one-shot: they run at the end of the prompt.
 
 use super::settings::Broken;
-use super::Protection;
+use super::{LayerContext, Protection};
 use crate::trace::TraceMeta;
 
 crate::registry! {
@@ -40,13 +40,26 @@ pub trait HeadSplit: Send + Sync {
     fn check_trace(&self, _meta: &TraceMeta) -> Result<(), String> {
         Ok(())
     }
+    /// The share of the caches of the compressed `layers` of `meta`'s model (each layer split
+    /// among `n_caches`) that keep only their protected positions whatever the budget
+    /// (DuoAttention's streaming heads): a budget in bytes is resolved over the others. 0 by
+    /// default, every cache keeping the budget.
+    fn protected_only_share(
+        &self,
+        _meta: &TraceMeta,
+        _layers: &[usize],
+        _n_caches: usize,
+        _protect: Protection,
+    ) -> f64 {
+        0.0
+    }
     /// Each cache's budget in layer `layer`, given the layer's `budget`, one score per candidate
     /// position per cache (empty when `needs_scores` is false), the candidates (the positions a
     /// whole cache holds at the prompt's end, ascending: the prompt, or a sliding-window layer's
     /// window) and the protection.
     fn split(
         &self,
-        layer: usize,
+        layer: &LayerContext<'_>,
         budget: usize,
         scores: &[Vec<f32>],
         n_caches: usize,

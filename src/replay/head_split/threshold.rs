@@ -10,7 +10,7 @@
 //! protect at least one position, or a cache could keep nothing.
 
 use super::HeadSplit;
-use crate::replay::Protection;
+use crate::replay::{LayerContext, Protection};
 
 crate::settings! {
     /// DMS's rule: keep the prompt positions scoring at least `threshold` (kvpress `DMSPress`,
@@ -33,7 +33,7 @@ impl HeadSplit for Threshold {
 
     fn split(
         &self,
-        _layer: usize,
+        _layer: &LayerContext<'_>,
         cap: usize,
         scores: &[Vec<f32>],
         _n_caches: usize,
@@ -75,8 +75,10 @@ mod tests {
             sinks: 0,
             window: 2,
         };
+        let (q, k) = (ndarray::Array3::zeros((2, 6, 2)), ndarray::Array3::zeros((2, 6, 2)));
+        let layer = crate::replay::scorer::testing::context(&q, &k, 6);
         let split = |threshold, cap| {
-            Threshold { threshold }.split(0, cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)
+            Threshold { threshold }.split(&layer, cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)
         };
         assert_eq!(split(0.4, 64), vec![4, 2]);
         // A score equal to the threshold stays (DMS evicts `scores < threshold`).

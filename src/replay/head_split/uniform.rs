@@ -1,7 +1,7 @@
 //! `uniform`: every cache of a layer gets the layer's budget (SnapKV, PyramidKV, H2O as published).
 
 use super::HeadSplit;
-use crate::replay::Protection;
+use crate::replay::{LayerContext, Protection};
 
 crate::settings! {
     /// Every cache of a layer gets the layer's budget.
@@ -11,7 +11,7 @@ crate::settings! {
 impl HeadSplit for Uniform {
     fn split(
         &self,
-        _layer: usize,
+        _layer: &LayerContext<'_>,
         budget: usize,
         _scores: &[Vec<f32>],
         n_caches: usize,
