@@ -419,9 +419,10 @@ fn compare_sets_bytes_and_a_quantizer_over_every_preset() {
     }
 }
 
-/// `--interval N` spaces a streaming policy's evictions (the label says so); under a one-shot
-/// timing, with CAKE's ordered cache, or at 0, it exits 2 naming the rule, as does a budget in
-/// bytes that the protected window alone exceeds.
+/// `--interval N` spaces a streaming policy's evictions (the label says so, and how `--trigger`
+/// places them); under a one-shot timing, with CAKE's ordered cache, or at 0, it exits 2 naming
+/// the rule, as does a trigger without an interval and a budget in bytes that the protected
+/// window alone exceeds.
 #[test]
 fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
     let dir = fixture();
@@ -465,6 +466,40 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
         &dir,
         &["replay", "fixture.safetensors", "--interval", "0"],
         "parameter `interval` = 0: must be at least 1",
+    );
+    let by_position = stdout(kvreplay(&dir).args([
+        "replay",
+        "fixture.safetensors",
+        "--scorer",
+        "tova",
+        "--timing",
+        "prefill-then-stream",
+        "--interval",
+        "4",
+        "--trigger",
+        "position",
+        "--budget",
+        "10",
+        "--format",
+        "csv",
+    ]));
+    assert!(
+        by_position.contains("flat+tova@prefill-then-stream at positions divisible by 4,"),
+        "{by_position}"
+    );
+    refused(
+        &dir,
+        &[
+            "replay",
+            "fixture.safetensors",
+            "--scorer",
+            "tova",
+            "--trigger",
+            "position",
+            "--timing",
+            "prefill-then-stream",
+        ],
+        "trigger `position` places the compressions an interval makes: give an interval above 1",
     );
     refused(
         &dir,

@@ -15,8 +15,8 @@ mod common;
 
 use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{
-    context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, PolicyParams,
-    Unit, UnitKept, ValidPolicy,
+    context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, Order,
+    PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
@@ -376,6 +376,61 @@ fn rkv_keeps_what_its_code_keeps() {
         },
         &[16, 32, 64],
     );
+}
+
+/// R-KV's decode loop (its official code, transcribed in `rkv.py --decode`): the prompt cut at its
+/// end, then a compression whenever a position divisible by `divide_length` arrives, after the
+/// step's attention, the compressed cache in `topk`'s order. The `rkv` scorer under
+/// `prefill-then-stream`, `attend-first`, `interval = divide_length`, `trigger = position`: every
+/// decode query of every KV head's cache reads what R-KV's reads. Divide lengths of 2 and 3 on a
+/// 48-token prompt compress at three and two of the six decode steps, each along R-KV's order (the
+/// previous compression's `topk` order), not the positions'.
+#[test]
+fn rkv_decoding_keeps_what_its_code_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 13, PROMPT);
+    let trace = TraceReader::open(&path).unwrap();
+    let budgets = [16, 24];
+    for divide_length in [2, 3] {
+        let mut args = vec![
+            "--decode".into(),
+            divide_length.to_string(),
+            path.display().to_string(),
+        ];
+        args.extend(budgets.iter().map(usize::to_string));
+        let official = reference("rkv.py", &args);
+        for budget in budgets {
+            let policy = PolicyParams {
+                scorer: "rkv".into(),
+                timing: Timing::PrefillThenStream,
+                order: Order::AttendFirst,
+                interval: divide_length,
+                trigger: Trigger::Position,
+                budget,
+                window: 8,
+                sinks: 0,
+                ..PolicyParams::default()
+            }
+            .check()
+            .unwrap();
+            let layer_budgets = layer_budgets(&trace, &policy).unwrap();
+            for layer in 0..LAYERS {
+                let kept = kept_sets(&trace, &policy, &layer_budgets, layer).unwrap();
+                let expected = &official[budget.to_string()]["layers"][layer]["steps"];
+                assert_eq!(kept.units.len(), KV_HEADS, "one cache per KV head");
+                for (unit, unit_kept) in kept.kept.iter().enumerate() {
+                    for step in 0..GENERATED {
+                        assert_eq!(
+                            unit_kept.kept_positions(step, PROMPT),
+                            positions(&expected[unit][step]),
+                            "every {divide_length} at {budget}, layer {layer}, cache {unit}, step {step}"
+                        );
+                    }
+                }
+            }
+        }
+    }
 }
 
 /// kvpress's LagKV: the `lagkv` scorer, one-shot, nothing protected, ranks within partitions

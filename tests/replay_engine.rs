@@ -7,7 +7,7 @@ use kvreplay::replay::metrics;
 use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
     kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept, Order,
-    PolicyError, PolicyParams, ReplayReport, Timing, Unit, UnitKept, ValidPolicy,
+    PolicyError, PolicyParams, ReplayReport, Timing, Trigger, Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::TraceReader;
 use ndarray::Array3;
@@ -125,18 +125,25 @@ fn engine_matches_brute_force_reference() {
         for method in scorer::REGISTRY {
             let scorer = method.name;
             let timed = Timing::ALL.into_iter().flat_map(|timing| {
-                let (orders, intervals): (&[Order], &[usize]) = if timing.streams() {
-                    (&[Order::EvictFirst, Order::AttendFirst], &[1, 3])
+                let (orders, intervals): (&[Order], &[(usize, Trigger)]) = if timing.streams() {
+                    (
+                        &[Order::EvictFirst, Order::AttendFirst],
+                        &[
+                            (1, Trigger::Growth),
+                            (3, Trigger::Growth),
+                            (3, Trigger::Position),
+                        ],
+                    )
                 } else {
-                    (&[Order::EvictFirst], &[1])
+                    (&[Order::EvictFirst], &[(1, Trigger::Growth)])
                 };
                 orders.iter().flat_map(move |&order| {
                     intervals
                         .iter()
-                        .map(move |&interval| (timing, order, interval))
+                        .map(move |&(interval, trigger)| (timing, order, interval, trigger))
                 })
             });
-            for (timing, order, interval) in timed {
+            for (timing, order, interval, trigger) in timed {
                 for (gqa, agg) in [
                     (Granularity::KvHead, "mean"),
                     (Granularity::KvHead, "max"),
@@ -148,6 +155,7 @@ fn engine_matches_brute_force_reference() {
                         gqa,
                         order,
                         interval,
+                        trigger,
                         sinks: (seed % 2) as usize,
                         ..common::fixture_policy(scorer, timing, budget, seed)
                     };
@@ -174,6 +182,7 @@ fn engine_matches_brute_force_reference() {
                             shared_layer: gqa == Granularity::Layer,
                             attend_first: order == Order::AttendFirst,
                             interval,
+                            trigger,
                         };
                         let expected = reference::kept(&layer, &reference_policy);
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
@@ -182,7 +191,7 @@ fn engine_matches_brute_force_reference() {
                                 assert_eq!(
                                     unit_kept.kept_positions(step, shape.prompt_len),
                                     expected[unit][step],
-                                    "{scorer} {timing:?} {order:?} every {interval} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
+                                    "{scorer} {timing:?} {order:?} every {interval} by {trigger:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
                                 );
                             }
                         }
@@ -233,7 +242,10 @@ fn engine_matches_brute_force_reference() {
 /// compression cuts it back to 6: with `attend-first` (kvpress's `DecodingPress`, which
 /// compresses after the step's attention) the decode queries read 7, 8, 9, 7, 8 entries; with
 /// `evict-first` 7, 8, 6, 7, 8. StreamingLLM's rule keeps the newest, so after the cut the cache
-/// is the last 6 positions. `interval = 1` is the one-at-a-time stream.
+/// is the last 6 positions. `interval = 1` is the one-at-a-time stream. With `trigger =
+/// position` (R-KV's schedule) the compressions fall at positions 21 and 24 of the 20-token
+/// prompt's decode steps 20..25 instead: 7, 8, 7, 8, 9 entries read attending first, 7, 6, 7, 8, 6
+/// evicting first.
 #[test]
 fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -241,10 +253,11 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     let path = dir.path().join("fixture.safetensors");
     write_fixture(&path, shape, 3);
     let trace = TraceReader::open(&path).unwrap();
-    let sizes = |order: Order, interval: usize| -> Vec<usize> {
+    let sizes = |order: Order, interval: usize, trigger: Trigger| -> Vec<usize> {
         let policy = PolicyParams {
             order,
             interval,
+            trigger,
             sinks: 0,
             window: 0,
             ..params("recency", Timing::PrefillThenStream, 6)
@@ -257,9 +270,24 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
             .map(|step| kept.kept[0].kept_positions(step, shape.prompt_len).len())
             .collect()
     };
-    assert_eq!(sizes(Order::AttendFirst, 3), [7, 8, 9, 7, 8]);
-    assert_eq!(sizes(Order::EvictFirst, 3), [7, 8, 6, 7, 8]);
-    assert_eq!(sizes(Order::EvictFirst, 1), [6; 5]);
+    assert_eq!(shape.prompt_len, 20);
+    assert_eq!(
+        sizes(Order::AttendFirst, 3, Trigger::Growth),
+        [7, 8, 9, 7, 8]
+    );
+    assert_eq!(
+        sizes(Order::EvictFirst, 3, Trigger::Growth),
+        [7, 8, 6, 7, 8]
+    );
+    assert_eq!(sizes(Order::EvictFirst, 1, Trigger::Growth), [6; 5]);
+    assert_eq!(
+        sizes(Order::AttendFirst, 3, Trigger::Position),
+        [7, 8, 7, 8, 9]
+    );
+    assert_eq!(
+        sizes(Order::EvictFirst, 3, Trigger::Position),
+        [7, 6, 7, 8, 6]
+    );
     let policy = PolicyParams {
         interval: 3,
         sinks: 0,

@@ -60,4 +60,4 @@ pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
 pub use storage::{HeldCache, Storage};
 pub(crate) use stream::{Attended, CacheStream};
-pub use timing::{Order, Protocol, Timing};
+pub use timing::{Order, Protocol, Timing, Trigger};

@@ -9,7 +9,7 @@ use super::quantizer::{self, Quantizer, Scheme};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
 use super::storage::Storage;
-use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing};
+use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing, Trigger};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -38,6 +38,11 @@ pub struct PolicyParams {
     /// name the same runs.
     #[serde(skip_serializing_if = "is_every_token")]
     pub interval: usize,
+    /// Under an `interval` above 1, what makes the cache compress: its growth past the budget,
+    /// or the arriving token's position. Left out of the serialised form when it is the default,
+    /// so that run ids computed before it existed still name the same runs.
+    #[serde(skip_serializing_if = "Trigger::is_growth")]
+    pub trigger: Trigger,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
     /// A budget in bytes, in place of `budget`: a fraction of the full prompt cache's bytes (0.125
@@ -218,6 +223,13 @@ pub const COMMON: &[Common] = &[
         whole: true,
     },
     Common {
+        key: "trigger",
+        about: "Under an interval above 1: what makes the cache compress, its growth past the budget by the interval (kvpress's DecodingPress) or a position that is a multiple of it (R-KV's step_length)",
+        values: variants::<Trigger>,
+        fixed: true,
+        whole: true,
+    },
+    Common {
         key: "budget",
         about: "Nominal tokens per cache (mean over layers), sinks and window included",
         values: Vec::new,
@@ -311,6 +323,7 @@ impl Default for PolicyParams {
             timing: Timing::Prefill,
             order: Order::EvictFirst,
             interval: 1,
+            trigger: Trigger::Growth,
             budget: 128,
             bytes: None,
             sinks: 0,
@@ -351,6 +364,7 @@ impl PolicyParams {
         values.retain(|key, _| common_keys().any(|common| common == key));
         values.insert("order".into(), Value::from(self.order.name()));
         values.insert("interval".into(), Value::from(self.interval));
+        values.insert("trigger".into(), Value::from(self.trigger.name()));
         values.insert("bytes".into(), Value::from(self.bytes));
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
@@ -758,6 +772,12 @@ impl ValidPolicy {
                 rule: "keeps its own cache order through single evictions: use interval 1",
             });
         }
+        if params.trigger != Trigger::Growth && params.interval == 1 {
+            return Err(PolicyError::Unsupported {
+                what: format!("trigger `{}`", params.trigger.name()),
+                rule: "places the compressions an interval makes: give an interval above 1",
+            });
+        }
         if params.order == Order::AttendFirst && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
                 what: format!("order `{}`", params.order.name()),
@@ -863,9 +883,10 @@ impl ValidPolicy {
             true => String::new(),
             false => format!("/{}", self.params.heads),
         };
-        let interval = match self.params.interval {
-            1 => String::new(),
-            n => format!(" every {n}"),
+        let interval = match (self.params.interval, self.params.trigger) {
+            (1, _) => String::new(),
+            (n, Trigger::Growth) => format!(" every {n}"),
+            (n, Trigger::Position) => format!(" at positions divisible by {n}"),
         };
         let quantized = match self.scheme() {
             Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),

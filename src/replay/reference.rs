@@ -11,7 +11,7 @@
 use super::channels::ChannelPruning;
 use super::merge::ValueMerge;
 use super::quantizer::{quantize_group, Grouping, Scheme};
-use super::{Aggregation, Timing};
+use super::{Aggregation, Timing, Trigger};
 use ndarray::Array3;
 use serde_json::Value;
 use std::ops::Range;
@@ -102,6 +102,8 @@ pub struct Policy<'a> {
     /// Under a streaming timing, tokens the cache grows past its budget before one compression
     /// cuts it back (1: one eviction per token).
     pub interval: usize,
+    /// What makes such a compression happen.
+    pub trigger: Trigger,
 }
 
 /// One cache: its query heads, its KV head and its index.
@@ -451,10 +453,16 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                 }
             }
         } else if (at >= n || !cut_at_prompt_end) && policy.interval > 1 {
-            // Grown to `budget + interval`: cut back to the budget's best at once, the sinks and
-            // the cache's last `window` entries kept.
-            if cache.len() >= policy.budget + policy.interval {
-                let scores = mean_over_running(layer, policy, members, &cache, &running);
+            // Grown to `budget + interval` (or at a position divisible by it): cut back to the
+            // budget's best at once, the sinks and the cache's last `window` entries kept.
+            let due = match policy.trigger {
+                Trigger::Growth => cache.len() >= policy.budget + policy.interval,
+                Trigger::Position => at % policy.interval == 0,
+            };
+            if due && cache.len() > policy.budget {
+                let pooled =
+                    ordered_pooled(layer, policy, members, &cache, &orders, ordered && at >= n);
+                let scores = cache_scores(layer, policy, members, &cache, &running, &pooled);
                 let first_recent = cache[cache.len() - policy.window.min(cache.len())..]
                     .first()
                     .copied()
@@ -470,38 +478,12 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                         }
                     }
                 }
+                regather(&mut orders, &pooled, |p| kept.contains(&p));
             }
         } else if (at >= n || !cut_at_prompt_end) && cache.len() > policy.budget {
-            let pooled: Vec<Vec<(usize, f64)>> = match ordered && at >= n {
-                true => members
-                    .iter()
-                    .zip(&orders)
-                    .map(|(member, order)| {
-                        policy
-                            .rule
-                            .ordered_scores(layer, policy, member, &cache, order)
-                    })
-                    .collect(),
-                false => Vec::new(),
-            };
-            let scores = match pooled.is_empty() {
-                true => mean_over_running(layer, policy, members, &cache, &running),
-                false => cache
-                    .iter()
-                    .map(|j| {
-                        pooled
-                            .iter()
-                            .map(|scored| {
-                                scored
-                                    .iter()
-                                    .find(|(p, _)| p == j)
-                                    .map_or(f64::INFINITY, |e| e.1)
-                            })
-                            .sum::<f64>()
-                            / members.len() as f64
-                    })
-                    .collect(),
-            };
+            let pooled =
+                ordered_pooled(layer, policy, members, &cache, &orders, ordered && at >= n);
+            let scores = cache_scores(layer, policy, members, &cache, &running, &pooled);
             let end = cache.len() - policy.window;
             // The first minimum outside sinks and window goes (argmin).
             let mut worst = policy.sinks;
@@ -514,27 +496,87 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
             for scores in running.iter_mut() {
                 scores.remove(worst);
             }
-            // An ordered cache gathers the survivors outside the window by descending score.
-            for (order, scored) in orders.iter_mut().zip(&pooled) {
-                let mut survivors: Vec<(usize, f64)> = scored
-                    .iter()
-                    .cloned()
-                    .filter(|(p, _)| *p != evicted)
-                    .collect();
-                survivors.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
-                let window = order[scored.len()..].to_vec();
-                *order = survivors
-                    .into_iter()
-                    .map(|(p, _)| p)
-                    .chain(window)
-                    .collect();
-            }
+            regather(&mut orders, &pooled, |p| p != evicted);
         }
         if at >= n && !policy.attend_first {
             steps.push(cache.clone());
         }
     }
     steps
+}
+
+/// For a rule that keeps its own cache order (`ordered`, once decoding has started), each
+/// member's scores of the entries outside its window along its order; empty otherwise.
+fn ordered_pooled(
+    layer: &Layer,
+    policy: &Policy,
+    members: &[Member],
+    cache: &[usize],
+    orders: &[Vec<usize>],
+    ordered: bool,
+) -> Vec<Vec<(usize, f64)>> {
+    match ordered {
+        true => members
+            .iter()
+            .zip(orders)
+            .map(|(member, order)| {
+                policy
+                    .rule
+                    .ordered_scores(layer, policy, member, cache, order)
+            })
+            .collect(),
+        false => Vec::new(),
+    }
+}
+
+/// The members' mean score of each entry of `cache`: from their ordered scores `pooled` when
+/// there are any (the window +inf), from their running rule otherwise.
+fn cache_scores(
+    layer: &Layer,
+    policy: &Policy,
+    members: &[Member],
+    cache: &[usize],
+    running: &[Vec<f64>],
+    pooled: &[Vec<(usize, f64)>],
+) -> Vec<f64> {
+    if pooled.is_empty() {
+        return mean_over_running(layer, policy, members, cache, running);
+    }
+    cache
+        .iter()
+        .map(|j| {
+            pooled
+                .iter()
+                .map(|scored| {
+                    scored
+                        .iter()
+                        .find(|(p, _)| p == j)
+                        .map_or(f64::INFINITY, |e| e.1)
+                })
+                .sum::<f64>()
+                / members.len() as f64
+        })
+        .collect()
+}
+
+/// After an eviction from an ordered cache, each member gathers the entries outside its window
+/// that `stays` keeps by descending score (`topk`'s order), its window after them.
+fn regather(
+    orders: &mut [Vec<usize>],
+    pooled: &[Vec<(usize, f64)>],
+    stays: impl Fn(usize) -> bool,
+) {
+    for (order, scored) in orders.iter_mut().zip(pooled) {
+        let mut survivors: Vec<(usize, f64)> =
+            scored.iter().cloned().filter(|&(p, _)| stays(p)).collect();
+        survivors.sort_by(|a, b| b.1.partial_cmp(&a.1).unwrap());
+        let window = order[scored.len()..].to_vec();
+        *order = survivors
+            .into_iter()
+            .map(|(p, _)| p)
+            .chain(window)
+            .collect();
+    }
 }
 
 /// The members' mean of their rule's scores over `cache`, given their running scores.

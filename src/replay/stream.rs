@@ -5,7 +5,7 @@
 
 use super::scorer::{ScoreState, Scorer, Started};
 use super::select::{select_top, victim};
-use super::{LayerContext, Order, Protection, Timing, Unit, ValidPolicy};
+use super::{LayerContext, Order, Protection, Timing, Trigger, Unit, ValidPolicy};
 
 /// What the query at one position attends over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -118,9 +118,10 @@ pub(crate) fn start_group(
 /// (`prefill-then-stream`, whose prompt queries attend over the whole prompt, as a prefill does);
 /// under `order = attend-first` a query attends over the cache before its step's eviction
 /// (`budget + 1` tokens). With an `interval` above 1 the cache instead grows until it holds
-/// `budget + interval` tokens and one compression cuts it back to `budget` (the one-shot selection
-/// over the whole cache, the last `window` entries and the sinks protected): kvpress's
-/// `DecodingPress`, R-KV. Re-selection keeps every prompt token while the prompt runs, then
+/// `budget + interval` tokens (or, with `trigger = position`, until a position divisible by the
+/// interval arrives) and one compression cuts it back to `budget` (the one-shot selection over the
+/// whole cache, the last `window` entries and the sinks protected): kvpress's `DecodingPress`,
+/// R-KV. Re-selection keeps every prompt token while the prompt runs, then
 /// re-chooses at every decode step from the full cache (`per-step`), or from the prompt with every
 /// generated token kept (`per-step-prompt`); the first `sinks` and the last `window` of the
 /// positions it chooses from are always kept. On a sliding-window layer the cache holds only what
@@ -136,6 +137,7 @@ pub(crate) struct CacheStream {
     timing: Timing,
     order: Order,
     interval: usize,
+    trigger: Trigger,
     protect: Protection,
 }
 
@@ -163,6 +165,7 @@ impl CacheStream {
             timing: params.timing,
             order: params.order,
             interval: params.interval,
+            trigger: params.trigger,
             protect,
         }
     }
@@ -208,7 +211,8 @@ impl CacheStream {
             let (protect, prompt_len) = (self.protect, self.prompt_len);
             self.cut(layer, move |position| protect.covers(position, prompt_len));
         } else if streams_now && self.interval > 1 {
-            if self.cache.len() >= self.budget + self.interval {
+            let due = (self.cache.len(), position);
+            if self.trigger.due(due, self.budget, self.interval) {
                 // The sinks and the cache's last `window` entries stay.
                 let recent = self.cache.len().saturating_sub(self.protect.window);
                 let first_recent = self.cache.get(recent).copied().unwrap_or(usize::MAX);

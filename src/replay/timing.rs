@@ -103,6 +103,44 @@ impl Order {
     }
 }
 
+/// Under an `interval` above 1, what makes a streaming cache compress.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[serde(rename_all = "kebab-case")]
+pub enum Trigger {
+    /// The cache has grown `interval` tokens past its budget (kvpress's `DecodingPress`, which
+    /// counts the steps since its last compression).
+    #[default]
+    Growth,
+    /// The arriving token's position is a multiple of `interval` (R-KV's `divide_method =
+    /// "step_length"`: the step after the sequence's length reaches a multiple of
+    /// `divide_length`).
+    Position,
+}
+
+impl Trigger {
+    /// Whether it is the default, `growth`.
+    pub fn is_growth(&self) -> bool {
+        *self == Trigger::Growth
+    }
+
+    /// The config spelling.
+    pub fn name(self) -> &'static str {
+        match self {
+            Trigger::Growth => "growth",
+            Trigger::Position => "position",
+        }
+    }
+
+    /// Whether a cache of `len` entries holding `position` last, under `budget` and `interval`,
+    /// compresses now.
+    pub fn due(self, (len, position): (usize, usize), budget: usize, interval: usize) -> bool {
+        match self {
+            Trigger::Growth => len >= budget + interval,
+            Trigger::Position => position % interval == 0,
+        }
+    }
+}
+
 /// Where the compression cut falls relative to the question of a prompt that has one.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]

@@ -1,19 +1,30 @@
-"""Line-by-line transcription of R-KV's compression at the end of the prompt, for kvreplay's `rkv`
-scorer parity test.
+"""Line-by-line transcription of R-KV's compression at the end of the prompt and of its decode
+loop, for kvreplay's `rkv` scorer parity tests.
 
 Source: github.com/Zefan-Cai/R-KV, commit d15c9767e67c2bd9807128fecc35223fa2484a69:
   - rkv/utils.py, compute_attention_scores, lines 8-38 (pooling="max", R1KV's call);
   - rkv/utils.py, cal_similarity, lines 42-94 (retain_direction="last");
   - rkv/compression/r1_kv.py, R1KV.update_kv, lines 43-82 and 168-179;
   - rkv/modeling.py, LlamaAttention_forward, lines 105-113 and 128-135: at the prefill the query
-    cache is the prompt's last `window_size` queries, and update_kv compresses the prompt's keys.
-Deviations, marked `# deviation`: positions are returned instead of gathered K/V; `topk` becomes
+    cache is the prompt's last `window_size` queries, and update_kv compresses the prompt's keys;
+    lines 114-125 and 152-172: while decoding each query joins the query cache (the last
+    `window_size` kept), its key and value join the cache, the step attends over the whole cache,
+    and, when the step's compression flag is set, update_kv compresses the cache after it;
+  - rkv/modeling.py, LlamaForCausalLM_forward, lines 560-563 and 598-610: the flag for the next
+    step is `length % divide_length == 0` (`divide_method = "step_length"`), `length` the tokens
+    run so far.
+Deviations, marked `# deviation`: positions are returned instead of gathered K/V (a compressed
+cache keeps `topk`'s order, then its window, as the gathered tensors do); `topk` becomes
 `topk_stable` (kvtrace.py); float32 throughout (the code casts the mean attention to the model's
 dtype); the unused `retain_ratio` branches and the kept-index recording are left out.
 
 Usage: rkv.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head],
-"scores": [[score per position] per KV head]}]}} as JSON.
+"scores": [[score per position] per KV head]}]}} as JSON. rkv.py --decode DIVIDE_LENGTH TRACE
+BUDGET... prints {"BUDGET": {"layers": [{"steps": [[[positions a decode query attends over] per
+step] per KV head]}]}}.
 """
+
+import sys
 
 import math
 
@@ -84,11 +95,12 @@ def cal_similarity(key_states, threshold=0.5, retain_ratio=0.2, retain_direction
 
 
 def update_kv(key_states, query_states, budget):
-    """R1KV.update_kv: the kept positions per KV head and the final scores."""
+    """R1KV.update_kv: per KV head the cache entries it keeps, in the order it gathers them
+    (`topk`'s, then the window), and the final scores."""
     kv_cache_len = key_states.shape[-2]
     if kv_cache_len < budget:
         everything = list(range(kv_cache_len))
-        return [everything] * key_states.shape[1], None  # deviation: positions
+        return [everything] * key_states.shape[1], None  # deviation: entries
     attn_weights = compute_attention_scores(query_states, key_states)
     attn_weights_sum = nn.functional.softmax(
         attn_weights[:, :, -WINDOW_SIZE:, :-WINDOW_SIZE], dim=-1, dtype=torch.float32
@@ -102,7 +114,7 @@ def update_kv(key_states, query_states, budget):
     final_score = attn_cache * MIX_LAMBDA - similarity_cos * (1 - MIX_LAMBDA)
     indices = topk_stable(final_score, budget - WINDOW_SIZE)  # deviation: stable ties
     window = list(range(kv_cache_len - WINDOW_SIZE, kv_cache_len))
-    kept = [sorted(head.tolist()) + window for head in indices[0]]  # deviation: positions
+    kept = [head.tolist() + window for head in indices[0]]  # deviation: entries
     return kept, final_score[0].tolist()
 
 
@@ -111,9 +123,42 @@ def run(layers, prompt_len, budget):
     for q, k in layers:
         query_cache = q[:, :, prompt_len - WINDOW_SIZE : prompt_len, :]
         kept, scores = update_kv(k[:, :, :prompt_len, :], query_cache, budget)
-        out.append({"kept": kept, "scores": scores})
+        out.append({"kept": [sorted(head) for head in kept], "scores": scores})
+    return {"layers": out}
+
+
+def run_decoding(layers, prompt_len, budget, divide_length):
+    out = []
+    for q, k in layers:
+        kv_heads, total = k.shape[1], q.shape[2]
+        # prefill: the query cache and the prompt's compression
+        query_cache = q[:, :, prompt_len - WINDOW_SIZE : prompt_len, :]
+        kept, _ = update_kv(k[:, :, :prompt_len, :], query_cache, budget)
+        cached = [list(head) for head in kept]  # deviation: positions per KV head, cache order
+        length = prompt_len
+        compression = length % divide_length == 0
+        steps = [[] for _ in range(kv_heads)]
+        for position in range(prompt_len, total):
+            query_cache = torch.cat((query_cache, q[:, :, position : position + 1, :]), dim=2)
+            if query_cache.shape[-2] > WINDOW_SIZE:
+                query_cache = query_cache[:, :, -WINDOW_SIZE:, :]
+            cached = [head + [position] for head in cached]  # past_key_value.update
+            for head, step in zip(cached, steps):
+                step.append(sorted(head))  # the step attends over the whole cache
+            if compression:
+                key_states = torch.stack([k[0, h, cached[h], :] for h in range(kv_heads)])[None]
+                kept, _ = update_kv(key_states, query_cache, budget)
+                cached = [[cached[h][i] for i in kept[h]] for h in range(kv_heads)]
+            length += 1
+            compression = length % divide_length == 0
+        out.append({"steps": steps})
     return {"layers": out}
 
 
 if __name__ == "__main__":
-    run_budgets(run)
+    if sys.argv[1] == "--decode":
+        divide_length = int(sys.argv.pop(2))
+        sys.argv.pop(1)
+        run_budgets(lambda layers, prompt_len, budget: run_decoding(layers, prompt_len, budget, divide_length))
+    else:
+        run_budgets(run)

@@ -17,8 +17,12 @@
 //! R-KV compresses the cache back to its budget whenever it is full at a compression step: at the
 //! end of the prompt and then every `divide_length` (128) tokens of the sequence. `prefill`
 //! replays the first (a trace's 16-32 decode steps reach the second only where the sequence
-//! length crosses a multiple of 128); `prefill-then-stream` re-scores at every decode step, R-KV
-//! with `divide_length = 1`. Deviations: f32 throughout (the code casts the mean attention to the
+//! length crosses a multiple of 128); `prefill-then-stream` with `order = attend-first`,
+//! `interval = 128` and `trigger = position` replays them all (`rkv/modeling.py` lines 560-563,
+//! 598-610: the step at a position divisible by `divide_length` compresses after its attention),
+//! and with interval 1 re-scores at every decode step. A compressed cache holds the kept entries
+//! in `topk`'s order (descending score), then its window, then each new token: once the prompt is
+//! cut the state keeps that order, and pooling and the last redundant key follow it. Deviations: f32 throughout (the code casts the mean attention to the
 //! model's dtype); ties go to the lower position (kvreplay's rule, for `topk`); the model's logit
 //! soft-cap, if any, is not applied, as the code does not.
 
@@ -65,6 +69,15 @@ struct State {
     settings: RKv,
     /// The most recent `window` positions appended: R-KV's query cache.
     recent: VecDeque<usize>,
+    /// The engine's cache (ascending positions), mirrored: its appends in `on_append`, its
+    /// evictions in `on_evict` and `on_cut`.
+    cache: Vec<usize>,
+    /// R-KV's own cache order once the prompt has been cut: the kept entries outside the window
+    /// in `topk` order (descending score), the window, then each token as it arrives. Empty
+    /// before the cut, when the cache is in position order.
+    order: Vec<usize>,
+    /// The entries outside the window along `order` and their scores, as last scored.
+    last: Vec<(usize, f32)>,
 }
 
 impl Scorer for RKv {
@@ -89,6 +102,9 @@ impl Scorer for RKv {
             window: protect.window.max(1),
             settings: self.clone(),
             recent: VecDeque::new(),
+            cache: Vec::new(),
+            order: Vec::new(),
+            last: Vec::new(),
         })
     }
 
@@ -99,37 +115,101 @@ impl Scorer for RKv {
 
 impl ScoreState for State {
     fn on_append(&mut self, _layer: &LayerContext<'_>, cache: &[usize]) {
-        self.recent.push_back(*cache.last().expect("non-empty cache"));
+        let newest = *cache.last().expect("non-empty cache");
+        self.recent.push_back(newest);
         if self.recent.len() > self.window {
             self.recent.pop_front();
         }
+        self.cache.push(newest);
+        if !self.order.is_empty() {
+            self.order.push(newest);
+        }
     }
 
+    /// Along R-KV's own order once the prompt has been cut (its pooling and its last redundant
+    /// key follow the order), laid back out in the engine's.
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
-        let scored = cache.len().saturating_sub(self.window);
-        if scored == 0 {
-            out.resize(cache.len(), f32::INFINITY);
-            return;
-        }
-        let importance = pool1d(
-            &self.importance(layer, &cache[..scored]),
-            self.settings.kernel,
-            Pooling::Max,
-        );
-        let redundancy = self.redundancy(layer, cache);
-        let lambda = self.settings.mix_lambda as f32;
-        out.extend(
-            importance
-                .iter()
-                .zip(&redundancy)
-                .map(|(a, s)| a * lambda - s * (1.0 - lambda)),
-        );
+        let along = match self.order.is_empty() {
+            true => cache.to_vec(),
+            false => self.order.clone(),
+        };
+        let scores = self.scores_along(layer, &along);
+        self.last = along.iter().copied().zip(scores).collect();
         out.resize(cache.len(), f32::INFINITY);
+        for &(position, score) in &self.last {
+            out[cache.binary_search(&position).expect("cached")] = score;
+        }
+    }
+
+    fn on_cut(&mut self, kept: &[bool]) {
+        let mut marks = kept.iter();
+        let dropped: Vec<usize> = self
+            .cache
+            .iter()
+            .copied()
+            .filter(|_| !*marks.next().expect("one mark per entry"))
+            .collect();
+        self.cache.retain(|position| dropped.binary_search(position).is_err());
+        if self.order.is_empty() {
+            // The prompt's cut: R-KV's order starts here.
+            self.order = self.cache.clone();
+        }
+        self.regather(|position| dropped.binary_search(&position).is_err());
+    }
+
+    fn on_evict(&mut self, index: usize) {
+        let evicted = self.cache.remove(index);
+        if !self.order.is_empty() {
+            self.regather(|position| position != evicted);
+        }
+    }
+
+    fn on_slide_out(&mut self, index: usize) {
+        // Not a compression: the entry leaves its place in the order, the others keep theirs.
+        let position = self.cache.remove(index);
+        self.order.retain(|&ordered| ordered != position);
     }
 }
 
 impl State {
+    /// The score of each entry of `along` (cache positions, in the cache's order) outside its last
+    /// `window`: importance pooled along it, minus redundancy.
+    fn scores_along(&self, layer: &LayerContext<'_>, along: &[usize]) -> Vec<f32> {
+        let scored = along.len().saturating_sub(self.window);
+        if scored == 0 {
+            return Vec::new();
+        }
+        let importance = pool1d(
+            &self.importance(layer, &along[..scored]),
+            self.settings.kernel,
+            Pooling::Max,
+        );
+        let redundancy = self.redundancy(layer, along);
+        let lambda = self.settings.mix_lambda as f32;
+        importance
+            .iter()
+            .zip(&redundancy)
+            .map(|(a, s)| a * lambda - s * (1.0 - lambda))
+            .collect()
+    }
+
+    /// After a compression, R-KV's order: the entries outside the window that `stays` keeps, by
+    /// descending last score (`topk`'s order; equal scores by their place in the order), then the
+    /// window in its order.
+    fn regather(&mut self, stays: impl Fn(usize) -> bool) {
+        let mut survivors: Vec<(usize, f32)> = self
+            .last
+            .iter()
+            .copied()
+            .filter(|&(position, _)| stays(position))
+            .collect();
+        survivors.sort_by(|a, b| b.1.total_cmp(&a.1));
+        let window = self.order[self.order.len().saturating_sub(self.window)..].to_vec();
+        self.order = survivors.into_iter().map(|(p, _)| p).chain(window).collect();
+        self.last.clear();
+    }
+
     /// The mean over the window's queries of their softmax over `keys` (cache entries), the
     /// logits' maximum over the group taken first.
     fn importance(&self, layer: &LayerContext<'_>, keys: &[usize]) -> Vec<f32> {
@@ -202,7 +282,9 @@ const SIMILARITY_ROWS: usize = 256;
 /// largest logit `q k / sqrt(d)`, max-pooled along the cache (`kernel`); redundancy = the softmax
 /// over the cache of the column means of the keys' cosine matrix with its diagonal and each row's
 /// `retain`ed entry above `threshold` (entry 0 if none) zeroed; the score is `mix_lambda` ×
-/// importance − (1 − `mix_lambda`) × redundancy, and the window scores +inf.
+/// importance − (1 − `mix_lambda`) × redundancy, and the window scores +inf. Once the prompt is
+/// cut, along R-KV's own cache order: the kept entries outside the window by descending score,
+/// the window, then the new tokens; after each eviction the survivors are gathered again.
 impl ScorerRule for RKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         let retain = if seed % 2 == 0 { "last" } else { "first" };
@@ -273,6 +355,26 @@ impl ScorerRule for RKv {
                 false => f64::INFINITY,
             })
             .collect()
+    }
+
+    /// R-KV's cache after the prompt's cut is in `topk` order: the prompt's scores order it.
+    fn order_at_cut(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+        let prompt: Vec<usize> = (0..layer.prompt_len).collect();
+        Some(self.scores(layer, policy, cache, &prompt, &[]))
+    }
+
+    /// The same rule run along R-KV's cache order.
+    fn ordered_scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        _positions: &[usize],
+        order: &[usize],
+    ) -> Vec<(usize, f64)> {
+        let scores = self.scores(layer, policy, cache, order, &[]);
+        let outside = order.len().saturating_sub(policy.window.max(1));
+        order[..outside].iter().copied().zip(scores).collect()
     }
 }
 
