@@ -949,6 +949,7 @@ mod tests {
         let params = PolicyParams {
             order: Order::AttendFirst,
             interval: 4,
+            trigger: Trigger::Position,
             bytes: Some(0.5),
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
@@ -968,6 +969,7 @@ mod tests {
         let defaults = PolicyParams::default().common_values();
         assert_eq!(defaults.len(), COMMON.len());
         assert_eq!(defaults["order"], "evict-first");
+        assert_eq!(defaults["trigger"], "growth");
         assert_eq!(defaults["budget"], 128);
     }
 }
