@@ -426,20 +426,25 @@ fn compare_sets_bytes_and_a_quantizer_over_every_preset() {
 #[test]
 fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
     let dir = fixture();
-    let out = stdout(kvreplay(&dir).args([
-        "replay",
-        "fixture.safetensors",
-        "--scorer",
-        "tova",
-        "--timing",
-        "prefill-then-stream",
-        "--interval",
-        "4",
-        "--budget",
-        "10",
-        "--format",
-        "csv",
-    ]));
+    let tova_every_4 = |trigger: &str| {
+        stdout(kvreplay(&dir).args([
+            "replay",
+            "fixture.safetensors",
+            "--scorer",
+            "tova",
+            "--timing",
+            "prefill-then-stream",
+            "--interval",
+            "4",
+            "--trigger",
+            trigger,
+            "--budget",
+            "10",
+            "--format",
+            "csv",
+        ]))
+    };
+    let out = tova_every_4("growth");
     assert!(
         out.contains("flat+tova@prefill-then-stream every 4,"),
         "{out}"
@@ -467,22 +472,7 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
         &["replay", "fixture.safetensors", "--interval", "0"],
         "parameter `interval` = 0: must be at least 1",
     );
-    let by_position = stdout(kvreplay(&dir).args([
-        "replay",
-        "fixture.safetensors",
-        "--scorer",
-        "tova",
-        "--timing",
-        "prefill-then-stream",
-        "--interval",
-        "4",
-        "--trigger",
-        "position",
-        "--budget",
-        "10",
-        "--format",
-        "csv",
-    ]));
+    let by_position = tova_every_4("position");
     assert!(
         by_position.contains("flat+tova@prefill-then-stream at positions divisible by 4,"),
         "{by_position}"

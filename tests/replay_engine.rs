@@ -623,6 +623,19 @@ fn merged_caches_match_brute_force_reference() {
     assert_eq!(compared, 3 * 2 * 2 * shape.n_layers);
 }
 
+/// The `duo` tests' trace: 3 layers of 2 KV heads, a 40-token prompt, written in `dir`.
+fn duo_fixture(dir: &std::path::Path) -> (Shape, std::path::PathBuf, TraceReader) {
+    let shape = Shape {
+        n_layers: 3,
+        prompt_len: 40,
+        ..Shape::default()
+    };
+    let path = dir.join("duo.safetensors");
+    write_fixture(&path, shape, 5);
+    let trace = TraceReader::open(&path).unwrap();
+    (shape, path, trace)
+}
+
 /// The `duo` head split, calibrated on the trace itself: its streaming caches keep exactly their
 /// sinks and recent window, its retrieval caches the whole prompt, in the number the ratio says;
 /// scored by the decode attention (the oracle), its retained mass is at least the on-the-fly
@@ -631,14 +644,7 @@ fn merged_caches_match_brute_force_reference() {
 #[test]
 fn duo_streams_the_heads_the_ratio_says_and_its_oracle_loses_least() {
     let dir = tempfile::tempdir().unwrap();
-    let shape = Shape {
-        n_layers: 3,
-        prompt_len: 40,
-        ..Shape::default()
-    };
-    let path = dir.path().join("duo.safetensors");
-    write_fixture(&path, shape, 5);
-    let trace = TraceReader::open(&path).unwrap();
+    let (shape, path, trace) = duo_fixture(dir.path());
     let (sinks, window) = (2, 4);
     let policy = |ratio: f64, scores: &str| {
         PolicyParams {
@@ -707,13 +713,7 @@ fn duo_streams_the_heads_the_ratio_says_and_its_oracle_loses_least() {
 #[test]
 fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_leave() {
     let dir = tempfile::tempdir().unwrap();
-    let shape = Shape {
-        n_layers: 3,
-        prompt_len: 40,
-        ..Shape::default()
-    };
-    let path = dir.path().join("duo.safetensors");
-    write_fixture(&path, shape, 5);
+    let (shape, path, trace) = duo_fixture(dir.path());
     let other_shape = Shape {
         head_dim: 8,
         ..shape
@@ -735,7 +735,6 @@ fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_le
         .check()
     };
     let both = format!("{}, {}", path.display(), other.display());
-    let trace = TraceReader::open(&path).unwrap();
     let third = policy(1.0 / 3.0, both.clone()).unwrap();
     assert_eq!(
         kvreplay::replay::nominal_budget(&trace, &third).unwrap(),
