@@ -271,23 +271,20 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
             .collect()
     };
     assert_eq!(shape.prompt_len, 20);
-    assert_eq!(
-        sizes(Order::AttendFirst, 3, Trigger::Growth),
-        [7, 8, 9, 7, 8]
-    );
-    assert_eq!(
-        sizes(Order::EvictFirst, 3, Trigger::Growth),
-        [7, 8, 6, 7, 8]
-    );
-    assert_eq!(sizes(Order::EvictFirst, 1, Trigger::Growth), [6; 5]);
-    assert_eq!(
-        sizes(Order::AttendFirst, 3, Trigger::Position),
-        [7, 8, 7, 8, 9]
-    );
-    assert_eq!(
-        sizes(Order::EvictFirst, 3, Trigger::Position),
-        [7, 6, 7, 8, 6]
-    );
+    let cases: [(Order, usize, Trigger, [usize; 5]); 5] = [
+        (Order::AttendFirst, 3, Trigger::Growth, [7, 8, 9, 7, 8]),
+        (Order::EvictFirst, 3, Trigger::Growth, [7, 8, 6, 7, 8]),
+        (Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
+        (Order::AttendFirst, 3, Trigger::Position, [7, 8, 7, 8, 9]),
+        (Order::EvictFirst, 3, Trigger::Position, [7, 6, 7, 8, 6]),
+    ];
+    for (order, interval, trigger, expected) in cases {
+        assert_eq!(
+            sizes(order, interval, trigger),
+            expected,
+            "{order:?} every {interval} by {trigger:?}"
+        );
+    }
     let policy = PolicyParams {
         interval: 3,
         sinks: 0,
