@@ -10,7 +10,7 @@ use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, Batching, LiveSession, LiveStep};
 use kvreplay::model::{CausalLm, KvCache, Recorder, Row};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
-use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing};
+use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing, Trigger};
 use kvreplay::trace::{StorageDtype, TraceReader};
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
@@ -240,7 +240,7 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
                 .map(|&(timing, order)| evicting_live(timing, order, budget).check().unwrap()),
         );
     }
-    // Compressions every 4 tokens, as kvpress's DecodingPress and R-KV run them.
+    // Compressions every 4 tokens, as kvpress's DecodingPress runs them.
     for (timing, order) in [
         (Timing::PrefillThenStream, Order::AttendFirst),
         (Timing::Streaming, Order::EvictFirst),
@@ -251,6 +251,14 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
         };
         policies.push(every_four.check().unwrap());
     }
+    // R-KV's schedule: its scorer, compressing at positions divisible by 4 along its own order.
+    let rkv_schedule = PolicyParams {
+        scorer: "rkv".into(),
+        interval: 4,
+        trigger: Trigger::Position,
+        ..evicting_live(Timing::PrefillThenStream, Order::AttendFirst, 12)
+    };
+    policies.push(rkv_schedule.check().unwrap());
     // Caches stored otherwise than captured, under every timing: quantized (the model's own
     // vectors recorded from its prefill, or from the full run's recording where it shares it),
     // and ThinK's pruned keys under a streaming timing.
