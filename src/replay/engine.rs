@@ -695,6 +695,11 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
     let storage = policy.storage();
     let full = Storage::Captured.bytes_at_cut(prompt_len, d, width);
     let protection = params.protection();
+    let mismatch = |rule: String| PolicyError::TraceMismatch {
+        path: trace.path().display().to_string(),
+        rule,
+    };
+    policy.heads.check_trace(meta).map_err(mismatch)?;
     let streaming = policy.heads.protected_only_share(
         meta,
         &compressed_layers(meta, policy),
@@ -702,15 +707,14 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
         protection,
     );
     let streaming_bytes = streaming * storage.bytes_at_cut(protection.tokens(), d, width);
-    // The mean mixes fractions: a size that fits exactly must not fail by a rounding (1e-12).
     let mean_bytes = |n| (1.0 - streaming) * storage.bytes_at_cut(n, d, width) + streaming_bytes;
     let protected = protection.tokens().max(1);
+    // The mean mixes fractions: a size that fits exactly must not fail by a rounding (1e-12).
     (protected..=prompt_len)
         .rev()
         .find(|&n| mean_bytes(n) <= fraction * full * (1.0 + 1e-12))
-        .ok_or_else(|| PolicyError::TraceMismatch {
-            path: trace.path().display().to_string(),
-            rule: match streaming > 0.0 {
+        .ok_or_else(|| {
+            mismatch(match streaming > 0.0 {
                 false => format!(
                     "bytes {fraction}: a cache of {protected} tokens (the protected sinks and window, or one) already holds {} bytes, more than {fraction} of the full prompt cache's {full}",
                     mean_bytes(protected)
@@ -720,7 +724,7 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
                     protection.tokens(),
                     mean_bytes(protected)
                 ),
-            },
+            })
         })
 }
 

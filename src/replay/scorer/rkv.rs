@@ -131,11 +131,12 @@ impl ScoreState for State {
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
         let along = match self.order.is_empty() {
-            true => cache.to_vec(),
-            false => self.order.clone(),
+            true => cache,
+            false => &self.order,
         };
-        let scores = self.scores_along(layer, &along);
-        self.last = along.iter().copied().zip(scores).collect();
+        let scores = self.scores_along(layer, along);
+        let last = along.iter().copied().zip(scores).collect();
+        self.last = last;
         out.resize(cache.len(), f32::INFINITY);
         for &(position, score) in &self.last {
             out[cache.binary_search(&position).expect("cached")] = score;
