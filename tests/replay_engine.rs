@@ -756,10 +756,7 @@ fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_le
     assert_eq!(report.nominal_budget, 27);
     let only_other = policy(1.0 / 3.0, other.display().to_string()).unwrap();
     let err = replay(&trace, &only_other).unwrap_err().to_string();
-    assert!(
-        err.contains("one calibration trace must come from the same model"),
-        "{err}"
-    );
+    assert!(err.contains("it must come from the same model"), "{err}");
     let twice = policy(0.5, format!("{}, {}", path.display(), path.display()));
     assert!(twice
         .unwrap_err()

@@ -132,9 +132,13 @@ impl HeadSplit for Duo {
         match calibrated.iter().any(|c| c.geometry == geometry) {
             true => Ok(()),
             false => Err(format!(
-                "head split `duo`: calibration {} has (layers, heads, KV heads, head_dim) = {}, this trace {geometry:?}: one calibration trace must come from the same model",
+                "head split `duo`: calibration {} has (layers, heads, KV heads, head_dim) = {}, this trace {geometry:?}: {} must come from the same model",
                 self.calibration,
-                calibrated.iter().map(|c| format!("{:?}", c.geometry)).collect::<Vec<_>>().join(", ")
+                calibrated.iter().map(|c| format!("{:?}", c.geometry)).collect::<Vec<_>>().join(", "),
+                match calibrated.len() {
+                    1 => "it",
+                    _ => "one of them",
+                }
             )),
         }
     }
@@ -234,7 +238,7 @@ impl Duo {
     /// on-the-fly scores (then the streaming heads), or the decode attention.
     fn calibrate(&self, path: &str) -> Result<Calibrated, String> {
         let trace = TraceReader::open(std::path::Path::new(path))
-            .map_err(|err| format!("the calibration trace {path} cannot be read: {err}"))?;
+            .map_err(|err| format!("the calibration trace cannot be read: {err}"))?;
         let meta = trace.meta();
         let global = meta.global_layers();
         let evidence = match self.scores == "decode" {
