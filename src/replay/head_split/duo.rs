@@ -49,7 +49,7 @@ crate::settings! {
         scores: String = "on-the-fly".to_string(),
     }
     loaded {
-        /// Each calibration trace's geometry and heads, read once when the settings are checked.
+        /// Each calibration trace's geometry and heads, read once, when the first trace is checked.
         calibrated: Arc<OnceLock<Vec<Calibrated>>>,
     }
 }
@@ -80,8 +80,8 @@ enum Evidence {
 const SCORES: [&str; 2] = ["on-the-fly", "decode"];
 
 impl HeadSplit for Duo {
-    /// Reads the calibration trace and scores its heads: a file that cannot be read, or whose
-    /// layers have no rotary base, is an error of the setting, before anything runs.
+    /// The settings' own rules; the calibration traces are read when the first trace is checked
+    /// ([`check_trace`](HeadSplit::check_trace)), so an experiment that captures them loads first.
     fn check(&self) -> Result<(), Broken> {
         if !(0.0..=1.0).contains(&self.head_compression_ratio) {
             return Err(Broken {
@@ -107,14 +107,6 @@ impl HeadSplit for Duo {
                 rule: "must be the path of a kvtrace/1 file whose prompt scores the heads (it may be the trace replayed)".into(),
             });
         }
-        if self.calibrated.get().is_some() {
-            return Ok(());
-        }
-        let calibrated = self.calibrate_each().map_err(|rule| Broken {
-            key: "calibration",
-            rule: rule.into(),
-        })?;
-        let _ = self.calibrated.set(calibrated);
         Ok(())
     }
 
@@ -126,7 +118,19 @@ impl HeadSplit for Duo {
         true
     }
 
+    /// Reads the calibration traces and scores their heads once, the first time: a file that
+    /// cannot be read, or whose layers have no rotary base, is an error of the setting; then
+    /// one of them must be of `meta`'s model.
     fn check_trace(&self, meta: &TraceMeta) -> Result<(), String> {
+        if self.calibrated.get().is_none() {
+            let calibrated = self.calibrate_each().map_err(|rule| {
+                format!(
+                    "head split `duo`: setting `calibration` = {}: {rule}",
+                    self.calibration
+                )
+            })?;
+            let _ = self.calibrated.set(calibrated);
+        }
         let geometry = (meta.n_layers, meta.n_heads, meta.n_kv_heads, meta.head_dim);
         let calibrated = self.calibrated_each();
         match calibrated.iter().any(|c| c.geometry == geometry) {
@@ -204,7 +208,7 @@ impl Duo {
     fn calibrated_each(&self) -> &[Calibrated] {
         self.calibrated
             .get()
-            .expect("the settings are checked before a split")
+            .expect("the trace is checked before a split")
     }
 
     /// The calibration of the model whose layers have `heads` (heads, KV heads, head_dim); the
