@@ -455,11 +455,10 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
         } else if (at >= n || !cut_at_prompt_end) && policy.interval > 1 {
             // Grown to `budget + interval` (or at a position divisible by it): cut back to the
             // budget's best at once, the sinks and the cache's last `window` entries kept.
-            let due = match policy.trigger {
-                Trigger::Growth => cache.len() >= policy.budget + policy.interval,
-                Trigger::Position => at % policy.interval == 0,
-            };
-            if due && cache.len() > policy.budget {
+            let due = (cache.len(), at);
+            if policy.trigger.due(due, policy.budget, policy.interval)
+                && cache.len() > policy.budget
+            {
                 let pooled =
                     ordered_pooled(layer, policy, members, &cache, &orders, ordered && at >= n);
                 let scores = cache_scores(layer, policy, members, &cache, &running, &pooled);

@@ -238,15 +238,13 @@ impl ScoreState for State {
         // A decode eviction (never of the window): the survivors outside the window are gathered
         // in `topk` order.
         let outside = self.last_pooled.len();
-        let mut survivors: Vec<(usize, f32)> = self.order[..outside]
+        let survivors: Vec<(usize, f32)> = self.order[..outside]
             .iter()
             .copied()
             .zip(self.last_pooled.iter().copied())
             .filter(|&(p, _)| p != position)
             .collect();
-        survivors.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let window: Vec<usize> = self.order[outside..].to_vec();
-        self.order = survivors.into_iter().map(|(p, _)| p).chain(window).collect();
+        self.order = super::topk_order(survivors, &self.order[outside..]);
         self.last_pooled.clear();
     }
 }

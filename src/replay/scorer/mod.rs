@@ -108,6 +108,18 @@ pub(crate) fn inner_scorer(name: &str, outer: &str) -> Result<Box<dyn Scorer>, B
 /// A scorer's state for one cache, as `start` returns it.
 pub type Started = Box<dyn ScoreState>;
 
+/// A cache order as `torch.topk` leaves it after a compression (CAKE's and R-KV's): the scored
+/// entries that stay by descending score (equal scores keep their places), then `window` as it
+/// was.
+pub(crate) fn topk_order(mut stays: Vec<(usize, f32)>, window: &[usize]) -> Vec<usize> {
+    stays.sort_by(|a, b| b.1.total_cmp(&a.1));
+    stays
+        .into_iter()
+        .map(|(p, _)| p)
+        .chain(window.iter().copied())
+        .collect()
+}
+
 /// The running state of a scorer for one cache. `layer` holds at least the positions of `cache`;
 /// cloning a state forks the stream (a live run decodes two continuations of one prompt).
 pub trait ScoreState: dyn_clone::DynClone + Send {

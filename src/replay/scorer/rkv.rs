@@ -22,9 +22,10 @@
 //! 598-610: the step at a position divisible by `divide_length` compresses after its attention),
 //! and with interval 1 re-scores at every decode step. A compressed cache holds the kept entries
 //! in `topk`'s order (descending score), then its window, then each new token: once the prompt is
-//! cut the state keeps that order, and pooling and the last redundant key follow it. Deviations: f32 throughout (the code casts the mean attention to the
-//! model's dtype); ties go to the lower position (kvreplay's rule, for `topk`); the model's logit
-//! soft-cap, if any, is not applied, as the code does not.
+//! cut the state keeps that order, and pooling and the last redundant key follow it. Deviations:
+//! f32 throughout (the code casts the mean attention to the model's dtype); ties go to the lower
+//! position (kvreplay's rule, for `topk`); the model's logit soft-cap, if any, is not applied, as
+//! the code does not.
 
 use super::snapkv::{check_kernel, pool1d, Pooling};
 use super::{ScoreState, Scorer, Started};
@@ -199,15 +200,14 @@ impl State {
     /// descending last score (`topk`'s order; equal scores by their place in the order), then the
     /// window in its order.
     fn regather(&mut self, stays: impl Fn(usize) -> bool) {
-        let mut survivors: Vec<(usize, f32)> = self
+        let survivors: Vec<(usize, f32)> = self
             .last
             .iter()
             .copied()
             .filter(|&(position, _)| stays(position))
             .collect();
-        survivors.sort_by(|a, b| b.1.total_cmp(&a.1));
-        let window = self.order[self.order.len().saturating_sub(self.window)..].to_vec();
-        self.order = survivors.into_iter().map(|(p, _)| p).chain(window).collect();
+        let window = self.order.len().saturating_sub(self.window);
+        self.order = super::topk_order(survivors, &self.order[window..]);
         self.last.clear();
     }
 
