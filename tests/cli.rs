@@ -452,7 +452,7 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
     refused(
         &dir,
         &["replay", "fixture.safetensors", "--interval", "4"],
-        "interval 4 spaces a streaming eviction: use --timing streaming or prefill-then-stream",
+        "interval 4 spaces a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
     );
     let cake = [
         "--scorer",
@@ -569,7 +569,7 @@ fn unknown_names_list_the_valid_ones() {
         .assert()
         .code(2)
         .stderr(contains(
-            "order `attend-first` orders a streaming eviction: use --timing streaming or prefill-then-stream",
+            "order `attend-first` orders a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
         ));
     kvreplay(&dir)
         .args([

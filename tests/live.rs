@@ -240,13 +240,19 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
                 .map(|&(timing, order)| evicting_live(timing, order, budget).check().unwrap()),
         );
     }
-    // Compressions every 4 tokens, as kvpress's DecodingPress runs them.
-    for (timing, order) in [
-        (Timing::PrefillThenStream, Order::AttendFirst),
-        (Timing::Streaming, Order::EvictFirst),
+    // Compressions every 4 tokens, as kvpress's PrefillDecodingPress and DecodingPress run them.
+    for (timing, order, trigger) in [
+        (
+            Timing::PrefillThenStream,
+            Order::AttendFirst,
+            Trigger::Growth,
+        ),
+        (Timing::Streaming, Order::EvictFirst, Trigger::Growth),
+        (Timing::Decoding, Order::AttendFirst, Trigger::Steps),
     ] {
         let every_four = PolicyParams {
             interval: 4,
+            trigger,
             ..evicting_live(timing, order, 12)
         };
         policies.push(every_four.check().unwrap());

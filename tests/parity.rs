@@ -433,6 +433,71 @@ fn rkv_decoding_keeps_what_its_code_keeps() {
     }
 }
 
+/// kvpress's DecodingPress over its Knorm press, its own `forward_hook` run after every decode
+/// token of a whole prompt: the `knorm` scorer under `decoding`, `attend-first`, `interval` the
+/// press's `compression_interval` and `trigger = steps`, nothing protected. Every decode query of
+/// every KV head's cache reads what the press's cache holds, at intervals 1, 2 and 3 (the first
+/// compression cuts the 48-token prompt and the new tokens to the budget at the interval's step).
+#[test]
+fn decoding_keeps_what_kvpress_decoding_press_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 29, PROMPT, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let budgets = [16, 24];
+    for interval in [1, 2, 3] {
+        let mut args = vec![
+            path.display().to_string(),
+            "decoding".into(),
+            interval.to_string(),
+        ];
+        args.extend(budgets.iter().map(usize::to_string));
+        let official = reference("kvpress_package.py", &args);
+        for budget in budgets {
+            let trigger = match interval {
+                1 => Trigger::Growth,
+                _ => Trigger::Steps,
+            };
+            let policy = PolicyParams {
+                scorer: "knorm".into(),
+                timing: Timing::Decoding,
+                order: Order::AttendFirst,
+                interval,
+                trigger,
+                budget,
+                window: 0,
+                sinks: 0,
+                ..PolicyParams::default()
+            }
+            .check()
+            .unwrap();
+            let layer_budgets = layer_budgets(&trace, &policy).unwrap();
+            let mut compressed = 0;
+            for layer in 0..LAYERS {
+                let kept = kept_sets(&trace, &policy, &layer_budgets, layer).unwrap();
+                let expected = &official[budget.to_string()]["layers"][layer]["steps"];
+                for (unit, unit_kept) in kept.kept.iter().enumerate() {
+                    for step in 0..GENERATED {
+                        let ours = unit_kept.kept_positions(step, PROMPT);
+                        compressed += usize::from(ours.len() < PROMPT);
+                        assert_eq!(
+                            ours,
+                            positions(&expected[step][unit]),
+                            "every {interval} at {budget}, layer {layer}, cache {unit}, step {step}"
+                        );
+                    }
+                }
+            }
+            // Steps after the first compression read a cut cache.
+            assert_eq!(
+                compressed,
+                LAYERS * KV_HEADS * (GENERATED - interval),
+                "every {interval}"
+            );
+        }
+    }
+}
+
 /// kvpress's LagKV: the `lagkv` scorer, one-shot, nothing protected, ranks within partitions
 /// and the cross-partition softmax scores.
 #[test]

@@ -132,6 +132,7 @@ fn engine_matches_brute_force_reference() {
                             (1, Trigger::Growth),
                             (3, Trigger::Growth),
                             (3, Trigger::Position),
+                            (3, Trigger::Steps),
                         ],
                     )
                 } else {
@@ -220,7 +221,9 @@ fn engine_matches_brute_force_reference() {
                         );
                         let possible = match timing {
                             Timing::Prefill => [true, false, false, false],
-                            Timing::PrefillThenStream => [true, false, true, false],
+                            Timing::PrefillThenStream | Timing::Decoding => {
+                                [true, false, true, false]
+                            }
                             Timing::Streaming => [false, true, true, false],
                             Timing::PerStep | Timing::PerStepPrompt => [false, false, false, true],
                         };
@@ -245,7 +248,11 @@ fn engine_matches_brute_force_reference() {
 /// is the last 6 positions. `interval = 1` is the one-at-a-time stream. With `trigger =
 /// position` (R-KV's schedule) the compressions fall at positions 21 and 24 of the 20-token
 /// prompt's decode steps 20..25 instead: 7, 8, 7, 8, 9 entries read attending first, 7, 6, 7, 8, 6
-/// evicting first.
+/// evicting first. `trigger = steps` counts the generated tokens: after a cut to the budget it is
+/// `growth`. Under `decoding` the prompt is never cut: with `steps` the first compression falls
+/// on the third generated token (21, 22, 23 entries read attending first, then 7, 8), with
+/// `growth` on the first (the cache is already past 9), with `position` at 21; at interval 1
+/// every step cuts back to 6.
 #[test]
 fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     let dir = tempfile::tempdir().unwrap();
@@ -253,14 +260,14 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     let path = dir.path().join("fixture.safetensors");
     write_fixture(&path, shape, 3);
     let trace = TraceReader::open(&path).unwrap();
-    let sizes = |order: Order, interval: usize, trigger: Trigger| -> Vec<usize> {
+    let sizes = |timing: Timing, order: Order, interval: usize, trigger: Trigger| -> Vec<usize> {
         let policy = PolicyParams {
             order,
             interval,
             trigger,
             sinks: 0,
             window: 0,
-            ..params("recency", Timing::PrefillThenStream, 6)
+            ..params("recency", timing, 6)
         }
         .check()
         .unwrap();
@@ -271,18 +278,61 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
             .collect()
     };
     assert_eq!(shape.prompt_len, 20);
-    let cases: [(Order, usize, Trigger, [usize; 5]); 5] = [
-        (Order::AttendFirst, 3, Trigger::Growth, [7, 8, 9, 7, 8]),
-        (Order::EvictFirst, 3, Trigger::Growth, [7, 8, 6, 7, 8]),
-        (Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
-        (Order::AttendFirst, 3, Trigger::Position, [7, 8, 7, 8, 9]),
-        (Order::EvictFirst, 3, Trigger::Position, [7, 6, 7, 8, 6]),
+    let (cut, decoding) = (Timing::PrefillThenStream, Timing::Decoding);
+    let cases: [(Timing, Order, usize, Trigger, [usize; 5]); 11] = [
+        (cut, Order::AttendFirst, 3, Trigger::Growth, [7, 8, 9, 7, 8]),
+        (cut, Order::EvictFirst, 3, Trigger::Growth, [7, 8, 6, 7, 8]),
+        (cut, Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
+        (
+            cut,
+            Order::AttendFirst,
+            3,
+            Trigger::Position,
+            [7, 8, 7, 8, 9],
+        ),
+        (
+            cut,
+            Order::EvictFirst,
+            3,
+            Trigger::Position,
+            [7, 6, 7, 8, 6],
+        ),
+        (cut, Order::AttendFirst, 3, Trigger::Steps, [7, 8, 9, 7, 8]),
+        (
+            decoding,
+            Order::AttendFirst,
+            3,
+            Trigger::Steps,
+            [21, 22, 23, 7, 8],
+        ),
+        (
+            decoding,
+            Order::EvictFirst,
+            3,
+            Trigger::Steps,
+            [21, 22, 6, 7, 8],
+        ),
+        (
+            decoding,
+            Order::AttendFirst,
+            3,
+            Trigger::Growth,
+            [21, 7, 8, 9, 7],
+        ),
+        (
+            decoding,
+            Order::AttendFirst,
+            3,
+            Trigger::Position,
+            [21, 22, 7, 8, 9],
+        ),
+        (decoding, Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
     ];
-    for (order, interval, trigger, expected) in cases {
+    for (timing, order, interval, trigger, expected) in cases {
         assert_eq!(
-            sizes(order, interval, trigger),
+            sizes(timing, order, interval, trigger),
             expected,
-            "{order:?} every {interval} by {trigger:?}"
+            "{timing:?} {order:?} every {interval} by {trigger:?}"
         );
     }
     let policy = PolicyParams {
@@ -1119,9 +1169,12 @@ proptest! {
                   gqa_index in 0usize..3, attend_first in any::<bool>()) {
         let scorer = scorer::REGISTRY[scorer_index].name;
         let timing = Timing::ALL[timing_index];
-        let whole_cache = matches!(timing, Timing::Streaming | Timing::PerStep | Timing::PrefillThenStream);
+        let whole_cache = timing.streams() || timing == Timing::PerStep;
         let gqa = [Granularity::KvHead, Granularity::QueryHead, Granularity::Layer][gqa_index];
-        let order = if attend_first && timing.streams() { Order::AttendFirst } else { Order::EvictFirst };
+        // Under `decoding`, an attend-first query reads the whole uncut cache before the first
+        // compression, which no budget bounds: it runs evict-first here.
+        let attends_first = attend_first && timing.streams() && timing != Timing::Decoding;
+        let order = if attends_first { Order::AttendFirst } else { Order::EvictFirst };
         let dir = tempfile::tempdir().unwrap();
         let path = dir.path().join("p.safetensors");
         let shape = Shape { prompt_len: 18, generated: 4, ..Shape::default() };

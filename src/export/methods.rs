@@ -118,6 +118,9 @@ fn timing_about(timing: Timing) -> &'static str {
         Timing::PrefillThenStream => {
             "the prompt runs in full, is cut to the budget at its end, then every generated token over budget evicts one"
         }
+        Timing::Decoding => {
+            "the prompt runs in full and stays whole; while generating, the cache is compressed back to the budget every `interval` tokens (kvpress's DecodingPress)"
+        }
         Timing::PerStep => {
             "re-chosen at every decode step from the whole cache (nothing is lost for good)"
         }

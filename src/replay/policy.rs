@@ -217,14 +217,14 @@ pub const COMMON: &[Common] = &[
     },
     Common {
         key: "interval",
-        about: "Under a streaming timing: tokens the cache grows past its budget before one compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV)",
+        about: "Under a streaming timing: tokens the cache grows past its budget before one compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV); under decoding, the tokens between its compressions",
         values: Vec::new,
         fixed: true,
         whole: true,
     },
     Common {
         key: "trigger",
-        about: "Under an interval above 1: what makes the cache compress, its growth past the budget by the interval (kvpress's DecodingPress) or a position that is a multiple of it (R-KV's step_length)",
+        about: "Under an interval above 1: what makes the cache compress, its growth past the budget by the interval (kvpress's PrefillDecodingPress), a position that is a multiple of it (R-KV's step_length) or as many tokens since it was last due (kvpress's DecodingPress)",
         values: variants::<Trigger>,
         fixed: true,
         whole: true,
@@ -760,7 +760,7 @@ impl ValidPolicy {
         if params.interval > 1 && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
                 what: format!("interval {}", params.interval),
-                rule: "spaces a streaming eviction: use --timing streaming or prefill-then-stream",
+                rule: "spaces a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
             });
         }
         if params.interval > 1 && !self.scorer.cuts_while_decoding() {
@@ -781,7 +781,7 @@ impl ValidPolicy {
         if params.order == Order::AttendFirst && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
                 what: format!("order `{}`", params.order.name()),
-                rule: "orders a streaming eviction: use --timing streaming or prefill-then-stream",
+                rule: "orders a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
             });
         }
         if self.heads.needs_scores() && params.timing != Timing::Prefill {
@@ -887,6 +887,7 @@ impl ValidPolicy {
             (1, _) => String::new(),
             (n, Trigger::Growth) => format!(" every {n}"),
             (n, Trigger::Position) => format!(" at positions divisible by {n}"),
+            (n, Trigger::Steps) => format!(" every {n} tokens"),
         };
         let quantized = match self.scheme() {
             Some(scheme) => format!(" {} {}-bit", self.params.quantizer, scheme.bits),

@@ -324,7 +324,9 @@ fn kept_by(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>
         Timing::PerStep | Timing::PerStepPrompt => (n..layer.t())
             .map(|at| reselected(layer, policy, members, at))
             .collect(),
-        Timing::Streaming | Timing::PrefillThenStream => streaming(layer, policy, members),
+        Timing::Streaming | Timing::PrefillThenStream | Timing::Decoding => {
+            streaming(layer, policy, members)
+        }
         Timing::Prefill => {
             let scores = mean_over(members, |_, member| {
                 policy
@@ -400,10 +402,15 @@ fn mean_over(members: &[Member], scores: impl Fn(usize, &Member) -> Vec<f64>) ->
 }
 
 /// The streaming timings: every position arrives, and a cache over budget evicts its first
-/// minimum outside sinks and window (`prefill-then-stream` cuts the prompt at its end instead).
+/// minimum outside sinks and window (`prefill-then-stream` cuts the prompt at its end instead;
+/// `decoding` leaves the prompt whole and, like an interval above 1, cuts back to the budget
+/// when its trigger is due).
 fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usize>> {
     let n = layer.prompt_len;
     let cut_at_prompt_end = policy.timing == Timing::PrefillThenStream;
+    let streams_in_prompt = policy.timing == Timing::Streaming;
+    let cuts_back = policy.interval > 1 || policy.timing == Timing::Decoding;
+    let mut arrived = 0;
     let mut cache: Vec<usize> = Vec::new();
     let mut running: Vec<Vec<f64>> = vec![Vec::new(); members.len()];
     // The cache order of a rule that keeps its own (CAKE), per member, kept while decoding.
@@ -438,6 +445,10 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
         if at >= n && policy.attend_first {
             steps.push(cache.clone());
         }
+        let streams_now = at >= n || streams_in_prompt;
+        if streams_now {
+            arrived += 1;
+        }
         if cut_at_prompt_end && at + 1 == n {
             if cache.len() > policy.budget {
                 let scores = mean_over_running(layer, policy, members, &cache, &running);
@@ -452,13 +463,18 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                     }
                 }
             }
-        } else if (at >= n || !cut_at_prompt_end) && policy.interval > 1 {
-            // Grown to `budget + interval` (or at a position divisible by it): cut back to the
-            // budget's best at once, the sinks and the cache's last `window` entries kept.
-            let due = (cache.len(), at);
-            if policy.trigger.due(due, policy.budget, policy.interval)
-                && cache.len() > policy.budget
-            {
+        } else if streams_now && cuts_back {
+            // Grown to `budget + interval` (or at a position divisible by it, or `interval`
+            // tokens after it was last due): cut back to the budget's best at once, the sinks and
+            // the cache's last `window` entries kept.
+            let due =
+                policy
+                    .trigger
+                    .due((cache.len(), at, arrived), policy.budget, policy.interval);
+            if due {
+                arrived = 0;
+            }
+            if due && cache.len() > policy.budget {
                 let pooled =
                     ordered_pooled(layer, policy, members, &cache, &orders, ordered && at >= n);
                 let scores = cache_scores(layer, policy, members, &cache, &running, &pooled);
@@ -479,7 +495,7 @@ fn streaming(layer: &Layer, policy: &Policy, members: &[Member]) -> Vec<Vec<usiz
                 }
                 regather(&mut orders, &pooled, |p| kept.contains(&p));
             }
-        } else if (at >= n || !cut_at_prompt_end) && cache.len() > policy.budget {
+        } else if streams_now && cache.len() > policy.budget {
             let pooled =
                 ordered_pooled(layer, policy, members, &cache, &orders, ordered && at >= n);
             let scores = cache_scores(layer, policy, members, &cache, &running, &pooled);

@@ -119,9 +119,11 @@ pub(crate) fn start_group(
 /// under `order = attend-first` a query attends over the cache before its step's eviction
 /// (`budget + 1` tokens). With an `interval` above 1 the cache instead grows until it holds
 /// `budget + interval` tokens (or, with `trigger = position`, until a position divisible by the
-/// interval arrives) and one compression cuts it back to `budget` (the one-shot selection over the
-/// whole cache, the last `window` entries and the sinks protected): kvpress's `DecodingPress`,
-/// R-KV. Re-selection keeps every prompt token while the prompt runs, then
+/// interval arrives; with `trigger = steps`, until `interval` tokens have arrived since it was
+/// last due) and one compression cuts it back to `budget` (the one-shot selection over the whole
+/// cache, the last `window` entries and the sinks protected): kvpress's `DecodingPress`, R-KV.
+/// Under `decoding` the prompt is never cut and every compression, from the first generated
+/// token on, is such a cut back to `budget`, at any interval. Re-selection keeps every prompt token while the prompt runs, then
 /// re-chooses at every decode step from the full cache (`per-step`), or from the prompt with every
 /// generated token kept (`per-step-prompt`); the first `sinks` and the last `window` of the
 /// positions it chooses from are always kept. On a sliding-window layer the cache holds only what
@@ -138,6 +140,8 @@ pub(crate) struct CacheStream {
     order: Order,
     interval: usize,
     trigger: Trigger,
+    /// Tokens arrived since the trigger was last due (or since the timing began to compress).
+    arrived: usize,
     protect: Protection,
 }
 
@@ -166,6 +170,7 @@ impl CacheStream {
             order: params.order,
             interval: params.interval,
             trigger: params.trigger,
+            arrived: 0,
             protect,
         }
     }
@@ -206,13 +211,15 @@ impl CacheStream {
         let cut_at_prompt_end = self.timing == Timing::PrefillThenStream;
         let attends_first = self.order == Order::AttendFirst || (cut_at_prompt_end && !decoding);
         let before = (report && attends_first).then(|| self.whole_cache(position));
-        let streams_now = decoding || !cut_at_prompt_end;
+        let streams_now = decoding || self.timing == Timing::Streaming;
+        self.arrived += usize::from(streams_now);
         if cut_at_prompt_end && position + 1 == self.prompt_len {
             let (protect, prompt_len) = (self.protect, self.prompt_len);
             self.cut(layer, move |position| protect.covers(position, prompt_len));
-        } else if streams_now && self.interval > 1 {
-            let due = (self.cache.len(), position);
+        } else if streams_now && (self.interval > 1 || self.timing.compresses_to_budget()) {
+            let due = (self.cache.len(), position, self.arrived);
             if self.trigger.due(due, self.budget, self.interval) {
+                self.arrived = 0;
                 // The sinks and the cache's last `window` entries stay.
                 let recent = self.cache.len().saturating_sub(self.protect.window);
                 let first_recent = self.cache.get(recent).copied().unwrap_or(usize::MAX);

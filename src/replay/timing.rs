@@ -1,7 +1,8 @@
 //! When a policy chooses its kept set: once at the end of the prompt, as tokens stream in, once
-//! at the end of the prompt and then as generated tokens stream in, or afresh at every decode
-//! step; and, in a cache that evicts as tokens arrive, whether a step's query attends before or
-//! after that step's eviction.
+//! at the end of the prompt and then as generated tokens stream in, only while generated tokens
+//! stream in, or afresh at every decode step; and, in a cache that evicts as tokens arrive,
+//! whether a step's query attends before or after that step's eviction and what makes it
+//! compress.
 
 use serde::{Deserialize, Serialize};
 
@@ -19,6 +20,9 @@ pub enum Timing {
     /// the budget, then every generated token over budget evicts one (H2O's and TOVA's own
     /// generation code).
     PrefillThenStream,
+    /// The prompt runs and stays whole; while generated tokens arrive the cache is compressed back
+    /// to the budget, every `interval` of them (kvpress's `DecodingPress`).
+    Decoding,
     /// Re-chosen at every decode step from the whole cache so far, prompt and generated tokens:
     /// nothing is evicted for good (dynamic sparse attention; with the `tova` scorer, the per-step
     /// oracle).
@@ -30,10 +34,11 @@ pub enum Timing {
 
 impl Timing {
     /// Every timing, in listing order.
-    pub const ALL: [Timing; 5] = [
+    pub const ALL: [Timing; 6] = [
         Timing::Prefill,
         Timing::Streaming,
         Timing::PrefillThenStream,
+        Timing::Decoding,
         Timing::PerStep,
         Timing::PerStepPrompt,
     ];
@@ -44,6 +49,7 @@ impl Timing {
             Timing::Prefill => "prefill",
             Timing::Streaming => "streaming",
             Timing::PrefillThenStream => "prefill-then-stream",
+            Timing::Decoding => "decoding",
             Timing::PerStep => "per-step",
             Timing::PerStepPrompt => "per-step-prompt",
         }
@@ -54,9 +60,20 @@ impl Timing {
         matches!(self, Timing::PerStep | Timing::PerStepPrompt)
     }
 
-    /// Whether tokens are evicted one at a time as they arrive (during decoding at least).
+    /// Whether the cache evicts as tokens arrive (during decoding at least): one at a time, or a
+    /// compression every `interval` of them.
     pub fn streams(self) -> bool {
-        matches!(self, Timing::Streaming | Timing::PrefillThenStream)
+        matches!(
+            self,
+            Timing::Streaming | Timing::PrefillThenStream | Timing::Decoding
+        )
+    }
+
+    /// Whether every eviction is a compression back to the budget, however far the cache has
+    /// grown past it (`decoding`, whose prompt is never cut); the other streaming timings evict
+    /// one entry per arriving token unless an `interval` groups them.
+    pub fn compresses_to_budget(self) -> bool {
+        self == Timing::Decoding
     }
 
     /// Whether it evicts while the prompt runs (so the prompt's own forward pass differs from the
@@ -103,18 +120,23 @@ impl Order {
     }
 }
 
-/// Under an `interval` above 1, what makes a streaming cache compress.
+/// Under an `interval` above 1 (or the `decoding` timing), what makes a streaming cache compress.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
 #[serde(rename_all = "kebab-case")]
 pub enum Trigger {
-    /// The cache has grown `interval` tokens past its budget (kvpress's `DecodingPress`, which
-    /// counts the steps since its last compression).
+    /// The cache has grown `interval` tokens past its budget: in a cache cut to its budget at the
+    /// prompt's end, every `interval` generated tokens, as `steps` (kvpress's
+    /// `PrefillDecodingPress`).
     #[default]
     Growth,
     /// The arriving token's position is a multiple of `interval` (R-KV's `divide_method =
     /// "step_length"`: the step after the sequence's length reaches a multiple of
     /// `divide_length`).
     Position,
+    /// `interval` tokens have arrived since the last time it was due, counted from the first
+    /// token the timing compresses at (kvpress's `DecodingPress`, whose `layer_step_counts`
+    /// count the decoding steps and restart at each compression, whatever it removes).
+    Steps,
 }
 
 impl Trigger {
@@ -128,15 +150,23 @@ impl Trigger {
         match self {
             Trigger::Growth => "growth",
             Trigger::Position => "position",
+            Trigger::Steps => "steps",
         }
     }
 
-    /// Whether a cache of `len` entries holding `position` last, under `budget` and `interval`,
+    /// Whether a cache of `len` entries holding `position` last, `arrived` tokens after it was
+    /// last due (or after the timing began to compress), under `budget` and `interval`,
     /// compresses now.
-    pub fn due(self, (len, position): (usize, usize), budget: usize, interval: usize) -> bool {
+    pub fn due(
+        self,
+        (len, position, arrived): (usize, usize, usize),
+        budget: usize,
+        interval: usize,
+    ) -> bool {
         match self {
             Trigger::Growth => len >= budget + interval,
             Trigger::Position => position % interval == 0,
+            Trigger::Steps => arrived >= interval,
         }
     }
 }

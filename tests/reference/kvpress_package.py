@@ -34,6 +34,11 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
   merging THRESHOLD FRACTION            MergingPress(KnormPress, THRESHOLD, FRACTION): its own
                                         `merge` given the Knorm selection; adds "merged":
                                         [[value rows of the kept positions] per KV head]
+  decoding INTERVAL                     DecodingPress(KnormPress, INTERVAL, BUDGET): the prompt
+                                        prefilled whole, then its own forward_hook after each
+                                        decode token; "steps": [[[positions] per KV head] per
+                                        decode step], what each step's query attends over (the
+                                        hook compresses after the attention)
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
@@ -60,6 +65,7 @@ SETTINGS = {
     "dms": 2,
     "think": 2,
     "merging": 2,
+    "decoding": 1,
 }
 
 
@@ -72,10 +78,11 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
-    from kvpress.presses import dms_press, merging_press, observed_attention_press, think_press
+    from kvpress.presses import decoding_press, dms_press, merging_press, observed_attention_press, think_press
 
     return types.SimpleNamespace(
         ChunkKV=chunkkv_press.ChunkKVPress,
+        Decoding=decoding_press.DecodingPress,
         DMS=dms_press.DMSPress,
         ExpectedAttention=expected_attention_press.ExpectedAttentionPress,
         KeyDiff=keydiff_press.KeyDiffPress,
@@ -181,6 +188,29 @@ def merged_values(ns, settings, keys, vals, kept):
     return [merged[0, head, kept[head]].tolist() for head in range(keys.shape[1])]
 
 
+def decoding_steps(ns, settings, module, q, k, v, n, budget):
+    """Per decode step, per KV head, the positions the step's query attends over under
+    DecodingPress(KnormPress, INTERVAL, target_size=BUDGET): the prompt's keys and values in the
+    cache, then per decode token its key and value appended and the press's own forward_hook
+    called after the step (as after the attention); the cache's rows found back among the trace's
+    keys (distinct random rows), whatever order the compression left them in."""
+    (interval,) = settings
+    press = ns.Decoding(base_press=ns.Knorm(), compression_interval=int(interval), target_size=budget)
+    h = hidden_states(module, q)
+    layer = types.SimpleNamespace(keys=k[:, :, :n].clone(), values=v[:, :, :n].clone())
+    cache = types.SimpleNamespace(layers={module.layer_idx: layer})
+    heads = range(k.shape[1])
+    rows = [{tuple(row.tolist()): j for j, row in enumerate(k[0, head])} for head in heads]
+    steps = []
+    for p in range(n, k.shape[2]):
+        layer.keys = torch.cat([layer.keys, k[:, :, p : p + 1]], dim=2)
+        layer.values = torch.cat([layer.values, v[:, :, p : p + 1]], dim=2)
+        steps.append([sorted(rows[head][tuple(row.tolist())] for row in layer.keys[0, head]) for head in heads])
+        kwargs = {"hidden_states": h[:, p : p + 1], "past_key_values": cache, "cache_position": torch.tensor([p])}
+        press.forward_hook(module, [], kwargs, [None, None])
+    return steps
+
+
 def make_press(ns, method, settings, budget, n):
     if method in ("knorm", "think", "merging"):
         return ns.Knorm()
@@ -220,13 +250,16 @@ def main():
         for layer, ((q, k), v) in enumerate(zip(layers, values)):
             module = Attention(meta, layer)
             keys, vals = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-            press = None if method == "dms" else make_press(ns, method, settings, budget, n)
+            press = None if method in ("dms", "decoding") else make_press(ns, method, settings, budget, n)
             if filters is not None:
                 press.q_filters = filters  # what post_init_from_model would load from the hub
             h = hidden_states(module, q[:, :, :n])
             with torch.no_grad():
                 if method == "dms":
                     out.append({"kept": dms_kept(ns, settings, module, h, keys, vals)})
+                    continue
+                if method == "decoding":
+                    out.append({"steps": decoding_steps(ns, settings, module, q, k, v, n, budget)})
                     continue
                 if method == "chunkkv":
                     kept_keys, _ = press.compress(module, h, keys, vals, None, {})

@@ -61,7 +61,7 @@ impl Dating {
         match timing {
             Timing::Streaming => Dating::PromptStreaming,
             Timing::PerStep | Timing::PerStepPrompt => Dating::NotRead,
-            Timing::Prefill | Timing::PrefillThenStream => Dating::PromptEnd,
+            Timing::Prefill | Timing::PrefillThenStream | Timing::Decoding => Dating::PromptEnd,
         }
     }
 }
