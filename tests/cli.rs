@@ -420,7 +420,7 @@ fn compare_sets_bytes_and_a_quantizer_over_every_preset() {
 }
 
 /// `--interval N` spaces a streaming policy's evictions (the label says so, and how `--trigger`
-/// places them); under a one-shot timing, with CAKE's ordered cache, or at 0, it exits 2 naming
+/// places them: by steps after a cut to the budget as by growth); under a one-shot timing, with CAKE's ordered cache, or at 0, it exits 2 naming
 /// the rule, as does a trigger without an interval and a budget in bytes that the protected
 /// window alone exceeds.
 #[test]
@@ -471,6 +471,14 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
         &dir,
         &["replay", "fixture.safetensors", "--interval", "0"],
         "parameter `interval` = 0: must be at least 1",
+    );
+    // After a cut to the budget, counting the generated tokens is the cache's growth.
+    let by_steps = tova_every_4("steps");
+    let row = |csv: &str, label: &str| csv.lines().nth(1).unwrap().replacen(label, "", 1);
+    assert!(by_steps.contains("flat+tova@prefill-then-stream every 4 tokens,"));
+    assert_eq!(
+        row(&by_steps, "flat+tova@prefill-then-stream every 4 tokens"),
+        row(&out, "flat+tova@prefill-then-stream every 4")
     );
     let by_position = tova_every_4("position");
     assert!(
