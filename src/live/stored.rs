@@ -257,6 +257,7 @@ impl UnitStore {
                 prompt: prompt(),
             },
             Storage::Captured => unreachable!("a captured cache has no store"),
+            Storage::MergedWhileDecoding(_) => unreachable!("refused by `check_live`"),
         }
     }
 

@@ -547,7 +547,7 @@ fn nest_shares(
             .filter(|(unit, _)| unit.kv_head == kv_head)
             .filter_map(|(unit, unit_kept)| match unit_kept {
                 UnitKept::Fixed(prompt) => Some((unit, prompt.as_slice())),
-                UnitKept::PerStep(_) => None,
+                UnitKept::PerStep(_) | UnitKept::Compressing(..) => None,
             })
             .collect()
     };
@@ -774,7 +774,7 @@ fn layer_budgets_with_progress(
     }
     policy.scorer.check_trace(meta).map_err(mismatch)?;
     policy.heads.check_trace(meta).map_err(mismatch)?;
-    if matches!(policy.storage(), Storage::Merged(_)) && !trace.has_values() {
+    if policy.storage().merges() && !trace.has_values() {
         return Err(mismatch(format!(
             "merge `{}` folds evicted values into kept ones, and this trace has none (capture with values)",
             params.merge

@@ -172,7 +172,10 @@ pub(crate) fn per_step_kept(
                 .map(|attended| attended.positions(position))
         })
         .collect();
-    UnitKept::PerStep(steps)
+    match stream.take_evictions() {
+        Some(evictions) => UnitKept::Compressing(steps, evictions),
+        None => UnitKept::PerStep(steps),
+    }
 }
 
 /// The step-by-step kept sets of one cache (or group of caches that choose together) under a

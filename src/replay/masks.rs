@@ -74,6 +74,8 @@ pub fn kept_masks(
 fn at_prompt_end(unit: &UnitKept) -> &[usize] {
     match unit {
         UnitKept::Fixed(prompt) => prompt,
-        UnitKept::PerStep(steps) => steps.first().map_or(&[], Vec::as_slice),
+        UnitKept::PerStep(steps) | UnitKept::Compressing(steps, _) => {
+            steps.first().map_or(&[], Vec::as_slice)
+        }
     }
 }

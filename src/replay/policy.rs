@@ -811,13 +811,19 @@ impl ValidPolicy {
                 rule: "are not combined yet: a cache either quantizes or prunes key channels",
             });
         }
-        if self.merge.merging().is_some() {
-            if params.timing != Timing::Prefill {
-                return Err(PolicyError::Unsupported {
-                    what: format!("merge `{}`", params.merge),
-                    rule: "folds what the one cut at the prompt's end evicts: use --timing prefill",
-                });
-            }
+        if self.merge.merging().is_some() && params.timing != Timing::Prefill {
+            return Err(PolicyError::Unsupported {
+                what: format!("merge `{}`", params.merge),
+                rule: "folds what the one cut at the prompt's end evicts: use --timing prefill",
+            });
+        }
+        if self.merge.decode_merging().is_some() && !params.timing.streams() {
+            return Err(PolicyError::Unsupported {
+                what: format!("merge `{}`", params.merge),
+                rule: "folds what the compressions made while decoding evict: use --timing decoding, prefill-then-stream or streaming",
+            });
+        }
+        if self.merge.merging().is_some() || self.merge.decode_merging().is_some() {
             if self.scheme().is_some() || self.channels.pruning().is_some() {
                 return Err(PolicyError::Unsupported {
                     what: format!(
@@ -900,9 +906,10 @@ impl ValidPolicy {
             ),
             None => quantized,
         };
-        let quantized = match self.merge.merging() {
-            Some(_) => format!("{quantized} merging by {}", self.params.merge),
-            None => quantized,
+        let merges = self.merge.merging().is_some() || self.merge.decode_merging().is_some();
+        let quantized = match merges {
+            true => format!("{quantized} merging by {}", self.params.merge),
+            false => quantized,
         };
         let quantized = match self.params.bytes {
             Some(bytes) => format!("{quantized} at {bytes} of the bytes"),
@@ -924,11 +931,13 @@ impl ValidPolicy {
     /// How its caches store their kept entries: quantized, with pruned key channels, with evicted
     /// values merged in, or as captured (they are not combined, [`PolicyParams::check`]).
     pub fn storage(&self) -> Storage {
-        match (self.scheme(), self.channels.pruning(), self.merge.merging()) {
+        let merge = (self.merge.merging(), self.merge.decode_merging());
+        match (self.scheme(), self.channels.pruning(), merge) {
             (Some(scheme), _, _) => Storage::Quantized(scheme),
             (None, Some(pruning), _) => Storage::PrunedKeys(pruning),
-            (None, None, Some(merge)) => Storage::Merged(merge),
-            (None, None, None) => Storage::Captured,
+            (None, None, (Some(merge), _)) => Storage::Merged(merge),
+            (None, None, (None, Some(merge))) => Storage::MergedWhileDecoding(merge),
+            (None, None, (None, None)) => Storage::Captured,
         }
     }
 

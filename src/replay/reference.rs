@@ -9,7 +9,7 @@
 //! the conformance test, naming it.
 
 use super::channels::ChannelPruning;
-use super::merge::ValueMerge;
+use super::merge::{DecodeMerge, Eviction, ValueMerge};
 use super::quantizer::{quantize_group, Grouping, Scheme};
 use super::{Aggregation, Timing, Trigger};
 use ndarray::Array3;
@@ -877,6 +877,85 @@ pub fn pruned_by_step(
         .map(|_| Held {
             keys: keys.clone(),
             values: values.clone(),
+        })
+        .collect()
+}
+
+/// What a cache over KV head `kv`, read by query heads `heads`, holds at each decode step when
+/// it merges as CaM does at its compressions while decoding (`evictions`, whose selection is the
+/// engine's), given the positions it held at each step (`held[s]` ascending). The rule, from
+/// kvpress's `CAMPress` docstring, rebuilt from the captured values at every step: a compression
+/// that took effect by step `s` (in order) merges the `merges` best-scored of the entries it
+/// evicted; the running attention `A` of an entry is the sum over the decode steps before the
+/// compression took effect of the mean over `heads` of each head's softmax over that step's
+/// cache; a candidate's targets are the next `merge_budget` positions after it in the compressed
+/// cache (the step's cache up to the triggering position); it merges, when the draw for it
+/// (`DecodeMerge::draw` of cache `cache`) falls below `min(1, A_m / mean A_t)` (0/0 → 0, x/0 → 1),
+/// `v_m / n` into each of its `n` targets, from values before the compression's merges. Keys are
+/// as captured.
+pub fn cam_by_step(
+    layer: &Layer,
+    (kv, heads, cache): (usize, &[usize], usize),
+    merge: &DecodeMerge,
+    held: &[Vec<usize>],
+    evictions: &[Eviction],
+) -> Vec<Held> {
+    let n = layer.prompt_len;
+    let keys: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.key(kv, j)).collect();
+    let attention_by_step: Vec<Vec<f64>> = held
+        .iter()
+        .enumerate()
+        .map(|(s, set)| {
+            let weights = layer.group_attention(heads, kv, n + s, set, Aggregation::Mean);
+            let mut by_position = vec![0.0; layer.t()];
+            for (&j, &w) in set.iter().zip(&weights) {
+                by_position[j] = w;
+            }
+            by_position
+        })
+        .collect();
+    (0..held.len())
+        .map(|s| {
+            let mut values: Vec<Vec<f64>> = (0..layer.t()).map(|j| layer.value(kv, j)).collect();
+            for eviction in evictions.iter().filter(|e| e.effective_step <= s) {
+                let e = eviction.effective_step;
+                let running =
+                    |j: usize| -> f64 { attention_by_step[..e].iter().map(|a| a[j]).sum() };
+                let kept: Vec<usize> = held[e]
+                    .iter()
+                    .copied()
+                    .filter(|&j| j <= eviction.position)
+                    .collect();
+                let mut ranked = eviction.ranked.clone();
+                ranked.truncate(eviction.merges);
+                ranked.sort();
+                let before = values.clone();
+                for &m in &ranked {
+                    let after: Vec<usize> = kept
+                        .iter()
+                        .copied()
+                        .filter(|&t| t > m)
+                        .take(merge.merge_budget)
+                        .collect();
+                    if after.is_empty() {
+                        continue;
+                    }
+                    let mean = after.iter().map(|&t| running(t)).sum::<f64>() / after.len() as f64;
+                    let ratio = running(m) / mean;
+                    let p = if ratio.is_nan() { 0.0 } else { ratio.min(1.0) };
+                    if merge.draw(layer.index, cache, eviction.position, m) < p {
+                        for &t in &after {
+                            for x in 0..values[t].len() {
+                                values[t][x] += before[m][x] / after.len() as f64;
+                            }
+                        }
+                    }
+                }
+            }
+            Held {
+                keys: keys.clone(),
+                values,
+            }
         })
         .collect()
 }

@@ -3,6 +3,7 @@
 //! gives); a streaming eviction evicts the first minimum, the lower position, as `np.argmin` and
 //! `torch.argmin` do in the seed library and in H2O's code.
 
+use super::merge::Eviction;
 use super::{Protection, Unit};
 
 /// What one cache keeps.
@@ -12,6 +13,9 @@ pub enum UnitKept {
     Fixed(Vec<usize>),
     /// One kept set (sorted) per decode step, generated tokens included.
     PerStep(Vec<Vec<usize>>),
+    /// As `PerStep`, with the compressions made while decoding, in order: a merge that folds what
+    /// they evict needs them.
+    Compressing(Vec<Vec<usize>>, Vec<Eviction>),
 }
 
 impl UnitKept {
@@ -23,7 +27,15 @@ impl UnitKept {
                 .copied()
                 .chain(prompt_len..=prompt_len + step)
                 .collect(),
-            UnitKept::PerStep(steps) => steps[step].clone(),
+            UnitKept::PerStep(steps) | UnitKept::Compressing(steps, _) => steps[step].clone(),
+        }
+    }
+
+    /// The kept set of every decode step, unless the set is fixed.
+    pub fn steps(&self) -> Option<&[Vec<usize>]> {
+        match self {
+            UnitKept::Fixed(_) => None,
+            UnitKept::PerStep(steps) | UnitKept::Compressing(steps, _) => Some(steps),
         }
     }
 }

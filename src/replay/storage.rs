@@ -5,7 +5,7 @@
 //! holds step by step ([`HeldCache`]), which the metrics read their attention from.
 
 use super::channels::{ChannelPruning, PrunedKeys};
-use super::merge::ValueMerge;
+use super::merge::{DecodeMerge, ValueMerge};
 use super::quantizer::{self, QuantizedCache, Scheme};
 use super::{LayerContext, Unit};
 use ndarray::ArrayView2;
@@ -19,8 +19,10 @@ pub enum Storage {
     Quantized(Scheme),
     /// Keys without some channels.
     PrunedKeys(ChannelPruning),
-    /// Evicted values merged into kept ones.
+    /// Evicted values merged into kept ones at the prompt's cut.
     Merged(ValueMerge),
+    /// Evicted values merged into kept ones at each compression while decoding.
+    MergedWhileDecoding(DecodeMerge),
 }
 
 impl Storage {
@@ -33,7 +35,15 @@ impl Storage {
     /// those of its entries as captured: as captured, or with merged values (keys as captured,
     /// nothing stored beside the entries).
     pub fn keeps_captured_keys(&self) -> bool {
-        matches!(self, Storage::Captured | Storage::Merged(_))
+        matches!(
+            self,
+            Storage::Captured | Storage::Merged(_) | Storage::MergedWhileDecoding(_)
+        )
+    }
+
+    /// Whether it folds evicted values into kept ones (so the trace must hold values).
+    pub fn merges(&self) -> bool {
+        matches!(self, Storage::Merged(_) | Storage::MergedWhileDecoding(_))
     }
 
     /// Bytes one cache holds right after the prompt's cut when it keeps `n` entries of head size
@@ -41,7 +51,9 @@ impl Storage {
     /// ([`HeldCache::bytes`] counts the same while decoding).
     pub fn bytes_at_cut(&self, n: usize, d: usize, width: usize) -> f64 {
         match self {
-            Storage::Captured | Storage::Merged(_) => quantizer::bytes_at_cut(None, n, d, width),
+            Storage::Captured | Storage::Merged(_) | Storage::MergedWhileDecoding(_) => {
+                quantizer::bytes_at_cut(None, n, d, width)
+            }
             Storage::Quantized(scheme) => quantizer::bytes_at_cut(Some(scheme), n, d, width),
             Storage::PrunedKeys(pruning) => pruning.bytes_at_cut(n, d, width),
         }
@@ -62,7 +74,7 @@ impl<'a> HeldCache<'a> {
     /// captured (as captured, or merging: the metrics read its merged values directly).
     pub fn new(storage: Storage, layer: &LayerContext<'a>, unit: &Unit) -> Option<Self> {
         match storage {
-            Storage::Captured | Storage::Merged(_) => None,
+            Storage::Captured | Storage::Merged(_) | Storage::MergedWhileDecoding(_) => None,
             Storage::Quantized(scheme) => Some(HeldCache::Quantized(QuantizedCache::new(
                 scheme,
                 layer.keys(unit.kv_head),

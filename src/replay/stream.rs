@@ -3,9 +3,10 @@
 //! the live model feeds it the layer's vectors as the model makes them. Under `gqa = layer` a
 //! group of caches chooses one kept set together.
 
+use super::merge::Eviction;
 use super::scorer::{ScoreState, Scorer, Started};
 use super::select::{select_top, victim};
-use super::{LayerContext, Order, Protection, Timing, Trigger, Unit, ValidPolicy};
+use super::{LayerContext, Order, Protection, Storage, Timing, Trigger, Unit, ValidPolicy};
 
 /// What the query at one position attends over.
 #[derive(Debug, Clone, PartialEq, Eq)]
@@ -142,6 +143,10 @@ pub(crate) struct CacheStream {
     trigger: Trigger,
     /// Tokens arrived since the trigger was last due (or since the timing began to compress).
     arrived: usize,
+    /// The compressions made while decoding, kept for a merge that folds what they evict.
+    evictions: Option<Vec<Eviction>>,
+    /// Generated tokens arrived since the last compression.
+    since_eviction: usize,
     protect: Protection,
 }
 
@@ -171,6 +176,8 @@ impl CacheStream {
             interval: params.interval,
             trigger: params.trigger,
             arrived: 0,
+            evictions: matches!(policy.storage(), Storage::MergedWhileDecoding(_)).then(Vec::new),
+            since_eviction: 0,
             protect,
         }
     }
@@ -213,9 +220,10 @@ impl CacheStream {
         let before = (report && attends_first).then(|| self.whole_cache(position));
         let streams_now = decoding || self.timing == Timing::Streaming;
         self.arrived += usize::from(streams_now);
+        self.since_eviction += usize::from(decoding);
         if cut_at_prompt_end && position + 1 == self.prompt_len {
             let (protect, prompt_len) = (self.protect, self.prompt_len);
-            self.cut(layer, move |position| protect.covers(position, prompt_len));
+            self.cut(layer, position, move |j| protect.covers(j, prompt_len));
         } else if streams_now && (self.interval > 1 || self.timing.compresses_to_budget()) {
             let due = (self.cache.len(), position, self.arrived);
             if self.trigger.due(due, self.budget, self.interval) {
@@ -224,13 +232,12 @@ impl CacheStream {
                 let recent = self.cache.len().saturating_sub(self.protect.window);
                 let first_recent = self.cache.get(recent).copied().unwrap_or(usize::MAX);
                 let sinks = self.protect.sinks;
-                self.cut(layer, move |position| {
-                    position < sinks || position >= first_recent
-                });
+                self.cut(layer, position, move |j| j < sinks || j >= first_recent);
             }
         } else if streams_now && self.cache.len() > self.budget {
             self.state.scores(layer, &self.cache, &mut self.scores);
             if let Some(index) = victim(&self.cache, &self.scores, self.protect) {
+                self.record(position, &[index]);
                 self.cache.remove(index);
                 self.state.on_evict(index);
             }
@@ -239,9 +246,14 @@ impl CacheStream {
     }
 
     /// Cuts the cache to its `budget` best entries at once (the one-shot selection of
-    /// [`select_top`], the positions `protected` says kept first), telling the state which
-    /// entries went in one call.
-    fn cut(&mut self, layer: &LayerContext<'_>, protected: impl Fn(usize) -> bool) {
+    /// [`select_top`], the positions `protected` says kept first) on the arrival of `position`,
+    /// telling the state which entries went in one call.
+    fn cut(
+        &mut self,
+        layer: &LayerContext<'_>,
+        position: usize,
+        protected: impl Fn(usize) -> bool,
+    ) {
         if self.cache.len() <= self.budget {
             return;
         }
@@ -252,8 +264,41 @@ impl CacheStream {
             .iter()
             .map(|position| kept.binary_search(position).is_ok())
             .collect();
+        let evicted: Vec<usize> = (0..marks.len()).filter(|&i| !marks[i]).collect();
+        self.record(position, &evicted);
         self.cache = kept;
         self.state.on_cut(&marks);
+    }
+
+    /// Notes, for a merge that folds them, the entries (indices into the cache, whose scores
+    /// are current) that the arrival of `position` evicts while decoding.
+    fn record(&mut self, position: usize, evicted: &[usize]) {
+        let Some(evictions) = self.evictions.as_mut() else {
+            return;
+        };
+        if position < self.prompt_len {
+            return;
+        }
+        let (cache, scores) = (&self.cache, &self.scores);
+        let mut ranked = evicted.to_vec();
+        ranked.sort_by(|&a, &b| {
+            scores[b]
+                .total_cmp(&scores[a])
+                .then(cache[b].cmp(&cache[a]))
+        });
+        evictions.push(Eviction {
+            position,
+            effective_step: position - self.prompt_len
+                + usize::from(self.order == Order::AttendFirst),
+            ranked: ranked.into_iter().map(|i| cache[i]).collect(),
+            merges: self.since_eviction,
+        });
+        self.since_eviction = 0;
+    }
+
+    /// The compressions made while decoding, when a merge needs them.
+    pub fn take_evictions(&mut self) -> Option<Vec<Eviction>> {
+        self.evictions.take()
     }
 
     fn reselect(

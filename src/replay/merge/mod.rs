@@ -1,15 +1,18 @@
-//! Merging: what becomes of the values a cache evicts at the prompt's cut. One method per file,
-//! the file name is the registry key. Merging is apart from eviction: it folds evicted entries
-//! into kept ones (changing what the kept values hold), never which entries are kept, so any
-//! allocator, head split and scorer combines with it; it runs at the one cut of the `prefill`
-//! timing. Keys stay as captured, so a merged entry attracts the attention its key attracts:
-//! retained mass is the kept mass, as without merging, and output error (the cache's own output
-//! over the merged values) shows what merging buys. How a cache holds its merged values is
-//! [`MergedValues`].
+//! Merging: what becomes of the values a cache evicts. One method per file, the file name is the
+//! registry key. Merging is apart from eviction: it folds evicted entries into kept ones
+//! (changing what the kept values hold), never which entries are kept, so any allocator, head
+//! split and scorer combines with it; it runs at the one cut of the `prefill` timing
+//! ([`ValueMerge`]) or at every compression while decoding ([`DecodeMerge`]). Keys stay as
+//! captured, so a merged entry attracts the attention its key attracts: retained mass is the
+//! kept mass, as without merging, and output error (the cache's own output over the merged
+//! values) shows what merging buys. How a cache holds its merged values is [`MergedValues`] and
+//! [`DecodeMergedValues`].
 
 mod cache;
+mod decoding;
 
 pub use cache::MergedValues;
+pub use decoding::{DecodeMerge, DecodeMergedValues, Eviction};
 
 use super::settings::Broken;
 use ndarray::{ArrayView1, ArrayView2};
@@ -18,6 +21,7 @@ crate::registry! {
     Merge:
     none::NoMerge,
     similarity::Similarity,
+    cam::Cam,
 }
 
 /// A rule for folding evicted entries into kept ones.
@@ -26,8 +30,13 @@ pub trait Merge: Send + Sync {
     fn check(&self) -> Result<(), Broken> {
         Ok(())
     }
-    /// How it merges; `None` when evicted entries are dropped (the plain cache).
+    /// How it merges at the prompt's cut; `None` when evicted entries are dropped there.
     fn merging(&self) -> Option<ValueMerge>;
+    /// How it merges at the compressions made while decoding; `None` (the default) when it
+    /// does not.
+    fn decode_merging(&self) -> Option<DecodeMerge> {
+        None
+    }
 }
 
 /// kvpress's merge-on-evict: each evicted value is folded into the kept entry whose key is most

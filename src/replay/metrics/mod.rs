@@ -18,7 +18,7 @@
 //! figures are means over layers (every layer has the same number of heads and steps, so this is
 //! the grand mean).
 
-use super::merge::MergedValues;
+use super::merge::{DecodeMergedValues, MergedValues};
 use super::reference;
 use super::select::ranked_head;
 use super::storage::{HeldCache, Storage};
@@ -483,6 +483,7 @@ pub fn measure_unit(
     let n_positions = layer.n_positions();
     let n_steps = n_positions - prompt_len;
     let merged = merged_values(storage, layer, unit, unit_kept);
+    let mut merged_while_decoding = decode_merged_values(storage, layer, unit, unit_kept);
     let values: Option<ArrayView2<f32>> = match &merged {
         Some(merged) => Some(merged.values()),
         None => layer.values(unit.kv_head).map(|values| values.reborrow()),
@@ -510,7 +511,7 @@ pub fn measure_unit(
     // A fixed prompt set grows by one generated position per step: one buffer, extended.
     let mut fixed = match unit_kept {
         UnitKept::Fixed(prompt) => prompt.clone(),
-        UnitKept::PerStep(_) => Vec::new(),
+        UnitKept::PerStep(_) | UnitKept::Compressing(..) => Vec::new(),
     };
     let mut general = GeneralShare::default();
     let d = layer.q.shape()[2];
@@ -526,9 +527,16 @@ pub fn measure_unit(
                 fixed.push(position);
                 &fixed
             }
-            UnitKept::PerStep(steps) => &steps[step],
+            UnitKept::PerStep(steps) | UnitKept::Compressing(steps, _) => &steps[step],
         };
         measure.kept_total += kept_positions.len();
+        if let Some(merging) = &mut merged_while_decoding {
+            merging.at_step(step, kept_positions);
+        }
+        let step_values = match &merged_while_decoding {
+            Some(merging) => Some(merging.values()),
+            None => values.as_ref().map(|values| values.view()),
+        };
         if let Some(cache) = &mut stored {
             held.clear();
             match reselects {
@@ -547,7 +555,7 @@ pub fn measure_unit(
         for &j in kept_positions {
             in_set[j] = true;
         }
-        let kept_outputs = values.as_ref().map(|values| {
+        let kept_outputs = step_values.as_ref().map(|values| {
             let rows: Vec<&[f32]> = unit
                 .query_heads
                 .clone()
@@ -629,8 +637,52 @@ pub fn measure_unit(
         for &j in kept_positions {
             in_set[j] = false;
         }
+        if let Some(merging) = &mut merged_while_decoding {
+            attend(merging, reference, unit, (step, position), kept_positions);
+        }
     }
     measure
+}
+
+/// Adds decode step `step`'s attention over its cache `kept` to a merging cache's running sums:
+/// the mean over the cache's query heads of each head's attention renormalised over `kept`.
+fn attend(
+    merging: &mut DecodeMergedValues<'_>,
+    reference: &DecodeReference,
+    unit: &Unit,
+    (step, position): (usize, usize),
+    kept: &[usize],
+) {
+    let heads = unit.query_heads.len() as f64;
+    for head in unit.query_heads.clone() {
+        let weights = reference.weights(head, step, position);
+        let mass: f64 = kept.iter().map(|&j| weights[j] as f64).sum();
+        merging.attend(kept, |j| weights[j] as f64 / mass / heads);
+    }
+}
+
+/// Under a merge at the compressions made while decoding, the cache's values and running
+/// attention, as its compressions change them step by step.
+fn decode_merged_values<'k>(
+    storage: Storage,
+    layer: &LayerContext<'_>,
+    unit: &Unit,
+    unit_kept: &'k UnitKept,
+) -> Option<DecodeMergedValues<'k>> {
+    let (Storage::MergedWhileDecoding(merge), UnitKept::Compressing(_, evictions)) =
+        (storage, unit_kept)
+    else {
+        return None;
+    };
+    let values = layer
+        .values(unit.kv_head)
+        .expect("a merge is refused on a trace without values");
+    Some(DecodeMergedValues::new(
+        merge,
+        values,
+        evictions,
+        (layer.layer, unit.index),
+    ))
 }
 
 /// The general path's [`KeptShare`] of one sample at a time, with its sum's buffer.
