@@ -498,6 +498,135 @@ fn decoding_keeps_what_kvpress_decoding_press_keeps() {
     }
 }
 
+/// kvpress's CAMPress over its Knorm press, its own `forward_hook` after every decode token (its
+/// running attention from its own `_compute_current_token_attention`, `torch.bernoulli` drawn as
+/// kvreplay draws: `tests/reference/kvpress_package.py cam`): the `cam` merge under `decoding`,
+/// `attend-first`, `trigger = steps`, one kept set per layer (`gqa = layer`: kvpress averages the
+/// scores over the KV heads), nothing protected. Every decode query reads the positions the
+/// press's cache holds, and the values it holds there (within 1e-5: f32 sums in both, the running
+/// attention in f64 here), the values rebuilt from the compressions the replay noted and the
+/// attention of each step's queries over their cache. Intervals 2 and 3, merge budgets 4 and 32,
+/// budgets 16 and 24; a tenth of the values read or more carry merges (760 of 4,812).
+#[test]
+fn cam_merges_what_kvpress_cam_press_merges() {
+    use kvreplay::replay::merge::DecodeMergedValues;
+    use kvreplay::replay::Storage;
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_values(&path, 31, PROMPT, true);
+    let trace = TraceReader::open(&path).unwrap();
+    let scale = trace.meta().scale as f64;
+    let budgets = [16, 24];
+    let (mut rows, mut moved) = (0, 0);
+    for (interval, merge_budget, seed) in [(2usize, 4usize, 0u64), (3, 32, 1)] {
+        let mut args = vec![path.display().to_string(), "cam".into()];
+        args.extend([interval, merge_budget, seed as usize].map(|x| x.to_string()));
+        args.extend(budgets.iter().map(usize::to_string));
+        let official = reference("kvpress_package.py", &args);
+        for budget in budgets {
+            let policy = PolicyParams {
+                scorer: "knorm".into(),
+                timing: Timing::Decoding,
+                order: Order::AttendFirst,
+                interval,
+                trigger: Trigger::Steps,
+                gqa: Granularity::Layer,
+                merge: "cam".into(),
+                budget,
+                window: 0,
+                sinks: 0,
+                ..PolicyParams::default()
+            }
+            .with("merge_budget", merge_budget)
+            .with("merge_seed", seed)
+            .check()
+            .unwrap();
+            let Storage::MergedWhileDecoding(rule) = policy.storage() else {
+                panic!("cam merges while decoding")
+            };
+            let layer_budgets = layer_budgets(&trace, &policy).unwrap();
+            for layer in 0..LAYERS {
+                let tensors = trace.layer(layer).unwrap();
+                let ctx = context(&trace, layer, &tensors);
+                let kept = kept_sets(&trace, &policy, &layer_budgets, layer).unwrap();
+                let expected = &official[budget.to_string()]["layers"][layer];
+                for (unit, unit_kept) in kept.units.iter().zip(&kept.kept) {
+                    let UnitKept::Compressing(steps, evictions) = unit_kept else {
+                        panic!("the compressions are noted")
+                    };
+                    let values = ctx.values(unit.kv_head).unwrap();
+                    let ids = (layer, unit.index);
+                    let mut merging = DecodeMergedValues::new(rule, values.view(), evictions, ids);
+                    for (step, held) in steps.iter().enumerate() {
+                        let case = format!("every {interval}, {merge_budget} at {budget}, layer {layer}, cache {}, step {step}", unit.index);
+                        assert_eq!(
+                            held,
+                            &positions(&expected["steps"][step][unit.kv_head]),
+                            "{case}"
+                        );
+                        merging.at_step(step, held);
+                        let theirs = &expected["values"][step][unit.kv_head];
+                        for (i, &j) in held.iter().enumerate() {
+                            let ours = merging.values().row(j).to_vec();
+                            for (x, (&a, b)) in
+                                ours.iter().zip(theirs[i].as_array().unwrap()).enumerate()
+                            {
+                                let b = b.as_f64().unwrap() as f32;
+                                assert!(
+                                    (a - b).abs() < 1e-5,
+                                    "{case}, position {j}, element {x}: {a} vs {b}"
+                                );
+                            }
+                            moved += usize::from(ours != values.row(j).to_vec());
+                            rows += 1;
+                        }
+                        let attention = group_attention(&ctx, unit, PROMPT + step, held, scale);
+                        merging.attend(held, |j| attention[&j]);
+                    }
+                }
+            }
+        }
+    }
+    assert!(
+        moved * 5 > rows,
+        "{moved} of {rows} held values carry merges"
+    );
+}
+
+/// The mean over `unit`'s query heads of each head's softmax, from the query at `position` over
+/// the keys at `held`, in f64.
+fn group_attention(
+    ctx: &LayerContext<'_>,
+    unit: &Unit,
+    position: usize,
+    held: &[usize],
+    scale: f64,
+) -> std::collections::BTreeMap<usize, f64> {
+    let keys = ctx.keys(unit.kv_head);
+    let mut attention = std::collections::BTreeMap::new();
+    let heads = unit.query_heads.len() as f64;
+    for head in unit.query_heads.clone() {
+        let query = ctx.q.slice(ndarray::s![head, position, ..]);
+        let logits: Vec<f64> = held
+            .iter()
+            .map(|&j| {
+                scale
+                    * query
+                        .iter()
+                        .zip(keys.row(j))
+                        .map(|(&a, &b)| a as f64 * b as f64)
+                        .sum::<f64>()
+            })
+            .collect();
+        let max = logits.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
+        let total: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+        for (&j, l) in held.iter().zip(&logits) {
+            *attention.entry(j).or_insert(0.0) += (l - max).exp() / total / heads;
+        }
+    }
+    attention
+}
+
 /// kvpress's LagKV: the `lagkv` scorer, one-shot, nothing protected, ranks within partitions
 /// and the cross-partition softmax scores.
 #[test]

@@ -34,6 +34,13 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
   merging THRESHOLD FRACTION            MergingPress(KnormPress, THRESHOLD, FRACTION): its own
                                         `merge` given the Knorm selection; adds "merged":
                                         [[value rows of the kept positions] per KV head]
+  cam INTERVAL MERGE_BUDGET SEED        CAMPress(KnormPress, INTERVAL, BUDGET, MERGE_BUDGET):
+                                        as decoding, its own hook computing the step's
+                                        attention from the queries (`hidden_states`, their
+                                        rotary in `position_embeddings`); torch.bernoulli drawn
+                                        as kvreplay draws (see `cam_draw`); adds "values":
+                                        [[[value rows, in position order] per KV head] per
+                                        decode step], what each step's query reads
   decoding INTERVAL                     DecodingPress(KnormPress, INTERVAL, BUDGET): the prompt
                                         prefilled whole, then its own forward_hook after each
                                         decode token; "steps": [[[positions] per KV head] per
@@ -66,6 +73,7 @@ SETTINGS = {
     "think": 2,
     "merging": 2,
     "decoding": 1,
+    "cam": 3,
 }
 
 
@@ -78,9 +86,10 @@ def presses():
         module.__path__ = [path]
         sys.modules[name] = module
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
-    from kvpress.presses import decoding_press, dms_press, merging_press, observed_attention_press, think_press
+    from kvpress.presses import cam_press, decoding_press, dms_press, merging_press, observed_attention_press, think_press
 
     return types.SimpleNamespace(
+        CAM=cam_press.CAMPress,
         ChunkKV=chunkkv_press.ChunkKVPress,
         Decoding=decoding_press.DecodingPress,
         DMS=dms_press.DMSPress,
@@ -188,27 +197,92 @@ def merged_values(ns, settings, keys, vals, kept):
     return [merged[0, head, kept[head]].tolist() for head in range(keys.shape[1])]
 
 
-def decoding_steps(ns, settings, module, q, k, v, n, budget):
+MASK64 = (1 << 64) - 1
+
+
+def splitmix_hash(x):
+    """kvreplay's SplitMix64 hash (src/splitmix.rs): the generator's first output seeded with x."""
+    x = (x + 0x9E3779B97F4A7C15) & MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64
+    return x ^ (x >> 31)
+
+
+def cam_draw(seed, layer, cache, position, candidate):
+    """The uniform draw kvreplay's `cam` merge makes (`DecodeMerge::draw`) for a candidate."""
+    h = splitmix_hash
+    stream = h(h(h(seed ^ ((layer << 32) & MASK64)) ^ cache) ^ position)
+    return (h(stream ^ candidate) >> 11) / float(1 << 53)
+
+
+class SeededBernoulli:
+    """torch.bernoulli for CAMPress.compress, drawn as kvreplay draws: the candidates (indices
+    into the cache) are read off the `torch.searchsorted(kept_indices, merge_indices)` call that
+    precedes the draw and turned into positions by `cached` (the position of each cache row), set
+    with the layer and the triggering position before each hook."""
+
+    def __init__(self, seed):
+        self.seed, self.layer, self.position, self.cached, self.candidates = seed, 0, 0, [], None
+        self.searchsorted, self.bernoulli = torch.searchsorted, torch.bernoulli
+
+    def __enter__(self):
+        def searchsorted(sorted_sequence, values, **kwargs):
+            self.candidates = [self.cached[i] for i in values[0].tolist()]
+            return self.searchsorted(sorted_sequence, values, **kwargs)
+
+        def bernoulli(p):
+            out = torch.zeros_like(p)
+            for head in range(p.shape[1]):
+                for i, candidate in enumerate(self.candidates):
+                    u = cam_draw(self.seed, self.layer, head, self.position, candidate)
+                    out[0, head, i] = float(u < float(p[0, head, i]))
+            return out
+
+        torch.searchsorted, torch.bernoulli = searchsorted, bernoulli
+        return self
+
+    def __exit__(self, *_):
+        torch.searchsorted, torch.bernoulli = self.searchsorted, self.bernoulli
+
+
+def decoding_steps(ns, method, settings, module, q, k, v, n, budget):
     """Per decode step, per KV head, the positions the step's query attends over under
-    DecodingPress(KnormPress, INTERVAL, target_size=BUDGET): the prompt's keys and values in the
-    cache, then per decode token its key and value appended and the press's own forward_hook
-    called after the step (as after the attention); the cache's rows found back among the trace's
-    keys (distinct random rows), whatever order the compression left them in."""
-    (interval,) = settings
-    press = ns.Decoding(base_press=ns.Knorm(), compression_interval=int(interval), target_size=budget)
+    DecodingPress(KnormPress, INTERVAL, target_size=BUDGET) (or CAMPress, which also merges):
+    the prompt's keys and values in the cache, then per decode token its key and value appended
+    and the press's own forward_hook called after the step (as after the attention); the cache's
+    rows found back among the trace's keys (distinct random rows), whatever order the compression
+    left them in. For `cam`, also the values of those positions, in position order."""
+    if method == "cam":
+        interval, merge_budget, seed = (int(x) for x in settings)
+        press = ns.CAM(base_press=ns.Knorm(), compression_interval=interval, target_size=budget, merge_budget=merge_budget)
+    else:
+        press = ns.Decoding(base_press=ns.Knorm(), compression_interval=int(settings[0]), target_size=budget)
+        seed = 0
     h = hidden_states(module, q)
     layer = types.SimpleNamespace(keys=k[:, :, :n].clone(), values=v[:, :, :n].clone())
     cache = types.SimpleNamespace(layers={module.layer_idx: layer})
     heads = range(k.shape[1])
     rows = [{tuple(row.tolist()): j for j, row in enumerate(k[0, head])} for head in heads]
-    steps = []
-    for p in range(n, k.shape[2]):
-        layer.keys = torch.cat([layer.keys, k[:, :, p : p + 1]], dim=2)
-        layer.values = torch.cat([layer.values, v[:, :, p : p + 1]], dim=2)
-        steps.append([sorted(rows[head][tuple(row.tolist())] for row in layer.keys[0, head]) for head in heads])
-        kwargs = {"hidden_states": h[:, p : p + 1], "past_key_values": cache, "cache_position": torch.tensor([p])}
-        press.forward_hook(module, [], kwargs, [None, None])
-    return steps
+    steps, values = [], []
+    with SeededBernoulli(seed) as draws:
+        draws.layer = module.layer_idx
+        for p in range(n, k.shape[2]):
+            layer.keys = torch.cat([layer.keys, k[:, :, p : p + 1]], dim=2)
+            layer.values = torch.cat([layer.values, v[:, :, p : p + 1]], dim=2)
+            held = [[rows[head][tuple(row.tolist())] for row in layer.keys[0, head]] for head in heads]
+            steps.append([sorted(positions) for positions in held])
+            order = [sorted(range(len(positions)), key=positions.__getitem__) for positions in held]
+            values.append([layer.values[0, head, order[head]].tolist() for head in heads])
+            draws.position, draws.cached = p, held[0]
+            step_h = h[:, p : p + 1]
+            kwargs = {
+                "hidden_states": step_h,
+                "past_key_values": cache,
+                "cache_position": torch.tensor([p]),
+                "position_embeddings": module.rotary_emb(step_h, torch.tensor([[p]])),
+            }
+            press.forward_hook(module, [], kwargs, [None, None])
+    return steps, values
 
 
 def make_press(ns, method, settings, budget, n):
@@ -250,7 +324,7 @@ def main():
         for layer, ((q, k), v) in enumerate(zip(layers, values)):
             module = Attention(meta, layer)
             keys, vals = k[:, :, :n].contiguous(), v[:, :, :n].contiguous()
-            press = None if method in ("dms", "decoding") else make_press(ns, method, settings, budget, n)
+            press = None if method in ("dms", "decoding", "cam") else make_press(ns, method, settings, budget, n)
             if filters is not None:
                 press.q_filters = filters  # what post_init_from_model would load from the hub
             h = hidden_states(module, q[:, :, :n])
@@ -258,8 +332,9 @@ def main():
                 if method == "dms":
                     out.append({"kept": dms_kept(ns, settings, module, h, keys, vals)})
                     continue
-                if method == "decoding":
-                    out.append({"steps": decoding_steps(ns, settings, module, q, k, v, n, budget)})
+                if method in ("decoding", "cam"):
+                    steps, step_values = decoding_steps(ns, method, settings, module, q, k, v, n, budget)
+                    out.append({"steps": steps, **({"values": step_values} if method == "cam" else {})})
                     continue
                 if method == "chunkkv":
                     kept_keys, _ = press.compress(module, h, keys, vals, None, {})
