@@ -243,7 +243,8 @@ fn pruned_key_channels_are_labelled_and_hold_fewer_bytes() {
 
 /// `--merge similarity` folds the evicted values into kept ones: the label names it, the bytes and
 /// retained mass are the plain run's and the output error moves; a merge under a timing other than
-/// `prefill`, a setting out of range and a quantizer beside it exit 2 naming the rule.
+/// `prefill`, a setting out of range and a quantizer beside it exit 2 naming the rule. The same
+/// for `--merge cam` under kvpress's CAMPress schedule.
 #[test]
 fn merged_values_are_labelled_and_hold_the_same_bytes() {
     let dir = fixture();
@@ -291,6 +292,45 @@ fn merged_values_are_labelled_and_hold_the_same_bytes() {
             "kivi",
         ],
         "are not combined yet",
+    );
+    // CaM merges at the compressions made while decoding: kvpress's CAMPress schedule runs,
+    // the same bytes and mass as without it; a one-shot timing or a merge budget of 0 exit 2.
+    let cam = [
+        "--scorer",
+        "knorm",
+        "--timing",
+        "decoding",
+        "--order",
+        "attend-first",
+        "--interval",
+        "2",
+        "--trigger",
+        "steps",
+        "--gqa",
+        "layer",
+    ];
+    let plain = csv(&cam);
+    let cam_merged = csv(&[&cam[..], &["--merge", "cam", "--merge-budget", "4"]].concat());
+    assert_eq!(
+        cam_merged[0],
+        "flat+knorm@decoding every 2 tokens merging by cam"
+    );
+    assert_eq!((&cam_merged[6], &cam_merged[7]), (&plain[6], &plain[7]));
+    assert_ne!(cam_merged[9], plain[9]);
+    refused(
+        &dir,
+        &["replay", "fixture.safetensors", "--merge", "cam"],
+        "merge `cam` folds what the compressions made while decoding evict: use --timing decoding, prefill-then-stream or streaming",
+    );
+    refused(
+        &dir,
+        &[
+            &["replay", "fixture.safetensors"][..],
+            &cam,
+            &["--merge", "cam", "--merge-budget", "0"],
+        ]
+        .concat(),
+        "merge `cam`: setting `merge_budget` = 0: must be at least 1",
     );
 }
 
