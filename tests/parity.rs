@@ -556,7 +556,8 @@ fn cam_merges_what_kvpress_cam_press_merges() {
                     };
                     let values = ctx.values(unit.kv_head).unwrap();
                     let ids = (layer, unit.index);
-                    let mut merging = DecodeMergedValues::new(rule, values.view(), evictions, ids);
+                    let mut merging =
+                        DecodeMergedValues::new(rule, values.view(), evictions.clone(), ids);
                     for (step, held) in steps.iter().enumerate() {
                         let case = format!("every {interval}, {merge_budget} at {budget}, layer {layer}, cache {}, step {step}", unit.index);
                         assert_eq!(

@@ -118,7 +118,7 @@ fn every_scorer_keeps_only_what_the_window_holds() {
                     // metrics drop what slides out after (checked by the masses below).
                     let floor = match unit_kept {
                         UnitKept::Fixed(_) => shape.prompt_len - window,
-                        UnitKept::PerStep(_) => first,
+                        UnitKept::PerStep(_) | UnitKept::Compressing(..) => first,
                     };
                     assert!(
                         positions.iter().all(|&p| p >= floor),

@@ -3,7 +3,7 @@
 //! of one cache step by step ([`DecodeMergedValues`]).
 
 use crate::splitmix::hash;
-use ndarray::{Array2, ArrayView2};
+use ndarray::{Array2, ArrayView1, ArrayView2};
 
 /// CaM's merge (kvpress 0.5.5 `CAMPress.compress`, `kvpress/presses/cam_press.py` lines 161-218):
 /// each merge candidate `m` spreads its value over the `merge_budget` kept positions after it,
@@ -73,25 +73,26 @@ impl DecodeMerge {
     }
 }
 
-/// One cache's values and running attention under a [`DecodeMerge`], step by step.
+/// One cache's values and running attention under a [`DecodeMerge`], step by step: replayed
+/// over a trace's values, or fed the running model's as they arrive.
 #[derive(Debug, Clone)]
-pub struct DecodeMergedValues<'e> {
+pub struct DecodeMergedValues {
     rule: DecodeMerge,
     values: Array2<f32>,
     attention: Vec<f64>,
-    evictions: &'e [Eviction],
+    evictions: Vec<Eviction>,
     next: usize,
     /// The layer and cache the draws are made for.
     cache: (usize, usize),
 }
 
-impl<'e> DecodeMergedValues<'e> {
+impl DecodeMergedValues {
     /// The values `values` (`[T, d]`, as captured) of cache `cache` of layer `layer`, whose
     /// compressions while decoding were `evictions` (in order).
     pub fn new(
         rule: DecodeMerge,
         values: ArrayView2<'_, f32>,
-        evictions: &'e [Eviction],
+        evictions: Vec<Eviction>,
         (layer, cache): (usize, usize),
     ) -> Self {
         Self {
@@ -104,9 +105,21 @@ impl<'e> DecodeMergedValues<'e> {
         }
     }
 
+    /// Sets position `position`'s value as the model wrote it.
+    pub fn write(&mut self, position: usize, value: ArrayView1<'_, f32>) {
+        self.values.row_mut(position).assign(&value);
+    }
+
+    /// Notes compressions made since the last ones, in order.
+    pub fn note(&mut self, evictions: impl IntoIterator<Item = Eviction>) {
+        self.evictions.extend(evictions);
+    }
+
     /// Folds the compressions that take effect at decode step `step`, whose query reads `held`
-    /// (ascending: the compressed cache, and any token that arrived since).
-    pub fn at_step(&mut self, step: usize, held: &[usize]) {
+    /// (ascending: the compressed cache, and any token that arrived since); returns the positions
+    /// whose values changed (ascending).
+    pub fn at_step(&mut self, step: usize, held: &[usize]) -> Vec<usize> {
+        let mut changed = Vec::new();
         while let Some(eviction) = self.evictions.get(self.next) {
             if eviction.effective_step > step {
                 break;
@@ -118,18 +131,24 @@ impl<'e> DecodeMergedValues<'e> {
                     .copied()
                     .take_while(|&j| j <= eviction.position)
                     .collect();
-                self.fold(eviction, &kept);
+                let eviction = eviction.clone();
+                changed.extend(self.fold(&eviction, &kept));
             }
         }
+        changed.sort_unstable();
+        changed.dedup();
+        changed
     }
 
-    fn fold(&mut self, eviction: &Eviction, kept: &[usize]) {
+    /// One compression's merges into the kept positions `kept`; the positions that received one.
+    fn fold(&mut self, eviction: &Eviction, kept: &[usize]) -> Vec<usize> {
         let (layer, cache) = self.cache;
+        let mut changed = Vec::new();
         for candidate in eviction.candidates() {
             let targets = self.rule.targets(kept, candidate);
             let p = self.rule.probability(&self.attention, candidate, targets);
-            if targets.is_empty() || self.rule.draw(layer, cache, eviction.position, candidate) >= p
-            {
+            let draw = self.rule.draw(layer, cache, eviction.position, candidate);
+            if targets.is_empty() || draw >= p {
                 continue;
             }
             let scale = 1.0f32 / targets.len() as f32;
@@ -139,7 +158,9 @@ impl<'e> DecodeMergedValues<'e> {
                     *value += x * scale;
                 }
             }
+            changed.extend_from_slice(targets);
         }
+        changed
     }
 
     /// Adds one decode step's attention over `held` (`weight(j)`, summing to 1 over it) to the
@@ -192,13 +213,13 @@ mod tests {
         attention[3] = 0.1;
         assert_eq!(rule.probability(&attention, 3, &[8]), 1.0, "x/0");
         let values = Array2::from_shape_fn((10, 2), |(j, i)| (j * 10 + i) as f32);
-        let mut held =
-            DecodeMergedValues::new(rule, values.view(), std::slice::from_ref(&eviction), (0, 0));
+        let mut held = DecodeMergedValues::new(rule, values.view(), vec![eviction.clone()], (0, 0));
         held.attend(&[1, 2, 4, 5, 6], |j| attention[j]);
-        held.at_step(0, &[1, 2, 3, 4, 5, 6, 9]);
+        assert!(held.at_step(0, &[1, 2, 3, 4, 5, 6, 9]).is_empty());
         assert_eq!(held.values(), values.view(), "not yet in effect");
         let merged_4 = rule.draw(0, 0, 9, 4) < 0.5;
-        held.at_step(1, &[2, 5, 6, 9, 10]);
+        let changed = held.at_step(1, &[2, 5, 6, 9, 10]);
+        assert_eq!(changed, if merged_4 { vec![2, 5, 6] } else { vec![2, 5] });
         let v = held.values();
         assert_eq!(v.row(2).to_vec(), [20.0 + 5.0, 21.0 + 5.5]);
         let from_4 = if merged_4 { [20.0, 20.5] } else { [0.0, 0.0] };

@@ -647,7 +647,7 @@ pub fn measure_unit(
 /// Adds decode step `step`'s attention over its cache `kept` to a merging cache's running sums:
 /// the mean over the cache's query heads of each head's attention renormalised over `kept`.
 fn attend(
-    merging: &mut DecodeMergedValues<'_>,
+    merging: &mut DecodeMergedValues,
     reference: &DecodeReference,
     unit: &Unit,
     (step, position): (usize, usize),
@@ -663,12 +663,12 @@ fn attend(
 
 /// Under a merge at the compressions made while decoding, the cache's values and running
 /// attention, as its compressions change them step by step.
-fn decode_merged_values<'k>(
+fn decode_merged_values(
     storage: Storage,
     layer: &LayerContext<'_>,
     unit: &Unit,
-    unit_kept: &'k UnitKept,
-) -> Option<DecodeMergedValues<'k>> {
+    unit_kept: &UnitKept,
+) -> Option<DecodeMergedValues> {
     let (Storage::MergedWhileDecoding(merge), UnitKept::Compressing(_, evictions)) =
         (storage, unit_kept)
     else {
@@ -680,7 +680,7 @@ fn decode_merged_values<'k>(
     Some(DecodeMergedValues::new(
         merge,
         values,
-        evictions,
+        evictions.clone(),
         (layer.layer, unit.index),
     ))
 }
