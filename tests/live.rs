@@ -10,7 +10,7 @@ use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, Batching, LiveSession, LiveStep};
 use kvreplay::model::{CausalLm, KvCache, Recorder, Row};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
-use kvreplay::replay::{replay, Order, PolicyParams, Protocol, Timing, Trigger};
+use kvreplay::replay::{replay, Granularity, Order, PolicyParams, Protocol, Timing, Trigger};
 use kvreplay::trace::{StorageDtype, TraceReader};
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
@@ -285,10 +285,50 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
         ..evicting_live(Timing::PrefillThenStream, Order::AttendFirst, 20)
     };
     policies.push(pruned.with("query_window", 8).check().unwrap());
+    // CaM: kvpress's CAMPress schedule, the values of what each compression evicts merged into
+    // the kept entries after it; the same policy merging nothing; and the same cache far from
+    // its budget, never compressed.
+    let decoding = PolicyParams {
+        interval: 4,
+        trigger: Trigger::Steps,
+        gqa: Granularity::Layer,
+        ..evicting_live(Timing::Decoding, Order::AttendFirst, 12)
+    };
+    let cam = |decoding: &PolicyParams| {
+        PolicyParams {
+            merge: "cam".into(),
+            ..decoding.clone()
+        }
+        .with("merge_budget", 4)
+        .check()
+        .unwrap()
+    };
+    let cam_at = policies.len();
+    policies.push(cam(&decoding));
+    policies.push(decoding.clone().check().unwrap());
+    let whole = PolicyParams {
+        budget: 4096,
+        ..decoding
+    };
+    policies.push(cam(&whole));
+    policies.push(whole.check().unwrap());
     let alone = session
         .run_batched(&policies, Batching::ONE_AT_A_TIME)
         .unwrap();
-    assert!(alone.iter().all(|report| report.kl > 0.0));
+    let [merged, plain, never, uncompressed] = &alone[cam_at..cam_at + 4] else {
+        unreachable!("four CaM runs")
+    };
+    assert_ne!(merged.steps, plain.steps, "the merges move the model");
+    assert_eq!(
+        merged.open_loop.layers[0].kv_bytes,
+        plain.open_loop.layers[0].kv_bytes
+    );
+    assert_eq!(
+        never.steps, uncompressed.steps,
+        "nothing compressed, nothing merged"
+    );
+    assert_eq!(never.text, uncompressed.text);
+    assert!(alone[..cam_at + 1].iter().all(|report| report.kl > 0.0));
     // Each quantized run differs from the same policy's plain run (budget 20: the EVICTING runs
     // after the first two and the four at 12).
     let plain_20 = &alone[2 + EVICTING.len()..2 + 2 * EVICTING.len()];

@@ -5,11 +5,12 @@
 //! bit for bit. Free-running rows that stop leave the batch.
 
 use super::drift::{CompressedLayers, LiveMass};
-use super::stored::Stored;
+use super::stored::{NotesCompressions, Stored};
 use super::streams::LiveStreams;
 use super::{compare_step, LiveStep};
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache};
 use crate::model::{ModelError, Row};
+use crate::replay::merge::Eviction;
 use crate::replay::{ReplayReport, ValidPolicy};
 use crate::trace::TraceMeta;
 use std::borrow::Cow;
@@ -22,6 +23,15 @@ pub(super) enum PolicyMask<'p> {
     Fixed(Evicted),
     /// A policy that evicts or re-selects while the model runs.
     Streams(LiveStreams<'p>),
+}
+
+impl NotesCompressions for PolicyMask<'_> {
+    fn compressions(&mut self, layer: usize) -> Vec<(Vec<usize>, Vec<Eviction>)> {
+        match self {
+            PolicyMask::Fixed(_) => Vec::new(),
+            PolicyMask::Streams(streams) => streams.take_evictions(layer),
+        }
+    }
 }
 
 impl AttentionMask for PolicyMask<'_> {

@@ -240,13 +240,6 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
              which is replayed only (`kvreplay replay` or an open-loop sweep)"
         )));
     }
-    if let Storage::MergedWhileDecoding(_) = policy.storage() {
-        return Err(LiveError::Unsupported(format!(
-            "merge `{}` folds values at the compressions made while decoding, which live mode \
-             does not run yet: it is replayed only (`kvreplay replay` or an open-loop sweep)",
-            policy.params().merge
-        )));
-    }
     if timing != Timing::Prefill && policy.scorer.reads_future() {
         return Err(LiveError::Unsupported(format!(
             "scorer `{}` reads future queries, which live mode takes from the full run under \

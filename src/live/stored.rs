@@ -1,18 +1,20 @@
 //! A policy's cache stored otherwise than captured while the model runs: quantized, with pruned
 //! key channels, or with evicted values merged into kept ones ([`Storage`]). The bookkeeping is
-//! the open-loop replay's ([`QuantizedCache`], [`ChannelPruning::prune_prompt`], [`ValueMerge::merge_into`]), run
-//! over the running model's own vectors: at each step from the prompt's cut on, the policy's mask
-//! says which positions each KV head's cache holds, and what the storage then changes (entries
-//! quantized as they age, prompt keys pruned or kept values merged at the cut) is written over the
-//! model's cache before the step's queries attend ([`Rewrite`]). As in the replay, a step's newest
-//! entry reads as captured at its own step, and the model's own vectors are what gets quantized,
-//! pruned or merged.
+//! the open-loop replay's ([`QuantizedCache`], [`ChannelPruning::prune_prompt`],
+//! [`ValueMerge::merge_into`], [`DecodeMergedValues`]), run over the running model's own vectors:
+//! at each step from the prompt's cut on, the policy's mask says which positions each KV head's
+//! cache holds, and what the storage then changes (entries quantized as they age, prompt keys
+//! pruned or kept values merged at the cut, kept values merged at a compression while decoding)
+//! is written over the model's cache before the step's queries attend ([`Rewrite`]). As in the
+//! replay, a step's newest entry reads as captured at its own step, and the model's own vectors
+//! are what gets quantized, pruned or merged; a merge while decoding sums each step's attention
+//! from the model's own queries and keys.
 
 use super::{LiveError, RecordedLayers};
 use crate::attention::first_visible;
 use crate::model::{AttentionMask, ChunkVectors, ModelError, Rewrite};
 use crate::replay::channels::ChannelPruning;
-use crate::replay::merge::ValueMerge;
+use crate::replay::merge::{DecodeMergedValues, Eviction, ValueMerge};
 use crate::replay::quantizer::QuantizedCache;
 use crate::replay::{Storage, ValidPolicy};
 use crate::trace::TraceMeta;
@@ -43,7 +45,15 @@ impl<M> Stored<M> {
     }
 }
 
-impl<M: AttentionMask> AttentionMask for Stored<M> {
+/// A mask that notes the compressions its caches make while decoding, for a merge that folds
+/// what they evict.
+pub(super) trait NotesCompressions {
+    /// The compressions made on `layer` since the last call: per selection group, the KV heads
+    /// of its caches and its compressions, in order.
+    fn compressions(&mut self, layer: usize) -> Vec<(Vec<usize>, Vec<Eviction>)>;
+}
+
+impl<M: AttentionMask + NotesCompressions> AttentionMask for Stored<M> {
     fn layer_mask(
         &mut self,
         layer: usize,
@@ -51,7 +61,8 @@ impl<M: AttentionMask> AttentionMask for Stored<M> {
     ) -> Result<Option<Vec<f32>>, ModelError> {
         let mask = self.inner.layer_mask(layer, chunk)?;
         if let Some(store) = &mut self.store {
-            store.pending[layer] = store.step(layer, chunk, mask.as_deref())?;
+            let compressions = self.inner.compressions(layer);
+            store.pending[layer] = store.step(layer, chunk, mask.as_deref(), compressions)?;
         }
         Ok(mask)
     }
@@ -100,7 +111,7 @@ impl Store {
             .iter()
             .map(|&layer| {
                 let caches: Vec<UnitStore> = (0..meta.n_kv_heads)
-                    .map(|_| UnitStore::new(storage, (capacity, cut), meta.head_dim))
+                    .map(|kv_head| UnitStore::new(storage, (capacity, cut), meta, (layer, kv_head)))
                     .collect();
                 let mut stored = (meta.window(layer), caches);
                 if until > 0 {
@@ -132,16 +143,23 @@ impl Store {
         }))
     }
 
-    /// Records the chunk's vectors; at a step from the cut on, steps every cache of `layer` to
-    /// what its query head's `mask` line holds and returns what changed.
+    /// Records the chunk's vectors and the compressions its caches noted; at a step from the cut
+    /// on, steps every cache of `layer` to what its query head's `mask` line holds and returns
+    /// what changed.
     fn step(
         &mut self,
         layer: usize,
         chunk: &ChunkVectors<'_>,
         mask: Option<&[f32]>,
+        compressions: Vec<(Vec<usize>, Vec<Eviction>)>,
     ) -> Result<Option<Rewrite>, ModelError> {
         let n = chunk.q.dim().1;
         let (window, caches) = &mut self.layers[layer];
+        for (kv_heads, evictions) in compressions {
+            for kv_head in kv_heads {
+                caches[kv_head].note(&evictions);
+            }
+        }
         for row in 0..n {
             let vectors = s![.., row, ..];
             let qkv = (
@@ -226,6 +244,14 @@ enum UnitStore {
     },
     /// Its kept prompt values with the evicted ones merged in from the cut on.
     Merged { merge: ValueMerge, prompt: Prompt },
+    /// Its values with what each compression while decoding evicts merged in, its keys and the
+    /// newest step's queries (`[group, d]`) for the running attention.
+    MergedWhileDecoding {
+        merging: DecodeMergedValues,
+        keys: Array2<f32>,
+        queries: Array2<f32>,
+        softmax: (f32, Option<f32>),
+    },
 }
 
 /// The prompt's keys and values of one KV head, `[cut, d]`, and whether the cut has changed them.
@@ -237,7 +263,13 @@ struct Prompt {
 }
 
 impl UnitStore {
-    fn new(storage: Storage, (capacity, cut): (usize, usize), d: usize) -> Self {
+    fn new(
+        storage: Storage,
+        (capacity, cut): (usize, usize),
+        meta: &TraceMeta,
+        (layer, kv_head): (usize, usize),
+    ) -> Self {
+        let d = meta.head_dim;
         let prompt = || Prompt {
             keys: Array2::zeros((cut, d)),
             values: Array2::zeros((cut, d)),
@@ -256,8 +288,24 @@ impl UnitStore {
                 merge,
                 prompt: prompt(),
             },
+            Storage::MergedWhileDecoding(merge) => {
+                let values = Array2::zeros((capacity, d));
+                let ids = (layer, kv_head);
+                UnitStore::MergedWhileDecoding {
+                    merging: DecodeMergedValues::new(merge, values.view(), Vec::new(), ids),
+                    keys: Array2::zeros((capacity, d)),
+                    queries: Array2::zeros((meta.n_heads / meta.n_kv_heads, d)),
+                    softmax: (meta.scale, meta.softcap),
+                }
+            }
             Storage::Captured => unreachable!("a captured cache has no store"),
-            Storage::MergedWhileDecoding(_) => unreachable!("refused by `check_live`"),
+        }
+    }
+
+    /// Notes compressions its cache made while decoding (a merge while decoding only).
+    fn note(&mut self, evictions: &[Eviction]) {
+        if let UnitStore::MergedWhileDecoding { merging, .. } = self {
+            merging.note(evictions.iter().cloned());
         }
     }
 
@@ -271,6 +319,16 @@ impl UnitStore {
     ) {
         let prompt = match self {
             UnitStore::Quantized(cache) => return cache.write(position, key, value),
+            UnitStore::MergedWhileDecoding {
+                merging,
+                keys,
+                queries: newest,
+                ..
+            } => {
+                keys.row_mut(position).assign(&key);
+                merging.write(position, value);
+                return newest.assign(&queries);
+            }
             UnitStore::PrunedKeys {
                 pruning,
                 queries: window,
@@ -314,6 +372,20 @@ impl UnitStore {
                 prompt.cut_done = true;
                 prompt_held.to_vec()
             }
+            UnitStore::MergedWhileDecoding {
+                merging,
+                keys,
+                queries,
+                softmax,
+            } => {
+                let changed = merging.at_step(newest - cut, held);
+                let heads = queries.nrows() as f64;
+                for query in queries.rows() {
+                    let weights = attention(query, keys.view(), held, *softmax);
+                    merging.attend(held, |j| weights[&j] / heads);
+                }
+                changed
+            }
             UnitStore::Merged { merge, prompt } if !prompt.cut_done => {
                 let visible = first_visible(cut.saturating_sub(1), window)..cut;
                 merge.merge_into(
@@ -341,6 +413,32 @@ impl UnitStore {
             UnitStore::PrunedKeys { prompt, .. } | UnitStore::Merged { prompt, .. } => {
                 (prompt.keys.row(j), prompt.values.row(j))
             }
+            UnitStore::MergedWhileDecoding { merging, keys, .. } => {
+                (keys.row(j), merging.values().index_axis_move(Axis(0), j))
+            }
         }
     }
+}
+
+/// One query's attention over the keys at `held`: `softmax(scale · q·k)` (the logit soft-capped
+/// when the model caps it), by position.
+fn attention(
+    query: ArrayView1<f32>,
+    keys: ArrayView2<f32>,
+    held: &[usize],
+    (scale, softcap): (f32, Option<f32>),
+) -> std::collections::HashMap<usize, f64> {
+    let logits: Vec<f64> = held
+        .iter()
+        .map(|&j| {
+            let logit = scale as f64 * query.dot(&keys.row(j)) as f64;
+            softcap.map_or(logit, |cap| cap as f64 * (logit / cap as f64).tanh())
+        })
+        .collect();
+    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
+    let total: f64 = logits.iter().map(|l| (l - max).exp()).sum();
+    held.iter()
+        .zip(&logits)
+        .map(|(&j, l)| (j, (l - max).exp() / total))
+        .collect()
 }

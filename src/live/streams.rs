@@ -7,6 +7,7 @@
 //! only on that layer's vectors so far, which the chunk's earlier layers have already made.
 
 use crate::model::{AttentionMask, ChunkVectors, ModelError};
+use crate::replay::merge::Eviction;
 use crate::replay::{
     selection_groups, units, Attended, CacheStream, LayerContext, Unit, ValidPolicy,
 };
@@ -84,6 +85,19 @@ impl<'p> LiveStreams<'p> {
     /// The policy.
     pub fn policy(&self) -> &'p ValidPolicy {
         self.policy
+    }
+
+    /// The compressions the caches of `layer` made while decoding since the last call, each
+    /// group's with the KV heads of its caches (for a merge that folds what they evict).
+    pub fn take_evictions(&mut self, layer: usize) -> Vec<(Vec<usize>, Vec<Eviction>)> {
+        self.layers[layer]
+            .streams
+            .iter_mut()
+            .filter_map(|(group, stream)| {
+                let evictions = stream.take_evictions()?;
+                Some((group.iter().map(|unit| unit.kv_head).collect(), evictions))
+            })
+            .collect()
     }
 }
 

@@ -296,9 +296,9 @@ impl CacheStream {
         self.since_eviction = 0;
     }
 
-    /// The compressions made while decoding, when a merge needs them.
+    /// The compressions made while decoding since the last call, when a merge needs them.
     pub fn take_evictions(&mut self) -> Option<Vec<Eviction>> {
-        self.evictions.take()
+        self.evictions.as_mut().map(std::mem::take)
     }
 
     fn reselect(
