@@ -27,6 +27,9 @@ from ._native import KvreplayError
 # Presses that read the attention weights they are given rather than computing their own.
 READS_ATTENTIONS = {"ObservedAttentionPress"}
 
+# Presses that compress while decoding, every few generated tokens.
+DECODING_PRESSES = {"DecodingPress", "PrefillDecodingPress", "CAMPress"}
+
 
 class PressScorer:
     """A kvpress press as a kvreplay scorer (one-shot: kvpress compresses at the end of the prompt)."""
@@ -164,10 +167,18 @@ def policy(press):
     - ``MergingPress(press, similarity_threshold, merge_fraction)``: the press's policy with the
       ``similarity`` merge, the values it evicts at the cut folded into the kept ones.
 
-    Other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other compositions, the decoding
-    presses) have no counterpart and raise :class:`KvreplayError`.
+    The decoding presses (``DecodingPress``, ``PrefillDecodingPress``, ``CAMPress``) raise
+    :class:`KvreplayError` naming kvreplay's own schedule for them (a press is scored from Python
+    at the prompt's end only); other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other
+    compositions) have no counterpart and raise it too.
     """
     kind = type(press).__name__
+    if kind in DECODING_PRESSES:
+        raise KvreplayError(
+            f"kvpress:{kind} compresses while decoding, and a press is scored from Python at the prompt's end only: "
+            "use timing='decoding' (or 'prefill-then-stream'), order='attend-first', trigger='steps' with a registered "
+            "scorer (and merge='cam', gqa='layer' for CAMPress; docs/python.md)"
+        )
     if kind == "AdaKVPress":
         return {**policy(press.press), "heads": "adakv", "alpha": float(press.alpha_safeguard), "normalize": False}
     if kind == "DMSPress":

@@ -164,6 +164,16 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
 
+    # The decoding presses name kvreplay's own schedule, which runs from Python as from the CLI.
+    cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:CAMPress compresses while decoding"):
+        policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96))
+    schedule = dict(scorer="knorm", timing="decoding", order="attend-first", interval=4, trigger="steps", gqa="layer")
+    decoding = kvreplay.replay(trace, budget=96, **schedule).runs.row(0, named=True)
+    cam = kvreplay.replay(trace, budget=96, merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
+    assert cam["kv_bytes"] == decoding["kv_bytes"] and cam["retained_mass"] == decoding["retained_mass"]
+    assert cam["output_error"] != decoding["output_error"]
+
 
 def test_pruning_merging_and_quantizing_presses_run_live(recipe):
     # ThinK's pruned keys, kvpress's merge and a KIVI cache: the model runs on what each stores.
