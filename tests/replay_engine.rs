@@ -279,54 +279,20 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     };
     assert_eq!(shape.prompt_len, 20);
     let (cut, decoding) = (Timing::PrefillThenStream, Timing::Decoding);
+    let (attend, evict) = (Order::AttendFirst, Order::EvictFirst);
+    let (growth, position, steps) = (Trigger::Growth, Trigger::Position, Trigger::Steps);
     let cases: [(Timing, Order, usize, Trigger, [usize; 5]); 11] = [
-        (cut, Order::AttendFirst, 3, Trigger::Growth, [7, 8, 9, 7, 8]),
-        (cut, Order::EvictFirst, 3, Trigger::Growth, [7, 8, 6, 7, 8]),
-        (cut, Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
-        (
-            cut,
-            Order::AttendFirst,
-            3,
-            Trigger::Position,
-            [7, 8, 7, 8, 9],
-        ),
-        (
-            cut,
-            Order::EvictFirst,
-            3,
-            Trigger::Position,
-            [7, 6, 7, 8, 6],
-        ),
-        (cut, Order::AttendFirst, 3, Trigger::Steps, [7, 8, 9, 7, 8]),
-        (
-            decoding,
-            Order::AttendFirst,
-            3,
-            Trigger::Steps,
-            [21, 22, 23, 7, 8],
-        ),
-        (
-            decoding,
-            Order::EvictFirst,
-            3,
-            Trigger::Steps,
-            [21, 22, 6, 7, 8],
-        ),
-        (
-            decoding,
-            Order::AttendFirst,
-            3,
-            Trigger::Growth,
-            [21, 7, 8, 9, 7],
-        ),
-        (
-            decoding,
-            Order::AttendFirst,
-            3,
-            Trigger::Position,
-            [21, 22, 7, 8, 9],
-        ),
-        (decoding, Order::EvictFirst, 1, Trigger::Growth, [6; 5]),
+        (cut, attend, 3, growth, [7, 8, 9, 7, 8]),
+        (cut, evict, 3, growth, [7, 8, 6, 7, 8]),
+        (cut, evict, 1, growth, [6; 5]),
+        (cut, attend, 3, position, [7, 8, 7, 8, 9]),
+        (cut, evict, 3, position, [7, 6, 7, 8, 6]),
+        (cut, attend, 3, steps, [7, 8, 9, 7, 8]),
+        (decoding, attend, 3, steps, [21, 22, 23, 7, 8]),
+        (decoding, evict, 3, steps, [21, 22, 6, 7, 8]),
+        (decoding, attend, 3, growth, [21, 7, 8, 9, 7]),
+        (decoding, attend, 3, position, [21, 22, 7, 8, 9]),
+        (decoding, evict, 1, growth, [6; 5]),
     ];
     for (timing, order, interval, trigger, expected) in cases {
         assert_eq!(
