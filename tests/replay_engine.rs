@@ -657,7 +657,8 @@ fn merges_while_decoding(name: &str) -> bool {
 /// cache holds at every step rebuilt from the rule and the compressions the engine noted
 /// (`reference::cam_by_step`, with its own running attention), and every metric's definition
 /// over the cache's own output (tolerance 1e-5, 1e-4 for the value gap). Keys stay as captured, so
-/// retained mass and bytes are the plain run's, bit for bit; the output moves in most cases.
+/// retained mass and bytes are the plain run's, bit for bit; the output moves in most cases; a
+/// budget no cache reaches merges nothing and gives the plain report, bit for bit.
 #[test]
 fn decode_merges_match_brute_force_reference() {
     use kvreplay::replay::{merge, Storage};
@@ -718,12 +719,12 @@ fn decode_merges_match_brute_force_reference() {
                     }
                     .with("merge_budget", [2, 3, 32][seed as usize])
                     .with("merge_seed", seed);
-                    let policy = merged.check().unwrap();
+                    let policy = merged.clone().check().unwrap();
                     let Storage::MergedWhileDecoding(rule) = policy.storage() else {
                         panic!("{}: merges while decoding", method.name)
                     };
                     let report = replay(&trace, &policy).unwrap();
-                    let plain = replay(&trace, &base.check().unwrap()).unwrap();
+                    let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
                         let layer = fixture_layer((q, k, v), shape, index);
@@ -758,6 +759,15 @@ fn decode_merges_match_brute_force_reference() {
                         );
                         compared += 1;
                     }
+                    // A cache that never compresses while decoding merges nothing: the plain
+                    // run, bit for bit.
+                    let roomy = |policy: PolicyParams| PolicyParams {
+                        budget: shape.prompt_len + shape.generated,
+                        ..policy
+                    };
+                    let never = replay(&trace, &roomy(merged).check().unwrap()).unwrap();
+                    let plain = replay(&trace, &roomy(base).check().unwrap()).unwrap();
+                    assert_eq!((never.layers, never.metrics), (plain.layers, plain.metrics));
                 }
             }
         }
