@@ -582,7 +582,7 @@ fn cam_merges_what_kvpress_cam_press_merges() {
                             rows += 1;
                         }
                         let attention = group_attention(&ctx, unit, PROMPT + step, held, scale);
-                        merging.attend(held, |j| attention[&j]);
+                        merging.attend(held, held.iter().map(|j| attention[j]));
                     }
                 }
             }

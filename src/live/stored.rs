@@ -11,7 +11,7 @@
 //! from the model's own queries and keys.
 
 use super::{LiveError, RecordedLayers};
-use crate::attention::first_visible;
+use crate::attention::{first_visible, softmax_f64};
 use crate::model::{AttentionMask, ChunkVectors, ModelError, Rewrite};
 use crate::replay::channels::ChannelPruning;
 use crate::replay::merge::{DecodeMergedValues, Eviction, ValueMerge};
@@ -382,7 +382,7 @@ impl UnitStore {
                 let heads = queries.nrows() as f64;
                 for query in queries.rows() {
                     let weights = attention(query, keys.view(), held, *softmax);
-                    merging.attend(held, |j| weights[&j] / heads);
+                    merging.attend(held, weights.into_iter().map(|w| w / heads));
                 }
                 changed
             }
@@ -420,14 +420,14 @@ impl UnitStore {
     }
 }
 
-/// One query's attention over the keys at `held`: `softmax(scale · q·k)` (the logit soft-capped
-/// when the model caps it), by position.
+/// One query's attention over the keys at `held`, in order: `softmax(scale · q·k)` in f64 (the
+/// logit soft-capped when the model caps it), as the replay measures a cache's own attention.
 fn attention(
     query: ArrayView1<f32>,
     keys: ArrayView2<f32>,
     held: &[usize],
     (scale, softcap): (f32, Option<f32>),
-) -> std::collections::HashMap<usize, f64> {
+) -> Vec<f64> {
     let logits: Vec<f64> = held
         .iter()
         .map(|&j| {
@@ -435,10 +435,5 @@ fn attention(
             softcap.map_or(logit, |cap| cap as f64 * (logit / cap as f64).tanh())
         })
         .collect();
-    let max = logits.iter().copied().fold(f64::NEG_INFINITY, f64::max);
-    let total: f64 = logits.iter().map(|l| (l - max).exp()).sum();
-    held.iter()
-        .zip(&logits)
-        .map(|(&j, l)| (j, (l - max).exp() / total))
-        .collect()
+    softmax_f64(&logits)
 }

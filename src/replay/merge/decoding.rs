@@ -163,11 +163,11 @@ impl DecodeMergedValues {
         changed
     }
 
-    /// Adds one decode step's attention over `held` (`weight(j)`, summing to 1 over it) to the
-    /// running sums.
-    pub fn attend(&mut self, held: &[usize], weight: impl Fn(usize) -> f64) {
-        for &j in held {
-            self.attention[j] += weight(j);
+    /// Adds one decode step's attention over `held` (`weights`, one per held position, in
+    /// order, summing to 1) to the running sums.
+    pub fn attend(&mut self, held: &[usize], weights: impl IntoIterator<Item = f64>) {
+        for (&j, weight) in held.iter().zip(weights) {
+            self.attention[j] += weight;
         }
     }
 
@@ -214,7 +214,7 @@ mod tests {
         assert_eq!(rule.probability(&attention, 3, &[8]), 1.0, "x/0");
         let values = Array2::from_shape_fn((10, 2), |(j, i)| (j * 10 + i) as f32);
         let mut held = DecodeMergedValues::new(rule, values.view(), vec![eviction.clone()], (0, 0));
-        held.attend(&[1, 2, 4, 5, 6], |j| attention[j]);
+        held.attend(&[1, 2, 4, 5, 6], [1, 2, 4, 5, 6].map(|j| attention[j]));
         assert!(held.at_step(0, &[1, 2, 3, 4, 5, 6, 9]).is_empty());
         assert_eq!(held.values(), values.view(), "not yet in effect");
         let merged_4 = rule.draw(0, 0, 9, 4) < 0.5;

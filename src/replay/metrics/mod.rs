@@ -657,7 +657,7 @@ fn attend(
     for head in unit.query_heads.clone() {
         let weights = reference.weights(head, step, position);
         let mass: f64 = kept.iter().map(|&j| weights[j] as f64).sum();
-        merging.attend(kept, |j| weights[j] as f64 / mass / heads);
+        merging.attend(kept, kept.iter().map(|&j| weights[j] as f64 / mass / heads));
     }
 }
 
