@@ -712,6 +712,81 @@ fn a_policy_that_fails_while_running_fails_alone() {
     assert!(message.contains("1 of 1 runs failed"), "{message}");
 }
 
+/// An experiment's essential work counts one prefill for the full run and one per run that evicts
+/// while the prompt runs, every run's teacher-forced and free-running steps, and the multiply-adds
+/// of each as counted by hand from the model's shape; `kvreplay bench --essential` prints it, and
+/// refuses an open-loop experiment.
+#[test]
+fn an_experiments_essential_work_counts_its_prefills_and_decode_steps() {
+    model();
+    let dir = with_capital_recipe();
+    let experiment = "traces = [\"capital.toml\"]\nbudgets = [8, 24]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\nwindow = 4\n\
+         [[policy]]\nname = \"streamingllm\"\npreset = \"streamingllm\"\n";
+    std::fs::write(dir.path().join("c.toml"), experiment).unwrap();
+    let bench = |file: &str| {
+        assert_cmd::Command::cargo_bin("kvreplay")
+            .unwrap()
+            .current_dir(dir.path())
+            .args(["bench", "--essential", file])
+            .assert()
+    };
+    let printed = bench("c.toml").success();
+    let table = String::from_utf8(printed.get_output().stdout.clone()).unwrap();
+    let prompt = capital();
+    let row = format!(
+        "capital.safetensors ({}, {} prompt tokens): 4 live runs, 3 prefills, 32 decode steps a run",
+        model().spec().name,
+        prompt.ids.len()
+    );
+    assert!(table.contains(&row), "{table}");
+    assert!(
+        table.contains("c.toml: 4 live runs on 1 recipes, 3 prefills"),
+        "{table}"
+    );
+
+    // The same experiment, its recipe named by its full path, through the library.
+    let recipe = dir.path().join("capital.toml");
+    let path = dir.path().join("absolute.toml");
+    let absolute = experiment.replace("capital.toml", &recipe.display().to_string());
+    std::fs::write(&path, absolute).unwrap();
+    let parsed = kvreplay::experiment::Experiment::load(&path).unwrap();
+    let traces = parsed.trace_files(None).unwrap();
+    let (work, peak) = kvreplay::bench::experiment_work((&path, &parsed), &traces).unwrap();
+    assert!(peak > 0.0);
+    let spec = model().spec();
+    let weights = model().weight_products_per_token().unwrap();
+    let (n, steps) = (prompt.ids.len(), 32);
+    let attention = |position: usize| {
+        (2 * spec.n_heads * spec.head_dim * spec.n_layers * (position + 1)) as f64
+    };
+    let prefill: f64 = weights.output as f64
+        + (0..n)
+            .map(|t| weights.blocks as f64 + attention(t))
+            .sum::<f64>();
+    let row: f64 = (n..n + steps)
+        .map(|t| (weights.blocks + weights.output) as f64 + attention(t))
+        .sum();
+    let (prefills, decode) = work[0].multiply_adds.unwrap();
+    assert!(
+        ((prefills - 3.0 * prefill) / prefills).abs() < 1e-12,
+        "{prefills} {prefill}"
+    );
+    assert!(
+        ((decode - 4.0 * row) / decode).abs() < 1e-12,
+        "{decode} {row}"
+    );
+
+    std::fs::write(
+        dir.path().join("open.toml"),
+        experiment.replace("closed_loop = true", "closed_loop = false"),
+    )
+    .unwrap();
+    bench("open.toml").code(2).stderr(predicates::str::contains(
+        "open.toml: `closed_loop` is not true: the essential work counts an experiment's live runs",
+    ));
+}
+
 /// The capital recipe's kept prompt positions under `recency` with 4 sinks at a budget of 16:
 /// the sinks and the last 12, in every layer and head.
 fn recency_16(prompt_len: usize) -> (PolicyParams, Vec<usize>) {

@@ -5,12 +5,15 @@
 //! step of one.
 
 use super::BenchError;
-use crate::capture::{build_prompt, load_model, CaptureError};
-use crate::live::{Batching, LiveError, LiveSession};
+use crate::capture::{build_prompt, build_questions, load_model, CaptureError};
+use crate::experiment::{Experiment, TraceFile};
+use crate::live::{prefills_on_its_own, Batching, LiveSession};
 use crate::model::{CausalLm, Evicted, KvCache, ModelSpec, Row, WeightProducts};
+use crate::recipe::Recipe;
 use crate::replay::{presets, PolicyError, ValidPolicy};
+use crate::trace::TraceReader;
 use candle_core::{Device, Tensor};
-use std::path::Path;
+use std::path::{Path, PathBuf};
 use std::time::Instant;
 
 /// The presets the closed-loop rows run, at one budget: every timing, prompt-time evictions
@@ -90,17 +93,12 @@ impl EssentialWork {
     }
 }
 
-fn model_error(error: impl Into<LiveError>) -> BenchError {
-    BenchError::Reference(error.into().to_string())
-}
-
 /// Measures `recipe` (a needle recipe, captured or not: it runs live).
 pub fn closed_loop_speed(recipe: &Path) -> Result<ClosedLoopSpeed, BenchError> {
     let model = load_model_of(recipe)?;
-    let prompt = build_prompt(recipe, model.as_ref()).map_err(capture_error)?;
+    let prompt = build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
-    let session =
-        LiveSession::start(model.as_ref(), &prompt, 512, &scratch).map_err(model_error)?;
+    let session = LiveSession::start(model.as_ref(), &prompt, 512, &scratch)?;
     let policies = PRESETS
         .iter()
         .map(|name| presets::preset(name, BUDGET)?.check())
@@ -164,6 +162,82 @@ fn essential_work(
     })
 }
 
+/// One recipe's part of an experiment's closed-loop essential work: its full run's prefill and
+/// one prefill per run that prefills on its own, and every run's decode steps.
+#[derive(Debug, Clone)]
+pub struct RecipeWork {
+    /// The trace captured from the recipe (one per question).
+    pub trace: PathBuf,
+    /// The model's name.
+    pub model: String,
+    /// Prompt tokens.
+    pub prompt_tokens: usize,
+    /// Live runs (policies × budgets).
+    pub runs: usize,
+    /// Prefills: the full run's, and one per run that prefills on its own.
+    pub prefills: usize,
+    /// Decode steps of each run (teacher-forced and free-running).
+    pub steps: usize,
+    /// Multiply-adds of the prefills and of the runs' decode steps; `None` where the model's
+    /// family does not count its weights.
+    pub multiply_adds: Option<(f64, f64)>,
+}
+
+/// The closed-loop essential work of `experiment`'s live runs on `traces` (captured): per trace,
+/// as [`RecipeWork`] counts it, and the model-shaped product peak (GFLOP/s) measured now, which
+/// turns multiply-adds into seconds.
+pub fn experiment_work(
+    (path, experiment): (&Path, &Experiment),
+    traces: &[TraceFile],
+) -> Result<(Vec<RecipeWork>, f64), BenchError> {
+    if !experiment.closed_loop {
+        return Err(BenchError::NotClosedLoop(path.to_owned()));
+    }
+    let plan = experiment.plan(traces);
+    let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
+    let mut work = Vec::with_capacity(traces.len());
+    for trace in traces {
+        let recipe = trace.recipe.as_deref().expect("a closed loop runs recipes");
+        let name = Recipe::load(recipe)
+            .map_err(CaptureError::from)?
+            .0
+            .model()
+            .to_owned();
+        if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
+            model = Some((name.clone(), load_model(&name)?));
+        }
+        let loaded = model.as_ref().map(|(_, m)| m.as_ref()).expect("loaded");
+        let questions = build_questions(recipe, loaded)?;
+        let prompt = &questions.prompts[trace.question.unwrap_or(0)];
+        let reader = TraceReader::open(&trace.path)?;
+        let policies = plan
+            .iter()
+            .filter(|run| run.trace == trace.path)
+            .map(|run| experiment.check(&run.params))
+            .collect::<Result<Vec<ValidPolicy>, _>>()?;
+        let own = policies
+            .iter()
+            .filter(|p| prefills_on_its_own(reader.meta(), p))
+            .count();
+        let steps = 2 * prompt.generate;
+        let multiply_adds = loaded.weight_products_per_token().map(|weights| {
+            let (prefill, row, _) =
+                multiply_adds(weights, loaded.spec(), (prompt.ids.len(), steps));
+            ((1 + own) as f64 * prefill, policies.len() as f64 * row)
+        });
+        work.push(RecipeWork {
+            trace: trace.path.clone(),
+            model: loaded.spec().name.clone(),
+            prompt_tokens: prompt.ids.len(),
+            runs: policies.len(),
+            prefills: 1 + own,
+            steps,
+            multiply_adds,
+        });
+    }
+    Ok((work, product_peak()))
+}
+
 /// Multiply-adds of one prefill of `prompt` tokens, of one row's `steps` decode steps after it,
 /// and of one decode step right after the prompt: the weight products (the logits of a
 /// prefill's last token only, of every decode step) and each query's q·k and weights·v over
@@ -213,14 +287,9 @@ fn product_peak() -> f64 {
     best
 }
 
-fn capture_error(error: CaptureError) -> BenchError {
-    BenchError::Reference(error.to_string())
-}
-
 fn load_model_of(recipe: &Path) -> Result<Box<dyn CausalLm + Send>, BenchError> {
-    let (parsed, _) =
-        crate::recipe::Recipe::load(recipe).map_err(|e| capture_error(CaptureError::from(e)))?;
-    load_model(parsed.model()).map_err(capture_error)
+    let (parsed, _) = Recipe::load(recipe).map_err(CaptureError::from)?;
+    Ok(load_model(parsed.model())?)
 }
 
 /// Seconds for `policies` decoded one at a time, then as `batched` says; fails unless both give
@@ -231,19 +300,13 @@ fn side_by_side(
     batched: Batching,
 ) -> Result<(f64, f64), BenchError> {
     let started = Instant::now();
-    let alone = session
-        .run_batched(policies, Batching::ONE_AT_A_TIME)
-        .map_err(model_error)?;
+    let alone = session.run_batched(policies, Batching::ONE_AT_A_TIME)?;
     let unbatched = started.elapsed().as_secs_f64();
     let started = Instant::now();
-    let together = session
-        .run_batched(policies, batched)
-        .map_err(model_error)?;
+    let together = session.run_batched(policies, batched)?;
     let batched = started.elapsed().as_secs_f64();
     if alone != together {
-        return Err(BenchError::Reference(
-            "the batched closed loop's reports differ from the unbatched ones".into(),
-        ));
+        return Err(BenchError::BatchedDiffers);
     }
     Ok((unbatched, batched))
 }

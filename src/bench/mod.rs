@@ -6,7 +6,9 @@
 
 use crate::assets::{AssetError, Assets};
 use crate::attention::{scaled_product, softmax_into, CausalLogits, PackedKeys};
+use crate::capture::CaptureError;
 use crate::live::streams::{AttentionShape, LiveStreams};
+use crate::live::LiveError;
 use crate::model::{AttentionMask, CausalLm, KvCache, Llama, ModelError, Recorder};
 use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
@@ -22,11 +24,12 @@ mod closed_loop;
 pub mod heap;
 mod oneshot;
 mod table;
+pub use closed_loop::{experiment_work, RecipeWork};
 pub use oneshot::{
     essential_work, oneshot_grid, oneshot_numpy, oneshot_policy, timed_against_essential,
     EssentialWork, GridTiming, ONESHOT_POLICIES, TIMED_RUNS,
 };
-pub use table::{measure, BenchRun};
+pub use table::{essential_rows, measure, BenchRun};
 
 /// What can stop the bench.
 #[derive(Debug, thiserror::Error)]
@@ -47,6 +50,24 @@ pub enum BenchError {
     /// A trace could not be opened.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// A recipe could not be read or its model loaded.
+    #[error(transparent)]
+    Capture(#[from] CaptureError),
+    /// A live run failed (boxed: it is the largest error).
+    #[error(transparent)]
+    Live(Box<LiveError>),
+    /// The batched closed loop's reports differ from the unbatched ones.
+    #[error("the batched closed loop's reports differ from the unbatched ones")]
+    BatchedDiffers,
+    /// The essential work was asked of an experiment that runs nothing live.
+    #[error("{0}: `closed_loop` is not true: the essential work counts an experiment's live runs")]
+    NotClosedLoop(PathBuf),
+}
+
+impl From<LiveError> for BenchError {
+    fn from(error: LiveError) -> Self {
+        Self::Live(Box::new(error))
+    }
 }
 
 /// The NumPy reference's grid: its time and how far its retained mass is from kvreplay's.

@@ -12,8 +12,9 @@ use std::path::{Path, PathBuf};
 /// What one bench run measures (the `kvreplay bench` flags).
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchRun {
-    /// The trace (niah-2k).
-    pub trace: PathBuf,
+    /// The trace (niah-2k); not needed with --closed-loop or --essential.
+    #[arg(required_unless_present_any = ["closed_loop", "essential"])]
+    pub trace: Option<PathBuf>,
     /// A long trace (traces/gemma3/niah-32k-d50.safetensors): its causal prefix pass against
     /// the matmul peak, one replay each of SnapKV, the H2O prompt-end cut and the per-step
     /// oracle, the streaming cost per token and the memory of one replay.
@@ -43,6 +44,12 @@ pub struct BenchRun {
     /// separated, e.g. traces/needle/niah-1k-d50.toml,traces/gemma3/niah-4k-d50.toml).
     #[arg(long, value_delimiter = ',')]
     pub closed_loop: Vec<PathBuf>,
+    /// Measure only the essential work of a closed-loop experiment's live runs on this machine
+    /// (its traces captured first where missing): per recipe, one prefill per distinct
+    /// prompt-time cache and every run's decode steps, at a model-shaped product's peak measured
+    /// now. Runs nothing live: the floor to hold `kvreplay sweep`'s time against.
+    #[arg(long, value_name = "EXPERIMENT", conflicts_with = "closed_loop")]
+    pub essential: Option<PathBuf>,
 }
 
 /// Runs every measurement of `run`, telling `progress` which one starts.
@@ -50,7 +57,11 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     if !run.closed_loop.is_empty() {
         return closed_loop_rows(&run.closed_loop, progress);
     }
-    let (trace_path, long) = (run.trace.as_path(), run.long.as_deref());
+    let trace_path = run
+        .trace
+        .as_deref()
+        .expect("clap requires it without --closed-loop");
+    let long = run.long.as_deref();
     let (budgets, oneshot_budgets) = (&run.budgets, &run.oneshot_budgets);
     let python = if run.no_numpy {
         None
@@ -391,5 +402,61 @@ fn closed_loop_rows(recipes: &[PathBuf], progress: &dyn Fn(&str)) -> Result<Tabl
             format!("{one:.1} | {all:.1} = {:.1}× one row{essential}", all / one),
         ]);
     }
+    Ok(table)
+}
+
+/// The essential work of `experiment` (read from `path`) on its `traces`: a row per trace, then
+/// the whole, in seconds at the product peak measured now.
+pub fn essential_rows(
+    (path, experiment): (&Path, &crate::experiment::Experiment),
+    traces: &[crate::experiment::TraceFile],
+) -> Result<Table, BenchError> {
+    let (work, peak) = super::closed_loop::experiment_work((path, experiment), traces)?;
+    let seconds = |macs: f64| 2.0 * macs / (peak * 1e9);
+    let mut table = Table::new(["measure", "value"]);
+    table.push(["threads".into(), rayon::current_num_threads().to_string()]);
+    table.push([
+        "model-shaped product peak (512×1024·1024×2048, every thread)".into(),
+        format!("{peak:.1} GFLOP/s"),
+    ]);
+    let (mut runs, mut prefills, mut total) = (0, 0, (0.0, 0.0));
+    for recipe in &work {
+        let what = format!(
+            "{} ({}, {} prompt tokens): {} live runs, {} prefills, {} decode steps a run",
+            recipe.trace.display(),
+            recipe.model,
+            recipe.prompt_tokens,
+            recipe.runs,
+            recipe.prefills,
+            recipe.steps
+        );
+        let value = match recipe.multiply_adds {
+            Some((prefill, decode)) => {
+                let (prefill, decode) = (seconds(prefill), seconds(decode));
+                total = (total.0 + prefill, total.1 + decode);
+                format!(
+                    "{:.1} s ({prefill:.1} s prefills, {decode:.1} s decode)",
+                    prefill + decode
+                )
+            }
+            None => "not counted: the model's family does not count its weights".into(),
+        };
+        (runs, prefills) = (runs + recipe.runs, prefills + recipe.prefills);
+        table.push([what, value]);
+    }
+    let whole = total.0 + total.1;
+    table.push([
+        format!(
+            "{}: {runs} live runs on {} recipes, {prefills} prefills",
+            path.display(),
+            work.len()
+        ),
+        format!(
+            "{whole:.0} s = {:.1} min ({:.0} s prefills, {:.0} s decode)",
+            whole / 60.0,
+            total.0,
+            total.1
+        ),
+    ]);
     Ok(table)
 }

@@ -237,6 +237,14 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
 
 /// The bench's table, with the measurement under way shown on a terminal.
 pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
+    if let Some(path) = &run.essential {
+        let experiment = Experiment::load(path)?;
+        let traces = experiment_traces(&experiment, true)?;
+        let spinner = spinner("essential work");
+        let table = kvreplay::bench::essential_rows((path, &experiment), &traces)?;
+        spinner.finish_and_clear();
+        return Ok(table.render(Format::Markdown));
+    }
     let spinner = spinner("bench");
     let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
     spinner.finish_and_clear();

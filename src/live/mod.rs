@@ -63,7 +63,7 @@ use crate::replay::{
     compressed_layers, layer_budgets, protocol_view, replay_keeping, Granularity, Kept,
     PolicyError, Protocol, ReplayReport, Storage, Timing, ValidPolicy,
 };
-use crate::trace::{LayerTensors, StorageDtype, TraceReader};
+use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
 use drift::CompressedLayers;
 use rayon::prelude::*;
@@ -567,10 +567,9 @@ impl<'m> LiveSession<'m> {
         Ok(logits)
     }
 
-    /// Whether `policy`, batched, runs the prompt on its own instead of starting from the full
-    /// run's prefill: it evicts while the prompt runs, or streams over a sliding-window layer.
+    /// Whether `policy`, batched, runs the prompt on its own (see [`prefills_on_its_own`]).
     pub fn prefills_on_its_own(&self, policy: &ValidPolicy) -> bool {
-        policy.params().timing != Timing::Prefill && !self.prefill_is_shareable(policy)
+        prefills_on_its_own(self.trace.meta(), policy)
     }
 
     /// Where `policy` cuts the prompt: its end, or under the question-agnostic protocol where
@@ -580,16 +579,9 @@ impl<'m> LiveSession<'m> {
         Ok(view.map_or(self.trace.meta().prompt_len, |view| view.meta().prompt_len))
     }
 
-    /// Whether `policy`'s own prefill is the full run's: it evicts nothing while the prompt runs,
-    /// and it compresses no sliding-window layer (whose masked attention sums the window among
-    /// all earlier keys, where the full run's leaves the keys before the window out: the same
-    /// result up to the order of float sums, not bit for bit).
+    /// Whether `policy`'s own prefill is the full run's (see [`prefill_is_shareable`]).
     fn prefill_is_shareable(&self, policy: &ValidPolicy) -> bool {
-        let meta = self.trace.meta();
-        !policy.params().timing.evicts_in_prompt()
-            && compressed_layers(meta, policy)
-                .iter()
-                .all(|&layer| meta.window(layer) == 0)
+        prefill_is_shareable(self.trace.meta(), policy)
     }
 
     /// The streams of a policy that evicts while the model runs, on the layers it compresses,
@@ -849,6 +841,24 @@ impl<'t> RecordedLayers<'t> {
 
 /// A policy's open-loop report and kept sets, and the policy.
 type OpenLoopRun<'p> = ((ReplayReport, Vec<Kept>), &'p ValidPolicy);
+
+/// Whether `policy`, batched on a trace with header `meta`, runs the prompt on its own instead of
+/// starting from the full run's prefill: it evicts while the prompt runs, or streams over a
+/// sliding-window layer. Each such policy costs a prefill of its own.
+pub fn prefills_on_its_own(meta: &TraceMeta, policy: &ValidPolicy) -> bool {
+    policy.params().timing != Timing::Prefill && !prefill_is_shareable(meta, policy)
+}
+
+/// Whether `policy`'s own prefill is the full run's: it evicts nothing while the prompt runs,
+/// and it compresses no sliding-window layer (whose masked attention sums the window among
+/// all earlier keys, where the full run's leaves the keys before the window out: the same
+/// result up to the order of float sums, not bit for bit).
+fn prefill_is_shareable(meta: &TraceMeta, policy: &ValidPolicy) -> bool {
+    !policy.params().timing.evicts_in_prompt()
+        && compressed_layers(meta, policy)
+            .iter()
+            .all(|&layer| meta.window(layer) == 0)
+}
 
 /// Whether a causal mask `[heads, n, past + n]` of a chunk at `past` lets every query see every
 /// position up to its own.
