@@ -47,8 +47,11 @@ fn sweep_writes_report_rows_and_plots_then_resumes() {
     let dir = setup(EXPERIMENT);
     let first = kvreplay(&dir).args(["sweep", "e.toml"]).assert().success();
     let report = String::from_utf8(first.get_output().stdout.clone()).unwrap();
-    assert!(String::from_utf8_lossy(&first.get_output().stderr)
-        .contains("e: 6 runs done, 0 already there"));
+    let said = String::from_utf8_lossy(&first.get_output().stderr);
+    assert!(
+        said.contains("e: 6 runs done, 0 already there, in ") && said.trim_end().ends_with(" s"),
+        "{said}"
+    );
     let results = dir.path().join("results/e");
     for file in [
         "report.md",

@@ -211,6 +211,7 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
             None => experiment.name.clone(),
         };
         let bar = progress_bar(0, &label);
+        let started = std::time::Instant::now();
         let (ran, skipped) = run_sweep(
             &experiment,
             &traces,
@@ -223,7 +224,8 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
             sys::after_sweep_layer(experiment.closed_loop),
         )?;
         bar.finish_and_clear();
-        eprintln!("{label}: {ran} runs done, {skipped} already there");
+        let took = clock(started.elapsed().as_secs_f64());
+        eprintln!("{label}: {ran} runs done, {skipped} already there, in {took}");
     }
     if shard.is_none() {
         let command = format!("kvreplay sweep {}", path.display());
@@ -233,6 +235,17 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// `seconds` as a reader times a run: "12.3 s", "4 min 05 s", "2 h 51 min 03 s".
+fn clock(seconds: f64) -> String {
+    let whole = seconds.round() as u64;
+    let (hours, minutes, rest) = (whole / 3600, whole / 60 % 60, whole % 60);
+    match (hours, minutes) {
+        (0, 0) => format!("{seconds:.1} s"),
+        (0, _) => format!("{minutes} min {rest:02} s"),
+        _ => format!("{hours} h {minutes:02} min {rest:02} s"),
+    }
 }
 
 /// The bench's table, with the measurement under way shown on a terminal.
@@ -249,4 +262,17 @@ pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
     let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
     spinner.finish_and_clear();
     Ok(table.render(Format::Markdown))
+}
+
+#[cfg(test)]
+mod tests {
+    use super::clock;
+
+    #[test]
+    fn a_clock_reads_as_a_reader_times_a_run() {
+        assert_eq!(clock(12.34), "12.3 s");
+        assert_eq!(clock(59.7), "1 min 00 s");
+        assert_eq!(clock(245.0), "4 min 05 s");
+        assert_eq!(clock(2.0 * 3600.0 + 51.0 * 60.0 + 3.4), "2 h 51 min 03 s");
+    }
 }
