@@ -207,35 +207,43 @@ pub fn experiment_work(
             model = Some((name.clone(), load_model(&name)?));
         }
         let loaded = model.as_ref().map(|(_, m)| m.as_ref()).expect("loaded");
-        let questions = build_questions(recipe, loaded)?;
-        let prompt = &questions.prompts[trace.question.unwrap_or(0)];
-        let reader = TraceReader::open(&trace.path)?;
-        let policies = plan
-            .iter()
-            .filter(|run| run.trace == trace.path)
+        let runs = plan.iter().filter(|run| run.trace == trace.path);
+        let policies = runs
             .map(|run| experiment.check(&run.params))
             .collect::<Result<Vec<ValidPolicy>, _>>()?;
-        let own = policies
-            .iter()
-            .filter(|p| prefills_on_its_own(reader.meta(), p))
-            .count();
-        let steps = 2 * prompt.generate;
-        let multiply_adds = loaded.weight_products_per_token().map(|weights| {
-            let (prefill, row, _) =
-                multiply_adds(weights, loaded.spec(), (prompt.ids.len(), steps));
-            ((1 + own) as f64 * prefill, policies.len() as f64 * row)
-        });
-        work.push(RecipeWork {
-            trace: trace.path.clone(),
-            model: loaded.spec().name.clone(),
-            prompt_tokens: prompt.ids.len(),
-            runs: policies.len(),
-            prefills: 1 + own,
-            steps,
-            multiply_adds,
-        });
+        work.push(recipe_work(trace, loaded, &policies)?);
     }
     Ok((work, product_peak()))
+}
+
+/// What `policies` cost on `trace`'s recipe run live by `model` ([`RecipeWork`]).
+fn recipe_work(
+    trace: &TraceFile,
+    model: &dyn CausalLm,
+    policies: &[ValidPolicy],
+) -> Result<RecipeWork, BenchError> {
+    let recipe = trace.recipe.as_deref().expect("a closed loop runs recipes");
+    let questions = build_questions(recipe, model)?;
+    let prompt = &questions.prompts[trace.question.unwrap_or(0)];
+    let reader = TraceReader::open(&trace.path)?;
+    let own = policies
+        .iter()
+        .filter(|p| prefills_on_its_own(reader.meta(), p))
+        .count();
+    let steps = 2 * prompt.generate;
+    let multiply_adds = model.weight_products_per_token().map(|weights| {
+        let (prefill, row, _) = multiply_adds(weights, model.spec(), (prompt.ids.len(), steps));
+        ((1 + own) as f64 * prefill, policies.len() as f64 * row)
+    });
+    Ok(RecipeWork {
+        trace: trace.path.clone(),
+        model: model.spec().name.clone(),
+        prompt_tokens: prompt.ids.len(),
+        runs: policies.len(),
+        prefills: 1 + own,
+        steps,
+        multiply_adds,
+    })
 }
 
 /// Multiply-adds of one prefill of `prompt` tokens, of one row's `steps` decode steps after it,
