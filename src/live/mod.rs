@@ -464,7 +464,7 @@ impl<'m> LiveSession<'m> {
     /// `policy` at the prompt's end. A `prefill` cut masks its evicted positions in the full
     /// run's prefilled cache. A policy that streams or re-selects only once decoding starts
     /// shares that cache too when `share_prefill` and its prefill
-    /// [is the full run's](Self::prefill_is_shareable), its streams fed the full run's recorded
+    /// [is the full run's](prefill_is_shareable), its streams fed the full run's recorded
     /// prompt vectors (the ones its own prefill makes); any other prefills on its own, its
     /// streams holding the model's cache.
     fn prompt_end<'s>(
@@ -498,7 +498,7 @@ impl<'m> LiveSession<'m> {
             let mut mask = stored(PolicyMask::Fixed(evicted), cut, cut)?;
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
-        } else if share_prefill && self.prefill_is_shareable(policy) {
+        } else if share_prefill && prefill_is_shareable(meta, policy) {
             let mut streams = self.streams(policy, cut)?;
             self.feed_prompt(&mut streams, &compressed, recorded, cut)?;
             let mut mask = stored(PolicyMask::Streams(streams), cut, cut)?;
@@ -577,11 +577,6 @@ impl<'m> LiveSession<'m> {
     fn cut(&self, policy: &ValidPolicy) -> Result<usize, LiveError> {
         let view = protocol_view(&self.trace, policy)?;
         Ok(view.map_or(self.trace.meta().prompt_len, |view| view.meta().prompt_len))
-    }
-
-    /// Whether `policy`'s own prefill is the full run's (see [`prefill_is_shareable`]).
-    fn prefill_is_shareable(&self, policy: &ValidPolicy) -> bool {
-        prefill_is_shareable(self.trace.meta(), policy)
     }
 
     /// The streams of a policy that evicts while the model runs, on the layers it compresses,
