@@ -5,10 +5,11 @@
 
 use super::batch::Feed;
 use super::causal_lm::Row;
-use super::mask::{policy_mask, window_mask};
+use super::mask::policy_mask;
+use super::masked_softmax::ChunkMask;
 use super::ops::attend;
 use super::ModelError;
-use candle_core::{Device, Tensor};
+use candle_core::Tensor;
 
 /// The attention geometry of one layer.
 pub(crate) struct LayerAttention {
@@ -71,7 +72,7 @@ fn attend_visible(
     (policy_mask, past): (Option<Vec<f32>>, usize),
     geometry: &LayerAttention,
 ) -> Result<Tensor, ModelError> {
-    let (n_heads, window) = (geometry.n_heads, geometry.window);
+    let window = geometry.window;
     let n = q.dims()[1];
     let total = past + n;
     // Keys before the chunk's first query's window are never seen: leave them out.
@@ -86,20 +87,15 @@ fn attend_visible(
             geometry.layer
         )));
     }
-    let visible = Tensor::from_vec(
-        window_mask(past, n, window, first),
-        (n, total - first),
-        &Device::Cpu,
-    )?;
-    let layer_mask = match policy_mask {
-        Some(values) => {
-            Tensor::from_vec(values, (n_heads, n, total), &Device::Cpu)?.broadcast_add(&visible)?
-        }
-        None => visible,
+    let mask = ChunkMask {
+        policy: policy_mask.as_deref(),
+        past,
+        window,
+        first,
     };
     let keys_t = keys_t.narrow(2, first - start, total - first)?;
     let values = values.narrow(1, first - start, total - first)?;
-    attend(q, &keys_t, &values, &layer_mask, geometry.scale)
+    attend(q, &keys_t, &values, &mask, geometry.scale)
 }
 
 /// [`attend_visible`] of each query of `q` `[n_heads, n, d]` alone, over the positions up to its
@@ -146,6 +142,7 @@ fn query_lines(mask: &[f32], (heads, n, total): (usize, usize, usize), query: us
 mod tests {
     use super::*;
     use crate::model::KvCache;
+    use candle_core::Device;
 
     fn vectors(heads: usize) -> Tensor {
         Tensor::ones((heads, 1, 2), candle_core::DType::F32, &Device::Cpu).unwrap()

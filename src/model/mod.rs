@@ -22,6 +22,7 @@ pub mod family;
 mod gguf;
 pub mod hf;
 mod mask;
+mod masked_softmax;
 mod ops;
 mod product;
 mod prompt;

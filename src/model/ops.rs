@@ -1,6 +1,7 @@
 //! Tensor operations both model families share: RMSNorm, the half-split rotary, head splitting,
 //! and masked softmax attention (grouped-query).
 
+use super::masked_softmax::{masked_softmax, ChunkMask};
 use super::product::rows_product;
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
@@ -67,20 +68,20 @@ pub(crate) fn merge_heads(x: &Tensor) -> Result<Tensor, ModelError> {
 
 /// `softmax(scale * q kᵀ + mask) v` for queries `[heads, n, d]` over keys given transposed,
 /// `[kv_heads, d, P]`, and values `[kv_heads, P, d]` (grouped-query attention: query head `h`
-/// reads KV head `h / group`), with an additive mask broadcast to `[heads, n, P]`. Each query
-/// head is one product against its KV head's keys as the cache holds them: the same products,
-/// term for term, as repeating the keys and values to every query head (`repeat_kv`) and
-/// multiplying in one batch, without copying the cache once per query head.
+/// reads KV head `h / group`), under the chunk's mask. Each query head is one product against
+/// its KV head's keys as the cache holds them: the same products, term for term, as repeating
+/// the keys and values to every query head (`repeat_kv`) and multiplying in one batch, without
+/// copying the cache once per query head.
 pub(crate) fn attend(
     q: &Tensor,
     keys_t: &Tensor,
     values: &Tensor,
-    mask: &Tensor,
+    mask: &ChunkMask<'_>,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
     let (heads, n, _) = q.dims3()?;
     if n == 1 {
-        return attend_one_query(q, keys_t, values, mask, scale);
+        return attend_one_query(q, keys_t, values, &mask.tensor(heads, n)?, scale);
     }
     let kv_heads = keys_t.dims()[0];
     let group = heads / kv_heads;
@@ -89,12 +90,8 @@ pub(crate) fn attend(
         let keys_t = keys_t.narrow(0, kv, 1)?;
         let values = values.narrow(0, kv, 1)?;
         for head in kv * group..(kv + 1) * group {
-            let mask = match mask.rank() {
-                3 => mask.narrow(0, head, 1)?,
-                _ => mask.clone(),
-            };
-            let logits = (q.narrow(0, head, 1)?.matmul(&keys_t)? * scale)?.broadcast_add(&mask)?;
-            outputs.push(softmax(&logits)?.matmul(&values)?);
+            let logits = q.narrow(0, head, 1)?.matmul(&keys_t)?;
+            outputs.push(masked_softmax(&logits, scale, mask, head)?.matmul(&values)?);
         }
     }
     Ok(Tensor::cat(&outputs, 0)?)
@@ -213,15 +210,26 @@ mod tests {
             tensor(&v, (kv_heads, positions, dim)),
         );
         let shape = (heads, kv_heads, n, positions, dim);
-        let broadcast = Tensor::from_vec(causal.clone(), (n, positions), &Device::Cpu).unwrap();
+        let causal_only = ChunkMask {
+            policy: None,
+            past: positions - n,
+            window: 0,
+            first: 0,
+        };
         let masks = [
             (
-                broadcast,
+                causal_only,
                 (0..heads)
                     .flat_map(|_| causal.clone())
                     .collect::<Vec<f32>>(),
             ),
-            (tensor(&per_head, (heads, n, positions)), per_head.clone()),
+            (
+                ChunkMask {
+                    policy: Some(&per_head),
+                    ..causal_only
+                },
+                per_head.clone(),
+            ),
         ];
         for (mask, flat) in masks {
             let got: Vec<f32> = attend(&qt, &kt, &vt, &mask, 0.5)
@@ -301,9 +309,18 @@ mod tests {
                 Tensor::from_vec(wave(heads * dim, 0.7), (heads, 1, dim), &Device::Cpu).unwrap();
             let mut per_head = vec![0.0f32; heads * positions];
             per_head[3 * positions + 5] = f32::NEG_INFINITY;
+            let unmasked = ChunkMask {
+                policy: None,
+                past: positions - 1,
+                window: 0,
+                first: 0,
+            };
             let masks = [
-                Tensor::zeros((1, positions), candle_core::DType::F32, &Device::Cpu).unwrap(),
-                Tensor::from_vec(per_head, (heads, 1, positions), &Device::Cpu).unwrap(),
+                unmasked,
+                ChunkMask {
+                    policy: Some(&per_head),
+                    ..unmasked
+                },
             ];
             for mask in masks {
                 let got: Vec<f32> = attend(&q, &keys_t, &values, &mask, 0.125)
@@ -314,7 +331,7 @@ mod tests {
                     .unwrap();
                 assert_eq!(
                     got,
-                    head_by_head(&q, &keys_t, &values, &mask),
+                    head_by_head(&q, &keys_t, &values, &mask.tensor(heads, 1).unwrap()),
                     "{positions} positions"
                 );
             }

@@ -62,7 +62,10 @@ pub(crate) fn rows_product(
 
 /// `f` of the rows of 2-D `t` in memory (from its first element) and their stride, where its
 /// columns are adjacent (a row-major matrix or a slice of its rows or columns); `None` otherwise.
-fn with_rows<R>(t: &Tensor, f: impl FnOnce(&[f32], usize) -> R) -> Result<Option<R>, ModelError> {
+pub(crate) fn with_rows<R>(
+    t: &Tensor,
+    f: impl FnOnce(&[f32], usize) -> R,
+) -> Result<Option<R>, ModelError> {
     let (rows, columns) = t.dims2()?;
     let (storage, layout) = t.storage_and_layout();
     let stride = layout.stride();

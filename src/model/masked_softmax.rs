@@ -1,0 +1,216 @@
+//! The softmax of a chunk's attention logits under its mask, in one pass over each query's line:
+//! the window's and the policy's masks read where they lie, never added into a mask of their own,
+//! and the scale, mask, maximum and exponential of each logit computed as candle's chain of
+//! tensor operations computes them, bit for bit. A long prompt's prefill under a policy that
+//! evicts while it runs attends every query over every earlier key; the chain's six passes over
+//! `[n, P]` logits per head, each with its own allocation, cost it as much as its products.
+
+use super::product::with_rows;
+use super::ModelError;
+use candle_core::{Device, Tensor, D};
+
+/// Which cached positions `first..past + n` each query of a chunk at positions `past..past + n`
+/// attends over: those within the layer's window ([`window_mask`](super::mask::window_mask)) to
+/// which the policy's additive mask, when one decides, adds its own.
+#[derive(Debug, Clone, Copy)]
+pub(crate) struct ChunkMask<'a> {
+    /// The policy's mask `[heads, n, past + n]` (0 where a query attends, −∞ elsewhere).
+    pub policy: Option<&'a [f32]>,
+    /// The positions cached before the chunk.
+    pub past: usize,
+    /// The layer's window, its own position included (0: global).
+    pub window: usize,
+    /// The first cached position the chunk's queries read.
+    pub first: usize,
+}
+
+impl ChunkMask<'_> {
+    /// The columns `first..past + n` a line of the chunk's logits spans.
+    fn columns(&self, n: usize) -> usize {
+        self.past + n - self.first
+    }
+
+    /// The columns of query `row`'s line within its window: `lo..=hi`.
+    fn window_of(&self, row: usize) -> (usize, usize) {
+        let position = self.past + row;
+        let lo = match self.window {
+            0 => self.first,
+            window => (position + 1).saturating_sub(window).max(self.first),
+        };
+        (lo - self.first, position - self.first)
+    }
+
+    /// The additive mask as a tensor, the window's `[n, columns]` broadcast to the policy's
+    /// `[heads, n, columns]` when it decides (the masks a one-query step attends with).
+    pub fn tensor(&self, heads: usize, n: usize) -> Result<Tensor, ModelError> {
+        let columns = self.columns(n);
+        let window = super::mask::window_mask(self.past, n, self.window, self.first);
+        let window = Tensor::from_vec(window, (n, columns), &Device::Cpu)?;
+        Ok(match self.policy {
+            Some(policy) => {
+                let policy = policy_columns(policy, (heads, n, self.past + n), self.first);
+                Tensor::from_vec(policy, (heads, n, columns), &Device::Cpu)?
+                    .broadcast_add(&window)?
+            }
+            None => window,
+        })
+    }
+}
+
+/// The policy's mask `[heads, n, total]` from column `first` on.
+fn policy_columns(
+    policy: &[f32],
+    (heads, n, total): (usize, usize, usize),
+    first: usize,
+) -> Vec<f32> {
+    (0..heads * n)
+        .flat_map(|line| &policy[line * total + first..(line + 1) * total])
+        .copied()
+        .collect()
+}
+
+/// `softmax(scale · logits + mask)` over the last axis for query head `head`'s logits
+/// `[1, n, columns]`: what `((logits * scale) + mask)`, its maximum subtracted, exponentiated
+/// and divided by its sum, gives in candle, bit for bit (the sum and the division are candle's).
+pub(crate) fn masked_softmax(
+    logits: &Tensor,
+    scale: f64,
+    mask: &ChunkMask<'_>,
+    head: usize,
+) -> Result<Tensor, ModelError> {
+    let (_, n, columns) = logits.dims3()?;
+    let lines = logits.squeeze(0)?.contiguous()?;
+    let weights = with_rows(&lines, |data, stride| {
+        let mut weights = vec![0.0f32; n * columns];
+        for (row, line) in weights.chunks_exact_mut(columns).enumerate() {
+            let policy = mask.policy.map(|policy| {
+                let total = mask.past + n;
+                &policy[(head * n + row) * total + mask.first..][..columns]
+            });
+            exponentiate(
+                &data[row * stride..][..columns],
+                line,
+                (scale, policy),
+                mask.window_of(row),
+            );
+        }
+        weights
+    })?;
+    let Some(weights) = weights else {
+        return Err(ModelError::Mask(
+            "attention logits outside CPU memory".into(),
+        ));
+    };
+    let weights = Tensor::from_vec(weights, (1, n, columns), &Device::Cpu)?;
+    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
+}
+
+/// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's
+/// mask (0 on columns `lo..=hi`, −∞ elsewhere), plus the policy's entry first when it decides,
+/// as candle's affine map and broadcast additions compute them.
+fn exponentiate(
+    logits: &[f32],
+    out: &mut [f32],
+    (scale, policy): (f64, Option<&[f32]>),
+    (lo, hi): (usize, usize),
+) {
+    let scale = scale as f32;
+    let mut max = f32::NEG_INFINITY;
+    for (column, (x, logit)) in out.iter_mut().zip(logits).enumerate() {
+        let window = match (lo..=hi).contains(&column) {
+            true => 0.0,
+            false => f32::NEG_INFINITY,
+        };
+        let added = match policy {
+            Some(policy) => policy[column] + window,
+            None => window,
+        };
+        *x = (logit * scale + 0.0) + added;
+        max = max.max(*x);
+    }
+    for x in out.iter_mut() {
+        *x = (*x - max).exp();
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    /// The chain of tensor operations the fused pass stands for.
+    fn by_candle(logits: &Tensor, scale: f64, mask: &Tensor) -> Vec<f32> {
+        let logits = (logits * scale).unwrap().broadcast_add(mask).unwrap();
+        let max = logits.max_keepdim(D::Minus1).unwrap();
+        let weights = logits.broadcast_sub(&max).unwrap().exp().unwrap();
+        let weights = weights
+            .broadcast_div(&weights.sum_keepdim(D::Minus1).unwrap())
+            .unwrap();
+        weights.flatten_all().unwrap().to_vec1().unwrap()
+    }
+
+    #[test]
+    fn the_fused_pass_is_candles_chain_bit_for_bit() {
+        // Lines shorter and longer than the sum's 32-wide lanes, global and sliding windows, a
+        // chunk after cached positions, with and without a policy that masks scattered keys.
+        let heads = 3;
+        for (past, n, window, first) in
+            [(0, 5, 0, 0), (37, 9, 0, 0), (70, 40, 16, 54), (90, 6, 8, 0)]
+        {
+            let total = past + n;
+            let columns = total - first;
+            let policy: Vec<f32> = (0..heads * n * total)
+                .map(|i| match (i * 7919) % 5 {
+                    0 => f32::NEG_INFINITY,
+                    _ => 0.0,
+                })
+                .collect();
+            for policy in [None, Some(policy.as_slice())] {
+                let mask = ChunkMask {
+                    policy,
+                    past,
+                    window,
+                    first,
+                };
+                let reference = mask.tensor(heads, n).unwrap();
+                for head in 0..heads {
+                    let logits: Vec<f32> = (0..n * columns)
+                        .map(|i| ((i * 31 + head * 7) as f32 * 0.173).sin() * 9.0)
+                        .collect();
+                    let logits = Tensor::from_vec(logits, (1, n, columns), &Device::Cpu).unwrap();
+                    let head_mask = match policy {
+                        Some(_) => reference.narrow(0, head, 1).unwrap(),
+                        None => reference.clone(),
+                    };
+                    let fused = masked_softmax(&logits, 0.125, &mask, head).unwrap();
+                    let fused: Vec<f32> = fused.flatten_all().unwrap().to_vec1().unwrap();
+                    let want = by_candle(&logits, 0.125, &head_mask);
+                    let bits = |v: &[f32]| v.iter().map(|x| x.to_bits()).collect::<Vec<_>>();
+                    assert_eq!(
+                        bits(&fused),
+                        bits(&want),
+                        "{past} {n} {window} {first} {head}"
+                    );
+                }
+            }
+        }
+    }
+
+    #[test]
+    fn a_window_spans_the_positions_a_query_sees() {
+        let mask = ChunkMask {
+            policy: None,
+            past: 10,
+            window: 4,
+            first: 7,
+        };
+        // Position 10 sees 7..=10; position 12 sees 9..=12; columns count from position 7.
+        assert_eq!(mask.window_of(0), (0, 3));
+        assert_eq!(mask.window_of(2), (2, 5));
+        let global = ChunkMask {
+            window: 0,
+            first: 0,
+            ..mask
+        };
+        assert_eq!(global.window_of(1), (0, 11));
+    }
+}
