@@ -8,6 +8,7 @@
 use super::product::with_rows;
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
+use rayon::prelude::*;
 
 /// Which cached positions `first..past + n` each query of a chunk at positions `past..past + n`
 /// attends over: those within the layer's window ([`window_mask`](super::mask::window_mask)) to
@@ -107,7 +108,9 @@ pub(crate) fn masked_softmax(
 
 /// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's
 /// mask (0 on columns `lo..=hi`, −∞ elsewhere), plus the policy's entry first when it decides,
-/// as candle's affine map and broadcast additions compute them.
+/// as candle's affine map and broadcast additions compute them. A masked entry's `x` is −∞, and
+/// its weight `exp(−∞ − max)` is 0 when any entry is not masked: it is written without the
+/// exponential.
 fn exponentiate(
     logits: &[f32],
     out: &mut [f32],
@@ -115,6 +118,36 @@ fn exponentiate(
     (lo, hi): (usize, usize),
 ) {
     let scale = scale as f32;
+    let mut max = f32::NEG_INFINITY;
+    for column in lo..=hi {
+        let added = match policy {
+            Some(policy) => policy[column] + 0.0,
+            None => 0.0,
+        };
+        out[column] = (logits[column] * scale + 0.0) + added;
+        max = max.max(out[column]);
+    }
+    if max == f32::NEG_INFINITY {
+        return every_column(logits, out, (scale, policy), (lo, hi));
+    }
+    out[..lo].fill(0.0);
+    out[hi + 1..].fill(0.0);
+    for x in &mut out[lo..=hi] {
+        *x = match *x == f32::NEG_INFINITY {
+            true => 0.0,
+            false => (*x - max).exp(),
+        };
+    }
+}
+
+/// [`exponentiate`] term by term, for a line every entry of which is masked (its weights are
+/// candle's NaNs).
+fn every_column(
+    logits: &[f32],
+    out: &mut [f32],
+    (scale, policy): (f32, Option<&[f32]>),
+    (lo, hi): (usize, usize),
+) {
     let mut max = f32::NEG_INFINITY;
     for (column, (x, logit)) in out.iter_mut().zip(logits).enumerate() {
         let window = match (lo..=hi).contains(&column) {
@@ -158,9 +191,10 @@ mod tests {
         {
             let total = past + n;
             let columns = total - first;
+            // Scattered keys masked, and head 1's first query masked whole.
             let policy: Vec<f32> = (0..heads * n * total)
-                .map(|i| match (i * 7919) % 5 {
-                    0 => f32::NEG_INFINITY,
+                .map(|i| match ((i * 7919) % 5, i / total == n) {
+                    (0, _) | (_, true) => f32::NEG_INFINITY,
                     _ => 0.0,
                 })
                 .collect();
