@@ -83,18 +83,17 @@ pub(crate) fn masked_softmax(
     let lines = logits.squeeze(0)?.contiguous()?;
     let weights = with_rows(&lines, |data, stride| {
         let mut weights = vec![0.0f32; n * columns];
-        for (row, line) in weights.chunks_exact_mut(columns).enumerate() {
-            let policy = mask.policy.map(|policy| {
-                let total = mask.past + n;
-                &policy[(head * n + row) * total + mask.first..][..columns]
+        weights
+            .par_chunks_exact_mut(columns)
+            .enumerate()
+            .for_each(|(row, line)| {
+                let policy = mask.policy.map(|policy| {
+                    let total = mask.past + n;
+                    &policy[(head * n + row) * total + mask.first..][..columns]
+                });
+                let logits = &data[row * stride..][..columns];
+                exponentiate(logits, line, (scale, policy), mask.window_of(row));
             });
-            exponentiate(
-                &data[row * stride..][..columns],
-                line,
-                (scale, policy),
-                mask.window_of(row),
-            );
-        }
         weights
     })?;
     let Some(weights) = weights else {
