@@ -128,7 +128,10 @@ fn exponentiate(
         max = max.max(out[column]);
     }
     if max == f32::NEG_INFINITY {
-        return every_column(logits, out, (scale, policy), (lo, hi));
+        // Every entry is masked: candle's `exp(−∞ − (−∞))`, a NaN, on each (computed at run
+        // time, as candle computes it, so that its bits are the same).
+        out.fill((f32::NEG_INFINITY - std::hint::black_box(f32::NEG_INFINITY)).exp());
+        return;
     }
     out[..lo].fill(0.0);
     out[hi + 1..].fill(0.0);
@@ -137,32 +140,6 @@ fn exponentiate(
             true => 0.0,
             false => (*x - max).exp(),
         };
-    }
-}
-
-/// [`exponentiate`] term by term, for a line every entry of which is masked (its weights are
-/// candle's NaNs).
-fn every_column(
-    logits: &[f32],
-    out: &mut [f32],
-    (scale, policy): (f32, Option<&[f32]>),
-    (lo, hi): (usize, usize),
-) {
-    let mut max = f32::NEG_INFINITY;
-    for (column, (x, logit)) in out.iter_mut().zip(logits).enumerate() {
-        let window = match (lo..=hi).contains(&column) {
-            true => 0.0,
-            false => f32::NEG_INFINITY,
-        };
-        let added = match policy {
-            Some(policy) => policy[column] + window,
-            None => window,
-        };
-        *x = (logit * scale + 0.0) + added;
-        max = max.max(*x);
-    }
-    for x in out.iter_mut() {
-        *x = (*x - max).exp();
     }
 }
 
