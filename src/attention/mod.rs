@@ -3,6 +3,7 @@
 //! a numerically stable softmax, entropy. All in f32 with f64 accumulation where sums are long.
 
 mod product;
+mod row_dots;
 mod softmax;
 
 pub use product::{scaled_product, PackedKeys};
@@ -27,7 +28,7 @@ pub fn logits(
     scale: f32,
     softcap: Option<f32>,
 ) -> Vec<f32> {
-    let raw = keys.dot(&query);
+    let raw = row_dots::row_dots(keys, query);
     raw.iter()
         .map(|dot| {
             let logit = dot * scale;

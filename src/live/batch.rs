@@ -4,7 +4,7 @@
 //! row's logits do not depend on its batch, so a batched run's numbers are an unbatched run's,
 //! bit for bit. Free-running rows that stop leave the batch.
 
-use super::drift::{CompressedLayers, LiveMass};
+use super::drift::{CompressedLayers, LiveMass, StartKeys};
 use super::stored::{NotesCompressions, Stored};
 use super::streams::LiveStreams;
 use super::{compare_step, LiveStep};
@@ -145,10 +145,12 @@ pub(super) fn decode<'s>(
     // of a second of one core a row at ~1K on SmolLM2): the rows copy in parallel, here and for
     // the free-running copies below.
     let mut rows = rows;
+    let shared = shared_start_keys(&rows)?;
     let teachers = rows
         .par_iter_mut()
-        .map(|row| teacher(reference, row))
+        .map(|row| teacher(reference, row, &shared))
         .collect::<Result<Vec<_>, _>>()?;
+    drop(shared);
     // What the teacher-forced rows measured; their caches go before the free-running copies come.
     let measured: Vec<(Vec<LiveStep>, Vec<f64>)> = teacher_forced(reference, teachers)?
         .into_iter()
@@ -184,20 +186,49 @@ pub(super) fn decode<'s>(
         .collect())
 }
 
-/// A row's teacher-forced start: a copy of its cache, its mask measuring the live mass, and,
-/// for a policy that evicted while the prompt ran, the prompt's last logits compared already.
-fn teacher<'s>(reference: &Reference<'_>, row: &Started<'s>) -> Result<Teacher<'s>, ModelError> {
+/// The keys of each cache that rows borrow (the full run's), taken once for all of them, with
+/// the cache's address.
+fn shared_start_keys(rows: &[Started<'_>]) -> Result<Vec<(usize, StartKeys)>, ModelError> {
+    let mut shared: Vec<(usize, StartKeys)> = Vec::new();
+    for row in rows {
+        if let Cow::Borrowed(cache) = &row.cache {
+            let address = std::ptr::from_ref(*cache) as usize;
+            if !shared.iter().any(|&(held, _)| held == address) {
+                shared.push((address, StartKeys::new(cache)?));
+            }
+        }
+    }
+    Ok(shared)
+}
+
+/// A row's teacher-forced start: a copy of its cache, its mask measuring the live mass (from
+/// the `shared` keys of the cache it borrows, if it does), and, for a policy that evicted while
+/// the prompt ran, the prompt's last logits compared already.
+fn teacher<'s>(
+    reference: &Reference<'_>,
+    row: &Started<'s>,
+    shared: &[(usize, StartKeys)],
+) -> Result<Teacher<'s>, ModelError> {
     let meta = reference.meta;
     let compressed = crate::replay::compressed_layers(meta, row.policy);
     let windows = compressed.iter().map(|&l| meta.window(l)).collect();
+    let own;
+    let address = std::ptr::from_ref(&*row.cache) as usize;
+    let start = match shared.iter().find(|&&(cache, _)| cache == address) {
+        Some((_, keys)) => keys,
+        None => {
+            own = StartKeys::new(&row.cache)?;
+            &own
+        }
+    };
     let measured = LiveMass::new(
         row.mask.inner().clone(),
-        &row.cache,
+        start,
         (&compressed, windows),
         meta.n_heads / meta.n_kv_heads,
         meta.scale,
         meta.softcap,
-    )?;
+    );
     let mut steps = Vec::with_capacity(reference.tokens.len());
     if row.policy.params().changes_the_prompt() {
         steps.push(compare_step(
@@ -321,8 +352,10 @@ fn free_running<'s>(
 /// running cache (only the windows of the sliding layers it does not compress when its copies
 /// are `windowed`; and the start it copies, whole, when it prefilled on its own), its streams'
 /// vectors twice when it streams (the policy's and the copy that measures its live mass), the
-/// live keys that measure its mass, and a stored cache's own vectors. The teacher-forced cache is
-/// freed before the free-running copy is made.
+/// live keys that measure its mass where it holds its own (a start of its own, or a compressed
+/// sliding-window layer: the rows that start from the full run's cache share its keys), and a
+/// stored cache's own vectors. The teacher-forced cache is freed before the free-running copy is
+/// made.
 pub(super) fn row_bytes(
     meta: &TraceMeta,
     policy: &ValidPolicy,
@@ -344,12 +377,16 @@ pub(super) fn row_bytes(
         })
         .sum();
     let whole = meta.n_layers * entry * capacity;
+    let own_keys = compressed
+        .iter()
+        .filter(|&&layer| own_prefill || meta.window(layer) > 0)
+        .count();
+    let keys = own_keys * kv * d * capacity * F32;
     let compressed = compressed.len();
     let streams = match policy.params().timing {
         crate::replay::Timing::Prefill => 0,
         _ => compressed * (heads + 2 * kv) * d * capacity * F32,
     };
-    let keys = compressed * kv * d * capacity * F32;
     // A stored cache's own copy of its keys and values, in the teacher-forced and the
     // free-running mask.
     let stored = match policy.storage().is_captured() {
@@ -387,21 +424,26 @@ mod tests {
         // A position of one layer: keys and values, 256 f32 each: 2,048 bytes.
         let capacity = 8033;
         let entry = 2048;
+        // The rows that start from the full run's cache share its keys for the live mass; one
+        // that prefilled on its own holds its own.
         let keys = 3 * 1024 * capacity;
         let whole = row_bytes(&meta, &policy, (capacity, false, false));
-        assert_eq!(whole, 18 * entry * capacity + keys);
+        assert_eq!(whole, 18 * entry * capacity);
         let windowed = row_bytes(&meta, &policy, (capacity, false, true));
-        assert_eq!(windowed, (3 * capacity + 15 * (512 + 33)) * entry + keys);
-        // 80 rows: 25.7 GB (24,475 MiB) whole, 7.3 GB (6,925 MiB) windowed.
-        assert_eq!((80 * whole) >> 20, 24_475);
-        assert_eq!((80 * windowed) >> 20, 6_925);
+        assert_eq!(windowed, (3 * capacity + 15 * (512 + 33)) * entry);
+        let own_start = row_bytes(&meta, &policy, (capacity, true, true));
+        assert_eq!(own_start, windowed + 18 * entry * capacity + keys);
+        // 80 rows: 23.7 GB (22,592 MiB) whole, 5.3 GB (5,042 MiB) windowed.
+        assert_eq!((80 * whole) >> 20, 22_592);
+        assert_eq!((80 * windowed) >> 20, 5_042);
         // A policy that compresses every layer keeps them whole.
         let all = PolicyParams {
             layers: crate::replay::Layers::All,
             ..PolicyParams::default()
         };
         let all = all.check().unwrap();
-        let whole_all = 18 * entry * capacity + 18 * 1024 * capacity;
+        // Its sliding-window layers' live keys are its own.
+        let whole_all = 18 * entry * capacity + 15 * 1024 * capacity;
         assert_eq!(row_bytes(&meta, &all, (capacity, false, true)), whole_all);
     }
 }

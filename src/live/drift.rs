@@ -3,8 +3,9 @@
 //! open-loop retained mass of the same layer (the full run's queries over the full run's keys) it
 //! shows, layer by layer, how far the model's own vectors drift once tokens are gone.
 
-use crate::attention::{attend_positions, first_visible};
+use crate::attention::{attend_positions, first_visible, logits, softmax_in_place};
 use crate::model::{AttentionMask, ChunkVectors, KvCache, ModelError, Rewrite};
+use std::sync::Arc;
 
 /// Wraps a policy's mask and adds up per layer the share of each live query head's full causal
 /// attention that its mask keeps.
@@ -16,35 +17,77 @@ pub(crate) struct LiveMass<M> {
     group: usize,
     /// Per layer, its attention window (0: global).
     windows: Vec<usize>,
-    /// Per layer, per KV head, the live keys so far, row after row.
-    keys: Vec<Vec<Vec<f32>>>,
+    /// Per layer, per KV head, the live keys so far.
+    keys: Vec<Vec<HeadKeys>>,
     /// Per layer: the kept share summed over measured rows and heads, and their count.
     sums: Vec<(f64, usize)>,
 }
 
-impl<M> LiveMass<M> {
-    /// Measures `inner` from a model whose cache is `cache` (its keys are the live keys so far)
-    /// on its layers `layers` (numbered 0.. among themselves, as `inner` numbers them) of
-    /// attention windows `windows` (0: global), with `group` query heads per KV head.
-    pub fn new(
-        inner: M,
-        cache: &KvCache,
-        (layers, windows): (&[usize], Vec<usize>),
-        group: usize,
-        scale: f32,
-        softcap: Option<f32>,
-    ) -> Result<Self, ModelError> {
-        let keys = layers
-            .iter()
-            .map(|&layer| {
+/// One KV head's live keys at one layer, row after row: those of the cache the run started
+/// from (shared by every run that starts from it), then the run's own.
+#[derive(Clone, Default)]
+struct HeadKeys {
+    start: Arc<[f32]>,
+    own: Vec<f32>,
+}
+
+/// The keys of a cache, per layer and KV head, row after row: what every live mass measured
+/// from that cache starts with, held once however many runs start from it.
+pub(crate) struct StartKeys {
+    layers: Vec<Vec<Arc<[f32]>>>,
+}
+
+impl StartKeys {
+    /// The keys `cache` holds in every layer.
+    pub fn new(cache: &KvCache) -> Result<Self, ModelError> {
+        let layers = (0..cache.n_layers())
+            .map(|layer| {
                 let keys = cache.keys(layer)?;
                 Ok(keys
                     .outer_iter()
                     .map(|head| head.iter().copied().collect())
                     .collect())
             })
-            .collect::<Result<Vec<Vec<Vec<f32>>>, ModelError>>()?;
-        Ok(Self {
+            .collect::<Result<_, ModelError>>()?;
+        Ok(Self { layers })
+    }
+}
+
+impl<M> LiveMass<M> {
+    /// Measures `inner` from a model whose cache held the keys `start` (the live keys so far)
+    /// on its layers `layers` (numbered 0.. among themselves, as `inner` numbers them) of
+    /// attention windows `windows` (0: global), with `group` query heads per KV head.
+    pub fn new(
+        inner: M,
+        start: &StartKeys,
+        (layers, windows): (&[usize], Vec<usize>),
+        group: usize,
+        scale: f32,
+        softcap: Option<f32>,
+    ) -> Self {
+        let keys = layers
+            .iter()
+            .zip(&windows)
+            .map(|(&layer, &window)| {
+                let heads = start.layers.get(layer).map_or(&[][..], Vec::as_slice);
+                heads
+                    .iter()
+                    .map(|keys| match window {
+                        // A windowed layer's queries attend over a window of its rows, which
+                        // `attend_positions` takes from one slice of them all.
+                        0 => HeadKeys {
+                            start: keys.clone(),
+                            own: Vec::new(),
+                        },
+                        _ => HeadKeys {
+                            start: Arc::from([]),
+                            own: keys.to_vec(),
+                        },
+                    })
+                    .collect()
+            })
+            .collect();
+        Self {
             inner,
             scale,
             softcap,
@@ -52,7 +95,7 @@ impl<M> LiveMass<M> {
             windows,
             keys,
             sums: vec![(0.0, 0); layers.len()],
-        })
+        }
     }
 
     /// Per layer, the mean kept share over the measured rows and heads.
@@ -78,23 +121,29 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
     ) -> Result<Option<Vec<f32>>, ModelError> {
         let (n_heads, n, head_dim) = chunk.q.dim();
         let keys = &mut self.keys[layer];
-        keys.resize(chunk.k.dim().0, Vec::new());
+        keys.resize(chunk.k.dim().0, HeadKeys::default());
         for (stored, new) in keys.iter_mut().zip(chunk.k.outer_iter()) {
-            stored.extend(new.iter());
+            stored.own.extend(new.iter());
         }
         let mask = self.inner.layer_mask(layer, chunk)?;
         let total = chunk.past + n;
         // Query after query, as many one-token chunks add them up.
         for row in 0..n {
             for head in 0..n_heads {
-                let keys =
-                    ndarray::ArrayView2::from_shape((total, head_dim), &keys[head / self.group])
-                        .expect("one row per position");
+                let keys = &keys[head / self.group];
                 let position = chunk.past + row;
                 let first = first_visible(position, self.windows[layer]);
-                let everything: Vec<usize> = (first..=position).collect();
                 let query = chunk.q.slice(ndarray::s![head, row, ..]);
-                let weights = attend_positions(query, keys, &everything, self.scale, self.softcap);
+                let weights = match first {
+                    0 => keys.attend_first(query, position + 1, (self.scale, self.softcap)),
+                    _ => {
+                        let all = keys.contiguous();
+                        let keys = ndarray::ArrayView2::from_shape((total, head_dim), &all)
+                            .expect("one row per position");
+                        let everything: Vec<usize> = (first..=position).collect();
+                        attend_positions(query, keys, &everything, self.scale, self.softcap)
+                    }
+                };
                 let kept: f64 = match &mask {
                     None => 1.0,
                     Some(mask) => {
@@ -116,6 +165,41 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
 
     fn rewrite(&mut self, layer: usize) -> Option<Rewrite> {
         self.inner.rewrite(layer)
+    }
+}
+
+impl HeadKeys {
+    /// Softmax attention of `query` over the first `n` live keys: the logits of the start's
+    /// rows and of the run's own, each row's logit its own dot product, then one softmax over
+    /// them all, so the weights are [`attend`](crate::attention::attend)'s over one slice of
+    /// the `n` rows, bit for bit.
+    fn attend_first(
+        &self,
+        query: ndarray::ArrayView1<f32>,
+        n: usize,
+        (scale, softcap): (f32, Option<f32>),
+    ) -> Vec<f32> {
+        let d = query.len();
+        fn rows(keys: &[f32], (count, d): (usize, usize)) -> ndarray::ArrayView2<'_, f32> {
+            ndarray::ArrayView2::from_shape((count, d), &keys[..count * d])
+                .expect("one row per position")
+        }
+        let from_start = n.min(self.start.len() / d.max(1));
+        let mut weights = logits(query, rows(&self.start, (from_start, d)), scale, softcap);
+        if n > from_start {
+            let own = rows(&self.own, (n - from_start, d));
+            weights.extend(logits(query, own, scale, softcap));
+        }
+        softmax_in_place(&mut weights);
+        weights
+    }
+
+    /// Every row, the start's and the run's own, in one slice.
+    fn contiguous(&self) -> std::borrow::Cow<'_, [f32]> {
+        match self.start.is_empty() {
+            true => std::borrow::Cow::Borrowed(&self.own),
+            false => std::borrow::Cow::Owned([&self.start[..], &self.own].concat()),
+        }
     }
 }
 

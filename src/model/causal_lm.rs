@@ -290,6 +290,11 @@ impl KvCache {
         self.layers.first().map_or(0, |layer| layer.len)
     }
 
+    /// Layers cached so far.
+    pub fn n_layers(&self) -> usize {
+        self.layers.len()
+    }
+
     /// Whether nothing is cached yet.
     pub fn is_empty(&self) -> bool {
         self.len() == 0
