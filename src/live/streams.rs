@@ -169,7 +169,8 @@ impl AttentionMask for LiveStreams<'_> {
             })
             .collect();
         let n = end - chunk.past;
-        let mut mask = vec![f32::NEG_INFINITY; shape.n_heads * n * end];
+        let mut mask =
+            crate::model::mask_buffers::filled(shape.n_heads * n * end, f32::NEG_INFINITY);
         for ((group, _), rows) in live.streams.iter().zip(&attended) {
             for head in group.iter().flat_map(|unit| unit.query_heads.clone()) {
                 for (row, seen) in rows.iter().enumerate() {

@@ -55,8 +55,11 @@ pub(crate) fn attend_cached(
         Feed::Steps if n > 1 => {
             attend_each_query(&q, held, (policy_mask.as_deref(), past), geometry)?
         }
-        _ => attend_visible(&q, held, (policy_mask, past), geometry)?,
+        _ => attend_visible(&q, held, (policy_mask.as_deref(), past), geometry)?,
     };
+    if let Some(mask) = policy_mask {
+        super::mask_buffers::give_back(mask);
+    }
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record_attention(layer, &attention);
     }
@@ -69,7 +72,7 @@ pub(crate) fn attend_cached(
 fn attend_visible(
     q: &Tensor,
     (keys_t, values, start): (&Tensor, &Tensor, usize),
-    (policy_mask, past): (Option<Vec<f32>>, usize),
+    (policy_mask, past): (Option<&[f32]>, usize),
     geometry: &LayerAttention,
 ) -> Result<Tensor, ModelError> {
     let window = geometry.window;
@@ -88,7 +91,7 @@ fn attend_visible(
         )));
     }
     let mask = ChunkMask {
-        policy: policy_mask.as_deref(),
+        policy: policy_mask,
         past,
         window,
         first,
@@ -120,7 +123,7 @@ fn attend_each_query(
             attend_visible(
                 &q.narrow(1, query, 1)?,
                 held,
-                (mask, past + query),
+                (mask.as_deref(), past + query),
                 geometry,
             )
         })

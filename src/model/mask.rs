@@ -110,7 +110,7 @@ impl AttentionMask for Evicted {
 /// `0..=past + i`.
 pub fn causal_mask(n_heads: usize, past: usize, n: usize) -> Vec<f32> {
     let total = past + n;
-    let mut mask = Vec::with_capacity(n_heads * n * total);
+    let mut mask = super::mask_buffers::with_capacity(n_heads * n * total);
     for _ in 0..n_heads {
         for row in 0..n {
             mask.extend((0..total).map(|j| {

@@ -22,6 +22,7 @@ pub mod family;
 mod gguf;
 pub mod hf;
 mod mask;
+pub(crate) mod mask_buffers;
 mod masked_softmax;
 mod ops;
 mod product;
