@@ -137,8 +137,8 @@ impl<M: AttentionMask> AttentionMask for LiveMass<M> {
                 let weights = match first {
                     0 => keys.attend_first(query, position + 1, (self.scale, self.softcap)),
                     _ => {
-                        let all = keys.contiguous();
-                        let keys = ndarray::ArrayView2::from_shape((total, head_dim), &all)
+                        // A windowed layer's rows are all its own (`LiveMass::new`).
+                        let keys = ndarray::ArrayView2::from_shape((total, head_dim), &keys.own)
                             .expect("one row per position");
                         let everything: Vec<usize> = (first..=position).collect();
                         attend_positions(query, keys, &everything, self.scale, self.softcap)
@@ -192,14 +192,6 @@ impl HeadKeys {
         }
         softmax_in_place(&mut weights);
         weights
-    }
-
-    /// Every row, the start's and the run's own, in one slice.
-    fn contiguous(&self) -> std::borrow::Cow<'_, [f32]> {
-        match self.start.is_empty() {
-            true => std::borrow::Cow::Borrowed(&self.own),
-            false => std::borrow::Cow::Owned([&self.start[..], &self.own].concat()),
-        }
     }
 }
 
