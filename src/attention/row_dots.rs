@@ -15,13 +15,12 @@ use ndarray::{ArrayView1, ArrayView2};
 /// `keys · query`, each entry ndarray's `keys.dot(&query)` entry bit for bit.
 pub fn row_dots(keys: ArrayView2<f32>, query: ArrayView1<f32>) -> Vec<f32> {
     let (rows, depth) = keys.dim();
-    let (Some(query), true) = (query.as_slice(), keys.strides()[1] == 1 || depth <= 1) else {
+    let [stride, column_stride] = [keys.strides()[0], keys.strides()[1]];
+    // Rows of adjacent columns, one after another in memory; any other view goes to ndarray.
+    let laid_out = (column_stride == 1 || depth <= 1) && rows > 0 && stride >= depth as isize;
+    let (Some(query), true) = (query.as_slice(), laid_out) else {
         return keys.dot(&query).to_vec();
     };
-    let stride = keys.strides()[0];
-    if rows == 0 || stride < depth as isize {
-        return keys.dot(&ArrayView1::from(query)).to_vec();
-    }
     let stride = stride as usize;
     // SAFETY: the rows are `stride` apart from the view's first element, each `depth` long, and
     // the view holds every one of them.

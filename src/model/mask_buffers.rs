@@ -49,8 +49,8 @@ fn take(len: usize) -> Vec<f32> {
     let fits = (0..buffers.len())
         .filter(|&index| buffers[index].capacity() >= len)
         .min_by_key(|&index| buffers[index].capacity());
-    let largest = (0..buffers.len()).max_by_key(|&index| buffers[index].capacity());
-    match fits.or(largest) {
+    let largest = || (0..buffers.len()).max_by_key(|&index| buffers[index].capacity());
+    match fits.or_else(largest) {
         Some(index) => buffers.swap_remove(index),
         None => Vec::new(),
     }
