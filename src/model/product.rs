@@ -131,116 +131,293 @@ fn assemble(blocks: &[Vec<f32>], m: usize, n: usize) -> Vec<f32> {
 }
 
 /// Columns `first..first + width` of `x · w` (`w`'s rows `stride` apart) into `block`
-/// `[m, width]`, summed as a chain.
+/// `[m, width]`, summed as a chain: strips of columns in vector registers where the processor
+/// fuses, the columns left over one by one.
 fn chain_block(
     x: &[f32],
     (w, stride): (&[f32], usize),
-    shape: (usize, usize),
-    columns: (usize, usize),
+    (m, k): (usize, usize),
+    (first, width): (usize, usize),
     block: &mut [f32],
 ) {
+    let fused = fuses_multiply_add();
     #[cfg(target_arch = "x86_64")]
-    if fuses_multiply_add() {
+    let done = match fused {
         // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
-        return unsafe { chain_block_avx2(x, (w, stride), shape, columns, block) };
-    }
-    let (m, k) = shape;
-    let n = stride;
-    let (first, width) = columns;
-    for row in 0..m {
-        for column in 0..width {
-            let weight = |depth: usize| w[depth * n + first + column];
+        true => unsafe { chain_strips(x, (w, stride), (m, k), (first, width), block) },
+        false => 0,
+    };
+    #[cfg(not(target_arch = "x86_64"))]
+    let done = 0;
+    for column in done..width {
+        let weight = |depth: usize| w[depth * stride + first + column];
+        for row in 0..m {
             let mut sum = x[row * k] * weight(0);
             for depth in 1..k {
-                sum = x[row * k + depth] * weight(depth) + sum;
+                let (a, b) = (x[row * k + depth], weight(depth));
+                sum = match fused {
+                    true => a.mul_add(b, sum),
+                    false => a * b + sum,
+                };
             }
             block[row * width + column] = sum;
         }
     }
 }
 
-/// [`chain_block`] with AVX2: four rows by sixteen columns held in registers over the depth,
-/// the columns left over one by one.
+/// Rows a pass over a strip of two 8-lane vectors sums at once: twelve accumulators of AVX2's
+/// sixteen registers.
+const ROWS: usize = 6;
+/// Rows a pass over a strip of two 16-lane vectors sums at once: sixteen accumulators of
+/// AVX-512's thirty-two registers.
+const WIDE_ROWS: usize = 8;
+
+/// [`chain_block`]'s strips of columns from its first column on, two vectors wide (four where
+/// so few rows that one pass takes them all, as attention's heads of one key-value head over a
+/// cache), in 16-lane vectors with AVX-512 and 8-lane ones otherwise. A strip's weights are
+/// copied once into consecutive memory when more than one pass reads them (a weight matrix's
+/// rows lie kilobytes apart, a multiple of 2 KiB in these models, and would crowd a few cache
+/// sets); each pass sums its rows over the whole depth in registers. The number of columns done.
 ///
 /// # Safety
 /// The processor has AVX2 and FMA.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
-unsafe fn chain_block_avx2(
+unsafe fn chain_strips(
     x: &[f32],
     (w, n): (&[f32], usize),
     (m, k): (usize, usize),
     (first, width): (usize, usize),
     block: &mut [f32],
-) {
-    const ROWS: usize = 4;
-    let strips = width / 16 * 16;
-    let mut row = 0;
-    while row < m {
-        let rows = ROWS.min(m - row);
-        for column in (0..strips).step_by(16) {
-            let sums = match rows {
-                4 => chain_strip::<4>(x, w, (k, n), row, first + column),
-                3 => chain_strip::<3>(x, w, (k, n), row, first + column),
-                2 => chain_strip::<2>(x, w, (k, n), row, first + column),
-                _ => chain_strip::<1>(x, w, (k, n), row, first + column),
-            };
-            for (offset, values) in sums.iter().enumerate().take(rows) {
-                block[(row + offset) * width + column..][..16].copy_from_slice(values);
+) -> usize {
+    let wide = std::is_x86_feature_detected!("avx512f");
+    let (lanes, pass_rows, few) = match wide {
+        true => (16, WIDE_ROWS, 4),
+        false => (8, ROWS, 3),
+    };
+    let mut packed = Vec::new();
+    let mut column = 0;
+    while column + 2 * lanes <= width {
+        let vectors = match m <= few && column + 4 * lanes <= width {
+            true => 4,
+            false => 2,
+        };
+        let columns = vectors * lanes;
+        let weights = &w[first + column..];
+        let weights = strip_weights(weights, (n, k), columns, m > pass_rows, &mut packed);
+        let strip = Strip {
+            weights,
+            k,
+            column,
+            width,
+        };
+        let mut row = 0;
+        while row < m {
+            let rows = (row, pass_rows.min(m - row));
+            match (wide, vectors) {
+                (true, 4) => wide_pass::<4>(x, &strip, rows, block),
+                (true, _) => wide_pass::<2>(x, &strip, rows, block),
+                (false, 4) => narrow_pass::<4>(x, &strip, rows, block),
+                (false, _) => narrow_pass::<2>(x, &strip, rows, block),
+            }
+            row += rows.1;
+        }
+        column += columns;
+    }
+    column
+}
+
+/// A strip of columns as a pass reads it: its weights (rows `stride` apart, `k` of them) and
+/// where its sums go in a block `width` columns wide.
+struct Strip<'a> {
+    weights: (&'a [f32], usize),
+    k: usize,
+    column: usize,
+    width: usize,
+}
+
+impl Strip<'_> {
+    /// Rows `row..` of `sums`, `V` vectors of `L` lanes each, into `block`.
+    fn put<const L: usize, const V: usize>(
+        &self,
+        block: &mut [f32],
+        row: usize,
+        sums: &[[[f32; L]; V]],
+    ) {
+        for (offset, vectors) in sums.iter().enumerate() {
+            let out = &mut block[(row + offset) * self.width + self.column..][..L * V];
+            for (values, vector) in out.chunks_exact_mut(L).zip(vectors) {
+                values.copy_from_slice(vector);
             }
         }
-        for column in strips..width {
-            for offset in 0..rows {
-                let (r, j) = (row + offset, first + column);
-                let mut sum = x[r * k] * w[j];
-                for depth in 1..k {
-                    sum = x[r * k + depth].mul_add(w[depth * n + j], sum);
-                }
-                block[(row + offset) * width + column] = sum;
-            }
-        }
-        row += rows;
     }
 }
 
-/// Rows `row..row + R` by columns `column..column + 16` of the chain sums.
+/// The first `columns` columns of `strip` (rows `n` apart, `k` of them) as a pass reads them:
+/// copied into `packed`, rows `columns` apart, when `pack`; else where they lie.
+fn strip_weights<'a>(
+    strip: &'a [f32],
+    (n, k): (usize, usize),
+    columns: usize,
+    pack: bool,
+    packed: &'a mut Vec<f32>,
+) -> (&'a [f32], usize) {
+    if !pack {
+        return (strip, n);
+    }
+    packed.clear();
+    for depth in 0..k {
+        packed.extend_from_slice(&strip[depth * n..][..columns]);
+    }
+    (packed, columns)
+}
+
+/// `rows` rows from `row` of `strip` (`V` 8-lane vectors wide), by the AVX2 kernel for that many.
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn narrow_pass<const V: usize>(
+    x: &[f32],
+    strip: &Strip<'_>,
+    (row, rows): (usize, usize),
+    block: &mut [f32],
+) {
+    let (weights, k) = (strip.weights, strip.k);
+    match rows {
+        1 => strip.put(block, row, &chain_narrow::<1, V>(x, weights, k, row)),
+        2 => strip.put(block, row, &chain_narrow::<2, V>(x, weights, k, row)),
+        3 => strip.put(block, row, &chain_narrow::<3, V>(x, weights, k, row)),
+        4 => strip.put(block, row, &chain_narrow::<4, V>(x, weights, k, row)),
+        5 => strip.put(block, row, &chain_narrow::<5, V>(x, weights, k, row)),
+        6 => strip.put(block, row, &chain_narrow::<6, V>(x, weights, k, row)),
+        _ => unreachable!("at most {ROWS} rows a pass"),
+    }
+}
+
+/// `rows` rows from `row` of `strip` (`V` 16-lane vectors wide), by the AVX-512 kernel for that
+/// many.
+///
+/// # Safety
+/// The processor has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn wide_pass<const V: usize>(
+    x: &[f32],
+    strip: &Strip<'_>,
+    (row, rows): (usize, usize),
+    block: &mut [f32],
+) {
+    let (weights, k) = (strip.weights, strip.k);
+    match rows {
+        1 => strip.put(block, row, &chain_wide::<1, V>(x, weights, k, row)),
+        2 => strip.put(block, row, &chain_wide::<2, V>(x, weights, k, row)),
+        3 => strip.put(block, row, &chain_wide::<3, V>(x, weights, k, row)),
+        4 => strip.put(block, row, &chain_wide::<4, V>(x, weights, k, row)),
+        5 => strip.put(block, row, &chain_wide::<5, V>(x, weights, k, row)),
+        6 => strip.put(block, row, &chain_wide::<6, V>(x, weights, k, row)),
+        7 => strip.put(block, row, &chain_wide::<7, V>(x, weights, k, row)),
+        8 => strip.put(block, row, &chain_wide::<8, V>(x, weights, k, row)),
+        _ => unreachable!("at most {WIDE_ROWS} rows a pass"),
+    }
+}
+
+/// Rows `row..row + R` by the `8 V` columns of `w` (rows `stride` apart) of the chain sums: each
+/// output the product of its first terms, then the later ones added in order by fused
+/// multiply-adds.
 ///
 /// # Safety
 /// The processor has AVX2 and FMA. (The bounds are checked once, before the loads.)
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 #[inline]
-unsafe fn chain_strip<const R: usize>(
+unsafe fn chain_narrow<const R: usize, const V: usize>(
     x: &[f32],
-    w: &[f32],
-    (k, n): (usize, usize),
+    (w, stride): (&[f32], usize),
+    k: usize,
     row: usize,
-    column: usize,
-) -> [[f32; 16]; 4] {
+) -> [[[f32; 8]; V]; R] {
     use std::arch::x86_64::*;
-    assert!(k > 0 && (k - 1) * n + column + 16 <= w.len() && (row + R) * k <= x.len());
-    let (w, x) = (w.as_ptr().add(column), x.as_ptr().add(row * k));
-    let mut sums = [[_mm256_setzero_ps(); 2]; R];
-    let (low, high) = (_mm256_loadu_ps(w), _mm256_loadu_ps(w.add(8)));
+    assert!(k > 0 && (k - 1) * stride + 8 * V <= w.len() && (row + R) * k <= x.len());
+    let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
+    let mut weights = [_mm256_setzero_ps(); V];
+    let mut sums = [[_mm256_setzero_ps(); V]; R];
+    for (lane, weight) in weights.iter_mut().enumerate() {
+        *weight = _mm256_loadu_ps(w.add(8 * lane));
+    }
     for (offset, sum) in sums.iter_mut().enumerate() {
         let a = _mm256_set1_ps(*x.add(offset * k));
-        *sum = [_mm256_mul_ps(a, low), _mm256_mul_ps(a, high)];
-    }
-    for depth in 1..k {
-        let weights = w.add(depth * n);
-        let (low, high) = (_mm256_loadu_ps(weights), _mm256_loadu_ps(weights.add(8)));
-        for (offset, sum) in sums.iter_mut().enumerate() {
-            let a = _mm256_set1_ps(*x.add(offset * k + depth));
-            *sum = [
-                _mm256_fmadd_ps(a, low, sum[0]),
-                _mm256_fmadd_ps(a, high, sum[1]),
-            ];
+        for (value, weight) in sum.iter_mut().zip(&weights) {
+            *value = _mm256_mul_ps(a, *weight);
         }
     }
-    let mut out = [[0.0f32; 16]; 4];
+    for depth in 1..k {
+        let at = w.add(depth * stride);
+        for (lane, weight) in weights.iter_mut().enumerate() {
+            *weight = _mm256_loadu_ps(at.add(8 * lane));
+        }
+        for (offset, sum) in sums.iter_mut().enumerate() {
+            let a = _mm256_set1_ps(*x.add(offset * k + depth));
+            for (value, weight) in sum.iter_mut().zip(&weights) {
+                *value = _mm256_fmadd_ps(a, *weight, *value);
+            }
+        }
+    }
+    let mut out = [[[0.0f32; 8]; V]; R];
     for (values, sum) in out.iter_mut().zip(&sums) {
-        _mm256_storeu_ps(values.as_mut_ptr(), sum[0]);
-        _mm256_storeu_ps(values.as_mut_ptr().add(8), sum[1]);
+        for (lanes, vector) in values.iter_mut().zip(sum) {
+            _mm256_storeu_ps(lanes.as_mut_ptr(), *vector);
+        }
+    }
+    out
+}
+
+/// [`chain_narrow`] in 16-lane vectors: the same multiply and fused multiply-adds on every lane,
+/// so the same sums.
+///
+/// # Safety
+/// The processor has AVX-512F. (The bounds are checked once, before the loads.)
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+#[inline]
+unsafe fn chain_wide<const R: usize, const V: usize>(
+    x: &[f32],
+    (w, stride): (&[f32], usize),
+    k: usize,
+    row: usize,
+) -> [[[f32; 16]; V]; R] {
+    use std::arch::x86_64::*;
+    assert!(k > 0 && (k - 1) * stride + 16 * V <= w.len() && (row + R) * k <= x.len());
+    let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
+    let mut weights = [_mm512_setzero_ps(); V];
+    let mut sums = [[_mm512_setzero_ps(); V]; R];
+    for (lane, weight) in weights.iter_mut().enumerate() {
+        *weight = _mm512_loadu_ps(w.add(16 * lane));
+    }
+    for (offset, sum) in sums.iter_mut().enumerate() {
+        let a = _mm512_set1_ps(*x.add(offset * k));
+        for (value, weight) in sum.iter_mut().zip(&weights) {
+            *value = _mm512_mul_ps(a, *weight);
+        }
+    }
+    for depth in 1..k {
+        let at = w.add(depth * stride);
+        for (lane, weight) in weights.iter_mut().enumerate() {
+            *weight = _mm512_loadu_ps(at.add(16 * lane));
+        }
+        for (offset, sum) in sums.iter_mut().enumerate() {
+            let a = _mm512_set1_ps(*x.add(offset * k + depth));
+            for (value, weight) in sum.iter_mut().zip(&weights) {
+                *value = _mm512_fmadd_ps(a, *weight, *value);
+            }
+        }
+    }
+    let mut out = [[[0.0f32; 16]; V]; R];
+    for (values, sum) in out.iter_mut().zip(&sums) {
+        for (lanes, vector) in values.iter_mut().zip(sum) {
+            _mm512_storeu_ps(lanes.as_mut_ptr(), *vector);
+        }
     }
     out
 }
@@ -423,26 +600,31 @@ mod tests {
 
     #[test]
     fn one_token_rows_sum_as_a_row_alone() {
-        // Deeper than a gemm block, with a column block left over (n = 200).
-        let (m, k, n) = (5, 1536, 200);
-        let x = Tensor::from_vec(wave(m * k, 0.5), (m, k), &Device::Cpu).unwrap();
-        let w = Tensor::from_vec(wave(k * n, 1.5), (k, n), &Device::Cpu).unwrap();
-        let spans: Vec<(usize, usize)> = (0..m).map(|r| (r, 1)).collect();
-        let batched: Vec<Vec<f32>> = rows_product(&x, &w, &spans).unwrap().to_vec2().unwrap();
-        for (row, got) in batched.iter().enumerate() {
-            let alone: Vec<Vec<f32>> = x
-                .narrow(0, row, 1)
-                .unwrap()
-                .matmul(&w)
-                .unwrap()
-                .to_vec2()
-                .unwrap();
-            assert_eq!(got, &alone[0], "row {row}");
+        // Deeper than a gemm block. Five rows read each strip's weights where they lie; nineteen
+        // from packed copies, in whole passes and a pass of the rows left. A task's last block
+        // of columns is 8 wide (n = 200: no strip, column by column) or 48 (n = 176). Three and
+        // four rows, as attention's heads of one key-value head, take strips four vectors wide.
+        let k = 1536;
+        for (m, n) in [(5, 200), (19, 176), (19, 200), (3, 64), (4, 256)] {
+            let x = Tensor::from_vec(wave(m * k, 0.5), (m, k), &Device::Cpu).unwrap();
+            let w = Tensor::from_vec(wave(k * n, 1.5), (k, n), &Device::Cpu).unwrap();
+            let spans: Vec<(usize, usize)> = (0..m).map(|r| (r, 1)).collect();
+            let batched: Vec<Vec<f32>> = rows_product(&x, &w, &spans).unwrap().to_vec2().unwrap();
+            for (row, got) in batched.iter().enumerate() {
+                let alone: Vec<Vec<f32>> = x
+                    .narrow(0, row, 1)
+                    .unwrap()
+                    .matmul(&w)
+                    .unwrap()
+                    .to_vec2()
+                    .unwrap();
+                assert_eq!(got, &alone[0], "{m} rows, n = {n}: row {row}");
+            }
+            // gemm's own stacked product differs in the last bits at this depth: the case above
+            // is not one that any summation would pass.
+            let stacked: Vec<Vec<f32>> = x.matmul(&w).unwrap().to_vec2().unwrap();
+            assert_ne!(stacked, batched);
         }
-        // gemm's own stacked product differs in the last bits at this depth: the case above is
-        // not one that any summation would pass.
-        let stacked: Vec<Vec<f32>> = x.matmul(&w).unwrap().to_vec2().unwrap();
-        assert_ne!(stacked, batched);
     }
 
     #[test]
