@@ -143,8 +143,11 @@ fn chain_block(
     let fused = fuses_multiply_add();
     #[cfg(target_arch = "x86_64")]
     let done = match fused {
-        // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
-        true => unsafe { chain_strips(x, (w, stride), (m, k), (first, width), block) },
+        // SAFETY: `fuses_multiply_add` detected AVX2 and FMA, and `wide` AVX-512F.
+        true => unsafe {
+            let wide = std::is_x86_feature_detected!("avx512f");
+            chain_strips(x, (w, stride), (m, k), (first, width), (block, wide))
+        },
         false => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -174,13 +177,13 @@ const WIDE_ROWS: usize = 8;
 
 /// [`chain_block`]'s strips of columns from its first column on, two vectors wide (four where
 /// so few rows that one pass takes them all, as attention's heads of one key-value head over a
-/// cache), in 16-lane vectors with AVX-512 and 8-lane ones otherwise. A strip's weights are
+/// cache), in 16-lane vectors (AVX-512) when `wide`, else 8-lane ones. A strip's weights are
 /// copied once into consecutive memory when more than one pass reads them (a weight matrix's
 /// rows lie kilobytes apart, a multiple of 2 KiB in these models, and would crowd a few cache
 /// sets); each pass sums its rows over the whole depth in registers. The number of columns done.
 ///
 /// # Safety
-/// The processor has AVX2 and FMA.
+/// The processor has AVX2 and FMA, and AVX-512F if `wide`.
 #[cfg(target_arch = "x86_64")]
 #[target_feature(enable = "avx2,fma")]
 unsafe fn chain_strips(
@@ -188,9 +191,8 @@ unsafe fn chain_strips(
     (w, n): (&[f32], usize),
     (m, k): (usize, usize),
     (first, width): (usize, usize),
-    block: &mut [f32],
+    (block, wide): (&mut [f32], bool),
 ) -> usize {
-    let wide = std::is_x86_feature_detected!("avx512f");
     let (lanes, pass_rows, few) = match wide {
         true => (16, WIDE_ROWS, 4),
         false => (8, ROWS, 3),
@@ -272,155 +274,91 @@ fn strip_weights<'a>(
     (packed, columns)
 }
 
-/// `rows` rows from `row` of `strip` (`V` 8-lane vectors wide), by the AVX2 kernel for that many.
+/// A pass and its kernel at one vector width. `$pass::<V>` sums `rows` rows from `row` of a strip
+/// `V` vectors wide by `$kernel::<R, V>`, the kernel made for that many rows (one of `$rows`).
+/// `$kernel::<R, V>` sums rows `row..row + R` by the strip's columns (`w`'s rows `stride` apart)
+/// as a chain: each output the product of its first terms, then the later ones added in order by
+/// fused multiply-adds. Every lane at either width does the same operations, so the widths give
+/// the same sums. (The bounds are checked once, before the loads.)
 ///
-/// # Safety
-/// The processor has AVX2 and FMA.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-unsafe fn narrow_pass<const V: usize>(
-    x: &[f32],
-    strip: &Strip<'_>,
-    (row, rows): (usize, usize),
-    block: &mut [f32],
-) {
-    let (weights, k) = (strip.weights, strip.k);
-    match rows {
-        1 => strip.put(block, row, &chain_narrow::<1, V>(x, weights, k, row)),
-        2 => strip.put(block, row, &chain_narrow::<2, V>(x, weights, k, row)),
-        3 => strip.put(block, row, &chain_narrow::<3, V>(x, weights, k, row)),
-        4 => strip.put(block, row, &chain_narrow::<4, V>(x, weights, k, row)),
-        5 => strip.put(block, row, &chain_narrow::<5, V>(x, weights, k, row)),
-        6 => strip.put(block, row, &chain_narrow::<6, V>(x, weights, k, row)),
-        _ => unreachable!("at most {ROWS} rows a pass"),
-    }
-}
-
-/// `rows` rows from `row` of `strip` (`V` 16-lane vectors wide), by the AVX-512 kernel for that
-/// many.
-///
-/// # Safety
-/// The processor has AVX-512F.
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-unsafe fn wide_pass<const V: usize>(
-    x: &[f32],
-    strip: &Strip<'_>,
-    (row, rows): (usize, usize),
-    block: &mut [f32],
-) {
-    let (weights, k) = (strip.weights, strip.k);
-    match rows {
-        1 => strip.put(block, row, &chain_wide::<1, V>(x, weights, k, row)),
-        2 => strip.put(block, row, &chain_wide::<2, V>(x, weights, k, row)),
-        3 => strip.put(block, row, &chain_wide::<3, V>(x, weights, k, row)),
-        4 => strip.put(block, row, &chain_wide::<4, V>(x, weights, k, row)),
-        5 => strip.put(block, row, &chain_wide::<5, V>(x, weights, k, row)),
-        6 => strip.put(block, row, &chain_wide::<6, V>(x, weights, k, row)),
-        7 => strip.put(block, row, &chain_wide::<7, V>(x, weights, k, row)),
-        8 => strip.put(block, row, &chain_wide::<8, V>(x, weights, k, row)),
-        _ => unreachable!("at most {WIDE_ROWS} rows a pass"),
-    }
-}
-
-/// Rows `row..row + R` by the `8 V` columns of `w` (rows `stride` apart) of the chain sums: each
-/// output the product of its first terms, then the later ones added in order by fused
-/// multiply-adds.
-///
-/// # Safety
-/// The processor has AVX2 and FMA. (The bounds are checked once, before the loads.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx2,fma")]
-#[inline]
-unsafe fn chain_narrow<const R: usize, const V: usize>(
-    x: &[f32],
-    (w, stride): (&[f32], usize),
-    k: usize,
-    row: usize,
-) -> [[[f32; 8]; V]; R] {
-    use std::arch::x86_64::*;
-    assert!(k > 0 && (k - 1) * stride + 8 * V <= w.len() && (row + R) * k <= x.len());
-    let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
-    let mut weights = [_mm256_setzero_ps(); V];
-    let mut sums = [[_mm256_setzero_ps(); V]; R];
-    for (lane, weight) in weights.iter_mut().enumerate() {
-        *weight = _mm256_loadu_ps(w.add(8 * lane));
-    }
-    for (offset, sum) in sums.iter_mut().enumerate() {
-        let a = _mm256_set1_ps(*x.add(offset * k));
-        for (value, weight) in sum.iter_mut().zip(&weights) {
-            *value = _mm256_mul_ps(a, *weight);
-        }
-    }
-    for depth in 1..k {
-        let at = w.add(depth * stride);
-        for (lane, weight) in weights.iter_mut().enumerate() {
-            *weight = _mm256_loadu_ps(at.add(8 * lane));
-        }
-        for (offset, sum) in sums.iter_mut().enumerate() {
-            let a = _mm256_set1_ps(*x.add(offset * k + depth));
-            for (value, weight) in sum.iter_mut().zip(&weights) {
-                *value = _mm256_fmadd_ps(a, *weight, *value);
+/// Both are `unsafe`: the processor has `$feature`.
+macro_rules! chain_kernel {
+    (
+        $pass:ident, $kernel:ident: $feature:literal, $vector:ident of $lanes:literal,
+        rows $($rows:literal)+;
+        $zero:ident, $load:ident, $splat:ident, $mul:ident, $fmadd:ident, $store:ident
+    ) => {
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        unsafe fn $pass<const V: usize>(
+            x: &[f32],
+            strip: &Strip<'_>,
+            (row, rows): (usize, usize),
+            block: &mut [f32],
+        ) {
+            let (weights, k) = (strip.weights, strip.k);
+            match rows {
+                $($rows => strip.put(block, row, &$kernel::<$rows, V>(x, weights, k, row)),)+
+                _ => unreachable!("a pass of {rows} rows"),
             }
         }
-    }
-    let mut out = [[[0.0f32; 8]; V]; R];
-    for (values, sum) in out.iter_mut().zip(&sums) {
-        for (lanes, vector) in values.iter_mut().zip(sum) {
-            _mm256_storeu_ps(lanes.as_mut_ptr(), *vector);
+
+        #[cfg(target_arch = "x86_64")]
+        #[target_feature(enable = $feature)]
+        #[inline]
+        unsafe fn $kernel<const R: usize, const V: usize>(
+            x: &[f32],
+            (w, stride): (&[f32], usize),
+            k: usize,
+            row: usize,
+        ) -> [[[f32; $lanes]; V]; R] {
+            use std::arch::x86_64::*;
+            assert!(k > 0 && (k - 1) * stride + $lanes * V <= w.len() && (row + R) * k <= x.len());
+            let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
+            let mut weights: [$vector; V] = [$zero(); V];
+            let mut sums = [[$zero(); V]; R];
+            for (lane, weight) in weights.iter_mut().enumerate() {
+                *weight = $load(w.add($lanes * lane));
+            }
+            for (offset, sum) in sums.iter_mut().enumerate() {
+                let a = $splat(*x.add(offset * k));
+                for (value, weight) in sum.iter_mut().zip(&weights) {
+                    *value = $mul(a, *weight);
+                }
+            }
+            for depth in 1..k {
+                let at = w.add(depth * stride);
+                for (lane, weight) in weights.iter_mut().enumerate() {
+                    *weight = $load(at.add($lanes * lane));
+                }
+                for (offset, sum) in sums.iter_mut().enumerate() {
+                    let a = $splat(*x.add(offset * k + depth));
+                    for (value, weight) in sum.iter_mut().zip(&weights) {
+                        *value = $fmadd(a, *weight, *value);
+                    }
+                }
+            }
+            let mut out = [[[0.0f32; $lanes]; V]; R];
+            for (values, sum) in out.iter_mut().zip(&sums) {
+                for (lanes, vector) in values.iter_mut().zip(sum) {
+                    $store(lanes.as_mut_ptr(), *vector);
+                }
+            }
+            out
         }
-    }
-    out
+    };
 }
 
-/// [`chain_narrow`] in 16-lane vectors: the same multiply and fused multiply-adds on every lane,
-/// so the same sums.
-///
-/// # Safety
-/// The processor has AVX-512F. (The bounds are checked once, before the loads.)
-#[cfg(target_arch = "x86_64")]
-#[target_feature(enable = "avx512f")]
-#[inline]
-unsafe fn chain_wide<const R: usize, const V: usize>(
-    x: &[f32],
-    (w, stride): (&[f32], usize),
-    k: usize,
-    row: usize,
-) -> [[[f32; 16]; V]; R] {
-    use std::arch::x86_64::*;
-    assert!(k > 0 && (k - 1) * stride + 16 * V <= w.len() && (row + R) * k <= x.len());
-    let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
-    let mut weights = [_mm512_setzero_ps(); V];
-    let mut sums = [[_mm512_setzero_ps(); V]; R];
-    for (lane, weight) in weights.iter_mut().enumerate() {
-        *weight = _mm512_loadu_ps(w.add(16 * lane));
-    }
-    for (offset, sum) in sums.iter_mut().enumerate() {
-        let a = _mm512_set1_ps(*x.add(offset * k));
-        for (value, weight) in sum.iter_mut().zip(&weights) {
-            *value = _mm512_mul_ps(a, *weight);
-        }
-    }
-    for depth in 1..k {
-        let at = w.add(depth * stride);
-        for (lane, weight) in weights.iter_mut().enumerate() {
-            *weight = _mm512_loadu_ps(at.add(16 * lane));
-        }
-        for (offset, sum) in sums.iter_mut().enumerate() {
-            let a = _mm512_set1_ps(*x.add(offset * k + depth));
-            for (value, weight) in sum.iter_mut().zip(&weights) {
-                *value = _mm512_fmadd_ps(a, *weight, *value);
-            }
-        }
-    }
-    let mut out = [[[0.0f32; 16]; V]; R];
-    for (values, sum) in out.iter_mut().zip(&sums) {
-        for (lanes, vector) in values.iter_mut().zip(sum) {
-            _mm512_storeu_ps(lanes.as_mut_ptr(), *vector);
-        }
-    }
-    out
-}
+chain_kernel!(
+    narrow_pass, chain_narrow: "avx2,fma", __m256 of 8, rows 1 2 3 4 5 6;
+    _mm256_setzero_ps, _mm256_loadu_ps, _mm256_set1_ps, _mm256_mul_ps, _mm256_fmadd_ps,
+    _mm256_storeu_ps
+);
+chain_kernel!(
+    wide_pass, chain_wide: "avx512f", __m512 of 16, rows 1 2 3 4 5 6 7 8;
+    _mm512_setzero_ps, _mm512_loadu_ps, _mm512_set1_ps, _mm512_mul_ps, _mm512_fmadd_ps,
+    _mm512_storeu_ps
+);
 
 /// `x [m, k] · wᵀ` for `w` `[n, k]` (rows `stride` apart): each output the dot product of a row
 /// of `x` and one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
@@ -624,6 +562,43 @@ mod tests {
             // is not one that any summation would pass.
             let stacked: Vec<Vec<f32>> = x.matmul(&w).unwrap().to_vec2().unwrap();
             assert_ne!(stacked, batched);
+        }
+    }
+
+    #[cfg(target_arch = "x86_64")]
+    #[test]
+    fn strips_of_either_width_are_the_fused_chain() {
+        if !fuses_multiply_add() {
+            return;
+        }
+        let (k, n, first) = (300, 200, 8);
+        let (x, w) = (wave(19 * k, 0.5), wave(k * n, 1.5));
+        let chain = |row: usize, column: usize| {
+            let mut sum = x[row * k] * w[first + column];
+            for depth in 1..k {
+                sum = x[row * k + depth].mul_add(w[depth * n + first + column], sum);
+            }
+            sum
+        };
+        // A strip's weights read where they lie or packed, in whole passes and a pass of the
+        // rest; four vectors wide for three or four rows; a block's last columns left over.
+        for (m, width) in [(3, 64), (4, 64), (13, 64), (2, 48), (19, 48)] {
+            for wide in [false, std::is_x86_feature_detected!("avx512f")] {
+                let mut block = vec![f32::NAN; m * width];
+                // SAFETY: AVX2 and FMA detected above, AVX-512F where `wide`.
+                let done = unsafe {
+                    chain_strips(&x, (&w, n), (m, k), (first, width), (&mut block, wide))
+                };
+                assert_eq!(done, width / 16 * 16 - if wide { width % 32 } else { 0 });
+                for (row, column) in (0..m).flat_map(|row| (0..done).map(move |c| (row, c))) {
+                    let got = block[row * width + column];
+                    assert_eq!(
+                        got,
+                        chain(row, column),
+                        "{m} rows, wide {wide}: {row}, {column}"
+                    );
+                }
+            }
         }
     }
 
