@@ -536,6 +536,18 @@ mod tests {
             .collect()
     }
 
+    /// `rows_product` of `x`'s rows, one token each, asserted to be each row's product alone.
+    fn each_row_as_alone(x: &Tensor, w: &Tensor, case: &str) -> Vec<Vec<f32>> {
+        let spans: Vec<(usize, usize)> = (0..x.dims2().unwrap().0).map(|r| (r, 1)).collect();
+        let batched: Vec<Vec<f32>> = rows_product(x, w, &spans).unwrap().to_vec2().unwrap();
+        for (row, got) in batched.iter().enumerate() {
+            let alone = x.narrow(0, row, 1).unwrap().matmul(w).unwrap();
+            let alone: Vec<Vec<f32>> = alone.to_vec2().unwrap();
+            assert_eq!(got, &alone[0], "{case}: row {row}");
+        }
+        batched
+    }
+
     #[test]
     fn one_token_rows_sum_as_a_row_alone() {
         // Deeper than a gemm block. Five rows read each strip's weights where they lie; nineteen
@@ -546,18 +558,7 @@ mod tests {
         for (m, n) in [(5, 200), (19, 176), (19, 200), (3, 64), (4, 256)] {
             let x = Tensor::from_vec(wave(m * k, 0.5), (m, k), &Device::Cpu).unwrap();
             let w = Tensor::from_vec(wave(k * n, 1.5), (k, n), &Device::Cpu).unwrap();
-            let spans: Vec<(usize, usize)> = (0..m).map(|r| (r, 1)).collect();
-            let batched: Vec<Vec<f32>> = rows_product(&x, &w, &spans).unwrap().to_vec2().unwrap();
-            for (row, got) in batched.iter().enumerate() {
-                let alone: Vec<Vec<f32>> = x
-                    .narrow(0, row, 1)
-                    .unwrap()
-                    .matmul(&w)
-                    .unwrap()
-                    .to_vec2()
-                    .unwrap();
-                assert_eq!(got, &alone[0], "{m} rows, n = {n}: row {row}");
-            }
+            let batched = each_row_as_alone(&x, &w, &format!("{m} rows, n = {n}"));
             // gemm's own stacked product differs in the last bits at this depth: the case above
             // is not one that any summation would pass.
             let stacked: Vec<Vec<f32>> = x.matmul(&w).unwrap().to_vec2().unwrap();
@@ -612,18 +613,7 @@ mod tests {
             let x = Tensor::from_vec(wave(m * k, 0.25), (m, k), &Device::Cpu).unwrap();
             let rows = Tensor::from_vec(wave(n * k, 4.5), (n, k), &Device::Cpu).unwrap();
             let w = rows.t().unwrap();
-            let spans: Vec<(usize, usize)> = (0..m).map(|r| (r, 1)).collect();
-            let batched: Vec<Vec<f32>> = rows_product(&x, &w, &spans).unwrap().to_vec2().unwrap();
-            for (row, got) in batched.iter().enumerate() {
-                let alone: Vec<Vec<f32>> = x
-                    .narrow(0, row, 1)
-                    .unwrap()
-                    .matmul(&w)
-                    .unwrap()
-                    .to_vec2()
-                    .unwrap();
-                assert_eq!(got, &alone[0], "k = {k}, row {row}");
-            }
+            each_row_as_alone(&x, &w, &format!("k = {k}"));
         }
     }
 
