@@ -144,10 +144,7 @@ fn chain_block(
     #[cfg(target_arch = "x86_64")]
     let done = match fused {
         // SAFETY: `fuses_multiply_add` detected AVX2 and FMA, and `wide` AVX-512F.
-        true => unsafe {
-            let wide = std::is_x86_feature_detected!("avx512f");
-            chain_strips(x, (w, stride), (m, k), (first, width), (block, wide))
-        },
+        true => unsafe { chain_strips(x, (w, stride), (m, k), (first, width), (block, wide())) },
         false => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -317,8 +314,8 @@ macro_rules! chain_kernel {
             let (w, x) = (w.as_ptr(), x.as_ptr().add(row * k));
             let mut weights: [$vector; V] = [$zero(); V];
             let mut sums = [[$zero(); V]; R];
-            for (lane, weight) in weights.iter_mut().enumerate() {
-                *weight = $load(w.add($lanes * lane));
+            for (index, weight) in weights.iter_mut().enumerate() {
+                *weight = $load(w.add($lanes * index));
             }
             for (offset, sum) in sums.iter_mut().enumerate() {
                 let a = $splat(*x.add(offset * k));
@@ -328,8 +325,8 @@ macro_rules! chain_kernel {
             }
             for depth in 1..k {
                 let at = w.add(depth * stride);
-                for (lane, weight) in weights.iter_mut().enumerate() {
-                    *weight = $load(at.add($lanes * lane));
+                for (index, weight) in weights.iter_mut().enumerate() {
+                    *weight = $load(at.add($lanes * index));
                 }
                 for (offset, sum) in sums.iter_mut().enumerate() {
                     let a = $splat(*x.add(offset * k + depth));
@@ -516,12 +513,18 @@ fn fuses_multiply_add() -> bool {
     false
 }
 
+/// Whether [`chain_block`] may sum in 16-lane vectors: AVX-512F.
+fn wide() -> bool {
+    #[cfg(target_arch = "x86_64")]
+    return std::is_x86_feature_detected!("avx512f");
+    #[cfg(not(target_arch = "x86_64"))]
+    false
+}
+
 /// Whether [`dot_rows`] may share weight loads among three rows: AVX-512VL besides AVX2 and FMA.
 fn shares_weight_loads() -> bool {
     #[cfg(target_arch = "x86_64")]
-    return fuses_multiply_add()
-        && std::is_x86_feature_detected!("avx512f")
-        && std::is_x86_feature_detected!("avx512vl");
+    return fuses_multiply_add() && wide() && std::is_x86_feature_detected!("avx512vl");
     #[cfg(not(target_arch = "x86_64"))]
     false
 }
@@ -584,7 +587,7 @@ mod tests {
         // A strip's weights read where they lie or packed, in whole passes and a pass of the
         // rest; four vectors wide for three or four rows; a block's last columns left over.
         for (m, width) in [(3, 64), (4, 64), (13, 64), (2, 48), (19, 48)] {
-            for wide in [false, std::is_x86_feature_detected!("avx512f")] {
+            for wide in [false, wide()] {
                 let mut block = vec![f32::NAN; m * width];
                 // SAFETY: AVX2 and FMA detected above, AVX-512F where `wide`.
                 let done = unsafe {
