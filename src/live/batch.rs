@@ -18,12 +18,29 @@ use std::borrow::Cow;
 
 /// What holds a policy's cache while it decodes: the positions a one-shot cut evicted, or the
 /// policy's streams.
-#[derive(Clone)]
 pub(super) enum PolicyMask<'p> {
     /// A `prefill`-timing cut.
     Fixed(Evicted),
     /// A policy that evicts or re-selects while the model runs.
     Streams(LiveStreams<'p>),
+}
+
+impl PolicyMask<'_> {
+    /// A second continuation of the prompt (the teacher-forced one): a copy, whose streams take
+    /// the live vectors until [`rejoin`](Self::rejoin) ([`LiveStreams::fork`]).
+    fn fork(&mut self) -> Self {
+        match self {
+            PolicyMask::Fixed(evicted) => PolicyMask::Fixed(evicted.clone()),
+            PolicyMask::Streams(streams) => PolicyMask::Streams(streams.fork()),
+        }
+    }
+
+    /// Takes back what [`fork`](Self::fork) took, once the fork has run.
+    fn rejoin(&mut self, fork: Self) {
+        if let (PolicyMask::Streams(streams), PolicyMask::Streams(forked)) = (self, fork) {
+            streams.rejoin(forked);
+        }
+    }
 }
 
 impl NotesCompressions for PolicyMask<'_> {
@@ -152,13 +169,20 @@ pub(super) fn decode<'s>(
         .collect::<Result<Vec<_>, _>>()?;
     drop(shared);
     // What the teacher-forced rows measured; their caches go before the free-running copies come.
-    let measured: Vec<(Vec<LiveStep>, Vec<f64>)> = teacher_forced(reference, teachers)?
-        .into_iter()
-        .map(|teacher| (teacher.steps, teacher.mask.inner().per_layer()))
-        .collect();
+    let (measured, forks): (Vec<(Vec<LiveStep>, Vec<f64>)>, Vec<_>) =
+        teacher_forced(reference, teachers)?
+            .into_iter()
+            .map(|teacher| {
+                let per_layer = teacher.mask.inner().per_layer();
+                let fork = teacher.mask.into_inner().into_inner().into_inner();
+                ((teacher.steps, per_layer), fork)
+            })
+            .unzip();
     let started: Vec<_> = rows
         .into_par_iter()
-        .map(|row| {
+        .zip(forks)
+        .map(|(mut row, fork)| {
+            row.mask.inner_mut().inner_mut().rejoin(fork);
             let free = Free {
                 next: argmax(&row.prompt_logits),
                 cache: reference.copy(&row.cache, row.policy, reference.generate)?,
@@ -206,7 +230,7 @@ fn shared_start_keys(rows: &[Started<'_>]) -> Result<Vec<(usize, StartKeys)>, Mo
 /// the prompt ran, the prompt's last logits compared already.
 fn teacher<'s>(
     reference: &Reference<'_>,
-    row: &Started<'s>,
+    row: &mut Started<'s>,
     shared: &[(usize, StartKeys)],
 ) -> Result<Teacher<'s>, ModelError> {
     let meta = reference.meta;
@@ -222,7 +246,7 @@ fn teacher<'s>(
         }
     };
     let measured = LiveMass::new(
-        row.mask.inner().clone(),
+        row.mask.inner_mut().fork_with(PolicyMask::fork),
         start,
         (&compressed, windows),
         meta.n_heads / meta.n_kv_heads,

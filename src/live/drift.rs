@@ -98,6 +98,11 @@ impl<M> LiveMass<M> {
         }
     }
 
+    /// The measured mask, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+
     /// Per layer, the mean kept share over the measured rows and heads.
     pub fn per_layer(&self) -> Vec<f64> {
         self.sums
@@ -219,6 +224,16 @@ impl<M> CompressedLayers<M> {
     /// The wrapped mask.
     pub fn inner(&self) -> &M {
         &self.inner
+    }
+
+    /// The wrapped mask, to change.
+    pub fn inner_mut(&mut self) -> &mut M {
+        &mut self.inner
+    }
+
+    /// The wrapped mask, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.inner
     }
 }
 

@@ -39,6 +39,24 @@ impl<M> Stored<M> {
         &self.inner
     }
 
+    /// The policy's mask, to change.
+    pub fn inner_mut(&mut self) -> &mut M {
+        &mut self.inner
+    }
+
+    /// The policy's mask, unwrapped.
+    pub fn into_inner(self) -> M {
+        self.inner
+    }
+
+    /// A copy over the same storage, its mask made from this one by `fork`.
+    pub fn fork_with(&mut self, fork: impl FnOnce(&mut M) -> M) -> Self {
+        Self {
+            inner: fork(&mut self.inner),
+            store: self.store.clone(),
+        }
+    }
+
     /// Whether the caches hold their entries as the model wrote them.
     pub fn is_captured(&self) -> bool {
         self.store.is_none()

@@ -36,9 +36,7 @@ pub(crate) struct AttentionShape {
     pub softcap: Option<f32>,
 }
 
-/// A streaming or re-selecting policy holding the model's cache. Cloning forks it (with a clone
-/// of the model's cache, two continuations of one prompt).
-#[derive(Clone)]
+/// A streaming or re-selecting policy holding the model's cache.
 pub(crate) struct LiveStreams<'p> {
     policy: &'p ValidPolicy,
     /// The allocator's budget for each layer.
@@ -85,6 +83,40 @@ impl<'p> LiveStreams<'p> {
     /// The policy.
     pub fn policy(&self) -> &'p ValidPolicy {
         self.policy
+    }
+
+    /// A second continuation of the prompt these streams hold (the teacher-forced one beside
+    /// the free-running one): a copy of their streams, with their live vectors, which it takes
+    /// from these until [`rejoin`](Self::rejoin) gives them back, so that the prompt's vectors
+    /// are held and written once for both (a ~1K prompt's 32 streaming calibration runs copied
+    /// 3.8 GB on SmolLM2).
+    pub fn fork(&mut self) -> Self {
+        let layers = self
+            .layers
+            .iter_mut()
+            .map(|layer| LiveLayer {
+                q: std::mem::take(&mut layer.q),
+                k: std::mem::take(&mut layer.k),
+                v: std::mem::take(&mut layer.v),
+                len: layer.len,
+                streams: layer.streams.clone(),
+            })
+            .collect();
+        Self {
+            layers,
+            budgets: self.budgets.clone(),
+            rope_thetas: self.rope_thetas.clone(),
+            windows: self.windows.clone(),
+            ..*self
+        }
+    }
+
+    /// Takes back the live vectors `fork` took, once it has run. What it appended lies after
+    /// the positions these hold, and these write over it as they run on.
+    pub fn rejoin(&mut self, fork: Self) {
+        for (layer, forked) in self.layers.iter_mut().zip(fork.layers) {
+            (layer.q, layer.k, layer.v) = (forked.q, forked.k, forked.v);
+        }
     }
 
     /// The compressions the caches of `layer` made while decoding since the last call, each
