@@ -360,11 +360,35 @@ chain_kernel!(
 /// `x [m, k] · wᵀ` for `w` `[n, k]` (rows `stride` apart): each output the dot product of a row
 /// of `x` and one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
 /// Where the processor has the registers (AVX-512VL), three rows at a time share each load of the
-/// weight: the same operations per row, so the same sums, at fewer loads per multiply-add.
+/// weight; with AVX2 alone, pairs of rows and groups of four columns share their loads: the same
+/// operations per row, so the same sums, at fewer loads per multiply-add.
 fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     let shared = shares_weight_loads();
+    let blocked = !shared && fuses_multiply_add();
     by_column_blocks(m, n, |first, width, block| {
-        for column in 0..width {
+        let mut column = 0;
+        #[cfg(target_arch = "x86_64")]
+        while blocked && column + 4 <= width {
+            let weights: [&[f32]; 4] =
+                std::array::from_fn(|c| &w[(first + column + c) * stride..][..k]);
+            let mut row = 0;
+            while row + 2 <= m {
+                let rows = [0, 1].map(|r| &x[(row + r) * k..][..k]);
+                // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
+                let sums = unsafe { gemv_dot_2x4_avx2(rows, weights) };
+                for (r, sums) in sums.into_iter().enumerate() {
+                    block[(row + r) * width + column..][..4].copy_from_slice(&sums);
+                }
+                row += 2;
+            }
+            for row in row..m {
+                for (c, weight) in weights.iter().enumerate() {
+                    block[row * width + column + c] = gemv_dot(&x[row * k..][..k], weight);
+                }
+            }
+            column += 4;
+        }
+        for column in column..width {
             let weight = &w[(first + column) * stride..][..k];
             let mut row = 0;
             #[cfg(target_arch = "x86_64")]
@@ -464,6 +488,47 @@ unsafe fn gemv_dot3_avx512vl(a: [&[f32]; 3], b: &[f32]) -> [f32; 3] {
         depth += 64;
     }
     [0, 1, 2].map(|r| dot_tail_avx2(acc[r], (a[r], b), depth))
+}
+
+/// Two rows `a` each dotted with four columns `b` as [`gemv_dot_avx2`] dots them, where AVX2's
+/// 16 vector registers cannot hold two rows' 16 accumulators: each of the eight accumulators
+/// runs through the depth in turn (its sum alone depends on its order), for the eight
+/// (row, column) pairs at once, so each load of a row serves four columns and each of a column
+/// two rows.
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn gemv_dot_2x4_avx2(a: [&[f32]; 2], b: [&[f32]; 4]) -> [[f32; 4]; 2] {
+    use std::arch::x86_64::*;
+    let k = b[0].len();
+    assert!(a.iter().chain(&b).all(|v| v.len() == k));
+    let (pa, pb) = (a.map(<[f32]>::as_ptr), b.map(<[f32]>::as_ptr));
+    let whole = k / 64 * 64;
+    let mut acc = [[[_mm256_setzero_ps(); 8]; 4]; 2];
+    for index in 0..8 {
+        let mut sums = [[_mm256_setzero_ps(); 4]; 2];
+        for depth in (0..whole).step_by(64) {
+            let at = depth + 8 * index;
+            let mut weights = [_mm256_setzero_ps(); 4];
+            for (weight, column) in weights.iter_mut().zip(&pb) {
+                *weight = _mm256_loadu_ps(column.add(at));
+            }
+            for (row_sums, row) in sums.iter_mut().zip(&pa) {
+                let value = _mm256_loadu_ps(row.add(at));
+                for (sum, weight) in row_sums.iter_mut().zip(&weights) {
+                    *sum = _mm256_fmadd_ps(value, *weight, *sum);
+                }
+            }
+        }
+        for (row_acc, row_sums) in acc.iter_mut().zip(&sums) {
+            for (column_acc, sum) in row_acc.iter_mut().zip(row_sums) {
+                column_acc[index] = *sum;
+            }
+        }
+    }
+    [0, 1].map(|r| [0, 1, 2, 3].map(|c| dot_tail_avx2(acc[r][c], (a[r], b[c]), whole)))
 }
 
 /// The end of [`gemv_dot_avx2`]'s sum from `depth` on, given its eight accumulators: added
@@ -611,8 +676,10 @@ mod tests {
         // Depths with and without a remainder past the 64-term blocks and past whole vectors;
         // more outputs than gemm's small-product kernel takes (16 × 16).
         for k in [640, 650, 13] {
-            // Seven rows: two groups of three sharing weight loads, and one alone.
-            let (m, n) = (7, 300);
+            // Seven rows: two groups of three sharing weight loads, and one alone (with AVX-512VL);
+            // three pairs sharing loads of four columns, and one alone (with AVX2 only). The
+            // last task's 46 columns leave two outside the groups of four.
+            let (m, n) = (7, 302);
             let x = Tensor::from_vec(wave(m * k, 0.25), (m, k), &Device::Cpu).unwrap();
             let rows = Tensor::from_vec(wave(n * k, 4.5), (n, k), &Device::Cpu).unwrap();
             let w = rows.t().unwrap();
