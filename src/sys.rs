@@ -103,10 +103,9 @@ fn tune_thread_pools() {
 
 /// How many times candle's worker threads spin, between two of the model's operations, before
 /// they sleep until the next. candle spins 25,000 times by default (about half a millisecond),
-/// on cores that kvreplay's own threads share with it: a closed-loop sweep, whose policies score
-/// and copy on rayon's threads between the model's operations, spent a twentieth of its CPU time
-/// in those spins. With 100, one prompt's 80 calibration runs on Gemma 3 took 86 s against 92 s
-/// (two runs of each, 2 cores). Where the spins end changes no result.
+/// on cores that kvreplay's own threads share with it: in a profile of a closed-loop sweep, whose
+/// policies score and copy on rayon's threads between the model's operations, that spin took
+/// 5.5% of the CPU time; with 100, 0.06%. Where the spins end changes no result.
 const CANDLE_SPINS: u32 = 100;
 
 /// The variable candle reads its spin limit from, once, when its thread pool starts.

@@ -88,8 +88,8 @@ impl<'p> LiveStreams<'p> {
     /// A second continuation of the prompt these streams hold (the teacher-forced one beside
     /// the free-running one): a copy of their streams, with their live vectors, which it takes
     /// from these until [`rejoin`](Self::rejoin) gives them back, so that the prompt's vectors
-    /// are held and written once for both (a ~1K prompt's 32 streaming calibration runs copied
-    /// 3.8 GB on SmolLM2).
+    /// are held and written once for both (3.8 GB for the 32 streaming calibration runs of a
+    /// ~1K SmolLM2 prompt).
     pub fn fork(&mut self) -> Self {
         let layers = self
             .layers
