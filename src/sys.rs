@@ -90,8 +90,9 @@ impl Drop for ModelMalloc {
 /// before any thread starts spares the reads and leaves kvreplay's thread pool as it was; the
 /// products' sums do not depend on their thread count, so results are unchanged. Also sets how
 /// long candle's own threads spin between operations ([`CANDLE_SPINS`]). A variable the user set
-/// is left as it is.
-fn tune_thread_pools() {
+/// is left as it is. Called before any thread starts: by [`tune_for_replay`], and by the Python
+/// module when it is imported.
+pub fn tune_thread_pools() {
     if std::env::var_os("RAYON_NUM_THREADS").is_none() {
         let threads = std::thread::available_parallelism().map_or(1, |n| n.get());
         std::env::set_var("RAYON_NUM_THREADS", threads.to_string());

@@ -24,6 +24,7 @@ pub use errors::KvreplayError;
 
 #[pymodule]
 fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
+    kvreplay::sys::tune_thread_pools();
     m.add("KvreplayError", m.py().get_type::<KvreplayError>())?;
     m.add_class::<trace::Trace>()?;
     m.add_class::<results::Results>()?;
