@@ -366,46 +366,60 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
     let shared = shares_weight_loads();
     let blocked = !shared && fuses_multiply_add();
     by_column_blocks(m, n, |first, width, block| {
+        let weight = |column: usize| &w[(first + column) * stride..][..k];
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
         while blocked && column + 4 <= width {
-            let weights: [&[f32]; 4] =
-                std::array::from_fn(|c| &w[(first + column + c) * stride..][..k]);
-            let mut row = 0;
-            while row + 2 <= m {
+            let weights: [&[f32]; 4] = std::array::from_fn(|c| weight(column + c));
+            let paired = m / 2 * 2;
+            for row in (0..paired).step_by(2) {
                 let rows = [0, 1].map(|r| &x[(row + r) * k..][..k]);
                 // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
                 let sums = unsafe { gemv_dot_2x4_avx2(rows, weights) };
                 for (r, sums) in sums.into_iter().enumerate() {
                     block[(row + r) * width + column..][..4].copy_from_slice(&sums);
                 }
-                row += 2;
             }
-            for row in row..m {
-                for (c, weight) in weights.iter().enumerate() {
-                    block[row * width + column + c] = gemv_dot(&x[row * k..][..k], weight);
-                }
+            for (c, weight) in weights.into_iter().enumerate() {
+                dot_column(
+                    x,
+                    weight,
+                    (paired, m, k),
+                    (block, width, column + c),
+                    shared,
+                );
             }
             column += 4;
         }
         for column in column..width {
-            let weight = &w[(first + column) * stride..][..k];
-            let mut row = 0;
-            #[cfg(target_arch = "x86_64")]
-            while shared && row + 3 <= m {
-                let rows = [0, 1, 2].map(|r| &x[(row + r) * k..][..k]);
-                // SAFETY: `shares_weight_loads` detected AVX2, FMA and AVX-512VL.
-                let sums = unsafe { gemv_dot3_avx512vl(rows, weight) };
-                for (r, sum) in sums.into_iter().enumerate() {
-                    block[(row + r) * width + column] = sum;
-                }
-                row += 3;
-            }
-            for row in row..m {
-                block[row * width + column] = gemv_dot(&x[row * k..][..k], weight);
-            }
+            dot_column(x, weight(column), (0, m, k), (block, width, column), shared);
         }
     })
+}
+
+/// Rows `from..m` of `x` dotted with `weight` into column `column` of `block` (`width` wide), by
+/// [`gemv_dot`], three rows sharing each load of the weight where `shared`.
+fn dot_column(
+    x: &[f32],
+    weight: &[f32],
+    (from, m, k): (usize, usize, usize),
+    (block, width, column): (&mut [f32], usize, usize),
+    shared: bool,
+) {
+    let mut row = from;
+    #[cfg(target_arch = "x86_64")]
+    while shared && row + 3 <= m {
+        let rows = [0, 1, 2].map(|r| &x[(row + r) * k..][..k]);
+        // SAFETY: `shares_weight_loads` detected AVX2, FMA and AVX-512VL.
+        let sums = unsafe { gemv_dot3_avx512vl(rows, weight) };
+        for (r, sum) in sums.into_iter().enumerate() {
+            block[(row + r) * width + column] = sum;
+        }
+        row += 3;
+    }
+    for row in row..m {
+        block[row * width + column] = gemv_dot(&x[row * k..][..k], weight);
+    }
 }
 
 /// `a · b` summed as `gemm`'s `mixed_gemv_rowmajor` sums it: with AVX2 and FMA, eight 8-lane
