@@ -169,15 +169,14 @@ pub(super) fn decode<'s>(
         .collect::<Result<Vec<_>, _>>()?;
     drop(shared);
     // What the teacher-forced rows measured; their caches go before the free-running copies come.
-    let (measured, forks): (Vec<(Vec<LiveStep>, Vec<f64>)>, Vec<_>) =
-        teacher_forced(reference, teachers)?
-            .into_iter()
-            .map(|teacher| {
-                let per_layer = teacher.mask.inner().per_layer();
-                let fork = teacher.mask.into_inner().into_inner().into_inner();
-                ((teacher.steps, per_layer), fork)
-            })
-            .unzip();
+    let (measured, forks): (Vec<_>, Vec<_>) = teacher_forced(reference, teachers)?
+        .into_iter()
+        .map(|teacher| {
+            let per_layer = teacher.mask.inner().per_layer();
+            let fork = teacher.mask.into_inner().into_inner().into_inner();
+            ((teacher.steps, per_layer), fork)
+        })
+        .unzip();
     let started: Vec<_> = rows
         .into_par_iter()
         .zip(forks)
