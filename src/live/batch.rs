@@ -108,29 +108,51 @@ pub(super) struct Reference<'a> {
     /// Whether a row's cache copies hold only the windows of the sliding layers it does not
     /// compress.
     pub windowed_copies: bool,
+    /// Whether the rows that start from a shared cache (the full run's) read its positions
+    /// from it on the global layers instead of from copies of their own.
+    pub shared_prompt: bool,
 }
 
-impl Reference<'_> {
+impl<'r> Reference<'r> {
     /// A row of `policy`'s copy of `cache` with room for `extra` positions: only the window of
     /// each sliding-window layer the policy does not compress (its queries attend over their
-    /// window alone), when the batch keeps copies windowed.
+    /// window alone), when the batch keeps copies windowed; and none of the global layers'
+    /// positions when the row reads them from `cache` itself ([`prefix`](Self::prefix)).
     fn copy(
         &self,
         cache: &KvCache,
         policy: &ValidPolicy,
-        extra: usize,
+        (extra, prefixed): (usize, bool),
     ) -> Result<KvCache, ModelError> {
-        if !self.windowed_copies {
+        if !self.windowed_copies && !prefixed {
             return cache.with_room(extra);
         }
         let compressed = crate::replay::compressed_layers(self.meta, policy);
-        let windows: Vec<usize> = (0..self.meta.n_layers)
-            .map(|layer| match compressed.contains(&layer) {
-                true => 0,
-                false => self.meta.window(layer),
+        let last: Vec<usize> = (0..self.meta.n_layers)
+            .map(|layer| {
+                let window = self.meta.window(layer);
+                match (window, prefixed) {
+                    (0, true) => 0,
+                    (0, false) => usize::MAX,
+                    _ if self.windowed_copies && !compressed.contains(&layer) => window,
+                    _ => usize::MAX,
+                }
             })
             .collect();
-        cache.with_room_windowed(extra, &windows)
+        cache.with_room_holding(extra, &last)
+    }
+
+    /// The cache a row of `row`'s starts from, when it reads the prompt's positions there instead
+    /// of from a copy of its own: one it shares (the full run's), whose entries its policy leaves
+    /// as captured.
+    fn prefix<'s>(&self, row: &Started<'s>) -> Option<&'s KvCache> {
+        let reads = self.shared_prompt
+            && self.model.attends_over_prefixes()
+            && row.mask.inner().is_captured();
+        match (&row.cache, reads) {
+            (Cow::Borrowed(cache), true) => Some(*cache),
+            _ => None,
+        }
     }
 }
 
@@ -141,6 +163,8 @@ struct Teacher<'s> {
     fixed: bool,
     mask: CompressedLayers<LiveMass<Stored<PolicyMask<'s>>>>,
     cache: KvCache,
+    /// The cache `cache` continues on the global layers.
+    prefix: Option<&'s KvCache>,
     steps: Vec<LiveStep>,
 }
 
@@ -148,6 +172,8 @@ struct Teacher<'s> {
 struct Free<'s> {
     mask: CompressedLayers<Stored<PolicyMask<'s>>>,
     cache: KvCache,
+    /// The cache `cache` continues on the global layers.
+    prefix: Option<&'s KvCache>,
     next: u32,
     generated: Vec<u32>,
 }
@@ -182,9 +208,12 @@ pub(super) fn decode<'s>(
         .zip(forks)
         .map(|(mut row, fork)| {
             row.mask.inner_mut().inner_mut().rejoin(fork);
+            let prefix = reference.prefix(&row);
+            let room = (reference.generate, prefix.is_some());
             let free = Free {
                 next: argmax(&row.prompt_logits),
-                cache: reference.copy(&row.cache, row.policy, reference.generate)?,
+                cache: reference.copy(&row.cache, row.policy, room)?,
+                prefix,
                 mask: row.mask,
                 generated: Vec::new(),
             };
@@ -260,12 +289,15 @@ fn teacher<'s>(
             reference.tokens[0],
         ));
     }
+    let prefix = reference.prefix(row);
+    let room = (reference.tokens.len(), prefix.is_some());
     Ok(Teacher {
         fixed: reference.forced_in_one_pass
             && row.mask.inner().is_captured()
             && matches!(row.mask.inner().inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
-        cache: reference.copy(&row.cache, row.policy, reference.tokens.len())?,
+        cache: reference.copy(&row.cache, row.policy, room)?,
+        prefix,
         steps,
     })
 }
@@ -299,9 +331,16 @@ fn in_one_pass(
         .iter_mut()
         .map(|teacher| {
             let Teacher {
-                mask, cache, steps, ..
+                mask,
+                cache,
+                prefix,
+                steps,
+                ..
             } = &mut **teacher;
-            (Row::new(tokens, cache, Some(mask)), steps)
+            (
+                Row::new(tokens, cache, Some(mask)).over_prefix(*prefix),
+                steps,
+            )
         })
         .unzip();
     reference
@@ -325,7 +364,10 @@ fn step_by_step(
         let ids = [token];
         let mut rows: Vec<Row<'_, '_>> = teachers
             .iter_mut()
-            .map(|teacher| Row::new(&ids, &mut teacher.cache, Some(&mut teacher.mask)))
+            .map(|teacher| {
+                Row::new(&ids, &mut teacher.cache, Some(&mut teacher.mask))
+                    .over_prefix(teacher.prefix)
+            })
             .collect();
         let logits = reference.model.forward_rows(&mut rows)?;
         drop(rows);
@@ -360,7 +402,7 @@ fn free_running<'s>(
             .zip(&ids)
             .map(|(row, ids)| {
                 row.generated.push(ids[0]);
-                Row::new(ids, &mut row.cache, Some(&mut row.mask))
+                Row::new(ids, &mut row.cache, Some(&mut row.mask)).over_prefix(row.prefix)
             })
             .collect();
         let logits = reference.model.forward_rows(&mut batch)?;
@@ -373,7 +415,9 @@ fn free_running<'s>(
 
 /// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
 /// running cache (only the windows of the sliding layers it does not compress when its copies
-/// are `windowed`; and the start it copies, whole, when it prefilled on its own), its streams'
+/// are `windowed`, and none of the global layers' prompt positions when it reads them from the
+/// full run's cache, `prefixed`; and the start it copies, whole, when it prefilled on its own),
+/// its streams'
 /// vectors twice when it streams (the policy's and the copy that measures its live mass), the
 /// live keys that measure its mass where it holds its own (a start of its own, or a compressed
 /// sliding-window layer: the rows that start from the full run's cache share its keys), and a
@@ -382,19 +426,22 @@ fn free_running<'s>(
 pub(super) fn row_bytes(
     meta: &TraceMeta,
     policy: &ValidPolicy,
-    (capacity, own_prefill, windowed): (usize, bool, bool),
+    (capacity, own_prefill, windowed, prefixed): (usize, bool, bool, bool),
 ) -> usize {
     const F32: usize = 4;
     let compressed = crate::replay::compressed_layers(meta, policy);
     let (heads, kv, d) = (meta.n_heads, meta.n_kv_heads, meta.head_dim);
     let entry = 2 * kv * d * F32;
     let room = capacity.saturating_sub(meta.prompt_len);
+    let prefixed = prefixed && !own_prefill && policy.storage().is_captured();
     let copy: usize = (0..meta.n_layers)
         .map(|layer| {
             let window = meta.window(layer);
-            let held = match windowed && window > 0 && !compressed.contains(&layer) {
-                true => (window + room).min(capacity),
-                false => capacity,
+            let held = match window {
+                0 if prefixed => room,
+                0 => capacity,
+                _ if windowed && !compressed.contains(&layer) => (window + room).min(capacity),
+                _ => capacity,
             };
             entry * held
         })
@@ -450,15 +497,25 @@ mod tests {
         // The rows that start from the full run's cache share its keys for the live mass; one
         // that prefilled on its own holds its own.
         let keys = 3 * 1024 * capacity;
-        let whole = row_bytes(&meta, &policy, (capacity, false, false));
+        let whole = row_bytes(&meta, &policy, (capacity, false, false, false));
         assert_eq!(whole, 18 * entry * capacity);
-        let windowed = row_bytes(&meta, &policy, (capacity, false, true));
+        let windowed = row_bytes(&meta, &policy, (capacity, false, true, false));
         assert_eq!(windowed, (3 * capacity + 15 * (512 + 33)) * entry);
-        let own_start = row_bytes(&meta, &policy, (capacity, true, true));
+        let own_start = row_bytes(&meta, &policy, (capacity, true, true, false));
         assert_eq!(own_start, windowed + 18 * entry * capacity + keys);
         // 80 rows: 23.7 GB (22,592 MiB) whole, 5.3 GB (5,042 MiB) windowed.
         assert_eq!((80 * whole) >> 20, 22_592);
         assert_eq!((80 * windowed) >> 20, 5_042);
+        // Reading the prompt's positions from the full run's cache, its global layers hold the
+        // 33 positions after the prompt: 80 rows, 1.4 GB (1,292 MiB).
+        let prefixed = row_bytes(&meta, &policy, (capacity, false, true, true));
+        assert_eq!(prefixed, (3 * 33 + 15 * (512 + 33)) * entry);
+        assert_eq!((80 * prefixed) >> 20, 1_292);
+        // One that prefilled on its own copies its own start whole.
+        assert_eq!(
+            row_bytes(&meta, &policy, (capacity, true, true, true)),
+            own_start
+        );
         // A policy that compresses every layer keeps them whole.
         let all = PolicyParams {
             layers: crate::replay::Layers::All,
@@ -467,6 +524,9 @@ mod tests {
         let all = all.check().unwrap();
         // Its sliding-window layers' live keys are its own.
         let whole_all = 18 * entry * capacity + 15 * 1024 * capacity;
-        assert_eq!(row_bytes(&meta, &all, (capacity, false, true)), whole_all);
+        assert_eq!(
+            row_bytes(&meta, &all, (capacity, false, true, false)),
+            whole_all
+        );
     }
 }

@@ -414,7 +414,8 @@ impl<'m> LiveSession<'m> {
             .iter()
             .map(|&(_, policy)| {
                 let own = self.prefills_on_its_own(policy);
-                let shape = (capacity, own, batching.windowed_copies);
+                let prefixed = batching.shared_prompt && self.model.attends_over_prefixes();
+                let shape = (capacity, own, batching.windowed_copies, prefixed);
                 batch::row_bytes(self.trace.meta(), policy, shape)
             })
             .collect();
@@ -454,6 +455,7 @@ impl<'m> LiveSession<'m> {
             generate: self.prompt.generate,
             forced_in_one_pass: batching.forced_in_one_pass,
             windowed_copies: batching.windowed_copies,
+            shared_prompt: batching.shared_prompt,
         };
         Ok(batch::decode(&reference, started)?
             .into_iter()
@@ -786,16 +788,23 @@ pub struct Batching {
     /// its policy does not compress ([`KvCache::with_room_windowed`]): the same numbers, a
     /// fraction of the memory on a hybrid model's long prompts.
     pub windowed_copies: bool,
+    /// Whether the rows that start from the full run's cache, their entries as captured, read
+    /// the prompt's positions on the global layers from it, once a layer for all of them
+    /// ([`Row::prefix`](crate::model::Row::prefix)), instead of each from a copy of its own: the
+    /// same numbers, without the copies and with one read of the prompt's cache a step.
+    pub shared_prompt: bool,
 }
 
 impl Batching {
     /// As many rows as fit in memory, the full run's prefill shared, fixed cuts teacher-forced
-    /// in one pass, row caches kept to the sliding layers' windows.
+    /// in one pass, row caches kept to the sliding layers' windows, the full run's cache read once
+    /// a step for all the rows that start from it.
     pub const BATCHED: Batching = Batching {
         rows: None,
         share_prefill: true,
         forced_in_one_pass: true,
         windowed_copies: true,
+        shared_prompt: true,
     };
     /// Each policy alone, with its own prefill unless it cuts at the prompt's end, one pass per
     /// token: the closed loop as it ran before batching, which the bench and the tests compare with.
@@ -804,6 +813,7 @@ impl Batching {
         share_prefill: false,
         forced_in_one_pass: false,
         windowed_copies: false,
+        shared_prompt: false,
     };
 }
 

@@ -1,11 +1,15 @@
 //! Several sequences in one forward pass. Every weight product runs once over the rows of all of
 //! them stacked (a decode step of many policies reads each weight matrix once instead of once per
 //! policy), while each sequence keeps its own cache, positions, recorder and mask, and its
-//! attention runs alone (on worker threads), exactly as in a pass of its own. A stacked product
+//! attention is the one it gets in a pass of its own (alone, on worker threads, or together with
+//! the rows that continue the same prefix, `prefix_attention.rs`). A stacked product
 //! sums each row as the product of that row alone does (`product.rs`), so a sequence's logits do
 //! not depend on what it was batched with (`tests/live.rs` checks it bit for bit).
 
+use super::cached_attention::{finish, prepare_cached, LayerAttention};
 use super::causal_lm::Row;
+use super::ops::merge_heads;
+use super::prefix_attention::attend_prepared;
 use super::ModelError;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -45,22 +49,39 @@ pub(crate) fn stack(mut parts: Vec<Tensor>) -> Result<Tensor, ModelError> {
     Ok(Tensor::cat(&parts, 0)?)
 }
 
-/// Each row's attention at one layer, on worker threads: `attention(row, its state, its q, k, v
-/// projections)` for the row's span of the stacked projections; the outputs stacked.
+/// A row's vectors at one layer as its attention takes them: the layer's geometry, the
+/// positions its cache held before the pass, and its post-rotary q `[n_heads, n, d]`, k and v
+/// `[n_kv_heads, n, d]`.
+pub(crate) type Rotated = (LayerAttention, usize, (Tensor, Tensor, Tensor));
+
+/// Each row's attention at one layer: `rotated(its state, its q, k, v projections)` for the row's
+/// span of the stacked projections; each row's cache takes its keys and values (on worker
+/// threads), its queries attend ([`attend_prepared`]: the rows that continue one prefix over it
+/// together), and the outputs `[n, heads * d]` are stacked.
 pub(crate) fn each_row_attends<S: Sync>(
     rows: &mut [Row<'_, '_>],
     (states, spans): (&[S], &[(usize, usize)]),
     (q, k, v): (&Tensor, &Tensor, &Tensor),
-    attention: impl Fn(&mut Row<'_, '_>, &S, (Tensor, Tensor, Tensor)) -> Result<Tensor, ModelError>
-        + Sync,
+    rotated: impl Fn(&S, (Tensor, Tensor, Tensor)) -> Result<Rotated, ModelError> + Sync,
 ) -> Result<Tensor, ModelError> {
-    let outputs = rows
+    let prepared = rows
         .par_iter_mut()
         .zip(states)
         .zip(spans)
         .map(|((row, state), &(first, n))| {
             let narrow = |t: &Tensor| t.narrow(0, first, n);
-            attention(row, state, (narrow(q)?, narrow(k)?, narrow(v)?))
+            let (geometry, past, qkv) = rotated(state, (narrow(q)?, narrow(k)?, narrow(v)?))?;
+            prepare_cached(row, &geometry, past, qkv)
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let attended = attend_prepared(rows, &prepared)?;
+    let outputs = rows
+        .par_iter_mut()
+        .zip(prepared)
+        .zip(attended)
+        .map(|((row, prepared), attention)| {
+            finish(row, prepared, &attention);
+            merge_heads(&attention)
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
     stack(outputs)

@@ -12,6 +12,7 @@ use super::ModelError;
 use candle_core::Tensor;
 
 /// The attention geometry of one layer.
+#[derive(Debug, Clone, Copy)]
 pub(crate) struct LayerAttention {
     /// The layer's index.
     pub layer: usize,
@@ -25,6 +26,20 @@ pub(crate) struct LayerAttention {
     pub feed: Feed,
 }
 
+/// A row's queries at one layer once its cache holds their keys and values, ready to attend.
+pub(crate) struct Prepared {
+    pub geometry: LayerAttention,
+    /// Positions the row's cache held before the pass.
+    pub past: usize,
+    /// The post-rotary queries `[n_heads, n, d]`.
+    pub q: Tensor,
+    /// The row's own cache after the append: keys transposed `[n_kv_heads, d, held]`, values
+    /// `[n_kv_heads, held, d]`, for the positions from `start` on.
+    pub held: (Tensor, Tensor, usize),
+    /// The policy's mask `[n_heads, n, past + n]`, when it decides.
+    pub policy_mask: Option<Vec<f32>>,
+}
+
 /// `row`'s attention at `geometry.layer` for its post-rotary q `[n_heads, n, d]`, k and v
 /// `[n_kv_heads, n, d]` (the row's cache held `past` positions before them): `[n_heads, n, d]`.
 /// A sliding-window layer needs a cache that holds every position (one whose entries were
@@ -33,15 +48,28 @@ pub(crate) fn attend_cached(
     row: &mut Row<'_, '_>,
     geometry: &LayerAttention,
     past: usize,
-    (q, k, v): (Tensor, Tensor, Tensor),
+    qkv: (Tensor, Tensor, Tensor),
 ) -> Result<Tensor, ModelError> {
+    let prepared = prepare_cached(row, geometry, past, qkv)?;
+    let attention = prepared.attend_alone()?;
+    finish(row, prepared, &attention);
+    Ok(attention)
+}
+
+/// What [`attend_cached`] does before its queries attend: the policy's mask, its rewrite of the
+/// cache, the recorder, and the keys and values appended to the cache.
+pub(crate) fn prepare_cached(
+    row: &mut Row<'_, '_>,
+    geometry: &LayerAttention,
+    past: usize,
+    (q, k, v): (Tensor, Tensor, Tensor),
+) -> Result<Prepared, ModelError> {
     let LayerAttention { layer, window, .. } = *geometry;
     if window > 0 && past != row.cache.next_position {
         return Err(ModelError::Mask(
             "a sliding-window layer masks by position: its cache must hold every position".into(),
         ));
     }
-    let n = q.dims()[1];
     let policy_mask = policy_mask(row.mask.as_deref_mut(), layer, past, (&q, &k, &v))?;
     if let Some(rewrite) = row.mask.as_deref_mut().and_then(|mask| mask.rewrite(layer)) {
         row.cache.overwrite(layer, &rewrite)?;
@@ -49,21 +77,40 @@ pub(crate) fn attend_cached(
     if let Some(recorder) = row.recorder.as_deref_mut() {
         recorder.record(layer, &q, &k, &v)?;
     }
-    let (keys_t, values, start) = row.cache.append(layer, k, v)?;
-    let held = (&keys_t, &values, start);
-    let attention = match geometry.feed {
-        Feed::Steps if n > 1 => {
-            attend_each_query(&q, held, (policy_mask.as_deref(), past), geometry)?
+    let held = row.cache.append(layer, k, v)?;
+    Ok(Prepared {
+        geometry: *geometry,
+        past,
+        q,
+        held,
+        policy_mask,
+    })
+}
+
+impl Prepared {
+    /// The queries attending over the row's own cache alone.
+    pub fn attend_alone(&self) -> Result<Tensor, ModelError> {
+        let (keys_t, values, start) = &self.held;
+        let held = (keys_t, values, *start);
+        let mask = (self.policy_mask.as_deref(), self.past);
+        match self.geometry.feed {
+            Feed::Steps if self.q.dims()[1] > 1 => {
+                attend_each_query(&self.q, held, mask, &self.geometry)
+            }
+            _ => attend_visible(&self.q, held, mask, &self.geometry),
         }
-        _ => attend_visible(&q, held, (policy_mask.as_deref(), past), geometry)?,
-    };
-    if let Some(mask) = policy_mask {
+    }
+}
+
+/// What [`attend_cached`] does once the queries attended: the mask's buffer given back, and the
+/// recorder.
+pub(crate) fn finish(row: &mut Row<'_, '_>, prepared: Prepared, attention: &Tensor) {
+    if let Some(mask) = prepared.policy_mask {
         super::mask_buffers::give_back(mask);
     }
     if let Some(recorder) = row.recorder.as_deref_mut() {
-        recorder.record_attention(layer, &attention);
+        recorder.record_attention(prepared.geometry.layer, attention);
     }
-    Ok(attention)
 }
 
 /// Queries `q` `[n_heads, n, d]` at positions `past..past + n` attending over the cache's
@@ -133,7 +180,11 @@ fn attend_each_query(
 
 /// Query `query`'s lines of a chunk's mask `[heads, n, total]`, up to its own position:
 /// `[heads, 1, total - n + query + 1]`, the mask its own one-token step would get.
-fn query_lines(mask: &[f32], (heads, n, total): (usize, usize, usize), query: usize) -> Vec<f32> {
+pub(crate) fn query_lines(
+    mask: &[f32],
+    (heads, n, total): (usize, usize, usize),
+    query: usize,
+) -> Vec<f32> {
     let seen = total - n + query + 1;
     (0..heads)
         .flat_map(|head| &mask[(head * n + query) * total..][..seen])

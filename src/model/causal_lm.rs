@@ -54,6 +54,11 @@ pub struct Row<'a, 'm> {
     pub recorder: Option<&'a mut Recorder>,
     /// Decides what each query attends over; causal when absent.
     pub mask: Option<&'a mut (dyn AttentionMask + 'm)>,
+    /// The cache whose first positions `cache` continues on its global layers, when its own
+    /// holds only what came after them ([`KvCache::with_room_holding`]): read, not written, and
+    /// read once for all the rows of a pass that continue it (a prompt's cache under many
+    /// policies). A family that cannot read it says so ([`CausalLm::attends_over_prefixes`]).
+    pub prefix: Option<&'a KvCache>,
 }
 
 impl<'a, 'm> Row<'a, 'm> {
@@ -68,7 +73,14 @@ impl<'a, 'm> Row<'a, 'm> {
             cache,
             recorder: None,
             mask,
+            prefix: None,
         }
+    }
+
+    /// The row continuing `prefix`'s positions on the layers where its own cache holds none of
+    /// them.
+    pub fn over_prefix(self, prefix: Option<&'a KvCache>) -> Self {
+        Self { prefix, ..self }
     }
 }
 
@@ -96,6 +108,12 @@ pub trait CausalLm: Sync {
         None
     }
 
+    /// Whether a row's global layers may read their first positions from its
+    /// [`prefix`](Row::prefix) (its own cache holding only what came after them).
+    fn attends_over_prefixes(&self) -> bool {
+        false
+    }
+
     /// Runs every row's tokens as if each token were fed alone, after the one before it (a
     /// teacher-forced decode, whose tokens are known): each row's cache, and the logits after
     /// each of its tokens, passed to `on_logits(row, step, logits)`, are those of that many
@@ -121,6 +139,7 @@ pub trait CausalLm: Sync {
                         cache: &mut *row.cache,
                         recorder: row.recorder.as_deref_mut(),
                         mask: row.mask.as_deref_mut(),
+                        prefix: row.prefix,
                     });
                 }
             }
@@ -144,6 +163,7 @@ pub trait CausalLm: Sync {
             cache,
             recorder,
             mask,
+            prefix: None,
         }];
         Ok(self
             .forward_rows(&mut rows)?
@@ -414,16 +434,29 @@ impl KvCache {
         extra: usize,
         windows: &[usize],
     ) -> Result<KvCache, ModelError> {
+        let last: Vec<usize> = windows
+            .iter()
+            .map(|&window| match window {
+                0 => usize::MAX,
+                window => window,
+            })
+            .collect();
+        self.with_room_holding(extra, &last)
+    }
+
+    /// A copy with room for `extra` more positions holding the last `last[layer]` positions of
+    /// each layer (every position it holds where `last` is larger or has no entry). A copy that
+    /// holds none of a global layer's positions continues this cache there: a row reads them
+    /// from this one as its [`prefix`](Row::prefix).
+    pub fn with_room_holding(&self, extra: usize, last: &[usize]) -> Result<KvCache, ModelError> {
         let layers = self
             .layers
             .iter()
             .enumerate()
             .map(|(index, layer)| {
-                let start = match windows.get(index) {
-                    Some(&window) if window > 0 => {
-                        layer.start.max(layer.len.saturating_sub(window))
-                    }
-                    _ => layer.start,
+                let start = match last.get(index) {
+                    Some(&last) => layer.start.max(layer.len.saturating_sub(last)),
+                    None => layer.start,
                 };
                 let (from, held) = (start - layer.start, layer.len - start);
                 let copy = |buffer: &Tensor, axis: usize| -> Result<Tensor, ModelError> {
@@ -446,6 +479,25 @@ impl KvCache {
             layers,
             next_position: self.next_position,
         })
+    }
+
+    /// Layer `layer`'s first `len` positions, as a row continuing this cache reads them: keys
+    /// transposed `[n_kv_heads, d, len]`, values `[n_kv_heads, len, d]`.
+    pub(crate) fn layer_prefix(
+        &self,
+        layer: usize,
+        len: usize,
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        match self.layers.get(layer) {
+            Some(cache) if cache.start == 0 && len <= cache.len => Ok((
+                cache.keys_t.narrow(KEY_POSITIONS, 0, len)?,
+                cache.values.narrow(VALUE_POSITIONS, 0, len)?,
+            )),
+            _ => Err(ModelError::Mask(format!(
+                "a row continues positions 0..{len} of layer {layer} of a cache that does not \
+                 hold them"
+            ))),
+        }
     }
 
     /// The cache of the first `len` positions alone, as if only they had run (`len` at most

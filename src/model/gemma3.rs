@@ -15,15 +15,15 @@
 //! same GGUF (docs/assets.md).
 
 use super::batch::{
-    each_row_attends, elements, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
 use super::gguf::GgufFile;
 use super::llama::transposed;
-use super::cached_attention::{attend_cached, LayerAttention};
+use super::cached_attention::LayerAttention;
 use super::ops::{
-    inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
+    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads,
 };
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
@@ -185,6 +185,10 @@ impl CausalLm for Gemma3 {
             output: self.embedding.elem_count(),
         })
     }
+
+    fn attends_over_prefixes(&self) -> bool {
+        true
+    }
 }
 
 /// What a row's attention needs through every layer of one pass: what its cache held before
@@ -221,7 +225,7 @@ impl Gemma3 {
                 rows,
                 (&sequences, &spans),
                 (&q, &k, &v),
-                |row, sequence, projected| self.attention((layer, block), row, sequence, projected),
+                |sequence, projected| self.rotated((layer, block), sequence, projected),
             )?;
             let out = rows_product(&attended, &block.wo, &sums)?;
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
@@ -255,16 +259,14 @@ impl Gemma3 {
         })
     }
 
-    /// One row's attention at `layer`, from its projections `[n, heads * d]`: QK-norm, rotary,
-    /// the policy's mask within the layer's window, the recorder, the cache; returns
-    /// `[n, heads * d]` before the output projection.
-    fn attention(
+    /// One row's vectors at `layer` as its attention takes them, from its projections
+    /// `[n, heads * d]`: QK-norm and rotary applied, within the layer's window.
+    fn rotated(
         &self,
         (layer, block): (usize, &Block),
-        row: &mut Row<'_, '_>,
         sequence: &Sequence,
         (q, k, v): (Tensor, Tensor, Tensor),
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<Rotated, ModelError> {
         let (spec, eps) = (&self.spec, self.rms_eps);
         let window = spec.windows[layer];
         let (cos, sin) = if window > 0 {
@@ -284,7 +286,6 @@ impl Gemma3 {
             scale: spec.scale as f64,
             feed: sequence.feed,
         };
-        let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
-        merge_heads(&attention)
+        Ok((geometry, sequence.past, (q, k, v)))
     }
 }

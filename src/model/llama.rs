@@ -3,15 +3,13 @@
 //! attention saw.
 
 use super::batch::{
-    each_row_attends, elements, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
 use super::gguf::{unpermute_rows, GgufFile};
-use super::cached_attention::{attend_cached, LayerAttention};
-use super::ops::{
-    inverse_frequencies, merge_heads, rms_norm, rotary_tables, rotate, split_heads,
-};
+use super::cached_attention::LayerAttention;
+use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads};
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
@@ -143,6 +141,10 @@ impl CausalLm for Llama {
             output: self.output.elem_count(),
         })
     }
+
+    fn attends_over_prefixes(&self) -> bool {
+        true
+    }
 }
 
 /// What a row's attention needs through every layer of one pass: what its cache held before the
@@ -179,7 +181,7 @@ impl Llama {
                 rows,
                 (&sequences, &spans),
                 (&q, &k, &v),
-                |row, sequence, projected| self.attention(layer, row, sequence, projected),
+                |sequence, projected| self.rotated(layer, sequence, projected),
             )?;
             x = (x + rows_product(&attended, &block.wo, &sums)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
@@ -211,16 +213,14 @@ impl Llama {
         })
     }
 
-    /// One row's attention at `layer`, from its projections `[n, heads * d]`: rotary, then
-    /// [`attend_cached`]; returns `[n, heads * d]` before the output
-    /// projection.
-    fn attention(
+    /// One row's vectors at `layer` as its attention takes them, from its projections
+    /// `[n, heads * d]`: rotary applied.
+    fn rotated(
         &self,
         layer: usize,
-        row: &mut Row<'_, '_>,
         sequence: &Sequence,
         (q, k, v): (Tensor, Tensor, Tensor),
-    ) -> Result<Tensor, ModelError> {
+    ) -> Result<Rotated, ModelError> {
         let config = &self.config;
         let (n_heads, n_kv) = (config.n_heads, config.n_kv_heads);
         let (cos, sin) = (&sequence.cos, &sequence.sin);
@@ -234,7 +234,6 @@ impl Llama {
             scale: 1.0 / (config.head_dim() as f64).sqrt(),
             feed: sequence.feed,
         };
-        let attention = attend_cached(row, &geometry, sequence.past, (q, k, v))?;
-        merge_heads(&attention)
+        Ok((geometry, sequence.past, (q, k, v)))
     }
 }

@@ -25,6 +25,7 @@ mod mask;
 pub(crate) mod mask_buffers;
 mod masked_softmax;
 mod ops;
+mod prefix_attention;
 mod product;
 mod prompt;
 mod recorder;

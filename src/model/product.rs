@@ -60,6 +60,33 @@ pub(crate) fn rows_product(
     Ok(Tensor::from_vec(out, (m, n), &Device::Cpu)?)
 }
 
+/// `x [m, k] · w [k, n]` as [`rows_product`] sums rows of one token each, for any `m`: every
+/// output `x[r, 0]·w[0, j]` and then the later terms added in order, each one multiply-add
+/// ([`chain_term`]). A row's outputs are the ones it gets alone, and a chain stopped at some depth
+/// continues by [`chain_term`] to the sum over the whole depth.
+pub(crate) fn chain_product(
+    x: &[f32],
+    (m, k): (usize, usize),
+    w: &Tensor,
+) -> Result<Vec<f32>, ModelError> {
+    let n = w.dims2()?.1;
+    if let Some(out) = with_rows(w, |rows, stride| one_token_rows(x, rows, stride, (m, k, n)))? {
+        return Ok(out);
+    }
+    let rows = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
+    Ok(one_token_rows(x, &rows, n, (m, k, n)))
+}
+
+/// A chain's `sum` with the next term `a · b` added as the products here add it: fused where
+/// `fused` ([`fuses_multiply_add`]).
+#[inline]
+pub(crate) fn chain_term(sum: f32, (a, b): (f32, f32), fused: bool) -> f32 {
+    match fused {
+        true => a.mul_add(b, sum),
+        false => a * b + sum,
+    }
+}
+
 /// `f` of the rows of 2-D `t` in memory (from its first element) and their stride, where its
 /// columns are adjacent (a row-major matrix or a slice of its rows or columns); `None` otherwise.
 pub(crate) fn with_rows<R>(
@@ -154,11 +181,7 @@ fn chain_block(
         for row in 0..m {
             let mut sum = x[row * k] * weight(0);
             for depth in 1..k {
-                let (a, b) = (x[row * k + depth], weight(depth));
-                sum = match fused {
-                    true => a.mul_add(b, sum),
-                    false => a * b + sum,
-                };
+                sum = chain_term(sum, (x[row * k + depth], weight(depth)), fused);
             }
             block[row * width + column] = sum;
         }
@@ -585,7 +608,7 @@ unsafe fn dot_tail_avx2(
 
 /// Whether `gemm` fuses its multiply-adds here: it runs its AVX2 kernels (which fuse) where the
 /// processor has AVX2 and FMA, and otherwise multiplies and adds.
-fn fuses_multiply_add() -> bool {
+pub(crate) fn fuses_multiply_add() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]

@@ -1,0 +1,353 @@
+//! Rows that continue one cache attend over it together. The policies of a prompt decode from
+//! the full run's cache: each row's own cache holds only the positions after the prompt on the
+//! global layers ([`KvCache::with_room_holding`]), and the prompt's keys and values, shared
+//! ([`Row::prefix`]), are read once per layer and key-value head for every query of every row
+//! instead of once per row from a copy of its own.
+//!
+//! Each query's result is the one it gets attending alone over a whole copy, bit for bit
+//! ([`Prepared::attend_alone`]): its logits over the prompt come from one product of all the
+//! rows' queries (each logit the same chain over the head's channels), those over its own
+//! positions from its own keys; its softmax runs over the line the two make, under the same mask,
+//! by the same operations; and each of its weighted-value sums runs over the prompt's positions
+//! in one product of all the rows' weights, then goes on, term by term in the same order and by
+//! the same multiply-adds ([`chain_term`]), over its own positions.
+
+use super::cached_attention::Prepared;
+use super::causal_lm::Row;
+use super::masked_softmax::ChunkMask;
+use super::ops::softmax;
+use super::product::{chain_product, chain_term, fuses_multiply_add, with_rows};
+use super::{KvCache, ModelError};
+use crate::model::batch::Feed;
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
+
+/// Queries at most in one product over a prefix: bounds the logits held at once (a query's are
+/// its key-value head's query heads times the prefix's positions) while the prefix is still read
+/// once for many rows.
+const QUERIES_PER_PRODUCT: usize = 256;
+
+/// Rows of weights one task sums over a prefix's values (a product of a head's width alone has
+/// one column block, which one worker would otherwise take).
+const ROWS_PER_TASK: usize = 48;
+
+/// Each row's attention `[n_heads, n, d]` for its `prepared` queries: over its own cache alone,
+/// or, where it continues a [`prefix`](Row::prefix) on this layer, together with the other rows
+/// continuing the same one.
+pub(crate) fn attend_prepared(
+    rows: &[Row<'_, '_>],
+    prepared: &[Prepared],
+) -> Result<Vec<Tensor>, ModelError> {
+    let continued: Vec<Option<(usize, usize)>> = rows
+        .iter()
+        .zip(prepared)
+        .map(|(row, prepared)| continues(row, prepared))
+        .collect();
+    let mut attended: Vec<Option<Tensor>> = prepared
+        .par_iter()
+        .zip(&continued)
+        .map(|(prepared, continued)| match continued {
+            None => prepared.attend_alone().map(Some),
+            Some(_) => Ok(None),
+        })
+        .collect::<Result<_, ModelError>>()?;
+    let mut prefixes: Vec<(usize, usize)> = continued.iter().flatten().copied().collect();
+    prefixes.sort_unstable();
+    prefixes.dedup();
+    for prefix in prefixes {
+        let members: Vec<usize> = (0..rows.len())
+            .filter(|&row| continued[row] == Some(prefix))
+            .collect();
+        let cache = rows[members[0]]
+            .prefix
+            .expect("a row continuing a prefix has one");
+        let queries: Vec<&Prepared> = members.iter().map(|&row| &prepared[row]).collect();
+        let outputs = attend_over_prefix(cache, prefix.1, &queries)?;
+        for (row, output) in members.into_iter().zip(outputs) {
+            attended[row] = Some(output);
+        }
+    }
+    Ok(attended
+        .into_iter()
+        .map(|output| output.expect("every row attended"))
+        .collect())
+}
+
+/// `(the prefix's address, the positions the row reads from it)` when `row`'s queries at this
+/// layer read their first positions from its prefix: a global layer whose own cache starts after
+/// position 0, each query attending as its own step would.
+fn continues(row: &Row<'_, '_>, prepared: &Prepared) -> Option<(usize, usize)> {
+    let start = prepared.held.2;
+    let one_at_a_time = prepared.q.dims()[1] == 1 || prepared.geometry.feed == Feed::Steps;
+    match row.prefix {
+        Some(prefix) if prepared.geometry.window == 0 && start > 0 && one_at_a_time => {
+            Some((std::ptr::from_ref(prefix) as usize, start))
+        }
+        _ => None,
+    }
+}
+
+/// One query of a row: which row, and which of its tokens.
+#[derive(Clone, Copy)]
+struct Query {
+    member: usize,
+    token: usize,
+}
+
+/// What every query needs of its row: the queries in memory, `[n_heads, n, d]`.
+struct Member<'p> {
+    prepared: &'p Prepared,
+    q: Vec<f32>,
+    n: usize,
+}
+
+impl Member<'_> {
+    /// Own positions query `token` sees: those its row's cache held before it, after the
+    /// prefix, and its own and its row's earlier tokens'.
+    fn seen(&self, token: usize) -> usize {
+        self.prepared.past + token + 1 - self.prepared.held.2
+    }
+
+    /// The mask the query `token` attends with alone over `positions` positions (the window's,
+    /// to which the policy's lines add theirs when it decides).
+    fn mask(&self, token: usize, heads: usize) -> Result<Tensor, ModelError> {
+        let prepared = self.prepared;
+        let lines = prepared.policy_mask.as_deref().map(|mask| match self.n {
+            1 => mask.to_vec(),
+            n => super::cached_attention::query_lines(mask, (heads, n, prepared.past + n), token),
+        });
+        let mask = ChunkMask {
+            policy: lines.as_deref(),
+            past: prepared.past + token,
+            window: 0,
+            first: 0,
+        };
+        mask.tensor(heads, 1)
+    }
+}
+
+/// The shapes of one layer's attention over a prefix.
+#[derive(Clone, Copy)]
+struct Heads {
+    heads: usize,
+    group: usize,
+    d: usize,
+    /// Positions the prefix gives.
+    prefix: usize,
+    scale: f64,
+}
+
+/// The attention `[n_heads, n, d]` of each of `prepared`'s rows, each continuing the first `len`
+/// positions of `cache` at their layer.
+fn attend_over_prefix(
+    cache: &KvCache,
+    len: usize,
+    prepared: &[&Prepared],
+) -> Result<Vec<Tensor>, ModelError> {
+    let geometry = prepared[0].geometry;
+    let (keys_t, values) = cache.layer_prefix(geometry.layer, len)?;
+    let (kv_heads, d, _) = keys_t.dims3()?;
+    let shape = Heads {
+        heads: geometry.n_heads,
+        group: geometry.n_heads / kv_heads,
+        d,
+        prefix: len,
+        scale: geometry.scale,
+    };
+    let members = prepared
+        .par_iter()
+        .map(|&prepared| {
+            let q = prepared.q.flatten_all()?.to_vec1::<f32>()?;
+            let n = prepared.q.dims()[1];
+            Ok(Member { prepared, q, n })
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let queries: Vec<Query> = members
+        .iter()
+        .enumerate()
+        .flat_map(|(member, row)| (0..row.n).map(move |token| Query { member, token }))
+        .collect();
+    let mut outputs = vec![vec![0.0f32; shape.heads * d]; queries.len()];
+    for (chunk, outputs) in queries
+        .chunks(QUERIES_PER_PRODUCT)
+        .zip(outputs.chunks_mut(QUERIES_PER_PRODUCT))
+    {
+        let masks = chunk
+            .par_iter()
+            .map(|query| members[query.member].mask(query.token, shape.heads))
+            .collect::<Result<Vec<_>, ModelError>>()?;
+        for kv in 0..kv_heads {
+            let prefix = (
+                keys_t.narrow(0, kv, 1)?.squeeze(0)?,
+                values.narrow(0, kv, 1)?.squeeze(0)?,
+            );
+            let sums = kv_head_sums((&members, chunk, &masks), kv, &prefix, shape)?;
+            for (output, sums) in outputs.iter_mut().zip(sums) {
+                output[kv * shape.group * d..][..shape.group * d].copy_from_slice(&sums);
+            }
+        }
+    }
+    assemble(&members, &outputs, shape)
+}
+
+/// For each query of `chunk`, its key-value head `kv`'s query heads' weighted-value sums
+/// `[group, d]`, over the prefix's keys transposed `[d, len]` and values `[len, d]` and then the
+/// query's own positions.
+fn kv_head_sums(
+    (members, chunk, masks): (&[Member<'_>], &[Query], &[Tensor]),
+    kv: usize,
+    (keys_t, values): &(Tensor, Tensor),
+    shape: Heads,
+) -> Result<Vec<Vec<f32>>, ModelError> {
+    let Heads {
+        group, d, prefix, ..
+    } = shape;
+    let lines = chunk.len() * group;
+    let stacked: Vec<f32> = chunk
+        .iter()
+        .flat_map(|query| own_queries(&members[query.member], query.token, kv, shape))
+        .collect();
+    let logits = chain_product(&stacked, (lines, d), keys_t)?;
+    let weights = chunk
+        .par_iter()
+        .zip(logits.par_chunks_exact(group * prefix))
+        .zip(masks)
+        .map(|((query, logits), mask)| {
+            query_weights(
+                &members[query.member],
+                query.token,
+                (kv, logits, mask),
+                shape,
+            )
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    let prefix_weights: Vec<f32> = weights
+        .iter()
+        .flat_map(|(weights, columns)| {
+            (0..group).flat_map(move |head| &weights[head * columns..][..prefix])
+        })
+        .copied()
+        .collect();
+    let partial: Vec<f32> = prefix_weights
+        .par_chunks(ROWS_PER_TASK * prefix)
+        .map(|rows| chain_product(rows, (rows.len() / prefix, prefix), values))
+        .collect::<Result<Vec<_>, ModelError>>()?
+        .concat();
+    chunk
+        .par_iter()
+        .zip(weights)
+        .zip(partial.par_chunks_exact(group * d))
+        .map(|((query, weights), partial)| {
+            own_sums(
+                &members[query.member],
+                query.token,
+                kv,
+                (&weights, partial),
+                shape,
+            )
+        })
+        .collect()
+}
+
+/// Query `token`'s heads of key-value head `kv` in `member`'s queries: `[group, d]`.
+fn own_queries(member: &Member<'_>, token: usize, kv: usize, shape: Heads) -> Vec<f32> {
+    let Heads { group, d, .. } = shape;
+    (kv * group..(kv + 1) * group)
+        .flat_map(|head| &member.q[(head * member.n + token) * d..][..d])
+        .copied()
+        .collect()
+}
+
+/// Query `token`'s softmax weights `[group, columns]` for key-value head `kv`'s query heads over
+/// the prefix and its own positions (`columns` of them), from its logits over the prefix
+/// `[group, len]` and its `mask` for every head: as [`Prepared::attend_alone`] computes them.
+fn query_weights(
+    member: &Member<'_>,
+    token: usize,
+    (kv, prefix_logits, mask): (usize, &[f32], &Tensor),
+    shape: Heads,
+) -> Result<(Vec<f32>, usize), ModelError> {
+    let Heads {
+        group, d, prefix, ..
+    } = shape;
+    let seen = member.seen(token);
+    let own_keys = member.prepared.held.0.narrow(0, kv, 1)?.squeeze(0)?;
+    let own_keys = own_keys.narrow(1, 0, seen)?;
+    let own = chain_product(
+        &own_queries(member, token, kv, shape),
+        (group, d),
+        &own_keys,
+    )?;
+    let columns = prefix + seen;
+    let mut line = Vec::with_capacity(group * columns);
+    for head in 0..group {
+        line.extend_from_slice(&prefix_logits[head * prefix..][..prefix]);
+        line.extend_from_slice(&own[head * seen..][..seen]);
+    }
+    let mask = match mask.rank() {
+        3 => mask.narrow(0, kv * group, group)?.squeeze(1)?,
+        _ => mask.clone(),
+    };
+    let logits = Tensor::from_vec(line, (group, columns), &Device::Cpu)?;
+    let logits = (logits * shape.scale)?.broadcast_add(&mask)?;
+    let weights = softmax(&logits)?.flatten_all()?.to_vec1::<f32>()?;
+    Ok((weights, columns))
+}
+
+/// Query `token`'s weighted-value sums `[group, d]` for key-value head `kv`: each head's `partial`
+/// sums over the prefix, carried on over the query's own positions.
+fn own_sums(
+    member: &Member<'_>,
+    token: usize,
+    kv: usize,
+    ((weights, columns), partial): (&(Vec<f32>, usize), &[f32]),
+    shape: Heads,
+) -> Result<Vec<f32>, ModelError> {
+    let Heads {
+        group, d, prefix, ..
+    } = shape;
+    let seen = member.seen(token);
+    let own_values = member.prepared.held.1.narrow(0, kv, 1)?.squeeze(0)?;
+    let own_values = own_values.narrow(0, 0, seen)?;
+    let fused = fuses_multiply_add();
+    let sums = with_rows(&own_values, |values, stride| {
+        let mut sums = partial.to_vec();
+        for head in 0..group {
+            let weights = &weights[head * columns + prefix..][..seen];
+            for (channel, sum) in sums[head * d..][..d].iter_mut().enumerate() {
+                for (position, &weight) in weights.iter().enumerate() {
+                    *sum = chain_term(*sum, (weight, values[position * stride + channel]), fused);
+                }
+            }
+        }
+        sums
+    })?;
+    sums.ok_or_else(|| ModelError::Mask("a row's cached values outside CPU memory".into()))
+}
+
+/// Each member's attention `[n_heads, n, d]` from its queries' sums `[n_heads, d]`, the queries
+/// in member order.
+fn assemble(
+    members: &[Member<'_>],
+    outputs: &[Vec<f32>],
+    shape: Heads,
+) -> Result<Vec<Tensor>, ModelError> {
+    let Heads { heads, d, .. } = shape;
+    let mut first = 0;
+    members
+        .iter()
+        .map(|member| {
+            let own = &outputs[first..first + member.n];
+            first += member.n;
+            let values: Vec<f32> = (0..heads)
+                .flat_map(|head| own.iter().flat_map(move |sums| &sums[head * d..][..d]))
+                .copied()
+                .collect();
+            Ok(Tensor::from_vec(
+                values,
+                (heads, member.n, d),
+                &Device::Cpu,
+            )?)
+        })
+        .collect()
+}
