@@ -351,3 +351,146 @@ fn assemble(
         })
         .collect()
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::cached_attention::{prepare_cached, LayerAttention};
+    use crate::model::Evicted;
+
+    const HEADS: usize = 6;
+    const KV_HEADS: usize = 2;
+    const D: usize = 8;
+    const PROMPT: usize = 37;
+
+    /// `[heads, n, D]` vectors at positions `from..from + n` that differ by head, position and
+    /// channel.
+    fn varied(heads: usize, (from, n): (usize, usize), salt: f32) -> Tensor {
+        let values: Vec<f32> = (0..heads)
+            .flat_map(|h| {
+                (from..from + n).flat_map(move |p| {
+                    (0..D).map(move |c| ((h * 13 + p * 7 + c) as f32 * 0.31 + salt).sin())
+                })
+            })
+            .collect();
+        Tensor::from_vec(values, (heads, n, D), &Device::Cpu).unwrap()
+    }
+
+    fn qkv(from: usize, n: usize) -> (Tensor, Tensor, Tensor) {
+        (
+            varied(HEADS, (from, n), 0.5),
+            varied(KV_HEADS, (from, n), 1.5),
+            varied(KV_HEADS, (from, n), 2.5),
+        )
+    }
+
+    /// A row's case: the tokens its cache took after the prompt, the tokens of the pass, how they
+    /// are fed, and whether a policy evicts some of the prompt's positions.
+    #[derive(Clone, Copy)]
+    struct Case {
+        earlier: usize,
+        n: usize,
+        feed: Feed,
+        evicts: bool,
+    }
+
+    /// Each case's attention over `caches` (continuing `prefix` where given).
+    fn attended(cases: &[Case], caches: &mut [KvCache], prefix: Option<&KvCache>) -> Vec<Vec<f32>> {
+        let mut masks: Vec<Evicted> = cases
+            .iter()
+            .map(|case| {
+                let heads = (0..HEADS).map(|h| match case.evicts {
+                    true => (0..PROMPT).filter(|p| (p + h) % 3 == 0).collect(),
+                    false => Vec::new(),
+                });
+                vec![heads.collect()]
+            })
+            .collect();
+        let mut rows: Vec<Row<'_, '_>> = caches
+            .iter_mut()
+            .zip(&mut masks)
+            .zip(cases)
+            .map(|((cache, mask), case)| {
+                let mask: Option<&mut dyn crate::model::AttentionMask> = match case.evicts {
+                    true => Some(mask),
+                    false => None,
+                };
+                Row::new(&[], cache, mask).over_prefix(prefix)
+            })
+            .collect();
+        let prepared: Vec<Prepared> = rows
+            .iter_mut()
+            .zip(cases)
+            .map(|(row, case)| {
+                let geometry = LayerAttention {
+                    layer: 0,
+                    n_heads: HEADS,
+                    window: 0,
+                    scale: 0.35,
+                    feed: case.feed,
+                };
+                let past = PROMPT + case.earlier;
+                prepare_cached(row, &geometry, past, qkv(past, case.n)).unwrap()
+            })
+            .collect();
+        attend_prepared(&rows, &prepared)
+            .unwrap()
+            .iter()
+            .map(|out| out.flatten_all().unwrap().to_vec1::<f32>().unwrap())
+            .collect()
+    }
+
+    #[test]
+    fn rows_over_a_shared_prefix_attend_as_over_whole_copies() {
+        // A prompt of 37 positions, three query heads to each of two KV heads; rows that took 0,
+        // 2, 5 and 1 tokens since, one token or several fed as steps, some under a policy that
+        // evicts a third of the prompt: each row's attention reading the prompt from the shared
+        // cache is its attention over a whole copy of its own, bit for bit.
+        let mut prompt = KvCache::default();
+        let (_, k, v) = qkv(0, PROMPT);
+        prompt.append(0, k, v).unwrap();
+        prompt.next_position = PROMPT;
+        let case = |earlier, n, feed, evicts| Case {
+            earlier,
+            n,
+            feed,
+            evicts,
+        };
+        let cases = [
+            case(0, 1, Feed::Chunk, false),
+            case(2, 1, Feed::Chunk, true),
+            case(5, 4, Feed::Steps, true),
+            case(1, 3, Feed::Steps, false),
+        ];
+        let copies = |cases: &[Case], holding: &[usize]| -> Vec<KvCache> {
+            cases
+                .iter()
+                .map(|case| {
+                    let mut cache = prompt.with_room_holding(8, holding).unwrap();
+                    if case.earlier > 0 {
+                        let (_, k, v) = qkv(PROMPT, case.earlier);
+                        cache.append(0, k, v).unwrap();
+                        cache.next_position += case.earlier;
+                    }
+                    cache
+                })
+                .collect()
+        };
+        let mut whole = copies(&cases, &[usize::MAX]);
+        let mut tails = copies(&cases, &[0]);
+        assert_eq!(tails[0].keys(0).unwrap().dim(), (KV_HEADS, 0, D));
+        let alone = attended(&cases, &mut whole, None);
+        let together = attended(&cases, &mut tails, Some(&prompt));
+        assert_eq!(together, alone);
+        // The evicting policy changes the attention: the masks reach the shared path.
+        let unmasked = [Case {
+            evicts: false,
+            ..cases[1]
+        }];
+        let mut tail = copies(&unmasked, &[0]);
+        assert_ne!(
+            attended(&unmasked, &mut tail, Some(&prompt))[0],
+            together[1]
+        );
+    }
+}
