@@ -106,6 +106,25 @@ pub(crate) fn masked_softmax(
     Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
 }
 
+/// `softmax(scale · logits + mask)` of the lines `[lines, columns]` of one-query steps, each
+/// query's window spanning every column and `policy(line)` its policy's mask line when it
+/// decides: what [`masked_softmax`] gives each line, bit for bit, with no mask of its own built.
+pub(crate) fn softmax_lines<'m>(
+    logits: &[f32],
+    (lines, columns): (usize, usize),
+    scale: f64,
+    policy: impl Fn(usize) -> Option<&'m [f32]>,
+) -> Result<Vec<f32>, ModelError> {
+    let mut weights = vec![0.0f32; lines * columns];
+    for (line, out) in weights.chunks_exact_mut(columns).enumerate() {
+        let logits = &logits[line * columns..][..columns];
+        exponentiate(logits, out, (scale, policy(line)), (0, columns - 1));
+    }
+    let weights = Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?;
+    let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
+    Ok(weights.flatten_all()?.to_vec1::<f32>()?)
+}
+
 /// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's
 /// mask (0 on columns `lo..=hi`, −∞ elsewhere), plus the policy's entry first when it decides,
 /// as candle's affine map and broadcast additions compute them. A masked entry's `x` is −∞, and

@@ -98,7 +98,7 @@ pub(crate) fn attend(
 }
 
 /// Softmax over the last axis, its maximum subtracted first.
-pub(crate) fn softmax(logits: &Tensor) -> Result<Tensor, ModelError> {
+fn softmax(logits: &Tensor) -> Result<Tensor, ModelError> {
     let max = logits.max_keepdim(D::Minus1)?;
     let weights = logits.broadcast_sub(&max)?.exp()?;
     Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)

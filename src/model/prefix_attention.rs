@@ -10,13 +10,12 @@
 //! positions from its own keys; its softmax runs over the line the two make, under the same mask,
 //! by the same operations; and each of its weighted-value sums runs over the prompt's positions
 //! in one product of all the rows' weights, then goes on, term by term in the same order and by
-//! the same multiply-adds ([`chain_term`]), over its own positions.
+//! the same multiply-adds ([`continue_chains`]), over its own positions.
 
 use super::cached_attention::Prepared;
 use super::causal_lm::Row;
-use super::masked_softmax::ChunkMask;
-use super::ops::softmax;
-use super::product::{chain_product, chain_term, fuses_multiply_add, with_rows};
+use super::masked_softmax::softmax_lines;
+use super::product::{chain_product, continue_chains, with_rows};
 use super::{KvCache, ModelError};
 use crate::model::batch::Feed;
 use candle_core::{Device, Tensor};
@@ -108,21 +107,12 @@ impl Member<'_> {
         self.prepared.past + token + 1 - self.prepared.held.2
     }
 
-    /// The mask the query `token` attends with alone over `positions` positions (the window's,
-    /// to which the policy's lines add theirs when it decides).
-    fn mask(&self, token: usize, heads: usize) -> Result<Tensor, ModelError> {
-        let prepared = self.prepared;
-        let lines = prepared.policy_mask.as_deref().map(|mask| match self.n {
-            1 => mask.to_vec(),
-            n => super::cached_attention::query_lines(mask, (heads, n, prepared.past + n), token),
-        });
-        let mask = ChunkMask {
-            policy: lines.as_deref(),
-            past: prepared.past + token,
-            window: 0,
-            first: 0,
-        };
-        mask.tensor(heads, 1)
+    /// The policy's mask line of query `token` at query head `head` over the `columns`
+    /// positions up to its own, when the policy decides: the line its own step would get.
+    fn policy_line(&self, token: usize, head: usize, columns: usize) -> Option<&[f32]> {
+        let total = self.prepared.past + self.n;
+        let mask = self.prepared.policy_mask.as_deref()?;
+        Some(&mask[(head * self.n + token) * total..][..columns])
     }
 }
 
@@ -172,16 +162,12 @@ fn attend_over_prefix(
         .chunks(QUERIES_PER_PRODUCT)
         .zip(outputs.chunks_mut(QUERIES_PER_PRODUCT))
     {
-        let masks = chunk
-            .par_iter()
-            .map(|query| members[query.member].mask(query.token, shape.heads))
-            .collect::<Result<Vec<_>, ModelError>>()?;
         for kv in 0..kv_heads {
             let prefix = (
                 keys_t.narrow(0, kv, 1)?.squeeze(0)?,
                 values.narrow(0, kv, 1)?.squeeze(0)?,
             );
-            let sums = kv_head_sums((&members, chunk, &masks), kv, &prefix, shape)?;
+            let sums = kv_head_sums((&members, chunk), kv, &prefix, shape)?;
             for (output, sums) in outputs.iter_mut().zip(sums) {
                 output[kv * shape.group * d..][..shape.group * d].copy_from_slice(&sums);
             }
@@ -194,7 +180,7 @@ fn attend_over_prefix(
 /// `[group, d]`, over the prefix's keys transposed `[d, len]` and values `[len, d]` and then the
 /// query's own positions.
 fn kv_head_sums(
-    (members, chunk, masks): (&[Member<'_>], &[Query], &[Tensor]),
+    (members, chunk): (&[Member<'_>], &[Query]),
     kv: usize,
     (keys_t, values): &(Tensor, Tensor),
     shape: Heads,
@@ -211,14 +197,8 @@ fn kv_head_sums(
     let weights = chunk
         .par_iter()
         .zip(logits.par_chunks_exact(group * prefix))
-        .zip(masks)
-        .map(|((query, logits), mask)| {
-            query_weights(
-                &members[query.member],
-                query.token,
-                (kv, logits, mask),
-                shape,
-            )
+        .map(|(query, logits)| {
+            query_weights(&members[query.member], query.token, (kv, logits), shape)
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
     let prefix_weights: Vec<f32> = weights
@@ -260,11 +240,11 @@ fn own_queries(member: &Member<'_>, token: usize, kv: usize, shape: Heads) -> Ve
 
 /// Query `token`'s softmax weights `[group, columns]` for key-value head `kv`'s query heads over
 /// the prefix and its own positions (`columns` of them), from its logits over the prefix
-/// `[group, len]` and its `mask` for every head: as [`Prepared::attend_alone`] computes them.
+/// `[group, len]`, under its policy's mask: as [`Prepared::attend_alone`] computes them.
 fn query_weights(
     member: &Member<'_>,
     token: usize,
-    (kv, prefix_logits, mask): (usize, &[f32], &Tensor),
+    (kv, prefix_logits): (usize, &[f32]),
     shape: Heads,
 ) -> Result<(Vec<f32>, usize), ModelError> {
     let Heads {
@@ -284,13 +264,8 @@ fn query_weights(
         line.extend_from_slice(&prefix_logits[head * prefix..][..prefix]);
         line.extend_from_slice(&own[head * seen..][..seen]);
     }
-    let mask = match mask.rank() {
-        3 => mask.narrow(0, kv * group, group)?.squeeze(1)?,
-        _ => mask.clone(),
-    };
-    let logits = Tensor::from_vec(line, (group, columns), &Device::Cpu)?;
-    let logits = (logits * shape.scale)?.broadcast_add(&mask)?;
-    let weights = softmax(&logits)?.flatten_all()?.to_vec1::<f32>()?;
+    let policy = |head: usize| member.policy_line(token, kv * group + head, columns);
+    let weights = softmax_lines(&line, (group, columns), shape.scale, policy)?;
     Ok((weights, columns))
 }
 
@@ -303,22 +278,15 @@ fn own_sums(
     ((weights, columns), partial): (&(Vec<f32>, usize), &[f32]),
     shape: Heads,
 ) -> Result<Vec<f32>, ModelError> {
-    let Heads {
-        group, d, prefix, ..
-    } = shape;
+    let Heads { d, prefix, .. } = shape;
     let seen = member.seen(token);
     let own_values = member.prepared.held.1.narrow(0, kv, 1)?.squeeze(0)?;
     let own_values = own_values.narrow(0, 0, seen)?;
-    let fused = fuses_multiply_add();
     let sums = with_rows(&own_values, |values, stride| {
         let mut sums = partial.to_vec();
-        for head in 0..group {
+        for (head, sums) in sums.chunks_exact_mut(d).enumerate() {
             let weights = &weights[head * columns + prefix..][..seen];
-            for (channel, sum) in sums[head * d..][..d].iter_mut().enumerate() {
-                for (position, &weight) in weights.iter().enumerate() {
-                    *sum = chain_term(*sum, (weight, values[position * stride + channel]), fused);
-                }
-            }
+            continue_chains(sums, weights, (values, stride));
         }
         sums
     })?;

@@ -87,6 +87,39 @@ pub(crate) fn chain_term(sum: f32, (a, b): (f32, f32), fused: bool) -> f32 {
     }
 }
 
+/// Chains `sums[j]` carried on over the terms `a[p] · b[p · stride + j]`, `p` in order, each
+/// added by [`chain_term`]: the rest of a product's depth after a part of it.
+pub(crate) fn continue_chains(sums: &mut [f32], a: &[f32], (b, stride): (&[f32], usize)) {
+    #[cfg(target_arch = "x86_64")]
+    if fuses_multiply_add() {
+        // SAFETY: `fuses_multiply_add` detected FMA.
+        unsafe { continue_fused(sums, a, (b, stride)) };
+        return;
+    }
+    continue_by(sums, a, (b, stride), fuses_multiply_add());
+}
+
+/// [`continue_chains`], by [`chain_term`] as `fused` says.
+#[inline(always)]
+fn continue_by(sums: &mut [f32], a: &[f32], (b, stride): (&[f32], usize), fused: bool) {
+    for (depth, &a) in a.iter().enumerate() {
+        let b = &b[depth * stride..][..sums.len()];
+        for (sum, &b) in sums.iter_mut().zip(b) {
+            *sum = chain_term(*sum, (a, b), fused);
+        }
+    }
+}
+
+/// [`continue_chains`] with the processor's fused multiply-add instruction (not a library call).
+///
+/// # Safety
+/// The processor has FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn continue_fused(sums: &mut [f32], a: &[f32], (b, stride): (&[f32], usize)) {
+    continue_by(sums, a, (b, stride), true);
+}
+
 /// `f` of the rows of 2-D `t` in memory (from its first element) and their stride, where its
 /// columns are adjacent (a row-major matrix or a slice of its rows or columns); `None` otherwise.
 pub(crate) fn with_rows<R>(
@@ -188,6 +221,11 @@ fn chain_block(
     }
 }
 
+/// The least distance between a matrix's rows, in elements, at which a strip read by more than
+/// one pass is packed: rows closer than a kilobyte (a head's values, 64 or 256 wide) fill whole
+/// cache lines of a strip already and spread over the cache's sets.
+const PACKED_STRIDE: usize = 256;
+
 /// Rows a pass over a strip of two 8-lane vectors sums at once: twelve accumulators of AVX2's
 /// sixteen registers.
 const ROWS: usize = 6;
@@ -226,7 +264,8 @@ unsafe fn chain_strips(
         };
         let columns = vectors * lanes;
         let weights = &w[first + column..];
-        let weights = strip_weights(weights, (n, k), columns, m > pass_rows, &mut packed);
+        let pack = m > pass_rows && n >= PACKED_STRIDE;
+        let weights = strip_weights(weights, (n, k), columns, pack, &mut packed);
         let strip = Strip {
             weights,
             k,
@@ -608,7 +647,7 @@ unsafe fn dot_tail_avx2(
 
 /// Whether `gemm` fuses its multiply-adds here: it runs its AVX2 kernels (which fuse) where the
 /// processor has AVX2 and FMA, and otherwise multiplies and adds.
-pub(crate) fn fuses_multiply_add() -> bool {
+fn fuses_multiply_add() -> bool {
     #[cfg(target_arch = "x86_64")]
     return std::is_x86_feature_detected!("fma") && std::is_x86_feature_detected!("avx2");
     #[cfg(not(target_arch = "x86_64"))]
