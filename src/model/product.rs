@@ -209,6 +209,26 @@ fn chain_block(
     };
     #[cfg(not(target_arch = "x86_64"))]
     let done = 0;
+    let columns = (first, done, width);
+    #[cfg(target_arch = "x86_64")]
+    if fused {
+        // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
+        unsafe { fused_columns(x, (w, stride), (m, k), columns, block) };
+        return;
+    }
+    chain_columns(x, (w, stride), (m, k), columns, (block, fused));
+}
+
+/// Columns `first + done..first + width` of [`chain_block`] one at a time, each added by
+/// [`chain_term`] as `fused` says.
+#[inline(always)]
+fn chain_columns(
+    x: &[f32],
+    (w, stride): (&[f32], usize),
+    (m, k): (usize, usize),
+    (first, done, width): (usize, usize, usize),
+    (block, fused): (&mut [f32], bool),
+) {
     for column in done..width {
         let weight = |depth: usize| w[depth * stride + first + column];
         for row in 0..m {
@@ -219,6 +239,22 @@ fn chain_block(
             block[row * width + column] = sum;
         }
     }
+}
+
+/// [`chain_columns`] fused, by the processor's instruction (not a library call).
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn fused_columns(
+    x: &[f32],
+    w: (&[f32], usize),
+    shape: (usize, usize),
+    columns: (usize, usize, usize),
+    block: &mut [f32],
+) {
+    chain_columns(x, w, shape, columns, (block, true));
 }
 
 /// The least distance between a matrix's rows, in elements, at which a strip read by more than
