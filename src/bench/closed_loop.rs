@@ -321,29 +321,41 @@ fn side_by_side(
 
 /// One decode step after the prompt `ids`: milliseconds for one row, then for as many rows as fit
 /// in a third of the available memory (at most [`STEP_ROWS`]), each masked as a `prefill` cut is
-/// (one that evicts nothing), its cache with room for the step as a live row's has; best of
-/// three.
+/// (one that evicts nothing), its cache as a live row's (with room for the step, holding a
+/// sliding layer's window only, and reading the prompt's positions on the global layers from the
+/// prefilled cache where the family can); best of three.
 fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), BenchError> {
     let mut prefilled = KvCache::default();
     for piece in ids.chunks(512) {
         model.forward(piece, &mut prefilled, None)?;
     }
     let spec = model.spec();
-    let cache_bytes = spec.n_layers * 2 * spec.n_kv_heads * spec.head_dim * (ids.len() + 1) * 4;
+    let prefix = model.attends_over_prefixes().then_some(&prefilled);
+    let holding: Vec<usize> = spec
+        .windows
+        .iter()
+        .map(|&window| match (window, prefix.is_some()) {
+            (0, true) => 0,
+            (0, false) => usize::MAX,
+            (window, _) => window,
+        })
+        .collect();
+    let held: usize = holding.iter().map(|&last| last.min(ids.len()) + 1).sum();
+    let cache_bytes = held * 2 * spec.n_kv_heads * spec.head_dim * 4;
     let rows = (crate::sys::available_memory() / 3 / cache_bytes.max(1)).clamp(1, STEP_ROWS);
     let token = [ids[ids.len() - 1]];
     let timed = |rows: usize| -> Result<f64, BenchError> {
         let mut best = f64::INFINITY;
         for _ in 0..3 {
             let mut caches = (0..rows)
-                .map(|_| prefilled.with_room(1))
+                .map(|_| prefilled.with_room_holding(1, &holding))
                 .collect::<Result<Vec<KvCache>, _>>()?;
             let nothing: Evicted = vec![vec![Vec::new(); spec.n_heads]; spec.n_layers];
             let mut masks = vec![nothing; rows];
             let mut batch: Vec<Row<'_, '_>> = caches
                 .iter_mut()
                 .zip(&mut masks)
-                .map(|(cache, mask)| Row::new(&token, cache, Some(mask)))
+                .map(|(cache, mask)| Row::new(&token, cache, Some(mask)).over_prefix(prefix))
                 .collect();
             let started = Instant::now();
             model.forward_rows(&mut batch)?;

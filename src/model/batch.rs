@@ -6,6 +6,7 @@
 //! sums each row as the product of that row alone does (`product.rs`), so a sequence's logits do
 //! not depend on what it was batched with (`tests/live.rs` checks it bit for bit).
 
+pub(crate) use super::cached_attention::Feed;
 use super::cached_attention::{finish, prepare_cached, LayerAttention};
 use super::causal_lm::Row;
 use super::ops::merge_heads;
@@ -105,17 +106,6 @@ fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
 /// The multiply-adds one token costs through `weights`: their elements, together.
 pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Tensor>) -> usize {
     weights.map(Tensor::elem_count).sum()
-}
-
-/// How a pass feeds each row's tokens.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub(crate) enum Feed {
-    /// As one chunk (a prefill): each row's products and attention over its tokens at once.
-    Chunk,
-    /// As if one token at a time ([`CausalLm::forward_steps`](super::CausalLm::forward_steps)):
-    /// every product summed per token as a one-token pass sums it, and each query attending as
-    /// its own step would.
-    Steps,
 }
 
 /// The spans the weight products sum by: the rows' own, or one per token when fed step by step.

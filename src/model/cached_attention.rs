@@ -3,13 +3,23 @@
 //! family whose attention is plain scaled dot-product over a window calls it after its own
 //! projections, norms and rotary.
 
-use super::batch::Feed;
 use super::causal_lm::Row;
 use super::mask::policy_mask;
 use super::masked_softmax::ChunkMask;
 use super::ops::attend;
 use super::ModelError;
 use candle_core::Tensor;
+
+/// How a pass feeds each row's tokens.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub(crate) enum Feed {
+    /// As one chunk (a prefill): each row's products and attention over its tokens at once.
+    Chunk,
+    /// As if one token at a time ([`CausalLm::forward_steps`](super::CausalLm::forward_steps)):
+    /// every product summed per token as a one-token pass sums it, and each query attending as
+    /// its own step would.
+    Steps,
+}
 
 /// The attention geometry of one layer.
 #[derive(Debug, Clone, Copy)]

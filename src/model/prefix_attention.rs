@@ -12,12 +12,11 @@
 //! in one product of all the rows' weights, then goes on, term by term in the same order and by
 //! the same multiply-adds ([`continue_chains`]), over its own positions.
 
-use super::cached_attention::Prepared;
+use super::cached_attention::{Feed, Prepared};
 use super::causal_lm::Row;
 use super::masked_softmax::softmax_lines;
 use super::product::{chain_product, continue_chains, with_rows};
 use super::{KvCache, ModelError};
-use crate::model::batch::Feed;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
