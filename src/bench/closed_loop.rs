@@ -321,9 +321,9 @@ fn side_by_side(
 
 /// One decode step after the prompt `ids`: milliseconds for one row, then for as many rows as fit
 /// in a third of the available memory (at most [`STEP_ROWS`]), each masked as a `prefill` cut is
-/// (one that evicts nothing), its cache as a live row's (with room for the step, holding a
-/// sliding layer's window only, and reading the prompt's positions on the global layers from the
-/// prefilled cache where the family can); best of three.
+/// (one that evicts nothing, on every layer), its cache as a live row's of such a policy (with
+/// room for the step, and reading the prompt's positions on the global layers from the prefilled
+/// cache where the family can); best of three.
 fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), BenchError> {
     let mut prefilled = KvCache::default();
     for piece in ids.chunks(512) {
@@ -336,8 +336,7 @@ fn single_step(model: &dyn CausalLm, ids: &[u32]) -> Result<(usize, f64, f64), B
         .iter()
         .map(|&window| match (window, prefix.is_some()) {
             (0, true) => 0,
-            (0, false) => usize::MAX,
-            (window, _) => window,
+            _ => usize::MAX,
         })
         .collect();
     let held: usize = holding.iter().map(|&last| last.min(ids.len()) + 1).sum();
