@@ -109,46 +109,30 @@ pub(super) struct Reference<'a> {
     /// compress.
     pub windowed_copies: bool,
     /// Whether the rows that start from a shared cache (the full run's) read its positions
-    /// from it on the global layers instead of from copies of their own.
+    /// from it on the global layers instead of from copies of their own (the batching asks for
+    /// it and the model's family can).
     pub shared_prompt: bool,
 }
 
-impl<'r> Reference<'r> {
-    /// A row of `policy`'s copy of `cache` with room for `extra` positions: only the window of
-    /// each sliding-window layer the policy does not compress (its queries attend over their
-    /// window alone), when the batch keeps copies windowed; and none of the global layers'
-    /// positions when the row reads them from `cache` itself ([`prefix`](Self::prefix)).
+impl Reference<'_> {
+    /// A row of `policy`'s copy of `cache` with room for `extra` positions, holding of each layer
+    /// what [`held_prompt`] says (`prefixed`: the row reads the global layers' prompt positions
+    /// from `cache` itself, [`prefix`](Self::prefix)).
     fn copy(
         &self,
         cache: &KvCache,
         policy: &ValidPolicy,
         (extra, prefixed): (usize, bool),
     ) -> Result<KvCache, ModelError> {
-        if !self.windowed_copies && !prefixed {
-            return cache.with_room(extra);
-        }
-        let compressed = crate::replay::compressed_layers(self.meta, policy);
-        let last: Vec<usize> = (0..self.meta.n_layers)
-            .map(|layer| {
-                let window = self.meta.window(layer);
-                match (window, prefixed) {
-                    (0, true) => 0,
-                    (0, false) => usize::MAX,
-                    _ if self.windowed_copies && !compressed.contains(&layer) => window,
-                    _ => usize::MAX,
-                }
-            })
-            .collect();
-        cache.with_room_holding(extra, &last)
+        let held = held_prompt(self.meta, policy, (self.windowed_copies, prefixed));
+        cache.with_room_holding(extra, &held)
     }
 
     /// The cache a row of `row`'s starts from, when it reads the prompt's positions there instead
     /// of from a copy of its own: one it shares (the full run's), whose entries its policy leaves
     /// as captured.
     fn prefix<'s>(&self, row: &Started<'s>) -> Option<&'s KvCache> {
-        let reads = self.shared_prompt
-            && self.model.attends_over_prefixes()
-            && row.mask.inner().is_captured();
+        let reads = self.shared_prompt && row.mask.inner().is_captured();
         match (&row.cache, reads) {
             (Cow::Borrowed(cache), true) => Some(*cache),
             _ => None,
@@ -413,12 +397,32 @@ fn free_running<'s>(
     }
 }
 
+/// How many of the prompt's last positions a row of `policy` copies of each layer
+/// ([`KvCache::with_room_holding`]): every one, except the window of each sliding-window layer
+/// the policy does not compress when its copies are `windowed` (its queries attend over their
+/// window alone), and none of a global layer's when it reads them from the cache it starts
+/// from (`prefixed`).
+fn held_prompt(
+    meta: &TraceMeta,
+    policy: &ValidPolicy,
+    (windowed, prefixed): (bool, bool),
+) -> Vec<usize> {
+    let compressed = crate::replay::compressed_layers(meta, policy);
+    (0..meta.n_layers)
+        .map(|layer| match meta.window(layer) {
+            0 if prefixed => 0,
+            0 => usize::MAX,
+            window if windowed && !compressed.contains(&layer) => window,
+            _ => usize::MAX,
+        })
+        .collect()
+}
+
 /// About how many bytes a row of `policy` holds while it decodes `capacity` positions: its
-/// running cache (only the windows of the sliding layers it does not compress when its copies
-/// are `windowed`, and none of the global layers' prompt positions when it reads them from the
-/// full run's cache, `prefixed`; and the start it copies, whole, when it prefilled on its own),
-/// its streams'
-/// vectors twice when it streams (the policy's and the copy that measures its live mass), the
+/// running cache (what [`held_prompt`] copies of the prompt, `prefixed` when it reads the
+/// global layers' prompt positions from the full run's cache, and the positions after it; and
+/// the start it copies, whole, when it prefilled on its own), its streams' vectors twice when it
+/// streams (the policy's and the copy that measures its live mass), the
 /// live keys that measure its mass where it holds its own (a start of its own, or a compressed
 /// sliding-window layer: the rows that start from the full run's cache share its keys), and a
 /// stored cache's own vectors. The teacher-forced cache is freed before the free-running copy is
@@ -434,17 +438,9 @@ pub(super) fn row_bytes(
     let entry = 2 * kv * d * F32;
     let room = capacity.saturating_sub(meta.prompt_len);
     let prefixed = prefixed && !own_prefill && policy.storage().is_captured();
-    let copy: usize = (0..meta.n_layers)
-        .map(|layer| {
-            let window = meta.window(layer);
-            let held = match window {
-                0 if prefixed => room,
-                0 => capacity,
-                _ if windowed && !compressed.contains(&layer) => (window + room).min(capacity),
-                _ => capacity,
-            };
-            entry * held
-        })
+    let copy: usize = held_prompt(meta, policy, (windowed, prefixed))
+        .into_iter()
+        .map(|held| entry * held.saturating_add(room).min(capacity))
         .sum();
     let whole = meta.n_layers * entry * capacity;
     let own_keys = compressed

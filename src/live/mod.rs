@@ -396,6 +396,12 @@ impl<'m> LiveSession<'m> {
         Ok(reports.into_iter().flatten().collect())
     }
 
+    /// Whether rows that start from the full run's cache read its prompt positions from it: the
+    /// batching asks for it and the model's family can.
+    fn shares_prompt(&self, batching: Batching) -> bool {
+        batching.shared_prompt && self.model.attends_over_prefixes()
+    }
+
     /// The most positions a live run holds: the prompt, the longer of the full run and the
     /// generation, and one more.
     fn capacity(&self) -> usize {
@@ -410,11 +416,11 @@ impl<'m> LiveSession<'m> {
         batching: Batching,
     ) -> Vec<Vec<OpenLoopRun<'r>>> {
         let capacity = self.capacity();
+        let prefixed = self.shares_prompt(batching);
         let bytes: Vec<usize> = runs
             .iter()
             .map(|&(_, policy)| {
                 let own = self.prefills_on_its_own(policy);
-                let prefixed = batching.shared_prompt && self.model.attends_over_prefixes();
                 let shape = (capacity, own, batching.windowed_copies, prefixed);
                 batch::row_bytes(self.trace.meta(), policy, shape)
             })
@@ -455,7 +461,7 @@ impl<'m> LiveSession<'m> {
             generate: self.prompt.generate,
             forced_in_one_pass: batching.forced_in_one_pass,
             windowed_copies: batching.windowed_copies,
-            shared_prompt: batching.shared_prompt,
+            shared_prompt: self.shares_prompt(batching),
         };
         Ok(batch::decode(&reference, started)?
             .into_iter()
@@ -785,7 +791,7 @@ pub struct Batching {
     /// tokens in one pass ([`CausalLm::forward_steps`]) instead of one pass per token.
     pub forced_in_one_pass: bool,
     /// Whether each row's copy of its cache holds only the window of the sliding-window layers
-    /// its policy does not compress ([`KvCache::with_room_windowed`]): the same numbers, a
+    /// its policy does not compress ([`KvCache::with_room_holding`]): the same numbers, a
     /// fraction of the memory on a hybrid model's long prompts.
     pub windowed_copies: bool,
     /// Whether the rows that start from the full run's cache, their entries as captured, read

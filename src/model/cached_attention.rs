@@ -260,7 +260,7 @@ mod tests {
             .append(0, varied(1, 0..10, 0.1), varied(1, 0..10, 0.2))
             .unwrap();
         whole.next_position = 10;
-        let windowed = whole.with_room_windowed(3, &[4]).unwrap();
+        let windowed = whole.with_room_holding(3, &[4]).unwrap();
         let ids = [1, 2, 3];
         for feed in [Feed::Chunk, Feed::Steps] {
             let geometry = LayerAttention {

@@ -256,7 +256,7 @@ pub(crate) fn argmax(values: &[f32]) -> u32 {
 /// The keys and values seen so far, per layer: the keys transposed, `[n_kv_heads, head_dim,
 /// capacity]` (the layout the logit product reads), the values `[n_kv_heads, capacity,
 /// head_dim]`, the positions `start..len` in use (`start` is 0 unless a copy
-/// [kept a sliding-window layer's window only](Self::with_room_windowed)). The buffers grow by
+/// [kept only a layer's last positions](Self::with_room_holding)). The buffers grow by
 /// doubling, so a decode step writes its own column and row instead of copying the cache. A clone
 /// copies what is in use: a buffer is written in place only beyond every other holder's
 /// positions.
@@ -421,33 +421,16 @@ impl KvCache {
     /// A copy with room for `extra` more positions in every layer, so that as many appends grow
     /// no buffer (a clone has no room: its first append doubles it).
     pub fn with_room(&self, extra: usize) -> Result<KvCache, ModelError> {
-        self.with_room_windowed(extra, &[])
+        self.with_room_holding(extra, &[])
     }
 
-    /// [`with_room`](Self::with_room), holding only the last `windows[layer]` positions of each
-    /// layer whose entry is above 0 (every position of the others): a sliding-window layer whose
-    /// queries attend over their window alone needs no more, and the attention it computes is the
-    /// same, bit for bit (its sums already leave the keys before the window out). A layer whose
-    /// queries a policy masks must keep every position (its masked sums run over them all).
-    pub fn with_room_windowed(
-        &self,
-        extra: usize,
-        windows: &[usize],
-    ) -> Result<KvCache, ModelError> {
-        let last: Vec<usize> = windows
-            .iter()
-            .map(|&window| match window {
-                0 => usize::MAX,
-                window => window,
-            })
-            .collect();
-        self.with_room_holding(extra, &last)
-    }
-
-    /// A copy with room for `extra` more positions holding the last `last[layer]` positions of
-    /// each layer (every position it holds where `last` is larger or has no entry). A copy that
-    /// holds none of a global layer's positions continues this cache there: a row reads them
-    /// from this one as its [`prefix`](Row::prefix).
+    /// [`with_room`](Self::with_room), holding the last `last[layer]` positions of each layer
+    /// (every position it holds where `last` is larger or has no entry). A sliding-window layer
+    /// whose queries attend over their window alone needs no more than its window, and the
+    /// attention it computes is the same, bit for bit (its sums already leave the keys before the
+    /// window out); a layer whose queries a policy masks must keep every position (its masked
+    /// sums run over them all). A copy that holds none of a global layer's positions continues
+    /// this cache there: a row reads them from this one as its [`prefix`](Row::prefix).
     pub fn with_room_holding(&self, extra: usize, last: &[usize]) -> Result<KvCache, ModelError> {
         let layers = self
             .layers
@@ -660,7 +643,7 @@ mod tests {
         let (k, v) = chunk(0, 7, 0.0);
         cache.append(0, k, v).unwrap();
         // Layer 0 kept to its last 3 positions (4, 5, 6), with room for 2 more.
-        let mut windowed = cache.with_room_windowed(2, &[3]).unwrap();
+        let mut windowed = cache.with_room_holding(2, &[3]).unwrap();
         assert_eq!((windowed.layers[0].start, windowed.len()), (4, 7));
         let (last, _) = chunk(4, 3, 0.0);
         let last: Vec<f32> = last.flatten_all().unwrap().to_vec1().unwrap();
@@ -686,10 +669,12 @@ mod tests {
         assert!(windowed.overwrite(0, &rewrite(3)).is_err());
         windowed.overwrite(0, &rewrite(5)).unwrap();
         assert_eq!(windowed.keys(0).unwrap()[[0, 1, 0]], 0.0);
-        // A window wider than the layer, or 0, keeps every position.
-        for windows in [[9], [0]] {
-            let whole = cache.with_room_windowed(0, &windows).unwrap();
+        // A count wider than the layer, or none given, keeps every position; 0 keeps none.
+        for last in [&[9][..], &[]] {
+            let whole = cache.with_room_holding(0, last).unwrap();
             assert_eq!(rows(&whole), rows(&cache));
         }
+        let none = cache.with_room_holding(1, &[0]).unwrap();
+        assert_eq!((none.layers[0].start, none.len()), (7, 7));
     }
 }
