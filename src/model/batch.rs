@@ -11,6 +11,7 @@ use super::cached_attention::{finish, prepare_cached, LayerAttention};
 use super::causal_lm::Row;
 use super::ops::merge_heads;
 use super::prefix_attention::attend_prepared;
+use super::weight::Weight;
 use super::ModelError;
 use candle_core::{Device, Tensor};
 use rayon::prelude::*;
@@ -104,8 +105,8 @@ fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
 }
 
 /// The multiply-adds one token costs through `weights`: their elements, together.
-pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Tensor>) -> usize {
-    weights.map(Tensor::elem_count).sum()
+pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Weight>) -> usize {
+    weights.map(|weight| weight.tensor().elem_count()).sum()
 }
 
 /// The spans the weight products sum by: the rows' own, or one per token when fed step by step.

@@ -19,6 +19,7 @@ use super::batch::{
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
+use super::weight::Weight;
 use super::gguf::GgufFile;
 use super::llama::transposed;
 use super::cached_attention::LayerAttention;
@@ -38,23 +39,23 @@ const SLIDING_ROPE_THETA: f32 = 10_000.0;
 struct Block {
     attn_norm: Tensor,
     // Weights are stored transposed, [in, out], so a linear layer is one `matmul`.
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
     q_norm: Tensor,
     k_norm: Tensor,
     post_attention_norm: Tensor,
     ffn_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
     post_ffw_norm: Tensor,
 }
 
 impl Block {
     /// The weights of its linear layers.
-    fn projections(&self) -> [&Tensor; 7] {
+    fn projections(&self) -> [&Weight; 7] {
         [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
     }
 }
@@ -219,7 +220,7 @@ impl Gemma3 {
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &sums);
+            let product = |w: &Weight| w.rows_product(&h, &sums);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
             let attended = each_row_attends(
                 rows,
@@ -227,12 +228,12 @@ impl Gemma3 {
                 (&q, &k, &v),
                 |sequence, projected| self.rotated((layer, block), sequence, projected),
             )?;
-            let out = rows_product(&attended, &block.wo, &sums)?;
+            let out = block.wo.rows_product(&attended, &sums)?;
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &sums);
+            let product = |w: &Weight| w.rows_product(&h, &sums);
             let gated = (product(&block.gate)?.gelu()? * product(&block.up)?)?;
-            let down = rows_product(&gated, &block.down, &sums)?;
+            let down = block.down.rows_product(&gated, &sums)?;
             x = (x + rms_norm(&down, &block.post_ffw_norm, eps)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {

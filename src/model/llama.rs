@@ -6,7 +6,7 @@ use super::batch::{
     each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
-use super::product::rows_product;
+use super::weight::Weight;
 use super::gguf::{unpermute_rows, GgufFile};
 use super::cached_attention::LayerAttention;
 use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads};
@@ -18,19 +18,19 @@ use std::path::Path;
 struct Block {
     attn_norm: Tensor,
     // Weights are stored transposed, [in, out], so a linear layer is one `matmul`.
-    wq: Tensor,
-    wk: Tensor,
-    wv: Tensor,
-    wo: Tensor,
+    wq: Weight,
+    wk: Weight,
+    wv: Weight,
+    wo: Weight,
     ffn_norm: Tensor,
-    gate: Tensor,
-    up: Tensor,
-    down: Tensor,
+    gate: Weight,
+    up: Weight,
+    down: Weight,
 }
 
 impl Block {
     /// The weights of its linear layers.
-    fn projections(&self) -> [&Tensor; 7] {
+    fn projections(&self) -> [&Weight; 7] {
         [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
     }
 }
@@ -40,15 +40,16 @@ pub struct Llama {
     config: LlamaConfig,
     spec: ModelSpec,
     embedding: Tensor,
-    output: Tensor,
+    output: Weight,
     output_norm: Tensor,
     blocks: Vec<Block>,
     tokenizer: ChatTokenizer,
     inv_freq: Vec<f32>,
 }
 
-pub(crate) fn transposed(weight: Tensor) -> Result<Tensor, ModelError> {
-    Ok(weight.t()?.contiguous()?)
+/// A weight as a linear layer multiplies by it, `[in, out]` (GGUF stores `[out, in]`).
+pub(crate) fn transposed(weight: Tensor) -> Result<Weight, ModelError> {
+    Ok(Weight::new(weight.t()?.contiguous()?))
 }
 
 impl Llama {
@@ -138,7 +139,7 @@ impl CausalLm for Llama {
     fn weight_products_per_token(&self) -> Option<WeightProducts> {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
-            output: self.output.elem_count(),
+            output: self.output.tensor().elem_count(),
         })
     }
 
@@ -175,7 +176,7 @@ impl Llama {
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &sums);
+            let product = |w: &Weight| w.rows_product(&h, &sums);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
             let attended = each_row_attends(
                 rows,
@@ -183,11 +184,11 @@ impl Llama {
                 (&q, &k, &v),
                 |sequence, projected| self.rotated(layer, sequence, projected),
             )?;
-            x = (x + rows_product(&attended, &block.wo, &sums)?)?;
+            x = (x + block.wo.rows_product(&attended, &sums)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
-            let product = |w: &Tensor| rows_product(&h, w, &sums);
+            let product = |w: &Weight| w.rows_product(&h, &sums);
             let gated = (product(&block.gate)?.silu()? * product(&block.up)?)?;
-            x = (x + rows_product(&gated, &block.down, &sums)?)?;
+            x = (x + block.down.rows_product(&gated, &sums)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
             row.cache.next_position += n;
@@ -198,7 +199,7 @@ impl Llama {
     /// The logits of hidden states `states` stacking rows at `spans`.
     fn logits(&self, states: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
         let normed = rms_norm(states, &self.output_norm, self.config.rms_eps)?;
-        rows_product(&normed, &self.output, spans)
+        self.output.rows_product(&normed, spans)
     }
 
     /// What `row`'s attention needs through the pass, its tokens fed as `feed` says.

@@ -31,6 +31,7 @@ mod prompt;
 mod recorder;
 mod spm;
 mod tokenizer;
+mod weight;
 
 pub(crate) use causal_lm::argmax;
 pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row, WeightProducts};

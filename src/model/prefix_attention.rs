@@ -188,10 +188,10 @@ fn kv_head_sums(
         group, d, prefix, ..
     } = shape;
     let lines = chunk.len() * group;
-    let stacked: Vec<f32> = chunk
-        .iter()
-        .flat_map(|query| own_queries(&members[query.member], query.token, kv, shape))
-        .collect();
+    let mut stacked = Vec::with_capacity(lines * d);
+    for query in chunk {
+        stacked.extend(own_queries(&members[query.member], query.token, kv, shape));
+    }
     let logits = chain_product(&stacked, (lines, d), keys_t)?;
     let weights = chunk
         .par_iter()
@@ -200,13 +200,12 @@ fn kv_head_sums(
             query_weights(&members[query.member], query.token, (kv, logits), shape)
         })
         .collect::<Result<Vec<_>, ModelError>>()?;
-    let prefix_weights: Vec<f32> = weights
-        .iter()
-        .flat_map(|(weights, columns)| {
-            (0..group).flat_map(move |head| &weights[head * columns..][..prefix])
-        })
-        .copied()
-        .collect();
+    let mut prefix_weights = Vec::with_capacity(lines * prefix);
+    for (weights, columns) in &weights {
+        for head in 0..group {
+            prefix_weights.extend_from_slice(&weights[head * columns..][..prefix]);
+        }
+    }
     let partial: Vec<f32> = prefix_weights
         .par_chunks(ROWS_PER_TASK * prefix)
         .map(|rows| chain_product(rows, (rows.len() / prefix, prefix), values))
@@ -231,10 +230,11 @@ fn kv_head_sums(
 /// Query `token`'s heads of key-value head `kv` in `member`'s queries: `[group, d]`.
 fn own_queries(member: &Member<'_>, token: usize, kv: usize, shape: Heads) -> Vec<f32> {
     let Heads { group, d, .. } = shape;
-    (kv * group..(kv + 1) * group)
-        .flat_map(|head| &member.q[(head * member.n + token) * d..][..d])
-        .copied()
-        .collect()
+    let mut queries = Vec::with_capacity(group * d);
+    for head in kv * group..(kv + 1) * group {
+        queries.extend_from_slice(&member.q[(head * member.n + token) * d..][..d]);
+    }
+    queries
 }
 
 /// Query `token`'s softmax weights `[group, columns]` for key-value head `kv`'s query heads over

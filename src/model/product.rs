@@ -13,6 +13,7 @@
 //! gets its unbatched logits bit for bit. (The blocks are 512 deep for small products and depend
 //! on the processor's caches otherwise, so no depth is safe to leave to the blocked kernel.)
 
+use super::weight::Strips;
 use super::ModelError;
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -25,6 +26,16 @@ pub(crate) fn rows_product(
     x: &Tensor,
     w: &Tensor,
     spans: &[(usize, usize)],
+) -> Result<Tensor, ModelError> {
+    product_of_rows(x, w, spans, || Ok(None))
+}
+
+/// [`rows_product`], one-token rows summed from `w`'s [`Strips`] where `strips` gives them.
+pub(crate) fn product_of_rows<'w>(
+    x: &Tensor,
+    w: &Tensor,
+    spans: &[(usize, usize)],
+    strips: impl FnOnce() -> Result<Option<&'w Strips>, ModelError>,
 ) -> Result<Tensor, ModelError> {
     if spans.len() == 1 {
         return Ok(x.matmul(w)?);
@@ -39,8 +50,9 @@ pub(crate) fn rows_product(
     let (m, k) = x.dims2()?;
     let n = w.dims2()?.1;
     let xs = x.flatten_all()?.to_vec1::<f32>()?;
+    let strips = strips()?;
     let chained = with_rows(w, |rows, stride| {
-        one_token_rows(&xs, rows, stride, (m, k, n))
+        one_token_rows(&xs, (rows, stride, strips), (m, k, n))
     })?;
     let out = match chained {
         Some(out) => out,
@@ -52,7 +64,7 @@ pub(crate) fn rows_product(
                 Some(out) => out,
                 None => {
                     let rows = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-                    one_token_rows(&xs, &rows, n, (m, k, n))
+                    one_token_rows(&xs, (&rows, n, None), (m, k, n))
                 }
             }
         }
@@ -70,11 +82,12 @@ pub(crate) fn chain_product(
     w: &Tensor,
 ) -> Result<Vec<f32>, ModelError> {
     let n = w.dims2()?.1;
-    if let Some(out) = with_rows(w, |rows, stride| one_token_rows(x, rows, stride, (m, k, n)))? {
+    let product = |rows: &[f32], stride| one_token_rows(x, (rows, stride, None), (m, k, n));
+    if let Some(out) = with_rows(w, product)? {
         return Ok(out);
     }
     let rows = w.contiguous()?.flatten_all()?.to_vec1::<f32>()?;
-    Ok(one_token_rows(x, &rows, n, (m, k, n)))
+    Ok(product(&rows, n))
 }
 
 /// A chain's `sum` with the next term `a · b` added as the products here add it: fused where
@@ -143,16 +156,16 @@ pub(crate) fn with_rows<R>(
 /// Columns one task computes.
 const TASK_COLUMNS: usize = 64;
 
-/// `x [m, k] · w [k, n]`, row-major, each output `x[r, 0]·w[0, j]` and then the later terms
-/// added in order by multiply-adds, fused where `gemm` fuses them (AVX2 with FMA).
+/// `x [m, k] · w [k, n]`, row-major (its rows `stride` apart, its whole strips also in `strips`
+/// where given), each output `x[r, 0]·w[0, j]` and then the later terms added in order by
+/// multiply-adds, fused where `gemm` fuses them (AVX2 with FMA).
 fn one_token_rows(
     x: &[f32],
-    w: &[f32],
-    stride: usize,
+    (w, stride, strips): (&[f32], usize, Option<&Strips>),
     (m, k, n): (usize, usize, usize),
 ) -> Vec<f32> {
     by_column_blocks(m, n, |first, width, block| {
-        chain_block(x, (w, stride), (m, k), (first, width), block)
+        chain_block(x, (w, stride, strips), (m, k), (first, width), block)
     })
 }
 
@@ -192,10 +205,10 @@ fn assemble(blocks: &[Vec<f32>], m: usize, n: usize) -> Vec<f32> {
 
 /// Columns `first..first + width` of `x · w` (`w`'s rows `stride` apart) into `block`
 /// `[m, width]`, summed as a chain: strips of columns in vector registers where the processor
-/// fuses, the columns left over one by one.
+/// fuses (read from `strips` where given), the columns left over one by one.
 fn chain_block(
     x: &[f32],
-    (w, stride): (&[f32], usize),
+    (w, stride, strips): (&[f32], usize, Option<&Strips>),
     (m, k): (usize, usize),
     (first, width): (usize, usize),
     block: &mut [f32],
@@ -204,7 +217,10 @@ fn chain_block(
     #[cfg(target_arch = "x86_64")]
     let done = match fused {
         // SAFETY: `fuses_multiply_add` detected AVX2 and FMA, and `wide` AVX-512F.
-        true => unsafe { chain_strips(x, (w, stride), (m, k), (first, width), (block, wide())) },
+        true => unsafe {
+            let weights = (w, stride, strips);
+            chain_strips(x, weights, (m, k), (first, width), (block, wide()))
+        },
         false => 0,
     };
     #[cfg(not(target_arch = "x86_64"))]
@@ -271,10 +287,12 @@ const WIDE_ROWS: usize = 8;
 
 /// [`chain_block`]'s strips of columns from its first column on, two vectors wide (four where
 /// so few rows that one pass takes them all, as attention's heads of one key-value head over a
-/// cache), in 16-lane vectors (AVX-512) when `wide`, else 8-lane ones. A strip's weights are
-/// copied once into consecutive memory when more than one pass reads them (a weight matrix's
-/// rows lie kilobytes apart, a multiple of 2 KiB in these models, and would crowd a few cache
-/// sets); each pass sums its rows over the whole depth in registers. The number of columns done.
+/// cache; one for a last vector's width of columns), in 16-lane vectors (AVX-512) when `wide`,
+/// else 8-lane ones. A strip's weights are read
+/// from `strips` when given (a weight's, [`strip_columns`] wide), else copied once into
+/// consecutive memory when more than one pass reads them (a weight matrix's rows lie kilobytes
+/// apart, a multiple of 2 KiB in these models, and would crowd a few cache sets); each pass sums
+/// its rows over the whole depth in registers. The number of columns done.
 ///
 /// # Safety
 /// The processor has AVX2 and FMA, and AVX-512F if `wide`.
@@ -282,7 +300,7 @@ const WIDE_ROWS: usize = 8;
 #[target_feature(enable = "avx2,fma")]
 unsafe fn chain_strips(
     x: &[f32],
-    (w, n): (&[f32], usize),
+    (w, n, strips): (&[f32], usize, Option<&Strips>),
     (m, k): (usize, usize),
     (first, width): (usize, usize),
     (block, wide): (&mut [f32], bool),
@@ -293,15 +311,23 @@ unsafe fn chain_strips(
     };
     let mut packed = Vec::new();
     let mut column = 0;
-    while column + 2 * lanes <= width {
-        let vectors = match m <= few && column + 4 * lanes <= width {
-            true => 4,
-            false => 2,
+    while column + lanes <= width {
+        let vectors = match column + 2 * lanes <= width {
+            true if strips.is_none() && m <= few && column + 4 * lanes <= width => 4,
+            true => 2,
+            false => 1,
         };
         let columns = vectors * lanes;
-        let weights = &w[first + column..];
-        let pack = m > pass_rows && n >= PACKED_STRIDE;
-        let weights = strip_weights(weights, (n, k), columns, pack, &mut packed);
+        let weights = match strips {
+            Some(strips) if vectors == 2 => {
+                assert_eq!(strips.width(), columns, "strips of the kernel's width");
+                strips.strip(first + column).expect("a whole strip")
+            }
+            _ => {
+                let pack = m > pass_rows && n >= PACKED_STRIDE;
+                strip_weights(&w[first + column..], (n, k), columns, pack, &mut packed)
+            }
+        };
         let strip = Strip {
             weights,
             k,
@@ -313,9 +339,11 @@ unsafe fn chain_strips(
             let rows = (row, pass_rows.min(m - row));
             match (wide, vectors) {
                 (true, 4) => wide_pass::<4>(x, &strip, rows, block),
-                (true, _) => wide_pass::<2>(x, &strip, rows, block),
+                (true, 2) => wide_pass::<2>(x, &strip, rows, block),
+                (true, _) => wide_pass::<1>(x, &strip, rows, block),
                 (false, 4) => narrow_pass::<4>(x, &strip, rows, block),
-                (false, _) => narrow_pass::<2>(x, &strip, rows, block),
+                (false, 2) => narrow_pass::<2>(x, &strip, rows, block),
+                (false, _) => narrow_pass::<1>(x, &strip, rows, block),
             }
             row += rows.1;
         }
@@ -690,6 +718,16 @@ fn fuses_multiply_add() -> bool {
     false
 }
 
+/// The width of the strips [`chain_strips`] reads a weight's columns in (two vectors), where the
+/// products sum in strips here (AVX2 and FMA).
+pub(crate) fn strip_columns() -> Option<usize> {
+    match (fuses_multiply_add(), wide()) {
+        (false, _) => None,
+        (true, true) => Some(32),
+        (true, false) => Some(16),
+    }
+}
+
 /// Whether [`chain_block`] may sum in 16-lane vectors: AVX-512F.
 fn wide() -> bool {
     #[cfg(target_arch = "x86_64")]
@@ -762,15 +800,31 @@ mod tests {
             sum
         };
         // A strip's weights read where they lie or packed, in whole passes and a pass of the
-        // rest; four vectors wide for three or four rows; a block's last columns left over.
-        for (m, width) in [(3, 64), (4, 64), (13, 64), (2, 48), (19, 48)] {
+        // rest; four vectors wide for three or four rows; one vector wide for a last vector's
+        // width of columns; a block's last columns left over.
+        for (m, width) in [
+            (3, 64),
+            (4, 64),
+            (13, 64),
+            (2, 48),
+            (19, 48),
+            (13, 56),
+            (2, 44),
+        ] {
             for wide in [false, wide()] {
                 let mut block = vec![f32::NAN; m * width];
                 // SAFETY: AVX2 and FMA detected above, AVX-512F where `wide`.
                 let done = unsafe {
-                    chain_strips(&x, (&w, n), (m, k), (first, width), (&mut block, wide))
+                    chain_strips(
+                        &x,
+                        (&w, n, None),
+                        (m, k),
+                        (first, width),
+                        (&mut block, wide),
+                    )
                 };
-                assert_eq!(done, width / 16 * 16 - if wide { width % 32 } else { 0 });
+                let lanes = if wide { 16 } else { 8 };
+                assert_eq!(done, width / lanes * lanes);
                 for (row, column) in (0..m).flat_map(|row| (0..done).map(move |c| (row, c))) {
                     let got = block[row * width + column];
                     assert_eq!(
