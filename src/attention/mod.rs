@@ -182,7 +182,7 @@ pub fn attend_positions(
 /// whatever the group size), whose output buffer is reused from block to block. That buffer and
 /// the packed keys are a prefix scorer's working memory: `(BLOCK_ROWS + d) · T` floats per cache
 /// being scored at most, a few per cent of a layer.
-#[derive(Debug, Clone)]
+#[derive(Debug)]
 pub struct CausalLogits {
     /// The keys, packed for the product as blocks need them.
     keys: PackedKeys,
@@ -197,6 +197,21 @@ pub struct CausalLogits {
     stacked: Array2<f32>,
     /// The current block's logits, `[heads * block_positions, block_keys]`.
     logits: Vec<f32>,
+}
+
+/// A copy without the current block (a policy's streams forked at the prompt's end would copy
+/// the prompt's last block of logits for nothing): its next row computes its block again, with
+/// the same values.
+impl Clone for CausalLogits {
+    fn clone(&self) -> Self {
+        Self {
+            keys: self.keys.clone(),
+            stacked: self.stacked.clone(),
+            logits: Vec::new(),
+            block_start: usize::MAX,
+            ..*self
+        }
+    }
 }
 
 impl CausalLogits {
@@ -423,6 +438,30 @@ mod tests {
                     .row(queries.view(), keys.view(), head, position)
                     .to_vec();
                 assert_eq!(growing.row(q, k, head, position), want.as_slice());
+            }
+        }
+    }
+
+    #[test]
+    fn a_copy_serves_the_rows_its_original_serves() {
+        // The copy leaves the block behind and computes it again: the same rows, bit for bit,
+        // in the block the original had and after it.
+        let queries = ndarray::Array3::from_shape_fn((2, 40, 4), |(h, t, d)| {
+            ((h * 5 + t * 3 + d) % 11) as f32 * 0.2 - 1.0
+        });
+        let keys =
+            ndarray::Array2::from_shape_fn((40, 4), |(t, d)| ((t * 7 + d) % 13) as f32 * 0.1);
+        let mut original = CausalLogits::new(2, 4, 0.5, None);
+        original.row(queries.view(), keys.view(), 1, 20);
+        let mut copy = original.clone();
+        assert!(copy.logits.is_empty());
+        for position in [20, 19, 39] {
+            for head in 0..2 {
+                let want = original
+                    .row(queries.view(), keys.view(), head, position)
+                    .to_vec();
+                let got = copy.row(queries.view(), keys.view(), head, position);
+                assert_eq!(got, want.as_slice());
             }
         }
     }

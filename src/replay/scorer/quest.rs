@@ -81,18 +81,18 @@ impl ScoreState for State {
                 _ => pages.push(index..index + 1),
             }
         }
-        // Each page's channel-wise minimum and maximum, once for all heads: `[page][channel]`.
+        // Each page's channel-wise minimum and maximum, once for all heads: `[page][channel]`,
+        // each channel folded over the page's keys in order, a key's row at a time.
         let extremes: Vec<Vec<(f32, f32)>> = pages
             .iter()
             .map(|page| {
-                (0..d)
-                    .map(|channel| {
-                        cache[page.clone()].iter().map(|&p| keys[[p, channel]]).fold(
-                            (f32::INFINITY, f32::NEG_INFINITY),
-                            |(low, high), k| (low.min(k), high.max(k)),
-                        )
-                    })
-                    .collect()
+                let mut extremes = vec![(f32::INFINITY, f32::NEG_INFINITY); d];
+                for &position in &cache[page.clone()] {
+                    for (extreme, &k) in extremes.iter_mut().zip(keys.row(position)) {
+                        *extreme = (extreme.0.min(k), extreme.1.max(k));
+                    }
+                }
+                extremes
             })
             .collect();
         let mut bounds = vec![0.0f32; pages.len()];
