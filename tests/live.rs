@@ -382,7 +382,7 @@ fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
         .collect();
     let mut caches = [prefilled.clone(), prefilled.clone()];
     let mut masks = [evicted.clone(), evicted.clone()];
-    let mut got = vec![Vec::new(), Vec::new()];
+    let handed = std::sync::Mutex::new(Vec::new());
     {
         let mut rows: Vec<Row<'_, '_>> = caches
             .iter_mut()
@@ -391,11 +391,22 @@ fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
             .map(|((cache, mask), ids)| Row::new(ids, cache, Some(mask)))
             .collect();
         model
-            .forward_steps(&mut rows, &mut |row, step, logits| {
-                assert_eq!(got[row].len(), step, "steps in order");
-                got[row].push(logits.to_vec());
+            .forward_steps(&mut rows, &|row, step, logits| {
+                handed.lock().unwrap().push((row, step, logits.to_vec()));
             })
             .unwrap();
+    }
+    // Each step of each row handed over once, in whatever order.
+    let mut handed = handed.into_inner().unwrap();
+    handed.sort_by_key(|&(row, step, _)| (row, step));
+    let mut got = vec![Vec::new(), Vec::new()];
+    for (row, step, logits) in handed {
+        assert_eq!(
+            got[row].len(),
+            step,
+            "row {row}: step {step} handed over once"
+        );
+        got[row].push(logits);
     }
     for (row, (logits, cache)) in one_at_a_time.iter().enumerate() {
         assert!(got[row] == *logits, "row {row}: logits differ");

@@ -7,7 +7,7 @@
 use super::drift::{CompressedLayers, LiveMass, StartKeys};
 use super::stored::{NotesCompressions, Stored};
 use super::streams::LiveStreams;
-use super::{compare_step, LiveStep};
+use super::{FullStep, LiveStep};
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache};
 use crate::model::{ModelError, Row};
 use crate::replay::merge::Eviction;
@@ -15,6 +15,7 @@ use crate::replay::{ReplayReport, ValidPolicy};
 use crate::trace::TraceMeta;
 use rayon::prelude::*;
 use std::borrow::Cow;
+use std::sync::Mutex;
 
 /// What holds a policy's cache while it decodes: the positions a one-shot cut evicted, or the
 /// policy's streams.
@@ -173,13 +174,14 @@ pub(super) fn decode<'s>(
     // the free-running copies below.
     let mut rows = rows;
     let shared = shared_start_keys(&rows)?;
+    let full = FullSteps::new(reference);
     let teachers = rows
         .par_iter_mut()
-        .map(|row| teacher(reference, row, &shared))
+        .map(|row| teacher(reference, row, (&shared, &full.prefill)))
         .collect::<Result<Vec<_>, _>>()?;
     drop(shared);
     // What the teacher-forced rows measured; their caches go before the free-running copies come.
-    let (measured, forks): (Vec<_>, Vec<_>) = teacher_forced(reference, teachers)?
+    let (measured, forks): (Vec<_>, Vec<_>) = teacher_forced(reference, teachers, &full.steps)?
         .into_iter()
         .map(|teacher| {
             let per_layer = teacher.mask.inner().per_layer();
@@ -222,6 +224,26 @@ pub(super) fn decode<'s>(
         .collect())
 }
 
+/// The full run's distributions the rows are compared with, computed once: after the prompt, and
+/// after each teacher-forced token.
+struct FullSteps {
+    prefill: FullStep,
+    steps: Vec<FullStep>,
+}
+
+impl FullSteps {
+    fn new(reference: &Reference<'_>) -> Self {
+        Self {
+            prefill: FullStep::new(reference.prefill_logits),
+            steps: reference
+                .logits
+                .par_iter()
+                .map(|logits| FullStep::new(logits))
+                .collect(),
+        }
+    }
+}
+
 /// The keys of each cache that rows borrow (the full run's), taken once for all of them, with
 /// the cache's address.
 fn shared_start_keys(rows: &[Started<'_>]) -> Result<Vec<(usize, StartKeys)>, ModelError> {
@@ -239,11 +261,11 @@ fn shared_start_keys(rows: &[Started<'_>]) -> Result<Vec<(usize, StartKeys)>, Mo
 
 /// A row's teacher-forced start: a copy of its cache, its mask measuring the live mass (from
 /// the `shared` keys of the cache it borrows, if it does), and, for a policy that evicted while
-/// the prompt ran, the prompt's last logits compared already.
+/// the prompt ran, the prompt's last logits compared already (with the full run's, `prefill`).
 fn teacher<'s>(
     reference: &Reference<'_>,
     row: &mut Started<'s>,
-    shared: &[(usize, StartKeys)],
+    (shared, prefill): (&[(usize, StartKeys)], &FullStep),
 ) -> Result<Teacher<'s>, ModelError> {
     let meta = reference.meta;
     let compressed = crate::replay::compressed_layers(meta, row.policy);
@@ -267,11 +289,7 @@ fn teacher<'s>(
     );
     let mut steps = Vec::with_capacity(reference.tokens.len());
     if row.policy.params().changes_the_prompt() {
-        steps.push(compare_step(
-            reference.prefill_logits,
-            &row.prompt_logits,
-            reference.tokens[0],
-        ));
+        steps.push(prefill.compare(&row.prompt_logits, reference.tokens[0]));
     }
     let prefix = reference.prefix(row);
     let room = (reference.tokens.len(), prefix.is_some());
@@ -288,15 +306,16 @@ fn teacher<'s>(
 
 /// Feeds every generated token of the full run to every row, the last one too (its logits
 /// predict nothing compared), so the live attention covers the decode steps the open-loop
-/// replay measures.
+/// replay measures; the logits after token `i` are compared with `full[i]`.
 fn teacher_forced<'s>(
     reference: &Reference<'_>,
     mut teachers: Vec<Teacher<'s>>,
+    full: &[FullStep],
 ) -> Result<Vec<Teacher<'s>>, ModelError> {
     let (mut fixed, mut evolving): (Vec<_>, Vec<_>) =
         teachers.iter_mut().partition(|teacher| teacher.fixed);
-    in_one_pass(reference, &mut fixed)?;
-    step_by_step(reference, &mut evolving)?;
+    in_one_pass(reference, &mut fixed, full)?;
+    step_by_step(reference, &mut evolving, full)?;
     Ok(teachers)
 }
 
@@ -306,6 +325,7 @@ fn teacher_forced<'s>(
 fn in_one_pass(
     reference: &Reference<'_>,
     teachers: &mut [&mut Teacher<'_>],
+    full: &[FullStep],
 ) -> Result<(), ModelError> {
     let tokens = reference.tokens;
     if teachers.is_empty() || tokens.is_empty() {
@@ -327,19 +347,29 @@ fn in_one_pass(
             )
         })
         .unzip();
+    let compared = Mutex::new(Vec::new());
     reference
         .model
-        .forward_steps(&mut rows, &mut |row, step, logits| {
+        .forward_steps(&mut rows, &|row, step, logits| {
             if let Some(&next) = tokens.get(step + 1) {
-                steps[row].push(compare_step(&reference.logits[step], logits, next));
+                let step_compared = full[step].compare(logits, next);
+                let mut compared = compared.lock().expect("no comparison panicked");
+                compared.push((row, step, step_compared));
             }
-        })
+        })?;
+    let mut compared = compared.into_inner().expect("no comparison panicked");
+    compared.sort_by_key(|&(row, step, _)| (row, step));
+    for (row, _, step) in compared {
+        steps[row].push(step);
+    }
+    Ok(())
 }
 
 /// Rows whose policies evict as tokens arrive: one pass per token.
 fn step_by_step(
     reference: &Reference<'_>,
     teachers: &mut [&mut Teacher<'_>],
+    full: &[FullStep],
 ) -> Result<(), ModelError> {
     if teachers.is_empty() {
         return Ok(());
@@ -356,10 +386,12 @@ fn step_by_step(
         let logits = reference.model.forward_rows(&mut rows)?;
         drop(rows);
         if let Some(&next) = reference.tokens.get(index + 1) {
-            for (teacher, logits) in teachers.iter_mut().zip(&logits) {
-                let full = &reference.logits[index];
-                teacher.steps.push(compare_step(full, logits, next));
-            }
+            teachers
+                .par_iter_mut()
+                .zip(&logits)
+                .for_each(|(teacher, logits)| {
+                    teacher.steps.push(full[index].compare(logits, next))
+                });
         }
     }
     Ok(())

@@ -51,13 +51,14 @@
 //! steps; beside the open-loop retained mass it shows where the model's own vectors drift.
 
 mod batch;
+mod compare;
 mod drift;
 mod stored;
 pub(crate) mod streams;
 
 use crate::capture::{prefill_questions, write_recording, CaptureError, CaptureOptions, PromptRun};
 use crate::model::Recorder;
-use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
+use crate::model::{AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
     compressed_layers, layer_budgets, protocol_view, replay_keeping, Granularity, Kept,
@@ -65,6 +66,8 @@ use crate::replay::{
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
+pub use compare::compare_step;
+pub(crate) use compare::FullStep;
 use drift::CompressedLayers;
 use rayon::prelude::*;
 use serde::Serialize;
@@ -196,30 +199,6 @@ fn full_runs(
     // They came last question first.
     runs.reverse();
     Ok(runs)
-}
-
-/// Natural log-softmax in f64.
-fn log_softmax(logits: &[f32]) -> Vec<f64> {
-    let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
-    let total: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    let log_total = total.ln() + max;
-    logits.iter().map(|&x| x as f64 - log_total).collect()
-}
-
-/// Compares the policy's next-token logits with the full run's, for the full run's `token`.
-pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
-    let (p, q) = (log_softmax(full), log_softmax(policy));
-    let kl = p
-        .iter()
-        .zip(&q)
-        .map(|(lp, lq)| lp.exp() * (lp - lq))
-        .sum::<f64>()
-        .max(0.0);
-    LiveStep {
-        kl,
-        top1: argmax(policy) == argmax(full),
-        logprob_lost: p[token as usize] - q[token as usize],
-    }
 }
 
 /// Whether `policy` can run live: an oracle that reads future queries gets them from the full
@@ -930,19 +909,6 @@ pub fn run_recipe(
 mod tests {
     use super::*;
     use approx::assert_abs_diff_eq;
-
-    #[test]
-    fn kl_and_lost_logprob_by_hand() {
-        // p = softmax([0, ln 3]) = [0.25, 0.75]; q = softmax([0, 0]) = [0.5, 0.5].
-        // KL(p || q) = 0.25 ln(0.5) + 0.75 ln(1.5) = 0.130812; token 1: ln 0.75 - ln 0.5 = 0.405465.
-        let step = compare_step(&[0.0, 3f32.ln()], &[0.0, 0.0], 1);
-        assert_abs_diff_eq!(step.kl, 0.130_812, epsilon = 1e-6);
-        assert_abs_diff_eq!(step.logprob_lost, 0.405_465, epsilon = 1e-6);
-        // Equal tops: argmax of [0, 0] is index 0, of p index 1.
-        assert!(!step.top1);
-        let same = compare_step(&[1.0, 2.0, 0.5], &[1.0, 2.0, 0.5], 2);
-        assert_eq!((same.kl, same.top1, same.logprob_lost), (0.0, true, 0.0));
-    }
 
     #[test]
     fn batches_fill_the_room_in_order_and_a_row_too_large_goes_alone() {

@@ -135,13 +135,14 @@ pub(crate) fn last_logits(
 /// many tokens.
 const STATES_PER_PRODUCT: usize = 128;
 
-/// Every token's logits, `on_logits(row, step, logits)`, each summed as a one-token pass sums it:
-/// `logits(states, one span per token)` of the stacked hidden states `x` of the rows at `spans`.
+/// Every token's logits, `on_logits(row, step, logits)` (on worker threads), each summed as a
+/// one-token pass sums it: `logits(states, one span per token)` of the stacked hidden states `x`
+/// of the rows at `spans`.
 pub(crate) fn every_step_logits(
     x: &Tensor,
     spans: &[(usize, usize)],
     logits: impl Fn(&Tensor, &[(usize, usize)]) -> Result<Tensor, ModelError>,
-    on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+    on_logits: &(dyn Fn(usize, usize, &[f32]) + Sync),
 ) -> Result<(), ModelError> {
     let owners: Vec<(usize, usize)> = spans
         .iter()
@@ -152,9 +153,10 @@ pub(crate) fn every_step_logits(
         let states = x.narrow(0, group * STATES_PER_PRODUCT, owners.len())?;
         let one_each: Vec<(usize, usize)> = (0..owners.len()).map(|t| (t, 1)).collect();
         let values = row_logits(&logits(&states, &one_each)?)?;
-        for (&(row, step), values) in owners.iter().zip(&values) {
-            on_logits(row, step, values);
-        }
+        owners
+            .par_iter()
+            .zip(&values)
+            .for_each(|(&(row, step), values)| on_logits(row, step, values));
     }
     Ok(())
 }

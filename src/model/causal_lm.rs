@@ -116,15 +116,16 @@ pub trait CausalLm: Sync {
 
     /// Runs every row's tokens as if each token were fed alone, after the one before it (a
     /// teacher-forced decode, whose tokens are known): each row's cache, and the logits after
-    /// each of its tokens, passed to `on_logits(row, step, logits)`, are those of that many
-    /// one-token [`forward_rows`](Self::forward_rows) calls, bit for bit. A row's mask sees its
+    /// each of its tokens, passed to `on_logits(row, step, logits)` (in any order, from any
+    /// thread), are those of that many one-token [`forward_rows`](Self::forward_rows) calls, bit
+    /// for bit. A row's mask sees its
     /// tokens as one chunk, so it must decide each query's attention from the positions up to
     /// its own alone (a fixed eviction does; a policy that evicts as tokens arrive does not).
     /// This implementation makes the one-token passes; a native family runs one pass.
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
-        on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+        on_logits: &(dyn Fn(usize, usize, &[f32]) + Sync),
     ) -> Result<(), ModelError> {
         check_rows(rows)?;
         let longest = rows.iter().map(|row| row.ids.len()).max().unwrap_or(0);

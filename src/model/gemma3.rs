@@ -174,7 +174,7 @@ impl CausalLm for Gemma3 {
     fn forward_steps(
         &self,
         rows: &mut [Row<'_, '_>],
-        on_logits: &mut dyn FnMut(usize, usize, &[f32]),
+        on_logits: &(dyn Fn(usize, usize, &[f32]) + Sync),
     ) -> Result<(), ModelError> {
         let (x, spans) = self.hidden(rows, Feed::Steps)?;
         every_step_logits(&x, &spans, |s, spans| self.logits(s, spans), on_logits)
