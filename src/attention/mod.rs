@@ -415,15 +415,21 @@ mod tests {
         }
     }
 
-    #[test]
-    fn rows_of_a_growing_prefix_equal_those_of_the_whole() {
-        // A live model hands over one more position at each step: every row must equal the row
-        // served from the whole array, bit for bit, although blocks were cut short.
+    /// Queries of two heads `[2, 40, 4]` and their keys `[40, 4]`.
+    fn two_heads_over_40_keys() -> (ndarray::Array3<f32>, ndarray::Array2<f32>) {
         let queries = ndarray::Array3::from_shape_fn((2, 40, 4), |(h, t, d)| {
             ((h * 5 + t * 3 + d) % 11) as f32 * 0.2 - 1.0
         });
         let keys =
             ndarray::Array2::from_shape_fn((40, 4), |(t, d)| ((t * 7 + d) % 13) as f32 * 0.1);
+        (queries, keys)
+    }
+
+    #[test]
+    fn rows_of_a_growing_prefix_equal_those_of_the_whole() {
+        // A live model hands over one more position at each step: every row must equal the row
+        // served from the whole array, bit for bit, although blocks were cut short.
+        let (queries, keys) = two_heads_over_40_keys();
         let (mut whole, mut growing) = (
             CausalLogits::new(2, 4, 0.5, None),
             CausalLogits::new(2, 4, 0.5, None),
@@ -446,11 +452,7 @@ mod tests {
     fn a_copy_serves_the_rows_its_original_serves() {
         // The copy leaves the block behind and computes it again: the same rows, bit for bit,
         // in the block the original had and after it.
-        let queries = ndarray::Array3::from_shape_fn((2, 40, 4), |(h, t, d)| {
-            ((h * 5 + t * 3 + d) % 11) as f32 * 0.2 - 1.0
-        });
-        let keys =
-            ndarray::Array2::from_shape_fn((40, 4), |(t, d)| ((t * 7 + d) % 13) as f32 * 0.1);
+        let (queries, keys) = two_heads_over_40_keys();
         let mut original = CausalLogits::new(2, 4, 0.5, None);
         original.row(queries.view(), keys.view(), 1, 20);
         let mut copy = original.clone();

@@ -908,7 +908,6 @@ pub fn run_recipe(
 #[cfg(test)]
 mod tests {
     use super::*;
-    use approx::assert_abs_diff_eq;
 
     #[test]
     fn batches_fill_the_room_in_order_and_a_row_too_large_goes_alone() {

@@ -30,6 +30,7 @@ mod product;
 mod prompt;
 mod recorder;
 mod spm;
+mod strips;
 mod tokenizer;
 mod weight;
 

@@ -13,7 +13,7 @@
 //! gets its unbatched logits bit for bit. (The blocks are 512 deep for small products and depend
 //! on the processor's caches otherwise, so no depth is safe to leave to the blocked kernel.)
 
-use super::weight::Strips;
+use super::strips::Strips;
 use super::ModelError;
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -745,10 +745,11 @@ fn shares_weight_loads() -> bool {
 }
 
 #[cfg(test)]
-mod tests {
+pub(super) mod tests {
     use super::*;
 
-    fn wave(len: usize, seed: f32) -> Vec<f32> {
+    /// Values in (-1, 1) that differ from element to element.
+    pub(crate) fn wave(len: usize, seed: f32) -> Vec<f32> {
         (0..len)
             .map(|i| ((i as f32 + seed) * 0.7123).sin())
             .collect()
