@@ -288,11 +288,11 @@ const WIDE_ROWS: usize = 8;
 /// [`chain_block`]'s strips of columns from its first column on, two vectors wide (four where
 /// so few rows that one pass takes them all, as attention's heads of one key-value head over a
 /// cache; one for a last vector's width of columns), in 16-lane vectors (AVX-512) when `wide`,
-/// else 8-lane ones. A strip's weights are read
-/// from `strips` when given (a weight's, [`strip_columns`] wide), else copied once into
-/// consecutive memory when more than one pass reads them (a weight matrix's rows lie kilobytes
-/// apart, a multiple of 2 KiB in these models, and would crowd a few cache sets); each pass sums
-/// its rows over the whole depth in registers. The number of columns done.
+/// else 8-lane ones. A strip's weights are read from `strips` when given (a weight's,
+/// [`strip_columns`] wide), else copied once into consecutive memory when more than one pass
+/// reads them (a weight matrix's rows lie kilobytes apart, a multiple of 2 KiB in these models,
+/// and would crowd a few cache sets); each pass sums its rows over the whole depth in registers.
+/// The number of columns done.
 ///
 /// # Safety
 /// The processor has AVX2 and FMA, and AVX-512F if `wide`.
