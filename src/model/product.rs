@@ -13,7 +13,7 @@
 //! gets its unbatched logits bit for bit. (The blocks are 512 deep for small products and depend
 //! on the processor's caches otherwise, so no depth is safe to leave to the blocked kernel.)
 
-use super::strips::Strips;
+use super::strips::{append_strip, Strips};
 use super::ModelError;
 use candle_core::{Device, Storage, Tensor};
 use rayon::prelude::*;
@@ -391,9 +391,7 @@ fn strip_weights<'a>(
         return (strip, n);
     }
     packed.clear();
-    for depth in 0..k {
-        packed.extend_from_slice(&strip[depth * n..][..columns]);
-    }
+    append_strip(strip, (n, k), columns, packed);
     (packed, columns)
 }
 

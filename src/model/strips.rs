@@ -17,9 +17,7 @@ impl Strips {
         let strips = n / width;
         let mut data = Vec::with_capacity(strips * k * width);
         for strip in 0..strips {
-            for depth in 0..k {
-                data.extend_from_slice(&w[depth * stride + strip * width..][..width]);
-            }
+            append_strip(&w[strip * width..], (stride, k), width, &mut data);
         }
         Self { data, k, width }
     }
@@ -35,6 +33,19 @@ impl Strips {
     /// The strips' width.
     pub(crate) fn width(&self) -> usize {
         self.width
+    }
+}
+
+/// Appends to `out` the first `columns` columns of the `k` rows of `w` (`stride` apart), one row
+/// after another.
+pub(crate) fn append_strip(
+    w: &[f32],
+    (stride, k): (usize, usize),
+    columns: usize,
+    out: &mut Vec<f32>,
+) {
+    for depth in 0..k {
+        out.extend_from_slice(&w[depth * stride..][..columns]);
     }
 }
 
