@@ -73,6 +73,29 @@ pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> 
     Ok(family::load(&model_file(name)?)?)
 }
 
+/// The model loaded last, by name: the steps of one command that ask for the same model (a sweep's
+/// captures, then its recipes' live runs) load it once. Another model replaces it, the first
+/// dropped before the second loads, so that two never need to fit side by side.
+#[derive(Default)]
+pub struct ModelSlot {
+    loaded: Option<(String, Box<dyn CausalLm + Send>)>,
+}
+
+impl ModelSlot {
+    /// Model `name` ([`load_model`]), loaded unless it is the one held.
+    pub fn model(&mut self, name: &str) -> Result<&(dyn CausalLm + Send), CaptureError> {
+        if self.loaded.as_ref().is_none_or(|(held, _)| held != name) {
+            self.loaded = None;
+            self.loaded = Some((name.to_owned(), load_model(name)?));
+        }
+        Ok(self
+            .loaded
+            .as_ref()
+            .map(|(_, model)| model.as_ref())
+            .expect("loaded"))
+    }
+}
+
 /// The GGUF of model `name`, fetched (with the essays) if missing. A file already there is used as
 /// it is: a corrupted one is named when it loads, never replaced behind the user's back.
 fn model_file(name: &str) -> Result<std::path::PathBuf, CaptureError> {
@@ -154,20 +177,21 @@ pub fn capture_once(
     })?
 }
 
-/// Captures recipe file `recipe` with its model into `out` (a recipe of several questions into
-/// each one's [`question_trace`], the first written last), fetching the assets first if they are
-/// missing. The context the questions share is prefilled once. `progress(done, total)` counts
-/// tokens. Returns each question's summary, in the questions' order.
+/// Captures recipe file `recipe` with its model (from `models`) into `out` (a recipe of several
+/// questions into each one's [`question_trace`], the first written last), fetching the assets
+/// first if they are missing. The context the questions share is prefilled once.
+/// `progress(done, total)` counts tokens. Returns each question's summary, in the questions'
+/// order.
 pub fn capture_recipe(
     recipe: &Path,
     out: &Path,
-    storage: StorageDtype,
-    chunk: usize,
+    (storage, chunk): (StorageDtype, usize),
+    models: &mut ModelSlot,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<CaptureSummary>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
-    let model = load_model(parsed.model())?;
-    let questions = build_questions(recipe, model.as_ref())?;
+    let model = models.model(parsed.model())?;
+    let questions = build_questions(recipe, model)?;
     let options = CaptureOptions {
         storage,
         chunk,
@@ -213,7 +237,7 @@ pub fn capture_recipe(
             None,
             &mut |_| tick(1),
         )?;
-        let captured = captured(model.as_ref(), prompt, &options, recorder, generated);
+        let captured = captured(model, prompt, &options, recorder, generated);
         let mut meta = captured.meta.clone();
         if count > 1 {
             for (key, value) in [
@@ -234,13 +258,7 @@ pub fn capture_recipe(
         });
         Ok::<(), CaptureError>(())
     };
-    prefill_questions(
-        model.as_ref(),
-        &questions,
-        (chunk, spill_dir),
-        &mut tick,
-        &mut write,
-    )?;
+    prefill_questions(model, &questions, (chunk, spill_dir), &mut tick, &mut write)?;
     summaries.reverse();
     Ok(summaries)
 }

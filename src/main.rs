@@ -215,7 +215,7 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             chunk,
         } => {
             let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
-            commands::capture_recipe(&recipe, &out, dtype, chunk)?;
+            commands::capture_recipe(&recipe, &out, (dtype, chunk), &mut Default::default())?;
         }
         Command::Replay { trace, output } => {
             let flags = matches

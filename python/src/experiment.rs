@@ -5,10 +5,10 @@ use crate::errors::raised;
 use crate::externals::PyExternals;
 use crate::interrupt::interruptible;
 use crate::results::Results;
-use kvreplay::capture;
+use kvreplay::capture::{self, ModelSlot};
 use kvreplay::experiment::{
     claim_results, report as build_report, run_sweep, stored_runs, Experiment, SweepError,
-    TraceFile,
+    SweepProgress, TraceFile,
 };
 use kvreplay::replay::ExternalMethods;
 use kvreplay::trace::StorageDtype;
@@ -63,9 +63,18 @@ fn run_experiment(
         if run_missing {
             claim_results(&results, path)?;
         }
-        let traces = trace_files(&experiment, run_missing)?;
+        let mut models = ModelSlot::default();
+        let traces = trace_files(&experiment, run_missing, &mut models)?;
         if run_missing {
-            run_sweep(&experiment, &traces, &results, None, &|_, _| {}, layer_done)?;
+            let progress = (&|_, _| {}) as SweepProgress<'_>;
+            run_sweep(
+                &experiment,
+                &traces,
+                &results,
+                None,
+                (progress, layer_done),
+                &mut models,
+            )?;
         }
         let command = format!("kvreplay sweep {}", path.display());
         let text = build_report::build(&experiment, &traces, &results, &command)?;
@@ -80,12 +89,17 @@ fn run_experiment(
     Ok(Results::new(runs, kv_entries, Some(text)))
 }
 
-/// The experiment's traces, capturing missing recipes (each once) when `may_capture` is set.
-fn trace_files(experiment: &Experiment, may_capture: bool) -> Result<Vec<TraceFile>, SweepError> {
+/// The experiment's traces, capturing missing recipes (each once, their models from `models`)
+/// when `may_capture` is set.
+fn trace_files(
+    experiment: &Experiment,
+    may_capture: bool,
+    models: &mut ModelSlot,
+) -> Result<Vec<TraceFile>, SweepError> {
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            capture::capture_recipe(recipe, trace, StorageDtype::F16, 512, &mut |_, _| {})
-                .map(|_| ())
+            let storage = (StorageDtype::F16, 512);
+            capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(|_| ())
         })
     };
     experiment

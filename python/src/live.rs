@@ -86,7 +86,10 @@ pub fn capture(
     };
     let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
     let summaries: Vec<CaptureSummary> = py
-        .detach(|| capture_recipe(&recipe, &out, storage, chunk, &mut |_, _| {}))
+        .detach(|| {
+            let mut models = Default::default();
+            capture_recipe(&recipe, &out, (storage, chunk), &mut models, &mut |_, _| {})
+        })
         .map_err(raised)?;
     let mut traces = summaries
         .into_iter()

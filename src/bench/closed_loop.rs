@@ -5,7 +5,7 @@
 //! step of one.
 
 use super::BenchError;
-use crate::capture::{build_prompt, build_questions, load_model, CaptureError};
+use crate::capture::{build_prompt, build_questions, load_model, CaptureError, ModelSlot};
 use crate::experiment::{Experiment, TraceFile};
 use crate::live::{prefills_on_its_own, Batching, LiveSession};
 use crate::model::{CausalLm, Evicted, KvCache, ModelSpec, Row, WeightProducts};
@@ -194,7 +194,7 @@ pub fn experiment_work(
         return Err(BenchError::NotClosedLoop(path.to_owned()));
     }
     let plan = experiment.plan(traces);
-    let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
+    let mut models = ModelSlot::default();
     let mut work = Vec::with_capacity(traces.len());
     for trace in traces {
         let recipe = trace.recipe.as_deref().expect("a closed loop runs recipes");
@@ -203,10 +203,7 @@ pub fn experiment_work(
             .0
             .model()
             .to_owned();
-        if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
-            model = Some((name.clone(), load_model(&name)?));
-        }
-        let loaded = model.as_ref().map(|(_, m)| m.as_ref()).expect("loaded");
+        let loaded = models.model(&name)?;
         let runs = plan.iter().filter(|run| run.trace == trace.path);
         let policies = runs
             .map(|run| experiment.check(&run.params))

@@ -5,7 +5,7 @@ use super::OutputArgs;
 use anyhow::{Context, Result};
 use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
-use kvreplay::capture;
+use kvreplay::capture::{self, ModelSlot};
 use kvreplay::experiment::shard::Shard;
 use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
 use kvreplay::export::{exporter, Format};
@@ -80,16 +80,17 @@ pub fn fetch() -> Result<()> {
 pub fn capture_recipe(
     recipe: &Path,
     out: &Path,
-    dtype: StorageDtype,
-    chunk: usize,
+    (dtype, chunk): (StorageDtype, usize),
+    models: &mut ModelSlot,
 ) -> Result<(), capture::CaptureError> {
     let _tuned = sys::ModelMalloc::tune();
     let bar = progress_bar(0, "capture");
     let started = std::time::Instant::now();
-    let summaries = capture::capture_recipe(recipe, out, dtype, chunk, &mut |done, total| {
-        bar.set_length(total as u64);
-        bar.set_position(done as u64);
-    })?;
+    let summaries =
+        capture::capture_recipe(recipe, out, (dtype, chunk), models, &mut |done, total| {
+            bar.set_length(total as u64);
+            bar.set_position(done as u64);
+        })?;
     bar.finish_and_clear();
     for summary in &summaries {
         println!(
@@ -147,7 +148,12 @@ pub fn demo(budget: usize) -> Result<()> {
     if trace.is_file() {
         println!("{}: already captured", trace.display());
     } else {
-        capture_recipe(recipe, &trace, StorageDtype::F16, 512)?;
+        capture_recipe(
+            recipe,
+            &trace,
+            (StorageDtype::F16, 512),
+            &mut ModelSlot::default(),
+        )?;
     }
     let reader = TraceReader::open(&trace)?;
     println!();
@@ -171,11 +177,15 @@ pub fn demo(budget: usize) -> Result<()> {
 }
 
 /// The experiment's traces, capturing missing recipes when `may_capture` is set, each once
-/// ([`capture::capture_once`]).
-fn experiment_traces(experiment: &Experiment, may_capture: bool) -> Result<Vec<TraceFile>> {
+/// ([`capture::capture_once`]), with their models from `models`.
+fn experiment_traces(
+    experiment: &Experiment,
+    may_capture: bool,
+    models: &mut ModelSlot,
+) -> Result<Vec<TraceFile>> {
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            capture_recipe(recipe, trace, StorageDtype::F16, 512)
+            capture_recipe(recipe, trace, (StorageDtype::F16, 512), models)
         })
     };
     Ok(experiment.trace_files(may_capture.then_some(&mut capture_once as Capture<'_>))?)
@@ -204,7 +214,8 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
     if run_missing {
         claim_results(&results, path)?;
     }
-    let traces = experiment_traces(&experiment, run_missing)?;
+    let mut models = ModelSlot::default();
+    let traces = experiment_traces(&experiment, run_missing, &mut models)?;
     if run_missing {
         let label = match shard {
             Some(shard) => format!("{} shard {shard}", experiment.name),
@@ -217,11 +228,14 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
             &traces,
             &results,
             shard,
-            &|done, total| {
-                bar.set_length(total as u64);
-                bar.set_position(done as u64)
-            },
-            sys::after_sweep_layer(experiment.closed_loop),
+            (
+                &|done, total| {
+                    bar.set_length(total as u64);
+                    bar.set_position(done as u64)
+                },
+                sys::after_sweep_layer(experiment.closed_loop),
+            ),
+            &mut models,
         )?;
         bar.finish_and_clear();
         let took = clock(started.elapsed().as_secs_f64());
@@ -252,7 +266,7 @@ fn clock(seconds: f64) -> String {
 pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
     if let Some(path) = &run.essential {
         let experiment = Experiment::load(path)?;
-        let traces = experiment_traces(&experiment, true)?;
+        let traces = experiment_traces(&experiment, true, &mut ModelSlot::default())?;
         let spinner = spinner("essential work");
         let table = kvreplay::bench::essential_rows((path, &experiment), &traces)?;
         spinner.finish_and_clear();

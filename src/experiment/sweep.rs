@@ -6,9 +6,8 @@ use super::shard::{plan_shards, Shard};
 use super::store::{is_stored, record_failure, store, ClosedLoop};
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceFile};
-use crate::capture;
+use crate::capture::{self, ModelSlot};
 use crate::live::LiveQuestions;
-use crate::model::CausalLm;
 use crate::recipe::{BuiltPrompt, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
 use crate::trace::TraceReader;
@@ -29,8 +28,8 @@ pub fn run_sweep(
     traces: &[TraceFile],
     results: &Path,
     shard: Option<Shard>,
-    progress: SweepProgress<'_>,
-    layer_done: LayerDone<'_>,
+    (progress, layer_done): (SweepProgress<'_>, LayerDone<'_>),
+    models: &mut ModelSlot,
 ) -> Result<(usize, usize), SweepError> {
     let planned: Vec<PlannedRun> = match shard {
         Some(shard) => plan_shards(experiment, traces, shard.count)
@@ -48,7 +47,6 @@ pub fn run_sweep(
     let skipped = total - pending.len();
     let mut done = skipped;
     progress(done, total);
-    let mut model: Option<(String, Box<dyn CausalLm + Send>)> = None;
     let mut failed: Vec<(&PlannedRun, String)> = Vec::new();
     for unit in units(traces, experiment.closed_loop) {
         let (of_unit, distinct) = pending_in(unit, &pending);
@@ -56,7 +54,7 @@ pub fn run_sweep(
             continue;
         }
         let runner = match experiment.closed_loop {
-            true => live_runner(unit, &mut model)?,
+            true => live_runner(unit, models)?,
             false => Runner::Replay(TraceReader::open(&unit[0].path).map_err(PolicyError::from)?),
         };
         let checked = distinct
@@ -133,11 +131,11 @@ fn pending_in<'p>(
     (of_unit, distinct)
 }
 
-/// The live sessions of the questions of `unit`'s recipe, its model loaded into `model` unless it
-/// is there already; each question's prompt checked against its trace's.
+/// The live sessions of the questions of `unit`'s recipe, its model from `models`; each question's
+/// prompt checked against its trace's.
 fn live_runner<'m>(
     unit: &[TraceFile],
-    model: &'m mut Option<(String, Box<dyn CausalLm + Send>)>,
+    models: &'m mut ModelSlot,
 ) -> Result<Runner<'m>, SweepError> {
     let recipe = unit[0].recipe.as_ref().expect("a closed loop runs recipes");
     let name = Recipe::load(recipe)
@@ -145,14 +143,7 @@ fn live_runner<'m>(
         .0
         .model()
         .to_owned();
-    if model.as_ref().is_none_or(|(loaded, _)| *loaded != name) {
-        *model = Some((name.clone(), capture::load_model(&name)?));
-    }
-    let slot: &'m Option<(String, Box<dyn CausalLm + Send>)> = model;
-    let model = slot
-        .as_ref()
-        .map(|(_, model)| model.as_ref())
-        .expect("loaded");
+    let model = models.model(&name)?;
     let questions = capture::build_questions(recipe, model)?;
     for (prompt, trace) in questions.prompts.iter().zip(unit) {
         check_same_prompt(recipe, &name, prompt, &trace.path)?;

@@ -13,6 +13,7 @@
 use super::gguf::GgufFile;
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
+use candle_core::quantized::gguf_file::Value;
 use std::cmp::Ordering;
 use std::collections::{BinaryHeap, HashMap};
 
@@ -78,17 +79,7 @@ impl SpmTokenizer {
         let numbers = |key: &str| -> Vec<f64> {
             gguf.value(key)
                 .and_then(|v| v.to_vec().ok())
-                .map(|values| {
-                    values
-                        .iter()
-                        .map(|v| {
-                            v.to_f32()
-                                .map(f64::from)
-                                .or_else(|_| v.to_i32().map(f64::from))
-                                .unwrap_or(0.0)
-                        })
-                        .collect()
-                })
+                .map(|values| values.iter().map(number).collect())
                 .unwrap_or_default()
         };
         let scores: Vec<f32> = numbers("tokenizer.ggml.scores")
@@ -296,5 +287,15 @@ impl TextTokenizer for SpmTokenizer {
 
     fn template(&self) -> Template {
         Template::Plain
+    }
+}
+
+/// A GGUF number as `f64` (0 for any other value), read off its variant: candle's accessors build
+/// an error message for every value of another type, a second's work for a 262K vocabulary.
+fn number(value: &Value) -> f64 {
+    match value {
+        Value::F32(x) => f64::from(*x),
+        Value::I32(x) => f64::from(*x),
+        _ => 0.0,
     }
 }
