@@ -346,6 +346,49 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
 }
 
 #[test]
+fn an_own_prefill_taken_over_from_the_full_run_is_the_prefill_from_position_0() {
+    // Batched, a policy that evicts while the prompt runs takes the full run's cache up to the
+    // first position where it hides anything and runs the prompt from there: in its chunk of
+    // 512 when more than 64 of the chunk's rows remain (StreamingLLM at budgets 100 and 600,
+    // H2O's true-query scores and a quantized cache at 600), else from the chunk's start (660:
+    // ~40 rows left, which gemm would sum over the chunk's 700 keys in other depth blocks).
+    // Every report is the one its policy gets with its own prefill from position 0.
+    let prompt = ruler_needle(700);
+    assert!(
+        (690..=710).contains(&prompt.ids.len()),
+        "{}",
+        prompt.ids.len()
+    );
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &prompt, 512, scratch.path()).unwrap();
+    let streaming = |budget: usize| PolicyParams {
+        scorer: "recency".into(),
+        timing: Timing::Streaming,
+        sinks: 4,
+        ..snapkv(budget)
+    };
+    let mut policies: Vec<_> = [100, 600, 660]
+        .into_iter()
+        .map(|budget| streaming(budget).check().unwrap())
+        .collect();
+    let h2o = evicting_live(Timing::Streaming, Order::EvictFirst, 600);
+    let quantized = PolicyParams {
+        quantizer: "kivi".into(),
+        ..streaming(600)
+    };
+    let quantized = quantized
+        .with("bits", 2)
+        .with("group_size", 4)
+        .with("residual", 8);
+    policies.extend([h2o.check().unwrap(), quantized.check().unwrap()]);
+    let alone = session
+        .run_batched(&policies, Batching::ONE_AT_A_TIME)
+        .unwrap();
+    assert!(alone.iter().all(|report| report.kl > 0.0));
+    assert_eq!(session.run_many(&policies).unwrap(), alone);
+}
+
+#[test]
 fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
     // A teacher-forced decode under a fixed eviction: two rows of 70 and 40 known tokens in one
     // `forward_steps` pass (more states than one output product takes) give every logit and the
@@ -453,8 +496,13 @@ fn a_chunked_prompt_equals_feeding_it_token_by_token() {
 /// RULER's single needle (number key and value, noise haystack) at ~300 tokens: a prompt with a
 /// `question` span that needs no essays.
 fn needle_with_question() -> BuiltPrompt {
+    ruler_needle(300)
+}
+
+/// RULER's single needle (number key and value, noise haystack) at about `tokens` tokens.
+fn ruler_needle(tokens: usize) -> BuiltPrompt {
     let recipe = Recipe::parse(
-        "kind = \"ruler-niah\"\nprompt_tokens = 300\ntype_haystack = \"noise\"\ntype_needle_k = \"numbers\"\ngenerate = 12\n",
+        &format!("kind = \"ruler-niah\"\nprompt_tokens = {tokens}\ntype_haystack = \"noise\"\ntype_needle_k = \"numbers\"\ngenerate = 12\n"),
         std::path::Path::new("needle.toml"),
     )
     .unwrap();

@@ -53,6 +53,7 @@
 mod batch;
 mod compare;
 mod drift;
+mod prefill_start;
 mod stored;
 pub(crate) mod streams;
 
@@ -69,6 +70,7 @@ use batch::PolicyMask;
 pub use compare::compare_step;
 pub(crate) use compare::FullStep;
 use drift::CompressedLayers;
+use prefill_start::{first_hiding_query, prefill_start};
 use rayon::prelude::*;
 use serde::Serialize;
 use std::borrow::Cow;
@@ -154,6 +156,9 @@ pub struct LiveReport {
 /// prefill.
 struct FullRun {
     prefilled: KvCache,
+    /// The prompt positions its prefill ran as one sequence of chunks from position 0: the
+    /// context the questions share (the whole prompt for one question).
+    first_segment: usize,
     prefill_logits: Vec<f32>,
     tokens: Vec<u32>,
     /// `logits[i]` predicts `tokens[i + 1]`.
@@ -188,6 +193,7 @@ fn full_runs(
         )?;
         let run = FullRun {
             prefilled,
+            first_segment: questions.shared,
             prefill_logits,
             tokens,
             logits,
@@ -492,12 +498,28 @@ impl<'m> LiveSession<'m> {
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
         } else {
-            let streams = PolicyMask::Streams(self.streams(policy, cut)?);
-            let mut mask = stored(streams, cut, 0)?;
-            let mut cache = KvCache::default();
-            let mut logits = self.run_tokens((0..cut, cut), &mut cache, &mut mask)?;
-            if cut < prompt_len {
-                logits = self.run_tokens((cut..prompt_len, cut), &mut cache, &mut mask)?;
+            let start = match share_prefill {
+                true => self.own_prefill_start(policy, &compressed, recorded, cut)?,
+                false => 0,
+            };
+            let mut streams = self.streams(policy, cut)?;
+            self.feed_prompt(&mut streams, &compressed, recorded, start)?;
+            let mut mask = stored(PolicyMask::Streams(streams), cut, start)?;
+            let mut cache = match start {
+                0 => KvCache::default(),
+                _ => self
+                    .full
+                    .prefilled
+                    .truncated(start)
+                    .with_room(prompt_len - start)?,
+            };
+            // The chunks the prefill from position 0 would run, the first cut short at `start`.
+            let aligned = start.next_multiple_of(self.chunk.max(1)).min(cut);
+            let mut logits = Vec::new();
+            for tokens in [start..aligned, aligned..cut, cut..prompt_len] {
+                if !tokens.is_empty() {
+                    logits = self.run_tokens((tokens, cut), &mut cache, &mut mask)?;
+                }
             }
             (mask, Some(cache), Some(logits))
         };
@@ -596,24 +618,47 @@ impl<'m> LiveSession<'m> {
         ))
     }
 
-    /// Feeds the full run's recorded vectors of the prompt's first `cut` positions (the context,
-    /// under the question-agnostic protocol) to `streams` (on model layers `compressed`) in the
-    /// prefill's chunks, as the model's own prefill would; fails if the policy hides any of them
-    /// from a query among them, since the prompt then runs differently.
+    /// Feeds the full run's recorded vectors of the prompt's first `until` positions (the
+    /// context, under the question-agnostic protocol, or the part of the prompt an own prefill
+    /// shares with the full run) to `streams` (on model layers `compressed`) in the prefill's
+    /// chunks, as the model's own prefill would; fails if the policy hides any of them from a
+    /// query among them, since the prompt then runs differently.
     fn feed_prompt(
         &self,
         streams: &mut LiveStreams<'_>,
         compressed: &[usize],
         recorded: &RecordedLayers<'_>,
-        cut: usize,
+        until: usize,
     ) -> Result<(), LiveError> {
-        let prompt_len = cut;
+        match self.first_hidden(streams, compressed, recorded, until)? {
+            None => Ok(()),
+            Some(_) => Err(LiveError::Unsupported(format!(
+                "timing `{}` evicted during the prompt, which only `streaming` may",
+                streams.policy().params().timing.name()
+            ))),
+        }
+    }
+
+    /// Feeds the full run's recorded vectors of the prompt's first `until` positions to
+    /// `streams` (on model layers `compressed`) in the prefill's chunks, layer by layer, each
+    /// layer up to the chunk in which a query first loses sight of a position up to its own, or
+    /// up to an earlier layer's such query: the first of those queries' positions, if any.
+    fn first_hidden(
+        &self,
+        streams: &mut LiveStreams<'_>,
+        compressed: &[usize],
+        recorded: &RecordedLayers<'_>,
+        until: usize,
+    ) -> Result<Option<usize>, LiveError> {
         let chunk = self.chunk.max(1);
+        let mut first: Option<usize> = None;
         for (index, &layer) in compressed.iter().enumerate() {
             let recorded = recorded.layer(layer)?;
             let values = recorded.v.as_ref().expect("a live recording holds values");
-            for past in (0..prompt_len).step_by(chunk) {
-                let rows = ndarray::s![.., past..(past + chunk).min(prompt_len), ..];
+            let end = first.map_or(until, |first| first.min(until));
+            let mut past = 0;
+            while past < end {
+                let rows = ndarray::s![.., past..(past + chunk - past % chunk).min(until), ..];
                 let vectors = ChunkVectors {
                     past,
                     q: recorded.q.slice(rows),
@@ -621,15 +666,33 @@ impl<'m> LiveSession<'m> {
                     v: values.slice(rows),
                 };
                 let mask = streams.layer_mask(index, &vectors)?;
-                if !mask.is_none_or(|mask| hides_nothing(&mask, past, vectors.q.dim())) {
-                    return Err(LiveError::Unsupported(format!(
-                        "timing `{}` evicted during the prompt, which only `streaming` may",
-                        streams.policy().params().timing.name()
-                    )));
+                let hidden = mask.and_then(|mask| first_hiding_query(&mask, past, vectors.q.dim()));
+                if let Some(query) = hidden {
+                    first = Some(first.map_or(past + query, |first| first.min(past + query)));
+                    break;
                 }
+                past += vectors.q.dim().1;
             }
         }
-        Ok(())
+        Ok(first)
+    }
+
+    /// Where `policy`'s own prefill of the prompt cut at `cut` starts ([`prefill_start`]): its
+    /// streams fed the full run's recorded vectors show where a query of a layer it compresses
+    /// first loses sight of a position up to its own.
+    fn own_prefill_start(
+        &self,
+        policy: &ValidPolicy,
+        compressed: &[usize],
+        recorded: &RecordedLayers<'_>,
+        cut: usize,
+    ) -> Result<usize, LiveError> {
+        let mut probe = self.streams(policy, cut)?;
+        let hidden = self.first_hidden(&mut probe, compressed, recorded, cut)?;
+        let meta = self.trace.meta();
+        let windows: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
+        let chunks = (cut, self.chunk.max(1), self.full.first_segment);
+        Ok(prefill_start(hidden.unwrap_or(cut), chunks, &windows))
     }
 
     /// A decoded row's report.
@@ -848,18 +911,6 @@ fn prefill_is_shareable(meta: &TraceMeta, policy: &ValidPolicy) -> bool {
         && compressed_layers(meta, policy)
             .iter()
             .all(|&layer| meta.window(layer) == 0)
-}
-
-/// Whether a causal mask `[heads, n, past + n]` of a chunk at `past` lets every query see every
-/// position up to its own.
-fn hides_nothing(mask: &[f32], past: usize, (heads, n, _): (usize, usize, usize)) -> bool {
-    let total = past + n;
-    (0..heads * n).all(|line| {
-        let row = line % n;
-        mask[line * total..][..=past + row]
-            .iter()
-            .all(|&m| m == 0.0)
-    })
 }
 
 impl Drop for LiveSession<'_> {
