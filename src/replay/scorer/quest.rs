@@ -37,6 +37,10 @@ struct State {
     kv_head: usize,
     page_size: usize,
     agg: Aggregation,
+    /// Each page's cached positions and their keys' channel-wise `(minimum, maximum)` at the
+    /// last step, in page order: a page whose entries are unchanged keeps them (a cached
+    /// position's key never changes).
+    extremes: Vec<(Vec<usize>, Vec<(f32, f32)>)>,
 }
 
 impl Scorer for Quest {
@@ -56,6 +60,7 @@ impl Scorer for Quest {
             kv_head: unit.kv_head,
             page_size: self.page_size,
             agg: self.agg,
+            extremes: Vec::new(),
         })
     }
 
@@ -82,23 +87,29 @@ impl ScoreState for State {
             }
         }
         // Each page's channel-wise minimum and maximum, once for all heads: `[page][channel]`,
-        // each channel folded over the page's keys in order, a key's row at a time.
-        let extremes: Vec<Vec<(f32, f32)>> = pages
-            .iter()
-            .map(|page| {
-                let mut extremes = vec![(f32::INFINITY, f32::NEG_INFINITY); d];
-                for &position in &cache[page.clone()] {
-                    for (extreme, &k) in extremes.iter_mut().zip(keys.row(position)) {
-                        *extreme = (extreme.0.min(k), extreme.1.max(k));
+        // each channel folded over the page's keys in order, a key's row at a time; the last
+        // step's where the page holds the same entries.
+        let mut last = std::mem::take(&mut self.extremes).into_iter();
+        for page in &pages {
+            let positions = &cache[page.clone()];
+            let extremes = match last.next() {
+                Some(kept) if kept.0 == positions => kept,
+                _ => {
+                    let mut extremes = vec![(f32::INFINITY, f32::NEG_INFINITY); d];
+                    for &position in positions {
+                        for (extreme, &k) in extremes.iter_mut().zip(keys.row(position)) {
+                            *extreme = (extreme.0.min(k), extreme.1.max(k));
+                        }
                     }
+                    (positions.to_vec(), extremes)
                 }
-                extremes
-            })
-            .collect();
+            };
+            self.extremes.push(extremes);
+        }
         let mut bounds = vec![0.0f32; pages.len()];
         for (count, head) in self.heads.clone().enumerate() {
             let query = layer.query(head, newest);
-            for (acc, page) in bounds.iter_mut().zip(&extremes) {
+            for (acc, (_, page)) in bounds.iter_mut().zip(&self.extremes) {
                 let bound: f32 = page
                     .iter()
                     .zip(query.iter())
