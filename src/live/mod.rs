@@ -59,7 +59,7 @@ pub(crate) mod streams;
 
 use crate::capture::{prefill_questions, write_recording, CaptureError, CaptureOptions, PromptRun};
 use crate::model::Recorder;
-use crate::model::{AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
+use crate::model::{CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
     compressed_layers, layer_budgets, protocol_view, replay_keeping, Granularity, Kept,
@@ -70,7 +70,7 @@ use batch::PolicyMask;
 pub use compare::compare_step;
 pub(crate) use compare::FullStep;
 use drift::CompressedLayers;
-use prefill_start::{first_hiding_query, prefill_start};
+use prefill_start::prefill_start;
 use rayon::prelude::*;
 use serde::Serialize;
 use std::borrow::Cow;
@@ -498,11 +498,10 @@ impl<'m> LiveSession<'m> {
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
         } else {
-            let start = match share_prefill {
+            let (start, mut streams) = match share_prefill {
                 true => self.own_prefill_start(policy, &compressed, recorded, cut)?,
-                false => 0,
+                false => (0, self.streams(policy, cut)?),
             };
-            let mut streams = self.streams(policy, cut)?;
             self.feed_prompt(&mut streams, &compressed, recorded, start)?;
             let mut mask = stored(PolicyMask::Streams(streams), cut, start)?;
             let mut cache = match start {
@@ -665,9 +664,7 @@ impl<'m> LiveSession<'m> {
                     k: recorded.k.slice(rows),
                     v: values.slice(rows),
                 };
-                let mask = streams.layer_mask(index, &vectors)?;
-                let hidden = mask.and_then(|mask| first_hiding_query(&mask, past, vectors.q.dim()));
-                if let Some(query) = hidden {
+                if let Some(query) = streams.first_hiding_query(index, &vectors)? {
                     first = Some(first.map_or(past + query, |first| first.min(past + query)));
                     break;
                 }
@@ -679,20 +676,22 @@ impl<'m> LiveSession<'m> {
 
     /// Where `policy`'s own prefill of the prompt cut at `cut` starts ([`prefill_start`]): its
     /// streams fed the full run's recorded vectors show where a query of a layer it compresses
-    /// first loses sight of a position up to its own.
-    fn own_prefill_start(
-        &self,
-        policy: &ValidPolicy,
+    /// first loses sight of a position up to its own. Returns the start and the streams,
+    /// restarted.
+    fn own_prefill_start<'s>(
+        &'s self,
+        policy: &'s ValidPolicy,
         compressed: &[usize],
         recorded: &RecordedLayers<'_>,
         cut: usize,
-    ) -> Result<usize, LiveError> {
+    ) -> Result<(usize, LiveStreams<'s>), LiveError> {
         let mut probe = self.streams(policy, cut)?;
         let hidden = self.first_hidden(&mut probe, compressed, recorded, cut)?;
         let meta = self.trace.meta();
         let windows: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
         let chunks = (cut, self.chunk.max(1), self.full.first_segment);
-        Ok(prefill_start(hidden.unwrap_or(cut), chunks, &windows))
+        let start = prefill_start(hidden.unwrap_or(cut), chunks, &windows);
+        Ok((start, probe.restarted()))
     }
 
     /// A decoded row's report.

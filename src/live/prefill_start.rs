@@ -41,23 +41,6 @@ pub(super) fn prefill_start(
     }
 }
 
-/// The first query (its row in the chunk) of a causal mask `[heads, n, past + n]` of a chunk at
-/// `past` that does not see every position up to its own, if any.
-pub(super) fn first_hiding_query(
-    mask: &[f32],
-    past: usize,
-    (heads, n, _): (usize, usize, usize),
-) -> Option<usize> {
-    let total = past + n;
-    (0..n).find(|&row| {
-        (0..heads).any(|head| {
-            mask[(head * n + row) * total..][..=past + row]
-                .iter()
-                .any(|&m| m != 0.0)
-        })
-    })
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -97,22 +80,5 @@ mod tests {
         assert_eq!(prefill_start(100, PROMPT, &[512, 0]), 100);
         assert_eq!(prefill_start(400, (1000, 256, 1000), &[512]), 400);
         assert_eq!(prefill_start(600, (1000, 256, 1000), &[512]), 512);
-    }
-
-    #[test]
-    fn the_first_hiding_query_is_found_in_any_head() {
-        // Two heads, a chunk of 3 at past 2: head 1's row 1 hides position 0.
-        let (heads, n, past) = (2, 3, 2);
-        let total = past + n;
-        let mut mask = vec![0.0; heads * n * total];
-        for head in 0..heads {
-            for row in 0..n {
-                let line = &mut mask[(head * n + row) * total..][..total];
-                line[past + row + 1..].fill(f32::NEG_INFINITY);
-            }
-        }
-        assert_eq!(first_hiding_query(&mask, past, (heads, n, 4)), None);
-        mask[(n + 1) * total] = f32::NEG_INFINITY;
-        assert_eq!(first_hiding_query(&mask, past, (heads, n, 4)), Some(1));
     }
 }

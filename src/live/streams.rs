@@ -111,6 +111,15 @@ impl<'p> LiveStreams<'p> {
         }
     }
 
+    /// These streams as [`new`](Self::new) makes them, in the memory they hold: no position fed.
+    pub fn restarted(mut self) -> Self {
+        for layer in &mut self.layers {
+            layer.len = 0;
+            layer.streams.clear();
+        }
+        self
+    }
+
     /// Takes back the live vectors `fork` took, once it has run. What it appended lies after
     /// the positions these hold, and these write over it as they run on.
     pub fn rejoin(&mut self, fork: Self) {
@@ -154,12 +163,30 @@ impl LiveLayer {
     }
 }
 
-impl AttentionMask for LiveStreams<'_> {
-    fn layer_mask(
+impl LiveStreams<'_> {
+    /// Takes `chunk` (a prompt's vectors, a layer's own or recorded ones) at `layer` as
+    /// [`layer_mask`](AttentionMask::layer_mask) does, without the mask: the first of its queries
+    /// (its row) that loses sight of a position up to its own, if any.
+    pub fn first_hiding_query(
         &mut self,
         layer: usize,
         chunk: &ChunkVectors<'_>,
-    ) -> Result<Option<Vec<f32>>, ModelError> {
+    ) -> Result<Option<usize>, ModelError> {
+        let attended = self.attended(layer, chunk)?;
+        let rows = chunk.q.dim().1;
+        Ok((0..rows).find(|&row| {
+            let position = chunk.past + row;
+            attended.iter().any(|group| group[row].hides_any(position))
+        }))
+    }
+
+    /// Appends `chunk` at `layer` (its streams started on the first) and steps each selection
+    /// group's stream through its positions: per group, what each of its queries attends over.
+    fn attended(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Vec<Vec<Attended>>, ModelError> {
         let (policy, budget, shape) = (self.policy, self.budgets[layer], self.shape);
         let live = &mut self.layers[layer];
         live.append(chunk)?;
@@ -200,9 +227,21 @@ impl AttentionMask for LiveStreams<'_> {
                     .collect()
             })
             .collect();
+        Ok(attended)
+    }
+}
+
+impl AttentionMask for LiveStreams<'_> {
+    fn layer_mask(
+        &mut self,
+        layer: usize,
+        chunk: &ChunkVectors<'_>,
+    ) -> Result<Option<Vec<f32>>, ModelError> {
+        let attended = self.attended(layer, chunk)?;
+        let live = &self.layers[layer];
+        let (end, n_heads) = (live.len, self.shape.n_heads);
         let n = end - chunk.past;
-        let mut mask =
-            crate::model::mask_buffers::filled(shape.n_heads * n * end, f32::NEG_INFINITY);
+        let mut mask = crate::model::mask_buffers::filled(n_heads * n * end, f32::NEG_INFINITY);
         for ((group, _), rows) in live.streams.iter().zip(&attended) {
             for head in group.iter().flat_map(|unit| unit.query_heads.clone()) {
                 for (row, seen) in rows.iter().enumerate() {

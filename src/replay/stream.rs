@@ -26,6 +26,14 @@ impl Attended {
             Attended::Entries(entries) => entries,
         }
     }
+
+    /// Whether the query at `position` loses sight of any position up to its own.
+    pub fn hides_any(&self, position: usize) -> bool {
+        match self {
+            Attended::Prefix => false,
+            Attended::Entries(entries) => entries.len() <= position,
+        }
+    }
 }
 
 /// Several caches scored as one (`gqa = layer`): an entry's score is the mean of the caches'
@@ -327,5 +335,18 @@ impl CacheStream {
         kept.extend_from_slice(&self.cache[split..]);
         kept.shrink_to_fit();
         Some(Attended::Entries(kept))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::Attended;
+
+    #[test]
+    fn a_query_hides_the_positions_its_entries_leave_out() {
+        assert!(!Attended::Prefix.hides_any(5));
+        assert!(!Attended::Entries(vec![0, 1, 2]).hides_any(2));
+        assert!(Attended::Entries(vec![0, 2]).hides_any(2));
+        assert!(Attended::Entries(vec![0, 1, 2]).hides_any(3));
     }
 }
