@@ -127,9 +127,9 @@ pub(crate) fn softmax_lines<'m>(
 
 /// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's
 /// mask (0 on columns `lo..=hi`, −∞ elsewhere), plus the policy's entry first when it decides,
-/// as candle's affine map and broadcast additions compute them. A masked entry's `x` is −∞, and
-/// its weight `exp(−∞ − max)` is 0 when any entry is not masked: it is written without the
-/// exponential.
+/// as candle's affine map and broadcast additions compute them, each exponential as `f32::exp`
+/// ([`exp_shifted`](super::expf::exp_shifted)). A masked entry's `x` is −∞, and its weight
+/// `exp(−∞ − max)` is 0 when any entry is not masked.
 fn exponentiate(
     logits: &[f32],
     out: &mut [f32],
@@ -137,15 +137,21 @@ fn exponentiate(
     (lo, hi): (usize, usize),
 ) {
     let scale = scale as f32;
-    let mut max = f32::NEG_INFINITY;
-    for column in lo..=hi {
-        let added = match policy {
-            Some(policy) => policy[column] + 0.0,
-            None => 0.0,
-        };
-        out[column] = (logits[column] * scale + 0.0) + added;
-        max = max.max(out[column]);
+    let (window, logits) = (&mut out[lo..=hi], &logits[lo..=hi]);
+    match policy {
+        Some(policy) => {
+            for (x, (&logit, &policy)) in window.iter_mut().zip(logits.iter().zip(&policy[lo..=hi]))
+            {
+                *x = (logit * scale + 0.0) + (policy + 0.0);
+            }
+        }
+        None => {
+            for (x, &logit) in window.iter_mut().zip(logits) {
+                *x = (logit * scale + 0.0) + 0.0;
+            }
+        }
     }
+    let max = line_max(window);
     if max == f32::NEG_INFINITY {
         // Every entry is masked: candle's `exp(−∞ − (−∞))`, a NaN, on each (computed at run
         // time, as candle computes it, so that its bits are the same).
@@ -154,12 +160,26 @@ fn exponentiate(
     }
     out[..lo].fill(0.0);
     out[hi + 1..].fill(0.0);
-    for x in &mut out[lo..=hi] {
-        *x = match *x == f32::NEG_INFINITY {
-            true => 0.0,
-            false => (*x - max).exp(),
-        };
+    super::expf::exp_shifted(&mut out[lo..=hi], max);
+}
+
+/// The largest of `values`, NaNs left out, as a fold of `f32::max` gives it, compared in eight
+/// lanes: a maximum does not depend on the order of its comparisons (of two zeros either may
+/// come out, and `x − max` is the same for both).
+fn line_max(values: &[f32]) -> f32 {
+    let larger = |max: f32, x: f32| if x > max { x } else { max };
+    let mut lanes = [f32::NEG_INFINITY; 8];
+    let mut chunks = values.chunks_exact(8);
+    for chunk in &mut chunks {
+        for (lane, &x) in lanes.iter_mut().zip(chunk) {
+            *lane = larger(*lane, x);
+        }
     }
+    chunks
+        .remainder()
+        .iter()
+        .chain(&lanes)
+        .fold(f32::NEG_INFINITY, |max, &x| larger(max, x))
 }
 
 #[cfg(test)]
@@ -223,6 +243,21 @@ mod tests {
                 }
             }
         }
+    }
+
+    #[test]
+    fn a_lines_maximum_leaves_nans_out_as_a_fold_of_max_does() {
+        let values: Vec<f32> = (0..37)
+            .map(|i| ((i * 17) as f32 * 0.61).sin() * 5.0)
+            .collect();
+        let fold = |v: &[f32]| v.iter().fold(f32::NEG_INFINITY, |m, &x| m.max(x));
+        assert_eq!(line_max(&values), fold(&values));
+        let mut with_nans = values.clone();
+        with_nans[3] = f32::NAN;
+        with_nans[35] = f32::NAN;
+        assert_eq!(line_max(&with_nans), fold(&with_nans));
+        assert_eq!(line_max(&[f32::NEG_INFINITY; 9]), f32::NEG_INFINITY);
+        assert_eq!(line_max(&[]), f32::NEG_INFINITY);
     }
 
     #[test]

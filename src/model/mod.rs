@@ -18,6 +18,7 @@ mod batch;
 mod cached_attention;
 mod causal_lm;
 mod error;
+mod expf;
 pub mod family;
 mod gguf;
 pub mod hf;
