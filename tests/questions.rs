@@ -43,7 +43,14 @@ fn the_questions_share_one_captured_context() {
     let dir = tempfile::tempdir().unwrap();
     let recipe = recipe(dir.path());
     let out = dir.path().join("two.safetensors");
-    let summaries = capture_recipe(&recipe, &out, StorageDtype::F32, 128, &mut |_, _| {}).unwrap();
+    let summaries = capture_recipe(
+        &recipe,
+        &out,
+        (StorageDtype::F32, 128),
+        &mut Default::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     let paths: Vec<&PathBuf> = summaries.iter().map(|s| &s.path).collect();
     assert_eq!(
         paths,
@@ -100,7 +107,14 @@ fn a_recipe_of_one_question_captures_as_before() {
     let dir = tempfile::tempdir().unwrap();
     let recipe = Path::new("traces/capital.toml");
     let out = dir.path().join("capital.safetensors");
-    capture_recipe(recipe, &out, StorageDtype::F32, 16, &mut |_, _| {}).unwrap();
+    capture_recipe(
+        recipe,
+        &out,
+        (StorageDtype::F32, 16),
+        &mut Default::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
     let prompt = build_questions(recipe, model()).unwrap().prompts.remove(0);
     let options = CaptureOptions {
         storage: StorageDtype::F32,
