@@ -335,6 +335,12 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
     for (stored, plain) in alone[plain_runs..].iter().zip(plain_20) {
         assert_ne!(stored.steps, plain.steps, "{}", stored.policy);
     }
+    // Batched, a free run goes on from its teacher-forced state: a fixed cut's after the tokens
+    // it agreed on with the full run (SnapKV at 12: all but the last), a streaming policy's that
+    // agreed on all of them.
+    let snapkv_12 = &alone[0];
+    assert!(snapkv_12.steps[0].top1 && snapkv_12.text != snapkv_12.full_text);
+    assert!(alone[2..cam_at].iter().any(|r| r.text == r.full_text));
     for rows in [None, Some(3)] {
         let batching = Batching {
             rows,

@@ -111,6 +111,7 @@ pub fn closed_loop_speed(recipe: &Path) -> Result<ClosedLoopSpeed, BenchError> {
         .collect::<Result<Vec<ValidPolicy>, PolicyError>>()?;
     let stepped = Batching {
         forced_in_one_pass: false,
+        resumed_free_runs: false,
         ..Batching::BATCHED
     };
     let (decode_one, decode_stepped) = side_by_side(&session, &one_shot, stepped)?;

@@ -106,6 +106,9 @@ pub(super) struct Reference<'a> {
     pub generate: usize,
     /// Whether rows whose kept sets are fixed take the teacher-forced tokens in one pass.
     pub forced_in_one_pass: bool,
+    /// Whether a free-running row starts where its teacher-forced run last agreed with the full
+    /// run's tokens, where it can ([`free_start`]).
+    pub resumed_free_runs: bool,
     /// Whether a row's cache copies hold only the windows of the sliding layers it does not
     /// compress.
     pub windowed_copies: bool,
@@ -143,14 +146,16 @@ impl Reference<'_> {
 
 /// One row's teacher-forced state: its mask measuring the live mass, its cache and its steps.
 struct Teacher<'s> {
-    /// Whether the kept sets were fixed at the prompt's end (a one-shot cut), the entries stored
-    /// as captured, and the tokens go in one pass.
+    /// Whether the kept sets were fixed at the prompt's end (a one-shot cut) and the entries
+    /// stored as captured: the mask holds no state that the tokens change.
     fixed: bool,
     mask: CompressedLayers<LiveMass<Stored<PolicyMask<'s>>>>,
     cache: KvCache,
     /// The cache `cache` continues on the global layers.
     prefix: Option<&'s KvCache>,
     steps: Vec<LiveStep>,
+    /// The most likely token after each teacher-forced token.
+    greedy: Vec<u32>,
 }
 
 /// One free-running row.
@@ -180,48 +185,127 @@ pub(super) fn decode<'s>(
         .map(|row| teacher(reference, row, (&shared, &full.prefill)))
         .collect::<Result<Vec<_>, _>>()?;
     drop(shared);
-    // What the teacher-forced rows measured; their caches go before the free-running copies come.
-    let (measured, forks): (Vec<_>, Vec<_>) = teacher_forced(reference, teachers, &full.steps)?
+    // What the teacher-forced rows measured; the caches no free run continues go before the
+    // free-running copies come.
+    let teachers = teacher_forced(reference, teachers, &full.steps)?;
+    let (measured, starts): (Vec<_>, Vec<_>) = rows
         .into_iter()
-        .map(|teacher| {
-            let per_layer = teacher.mask.inner().per_layer();
-            let fork = teacher.mask.into_inner().into_inner().into_inner();
-            ((teacher.steps, per_layer), fork)
-        })
+        .zip(teachers)
+        .map(|(row, teacher)| free_start(reference, row, teacher))
         .unzip();
-    let started: Vec<_> = rows
+    let free = starts
         .into_par_iter()
-        .zip(forks)
-        .map(|(mut row, fork)| {
-            row.mask.inner_mut().inner_mut().rejoin(fork);
-            let prefix = reference.prefix(&row);
-            let room = (reference.generate, prefix.is_some());
-            let free = Free {
-                next: argmax(&row.prompt_logits),
-                cache: reference.copy(&row.cache, row.policy, room)?,
-                prefix,
-                mask: row.mask,
-                generated: Vec::new(),
-            };
-            Ok(((row.policy, row.open_loop), free))
+        .map(|start| match start {
+            FreeStart::Resumed(free) => Ok(free),
+            FreeStart::AtPromptEnd(row) => {
+                let room = (reference.generate, row.prefix.is_some());
+                Ok(Free {
+                    next: argmax(&row.prompt_logits),
+                    cache: reference.copy(&row.cache, row.policy, room)?,
+                    prefix: row.prefix,
+                    mask: row.mask,
+                    generated: Vec::new(),
+                })
+            }
         })
-        .collect::<Result<_, ModelError>>()?;
-    let (policies, free): (Vec<_>, Vec<_>) = started.into_iter().unzip();
+        .collect::<Result<Vec<_>, ModelError>>()?;
     let free = free_running(reference, free)?;
-    Ok(policies
+    Ok(measured
         .into_iter()
-        .zip(measured)
         .zip(free)
-        .map(
-            |(((policy, open_loop), (steps, live_layers)), free)| Decoded {
-                policy,
-                live_layers,
-                steps,
-                generated: free.generated,
-                open_loop,
-            },
-        )
+        .map(|(measured, free)| Decoded {
+            policy: measured.policy,
+            live_layers: measured.live_layers,
+            steps: measured.steps,
+            generated: free.generated,
+            open_loop: measured.open_loop,
+        })
         .collect())
+}
+
+/// What a row's teacher-forced run measured.
+struct Measured<'s> {
+    policy: &'s ValidPolicy,
+    open_loop: ReplayReport,
+    steps: Vec<LiveStep>,
+    live_layers: Vec<f64>,
+}
+
+/// Where a row's free run starts.
+enum FreeStart<'s> {
+    /// From its teacher-forced state.
+    Resumed(Free<'s>),
+    /// From the prompt's end, its cache still to copy.
+    AtPromptEnd(PromptEnd<'s>),
+}
+
+/// A row at the prompt's end, its mask as it was there.
+struct PromptEnd<'s> {
+    policy: &'s ValidPolicy,
+    mask: CompressedLayers<Stored<PolicyMask<'s>>>,
+    cache: Cow<'s, KvCache>,
+    prefix: Option<&'s KvCache>,
+    prompt_logits: Cow<'s, [f32]>,
+}
+
+/// What `row`'s teacher-forced run `teacher` measured, and where its free run starts. Until its
+/// most likely token first differs from the full run's, a free run feeds the full run's tokens:
+/// it is the teacher-forced run, state for state. So, when `reference.resumed_free_runs`, it
+/// goes on from the teacher-forced state after the tokens they share where that state is at
+/// hand: a fixed cut's (its cache rewound to those tokens; its mask holds no state) or that of
+/// a row that agreed on every token. Any other row's starts at the prompt's end.
+fn free_start<'s>(
+    reference: &Reference<'_>,
+    row: Started<'s>,
+    teacher: Teacher<'s>,
+) -> (Measured<'s>, FreeStart<'s>) {
+    let Teacher {
+        fixed,
+        mask: forced,
+        cache: mut forced_cache,
+        prefix,
+        steps,
+        greedy,
+    } = teacher;
+    let measured = Measured {
+        policy: row.policy,
+        open_loop: row.open_loop,
+        steps,
+        live_layers: forced.inner().per_layer(),
+    };
+    let tokens = reference.tokens;
+    // The token a free run feeds after the full run's first `agreed` tokens.
+    let greedy_after = |agreed: usize| match agreed {
+        0 => argmax(&row.prompt_logits),
+        _ => greedy[agreed - 1],
+    };
+    let agreed = (0..tokens.len())
+        .find(|&index| greedy_after(index) != tokens[index])
+        .unwrap_or(tokens.len());
+    let forced = forced.map(LiveMass::into_inner);
+    if reference.resumed_free_runs && (fixed || agreed == tokens.len()) {
+        forced_cache.rewind(tokens.len() - agreed);
+        let free = Free {
+            mask: forced,
+            cache: forced_cache,
+            prefix,
+            next: greedy_after(agreed),
+            generated: tokens[..agreed].to_vec(),
+        };
+        return (measured, FreeStart::Resumed(free));
+    }
+    let mut mask = row.mask;
+    mask.inner_mut()
+        .inner_mut()
+        .rejoin(forced.into_inner().into_inner());
+    let start = PromptEnd {
+        policy: row.policy,
+        mask,
+        cache: row.cache,
+        prefix,
+        prompt_logits: row.prompt_logits,
+    };
+    (measured, FreeStart::AtPromptEnd(start))
 }
 
 /// The full run's distributions the rows are compared with, computed once: after the prompt, and
@@ -294,13 +378,13 @@ fn teacher<'s>(
     let prefix = reference.prefix(row);
     let room = (reference.tokens.len(), prefix.is_some());
     Ok(Teacher {
-        fixed: reference.forced_in_one_pass
-            && row.mask.inner().is_captured()
+        fixed: row.mask.inner().is_captured()
             && matches!(row.mask.inner().inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
         cache: reference.copy(&row.cache, row.policy, room)?,
         prefix,
         steps,
+        greedy: Vec::with_capacity(reference.tokens.len()),
     })
 }
 
@@ -312,8 +396,9 @@ fn teacher_forced<'s>(
     mut teachers: Vec<Teacher<'s>>,
     full: &[FullStep],
 ) -> Result<Vec<Teacher<'s>>, ModelError> {
-    let (mut fixed, mut evolving): (Vec<_>, Vec<_>) =
-        teachers.iter_mut().partition(|teacher| teacher.fixed);
+    let (mut fixed, mut evolving): (Vec<_>, Vec<_>) = teachers
+        .iter_mut()
+        .partition(|teacher| teacher.fixed && reference.forced_in_one_pass);
     in_one_pass(reference, &mut fixed, full)?;
     step_by_step(reference, &mut evolving, full)?;
     Ok(teachers)
@@ -331,7 +416,7 @@ fn in_one_pass(
     if teachers.is_empty() || tokens.is_empty() {
         return Ok(());
     }
-    let (mut rows, mut steps): (Vec<Row<'_, '_>>, Vec<&mut Vec<LiveStep>>) = teachers
+    let (mut rows, mut measured): (Vec<Row<'_, '_>>, Vec<_>) = teachers
         .iter_mut()
         .map(|teacher| {
             let Teacher {
@@ -339,11 +424,12 @@ fn in_one_pass(
                 cache,
                 prefix,
                 steps,
+                greedy,
                 ..
             } = &mut **teacher;
             (
                 Row::new(tokens, cache, Some(mask)).over_prefix(*prefix),
-                steps,
+                (steps, greedy),
             )
         })
         .unzip();
@@ -351,16 +437,19 @@ fn in_one_pass(
     reference
         .model
         .forward_steps(&mut rows, &|row, step, logits| {
-            if let Some(&next) = tokens.get(step + 1) {
-                let step_compared = full[step].compare(logits, next);
-                let mut compared = compared.lock().expect("no comparison panicked");
-                compared.push((row, step, step_compared));
-            }
+            let step_compared = tokens
+                .get(step + 1)
+                .map(|&next| full[step].compare(logits, next));
+            let greedy = argmax(logits);
+            let mut compared = compared.lock().expect("no comparison panicked");
+            compared.push((row, step, step_compared, greedy));
         })?;
     let mut compared = compared.into_inner().expect("no comparison panicked");
-    compared.sort_by_key(|&(row, step, _)| (row, step));
-    for (row, _, step) in compared {
-        steps[row].push(step);
+    compared.sort_by_key(|&(row, step, ..)| (row, step));
+    for (row, _, step, greedy) in compared {
+        let (steps, greedies) = &mut measured[row];
+        steps.extend(step);
+        greedies.push(greedy);
     }
     Ok(())
 }
@@ -385,33 +474,42 @@ fn step_by_step(
             .collect();
         let logits = reference.model.forward_rows(&mut rows)?;
         drop(rows);
-        if let Some(&next) = reference.tokens.get(index + 1) {
-            teachers
-                .par_iter_mut()
-                .zip(&logits)
-                .for_each(|(teacher, logits)| {
-                    teacher.steps.push(full[index].compare(logits, next))
-                });
-        }
+        let next = reference.tokens.get(index + 1);
+        teachers
+            .par_iter_mut()
+            .zip(&logits)
+            .for_each(|(teacher, logits)| {
+                if let Some(&next) = next {
+                    teacher.steps.push(full[index].compare(logits, next));
+                }
+                teacher.greedy.push(argmax(logits));
+            });
     }
     Ok(())
 }
 
 /// Greedy decoding of every row, up to `generate` tokens each, a row leaving the batch at its
-/// stop token.
+/// stop token. Rows that start with tokens generated join the batch when the others have as
+/// many.
 fn free_running<'s>(
     reference: &Reference<'_>,
     mut rows: Vec<Free<'s>>,
 ) -> Result<Vec<Free<'s>>, ModelError> {
     let stop = reference.model.tokenizer().stop_token();
+    let runs = |row: &Free<'_>| row.generated.len() < reference.generate && row.next != stop;
     loop {
+        let Some(step) = rows
+            .iter()
+            .filter(|row| runs(row))
+            .map(|row| row.generated.len())
+            .min()
+        else {
+            return Ok(rows);
+        };
         let mut running: Vec<&mut Free<'s>> = rows
             .iter_mut()
-            .filter(|row| row.generated.len() < reference.generate && row.next != stop)
+            .filter(|row| runs(row) && row.generated.len() == step)
             .collect();
-        if running.is_empty() {
-            return Ok(rows);
-        }
         let ids: Vec<[u32; 1]> = running.iter().map(|row| [row.next]).collect();
         let mut batch: Vec<Row<'_, '_>> = running
             .iter_mut()

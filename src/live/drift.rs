@@ -235,6 +235,14 @@ impl<M> CompressedLayers<M> {
     pub fn into_inner(self) -> M {
         self.inner
     }
+
+    /// The same layers over the mask `wrap` makes of this one's.
+    pub fn map<N>(self, wrap: impl FnOnce(M) -> N) -> CompressedLayers<N> {
+        CompressedLayers {
+            inner: wrap(self.inner),
+            index: self.index,
+        }
+    }
 }
 
 impl<M: AttentionMask> AttentionMask for CompressedLayers<M> {

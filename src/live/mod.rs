@@ -445,6 +445,7 @@ impl<'m> LiveSession<'m> {
             prefill_logits: &full.prefill_logits,
             generate: self.prompt.generate,
             forced_in_one_pass: batching.forced_in_one_pass,
+            resumed_free_runs: batching.resumed_free_runs,
             windowed_copies: batching.windowed_copies,
             shared_prompt: self.shares_prompt(batching),
         };
@@ -831,6 +832,11 @@ pub struct Batching {
     /// Whether the rows whose kept sets are fixed at the prompt's end take the full run's
     /// tokens in one pass ([`CausalLm::forward_steps`]) instead of one pass per token.
     pub forced_in_one_pass: bool,
+    /// Whether a free-running row goes on from its teacher-forced state after the tokens on
+    /// which its most likely token agreed with the full run's, where that state is at hand (a
+    /// fixed cut's, or a row's that agreed on every token), instead of running them again from
+    /// the prompt's end: the same states, so the same tokens.
+    pub resumed_free_runs: bool,
     /// Whether each row's copy of its cache holds only the window of the sliding-window layers
     /// its policy does not compress ([`KvCache::with_room_holding`]): the same numbers, a
     /// fraction of the memory on a hybrid model's long prompts.
@@ -844,12 +850,14 @@ pub struct Batching {
 
 impl Batching {
     /// As many rows as fit in memory, the full run's prefill shared, fixed cuts teacher-forced
-    /// in one pass, row caches kept to the sliding layers' windows, the full run's cache read once
-    /// a step for all the rows that start from it.
+    /// in one pass, free runs resumed from the teacher-forced ones, row caches kept to the
+    /// sliding layers' windows, the full run's cache read once a step for all the rows that start
+    /// from it.
     pub const BATCHED: Batching = Batching {
         rows: None,
         share_prefill: true,
         forced_in_one_pass: true,
+        resumed_free_runs: true,
         windowed_copies: true,
         shared_prompt: true,
     };
@@ -859,6 +867,7 @@ impl Batching {
         rows: Some(1),
         share_prefill: false,
         forced_in_one_pass: false,
+        resumed_free_runs: false,
         windowed_copies: false,
         shared_prompt: false,
     };

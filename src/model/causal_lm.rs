@@ -484,6 +484,19 @@ impl KvCache {
         }
     }
 
+    /// Forgets the last `steps` positions appended to every layer, as if they had not run: the
+    /// next appends write over them (the buffers keep their room).
+    pub(crate) fn rewind(&mut self, steps: usize) {
+        for layer in &mut self.layers {
+            assert!(
+                layer.held() >= steps,
+                "a cache rewinds only positions it holds"
+            );
+            layer.len -= steps;
+        }
+        self.next_position -= steps;
+    }
+
     /// The cache of the first `len` positions alone, as if only they had run (`len` at most
     /// [`len`](Self::len)).
     pub fn truncated(&self, len: usize) -> KvCache {
