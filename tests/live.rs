@@ -395,6 +395,42 @@ fn an_own_prefill_taken_over_from_the_full_run_is_the_prefill_from_position_0() 
 }
 
 #[test]
+fn free_runs_resumed_from_the_teacher_forced_ones_are_the_free_runs_from_the_prompt_end() {
+    // Batched, a free run goes on from its teacher-forced state after the tokens its greedy
+    // choice shared with the full run's (a fixed cut's cache rewound there, or the state of a
+    // policy that agreed on every token) instead of running them again: the same tokens.
+    let scratch = tempfile::tempdir().unwrap();
+    let session = LiveSession::start(model(), &capital(), 512, scratch.path()).unwrap();
+    let mut policies = Vec::new();
+    for budget in [6, 8, 10, 12, 16] {
+        for scorer in ["snapkv", "knorm", "tova", "recency"] {
+            let cut = PolicyParams {
+                scorer: scorer.into(),
+                ..snapkv(budget)
+            };
+            policies.push(cut.check().unwrap());
+        }
+        let streaming = evicting_live(Timing::Streaming, Order::EvictFirst, budget);
+        policies.push(streaming.check().unwrap());
+    }
+    let from_prompt_end = Batching {
+        resumed_free_runs: false,
+        ..Batching::BATCHED
+    };
+    let rerun = session.run_batched(&policies, from_prompt_end).unwrap();
+    assert_eq!(session.run_many(&policies).unwrap(), rerun);
+    // Fixed cuts that went their own way after agreeing on the first tokens, and a streaming
+    // policy that agreed on every token.
+    let parted = rerun.iter().filter(|r| {
+        r.policy.ends_with("@prefill") && r.steps[0].top1 && r.text != r.full_text
+    });
+    assert!(parted.count() >= 5);
+    assert!(rerun
+        .iter()
+        .any(|r| r.policy.ends_with("@streaming") && r.text == r.full_text));
+}
+
+#[test]
 fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
     // A teacher-forced decode under a fixed eviction: two rows of 70 and 40 known tokens in one
     // `forward_steps` pass (more states than one output product takes) give every logit and the
