@@ -6,7 +6,7 @@
 
 use super::drift::{CompressedLayers, LiveMass, StartKeys};
 use super::stored::{NotesCompressions, Stored};
-use super::streams::LiveStreams;
+use super::streams::{LiveStreams, StreamsState};
 use super::{FullStep, LiveStep};
 use crate::model::{argmax, AttentionMask, CausalLm, ChunkVectors, Evicted, KvCache};
 use crate::model::{ModelError, Row};
@@ -33,6 +33,21 @@ impl PolicyMask<'_> {
         match self {
             PolicyMask::Fixed(evicted) => PolicyMask::Fixed(evicted.clone()),
             PolicyMask::Streams(streams) => PolicyMask::Streams(streams.fork()),
+        }
+    }
+
+    /// The state of the policy's streams, to go back to; none for a fixed cut, which holds none.
+    fn state(&self) -> Option<StreamsState> {
+        match self {
+            PolicyMask::Fixed(_) => None,
+            PolicyMask::Streams(streams) => Some(streams.state()),
+        }
+    }
+
+    /// Back to `state`, taken from these streams before they ran on.
+    fn rewind(&mut self, state: StreamsState) {
+        if let PolicyMask::Streams(streams) = self {
+            streams.rewind(state);
         }
     }
 
@@ -154,8 +169,14 @@ struct Teacher<'s> {
     /// The cache `cache` continues on the global layers.
     prefix: Option<&'s KvCache>,
     steps: Vec<LiveStep>,
+    /// The most likely token after the prompt.
+    first: u32,
     /// The most likely token after each teacher-forced token.
     greedy: Vec<u32>,
+    /// When its most likely token first differed from the full run's: the tokens they agreed on
+    /// and the state of its streams after them, kept where it decides at each token and its
+    /// entries are stored as captured (its cache then only grows).
+    parting: Option<(usize, StreamsState)>,
 }
 
 /// One free-running row.
@@ -252,8 +273,9 @@ struct PromptEnd<'s> {
 /// most likely token first differs from the full run's, a free run feeds the full run's tokens:
 /// it is the teacher-forced run, state for state. So, when `reference.resumed_free_runs`, it
 /// goes on from the teacher-forced state after the tokens they share where that state is at
-/// hand: a fixed cut's (its cache rewound to those tokens; its mask holds no state) or that of
-/// a row that agreed on every token. Any other row's starts at the prompt's end.
+/// hand: a fixed cut's (its cache rewound to those tokens; its mask holds no state), a row's
+/// whose streams were kept where it parted ([`keep_parting`]; its cache rewound too), or that
+/// of a row that agreed on every token. Any other row's starts at the prompt's end.
 fn free_start<'s>(
     reference: &Reference<'_>,
     row: Started<'s>,
@@ -265,7 +287,9 @@ fn free_start<'s>(
         cache: mut forced_cache,
         prefix,
         steps,
+        first,
         greedy,
+        parting,
     } = teacher;
     let measured = Measured {
         policy: row.policy,
@@ -274,22 +298,21 @@ fn free_start<'s>(
         live_layers: forced.inner().per_layer(),
     };
     let tokens = reference.tokens;
-    // The token a free run feeds after the full run's first `agreed` tokens.
-    let greedy_after = |agreed: usize| match agreed {
-        0 => argmax(&row.prompt_logits),
-        _ => greedy[agreed - 1],
-    };
-    let agreed = (0..tokens.len())
-        .find(|&index| greedy_after(index) != tokens[index])
-        .unwrap_or(tokens.len());
-    let forced = forced.map(LiveMass::into_inner);
-    if reference.resumed_free_runs && (fixed || agreed == tokens.len()) {
+    let agreed = agreed_tokens(tokens, first, &greedy);
+    let mut forced = forced.map(LiveMass::into_inner);
+    if reference.resumed_free_runs && (fixed || agreed == tokens.len() || parting.is_some()) {
         forced_cache.rewind(tokens.len() - agreed);
+        if let Some((_, state)) = parting {
+            forced.inner_mut().inner_mut().rewind(state);
+        }
         let free = Free {
             mask: forced,
             cache: forced_cache,
             prefix,
-            next: greedy_after(agreed),
+            next: match agreed {
+                0 => first,
+                _ => greedy[agreed - 1],
+            },
             generated: tokens[..agreed].to_vec(),
         };
         return (measured, FreeStart::Resumed(free));
@@ -384,7 +407,9 @@ fn teacher<'s>(
         cache: reference.copy(&row.cache, row.policy, room)?,
         prefix,
         steps,
+        first: argmax(&row.prompt_logits),
         greedy: Vec::with_capacity(reference.tokens.len()),
+        parting: None,
     })
 }
 
@@ -454,6 +479,32 @@ fn in_one_pass(
     Ok(())
 }
 
+/// Keeps `teacher`'s state where its most likely token first differs from the full run's
+/// (after its last token), if its streams decide at each token and its entries are stored as
+/// captured.
+fn keep_parting(tokens: &[u32], teacher: &mut Teacher<'_>) {
+    let agreed = agreed_tokens(tokens, teacher.first, &teacher.greedy);
+    let parts = agreed == teacher.greedy.len() && agreed < tokens.len();
+    let stored = teacher.mask.inner().inner();
+    if parts && stored.is_captured() {
+        if let Some(state) = stored.inner().state() {
+            teacher.parting = Some((agreed, state));
+        }
+    }
+}
+
+/// How many of the full run's `tokens` a free run feeds before its most likely token first
+/// differs from theirs: `first` after the prompt, `greedy[i]` after `tokens[i]`.
+fn agreed_tokens(tokens: &[u32], first: u32, greedy: &[u32]) -> usize {
+    let choice = |index: usize| match index {
+        0 => Some(first),
+        _ => greedy.get(index - 1).copied(),
+    };
+    (0..tokens.len())
+        .find(|&index| choice(index) != Some(tokens[index]))
+        .unwrap_or(tokens.len())
+}
+
 /// Rows whose policies evict as tokens arrive: one pass per token.
 fn step_by_step(
     reference: &Reference<'_>,
@@ -483,6 +534,9 @@ fn step_by_step(
                     teacher.steps.push(full[index].compare(logits, next));
                 }
                 teacher.greedy.push(argmax(logits));
+                if reference.resumed_free_runs {
+                    keep_parting(reference.tokens, teacher);
+                }
             });
     }
     Ok(())

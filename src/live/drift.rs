@@ -98,6 +98,11 @@ impl<M> LiveMass<M> {
         }
     }
 
+    /// The measured mask.
+    pub fn inner(&self) -> &M {
+        &self.inner
+    }
+
     /// The measured mask, unwrapped.
     pub fn into_inner(self) -> M {
         self.inner

@@ -26,6 +26,11 @@ struct LiveLayer {
     streams: Vec<(Vec<Unit>, CacheStream)>,
 }
 
+/// Where streams stood after some position: each layer's positions held and its streams. The
+/// live vectors they read are those positions', which a run going on from there only writes
+/// after.
+pub(crate) struct StreamsState(Vec<(usize, Vec<(Vec<Unit>, CacheStream)>)>);
+
 /// Shapes and softmax settings of the model's attention.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct AttentionShape {
@@ -118,6 +123,24 @@ impl<'p> LiveStreams<'p> {
             layer.streams.clear();
         }
         self
+    }
+
+    /// Where these streams stand now, to go back to ([`rewind`](Self::rewind)).
+    pub fn state(&self) -> StreamsState {
+        StreamsState(
+            self.layers
+                .iter()
+                .map(|layer| (layer.len, layer.streams.clone()))
+                .collect(),
+        )
+    }
+
+    /// Back to `state`, taken from these streams before they ran on: the vectors appended since
+    /// lie after its positions, and these write over them as they run on again.
+    pub fn rewind(&mut self, state: StreamsState) {
+        for (layer, (len, streams)) in self.layers.iter_mut().zip(state.0) {
+            (layer.len, layer.streams) = (len, streams);
+        }
     }
 
     /// Takes back the live vectors `fork` took, once it has run. What it appended lies after
