@@ -397,8 +397,8 @@ fn an_own_prefill_taken_over_from_the_full_run_is_the_prefill_from_position_0() 
 #[test]
 fn free_runs_resumed_from_the_teacher_forced_ones_are_the_free_runs_from_the_prompt_end() {
     // Batched, a free run goes on from its teacher-forced state after the tokens its greedy
-    // choice shared with the full run's (a fixed cut's cache rewound there, or the state of a
-    // policy that agreed on every token) instead of running them again: the same tokens.
+    // choice shared with the full run's (its cache rewound there, a streaming policy's streams
+    // as they were there) instead of running them again: the same tokens.
     let scratch = tempfile::tempdir().unwrap();
     let session = LiveSession::start(model(), &capital(), 512, scratch.path()).unwrap();
     let mut policies = Vec::new();
@@ -410,6 +410,10 @@ fn free_runs_resumed_from_the_teacher_forced_ones_are_the_free_runs_from_the_pro
             };
             policies.push(cut.check().unwrap());
         }
+        let streaming = evicting_live(Timing::Streaming, Order::EvictFirst, budget);
+        policies.push(streaming.check().unwrap());
+    }
+    for budget in [4, 5] {
         let streaming = evicting_live(Timing::Streaming, Order::EvictFirst, budget);
         policies.push(streaming.check().unwrap());
     }
@@ -428,6 +432,11 @@ fn free_runs_resumed_from_the_teacher_forced_ones_are_the_free_runs_from_the_pro
         parted.count()
     };
     assert!(parted("@prefill") >= 5 && parted("@streaming") >= 2);
+    // StreamingLLM at 4 parts at its first token: its free run starts at the prompt's end, from
+    // its teacher-forced cache rewound there.
+    assert!(rerun
+        .iter()
+        .any(|r| r.policy.ends_with("@streaming") && !r.steps[0].top1));
     assert!(rerun
         .iter()
         .any(|r| r.policy.ends_with("@streaming") && r.text == r.full_text));

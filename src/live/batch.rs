@@ -273,9 +273,11 @@ struct PromptEnd<'s> {
 /// most likely token first differs from the full run's, a free run feeds the full run's tokens:
 /// it is the teacher-forced run, state for state. So, when `reference.resumed_free_runs`, it
 /// goes on from the teacher-forced state after the tokens they share where that state is at
-/// hand: a fixed cut's (its cache rewound to those tokens; its mask holds no state), a row's
-/// whose streams were kept where it parted ([`keep_parting`]; its cache rewound too), or that
-/// of a row that agreed on every token. Any other row's starts at the prompt's end.
+/// hand: that of a row that agreed on every token, or of any row whose entries are stored as
+/// captured, its cache then rewound to those tokens: a fixed cut's mask holds no state, streams
+/// were kept where they parted ([`keep_parting`]), or are the prompt end's where they parted at
+/// the first token. Any other row's free run starts from a copy of its cache at the prompt's
+/// end.
 fn free_start<'s>(
     reference: &Reference<'_>,
     row: Started<'s>,
@@ -300,13 +302,26 @@ fn free_start<'s>(
     let tokens = reference.tokens;
     let agreed = agreed_tokens(tokens, first, &greedy);
     let mut forced = forced.map(LiveMass::into_inner);
-    if reference.resumed_free_runs && (fixed || agreed == tokens.len() || parting.is_some()) {
+    let captured = forced.inner().is_captured();
+    let mut mask = row.mask;
+    if reference.resumed_free_runs && (captured || agreed == tokens.len()) {
         forced_cache.rewind(tokens.len() - agreed);
-        if let Some((_, state)) = parting {
-            forced.inner_mut().inner_mut().rewind(state);
-        }
+        let mask = match parting {
+            Some((_, state)) => {
+                forced.inner_mut().inner_mut().rewind(state);
+                forced
+            }
+            None if !fixed && agreed < tokens.len() => {
+                debug_assert_eq!(agreed, 0, "streams are kept where they part");
+                mask.inner_mut()
+                    .inner_mut()
+                    .rejoin(forced.into_inner().into_inner());
+                mask
+            }
+            None => forced,
+        };
         let free = Free {
-            mask: forced,
+            mask,
             cache: forced_cache,
             prefix,
             next: match agreed {
@@ -317,7 +332,6 @@ fn free_start<'s>(
         };
         return (measured, FreeStart::Resumed(free));
     }
-    let mut mask = row.mask;
     mask.inner_mut()
         .inner_mut()
         .rejoin(forced.into_inner().into_inner());
