@@ -80,6 +80,10 @@ use std::sync::{Arc, Mutex};
 use stored::{Store, Stored};
 use streams::{AttentionShape, LiveStreams};
 
+/// Positions a probe's streams take at a time: it steps at most this many past the first query
+/// that loses sight of a position (a prompt chunk's worth when it took whole chunks).
+const PROBE_PIECE: usize = 32;
+
 /// Errors of a live run.
 #[derive(Debug, thiserror::Error)]
 #[non_exhaustive]
@@ -630,7 +634,8 @@ impl<'m> LiveSession<'m> {
         recorded: &RecordedLayers<'_>,
         until: usize,
     ) -> Result<(), LiveError> {
-        match self.first_hidden(streams, compressed, recorded, until)? {
+        let chunk = self.chunk.max(1);
+        match self.first_hidden(streams, compressed, recorded, (until, chunk))? {
             None => Ok(()),
             Some(_) => Err(LiveError::Unsupported(format!(
                 "timing `{}` evicted during the prompt, which only `streaming` may",
@@ -640,17 +645,18 @@ impl<'m> LiveSession<'m> {
     }
 
     /// Feeds the full run's recorded vectors of the prompt's first `until` positions to
-    /// `streams` (on model layers `compressed`) in the prefill's chunks, layer by layer, each
-    /// layer up to the chunk in which a query first loses sight of a position up to its own, or
-    /// up to an earlier layer's such query: the first of those queries' positions, if any.
+    /// `streams` (on model layers `compressed`) in pieces of `piece` positions (aligned to its
+    /// multiples; the streams take positions one at a time, so their choices do not depend on
+    /// it), layer by layer, each layer up to the piece in which a query first loses sight of a
+    /// position up to its own, or up to an earlier layer's such query: the first of those
+    /// queries' positions, if any.
     fn first_hidden(
         &self,
         streams: &mut LiveStreams<'_>,
         compressed: &[usize],
         recorded: &RecordedLayers<'_>,
-        until: usize,
+        (until, piece): (usize, usize),
     ) -> Result<Option<usize>, LiveError> {
-        let chunk = self.chunk.max(1);
         let mut first: Option<usize> = None;
         for (index, &layer) in compressed.iter().enumerate() {
             let recorded = recorded.layer(layer)?;
@@ -658,7 +664,7 @@ impl<'m> LiveSession<'m> {
             let end = first.map_or(until, |first| first.min(until));
             let mut past = 0;
             while past < end {
-                let rows = ndarray::s![.., past..(past + chunk - past % chunk).min(until), ..];
+                let rows = ndarray::s![.., past..(past + piece - past % piece).min(end), ..];
                 let vectors = ChunkVectors {
                     past,
                     q: recorded.q.slice(rows),
@@ -676,9 +682,9 @@ impl<'m> LiveSession<'m> {
     }
 
     /// Where `policy`'s own prefill of the prompt cut at `cut` starts ([`prefill_start`]): its
-    /// streams fed the full run's recorded vectors show where a query of a layer it compresses
-    /// first loses sight of a position up to its own. Returns the start and the streams,
-    /// restarted.
+    /// streams fed the full run's recorded vectors, [`PROBE_PIECE`] positions at a time, show
+    /// where a query of a layer it compresses first loses sight of a position up to its own.
+    /// Returns the start and the streams, restarted.
     fn own_prefill_start<'s>(
         &'s self,
         policy: &'s ValidPolicy,
@@ -687,7 +693,7 @@ impl<'m> LiveSession<'m> {
         cut: usize,
     ) -> Result<(usize, LiveStreams<'s>), LiveError> {
         let mut probe = self.streams(policy, cut)?;
-        let hidden = self.first_hidden(&mut probe, compressed, recorded, cut)?;
+        let hidden = self.first_hidden(&mut probe, compressed, recorded, (cut, PROBE_PIECE))?;
         let meta = self.trace.meta();
         let windows: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
         let chunks = (cut, self.chunk.max(1), self.full.first_segment);
