@@ -53,8 +53,10 @@ pub struct ClosedLoopSpeed {
     /// Seconds for them one at a time, then batched.
     pub seconds: (f64, f64),
     /// Milliseconds per decode step per row, one at a time, batched one pass per token, and
-    /// batched with the teacher-forced tokens in one pass: the `prefill`-timing presets alone (no
-    /// prefill of their own), over their teacher-forced and free-running steps.
+    /// batched with the teacher-forced tokens in one pass and the free runs going on from them
+    /// (`Batching::BATCHED`): the `prefill`-timing presets alone (no prefill of their own), over
+    /// their teacher-forced and free-running steps (those a free run takes over from its
+    /// teacher-forced run counted too).
     pub decode_ms: (f64, f64, f64),
     /// Decode steps (teacher-forced plus free-running) per run of that measurement.
     pub steps: usize,

@@ -384,7 +384,7 @@ fn closed_loop_rows(recipes: &[PathBuf], progress: &dyn Fn(&str)) -> Result<Tabl
         let (one, stepped, all) = speed.decode_ms;
         table.push([
             format!(
-                "{what}: decode, ms per token per row (its prefill-timing runs, {} steps each), one at a time | batched, a pass per token | batched, teacher-forced in one pass",
+                "{what}: decode, ms per token per row (its prefill-timing runs, {} steps each), one at a time | batched, a pass per token | batched, teacher-forced in one pass and free runs resumed from it",
                 speed.steps
             ),
             format!(
