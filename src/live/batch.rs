@@ -51,6 +51,15 @@ impl PolicyMask<'_> {
         }
     }
 
+    /// This mask handed over whole to a continuation that replaces it (the teacher-forced one,
+    /// when the free run goes on from it): its streams keep no state ([`LiveStreams::handed_over`]).
+    fn handed_over(&mut self) -> Self {
+        match self {
+            PolicyMask::Fixed(evicted) => PolicyMask::Fixed(evicted.clone()),
+            PolicyMask::Streams(streams) => PolicyMask::Streams(streams.handed_over()),
+        }
+    }
+
     /// Takes back what [`fork`](Self::fork) took, once the fork has run.
     fn rejoin(&mut self, fork: Self) {
         if let (PolicyMask::Streams(streams), PolicyMask::Streams(forked)) = (self, fork) {
@@ -400,8 +409,18 @@ fn teacher<'s>(
             &own
         }
     };
+    // A free run that goes on from this one never needs the prompt end's state when it shares
+    // the full run's first token and its entries are stored as captured ([`free_start`]).
+    let first = argmax(&row.prompt_logits);
+    let continued = reference.resumed_free_runs
+        && row.mask.inner().is_captured()
+        && reference.tokens.first() == Some(&first);
+    let forced = match continued {
+        true => row.mask.inner_mut().fork_with(PolicyMask::handed_over),
+        false => row.mask.inner_mut().fork_with(PolicyMask::fork),
+    };
     let measured = LiveMass::new(
-        row.mask.inner_mut().fork_with(PolicyMask::fork),
+        forced,
         start,
         (&compressed, windows),
         meta.n_heads / meta.n_kv_heads,
@@ -421,7 +440,7 @@ fn teacher<'s>(
         cache: reference.copy(&row.cache, row.policy, room)?,
         prefix,
         steps,
-        first: argmax(&row.prompt_logits),
+        first,
         greedy: Vec::with_capacity(reference.tokens.len()),
         parting: None,
     })

@@ -96,6 +96,21 @@ impl<'p> LiveStreams<'p> {
     /// are held and written once for both (3.8 GB for the 32 streaming calibration runs of a
     /// ~1K SmolLM2 prompt).
     pub fn fork(&mut self) -> Self {
+        self.taken(|streams| streams.clone())
+    }
+
+    /// These streams, handed over whole to a continuation that replaces them: they keep neither
+    /// their live vectors nor their streams' state ([`fork`](Self::fork) without the copy).
+    pub fn handed_over(&mut self) -> Self {
+        self.taken(std::mem::take)
+    }
+
+    /// A continuation taking these streams' live vectors, each layer's streams as `streams`
+    /// gives them.
+    fn taken(
+        &mut self,
+        streams: fn(&mut Vec<(Vec<Unit>, CacheStream)>) -> Vec<(Vec<Unit>, CacheStream)>,
+    ) -> Self {
         let layers = self
             .layers
             .iter_mut()
@@ -104,7 +119,7 @@ impl<'p> LiveStreams<'p> {
                 k: std::mem::take(&mut layer.k),
                 v: std::mem::take(&mut layer.v),
                 len: layer.len,
-                streams: layer.streams.clone(),
+                streams: streams(&mut layer.streams),
             })
             .collect();
         Self {
