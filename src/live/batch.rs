@@ -2,7 +2,8 @@
 //! free-running tokens as the rows of one forward pass ([`Row`]), so every weight matrix is read
 //! once per step for all of them. Each row keeps its own cache and its policy's own state, and a
 //! row's logits do not depend on its batch, so a batched run's numbers are an unbatched run's,
-//! bit for bit. Free-running rows that stop leave the batch.
+//! bit for bit. A free run goes on from its teacher-forced run after the tokens they share;
+//! free-running rows that stop leave the batch.
 
 use super::drift::{CompressedLayers, LiveMass, StartKeys};
 use super::stored::{NotesCompressions, Stored};
@@ -182,10 +183,10 @@ struct Teacher<'s> {
     first: u32,
     /// The most likely token after each teacher-forced token.
     greedy: Vec<u32>,
-    /// When its most likely token first differed from the full run's: the tokens they agreed on
-    /// and the state of its streams after them, kept where it decides at each token and its
-    /// entries are stored as captured (its cache then only grows).
-    parting: Option<(usize, StreamsState)>,
+    /// The state of its streams after the tokens on which its most likely token agreed with the
+    /// full run's, kept when it first differed where it decides at each token and its entries
+    /// are stored as captured (its cache then only grows).
+    parting: Option<StreamsState>,
 }
 
 /// One free-running row.
@@ -316,7 +317,7 @@ fn free_start<'s>(
     if reference.resumed_free_runs && (captured || agreed == tokens.len()) {
         forced_cache.rewind(tokens.len() - agreed);
         let mask = match parting {
-            Some((_, state)) => {
+            Some(state) => {
                 forced.inner_mut().inner_mut().rewind(state);
                 forced
             }
@@ -521,7 +522,7 @@ fn keep_parting(tokens: &[u32], teacher: &mut Teacher<'_>) {
     let stored = teacher.mask.inner().inner();
     if parts && stored.is_captured() {
         if let Some(state) = stored.inner().state() {
-            teacher.parting = Some((agreed, state));
+            teacher.parting = Some(state);
         }
     }
 }

@@ -80,8 +80,8 @@ use std::sync::{Arc, Mutex};
 use stored::{Store, Stored};
 use streams::{AttentionShape, LiveStreams};
 
-/// Positions a probe's streams take at a time: it steps at most this many past the first query
-/// that loses sight of a position (a prompt chunk's worth when it took whole chunks).
+/// Positions a probe's streams take at a time: it steps fewer than this many past the first
+/// query that loses sight of a position.
 const PROBE_PIECE: usize = 32;
 
 /// Errors of a live run.
@@ -840,8 +840,9 @@ pub struct Batching {
     pub forced_in_one_pass: bool,
     /// Whether a free-running row goes on from its teacher-forced state after the tokens on
     /// which its most likely token agreed with the full run's, where that state is at hand (a
-    /// fixed cut's, or a row's that agreed on every token), instead of running them again from
-    /// the prompt's end: the same states, so the same tokens.
+    /// row's whose entries are stored as captured, whose cache then only grows, or one's that
+    /// agreed on every token), instead of running them again from the prompt's end: the same
+    /// states, so the same tokens.
     pub resumed_free_runs: bool,
     /// Whether each row's copy of its cache holds only the window of the sliding-window layers
     /// its policy does not compress ([`KvCache::with_room_holding`]): the same numbers, a

@@ -485,7 +485,8 @@ impl KvCache {
     }
 
     /// Forgets the last `steps` positions appended to every layer, as if they had not run: the
-    /// next appends write over them (the buffers keep their room).
+    /// next appends write over them (the buffers keep their room), so no clone taken since they
+    /// were appended may still be read (a clone of a full buffer shares it).
     pub(crate) fn rewind(&mut self, steps: usize) {
         for layer in &mut self.layers {
             assert!(
