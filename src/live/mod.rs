@@ -6,8 +6,8 @@
 //!    full cache, recording every layer's q, k, v (as a capture does) and the next-token
 //!    distribution of every step.
 //! 2. **Kept sets.** The run's recording, written as an f32 kvtrace/1 file in a scratch directory,
-//!    goes through the same engine code as an open-loop replay (`layer_budgets`, `kept_sets`), so
-//!    a live run chooses exactly what a replay of that trace chooses. Under the `prefill` timing
+//!    goes through the same engine code as an open-loop replay (`replay_keeping`: its layer
+//!    budgets and kept sets), so a live run chooses exactly what a replay of that trace chooses. Under the `prefill` timing
 //!    the choice reads only the prompt's vectors, which the full run and the live run share (the
 //!    eviction happens after the prefill); oracles that need future queries read them from the
 //!    full run, and the report says so.
@@ -62,8 +62,8 @@ use crate::model::Recorder;
 use crate::model::{CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
-    compressed_layers, layer_budgets, protocol_view, replay_keeping, Granularity, Kept,
-    PolicyError, Protocol, ReplayReport, Storage, Timing, ValidPolicy,
+    compressed_layers, protocol_view, replay_keeping, Granularity, Kept, PolicyError, Protocol,
+    ReplayReport, Storage, Timing, ValidPolicy,
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
@@ -497,15 +497,18 @@ impl<'m> LiveSession<'m> {
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
         } else if share_prefill && prefill_is_shareable(meta, policy) {
-            let mut streams = self.streams(policy, cut)?;
+            let mut streams = self.streams(policy, (cut, &open_loop))?;
             self.feed_prompt(&mut streams, &compressed, recorded, cut)?;
             let mut mask = stored(PolicyMask::Streams(streams), cut, cut)?;
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
         } else {
             let (start, mut streams) = match share_prefill {
-                true => self.own_prefill_start(policy, &compressed, recorded, cut)?,
-                false => (0, self.streams(policy, cut)?),
+                true => {
+                    let probe = self.streams(policy, (cut, &open_loop))?;
+                    self.own_prefill_start(probe, &compressed, recorded, cut)?
+                }
+                false => (0, self.streams(policy, (cut, &open_loop))?),
             };
             self.feed_prompt(&mut streams, &compressed, recorded, start)?;
             let mut mask = stored(PolicyMask::Streams(streams), cut, start)?;
@@ -593,11 +596,11 @@ impl<'m> LiveSession<'m> {
     }
 
     /// The streams of a policy that evicts while the model runs, on the layers it compresses,
-    /// with the budgets the open-loop replay gives them, the prompt cut at `cut`.
+    /// with the budgets its open-loop replay `open_loop` gave them, the prompt cut at `cut`.
     fn streams<'s>(
         &'s self,
         policy: &'s ValidPolicy,
-        cut: usize,
+        (cut, open_loop): (usize, &ReplayReport),
     ) -> Result<LiveStreams<'s>, LiveError> {
         let meta = self.trace.meta();
         let shape = AttentionShape {
@@ -609,8 +612,17 @@ impl<'m> LiveSession<'m> {
         };
         let capacity = self.capacity();
         let compressed = compressed_layers(meta, policy);
-        let budgets = layer_budgets(&self.trace, policy)?;
-        let budgets = compressed.iter().map(|&layer| budgets[layer]).collect();
+        let budgets = compressed
+            .iter()
+            .map(|&layer| {
+                let report = open_loop.layers.iter().find(|report| report.layer == layer);
+                report.map(|report| report.budget).ok_or_else(|| {
+                    LiveError::Unsupported(format!(
+                        "the open-loop replay measured no layer {layer}, which the policy compresses"
+                    ))
+                })
+            })
+            .collect::<Result<_, _>>()?;
         let rope_thetas = compressed.iter().map(|&l| meta.rope_theta_of(l)).collect();
         let windows = compressed.iter().map(|&l| meta.window(l)).collect();
         Ok(LiveStreams::new(
@@ -681,18 +693,17 @@ impl<'m> LiveSession<'m> {
         Ok(first)
     }
 
-    /// Where `policy`'s own prefill of the prompt cut at `cut` starts ([`prefill_start`]): its
-    /// streams fed the full run's recorded vectors, [`PROBE_PIECE`] positions at a time, show
-    /// where a query of a layer it compresses first loses sight of a position up to its own.
-    /// Returns the start and the streams, restarted.
+    /// Where the own prefill of the prompt cut at `cut` by the policy of the new streams `probe`
+    /// starts ([`prefill_start`]): fed the full run's recorded vectors, [`PROBE_PIECE`] positions
+    /// at a time, they show where a query of a layer it compresses first loses sight of a
+    /// position up to its own. Returns the start and the streams, restarted.
     fn own_prefill_start<'s>(
         &'s self,
-        policy: &'s ValidPolicy,
+        mut probe: LiveStreams<'s>,
         compressed: &[usize],
         recorded: &RecordedLayers<'_>,
         cut: usize,
     ) -> Result<(usize, LiveStreams<'s>), LiveError> {
-        let mut probe = self.streams(policy, cut)?;
         let hidden = self.first_hidden(&mut probe, compressed, recorded, (cut, PROBE_PIECE))?;
         let meta = self.trace.meta();
         let windows: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
