@@ -434,11 +434,19 @@ fn teacher<'s>(
     }
     let prefix = reference.prefix(row);
     let room = (reference.tokens.len(), prefix.is_some());
+    // A cache of its own (made with room for the decode) the row hands over whole where the
+    // free run goes on from this one whatever it does: its entries are stored as captured.
+    let cache = match &mut row.cache {
+        Cow::Owned(cache) if reference.resumed_free_runs && row.mask.inner().is_captured() => {
+            std::mem::take(cache)
+        }
+        cache => reference.copy(cache, row.policy, room)?,
+    };
     Ok(Teacher {
         fixed: row.mask.inner().is_captured()
             && matches!(row.mask.inner().inner(), PolicyMask::Fixed(_)),
         mask: CompressedLayers::new(measured, &compressed, meta.n_layers),
-        cache: reference.copy(&row.cache, row.policy, room)?,
+        cache,
         prefix,
         steps,
         first,

@@ -518,7 +518,7 @@ impl<'m> LiveSession<'m> {
                     .full
                     .prefilled
                     .truncated(start)
-                    .with_room(prompt_len - start)?,
+                    .with_room(self.capacity() - start)?,
             };
             // The chunks the prefill from position 0 would run, the first cut short at `start`.
             let aligned = start.next_multiple_of(self.chunk.max(1)).min(cut);
@@ -556,7 +556,7 @@ impl<'m> LiveSession<'m> {
             .full
             .prefilled
             .truncated(cut)
-            .with_room(prompt_len - cut)?;
+            .with_room(self.capacity() - cut)?;
         let logits = self.run_tokens((cut..prompt_len, cut), &mut cache, mask)?;
         Ok((Some(cache), Some(logits)))
     }
