@@ -53,7 +53,8 @@ impl PolicyMask<'_> {
     }
 
     /// This mask handed over whole to a continuation that replaces it (the teacher-forced one,
-    /// when the free run goes on from it): its streams keep no state ([`LiveStreams::handed_over`]).
+    /// when the free run goes on from it): its streams keep no state
+    /// ([`LiveStreams::handed_over`]).
     fn handed_over(&mut self) -> Self {
         match self {
             PolicyMask::Fixed(evicted) => PolicyMask::Fixed(evicted.clone()),

@@ -7,10 +7,10 @@
 //!    distribution of every step.
 //! 2. **Kept sets.** The run's recording, written as an f32 kvtrace/1 file in a scratch directory,
 //!    goes through the same engine code as an open-loop replay (`replay_keeping`: its layer
-//!    budgets and kept sets), so a live run chooses exactly what a replay of that trace chooses. Under the `prefill` timing
-//!    the choice reads only the prompt's vectors, which the full run and the live run share (the
-//!    eviction happens after the prefill); oracles that need future queries read them from the
-//!    full run, and the report says so.
+//!    budgets and kept sets), so a live run chooses exactly what a replay of that trace chooses.
+//!    Under the `prefill` timing the choice reads only the prompt's vectors, which the full run
+//!    and the live run share (the eviction happens after the prefill); oracles that need future
+//!    queries read them from the full run, and the report says so.
 //! 3. **Teacher-forced.** From the prefilled cache, the full run's tokens are fed back with each
 //!    query head masked off its evicted positions; at each step the policy's next-token
 //!    distribution is compared with the full run's: KL(p_full ‖ p_policy), top-1 agreement, and
@@ -618,7 +618,8 @@ impl<'m> LiveSession<'m> {
                 let report = open_loop.layers.iter().find(|report| report.layer == layer);
                 report.map(|report| report.budget).ok_or_else(|| {
                     LiveError::Unsupported(format!(
-                        "the open-loop replay measured no layer {layer}, which the policy compresses"
+                        "the open-loop replay measured no layer {layer}, which the policy \
+                         compresses"
                     ))
                 })
             })
