@@ -53,11 +53,11 @@ impl PolicyMask<'_> {
     }
 
     /// This mask handed over whole to a continuation that replaces it (the teacher-forced one,
-    /// when the free run goes on from it): its streams keep no state
-    /// ([`LiveStreams::handed_over`]).
+    /// when the free run goes on from it): it keeps neither a fixed cut's positions nor its
+    /// streams' state ([`LiveStreams::handed_over`]).
     fn handed_over(&mut self) -> Self {
         match self {
-            PolicyMask::Fixed(evicted) => PolicyMask::Fixed(evicted.clone()),
+            PolicyMask::Fixed(evicted) => PolicyMask::Fixed(std::mem::take(evicted)),
             PolicyMask::Streams(streams) => PolicyMask::Streams(streams.handed_over()),
         }
     }
@@ -232,7 +232,7 @@ pub(super) fn decode<'s>(
             FreeStart::AtPromptEnd(row) => {
                 let room = (reference.generate, row.prefix.is_some());
                 Ok(Free {
-                    next: argmax(&row.prompt_logits),
+                    next: row.first,
                     cache: reference.copy(&row.cache, row.policy, room)?,
                     prefix: row.prefix,
                     mask: row.mask,
@@ -277,7 +277,8 @@ struct PromptEnd<'s> {
     mask: CompressedLayers<Stored<PolicyMask<'s>>>,
     cache: Cow<'s, KvCache>,
     prefix: Option<&'s KvCache>,
-    prompt_logits: Cow<'s, [f32]>,
+    /// The most likely token after the prompt.
+    first: u32,
 }
 
 /// What `row`'s teacher-forced run `teacher` measured, and where its free run starts. Until its
@@ -351,7 +352,7 @@ fn free_start<'s>(
         mask,
         cache: row.cache,
         prefix,
-        prompt_logits: row.prompt_logits,
+        first,
     };
     (measured, FreeStart::AtPromptEnd(start))
 }
