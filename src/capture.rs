@@ -192,24 +192,9 @@ pub fn capture_recipe(
     let (parsed, _) = Recipe::load(recipe)?;
     let model = models.model(parsed.model())?;
     let questions = build_questions(recipe, model)?;
-    let options = CaptureOptions {
-        storage,
-        chunk,
-        recipe_name: recipe
-            .file_name()
-            .map(|n| n.to_string_lossy().into_owned())
-            .unwrap_or_default(),
-        model_id: match parsed.model() {
-            name if name.starts_with(crate::model::hf::PREFIX) => name.to_owned(),
-            name => model_file(name)?
-                .file_stem()
-                .map(|s| s.to_string_lossy().into_owned())
-                .unwrap_or_else(|| model.spec().name.clone()),
-        },
-    };
+    let options = recipe_options(recipe, model, (storage, chunk))?;
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
     let spill_dir = spill_dir.unwrap_or(Path::new("."));
-    let count = questions.prompts.len();
     let total = questions.shared
         + questions
             .prompts
@@ -223,7 +208,6 @@ pub fn capture_recipe(
         progress(done, total)
     };
     let mut write = |index: usize, run: PromptRun, tick: &mut dyn FnMut(usize)| {
-        let prompt = &questions.prompts[index];
         let PromptRun {
             mut cache,
             logits,
@@ -232,35 +216,85 @@ pub fn capture_recipe(
         let generated = model.decode_greedy(
             &mut cache,
             &logits,
-            prompt.generate,
+            questions.prompts[index].generate,
             Some(&mut recorder),
             None,
             &mut |_| tick(1),
         )?;
-        let captured = captured(model, prompt, &options, recorder, generated);
-        let mut meta = captured.meta.clone();
-        if count > 1 {
-            for (key, value) in [
-                ("question", (index + 1).to_string()),
-                ("questions", count.to_string()),
-                ("shared_context", questions.shared.to_string()),
-            ] {
-                meta.extra.insert(key.into(), value);
-            }
-        }
-        let path = question_trace(out, index, count);
-        write_layers(&path, &meta, storage, &captured.tokens, &captured.recorder)?;
-        summaries.push(CaptureSummary {
-            path,
-            prompt_tokens: prompt.ids.len(),
-            generated_tokens: captured.generated.len(),
-            generated_text: captured.generated_text,
-        });
+        let written = (&questions, index, generated.as_slice());
+        summaries.push(write_question(model, written, &recorder, (&options, out))?);
         Ok::<(), CaptureError>(())
     };
     prefill_questions(model, &questions, (chunk, spill_dir), &mut tick, &mut write)?;
     summaries.reverse();
     Ok(summaries)
+}
+
+/// How a capture of recipe file `recipe` by `model` writes its traces: at `storage`, prefilled in
+/// chunks of `chunk` tokens, the header naming the recipe's file and model.
+pub fn recipe_options(
+    recipe: &Path,
+    model: &dyn CausalLm,
+    (storage, chunk): (StorageDtype, usize),
+) -> Result<CaptureOptions, CaptureError> {
+    let (parsed, _) = Recipe::load(recipe)?;
+    Ok(CaptureOptions {
+        storage,
+        chunk,
+        recipe_name: recipe
+            .file_name()
+            .map(|n| n.to_string_lossy().into_owned())
+            .unwrap_or_default(),
+        model_id: match parsed.model() {
+            name if name.starts_with(crate::model::hf::PREFIX) => name.to_owned(),
+            name => model_file(name)?
+                .file_stem()
+                .map(|s| s.to_string_lossy().into_owned())
+                .unwrap_or_else(|| model.spec().name.clone()),
+        },
+    })
+}
+
+/// Writes the trace of question `index` of `questions` that a capture into `out` writes
+/// ([`question_trace`]): its run with the full cache as `recorder` recorded it, its prompt and
+/// then the `generated` tokens fed back.
+pub fn write_question(
+    model: &dyn CausalLm,
+    (questions, index, generated): (&BuiltQuestions, usize, &[u32]),
+    recorder: &Recorder,
+    (options, out): (&CaptureOptions, &Path),
+) -> Result<CaptureSummary, CaptureError> {
+    let prompt = &questions.prompts[index];
+    let count = questions.prompts.len();
+    let mut meta = trace_meta(model, prompt, generated, options);
+    if count > 1 {
+        for (key, value) in [
+            ("question", (index + 1).to_string()),
+            ("questions", count.to_string()),
+            ("shared_context", questions.shared.to_string()),
+        ] {
+            meta.extra.insert(key.into(), value);
+        }
+    }
+    let tokens = token_ids(prompt, generated);
+    let path = question_trace(out, index, count);
+    write_layers(&path, &meta, options.storage, &tokens, recorder)?;
+    Ok(CaptureSummary {
+        path,
+        prompt_tokens: prompt.ids.len(),
+        generated_tokens: generated.len(),
+        generated_text: model.tokenizer().decode(generated),
+    })
+}
+
+/// The ids a trace of `prompt` stores: the prompt's, then the `generated` tokens fed back.
+fn token_ids(prompt: &BuiltPrompt, generated: &[u32]) -> Vec<i64> {
+    prompt
+        .ids
+        .iter()
+        .chain(generated)
+        .map(|id| *id as i64)
+        .collect()
 }
 
 /// A question's prompt run with the full cache: the cache at its end, the logits there, and its
@@ -363,14 +397,14 @@ pub fn write_recording(
     options: &CaptureOptions,
     path: &Path,
 ) -> Result<(), TraceError> {
-    let tokens: Vec<i64> = prompt
-        .ids
-        .iter()
-        .chain(generated)
-        .map(|id| *id as i64)
-        .collect();
     let meta = trace_meta(model, prompt, generated, options);
-    write_layers(path, &meta, options.storage, &tokens, recorder)
+    write_layers(
+        path,
+        &meta,
+        options.storage,
+        &token_ids(prompt, generated),
+        recorder,
+    )
 }
 
 fn write_layers(
@@ -419,12 +453,7 @@ fn captured(
 ) -> Captured {
     Captured {
         meta: trace_meta(model, prompt, &generated, options),
-        tokens: prompt
-            .ids
-            .iter()
-            .chain(generated.iter())
-            .map(|id| *id as i64)
-            .collect(),
+        tokens: token_ids(prompt, &generated),
         storage: options.storage,
         generated_text: model.tokenizer().decode(&generated),
         generated,

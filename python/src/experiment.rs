@@ -5,13 +5,12 @@ use crate::errors::raised;
 use crate::externals::PyExternals;
 use crate::interrupt::interruptible;
 use crate::results::Results;
-use kvreplay::capture::{self, ModelSlot};
+use kvreplay::capture::ModelSlot;
 use kvreplay::experiment::{
     claim_results, report as build_report, run_sweep, stored_runs, Experiment, SweepError,
-    SweepProgress, TraceFile,
+    SweepProgress,
 };
 use kvreplay::replay::ExternalMethods;
-use kvreplay::trace::StorageDtype;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::{Path, PathBuf};
@@ -63,19 +62,21 @@ fn run_experiment(
         if run_missing {
             claim_results(&results, path)?;
         }
-        let mut models = ModelSlot::default();
-        let traces = trace_files(&experiment, run_missing, &mut models)?;
-        if run_missing {
-            let progress = (&|_, _| {}) as SweepProgress<'_>;
-            run_sweep(
-                &experiment,
-                &traces,
-                &results,
-                None,
-                (progress, layer_done),
-                &mut models,
-            )?;
-        }
+        let traces = match run_missing {
+            true => {
+                let progress = (&|_, _| {}) as SweepProgress<'_>;
+                let swept = run_sweep(
+                    &experiment,
+                    &experiment.trace_entries()?,
+                    &results,
+                    None,
+                    (progress, layer_done),
+                    &mut ModelSlot::default(),
+                )?;
+                swept.traces
+            }
+            false => experiment.trace_files(None)?,
+        };
         let command = format!("kvreplay sweep {}", path.display());
         let text = build_report::build(&experiment, &traces, &results, &command)?;
         let runs = stored_runs(&experiment, &traces, &results)?;
@@ -87,21 +88,4 @@ fn run_experiment(
     })?
     .map_err(raised)?;
     Ok(Results::new(runs, kv_entries, Some(text)))
-}
-
-/// The experiment's traces, capturing missing recipes (each once, their models from `models`)
-/// when `may_capture` is set.
-fn trace_files(
-    experiment: &Experiment,
-    may_capture: bool,
-    models: &mut ModelSlot,
-) -> Result<Vec<TraceFile>, SweepError> {
-    let mut capture_once = |recipe: &Path, trace: &Path| {
-        capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            let storage = (StorageDtype::F16, 512);
-            capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(|_| ())
-        })
-    };
-    experiment
-        .trace_files(may_capture.then_some(&mut capture_once as kvreplay::experiment::Capture<'_>))
 }

@@ -7,7 +7,9 @@ use indicatif::{ProgressBar, ProgressStyle};
 use kvreplay::assets::Assets;
 use kvreplay::capture::{self, ModelSlot};
 use kvreplay::experiment::shard::Shard;
-use kvreplay::experiment::{claim_results, report, run_sweep, Capture, Experiment, TraceFile};
+use kvreplay::experiment::{
+    claim_results, report, run_sweep, Capture, Experiment, TraceEntry, TraceFile,
+};
 use kvreplay::export::{exporter, Format};
 use kvreplay::live::LiveReport;
 use kvreplay::replay::{presets, replay_many, ReplayReport, ValidPolicy};
@@ -215,32 +217,10 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
         claim_results(&results, path)?;
     }
     let mut models = ModelSlot::default();
-    let traces = experiment_traces(&experiment, run_missing, &mut models)?;
-    if run_missing {
-        let label = match shard {
-            Some(shard) => format!("{} shard {shard}", experiment.name),
-            None => experiment.name.clone(),
-        };
-        let bar = progress_bar(0, &label);
-        let started = std::time::Instant::now();
-        let (ran, skipped) = run_sweep(
-            &experiment,
-            &traces,
-            &results,
-            shard,
-            (
-                &|done, total| {
-                    bar.set_length(total as u64);
-                    bar.set_position(done as u64)
-                },
-                sys::after_sweep_layer(experiment.closed_loop),
-            ),
-            &mut models,
-        )?;
-        bar.finish_and_clear();
-        let took = clock(started.elapsed().as_secs_f64());
-        eprintln!("{label}: {ran} runs done, {skipped} already there, in {took}");
-    }
+    let traces = match run_missing {
+        true => run_missing_runs(&experiment, &results, shard, &mut models)?,
+        false => experiment_traces(&experiment, false, &mut models)?,
+    };
     if shard.is_none() {
         let command = format!("kvreplay sweep {}", path.display());
         print!(
@@ -249,6 +229,48 @@ pub fn sweep(path: &Path, results_root: &Path, runs: SweepRuns) -> Result<()> {
         );
     }
     Ok(())
+}
+
+/// Runs the experiment's runs not stored under `results` (of `shard` only, when given), its
+/// recipes captured where missing: a closed loop's by the live sessions that run them (no
+/// capture bar), the others' first. Returns the experiment's traces.
+fn run_missing_runs(
+    experiment: &Experiment,
+    results: &Path,
+    shard: Option<Shard>,
+    models: &mut ModelSlot,
+) -> Result<Vec<TraceFile>> {
+    let entries = match experiment.closed_loop && shard.is_none() {
+        true => experiment.trace_entries()?,
+        false => vec![TraceEntry::Captured(experiment_traces(
+            experiment, true, models,
+        )?)],
+    };
+    let label = match shard {
+        Some(shard) => format!("{} shard {shard}", experiment.name),
+        None => experiment.name.clone(),
+    };
+    let bar = progress_bar(0, &label);
+    let started = std::time::Instant::now();
+    let swept = run_sweep(
+        experiment,
+        &entries,
+        results,
+        shard,
+        (
+            &|done, total| {
+                bar.set_length(total as u64);
+                bar.set_position(done as u64)
+            },
+            sys::after_sweep_layer(experiment.closed_loop),
+        ),
+        models,
+    )?;
+    bar.finish_and_clear();
+    let took = clock(started.elapsed().as_secs_f64());
+    let (ran, skipped) = (swept.ran, swept.skipped);
+    eprintln!("{label}: {ran} runs done, {skipped} already there, in {took}");
+    Ok(swept.traces)
 }
 
 /// `seconds` as a reader times a run: "12.3 s", "4 min 05 s", "2 h 51 min 03 s".

@@ -33,4 +33,4 @@ pub use error::SweepError;
 pub use spec::{run_id, Comparison, Experiment, ExperimentError, PlannedRun};
 pub use store::{claim_results, stored_runs, ClosedLoop, StoredReport, StoredRun};
 pub use sweep::{run_sweep, SweepProgress};
-pub use traces::{Capture, TraceFile};
+pub use traces::{Capture, TraceEntry, TraceFile};

@@ -5,7 +5,7 @@
 //! large experiment lists its own `traces` and inherits the policies, budgets and settings, so
 //! the two cannot drift apart). A base does not itself extend another.
 
-use super::traces::{self, Capture, NeedleCell, TraceFile};
+use super::traces::{self, Capture, NeedleCell, TraceEntry, TraceFile};
 use super::Budget;
 use super::SweepError;
 use crate::replay::{
@@ -440,6 +440,12 @@ impl Experiment {
     /// The experiment's trace files, in its order ([`traces::trace_files`]).
     pub fn trace_files(&self, capture: Option<Capture<'_>>) -> Result<Vec<TraceFile>, SweepError> {
         traces::trace_files(&self.traces, capture)
+    }
+
+    /// Its traces as found on disk, the recipes not captured yet named
+    /// ([`traces::trace_entries`]).
+    pub fn trace_entries(&self) -> Result<Vec<TraceEntry>, SweepError> {
+        traces::trace_entries(&self.traces)
     }
 
     /// The needle grid of its traces ([`traces::needle_cells`]).

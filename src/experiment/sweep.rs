@@ -4,71 +4,186 @@
 
 use super::shard::{plan_shards, Shard};
 use super::store::{is_stored, record_failure, store, ClosedLoop};
+use super::traces::{captured_traces, recipe_traces};
 use super::SweepError;
-use super::{Experiment, PlannedRun, TraceFile};
+use super::{Experiment, PlannedRun, TraceEntry, TraceFile};
 use crate::capture::{self, ModelSlot};
 use crate::live::LiveQuestions;
-use crate::recipe::{BuiltPrompt, Recipe};
+use crate::model::CausalLm;
+use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
+use crate::trace::StorageDtype;
 use crate::trace::TraceReader;
 use std::path::Path;
 
 /// Progress of a sweep: `(done, total)` after each batch, done counting skipped runs.
 pub type SweepProgress<'a> = &'a (dyn Fn(usize, usize) + Sync);
 
-/// Runs every planned run (of `shard` only, when given) not stored yet under `results`, storing
-/// each as it finishes; `layer_done` is called after each layer of each pass. A trace's policies
-/// run in batches ([`batches`]) that share each layer's reading and decode attention, and whose
-/// policies with the same scores share one scoring pass. Returns how many runs were run and how
-/// many were already there; when some failed on their own (their errors kept under
-/// `results/failed/`), the others still run and are stored, and the sweep ends with
-/// [`SweepError::RunsFailed`].
+/// What a sweep did.
+#[derive(Debug)]
+pub struct Swept {
+    /// Runs run.
+    pub ran: usize,
+    /// Runs already stored.
+    pub skipped: usize,
+    /// The experiment's traces, in its order (those the sweep captured included).
+    pub traces: Vec<TraceFile>,
+}
+
+/// Runs every planned run (of `shard` only, when given) of the experiment's traces `entries` not
+/// stored yet under `results`, storing each as it finishes; `layer_done` is called after each
+/// layer of each pass. A trace's policies run in batches ([`batches`]) that share each layer's
+/// reading and decode attention, and whose policies with the same scores share one scoring pass.
+/// A recipe not captured yet is captured first (in f16, chunks of 512 tokens); in a closed loop
+/// (not a shard), right before its runs, by the live session that runs them: its full runs are
+/// the capture's, so they are written as the trace ([`LiveQuestions::capturing`]) instead of
+/// run twice. When some runs failed on their own (their errors kept under `results/failed/`),
+/// the others still run and are stored, and the sweep ends with [`SweepError::RunsFailed`].
 pub fn run_sweep(
     experiment: &Experiment,
-    traces: &[TraceFile],
+    entries: &[TraceEntry],
     results: &Path,
     shard: Option<Shard>,
     (progress, layer_done): (SweepProgress<'_>, LayerDone<'_>),
     models: &mut ModelSlot,
-) -> Result<(usize, usize), SweepError> {
-    let planned: Vec<PlannedRun> = match shard {
-        Some(shard) => plan_shards(experiment, traces, shard.count)
+) -> Result<Swept, SweepError> {
+    let live_capture = experiment.closed_loop && shard.is_none();
+    let mut units = Vec::with_capacity(entries.len());
+    for entry in entries {
+        units.push(match entry {
+            TraceEntry::Uncaptured(recipe, trace) if !live_capture => {
+                capture_first(recipe, trace, models)?
+            }
+            entry => entry.clone(),
+        });
+    }
+    let sharded = shard.map(|shard| {
+        let traces: Vec<TraceFile> = captured(&units).cloned().collect();
+        plan_shards(experiment, &traces, shard.count)
             .into_iter()
             .filter(|(_, of)| *of == shard.index)
             .map(|(run, _)| run)
-            .collect(),
-        None => experiment.plan(traces),
+            .collect::<Vec<_>>()
+    });
+    let total = match &sharded {
+        Some(runs) => runs.len(),
+        None => experiment.policies.len() * trace_count(&units)?,
     };
-    let total = planned.len();
-    let pending: Vec<&PlannedRun> = planned
+    let mut sweep = Sweep {
+        experiment,
+        results,
+        done: 0,
+        total,
+        skipped: 0,
+        failed: Vec::new(),
+        progress,
+        layer_done,
+    };
+    progress(0, total);
+    let mut traces = Vec::new();
+    for entry in &units {
+        let plan = |unit: &[TraceFile]| match &sharded {
+            Some(runs) => runs
+                .iter()
+                .filter(|run| unit.iter().any(|trace| trace.path == run.trace))
+                .cloned()
+                .collect(),
+            None => experiment.plan(unit),
+        };
+        match entry {
+            TraceEntry::Captured(files) => {
+                for unit in grouped(files, experiment.closed_loop) {
+                    sweep.unit(unit, plan(unit), || runner_of(unit, experiment, models))?;
+                }
+                traces.extend_from_slice(files);
+            }
+            TraceEntry::Uncaptured(recipe, trace) => {
+                let (files, live) = capturing_runner(recipe, trace, models)?;
+                sweep.unit(&files, plan(&files), || Ok(live))?;
+                traces.extend(files);
+            }
+        }
+    }
+    sweep.finish(traces)
+}
+
+/// The traces of `entries` captured already.
+fn captured(entries: &[TraceEntry]) -> impl Iterator<Item = &TraceFile> {
+    entries.iter().flat_map(|entry| match entry {
+        TraceEntry::Captured(files) => files.as_slice(),
+        TraceEntry::Uncaptured(..) => &[],
+    })
+}
+
+/// How many traces `entries` stand for, captured or not.
+fn trace_count(entries: &[TraceEntry]) -> Result<usize, SweepError> {
+    entries
         .iter()
-        .filter(|run| !is_stored(results, &run.id))
-        .collect();
-    let skipped = total - pending.len();
-    let mut done = skipped;
-    progress(done, total);
-    let mut failed: Vec<(&PlannedRun, String)> = Vec::new();
-    for unit in units(traces, experiment.closed_loop) {
+        .map(|entry| match entry {
+            TraceEntry::Captured(files) => Ok(files.len()),
+            TraceEntry::Uncaptured(recipe, _) => Ok(recipe_traces(recipe)?.len()),
+        })
+        .sum()
+}
+
+/// Recipe `recipe` captured into `trace` (in f16, chunks of [`LIVE_CHUNK`]) unless a concurrent
+/// sweep did, and its traces.
+fn capture_first(
+    recipe: &Path,
+    trace: &Path,
+    models: &mut ModelSlot,
+) -> Result<TraceEntry, SweepError> {
+    capture::capture_once(recipe, trace, &mut |recipe, trace| {
+        let storage = (StorageDtype::F16, LIVE_CHUNK);
+        capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(drop)
+    })?;
+    Ok(TraceEntry::Captured(captured_traces(recipe)?))
+}
+
+/// A sweep under way: where it stores, how far it is, what failed.
+struct Sweep<'a> {
+    experiment: &'a Experiment,
+    results: &'a Path,
+    done: usize,
+    total: usize,
+    skipped: usize,
+    failed: Vec<(PlannedRun, String)>,
+    progress: SweepProgress<'a>,
+    layer_done: LayerDone<'a>,
+}
+
+impl<'a> Sweep<'a> {
+    /// Runs the runs of `planned` on `unit` (one runner's traces) not stored yet, on the runner
+    /// `runner` makes (only when some are pending).
+    fn unit<'m>(
+        &mut self,
+        unit: &[TraceFile],
+        planned: Vec<PlannedRun>,
+        runner: impl FnOnce() -> Result<Runner<'m>, SweepError>,
+    ) -> Result<(), SweepError> {
+        let pending: Vec<&PlannedRun> = planned
+            .iter()
+            .filter(|run| !is_stored(self.results, &run.id))
+            .collect();
+        self.skipped += planned.len() - pending.len();
+        self.done += planned.len() - pending.len();
+        (self.progress)(self.done, self.total);
         let (of_unit, distinct) = pending_in(unit, &pending);
         if distinct.is_empty() {
-            continue;
+            return Ok(());
         }
-        let runner = match experiment.closed_loop {
-            true => live_runner(unit, models)?,
-            false => Runner::Replay(TraceReader::open(&unit[0].path).map_err(PolicyError::from)?),
-        };
+        let runner = runner()?;
         let checked = distinct
             .into_iter()
-            .map(|run| Ok((run, experiment.check(&run.params)?)))
+            .map(|run| Ok((run, self.experiment.check(&run.params)?)))
             .collect::<Result<Vec<_>, SweepError>>()?;
-        let most = if experiment.closed_loop {
-            LIVE_BATCH
-        } else {
-            REPLAY_BATCH
+        let most = match self.experiment.closed_loop {
+            true => LIVE_BATCH,
+            false => REPLAY_BATCH,
         };
         for batch in batches(checked, most) {
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
-            let outcomes = run_alone_on_failure(&runner, &policies, layer_done);
+            let outcomes = run_alone_on_failure(&runner, &policies, self.layer_done);
             for (run, outcome) in runs.iter().zip(outcomes) {
                 for (index, of_trace) in of_unit.iter().enumerate() {
                     let same =
@@ -76,33 +191,53 @@ pub fn run_sweep(
                     let Some(pending) = of_trace.iter().find(same) else {
                         continue;
                     };
-                    match &outcome {
-                        Ok(outcomes) => {
-                            let (report, closed_loop) = outcomes[index].clone();
-                            store(results, pending, &unit[index], &report, closed_loop)?;
-                        }
-                        Err(error) => {
-                            let error = crate::error_text(error);
-                            record_failure(results, pending, &error)?;
-                            failed.push((*pending, error));
-                        }
-                    }
-                    done += 1;
+                    self.store(pending, &unit[index], &outcome.as_ref().map(|o| &o[index]))?;
                 }
             }
-            progress(done, total);
+            (self.progress)(self.done, self.total);
         }
+        Ok(())
     }
-    match failed.first() {
-        None => Ok((total - skipped, skipped)),
-        Some((run, error)) => Err(SweepError::RunsFailed {
-            count: failed.len(),
-            total: total - skipped,
-            first_name: run.name.clone(),
-            first_trace: run.trace.clone(),
-            first_error: error.clone(),
-            dir: results.join("failed"),
-        }),
+
+    /// Stores `run`'s outcome on `trace`, or its failure.
+    fn store(
+        &mut self,
+        run: &PlannedRun,
+        trace: &TraceFile,
+        outcome: &Result<&Outcome, &SweepError>,
+    ) -> Result<(), SweepError> {
+        match outcome {
+            Ok((report, closed_loop)) => {
+                store(self.results, run, trace, report, closed_loop.clone())?
+            }
+            Err(error) => {
+                let error = crate::error_text(*error);
+                record_failure(self.results, run, &error)?;
+                self.failed.push((run.clone(), error));
+            }
+        }
+        self.done += 1;
+        Ok(())
+    }
+
+    /// What the sweep did, or [`SweepError::RunsFailed`] when some runs failed.
+    fn finish(self, traces: Vec<TraceFile>) -> Result<Swept, SweepError> {
+        let ran = self.total - self.skipped;
+        match self.failed.first() {
+            None => Ok(Swept {
+                ran,
+                skipped: self.skipped,
+                traces,
+            }),
+            Some((run, error)) => Err(SweepError::RunsFailed {
+                count: self.failed.len(),
+                total: ran,
+                first_name: run.name.clone(),
+                first_trace: run.trace.clone(),
+                first_error: error.clone(),
+                dir: self.results.join("failed"),
+            }),
+        }
     }
 }
 
@@ -131,13 +266,66 @@ fn pending_in<'p>(
     (of_unit, distinct)
 }
 
-/// The live sessions of the questions of `unit`'s recipe, its model from `models`; each question's
-/// prompt checked against its trace's.
-fn live_runner<'m>(
+/// The prefill chunk of live sessions and of the captures a sweep makes.
+const LIVE_CHUNK: usize = 512;
+
+/// What runs `unit`'s policies: its trace replayed, or in a closed loop the live sessions of its
+/// recipe's questions.
+fn runner_of<'m>(
     unit: &[TraceFile],
+    experiment: &Experiment,
     models: &'m mut ModelSlot,
 ) -> Result<Runner<'m>, SweepError> {
+    if !experiment.closed_loop {
+        return Ok(Runner::Replay(
+            TraceReader::open(&unit[0].path).map_err(PolicyError::from)?,
+        ));
+    }
     let recipe = unit[0].recipe.as_ref().expect("a closed loop runs recipes");
+    let (name, model, questions) = recipe_questions(recipe, models)?;
+    for (prompt, trace) in questions.prompts.iter().zip(unit) {
+        check_same_prompt(recipe, &name, prompt, &trace.path)?;
+    }
+    let scratch = std::env::temp_dir();
+    Ok(Runner::Live(LiveQuestions::start(
+        model, &questions, LIVE_CHUNK, &scratch,
+    )?))
+}
+
+/// The live sessions of recipe `recipe`'s questions, which write its traces into `trace` (unless
+/// a concurrent sweep did first, under the capture lock), and those traces.
+fn capturing_runner<'m>(
+    recipe: &Path,
+    trace: &Path,
+    models: &'m mut ModelSlot,
+) -> Result<(Vec<TraceFile>, Runner<'m>), SweepError> {
+    let (name, model, questions) = recipe_questions(recipe, models)?;
+    let options = capture::recipe_options(recipe, model, (StorageDtype::F16, LIVE_CHUNK))?;
+    let scratch = std::env::temp_dir();
+    let mut started = None;
+    capture::capture_once(recipe, trace, &mut |_, trace| {
+        let live = LiveQuestions::capturing(model, &questions, &scratch, (&options, trace));
+        started = Some(live);
+        Ok(())
+    })?;
+    let traces = captured_traces(recipe)?;
+    let live = match started {
+        Some(started) => started?,
+        None => {
+            for (prompt, trace) in questions.prompts.iter().zip(&traces) {
+                check_same_prompt(recipe, &name, prompt, &trace.path)?;
+            }
+            LiveQuestions::start(model, &questions, LIVE_CHUNK, &scratch)?
+        }
+    };
+    Ok((traces, Runner::Live(live)))
+}
+
+/// Recipe file `recipe`'s model name, the model (from `models`) and its questions.
+fn recipe_questions<'m>(
+    recipe: &Path,
+    models: &'m mut ModelSlot,
+) -> Result<(String, &'m (dyn CausalLm + Send), BuiltQuestions), SweepError> {
     let name = Recipe::load(recipe)
         .map_err(crate::capture::CaptureError::from)?
         .0
@@ -145,13 +333,7 @@ fn live_runner<'m>(
         .to_owned();
     let model = models.model(&name)?;
     let questions = capture::build_questions(recipe, model)?;
-    for (prompt, trace) in questions.prompts.iter().zip(unit) {
-        check_same_prompt(recipe, &name, prompt, &trace.path)?;
-    }
-    let scratch = std::env::temp_dir();
-    Ok(Runner::Live(LiveQuestions::start(
-        model, &questions, 512, &scratch,
-    )?))
+    Ok((name, model, questions))
 }
 
 /// Each of `policies`' outcomes on `runner` (one per trace it runs): one pass for them all, or,
@@ -179,7 +361,7 @@ fn run_alone_on_failure(
 /// What one runner runs: a trace (open loop), or every trace of one recipe, which a closed loop
 /// runs together (the questions a recipe asks of one context share its prefill). `traces` come in
 /// the experiment's order, a recipe's questions together.
-fn units(traces: &[TraceFile], closed_loop: bool) -> Vec<&[TraceFile]> {
+fn grouped(traces: &[TraceFile], closed_loop: bool) -> Vec<&[TraceFile]> {
     match closed_loop {
         false => traces.chunks(1).collect(),
         true => traces

@@ -129,60 +129,102 @@ pub struct NeedleCell {
     pub depth: f64,
 }
 
-/// The trace files of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the
-/// trace beside it (`.safetensors`), or for one per question when it asks several of one context
-/// ([`question_trace`]); one not captured yet is captured with `capture`, or is an error when
-/// there is none (`kvreplay report` runs nothing).
+/// An entry of an experiment's traces, as found on disk.
+#[derive(Debug, Clone)]
+pub enum TraceEntry {
+    /// Its trace files (a recipe's, one per question), identified.
+    Captured(Vec<TraceFile>),
+    /// A recipe (the first path) not captured yet into its trace (the second; a recipe of
+    /// several questions into each one's [`question_trace`]).
+    Uncaptured(PathBuf, PathBuf),
+}
+
+/// The entries of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the trace
+/// beside it (`.safetensors`), or for one per question when it asks several of one context
+/// ([`question_trace`]); a trace file (any other path) must exist.
+pub(crate) fn trace_entries(entries: &[PathBuf]) -> Result<Vec<TraceEntry>, SweepError> {
+    entries
+        .iter()
+        .map(|entry| {
+            if entry.extension().is_none_or(|e| e != "toml") {
+                if !entry.is_file() {
+                    return Err(SweepError::Io {
+                        path: entry.clone(),
+                        detail: "trace file not found".into(),
+                    });
+                }
+                return Ok(TraceEntry::Captured(vec![TraceFile::identify(entry)?]));
+            }
+            let trace = entry.with_extension("safetensors");
+            match recipe_traces(entry)?.iter().all(|trace| trace.is_file()) {
+                true => Ok(TraceEntry::Captured(captured_traces(entry)?)),
+                false => Ok(TraceEntry::Uncaptured(entry.clone(), trace)),
+            }
+        })
+        .collect()
+}
+
+/// The trace files of an experiment's `entries` ([`trace_entries`]), in its order; a recipe not
+/// captured yet is captured with `capture`, or is an error when there is none (`kvreplay report`
+/// runs nothing).
 pub(crate) fn trace_files(
     entries: &[PathBuf],
     mut capture: Option<Capture<'_>>,
 ) -> Result<Vec<TraceFile>, SweepError> {
     let mut files = Vec::new();
-    for entry in entries {
-        if entry.extension().is_none_or(|e| e != "toml") {
-            if !entry.is_file() {
-                return Err(SweepError::Io {
-                    path: entry.clone(),
-                    detail: "trace file not found".into(),
-                });
-            }
-            files.push(TraceFile::identify(entry)?);
-            continue;
-        }
-        let questions = Recipe::load(entry)
-            .map_err(CaptureError::from)?
-            .0
-            .questions();
-        let trace = entry.with_extension("safetensors");
-        let traces: Vec<PathBuf> = (0..questions)
-            .map(|question| question_trace(&trace, question, questions))
-            .collect();
-        if traces.iter().any(|trace| !trace.is_file()) {
-            // A capture writes the first question last: it stands for them all.
-            match capture.as_mut() {
-                Some(capture) => capture(entry, &trace)?,
-                None => {
-                    return Err(SweepError::Io {
-                        path: traces[0].clone(),
-                        detail: "not captured yet; run `kvreplay sweep` first".into(),
-                    })
+    for entry in trace_entries(entries)? {
+        match entry {
+            TraceEntry::Captured(captured) => files.extend(captured),
+            TraceEntry::Uncaptured(recipe, trace) => {
+                // A capture writes the first question last: it stands for them all.
+                match capture.as_mut() {
+                    Some(capture) => capture(&recipe, &trace)?,
+                    None => {
+                        return Err(SweepError::Io {
+                            path: recipe_traces(&recipe)?.swap_remove(0),
+                            detail: "not captured yet; run `kvreplay sweep` first".into(),
+                        })
+                    }
                 }
+                files.extend(captured_traces(&recipe)?);
             }
-        }
-        let recipe_sha256 = sha256_file(entry).map_err(|err| SweepError::Io {
-            path: entry.clone(),
-            detail: err.to_string(),
-        })?;
-        for (question, trace) in traces.iter().enumerate() {
-            files.push(TraceFile {
-                recipe: Some(entry.clone()),
-                question: (questions > 1).then_some(question),
-                recipe_sha256: Some(recipe_sha256.clone()),
-                ..TraceFile::identify(trace)?
-            });
         }
     }
     Ok(files)
+}
+
+/// The trace files recipe file `recipe` is captured into: one per question.
+pub(crate) fn recipe_traces(recipe: &Path) -> Result<Vec<PathBuf>, SweepError> {
+    let questions = Recipe::load(recipe)
+        .map_err(CaptureError::from)?
+        .0
+        .questions();
+    let trace = recipe.with_extension("safetensors");
+    Ok((0..questions)
+        .map(|question| question_trace(&trace, question, questions))
+        .collect())
+}
+
+/// The trace files of captured recipe file `recipe`, identified.
+pub(crate) fn captured_traces(recipe: &Path) -> Result<Vec<TraceFile>, SweepError> {
+    let traces = recipe_traces(recipe)?;
+    let recipe_sha256 = sha256_file(recipe).map_err(|err| SweepError::Io {
+        path: recipe.to_owned(),
+        detail: err.to_string(),
+    })?;
+    let several = traces.len() > 1;
+    traces
+        .iter()
+        .enumerate()
+        .map(|(question, trace)| {
+            Ok(TraceFile {
+                recipe: Some(recipe.to_owned()),
+                question: several.then_some(question),
+                recipe_sha256: Some(recipe_sha256.clone()),
+                ..TraceFile::identify(trace)?
+            })
+        })
+        .collect()
 }
 
 /// The needle grid: for each of `traces` made from a needle recipe, its prompt length and depth.

@@ -57,7 +57,9 @@ mod prefill_start;
 mod stored;
 pub(crate) mod streams;
 
-use crate::capture::{prefill_questions, write_recording, CaptureError, CaptureOptions, PromptRun};
+use crate::capture::{
+    prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, PromptRun,
+};
 use crate::model::Recorder;
 use crate::model::{CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
@@ -171,13 +173,14 @@ struct FullRun {
 
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
 /// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`), each then decoded
-/// greedily, with its recording. One question whose prompt is all context is the plain full run.
-fn full_runs(
+/// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
+/// first. One question whose prompt is all context is the plain full run.
+fn full_runs<E: From<ModelError>>(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
-    chunk: usize,
-    scratch: &Path,
-) -> Result<Vec<(FullRun, Recorder)>, ModelError> {
+    (chunk, scratch): (usize, &Path),
+    recorded: &mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), E>,
+) -> Result<Vec<(FullRun, Recorder)>, E> {
     let mut runs = Vec::new();
     let mut decode = |index: usize, run: PromptRun, _: &mut dyn FnMut(usize)| {
         let PromptRun {
@@ -195,6 +198,7 @@ fn full_runs(
             None,
             &mut |step| logits.push(step.to_vec()),
         )?;
+        recorded(index, &tokens, &recorder)?;
         let run = FullRun {
             prefilled,
             first_segment: questions.shared,
@@ -203,7 +207,7 @@ fn full_runs(
             logits,
         };
         runs.push((run, recorder));
-        Ok::<(), ModelError>(())
+        Ok::<(), E>(())
     };
     prefill_questions(model, questions, (chunk, scratch), &mut |_| {}, &mut decode)?;
     // They came last question first.
@@ -764,7 +768,39 @@ impl<'m> LiveQuestions<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
-        let runs = full_runs(model, questions, chunk, scratch)?;
+        Self::recording(model, questions, (chunk, scratch), &mut |_, _, _| Ok(()))
+    }
+
+    /// [`start`](Self::start), each question's full run also written as the trace that a
+    /// capture with `options` into `out` writes ([`write_question`]): the same runs, so the
+    /// same bytes, without running them twice.
+    pub fn capturing(
+        model: &'m dyn CausalLm,
+        questions: &BuiltQuestions,
+        scratch: &Path,
+        (options, out): (&CaptureOptions, &Path),
+    ) -> Result<Self, LiveError> {
+        Self::recording(
+            model,
+            questions,
+            (options.chunk, scratch),
+            &mut |question, generated, recorder| {
+                let written = (questions, question, generated);
+                write_question(model, written, recorder, (options, out))?;
+                Ok(())
+            },
+        )
+    }
+
+    /// The sessions of `questions`' full runs, each run's recording seen by `recorded` first
+    /// ([`full_runs`]).
+    fn recording(
+        model: &'m dyn CausalLm,
+        questions: &BuiltQuestions,
+        (chunk, scratch): (usize, &Path),
+        recorded: &mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), LiveError>,
+    ) -> Result<Self, LiveError> {
+        let runs = full_runs(model, questions, (chunk, scratch), recorded)?;
         let sessions = runs
             .into_iter()
             .zip(&questions.prompts)
