@@ -240,6 +240,34 @@ fn a_closed_loop_sweep_stores_each_questions_runs() {
         let stored: f64 = line.split(',').nth(kl).unwrap().parse().unwrap();
         assert_eq!(format!("{stored:.4}"), kl_of(row), "{question}");
     }
+    // The sweep wrote the traces from its live sessions' full runs: the bytes a capture writes,
+    // and a sweep over traces captured first stores the same runs.
+    let first = dir.path().join("captured first");
+    std::fs::create_dir(&first).unwrap();
+    for file in ["two.toml", "q.toml"] {
+        std::fs::copy(dir.path().join(file), first.join(file)).unwrap();
+    }
+    assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(&first)
+        .args(["capture", "--recipe", "two.toml"])
+        .assert()
+        .success();
+    let modified = |path: PathBuf| std::fs::metadata(path).unwrap().modified().unwrap();
+    let mut written = Vec::new();
+    for question in ["two.q1.safetensors", "two.q2.safetensors"] {
+        let bytes = |dir: &Path| std::fs::read(dir.join(question)).unwrap();
+        assert!(bytes(dir.path()) == bytes(&first), "{question}");
+        written.push(modified(dir.path().join(question)));
+    }
+    assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(&first)
+        .args(["sweep", "q.toml"])
+        .assert()
+        .success();
+    let runs_of = |dir: &Path| std::fs::read_to_string(dir.join("results/q/runs.csv")).unwrap();
+    assert_eq!(runs_of(&first), csv);
     // Run again: everything is stored, nothing is captured or run again.
     let again = assert_cmd::Command::cargo_bin("kvreplay")
         .unwrap()
@@ -247,7 +275,12 @@ fn a_closed_loop_sweep_stores_each_questions_runs() {
         .args(["sweep", "q.toml"])
         .assert()
         .success();
-    let out = String::from_utf8(again.get_output().stderr.clone()).unwrap()
-        + &String::from_utf8(again.get_output().stdout.clone()).unwrap();
-    assert!(!out.contains("captured in"), "{out}");
+    let out = String::from_utf8(again.get_output().stderr.clone()).unwrap();
+    assert!(out.contains("0 runs done, 2 already there"), "{out}");
+    for (question, written) in ["two.q1.safetensors", "two.q2.safetensors"]
+        .iter()
+        .zip(written)
+    {
+        assert_eq!(modified(dir.path().join(question)), written, "{question}");
+    }
 }
