@@ -11,6 +11,7 @@ use super::cached_attention::{finish, prepare_cached, LayerAttention};
 use super::causal_lm::Row;
 use super::ops::merge_heads;
 use super::prefix_attention::attend_prepared;
+use super::product::with_rows;
 use super::weight::Weight;
 use super::ModelError;
 use candle_core::{Device, Tensor};
@@ -99,9 +100,44 @@ fn last_states(x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelErro
     )
 }
 
-/// Per row, its logits, from the stacked `[rows, vocab]`.
+/// Per row, its logits, from the stacked `[rows, vocab]`, copied on worker threads (a Gemma 3
+/// row is 1 MiB).
 fn row_logits(logits: &Tensor) -> Result<Vec<Vec<f32>>, ModelError> {
-    Ok(logits.to_dtype(candle_core::DType::F32)?.to_vec2::<f32>()?)
+    let logits = logits.to_dtype(candle_core::DType::F32)?;
+    let (rows, vocab) = logits.dims2()?;
+    let copied = with_rows(&logits, |data, stride| {
+        (0..rows)
+            .into_par_iter()
+            .map(|row| data[row * stride..][..vocab].to_vec())
+            .collect()
+    })?;
+    match copied {
+        Some(copied) => Ok(copied),
+        None => Ok(logits.to_vec2::<f32>()?),
+    }
+}
+
+/// `on_row(row, logits)` for each row of the stacked `[rows, vocab]` on worker threads, read
+/// where they lie when they are f32 in memory, else copied first.
+fn each_row_logits(
+    logits: &Tensor,
+    on_row: &(dyn Fn(usize, &[f32]) + Sync),
+) -> Result<(), ModelError> {
+    let logits = logits.to_dtype(candle_core::DType::F32)?;
+    let (rows, vocab) = logits.dims2()?;
+    let read = with_rows(&logits, |data, stride| {
+        (0..rows)
+            .into_par_iter()
+            .for_each(|row| on_row(row, &data[row * stride..][..vocab]))
+    })?;
+    if read.is_none() {
+        let copied = logits.to_vec2::<f32>()?;
+        copied
+            .par_iter()
+            .enumerate()
+            .for_each(|(row, values)| on_row(row, values));
+    }
+    Ok(())
 }
 
 /// The multiply-adds one token costs through `weights`: their elements, together.
@@ -152,11 +188,10 @@ pub(crate) fn every_step_logits(
     for (group, owners) in owners.chunks(STATES_PER_PRODUCT).enumerate() {
         let states = x.narrow(0, group * STATES_PER_PRODUCT, owners.len())?;
         let one_each: Vec<(usize, usize)> = (0..owners.len()).map(|t| (t, 1)).collect();
-        let values = row_logits(&logits(&states, &one_each)?)?;
-        owners
-            .par_iter()
-            .zip(&values)
-            .for_each(|(&(row, step), values)| on_logits(row, step, values));
+        each_row_logits(&logits(&states, &one_each)?, &|index, values| {
+            let (row, step) = owners[index];
+            on_logits(row, step, values)
+        })?;
     }
     Ok(())
 }
