@@ -61,7 +61,7 @@ use crate::capture::{
     prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, PromptRun,
 };
 use crate::model::Recorder;
-use crate::model::{CausalLm, ChunkVectors, Evicted, KvCache, ModelError};
+use crate::model::{AttentionMask, CausalLm, ChunkVectors, Entry, Evicted, KvCache, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions};
 use crate::replay::{
     compressed_layers, protocol_view, replay_keeping, Granularity, Kept, PolicyError, Protocol,
@@ -69,6 +69,7 @@ use crate::replay::{
 };
 use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
+use candle_core::Tensor;
 pub use compare::compare_step;
 pub(crate) use compare::FullStep;
 use drift::CompressedLayers;
@@ -169,6 +170,9 @@ struct FullRun {
     tokens: Vec<u32>,
     /// `logits[i]` predicts `tokens[i + 1]`.
     logits: Vec<Vec<f32>>,
+    /// The hidden states entering the model's residual layer at every position it ran, where
+    /// the model records them ([`CausalLm::residual_layer`]).
+    residual: Option<Tensor>,
 }
 
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
@@ -199,7 +203,9 @@ fn full_runs<E: From<ModelError>>(
             &mut |step| logits.push(step.to_vec()),
         )?;
         recorded(index, &tokens, &recorder)?;
+        let residual = recorder.residual()?;
         let run = FullRun {
+            residual,
             prefilled,
             first_segment: questions.shared,
             prefill_logits,
@@ -526,10 +532,11 @@ impl<'m> LiveSession<'m> {
             };
             // The chunks the prefill from position 0 would run, the first cut short at `start`.
             let aligned = start.next_multiple_of(self.chunk.max(1)).min(cut);
+            let entry = self.own_prefill_entry(&compressed, cut);
             let mut logits = Vec::new();
             for tokens in [start..aligned, aligned..cut, cut..prompt_len] {
                 if !tokens.is_empty() {
-                    logits = self.run_tokens((tokens, cut), &mut cache, &mut mask)?;
+                    logits = self.run_tokens((tokens, cut), &mut cache, (&mut mask, entry))?;
                 }
             }
             (mask, Some(cache), Some(logits))
@@ -561,30 +568,64 @@ impl<'m> LiveSession<'m> {
             .prefilled
             .truncated(cut)
             .with_room(self.capacity() - cut)?;
-        let logits = self.run_tokens((cut..prompt_len, cut), &mut cache, mask)?;
+        let logits = self.run_tokens((cut..prompt_len, cut), &mut cache, (mask, None))?;
         Ok((Some(cache), Some(logits)))
     }
 
     /// Runs the prompt's tokens `tokens` over `cache` under `mask`, in the session's chunks (a
     /// token at a time from the cut `cut` on when the caches are stored otherwise than captured,
-    /// each token a step of their storage); the last logits.
+    /// each token a step of their storage), entering the model at the layer `entry` gives with
+    /// the full run's hidden states there, when given; the last logits.
     fn run_tokens(
         &self,
         (tokens, cut): (std::ops::Range<usize>, usize),
         cache: &mut KvCache,
-        mask: &mut CompressedLayers<Stored<PolicyMask<'_>>>,
+        (mask, entry): (
+            &mut CompressedLayers<Stored<PolicyMask<'_>>>,
+            Option<(usize, &Tensor)>,
+        ),
     ) -> Result<Vec<f32>, LiveError> {
         let piece = match mask.inner().is_captured() || tokens.end <= cut {
             true => self.chunk.max(1),
             false => 1,
         };
         let mut logits = Vec::new();
+        let mut first = tokens.start;
         for piece in self.prompt.ids[tokens].chunks(piece) {
-            logits = self
-                .model
-                .forward_masked(piece, cache, None, Some(&mut *mask))?;
+            logits = match entry {
+                Some((layer, residual)) => {
+                    let entry = Entry {
+                        layer,
+                        hidden: residual
+                            .narrow(0, first, piece.len())
+                            .map_err(ModelError::from)?,
+                        below: &self.full.prefilled,
+                    };
+                    let mask = Some(&mut *mask as &mut dyn AttentionMask);
+                    self.model.forward_entering(piece, cache, mask, entry)?
+                }
+                None => self
+                    .model
+                    .forward_masked(piece, cache, None, Some(&mut *mask))?,
+            };
+            first += piece.len();
         }
         Ok(logits)
+    }
+
+    /// Where an own prefill of the prompt cut at `cut` by a policy compressing layers
+    /// `compressed` enters the model: the model's residual layer, with the full run's hidden
+    /// states there, when no layer below it is compressed and the prefill runs the full run's
+    /// chunks (one sequence of them over the whole prompt, not cut), so that the layers below
+    /// compute what the full run computed ([`prefill_start`] keeps their sums where the prefill
+    /// starts inside a chunk); `None` otherwise.
+    fn own_prefill_entry(&self, compressed: &[usize], cut: usize) -> Option<(usize, &Tensor)> {
+        let layer = self.model.residual_layer()?;
+        let whole = self.prompt.ids.len();
+        let runs_the_full_chunks = cut == whole && self.full.first_segment == whole;
+        let below_kept = compressed.iter().all(|&compressed| compressed >= layer);
+        let residual = self.full.residual.as_ref()?;
+        (runs_the_full_chunks && below_kept).then_some((layer, residual))
     }
 
     /// Whether `policy`, batched, runs the prompt on its own (see [`prefills_on_its_own`]).

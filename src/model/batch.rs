@@ -90,6 +90,67 @@ pub(crate) fn each_row_attends<S: Sync>(
     stack(outputs)
 }
 
+/// The layer where every row's pass [enters](Row::entry) the model, when they have entries:
+/// all of them, at one layer.
+pub(crate) fn entered_at(rows: &[Row<'_, '_>]) -> Result<Option<usize>, ModelError> {
+    let layers: Vec<Option<usize>> = rows
+        .iter()
+        .map(|row| row.entry.as_ref().map(|entry| entry.layer))
+        .collect();
+    match layers.iter().all(|layer| *layer == layers[0]) {
+        true => Ok(layers[0]),
+        false => Err(ModelError::Input(
+            "the rows of a pass enter the model at one layer, all of them or none".into(),
+        )),
+    }
+}
+
+/// The rows' entering hidden states, stacked `[tokens, hidden]`.
+pub(crate) fn entry_states(rows: &[Row<'_, '_>]) -> Result<Tensor, ModelError> {
+    let states = rows
+        .iter()
+        .map(|row| {
+            let entry = row.entry.as_ref().expect("every row enters");
+            match entry.hidden.dims2()?.0 == row.ids.len() {
+                true => Ok(entry.hidden.clone()),
+                false => Err(ModelError::Input(format!(
+                    "a row of {} tokens enters with the hidden states of {}",
+                    row.ids.len(),
+                    entry.hidden.dims2()?.0
+                ))),
+            }
+        })
+        .collect::<Result<Vec<_>, ModelError>>()?;
+    stack(states)
+}
+
+/// Each row's keys and values of layer `layer`, below where its pass enters, appended to its
+/// cache from its entry's [`below`](super::causal_lm::Entry::below) cache.
+pub(crate) fn take_below(rows: &mut [Row<'_, '_>], layer: usize) -> Result<(), ModelError> {
+    for row in rows {
+        let entry = row.entry.as_ref().expect("every row enters");
+        let positions = (row.cache.next_position, row.ids.len());
+        let (k, v) = entry.below.layer_positions(layer, positions)?;
+        row.cache.append(layer, k, v)?;
+    }
+    Ok(())
+}
+
+/// Each recorded row's hidden states in `x` (stacked at `spans`), kept by its recorder as those
+/// entering the model's residual layer.
+pub(crate) fn record_residuals(
+    rows: &mut [Row<'_, '_>],
+    x: &Tensor,
+    spans: &[(usize, usize)],
+) -> Result<(), ModelError> {
+    for (row, &(first, n)) in rows.iter_mut().zip(spans) {
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            recorder.record_residual(x.narrow(0, first, n)?);
+        }
+    }
+    Ok(())
+}
+
 /// The hidden states of each row's last token, stacked `[rows, hidden]`.
 fn last_states(x: &Tensor, spans: &[(usize, usize)]) -> Result<Tensor, ModelError> {
     stack(

@@ -59,6 +59,24 @@ pub struct Row<'a, 'm> {
     /// read once for all the rows of a pass that continue it (a prompt's cache under many
     /// policies). A family that cannot read it says so ([`CausalLm::attends_over_prefixes`]).
     pub prefix: Option<&'a KvCache>,
+    /// Where the row's pass enters the model when not at its embedding, in a family that
+    /// records hidden states ([`CausalLm::residual_layer`]).
+    pub entry: Option<Entry<'a>>,
+}
+
+/// A pass that enters the model at layer `layer`: its tokens' hidden states entering that layer,
+/// `hidden` `[n, hidden size]`, and, for each layer below it, the keys and values of the row's
+/// positions in `below` (a run that computed those layers for these positions as this pass
+/// would: an own prefill over a full run's cache, where the layers below the first one its
+/// policy compresses run as the full run's).
+#[derive(Clone)]
+pub struct Entry<'a> {
+    /// The first layer the pass runs.
+    pub layer: usize,
+    /// The hidden states of the row's tokens entering it.
+    pub hidden: Tensor,
+    /// The cache the layers below take their keys and values from.
+    pub below: &'a KvCache,
 }
 
 impl<'a, 'm> Row<'a, 'm> {
@@ -74,6 +92,7 @@ impl<'a, 'm> Row<'a, 'm> {
             recorder: None,
             mask,
             prefix: None,
+            entry: None,
         }
     }
 
@@ -114,6 +133,13 @@ pub trait CausalLm: Sync {
         false
     }
 
+    /// The layer whose entering hidden states a recorded pass keeps
+    /// ([`Recorder::residual`]) and where a row's pass may [enter](Row::entry): the first
+    /// global layer of a family with sliding-window layers below it; `None` for the others.
+    fn residual_layer(&self) -> Option<usize> {
+        None
+    }
+
     /// Runs every row's tokens as if each token were fed alone, after the one before it (a
     /// teacher-forced decode, whose tokens are known): each row's cache, and the logits after
     /// each of its tokens, passed to `on_logits(row, step, logits)` (in any order, from any
@@ -141,6 +167,7 @@ pub trait CausalLm: Sync {
                         recorder: row.recorder.as_deref_mut(),
                         mask: row.mask.as_deref_mut(),
                         prefix: row.prefix,
+                        entry: None,
                     });
                 }
             }
@@ -165,6 +192,26 @@ pub trait CausalLm: Sync {
             recorder,
             mask,
             prefix: None,
+            entry: None,
+        }];
+        Ok(self
+            .forward_rows(&mut rows)?
+            .pop()
+            .expect("one row, one result"))
+    }
+
+    /// [`forward_masked`](Self::forward_masked) without a recorder, entering the model as
+    /// `entry` says.
+    fn forward_entering(
+        &self,
+        ids: &[u32],
+        cache: &mut KvCache,
+        mask: Option<&mut dyn AttentionMask>,
+        entry: Entry<'_>,
+    ) -> Result<Vec<f32>, ModelError> {
+        let mut rows = [Row {
+            entry: Some(entry),
+            ..Row::new(ids, cache, mask)
         }];
         Ok(self
             .forward_rows(&mut rows)?
@@ -233,8 +280,21 @@ pub trait CausalLm: Sync {
     }
 }
 
-/// Checks that a batch has rows and that none of them is empty.
+/// Checks that a batch has rows, that none of them is empty, and that each enters the model at
+/// its embedding (a family that can [enter](Row::entry) elsewhere checks the first two alone,
+/// [`check_rows_entering`]).
 pub(crate) fn check_rows(rows: &[Row<'_, '_>]) -> Result<(), ModelError> {
+    check_rows_entering(rows)?;
+    match rows.iter().any(|row| row.entry.is_some()) {
+        true => Err(ModelError::Input(
+            "this model's passes enter at the embedding: it records no hidden states".into(),
+        )),
+        false => Ok(()),
+    }
+}
+
+/// Checks that a batch has rows and that none of them is empty.
+pub(crate) fn check_rows_entering(rows: &[Row<'_, '_>]) -> Result<(), ModelError> {
     if rows.is_empty() || rows.iter().any(|row| row.ids.is_empty()) {
         return Err(ModelError::Input(
             "a forward pass needs at least one row, each with at least one token".into(),
@@ -482,6 +542,29 @@ impl KvCache {
                  hold them"
             ))),
         }
+    }
+
+    /// Layer `layer`'s keys and values `[n_kv_heads, n, d]` of positions `first..first + n`.
+    pub(crate) fn layer_positions(
+        &self,
+        layer: usize,
+        (first, n): (usize, usize),
+    ) -> Result<(Tensor, Tensor), ModelError> {
+        let cache = self.layers.get(layer).ok_or_else(|| {
+            ModelError::Mask(format!(
+                "a cache of {} layers has no layer {layer}",
+                self.layers.len()
+            ))
+        })?;
+        let from = cache.index(first)?;
+        cache.index(first + n - 1)?;
+        Ok((
+            cache
+                .keys_t
+                .narrow(KEY_POSITIONS, from, n)?
+                .transpose(1, 2)?,
+            cache.values.narrow(VALUE_POSITIONS, from, n)?,
+        ))
     }
 
     /// Forgets the last `steps` positions appended to every layer, as if they had not run: the

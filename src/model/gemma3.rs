@@ -15,9 +15,10 @@
 //! same GGUF (docs/assets.md).
 
 use super::batch::{
-    each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    each_row_attends, elements, entered_at, entry_states, every_step_logits, last_logits,
+    product_spans, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
 };
-use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
+use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts};
 use super::product::rows_product;
 use super::weight::Weight;
 use super::gguf::GgufFile;
@@ -190,6 +191,11 @@ impl CausalLm for Gemma3 {
     fn attends_over_prefixes(&self) -> bool {
         true
     }
+
+    fn residual_layer(&self) -> Option<usize> {
+        let first_global = self.spec.windows.iter().position(|&window| window == 0)?;
+        (first_global > 0).then_some(first_global)
+    }
 }
 
 /// What a row's attention needs through every layer of one pass: what its cache held before
@@ -209,16 +215,27 @@ impl Gemma3 {
         rows: &mut [Row<'_, '_>],
         feed: Feed,
     ) -> Result<(Tensor, Vec<(usize, usize)>), ModelError> {
-        check_rows(rows)?;
+        check_rows_entering(rows)?;
         let eps = self.rms_eps;
         let spans = spans(rows);
         let sums = product_spans(&spans, feed);
-        let mut x = (self.embedding.embedding(&stacked_ids(rows)?)? * self.embedding_scale)?;
+        let entered = entered_at(rows)?;
+        let mut x = match entered {
+            Some(_) => entry_states(rows)?,
+            None => (self.embedding.embedding(&stacked_ids(rows)?)? * self.embedding_scale)?,
+        };
         let sequences = rows
             .iter()
             .map(|row| self.sequence(row, feed))
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
+            if Some(layer) == self.residual_layer() {
+                record_residuals(rows, &x, &spans)?;
+            }
+            if entered.is_some_and(|entered| layer < entered) {
+                take_below(rows, layer)?;
+                continue;
+            }
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
             let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);

@@ -36,7 +36,7 @@ mod tokenizer;
 mod weight;
 
 pub(crate) use causal_lm::argmax;
-pub use causal_lm::{CausalLm, KvCache, ModelSpec, Row, WeightProducts};
+pub use causal_lm::{CausalLm, Entry, KvCache, ModelSpec, Row, WeightProducts};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub use hf::HfModel;

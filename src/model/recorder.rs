@@ -20,6 +20,8 @@ pub struct Recorder {
     k: Vec<Vec<Tensor>>,
     v: Vec<Vec<Tensor>>,
     attention: Vec<Vec<Tensor>>,
+    /// The chunks' hidden states entering the model's residual layer.
+    residual: Vec<Tensor>,
     keep_attention: bool,
     spill: Option<Spill>,
     /// What an earlier recorder recorded of the positions before this one's (a context several
@@ -128,6 +130,26 @@ impl Recorder {
     pub(crate) fn record_attention(&mut self, layer: usize, attention: &Tensor) {
         if self.keep_attention {
             Self::push(&mut self.attention, layer, attention);
+        }
+    }
+
+    /// Keeps one chunk's hidden states `[n, hidden size]` entering the layer where the model
+    /// records them ([`CausalLm::residual_layer`](super::CausalLm::residual_layer)).
+    pub(crate) fn record_residual(&mut self, hidden: Tensor) {
+        self.residual.push(hidden);
+    }
+
+    /// The hidden states entering the model's residual layer at every position recorded, its
+    /// prefix's first; `None` where the model records none.
+    pub fn residual(&self) -> Result<Option<Tensor>, ModelError> {
+        let mut parts = match &self.prefix {
+            Some(prefix) => prefix.residual()?.into_iter().collect(),
+            None => Vec::new(),
+        };
+        parts.extend(self.residual.iter().cloned());
+        match parts.is_empty() {
+            true => Ok(None),
+            false => Ok(Some(Tensor::cat(&parts, 0)?)),
         }
     }
 
