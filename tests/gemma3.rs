@@ -253,9 +253,10 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
     // 512-position window of the sliding layers it does not compress (the 800-token prompt's
     // first 288 positions gone there), and StreamingLLM's own prefill taken over from the full
     // run's cache where it first evicts (at 100; at 600 from the second chunk's start, 512,
-    // since a chunk from 600 would read the sliding layers' keys from 89 on, not from 1): each
-    // report is the one its policy gets alone with its own prefill, whole caches, one pass per
-    // token, bit for bit.
+    // since a chunk from 600 would read the sliding layers' keys from 89 on, not from 1),
+    // entering the model at the first global layer (5) with the full run's hidden states there:
+    // each report is the one its policy gets alone with its own prefill through every layer,
+    // whole caches, one pass per token, bit for bit.
     let snapkv = PolicyParams {
         budget: 32,
         ..PolicyParams::default()

@@ -440,14 +440,13 @@ impl<'m> LiveSession<'m> {
         group: Vec<OpenLoopRun<'_>>,
         batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
-        let share_prefill = batching.share_prefill;
         let recorded = RecordedLayers::new(&self.trace);
         let started = group
             .into_par_iter()
             .map(|((mut open_loop, kept), policy)| {
                 // The scratch file is gone after the session: name what it was.
                 open_loop.trace = "the full-cache run's f32 recording".into();
-                self.prompt_end(policy, &kept, open_loop, (share_prefill, &recorded))
+                self.prompt_end(policy, &kept, open_loop, (batching, &recorded))
             })
             .collect::<Result<Vec<_>, LiveError>>()?;
         let full = &self.full;
@@ -471,16 +470,17 @@ impl<'m> LiveSession<'m> {
 
     /// `policy` at the prompt's end. A `prefill` cut masks its evicted positions in the full
     /// run's prefilled cache. A policy that streams or re-selects only once decoding starts
-    /// shares that cache too when `share_prefill` and its prefill
+    /// shares that cache too when `batching` shares prefills and its prefill
     /// [is the full run's](prefill_is_shareable), its streams fed the full run's recorded
     /// prompt vectors (the ones its own prefill makes); any other prefills on its own, its
-    /// streams holding the model's cache.
+    /// streams holding the model's cache, from where it first evicts and, when `batching` enters
+    /// prefills, from the first global layer ([`own_prefill_entry`](Self::own_prefill_entry)).
     fn prompt_end<'s>(
         &'s self,
         policy: &'s ValidPolicy,
         kept: &[Kept],
         open_loop: ReplayReport,
-        (share_prefill, recorded): (bool, &RecordedLayers<'_>),
+        (batching, recorded): (Batching, &RecordedLayers<'_>),
     ) -> Result<batch::Started<'s>, LiveError> {
         let meta = self.trace.meta();
         let compressed = compressed_layers(meta, policy);
@@ -506,14 +506,14 @@ impl<'m> LiveSession<'m> {
             let mut mask = stored(PolicyMask::Fixed(evicted), cut, cut)?;
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
-        } else if share_prefill && prefill_is_shareable(meta, policy) {
+        } else if batching.share_prefill && prefill_is_shareable(meta, policy) {
             let mut streams = self.streams(policy, (cut, &open_loop))?;
             self.feed_prompt(&mut streams, &compressed, recorded, cut)?;
             let mut mask = stored(PolicyMask::Streams(streams), cut, cut)?;
             let question = self.question_over_context(cut, &mut mask)?;
             (mask, question.0, question.1)
         } else {
-            let (start, mut streams) = match share_prefill {
+            let (start, mut streams) = match batching.share_prefill {
                 true => {
                     let probe = self.streams(policy, (cut, &open_loop))?;
                     self.own_prefill_start(probe, &compressed, recorded, cut)?
@@ -532,7 +532,10 @@ impl<'m> LiveSession<'m> {
             };
             // The chunks the prefill from position 0 would run, the first cut short at `start`.
             let aligned = start.next_multiple_of(self.chunk.max(1)).min(cut);
-            let entry = self.own_prefill_entry(&compressed, cut);
+            let entry = match batching.entered_prefills {
+                true => self.own_prefill_entry(&compressed, cut),
+                false => None,
+            };
             let mut logits = Vec::new();
             for tokens in [start..aligned, aligned..cut, cut..prompt_len] {
                 if !tokens.is_empty() {
@@ -942,13 +945,19 @@ pub struct Batching {
     /// ([`Row::prefix`](crate::model::Row::prefix)), instead of each from a copy of its own: the
     /// same numbers, without the copies and with one read of the prompt's cache a step.
     pub shared_prompt: bool,
+    /// Whether an own prefill that runs the full run's chunks, on a family that records the
+    /// hidden states entering its first global layer ([`CausalLm::residual_layer`]), enters the
+    /// model there with the full run's hidden states, the sliding-window layers below taking the
+    /// full run's keys and values, instead of running them again: they compute what the full
+    /// run computed (the same inputs, the same chunks), so the same numbers.
+    pub entered_prefills: bool,
 }
 
 impl Batching {
     /// As many rows as fit in memory, the full run's prefill shared, fixed cuts teacher-forced
     /// in one pass, free runs resumed from the teacher-forced ones, row caches kept to the
     /// sliding layers' windows, the full run's cache read once a step for all the rows that start
-    /// from it.
+    /// from it, own prefills entering at the first global layer.
     pub const BATCHED: Batching = Batching {
         rows: None,
         share_prefill: true,
@@ -956,6 +965,7 @@ impl Batching {
         resumed_free_runs: true,
         windowed_copies: true,
         shared_prompt: true,
+        entered_prefills: true,
     };
     /// Each policy alone, with its own prefill unless it cuts at the prompt's end, one pass per
     /// token: the closed loop as it ran before batching, which the bench and the tests compare with.
@@ -966,6 +976,7 @@ impl Batching {
         resumed_free_runs: false,
         windowed_copies: false,
         shared_prompt: false,
+        entered_prefills: false,
     };
 }
 
