@@ -256,3 +256,68 @@ pub(crate) fn every_step_logits(
     }
     Ok(())
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::causal_lm::{Entry, KvCache};
+
+    /// A one-layer cache of positions 0..4, two KV heads of dimension 3: key `(h, p, c)` is
+    /// `100h + 10p + c`, its value that negated.
+    fn cache() -> KvCache {
+        let keys: Vec<f32> = (0..2)
+            .flat_map(|h| {
+                (0..4).flat_map(move |p| (0..3).map(move |c| (100 * h + 10 * p + c) as f32))
+            })
+            .collect();
+        let keys = Tensor::from_vec(keys, (2, 4, 3), &Device::Cpu).unwrap();
+        let values = keys.neg().unwrap();
+        let mut cache = KvCache::default();
+        cache.append(0, keys, values).unwrap();
+        cache.next_position = 4;
+        cache
+    }
+
+    #[test]
+    fn rows_enter_at_one_layer_with_their_tokens_states_and_the_keys_below() {
+        let below = cache();
+        let ids = [7u32, 8];
+        let hidden = Tensor::zeros((2, 5), candle_core::DType::F32, &Device::Cpu).unwrap();
+        let entry = |layer| Entry {
+            layer,
+            hidden: hidden.clone(),
+            below: &below,
+        };
+        let (mut own, mut other) = (below.truncated(1), KvCache::default());
+        let mut rows = [
+            Row {
+                entry: Some(entry(3)),
+                ..Row::new(&ids, &mut own, None)
+            },
+            Row::new(&ids, &mut other, None),
+        ];
+        assert!(
+            entered_at(&rows).is_err(),
+            "one row enters, the other does not"
+        );
+        rows[1].entry = Some(entry(2));
+        assert!(entered_at(&rows).is_err(), "two layers");
+        let mut rows = [Row {
+            entry: Some(entry(3)),
+            ..Row::new(&ids, &mut own, None)
+        }];
+        assert_eq!(entered_at(&rows).unwrap(), Some(3));
+        assert_eq!(entry_states(&rows).unwrap().dims(), &[2, 5]);
+        // The row holds position 0: it takes positions 1 and 2 of layer 0 from below.
+        take_below(&mut rows, 0).unwrap();
+        assert_eq!(own.len(), 3);
+        let taken = own.keys(0).unwrap();
+        let held = below.keys(0).unwrap();
+        assert_eq!(taken, held.slice(ndarray::s![.., ..3, ..]));
+        let short = [Row {
+            entry: Some(entry(3)),
+            ..Row::new(&ids[..1], &mut other, None)
+        }];
+        assert!(entry_states(&short).is_err(), "one token, two states");
+    }
+}

@@ -240,3 +240,29 @@ impl Spill {
         Ok((q, k, v))
     }
 }
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use candle_core::Device;
+
+    fn states(first: f32, n: usize) -> Tensor {
+        let values: Vec<f32> = (0..2 * n).map(|i| first + i as f32).collect();
+        Tensor::from_vec(values, (n, 2), &Device::Cpu).unwrap()
+    }
+
+    #[test]
+    fn the_residual_is_the_prefixs_then_its_own_chunks() {
+        assert!(Recorder::default().residual().unwrap().is_none());
+        let mut context = Recorder::default();
+        context.record_residual(states(0.0, 2));
+        let mut question = Recorder::default().continuing(std::sync::Arc::new(context));
+        question.record_residual(states(4.0, 1));
+        question.record_residual(states(6.0, 2));
+        let residual: Vec<Vec<f32>> = question.residual().unwrap().unwrap().to_vec2().unwrap();
+        let expected: Vec<Vec<f32>> = (0..5)
+            .map(|row| vec![2.0 * row as f32, 2.0 * row as f32 + 1.0])
+            .collect();
+        assert_eq!(residual, expected);
+    }
+}
