@@ -175,6 +175,9 @@ struct FullRun {
     residual: Option<Tensor>,
 }
 
+/// Sees each question's full run as it is recorded: `(question, generated tokens, recording)`.
+type OnRecording<'a, E> = &'a mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), E>;
+
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
 /// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`), each then decoded
 /// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
@@ -183,7 +186,7 @@ fn full_runs<E: From<ModelError>>(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
     (chunk, scratch): (usize, &Path),
-    recorded: &mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), E>,
+    recorded: OnRecording<'_, E>,
 ) -> Result<Vec<(FullRun, Recorder)>, E> {
     let mut runs = Vec::new();
     let mut decode = |index: usize, run: PromptRun, _: &mut dyn FnMut(usize)| {
@@ -842,7 +845,7 @@ impl<'m> LiveQuestions<'m> {
         model: &'m dyn CausalLm,
         questions: &BuiltQuestions,
         (chunk, scratch): (usize, &Path),
-        recorded: &mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), LiveError>,
+        recorded: OnRecording<'_, LiveError>,
     ) -> Result<Self, LiveError> {
         let runs = full_runs(model, questions, (chunk, scratch), recorded)?;
         let sessions = runs
