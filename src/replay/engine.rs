@@ -203,7 +203,7 @@ fn measure_pass(
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
     let (nominal, budgets): (Vec<usize>, Vec<Vec<usize>>) = policies
-        .par_iter()
+        .iter()
         .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
