@@ -192,7 +192,7 @@ pub fn capture_recipe(
     let (parsed, _) = Recipe::load(recipe)?;
     let model = models.model(parsed.model())?;
     let questions = build_questions(recipe, model)?;
-    let options = recipe_options(recipe, model, (storage, chunk))?;
+    let options = recipe_options(recipe, (parsed.model(), model), (storage, chunk))?;
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
     let spill_dir = spill_dir.unwrap_or(Path::new("."));
     let total = questions.shared
@@ -230,14 +230,14 @@ pub fn capture_recipe(
     Ok(summaries)
 }
 
-/// How a capture of recipe file `recipe` by `model` writes its traces: at `storage`, prefilled in
-/// chunks of `chunk` tokens, the header naming the recipe's file and model.
+/// How a capture of recipe file `recipe` by `model` (the model the recipe names `name`) writes
+/// its traces: at `storage`, prefilled in chunks of `chunk` tokens, the header naming the
+/// recipe's file and model.
 pub fn recipe_options(
     recipe: &Path,
-    model: &dyn CausalLm,
+    (name, model): (&str, &dyn CausalLm),
     (storage, chunk): (StorageDtype, usize),
 ) -> Result<CaptureOptions, CaptureError> {
-    let (parsed, _) = Recipe::load(recipe)?;
     Ok(CaptureOptions {
         storage,
         chunk,
@@ -245,7 +245,7 @@ pub fn recipe_options(
             .file_name()
             .map(|n| n.to_string_lossy().into_owned())
             .unwrap_or_default(),
-        model_id: match parsed.model() {
+        model_id: match name {
             name if name.starts_with(crate::model::hf::PREFIX) => name.to_owned(),
             name => model_file(name)?
                 .file_stem()

@@ -4,7 +4,7 @@
 
 use super::shard::{plan_shards, Shard};
 use super::store::{is_stored, record_failure, store, ClosedLoop};
-use super::traces::{captured_traces, recipe_traces};
+use super::traces::{captured_into, captured_traces, recipe_traces};
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceEntry, TraceFile};
 use crate::capture::{self, ModelSlot};
@@ -51,9 +51,7 @@ pub fn run_sweep(
     let mut units = Vec::with_capacity(entries.len());
     for entry in entries {
         units.push(match entry {
-            TraceEntry::Uncaptured(recipe, trace) if !live_capture => {
-                capture_first(recipe, trace, models)?
-            }
+            TraceEntry::Uncaptured(recipe) if !live_capture => capture_first(recipe, models)?,
             entry => entry.clone(),
         });
     }
@@ -97,8 +95,8 @@ pub fn run_sweep(
                 }
                 traces.extend_from_slice(files);
             }
-            TraceEntry::Uncaptured(recipe, trace) => {
-                let (files, live) = capturing_runner(recipe, trace, models)?;
+            TraceEntry::Uncaptured(recipe) => {
+                let (files, live) = capturing_runner(recipe, models)?;
                 sweep.unit(&files, plan(&files), || Ok(live))?;
                 traces.extend(files);
             }
@@ -121,19 +119,15 @@ fn trace_count(entries: &[TraceEntry]) -> Result<usize, SweepError> {
         .iter()
         .map(|entry| match entry {
             TraceEntry::Captured(files) => Ok(files.len()),
-            TraceEntry::Uncaptured(recipe, _) => Ok(recipe_traces(recipe)?.len()),
+            TraceEntry::Uncaptured(recipe) => Ok(recipe_traces(recipe)?.len()),
         })
         .sum()
 }
 
-/// Recipe `recipe` captured into `trace` (in f16, chunks of [`LIVE_CHUNK`]) unless a concurrent
-/// sweep did, and its traces.
-fn capture_first(
-    recipe: &Path,
-    trace: &Path,
-    models: &mut ModelSlot,
-) -> Result<TraceEntry, SweepError> {
-    capture::capture_once(recipe, trace, &mut |recipe, trace| {
+/// Recipe `recipe` captured (in f16, chunks of [`LIVE_CHUNK`]) unless a concurrent sweep did, and
+/// its traces.
+fn capture_first(recipe: &Path, models: &mut ModelSlot) -> Result<TraceEntry, SweepError> {
+    capture::capture_once(recipe, &captured_into(recipe), &mut |recipe, trace| {
         let storage = (StorageDtype::F16, LIVE_CHUNK);
         capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(drop)
     })?;
@@ -292,18 +286,18 @@ fn runner_of<'m>(
     )?))
 }
 
-/// The live sessions of recipe `recipe`'s questions, which write its traces into `trace` (unless
-/// a concurrent sweep did first, under the capture lock), and those traces.
+/// The live sessions of recipe `recipe`'s questions, which write its traces (unless a concurrent
+/// sweep did first, under the capture lock), and those traces.
 fn capturing_runner<'m>(
     recipe: &Path,
-    trace: &Path,
     models: &'m mut ModelSlot,
 ) -> Result<(Vec<TraceFile>, Runner<'m>), SweepError> {
     let (name, model, questions) = recipe_questions(recipe, models)?;
-    let options = capture::recipe_options(recipe, model, (StorageDtype::F16, LIVE_CHUNK))?;
+    let storage = (StorageDtype::F16, LIVE_CHUNK);
+    let options = capture::recipe_options(recipe, (&name, model), storage)?;
     let scratch = std::env::temp_dir();
     let mut started = None;
-    capture::capture_once(recipe, trace, &mut |_, trace| {
+    capture::capture_once(recipe, &captured_into(recipe), &mut |_, trace| {
         let live = LiveQuestions::capturing(model, &questions, &scratch, (&options, trace));
         started = Some(live);
         Ok(())

@@ -134,9 +134,8 @@ pub struct NeedleCell {
 pub enum TraceEntry {
     /// Its trace files (a recipe's, one per question), identified.
     Captured(Vec<TraceFile>),
-    /// A recipe (the first path) not captured yet into its trace (the second; a recipe of
-    /// several questions into each one's [`question_trace`]).
-    Uncaptured(PathBuf, PathBuf),
+    /// A recipe not captured yet (into the trace beside it, [`captured_into`]).
+    Uncaptured(PathBuf),
 }
 
 /// The entries of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the trace
@@ -155,10 +154,9 @@ pub(crate) fn trace_entries(entries: &[PathBuf]) -> Result<Vec<TraceEntry>, Swee
                 }
                 return Ok(TraceEntry::Captured(vec![TraceFile::identify(entry)?]));
             }
-            let trace = entry.with_extension("safetensors");
             match recipe_traces(entry)?.iter().all(|trace| trace.is_file()) {
                 true => Ok(TraceEntry::Captured(captured_traces(entry)?)),
-                false => Ok(TraceEntry::Uncaptured(entry.clone(), trace)),
+                false => Ok(TraceEntry::Uncaptured(entry.clone())),
             }
         })
         .collect()
@@ -175,10 +173,10 @@ pub(crate) fn trace_files(
     for entry in trace_entries(entries)? {
         match entry {
             TraceEntry::Captured(captured) => files.extend(captured),
-            TraceEntry::Uncaptured(recipe, trace) => {
+            TraceEntry::Uncaptured(recipe) => {
                 // A capture writes the first question last: it stands for them all.
                 match capture.as_mut() {
-                    Some(capture) => capture(&recipe, &trace)?,
+                    Some(capture) => capture(&recipe, &captured_into(&recipe))?,
                     None => {
                         return Err(SweepError::Io {
                             path: recipe_traces(&recipe)?.swap_remove(0),
@@ -193,13 +191,19 @@ pub(crate) fn trace_files(
     Ok(files)
 }
 
+/// The trace a capture of recipe file `recipe` writes (a recipe of several questions, each one's
+/// [`question_trace`] of it): the file beside it.
+pub(crate) fn captured_into(recipe: &Path) -> PathBuf {
+    recipe.with_extension("safetensors")
+}
+
 /// The trace files recipe file `recipe` is captured into: one per question.
 pub(crate) fn recipe_traces(recipe: &Path) -> Result<Vec<PathBuf>, SweepError> {
     let questions = Recipe::load(recipe)
         .map_err(CaptureError::from)?
         .0
         .questions();
-    let trace = recipe.with_extension("safetensors");
+    let trace = captured_into(recipe);
     Ok((0..questions)
         .map(|question| question_trace(&trace, question, questions))
         .collect())

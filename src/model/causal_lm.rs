@@ -69,7 +69,6 @@ pub struct Row<'a, 'm> {
 /// positions in `below` (a run that computed those layers for these positions as this pass
 /// would: an own prefill over a full run's cache, where the layers below the first one its
 /// policy compresses run as the full run's).
-#[derive(Clone)]
 pub struct Entry<'a> {
     /// The first layer the pass runs.
     pub layer: usize,

@@ -228,8 +228,9 @@ impl Gemma3 {
             .iter()
             .map(|row| self.sequence(row, feed))
             .collect::<Result<Vec<_>, _>>()?;
+        let residual_layer = self.residual_layer();
         for (layer, block) in self.blocks.iter().enumerate() {
-            if Some(layer) == self.residual_layer() {
+            if Some(layer) == residual_layer {
                 record_residuals(rows, &x, &spans)?;
             }
             if entered.is_some_and(|entered| layer < entered) {
