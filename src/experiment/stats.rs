@@ -8,6 +8,7 @@ use ndarray::Array1;
 use ndarray_stats::interpolate::Nearest;
 use ndarray_stats::Quantile1dExt;
 use noisy_float::types::n64;
+use rayon::prelude::*;
 use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
 
 /// Mean and 95% half-width of a sample (Student t; 0 half-width for fewer than two values).
@@ -131,20 +132,21 @@ pub fn bootstrap(
 ) -> (f64, f64, f64) {
     let n = x.len();
     let value = statistic(x, y);
+    // The picks are drawn in one sequence, as one thread would draw them; the resamples' statistics
+    // are then computed on worker threads and kept in resample order.
     let mut state = seed;
-    let mut estimates = Vec::with_capacity(BOOTSTRAP_RESAMPLES);
-    let (mut rx, mut ry) = (vec![0.0; n], vec![0.0; n]);
-    for _ in 0..BOOTSTRAP_RESAMPLES {
-        for slot in 0..n {
-            let pick = (splitmix::next(&mut state) % n as u64) as usize;
-            rx[slot] = x[pick];
-            ry[slot] = y[pick];
-        }
-        let estimate = statistic(&rx, &ry);
-        if estimate.is_finite() {
-            estimates.push(estimate);
-        }
-    }
+    let picks: Vec<usize> = (0..BOOTSTRAP_RESAMPLES * n)
+        .map(|_| (splitmix::next(&mut state) % n as u64) as usize)
+        .collect();
+    let estimates: Vec<f64> = picks
+        .par_chunks(n.max(1))
+        .map(|picks| {
+            let rx: Vec<f64> = picks.iter().map(|&pick| x[pick]).collect();
+            let ry: Vec<f64> = picks.iter().map(|&pick| y[pick]).collect();
+            statistic(&rx, &ry)
+        })
+        .filter(|estimate| estimate.is_finite())
+        .collect();
     if estimates.is_empty() {
         return (value, f64::NAN, f64::NAN);
     }

@@ -202,9 +202,10 @@ fn measure_pass(
     layer_done: LayerDone<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
+    let mut profiles = Profiles::default();
     let (nominal, budgets): (Vec<usize>, Vec<Vec<usize>>) = policies
         .iter()
-        .map(|policy| layer_budgets_with_progress(trace, policy, layer_done))
+        .map(|policy| layer_budgets_with_progress(trace, policy, layer_done, &mut profiles))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .unzip();
@@ -646,7 +647,9 @@ pub fn kept_sets(
 /// sliding-window layer's entry is its window, which it keeps whatever the policy.
 pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
     let view = protocol_view(trace, policy)?;
-    let (_, budgets) = layer_budgets_with_progress(view.as_ref().unwrap_or(trace), policy, &|| {})?;
+    let trace = view.as_ref().unwrap_or(trace);
+    let (_, budgets) =
+        layer_budgets_with_progress(trace, policy, &|| {}, &mut Profiles::default())?;
     policy.check_external()?;
     Ok(budgets)
 }
@@ -737,11 +740,39 @@ fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
     }
 }
 
+/// The layer profiles of one trace measured so far, by observation window and compressed layers:
+/// the policies of a pass that need them (CAKE's at each budget) measure them once.
+#[derive(Default)]
+struct Profiles(BTreeMap<(usize, Vec<usize>), Vec<LayerProfile>>);
+
+impl Profiles {
+    /// The profiles of `layers` with the last `window` prompt queries, measured on first use
+    /// (each layer then counted done, as it is when they are measured).
+    fn of(
+        &mut self,
+        trace: &TraceReader,
+        (window, layers): (usize, &[usize]),
+        layer_done: LayerDone<'_>,
+    ) -> Result<Vec<LayerProfile>, PolicyError> {
+        let key = (window, layers.to_vec());
+        if let Some(profiles) = self.0.get(&key) {
+            layers.iter().for_each(|_| layer_done());
+            return Ok(profiles.clone());
+        }
+        let profiles = for_each_layer(trace, layers, layer_done, &|layer| {
+            LayerProfile::measure_windowed(&layer, window, layer.window)
+        })?;
+        self.0.insert(key, profiles.clone());
+        Ok(profiles)
+    }
+}
+
 /// The policy's nominal budget on `trace` ([`nominal_budget`]) and every layer's budget.
 fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
     layer_done: LayerDone<'_>,
+    profiles: &mut Profiles,
 ) -> Result<(usize, Vec<usize>), PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
@@ -797,9 +828,7 @@ fn layer_budgets_with_progress(
         )));
     }
     let profiles = if policy.allocator.needs_profile() {
-        for_each_layer(trace, &compressed, layer_done, &|layer| {
-            LayerProfile::measure_windowed(&layer, params.window.max(1), layer.window)
-        })?
+        profiles.of(trace, (params.window.max(1), &compressed), layer_done)?
     } else {
         Vec::new()
     };

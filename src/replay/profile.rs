@@ -18,6 +18,7 @@ use super::{context, LayerContext};
 use crate::attention::{attend, entropy};
 use crate::trace::{TraceError, TraceReader};
 use ndarray::s;
+use rayon::prelude::*;
 use serde::Serialize;
 
 /// Window-attention statistics of one layer.
@@ -59,46 +60,71 @@ impl LayerProfile {
         let window = window.clamp(1, prompt_len);
         let n_heads = layer.q.shape()[0];
         let group = layer.group_size();
+        let before_window = prompt_len - window;
+        // Heads on worker threads; their sums are then added in the order of one thread (head by
+        // head, row by row), so the profile is the same to the bit whatever the thread count.
+        let heads: Vec<HeadSums> = (0..n_heads)
+            .into_par_iter()
+            .map(|head| {
+                let keys = layer.keys(head / group);
+                let mut sum = vec![0.0f64; prompt_len];
+                let mut sum_sq = vec![0.0f64; prompt_len];
+                let mut rows = Vec::with_capacity(window);
+                for position in prompt_len - window..prompt_len {
+                    let first = first_key(position);
+                    let weights = attend(
+                        layer.query(head, position),
+                        keys.slice(s![first..=position, ..]),
+                        layer.scale,
+                        layer.softcap,
+                    );
+                    let row_entropy = entropy(&weights);
+                    let attended = position + 1 - first;
+                    let normalized = if attended > 1 {
+                        row_entropy / (attended as f64).ln()
+                    } else {
+                        1.0
+                    };
+                    for (j, &weight) in weights.iter().enumerate() {
+                        sum[first + j] += weight as f64;
+                        sum_sq[first + j] += (weight as f64).powi(2);
+                    }
+                    let cake_entropy = weights[..before_window.saturating_sub(first)]
+                        .iter()
+                        .map(|&w| w as f64 * (w as f64 + 1e-10).ln())
+                        .sum::<f64>();
+                    rows.push([row_entropy, normalized, cake_entropy]);
+                }
+                let n_rows = window as f64;
+                let variances = sum
+                    .iter()
+                    .zip(&sum_sq)
+                    .map(|(s, sq)| (sq / n_rows - (s / n_rows).powi(2)).max(0.0));
+                let variance = variances.clone().sum::<f64>();
+                let cake_variance = match window > 1 {
+                    true => {
+                        Some(variances.take(before_window).sum::<f64>() * n_rows / (n_rows - 1.0))
+                    }
+                    false => None,
+                };
+                HeadSums {
+                    rows,
+                    variance,
+                    cake_variance,
+                }
+            })
+            .collect();
         let (mut entropy_total, mut normalized_total, mut variance_total) = (0.0f64, 0.0, 0.0);
         let (mut cake_entropy, mut cake_variance) = (0.0f64, 0.0f64);
-        let before_window = prompt_len - window;
-        for head in 0..n_heads {
-            let keys = layer.keys(head / group);
-            let mut sum = vec![0.0f64; prompt_len];
-            let mut sum_sq = vec![0.0f64; prompt_len];
-            for position in prompt_len - window..prompt_len {
-                let first = first_key(position);
-                let weights = attend(
-                    layer.query(head, position),
-                    keys.slice(s![first..=position, ..]),
-                    layer.scale,
-                    layer.softcap,
-                );
-                let row_entropy = entropy(&weights);
+        for head in heads {
+            for [row_entropy, normalized, row_cake_entropy] in head.rows {
                 entropy_total += row_entropy;
-                let attended = position + 1 - first;
-                normalized_total += if attended > 1 {
-                    row_entropy / (attended as f64).ln()
-                } else {
-                    1.0
-                };
-                for (j, &weight) in weights.iter().enumerate() {
-                    sum[first + j] += weight as f64;
-                    sum_sq[first + j] += (weight as f64).powi(2);
-                }
-                cake_entropy -= weights[..before_window.saturating_sub(first)]
-                    .iter()
-                    .map(|&w| w as f64 * (w as f64 + 1e-10).ln())
-                    .sum::<f64>();
+                normalized_total += normalized;
+                cake_entropy -= row_cake_entropy;
             }
-            let rows = window as f64;
-            let variances = sum
-                .iter()
-                .zip(&sum_sq)
-                .map(|(s, sq)| (sq / rows - (s / rows).powi(2)).max(0.0));
-            variance_total += variances.clone().sum::<f64>();
-            if window > 1 {
-                cake_variance += variances.take(before_window).sum::<f64>() * rows / (rows - 1.0);
+            variance_total += head.variance;
+            if let Some(variance) = head.cake_variance {
+                cake_variance += variance;
             }
         }
         Self {
@@ -109,6 +135,14 @@ impl LayerProfile {
             cake_variance,
         }
     }
+}
+
+/// One head's share of a [`LayerProfile`]: per window row its entropy, normalised entropy and
+/// CAKE's dispersion sum, and its variance sums.
+struct HeadSums {
+    rows: Vec<[f64; 3]>,
+    variance: f64,
+    cake_variance: Option<f64>,
 }
 
 /// Entropy of one layer's observation-window attention.

@@ -5,6 +5,7 @@
 
 use super::{TraceError, TraceMeta};
 use ndarray::Array3;
+use rayon::prelude::*;
 use safetensors::tensor::{Dtype, View};
 use std::borrow::Cow;
 use std::cell::RefCell;
@@ -53,19 +54,36 @@ impl StorageDtype {
         }
     }
 
-    fn encode<'v>(self, values: impl IntoIterator<Item = &'v f32>) -> Vec<u8> {
-        let values = values.into_iter();
-        match self {
-            Self::F16 => values
-                .flat_map(|v| half::f16::from_f32(*v).to_le_bytes())
-                .collect(),
-            Self::Bf16 => values
-                .flat_map(|v| half::bf16::from_f32(*v).to_le_bytes())
-                .collect(),
-            Self::F32 => values.flat_map(|v| v.to_le_bytes()).collect(),
-        }
+    /// The values' little-endian bytes in this dtype, in the array's logical order, converted
+    /// in blocks on worker threads.
+    fn encode(self, values: &Array3<f32>) -> Vec<u8> {
+        let values: Cow<'_, [f32]> = match values.as_slice() {
+            Some(values) => Cow::Borrowed(values),
+            None => Cow::Owned(values.iter().copied().collect()),
+        };
+        let width = self.element_bytes();
+        let mut bytes = vec![0u8; values.len() * width];
+        bytes
+            .par_chunks_mut(ENCODE_BLOCK * width)
+            .zip(values.par_chunks(ENCODE_BLOCK))
+            .for_each(|(bytes, values)| {
+                let slots = bytes.chunks_exact_mut(width).zip(values);
+                match self {
+                    Self::F16 => slots.for_each(|(slot, v)| {
+                        slot.copy_from_slice(&half::f16::from_f32(*v).to_le_bytes())
+                    }),
+                    Self::Bf16 => slots.for_each(|(slot, v)| {
+                        slot.copy_from_slice(&half::bf16::from_f32(*v).to_le_bytes())
+                    }),
+                    Self::F32 => slots.for_each(|(slot, v)| slot.copy_from_slice(&v.to_le_bytes())),
+                }
+            });
+        bytes
     }
 }
+
+/// Values converted together by one worker.
+const ENCODE_BLOCK: usize = 1 << 16;
 
 /// Collects a trace's tensors and writes them as one kvtrace/1 file.
 #[derive(Debug)]
@@ -278,7 +296,7 @@ impl LayerLoader<'_> {
                     tensor.shape()
                 ));
             }
-            *slot = self.storage.encode(tensor.iter());
+            *slot = self.storage.encode(&tensor);
         }
         Ok(encoded)
     }
