@@ -88,8 +88,31 @@ pub fn spearman(x: &[f64], y: &[f64]) -> f64 {
 }
 
 /// Kendall's τ-b: `(concordant - discordant) / sqrt((n0 - ties_x) (n0 - ties_y))` over all pairs
-/// (NaN when either side is constant).
+/// (NaN when either side is constant). Pairs are counted by Knight's sort (Knight 1966, "A
+/// computer method for calculating Kendall's tau with ungrouped data", JASA 61(314)), in
+/// `O(n log n)`; the counts are the pairwise ones exactly, so the value is too. Values that are
+/// not finite are compared pair by pair ([`kendall_pairwise`]).
 pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
+    if !x.iter().chain(y).all(|v| v.is_finite()) {
+        return kendall_pairwise(x, y);
+    }
+    let n = x.len() as i64;
+    let pairs = n * (n - 1) / 2;
+    let mut order: Vec<usize> = (0..x.len()).collect();
+    order.sort_by(|&a, &b| finite_cmp(x[a], x[b]).then(finite_cmp(y[a], y[b])));
+    let ties_x = tied_pairs(&order, |a, b| x[a] == x[b]);
+    let ties_xy = tied_pairs(&order, |a, b| x[a] == x[b] && y[a] == y[b]);
+    // In x's order (ties by y), a pair whose y falls is discordant: x rises strictly there.
+    let mut ys: Vec<f64> = order.iter().map(|&index| y[index]).collect();
+    let discordant = inversions(&mut ys);
+    let ties_y = tied_pairs(&ys, |a, b| a == b);
+    let concordant = pairs - ties_x - ties_y + ties_xy - discordant;
+    tau_b((concordant, discordant), (pairs, ties_x, ties_y))
+}
+
+/// [`kendall`] by comparing every pair: `dx = x_i - x_j` and `dy` alike, a tie where one is 0,
+/// concordant where both have one sign.
+fn kendall_pairwise(x: &[f64], y: &[f64]) -> f64 {
     let (mut concordant, mut discordant, mut ties_x, mut ties_y, mut pairs) =
         (0i64, 0i64, 0i64, 0i64, 0i64);
     for i in 0..x.len() {
@@ -112,11 +135,65 @@ pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
             }
         }
     }
+    tau_b((concordant, discordant), (pairs, ties_x, ties_y))
+}
+
+fn tau_b((concordant, discordant): (i64, i64), (pairs, ties_x, ties_y): (i64, i64, i64)) -> f64 {
     let denominator = (((pairs - ties_x) * (pairs - ties_y)) as f64).sqrt();
     if denominator == 0.0 {
         return f64::NAN;
     }
     (concordant - discordant) as f64 / denominator
+}
+
+/// Finite values' order (-0 equal to 0, as their difference is).
+fn finite_cmp(a: f64, b: f64) -> std::cmp::Ordering {
+    a.partial_cmp(&b).expect("finite values compare")
+}
+
+/// Pairs within the runs of neighbours that `equal` says are equal (`items` sorted so that equal
+/// ones are neighbours).
+fn tied_pairs<T: Copy>(items: &[T], equal: impl Fn(T, T) -> bool) -> i64 {
+    let (mut ties, mut run) = (0i64, 1i64);
+    for window in items.windows(2) {
+        match equal(window[0], window[1]) {
+            true => run += 1,
+            false => {
+                ties += run * (run - 1) / 2;
+                run = 1;
+            }
+        }
+    }
+    ties + run * (run - 1) / 2
+}
+
+/// Pairs `i < j` with `values[i] > values[j]`, counted by a merge sort that leaves `values`
+/// sorted.
+fn inversions(values: &mut [f64]) -> i64 {
+    if values.len() < 2 {
+        return 0;
+    }
+    let (len, middle) = (values.len(), values.len() / 2);
+    let (left, right) = values.split_at_mut(middle);
+    let mut count = inversions(left) + inversions(right);
+    let mut merged = Vec::with_capacity(len);
+    let (mut i, mut j) = (0, 0);
+    while i < left.len() && j < right.len() {
+        if right[j] < left[i] {
+            // Every value left in `left` is larger than this one.
+            count += (left.len() - i) as i64;
+            merged.push(right[j]);
+            j += 1;
+        } else {
+            merged.push(left[i]);
+            i += 1;
+        }
+    }
+    merged.extend_from_slice(&left[i..]);
+    merged.extend_from_slice(&right[j..]);
+    left.copy_from_slice(&merged[..middle]);
+    right.copy_from_slice(&merged[middle..]);
+    count
 }
 
 /// Resamples of the bootstrap.
@@ -171,6 +248,7 @@ fn percentiles(values: Vec<f64>, low: f64, high: f64) -> (f64, f64) {
 mod tests {
     use super::*;
     use approx::assert_abs_diff_eq;
+    use proptest::prelude::*;
 
     #[test]
     fn the_best_index_is_the_first_largest() {
@@ -218,6 +296,34 @@ mod tests {
         assert_abs_diff_eq!(spearman(&x, &y), 0.948_683, epsilon = 1e-6);
         assert_abs_diff_eq!(kendall(&x, &y), 0.912_871, epsilon = 1e-6);
         assert!(spearman(&[1.0, 1.0], &[1.0, 2.0]).is_nan());
+    }
+
+    proptest! {
+        /// Knight's counts are the pairwise ones: the same τ-b to the bit, ties (few distinct
+        /// values, -0 beside 0) included, and values that are not finite left to the pairs.
+        #[test]
+        fn kendall_by_sorting_is_kendall_by_pairs(
+            points in proptest::collection::vec((0u8..6, 0u8..6, any::<bool>()), 0..60)
+        ) {
+            let value = |v: u8, negative: bool| match (v, negative) {
+                (0, true) => -0.0,
+                (5, true) => f64::NAN,
+                (5, false) => f64::INFINITY,
+                (v, _) => f64::from(v) * 0.25,
+            };
+            let x: Vec<f64> = points.iter().map(|&(a, _, s)| value(a, s)).collect();
+            let y: Vec<f64> = points.iter().map(|&(_, b, s)| value(b, !s)).collect();
+            let finite: Vec<(f64, f64)> = x.iter().zip(&y).map(|(a, b)| (*a, *b))
+                .filter(|(a, b)| a.is_finite() && b.is_finite()).collect();
+            let (fx, fy): (Vec<f64>, Vec<f64>) = finite.into_iter().unzip();
+            for (x, y) in [(&x, &y), (&fx, &fy)] {
+                let (sorted, pairwise) = (kendall(x, y), kendall_pairwise(x, y));
+                prop_assert!(
+                    sorted.to_bits() == pairwise.to_bits() || (sorted.is_nan() && pairwise.is_nan()),
+                    "{sorted} against {pairwise}"
+                );
+            }
+        }
     }
 
     #[test]

@@ -30,6 +30,7 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
 use candle_core::Tensor;
+use rayon::prelude::*;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -81,7 +82,7 @@ impl Gemma3 {
     }
 
     /// [`load`](Self::load) from an opened GGUF.
-    pub fn from_gguf(mut gguf: GgufFile) -> Result<Self, ModelError> {
+    pub fn from_gguf(gguf: GgufFile) -> Result<Self, ModelError> {
         if gguf.architecture() != "gemma3" {
             return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
         }
@@ -95,10 +96,9 @@ impl Gemma3 {
         let global_theta = gguf.f32_value(&key("rope.freq_base"))?;
         let rms_eps = gguf.f32_value(&key("attention.layer_norm_rms_epsilon"))? as f64;
         let tokenizer = SpmTokenizer::from_gguf(&gguf)?;
-        let mut blocks = Vec::with_capacity(n_layers);
-        for layer in 0..n_layers {
-            let mut weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
-            blocks.push(Block {
+        let block = |layer: usize| -> Result<Block, ModelError> {
+            let weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
+            Ok(Block {
                 attn_norm: weight("attn_norm")?,
                 wq: transposed(weight("attn_q")?)?,
                 wk: transposed(weight("attn_k")?)?,
@@ -112,8 +112,14 @@ impl Gemma3 {
                 up: transposed(weight("ffn_up")?)?,
                 down: transposed(weight("ffn_down")?)?,
                 post_ffw_norm: weight("post_ffw_norm")?,
-            });
-        }
+            })
+        };
+        // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
+        let (embedding, blocks) = rayon::join(
+            || gguf.tensor("token_embd.weight"),
+            || (0..n_layers).into_par_iter().map(block).collect::<Result<Vec<Block>, _>>(),
+        );
+        let (embedding, blocks) = (embedding?, blocks?);
         let windows: Vec<usize> = (0..n_layers)
             .map(|layer| {
                 if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {
@@ -145,7 +151,7 @@ impl Gemma3 {
             windows,
         };
         Ok(Self {
-            embedding: gguf.tensor("token_embd.weight")?,
+            embedding,
             embedding_scale: (hidden as f32).sqrt() as f64,
             output_norm: gguf.tensor("output_norm.weight")?,
             blocks,

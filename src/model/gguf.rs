@@ -39,8 +39,9 @@ pub struct GgufFile {
     pub(crate) path: PathBuf,
     pub(crate) content: Content,
     /// Mapped: the header is read a few bytes at a time (a tokenizer's vocabulary is tens of
-    /// thousands of strings, each a length and its bytes), two system calls each from a file.
-    file: Cursor<Mmap>,
+    /// thousands of strings, each a length and its bytes), two system calls each from a file;
+    /// and tensors are read from it on several threads at once, each with its own cursor.
+    file: Mmap,
 }
 
 impl GgufFile {
@@ -53,11 +54,12 @@ impl GgufFile {
         let file = File::open(path).map_err(io_error)?;
         // SAFETY: the map is read-only and private to this reader; a model file modified by
         // another process while it loads is outside what any reader can defend against.
-        let mut file = Cursor::new(unsafe { Mmap::map(&file) }.map_err(io_error)?);
-        let content = Content::read(&mut file).map_err(|err| ModelError::Gguf {
-            path: path.to_owned(),
-            detail: err.to_string(),
-        })?;
+        let file = unsafe { Mmap::map(&file) }.map_err(io_error)?;
+        let content =
+            Content::read(&mut Cursor::new(&file[..])).map_err(|err| ModelError::Gguf {
+                path: path.to_owned(),
+                detail: err.to_string(),
+            })?;
         Ok(Self {
             path: path.to_owned(),
             content,
@@ -136,10 +138,10 @@ impl GgufFile {
     }
 
     /// A tensor, dequantised to f32, in candle's (out, in) layout.
-    pub fn tensor(&mut self, name: &str) -> Result<Tensor, ModelError> {
+    pub fn tensor(&self, name: &str) -> Result<Tensor, ModelError> {
         let qtensor = self
             .content
-            .tensor(&mut self.file, name, &Device::Cpu)
+            .tensor(&mut Cursor::new(&self.file[..]), name, &Device::Cpu)
             .map_err(|err| ModelError::Gguf {
                 path: self.path.clone(),
                 detail: format!("tensor `{name}`: {err}"),

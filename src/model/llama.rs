@@ -13,6 +13,7 @@ use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_hea
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
+use rayon::prelude::*;
 use std::path::Path;
 
 struct Block {
@@ -59,18 +60,12 @@ impl Llama {
     }
 
     /// [`load`](Self::load) from an opened GGUF.
-    pub fn from_gguf(mut gguf: GgufFile) -> Result<Self, ModelError> {
+    pub fn from_gguf(gguf: GgufFile) -> Result<Self, ModelError> {
         let config = gguf.llama_config()?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
-        let embedding = gguf.tensor("token_embd.weight")?;
-        let output = match gguf.content.tensor_infos.contains_key("output.weight") {
-            true => gguf.tensor("output.weight")?,
-            false => embedding.clone(),
-        };
-        let mut blocks = Vec::with_capacity(config.n_layers);
-        for layer in 0..config.n_layers {
-            let mut weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
-            blocks.push(Block {
+        let block = |layer: usize| -> Result<Block, ModelError> {
+            let weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
+            Ok(Block {
                 attn_norm: weight("attn_norm")?,
                 wq: transposed(unpermute_rows(&weight("attn_q")?, config.n_heads)?)?,
                 wk: transposed(unpermute_rows(&weight("attn_k")?, config.n_kv_heads)?)?,
@@ -80,8 +75,18 @@ impl Llama {
                 gate: transposed(weight("ffn_gate")?)?,
                 up: transposed(weight("ffn_up")?)?,
                 down: transposed(weight("ffn_down")?)?,
-            });
-        }
+            })
+        };
+        // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
+        let (embedding, blocks) = rayon::join(
+            || gguf.tensor("token_embd.weight"),
+            || (0..config.n_layers).into_par_iter().map(block).collect::<Result<Vec<Block>, _>>(),
+        );
+        let (embedding, blocks) = (embedding?, blocks?);
+        let output = match gguf.content.tensor_infos.contains_key("output.weight") {
+            true => gguf.tensor("output.weight")?,
+            false => embedding.clone(),
+        };
         let head_dim = config.head_dim();
         let spec = ModelSpec {
             family: "llama",

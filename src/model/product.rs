@@ -41,8 +41,10 @@ pub(crate) fn product_of_rows<'w>(
         return Ok(x.matmul(w)?);
     }
     if spans.iter().any(|&(_, n)| n != 1) {
+        // Side by side: a short row's product may be too small for `gemm` to share out, and
+        // `gemm` sums each output alike on any number of threads.
         let parts = spans
-            .iter()
+            .par_iter()
             .map(|&(first, n)| x.narrow(0, first, n)?.matmul(w))
             .collect::<Result<Vec<_>, _>>()?;
         return Ok(Tensor::cat(&parts, 0)?);
