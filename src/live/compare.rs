@@ -28,19 +28,22 @@ impl FullStep {
 
     /// Compares the policy's next-token logits with these, for the full run's `token`.
     pub fn compare(&self, policy: &[f32], token: u32) -> LiveStep {
-        let q = log_softmax(policy);
+        // The policy's log-probabilities as `log_softmax` gives them, each read where it is
+        // summed rather than kept (a vocabulary of 262K is 2 MB a row and step).
+        let log_total = log_total(policy);
+        let log_q = |logit: f32| logit as f64 - log_total;
         let kl = self
             .p
             .iter()
             .zip(&self.log_p)
-            .zip(&q)
-            .map(|((p, lp), lq)| p * (lp - lq))
+            .zip(policy)
+            .map(|((p, lp), &logit)| p * (lp - log_q(logit)))
             .sum::<f64>()
             .max(0.0);
         LiveStep {
             kl,
             top1: argmax(policy) == self.top1,
-            logprob_lost: self.log_p[token as usize] - q[token as usize],
+            logprob_lost: self.log_p[token as usize] - log_q(policy[token as usize]),
         }
     }
 }
@@ -52,10 +55,15 @@ pub fn compare_step(full: &[f32], policy: &[f32], token: u32) -> LiveStep {
 
 /// Natural log-softmax in f64.
 fn log_softmax(logits: &[f32]) -> Vec<f64> {
+    let log_total = log_total(logits);
+    logits.iter().map(|&x| x as f64 - log_total).collect()
+}
+
+/// The log of the logits' exponentials' sum, in f64, from their largest.
+fn log_total(logits: &[f32]) -> f64 {
     let max = logits.iter().fold(f32::NEG_INFINITY, |a, &b| a.max(b)) as f64;
     let total: f64 = logits.iter().map(|&x| (x as f64 - max).exp()).sum();
-    let log_total = total.ln() + max;
-    logits.iter().map(|&x| x as f64 - log_total).collect()
+    total.ln() + max
 }
 
 #[cfg(test)]
