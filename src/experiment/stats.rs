@@ -318,8 +318,9 @@ mod tests {
             let (fx, fy): (Vec<f64>, Vec<f64>) = finite.into_iter().unzip();
             for (x, y) in [(&x, &y), (&fx, &fy)] {
                 let (sorted, pairwise) = (kendall(x, y), kendall_pairwise(x, y));
+                let both_nan = sorted.is_nan() && pairwise.is_nan();
                 prop_assert!(
-                    sorted.to_bits() == pairwise.to_bits() || (sorted.is_nan() && pairwise.is_nan()),
+                    sorted.to_bits() == pairwise.to_bits() || both_nan,
                     "{sorted} against {pairwise}"
                 );
             }

@@ -117,9 +117,10 @@ impl Gemma3 {
         // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
         let (embedding, blocks) = rayon::join(
             || gguf.tensor("token_embd.weight"),
-            || (0..n_layers).into_par_iter().map(block).collect::<Result<Vec<Block>, _>>(),
+            || (0..n_layers).into_par_iter().map(block).collect::<Vec<_>>(),
         );
-        let (embedding, blocks) = (embedding?, blocks?);
+        // The first layer's failure, whichever thread met it first.
+        let (embedding, blocks) = (embedding?, blocks.into_iter().collect::<Result<Vec<_>, _>>()?);
         let windows: Vec<usize> = (0..n_layers)
             .map(|layer| {
                 if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {

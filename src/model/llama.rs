@@ -80,9 +80,10 @@ impl Llama {
         // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
         let (embedding, blocks) = rayon::join(
             || gguf.tensor("token_embd.weight"),
-            || (0..config.n_layers).into_par_iter().map(block).collect::<Result<Vec<Block>, _>>(),
+            || (0..config.n_layers).into_par_iter().map(block).collect::<Vec<_>>(),
         );
-        let (embedding, blocks) = (embedding?, blocks?);
+        // The first layer's failure, whichever thread met it first.
+        let (embedding, blocks) = (embedding?, blocks.into_iter().collect::<Result<Vec<_>, _>>()?);
         let output = match gguf.content.tensor_infos.contains_key("output.weight") {
             true => gguf.tensor("output.weight")?,
             false => embedding.clone(),
