@@ -30,7 +30,6 @@ use super::ops::{
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
 use candle_core::Tensor;
-use rayon::prelude::*;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -114,13 +113,7 @@ impl Gemma3 {
                 post_ffw_norm: weight("post_ffw_norm")?,
             })
         };
-        // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
-        let (embedding, blocks) = rayon::join(
-            || gguf.tensor("token_embd.weight"),
-            || (0..n_layers).into_par_iter().map(block).collect::<Vec<_>>(),
-        );
-        // The first layer's failure, whichever thread met it first.
-        let (embedding, blocks) = (embedding?, blocks.into_iter().collect::<Result<Vec<_>, _>>()?);
+        let (embedding, blocks) = gguf.embedding_and_blocks(n_layers, block)?;
         let windows: Vec<usize> = (0..n_layers)
             .map(|layer| {
                 if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {

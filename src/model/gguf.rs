@@ -4,6 +4,7 @@ use super::ModelError;
 use candle_core::quantized::gguf_file::{Content, Value};
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
+use rayon::prelude::*;
 use std::fs::File;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
@@ -135,6 +136,26 @@ impl GgufFile {
             rms_eps: self.f32_value("llama.attention.layer_norm_rms_epsilon")? as f64,
             name,
         })
+    }
+
+    /// The token embedding and every layer's `block`, read side by side on worker threads (each
+    /// tensor is dequantised on one thread). A failure is the embedding's, else the first failing
+    /// layer's, whichever thread met one first.
+    pub(crate) fn embedding_and_blocks<B: Send>(
+        &self,
+        n_layers: usize,
+        block: impl Fn(usize) -> Result<B, ModelError> + Sync,
+    ) -> Result<(Tensor, Vec<B>), ModelError> {
+        let (embedding, blocks) = rayon::join(
+            || self.tensor("token_embd.weight"),
+            || {
+                (0..n_layers)
+                    .into_par_iter()
+                    .map(&block)
+                    .collect::<Vec<_>>()
+            },
+        );
+        Ok((embedding?, blocks.into_iter().collect::<Result<_, _>>()?))
     }
 
     /// A tensor, dequantised to f32, in candle's (out, in) layout.

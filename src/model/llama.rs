@@ -13,7 +13,6 @@ use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_hea
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
-use rayon::prelude::*;
 use std::path::Path;
 
 struct Block {
@@ -77,13 +76,7 @@ impl Llama {
                 down: transposed(weight("ffn_down")?)?,
             })
         };
-        // Each tensor is dequantised on one thread: the blocks and the embedding side by side.
-        let (embedding, blocks) = rayon::join(
-            || gguf.tensor("token_embd.weight"),
-            || (0..config.n_layers).into_par_iter().map(block).collect::<Vec<_>>(),
-        );
-        // The first layer's failure, whichever thread met it first.
-        let (embedding, blocks) = (embedding?, blocks.into_iter().collect::<Result<Vec<_>, _>>()?);
+        let (embedding, blocks) = gguf.embedding_and_blocks(config.n_layers, block)?;
         let output = match gguf.content.tensor_infos.contains_key("output.weight") {
             true => gguf.tensor("output.weight")?,
             false => embedding.clone(),
