@@ -166,29 +166,54 @@ fn one_token_rows(
     (w, stride, strips): (&[f32], usize, Option<&Strips>),
     (m, k, n): (usize, usize, usize),
 ) -> Vec<f32> {
-    by_column_blocks(m, n, |first, width, block| {
-        chain_block(x, (w, stride, strips), (m, k), (first, width), block)
+    by_column_blocks(m, n, |(row, rows), (first, width), block| {
+        let x = &x[row * k..][..rows * k];
+        chain_block(x, (w, stride, strips), (rows, k), (first, width), block)
     })
 }
 
 /// An `[m, n]` output computed in blocks of `TASK_COLUMNS` consecutive columns on worker
-/// threads: `fill(first, width, block)` writes the `[m, width]` block of columns from `first`.
+/// threads, a block's rows split among tasks where the columns give too few blocks to keep every
+/// thread busy to the end (a key or value projection of one decode step is a few blocks wide):
+/// `fill((row, rows), (first, width), part)` writes rows `row..row + rows` of the block of
+/// columns from `first`, `[rows, width]`. Each output is its own sum, whichever task makes it.
 fn by_column_blocks(
     m: usize,
     n: usize,
-    fill: impl Fn(usize, usize, &mut [f32]) + Sync,
+    fill: impl Fn((usize, usize), (usize, usize), &mut [f32]) + Sync,
 ) -> Vec<f32> {
     let starts: Vec<usize> = (0..n).step_by(TASK_COLUMNS).collect();
-    let blocks: Vec<Vec<f32>> = starts
-        .par_iter()
-        .map(|&first| {
-            let width = TASK_COLUMNS.min(n - first);
-            let mut block = vec![0.0f32; m * width];
-            fill(first, width, &mut block);
-            block
-        })
+    let mut blocks: Vec<Vec<f32>> = starts
+        .iter()
+        .map(|&first| vec![0.0f32; m * TASK_COLUMNS.min(n - first)])
         .collect();
+    let rows = task_rows(m, starts.len(), rayon::current_num_threads());
+    let mut tasks = Vec::new();
+    for (&first, block) in starts.iter().zip(&mut blocks) {
+        let width = TASK_COLUMNS.min(n - first);
+        for (group, part) in block.chunks_mut(rows * width).enumerate() {
+            tasks.push(((group * rows, part.len() / width), (first, width), part));
+        }
+    }
+    tasks
+        .into_par_iter()
+        .for_each(|(rows, columns, part)| fill(rows, columns, part));
     assemble(&blocks, m, n)
+}
+
+/// Tasks at least per worker thread in a product ([`by_column_blocks`]).
+const TASKS_PER_THREAD: usize = 4;
+
+/// Rows a task of [`by_column_blocks`] computes of a block, when `m` rows give `blocks` column
+/// blocks for `threads` threads: all of them, unless splitting them in groups of whole passes
+/// (multiples of [`WIDE_ROWS`] rows) is needed for [`TASKS_PER_THREAD`] tasks a thread.
+fn task_rows(m: usize, blocks: usize, threads: usize) -> usize {
+    let wanted = TASKS_PER_THREAD * threads.max(1);
+    let groups = wanted
+        .div_ceil(blocks.max(1))
+        .min(m.div_ceil(WIDE_ROWS))
+        .max(1);
+    m.div_ceil(groups).next_multiple_of(WIDE_ROWS).max(1)
 }
 
 /// The task blocks `[m, width]` of consecutive columns, as one `[m, n]`, a row on each worker
@@ -495,7 +520,8 @@ chain_kernel!(
 fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     let shared = shares_weight_loads();
     let blocked = !shared && fuses_multiply_add();
-    by_column_blocks(m, n, |first, width, block| {
+    by_column_blocks(m, n, |(row, m), (first, width), block| {
+        let x = &x[row * k..][..m * k];
         let weight = |column: usize| &w[(first + column) * stride..][..k];
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
@@ -777,8 +803,17 @@ pub(super) mod tests {
         // from packed copies, in whole passes and a pass of the rows left. A task's last block
         // of columns is 8 wide (n = 200: no strip, column by column) or 48 (n = 176). Three and
         // four rows, as attention's heads of one key-value head, take strips four vectors wide.
+        // Forty rows of one block of columns, and 21 of two, are split among tasks by rows.
         let k = 1536;
-        for (m, n) in [(5, 200), (19, 176), (19, 200), (3, 64), (4, 256)] {
+        for (m, n) in [
+            (5, 200),
+            (19, 176),
+            (19, 200),
+            (3, 64),
+            (4, 256),
+            (40, 64),
+            (21, 120),
+        ] {
             let x = Tensor::from_vec(wave(m * k, 0.5), (m, k), &Device::Cpu).unwrap();
             let w = Tensor::from_vec(wave(k * n, 1.5), (k, n), &Device::Cpu).unwrap();
             let batched = each_row_as_alone(&x, &w, &format!("{m} rows, n = {n}"));
@@ -850,12 +885,26 @@ pub(super) mod tests {
             // Seven rows: two groups of three sharing weight loads, and one alone (with AVX-512VL);
             // three pairs sharing loads of four columns, and one alone (with AVX2 only). The
             // last task's 46 columns leave two outside the groups of four.
-            let (m, n) = (7, 302);
-            let x = Tensor::from_vec(wave(m * k, 0.25), (m, k), &Device::Cpu).unwrap();
-            let rows = Tensor::from_vec(wave(n * k, 4.5), (n, k), &Device::Cpu).unwrap();
-            let w = rows.t().unwrap();
-            each_row_as_alone(&x, &w, &format!("k = {k}"));
+            // Then 29 rows, split among tasks by rows.
+            for m in [7, 29] {
+                let n = 302;
+                let x = Tensor::from_vec(wave(m * k, 0.25), (m, k), &Device::Cpu).unwrap();
+                let rows = Tensor::from_vec(wave(n * k, 4.5), (n, k), &Device::Cpu).unwrap();
+                let w = rows.t().unwrap();
+                each_row_as_alone(&x, &w, &format!("k = {k}, {m} rows"));
+            }
         }
+    }
+
+    #[test]
+    fn a_product_of_few_column_blocks_splits_its_rows_in_whole_passes() {
+        // Two threads want eight tasks: 80 rows of three blocks (a SmolLM2 key projection) in
+        // groups of 32 rows, three a block; of nine blocks, whole; one block of 3 rows, whole.
+        assert_eq!(task_rows(80, 3, 2), 32);
+        assert_eq!(task_rows(80, 9, 2), 80);
+        assert_eq!(task_rows(3, 1, 2), 8);
+        assert_eq!(task_rows(80, 1, 1), 24);
+        assert_eq!(task_rows(0, 1, 2), 1);
     }
 
     #[test]
