@@ -525,6 +525,29 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
         let weight = |column: usize| &w[(first + column) * stride..][..k];
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
+        while shared && column + 2 <= width {
+            let weights = [weight(column), weight(column + 1)];
+            let grouped = m / 3 * 3;
+            for row in (0..grouped).step_by(3) {
+                let rows = [0, 1, 2].map(|r| &x[(row + r) * k..][..k]);
+                // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
+                let sums = unsafe { gemv_dot_3x2_avx512(rows, weights) };
+                for (r, sums) in sums.into_iter().enumerate() {
+                    block[(row + r) * width + column..][..2].copy_from_slice(&sums);
+                }
+            }
+            for (c, weight) in weights.into_iter().enumerate() {
+                dot_column(
+                    x,
+                    weight,
+                    (grouped, m, k),
+                    (block, width, column + c),
+                    shared,
+                );
+            }
+            column += 2;
+        }
+        #[cfg(target_arch = "x86_64")]
         while blocked && column + 4 <= width {
             let weights: [&[f32]; 4] = std::array::from_fn(|c| weight(column + c));
             let paired = m / 2 * 2;
@@ -658,6 +681,54 @@ unsafe fn gemv_dot3_avx512vl(a: [&[f32]; 3], b: &[f32]) -> [f32; 3] {
         depth += 64;
     }
     [0, 1, 2].map(|r| dot_tail_avx2(acc[r], (a[r], b), depth))
+}
+
+/// Three rows `a` each dotted with two columns `b` as [`gemv_dot_avx2`] dots them, in 16-lane
+/// vectors: lanes 0-7 of the `i`-th vector are the 8-lane accumulator `2i`, lanes 8-15 the
+/// accumulator `2i + 1`, each lane the same chain of fused multiply-adds, so the sums are
+/// [`gemv_dot_avx2`]'s bit for bit. Each load of a row serves two columns and each of a column
+/// three rows (24 accumulators of AVX-512's 32 registers).
+///
+/// # Safety
+/// The processor has AVX2, FMA, AVX-512F and AVX-512VL.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma,avx512f,avx512vl")]
+unsafe fn gemv_dot_3x2_avx512(a: [&[f32]; 3], b: [&[f32]; 2]) -> [[f32; 2]; 3] {
+    use std::arch::x86_64::*;
+    let k = b[0].len();
+    assert!(a.iter().chain(&b).all(|v| v.len() == k));
+    let (pa, pb) = (a.map(<[f32]>::as_ptr), b.map(<[f32]>::as_ptr));
+    let mut acc = [[[_mm512_setzero_ps(); 4]; 2]; 3];
+    let mut depth = 0;
+    while depth + 64 <= k {
+        for index in 0..4 {
+            let at = depth + 16 * index;
+            let weights = pb.map(|column| _mm512_loadu_ps(column.add(at)));
+            for (row_sums, row) in acc.iter_mut().zip(&pa) {
+                let value = _mm512_loadu_ps(row.add(at));
+                for (sums, weight) in row_sums.iter_mut().zip(&weights) {
+                    sums[index] = _mm512_fmadd_ps(value, *weight, sums[index]);
+                }
+            }
+        }
+        depth += 64;
+    }
+    [0, 1, 2].map(|r| [0, 1].map(|c| dot_tail_avx2(halves(acc[r][c]), (a[r], b[c]), depth)))
+}
+
+/// Four 16-lane accumulators as the eight 8-lane ones they hold, each vector's low half first.
+///
+/// # Safety
+/// The processor has AVX-512F.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx512f")]
+unsafe fn halves(wide: [std::arch::x86_64::__m512; 4]) -> [std::arch::x86_64::__m256; 8] {
+    use std::arch::x86_64::*;
+    let high = |v: __m512| _mm256_castpd_ps(_mm512_extractf64x4_pd(_mm512_castps_pd(v), 1));
+    std::array::from_fn(|index| match index % 2 {
+        0 => _mm512_castps512_ps256(wide[index / 2]),
+        _ => high(wide[index / 2]),
+    })
 }
 
 /// Two rows `a` each dotted with four columns `b` as [`gemv_dot_avx2`] dots them, where AVX2's
