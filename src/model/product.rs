@@ -525,27 +525,26 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
         let weight = |column: usize| &w[(first + column) * stride..][..k];
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
-        while shared && column + 2 <= width {
-            let weights = [weight(column), weight(column + 1)];
-            let grouped = m / 3 * 3;
+        if shared {
+            // Three rows at a time through every pair of columns, so that the rows stay in the
+            // first-level cache while the weights pass.
+            let (grouped, paired) = (m / 3 * 3, width / 2 * 2);
             for row in (0..grouped).step_by(3) {
                 let rows = [0, 1, 2].map(|r| &x[(row + r) * k..][..k]);
-                // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
-                let sums = unsafe { gemv_dot_3x2_avx512(rows, weights) };
-                for (r, sums) in sums.into_iter().enumerate() {
-                    block[(row + r) * width + column..][..2].copy_from_slice(&sums);
+                for column in (0..paired).step_by(2) {
+                    let weights = [weight(column), weight(column + 1)];
+                    // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
+                    let sums = unsafe { gemv_dot_3x2_avx512(rows, weights) };
+                    for (r, sums) in sums.into_iter().enumerate() {
+                        block[(row + r) * width + column..][..2].copy_from_slice(&sums);
+                    }
                 }
             }
-            for (c, weight) in weights.into_iter().enumerate() {
-                dot_column(
-                    x,
-                    weight,
-                    (grouped, m, k),
-                    (block, width, column + c),
-                    shared,
-                );
+            for column in 0..paired {
+                let to = (&mut *block, width, column);
+                dot_column(x, weight(column), (grouped, m, k), to, shared);
             }
-            column += 2;
+            column = paired;
         }
         #[cfg(target_arch = "x86_64")]
         while blocked && column + 4 <= width {
@@ -680,7 +679,13 @@ unsafe fn gemv_dot3_avx512vl(a: [&[f32]; 3], b: &[f32]) -> [f32; 3] {
         }
         depth += 64;
     }
-    [0, 1, 2].map(|r| dot_tail_avx2(acc[r], (a[r], b), depth))
+    // Plain loops, not closures: a closure borrowing the accumulators keeps them in memory,
+    // stored after every multiply-add.
+    let mut dots = [0.0f32; 3];
+    for (r, dot) in dots.iter_mut().enumerate() {
+        *dot = dot_tail_avx2(acc[r], (a[r], b), depth);
+    }
+    dots
 }
 
 /// Three rows `a` each dotted with two columns `b` as [`gemv_dot_avx2`] dots them, in 16-lane
@@ -713,7 +718,15 @@ unsafe fn gemv_dot_3x2_avx512(a: [&[f32]; 3], b: [&[f32]; 2]) -> [[f32; 2]; 3] {
         }
         depth += 64;
     }
-    [0, 1, 2].map(|r| [0, 1].map(|c| dot_tail_avx2(halves(acc[r][c]), (a[r], b[c]), depth)))
+    // Plain loops, not closures: a closure borrowing the accumulators keeps them in memory,
+    // stored after every multiply-add.
+    let mut dots = [[0.0f32; 2]; 3];
+    for (r, row) in dots.iter_mut().enumerate() {
+        for (c, dot) in row.iter_mut().enumerate() {
+            *dot = dot_tail_avx2(halves(acc[r][c]), (a[r], b[c]), depth);
+        }
+    }
+    dots
 }
 
 /// Four 16-lane accumulators as the eight 8-lane ones they hold, each vector's low half first.
@@ -769,7 +782,14 @@ unsafe fn gemv_dot_2x4_avx2(a: [&[f32]; 2], b: [&[f32]; 4]) -> [[f32; 4]; 2] {
             }
         }
     }
-    [0, 1].map(|r| [0, 1, 2, 3].map(|c| dot_tail_avx2(acc[r][c], (a[r], b[c]), whole)))
+    // Plain loops, not closures: a closure borrowing the accumulators keeps them in memory.
+    let mut dots = [[0.0f32; 4]; 2];
+    for (r, row) in dots.iter_mut().enumerate() {
+        for (c, dot) in row.iter_mut().enumerate() {
+            *dot = dot_tail_avx2(acc[r][c], (a[r], b[c]), whole);
+        }
+    }
+    dots
 }
 
 /// The end of [`gemv_dot_avx2`]'s sum from `depth` on, given its eight accumulators: added
