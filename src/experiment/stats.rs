@@ -50,7 +50,8 @@ pub fn best_index(values: &[f64]) -> Option<usize> {
 /// Average ranks (1-based; ties share the mean of their ranks).
 pub fn ranks(values: &[f64]) -> Vec<f64> {
     let mut order: Vec<usize> = (0..values.len()).collect();
-    order.sort_by(|&a, &b| values[a].total_cmp(&values[b]));
+    // Equal values in index order, as a stable sort leaves them: the same order, unstably sorted.
+    order.sort_unstable_by(|&a, &b| values[a].total_cmp(&values[b]).then(a.cmp(&b)));
     let mut ranks = vec![0.0; values.len()];
     let mut start = 0;
     while start < order.len() {
@@ -98,12 +99,12 @@ pub fn kendall(x: &[f64], y: &[f64]) -> f64 {
     }
     let n = x.len() as i64;
     let pairs = n * (n - 1) / 2;
-    let mut order: Vec<usize> = (0..x.len()).collect();
-    order.sort_by(|&a, &b| finite_cmp(x[a], x[b]).then(finite_cmp(y[a], y[b])));
-    let ties_x = tied_pairs(&order, |a, b| x[a] == x[b]);
-    let ties_xy = tied_pairs(&order, |a, b| x[a] == x[b] && y[a] == y[b]);
+    let mut points: Vec<(f64, f64)> = x.iter().copied().zip(y.iter().copied()).collect();
+    points.sort_unstable_by(|a, b| finite_cmp(a.0, b.0).then(finite_cmp(a.1, b.1)));
+    let ties_x = tied_pairs(&points, |a, b| a.0 == b.0);
+    let ties_xy = tied_pairs(&points, |a, b| a.0 == b.0 && a.1 == b.1);
     // In x's order (ties by y), a pair whose y falls is discordant: x rises strictly there.
-    let mut ys: Vec<f64> = order.iter().map(|&index| y[index]).collect();
+    let mut ys: Vec<f64> = points.iter().map(|point| point.1).collect();
     let discordant = inversions(&mut ys);
     let ties_y = tied_pairs(&ys, |a, b| a == b);
     let concordant = pairs - ties_x - ties_y + ties_xy - discordant;
@@ -168,31 +169,55 @@ fn tied_pairs<T: Copy>(items: &[T], equal: impl Fn(T, T) -> bool) -> i64 {
 }
 
 /// Pairs `i < j` with `values[i] > values[j]`, counted by a merge sort that leaves `values`
-/// sorted.
+/// sorted: runs of [`INSERTION_RUN`] sorted by insertion (each step past a larger value one
+/// inversion), then merged bottom-up through one scratch buffer.
 fn inversions(values: &mut [f64]) -> i64 {
-    if values.len() < 2 {
-        return 0;
+    let mut count = 0i64;
+    for run in values.chunks_mut(INSERTION_RUN) {
+        for end in 1..run.len() {
+            let mut at = end;
+            while at > 0 && run[at] < run[at - 1] {
+                run.swap(at, at - 1);
+                count += 1;
+                at -= 1;
+            }
+        }
     }
-    let (len, middle) = (values.len(), values.len() / 2);
-    let (left, right) = values.split_at_mut(middle);
-    let mut count = inversions(left) + inversions(right);
-    let mut merged = Vec::with_capacity(len);
-    let (mut i, mut j) = (0, 0);
-    while i < left.len() && j < right.len() {
-        if right[j] < left[i] {
+    let mut scratch = vec![0.0; values.len()];
+    let mut width = INSERTION_RUN;
+    while width < values.len() {
+        for (pair, out) in values
+            .chunks_mut(2 * width)
+            .zip(scratch.chunks_mut(2 * width))
+        {
+            if pair.len() > width {
+                count += merge(pair.split_at(width), out);
+                pair.copy_from_slice(out);
+            }
+        }
+        width *= 2;
+    }
+    count
+}
+
+/// Values per run that [`inversions`] sorts by insertion before merging.
+const INSERTION_RUN: usize = 16;
+
+/// `left` and `right` (each sorted) merged into `out`, ties from `left` first: the pairs with a
+/// value of `right` below one of `left`.
+fn merge((left, right): (&[f64], &[f64]), out: &mut [f64]) -> i64 {
+    let (mut i, mut j, mut count) = (0, 0, 0i64);
+    for slot in out.iter_mut() {
+        if j < right.len() && (i == left.len() || right[j] < left[i]) {
             // Every value left in `left` is larger than this one.
             count += (left.len() - i) as i64;
-            merged.push(right[j]);
+            *slot = right[j];
             j += 1;
         } else {
-            merged.push(left[i]);
+            *slot = left[i];
             i += 1;
         }
     }
-    merged.extend_from_slice(&left[i..]);
-    merged.extend_from_slice(&right[j..]);
-    left.copy_from_slice(&merged[..middle]);
-    right.copy_from_slice(&merged[middle..]);
     count
 }
 
@@ -324,6 +349,23 @@ mod tests {
                     "{sorted} against {pairwise}"
                 );
             }
+        }
+
+        /// The merge sort counts every pair out of order, ties not counted, and leaves the values
+        /// sorted: lengths within one insertion run and across several levels of merges.
+        #[test]
+        fn inversions_are_the_pairs_out_of_order(
+            values in proptest::collection::vec(0u8..20, 0..200)
+        ) {
+            let mut values: Vec<f64> = values.into_iter().map(f64::from).collect();
+            let by_pairs = (0..values.len())
+                .flat_map(|i| (i + 1..values.len()).map(move |j| (i, j)))
+                .filter(|&(i, j)| values[i] > values[j])
+                .count() as i64;
+            let mut sorted = values.clone();
+            sorted.sort_by(f64::total_cmp);
+            prop_assert_eq!(inversions(&mut values), by_pairs);
+            prop_assert_eq!(values, sorted);
         }
     }
 
