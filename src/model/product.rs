@@ -718,15 +718,13 @@ unsafe fn gemv_dot_3x2_avx512(a: [&[f32]; 3], b: [&[f32]; 2]) -> [[f32; 2]; 3] {
         }
         depth += 64;
     }
-    // Plain loops, not closures: a closure borrowing the accumulators keeps them in memory,
-    // stored after every multiply-add.
-    let mut dots = [[0.0f32; 2]; 3];
-    for (r, row) in dots.iter_mut().enumerate() {
-        for (c, dot) in row.iter_mut().enumerate() {
-            *dot = dot_tail_avx2(halves(acc[r][c]), (a[r], b[c]), depth);
+    let mut narrow = [[[_mm256_setzero_ps(); 8]; 2]; 3];
+    for (narrow, acc) in narrow.iter_mut().zip(acc) {
+        for (narrow, acc) in narrow.iter_mut().zip(acc) {
+            *narrow = halves(acc);
         }
     }
-    dots
+    finish_dots(narrow, (a, b), depth)
 }
 
 /// Four 16-lane accumulators as the eight 8-lane ones they hold, each vector's low half first.
@@ -782,11 +780,27 @@ unsafe fn gemv_dot_2x4_avx2(a: [&[f32]; 2], b: [&[f32]; 4]) -> [[f32; 4]; 2] {
             }
         }
     }
-    // Plain loops, not closures: a closure borrowing the accumulators keeps them in memory.
-    let mut dots = [[0.0f32; 4]; 2];
-    for (r, row) in dots.iter_mut().enumerate() {
-        for (c, dot) in row.iter_mut().enumerate() {
-            *dot = dot_tail_avx2(acc[r][c], (a[r], b[c]), whole);
+    finish_dots(acc, (a, b), whole)
+}
+
+/// Each row of `a` dotted with each column of `b` as [`gemv_dot_avx2`] dots them, from the
+/// eight accumulators of their sum up to `depth` ([`dot_tail_avx2`]). Plain loops, not closures:
+/// a closure borrowing the accumulators in the kernel that made them keeps them in memory, stored
+/// after every multiply-add.
+///
+/// # Safety
+/// The processor has AVX2 and FMA.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2,fma")]
+unsafe fn finish_dots<const R: usize, const C: usize>(
+    acc: [[[std::arch::x86_64::__m256; 8]; C]; R],
+    (a, b): ([&[f32]; R], [&[f32]; C]),
+    depth: usize,
+) -> [[f32; C]; R] {
+    let mut dots = [[0.0f32; C]; R];
+    for ((dots, acc), a) in dots.iter_mut().zip(acc).zip(a) {
+        for ((dot, acc), b) in dots.iter_mut().zip(acc).zip(b) {
+            *dot = dot_tail_avx2(acc, (a, b), depth);
         }
     }
     dots
