@@ -514,9 +514,10 @@ chain_kernel!(
 
 /// `x [m, k] · wᵀ` for `w` `[n, k]` (rows `stride` apart): each output the dot product of a row
 /// of `x` and one of `w`, summed as `gemm`'s one-row path against a transposed weight sums it.
-/// Where the processor has the registers (AVX-512VL), three rows at a time share each load of the
-/// weight; with AVX2 alone, pairs of rows and groups of four columns share their loads: the same
-/// operations per row, so the same sums, at fewer loads per multiply-add.
+/// Where the processor has the registers (AVX-512), three rows and two columns at a time share
+/// their loads (a last column's rows three at a time); with AVX2 alone, pairs of rows and groups
+/// of four columns: the same operations per row, so the same sums, at fewer loads per
+/// multiply-add.
 fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize)) -> Vec<f32> {
     let shared = shares_weight_loads();
     let blocked = !shared && fuses_multiply_add();
@@ -871,7 +872,8 @@ fn wide() -> bool {
     false
 }
 
-/// Whether [`dot_rows`] may share weight loads among three rows: AVX-512VL besides AVX2 and FMA.
+/// Whether [`dot_rows`] may share loads among three rows (and two columns): AVX-512F and
+/// AVX-512VL besides AVX2 and FMA.
 fn shares_weight_loads() -> bool {
     #[cfg(target_arch = "x86_64")]
     return fuses_multiply_add() && wide() && std::is_x86_feature_detected!("avx512vl");
