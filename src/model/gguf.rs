@@ -140,7 +140,7 @@ impl GgufFile {
 
     /// The token embedding and every layer's `block`, read side by side on worker threads (each
     /// tensor is dequantised on one thread). A failure is the embedding's, else the first failing
-    /// layer's, whichever thread met one first.
+    /// layer's, in layer order.
     pub(crate) fn embedding_and_blocks<B: Send>(
         &self,
         n_layers: usize,
