@@ -43,7 +43,9 @@ impl ChunkMask<'_> {
     }
 
     /// The additive mask as a tensor, the window's `[n, columns]` broadcast to the policy's
-    /// `[heads, n, columns]` when it decides (the masks a one-query step attends with).
+    /// `[heads, n, columns]` when it decides: what candle's chain of operations, which the fused
+    /// passes stand for, adds.
+    #[cfg(test)]
     pub fn tensor(&self, heads: usize, n: usize) -> Result<Tensor, ModelError> {
         let columns = self.columns(n);
         let window = super::mask::window_mask(self.past, n, self.window, self.first);
@@ -115,14 +117,54 @@ pub(crate) fn softmax_lines<'m>(
     scale: f64,
     policy: impl Fn(usize) -> Option<&'m [f32]>,
 ) -> Result<Vec<f32>, ModelError> {
+    let window = (0, columns - 1);
+    let weights = softmax_windowed_lines(logits, (lines, columns), (scale, window), policy)?;
+    Ok(weights.flatten_all()?.to_vec1::<f32>()?)
+}
+
+/// [`softmax_lines`] of lines that see columns `lo..=hi` of their own (a sliding-window layer's
+/// query over a cache holding more than its window), as a tensor `[lines, columns]`.
+fn softmax_windowed_lines<'m>(
+    logits: &[f32],
+    (lines, columns): (usize, usize),
+    (scale, window): (f64, (usize, usize)),
+    policy: impl Fn(usize) -> Option<&'m [f32]>,
+) -> Result<Tensor, ModelError> {
     let mut weights = vec![0.0f32; lines * columns];
     for (line, out) in weights.chunks_exact_mut(columns).enumerate() {
         let logits = &logits[line * columns..][..columns];
-        exponentiate(logits, out, (scale, policy(line)), (0, columns - 1));
+        exponentiate(logits, out, (scale, policy(line)), window);
     }
     let weights = Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?;
-    let weights = weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?;
-    Ok(weights.flatten_all()?.to_vec1::<f32>()?)
+    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
+}
+
+/// `softmax(scale · logits + mask)` of one query per head (a step), for query heads
+/// `heads.start..` whose logits `[heads.len(), columns]` are `logits`'s lines: what
+/// [`masked_softmax`] gives each head's line of a one-query chunk, bit for bit, as a tensor
+/// `[heads.len(), columns]`.
+pub(crate) fn one_query_softmax(
+    logits: &Tensor,
+    scale: f64,
+    mask: &ChunkMask<'_>,
+    heads: std::ops::Range<usize>,
+) -> Result<Tensor, ModelError> {
+    let (lines, columns) = logits.dims2()?;
+    let logits = logits.contiguous()?;
+    let total = mask.past + 1;
+    let policy = |line: usize| {
+        let head = heads.start + line;
+        mask.policy
+            .map(|policy| &policy[head * total + mask.first..][..columns])
+    };
+    let weights = with_rows(&logits, |data, _| {
+        softmax_windowed_lines(data, (lines, columns), (scale, mask.window_of(0)), policy)
+    })?;
+    weights.unwrap_or_else(|| {
+        Err(ModelError::Mask(
+            "attention logits outside CPU memory".into(),
+        ))
+    })
 }
 
 /// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's

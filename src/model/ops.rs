@@ -1,7 +1,7 @@
 //! Tensor operations both model families share: RMSNorm, the half-split rotary, head splitting,
 //! and masked softmax attention (grouped-query).
 
-use super::masked_softmax::{masked_softmax, ChunkMask};
+use super::masked_softmax::{masked_softmax, one_query_softmax, ChunkMask};
 use super::product::rows_product;
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
@@ -81,7 +81,7 @@ pub(crate) fn attend(
 ) -> Result<Tensor, ModelError> {
     let (heads, n, _) = q.dims3()?;
     if n == 1 {
-        return attend_one_query(q, keys_t, values, &mask.tensor(heads, n)?, scale);
+        return attend_one_query(q, keys_t, values, mask, scale);
     }
     let kv_heads = keys_t.dims()[0];
     let group = heads / kv_heads;
@@ -97,22 +97,16 @@ pub(crate) fn attend(
     Ok(Tensor::cat(&outputs, 0)?)
 }
 
-/// Softmax over the last axis, its maximum subtracted first.
-fn softmax(logits: &Tensor) -> Result<Tensor, ModelError> {
-    let max = logits.max_keepdim(D::Minus1)?;
-    let weights = logits.broadcast_sub(&max)?.exp()?;
-    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
-}
-
 /// [`attend`] for one query per head (a decode step): each KV head's group of query heads in one
-/// product against its keys and one weighted sum of its values, both summed as the products of
-/// one head at a time sum them ([`rows_product`]), so the result is [`attend`]'s head by head,
-/// bit for bit, with a fraction of the operations.
+/// product against its keys, one fused softmax over their lines ([`one_query_softmax`]) and one
+/// weighted sum of its values, the products summed as the products of one head at a time sum
+/// them ([`rows_product`]), so the result is [`attend`]'s head by head, bit for bit, with a
+/// fraction of the operations.
 fn attend_one_query(
     q: &Tensor,
     keys_t: &Tensor,
     values: &Tensor,
-    mask: &Tensor,
+    mask: &ChunkMask<'_>,
     scale: f64,
 ) -> Result<Tensor, ModelError> {
     let heads = q.dims()[0];
@@ -124,13 +118,10 @@ fn attend_one_query(
         let keys_t = keys_t.narrow(0, kv, 1)?.squeeze(0)?;
         let values = values.narrow(0, kv, 1)?.squeeze(0)?;
         let queries = q.narrow(0, kv * group, group)?.squeeze(1)?;
-        let mask = match mask.rank() {
-            3 => mask.narrow(0, kv * group, group)?.squeeze(1)?,
-            _ => mask.clone(),
-        };
         let product = |x: &Tensor, w: &Tensor| rows_product(x, w, &one_row_each);
-        let logits = (product(&queries, &keys_t)? * scale)?.broadcast_add(&mask)?;
-        let mixed = product(&softmax(&logits)?, &values)?;
+        let logits = product(&queries, &keys_t)?;
+        let weights = one_query_softmax(&logits, scale, mask, kv * group..(kv + 1) * group)?;
+        let mixed = product(&weights, &values)?;
         outputs.push(mixed.unsqueeze(1)?);
     }
     Ok(Tensor::cat(&outputs, 0)?)
@@ -307,13 +298,22 @@ mod tests {
                 .unwrap();
             let q =
                 Tensor::from_vec(wave(heads * dim, 0.7), (heads, 1, dim), &Device::Cpu).unwrap();
+            // A key masked in one head; in another, every key but the window's first two.
             let mut per_head = vec![0.0f32; heads * positions];
             per_head[3 * positions + 5] = f32::NEG_INFINITY;
+            per_head[5 * positions..][..positions - 8].fill(f32::NEG_INFINITY);
+            // Every key of one head masked: NaNs, as candle's chain makes them.
+            let mut one_head_blind = per_head.clone();
+            one_head_blind[positions..][..positions].fill(f32::NEG_INFINITY);
             let unmasked = ChunkMask {
                 policy: None,
                 past: positions - 1,
                 window: 0,
                 first: 0,
+            };
+            let sliding = ChunkMask {
+                window: 10,
+                ..unmasked
             };
             let masks = [
                 unmasked,
@@ -321,7 +321,17 @@ mod tests {
                     policy: Some(&per_head),
                     ..unmasked
                 },
+                sliding,
+                ChunkMask {
+                    policy: Some(&per_head),
+                    ..sliding
+                },
+                ChunkMask {
+                    policy: Some(&one_head_blind),
+                    ..unmasked
+                },
             ];
+            let bits = |v: Vec<f32>| v.into_iter().map(f32::to_bits).collect::<Vec<_>>();
             for mask in masks {
                 let got: Vec<f32> = attend(&q, &keys_t, &values, &mask, 0.125)
                     .unwrap()
@@ -329,11 +339,8 @@ mod tests {
                     .unwrap()
                     .to_vec1()
                     .unwrap();
-                assert_eq!(
-                    got,
-                    head_by_head(&q, &keys_t, &values, &mask.tensor(heads, 1).unwrap()),
-                    "{positions} positions"
-                );
+                let want = head_by_head(&q, &keys_t, &values, &mask.tensor(heads, 1).unwrap());
+                assert_eq!(bits(got), bits(want), "{positions} positions, {mask:?}");
             }
         }
     }
