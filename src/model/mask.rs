@@ -128,7 +128,9 @@ pub fn causal_mask(n_heads: usize, past: usize, n: usize) -> Vec<f32> {
 /// The mask `[n, total - first]` of a chunk of `n` queries at positions `past..past + n` over
 /// cached positions `first..past + n` in a layer that attends over its last `window` positions
 /// (its own included; `window = 0` is global): row `i` sees position `j` when
-/// `j <= past + i` and `past + i - j < window`.
+/// `j <= past + i` and `past + i - j < window`. The reference the fused softmax passes are held
+/// to ([`ChunkMask`](super::masked_softmax::ChunkMask)'s tensor).
+#[cfg(test)]
 pub fn window_mask(past: usize, n: usize, window: usize, first: usize) -> Vec<f32> {
     let total = past + n;
     let mut mask = Vec::with_capacity(n * (total - first));

@@ -12,8 +12,9 @@ use candle_core::{Device, Tensor, D};
 use rayon::prelude::*;
 
 /// Which cached positions `first..past + n` each query of a chunk at positions `past..past + n`
-/// attends over: those within the layer's window ([`window_mask`](super::mask::window_mask)) to
-/// which the policy's additive mask, when one decides, adds its own.
+/// attends over: those within the layer's window (position `j` for the query at `p` when
+/// `j <= p` and `p - j < window`) to which the policy's additive mask, when one decides, adds its
+/// own.
 #[derive(Debug, Clone, Copy)]
 pub(crate) struct ChunkMask<'a> {
     /// The policy's mask `[heads, n, past + n]` (0 where a query attends, −∞ elsewhere).
@@ -28,6 +29,7 @@ pub(crate) struct ChunkMask<'a> {
 
 impl ChunkMask<'_> {
     /// The columns `first..past + n` a line of the chunk's logits spans.
+    #[cfg(test)]
     fn columns(&self, n: usize) -> usize {
         self.past + n - self.first
     }
@@ -62,6 +64,7 @@ impl ChunkMask<'_> {
 }
 
 /// The policy's mask `[heads, n, total]` from column `first` on.
+#[cfg(test)]
 fn policy_columns(
     policy: &[f32],
     (heads, n, total): (usize, usize, usize),
