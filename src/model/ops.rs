@@ -2,7 +2,7 @@
 //! and masked softmax attention (grouped-query).
 
 use super::masked_softmax::{masked_softmax, one_query_softmax, ChunkMask};
-use super::product::rows_product;
+use super::product::{rows_product, with_rows};
 use super::ModelError;
 use candle_core::{Device, Tensor, D};
 
@@ -42,14 +42,36 @@ pub(crate) fn rotary_tables(
     ))
 }
 
-/// Half-split rotary on `[heads, n, head_dim]`.
+/// Half-split rotary on `[heads, n, head_dim]` with tables `[n, head_dim/2]`: each pair
+/// `(a, b)` of a position's halves becomes `(a·cos − b·sin, b·cos + a·sin)`, every product
+/// rounded before its sum as candle's chain of broadcast products, difference and sum rounds
+/// them, so the same bits, in one pass instead of eight operations and their allocations (a
+/// decode step rotates every row's queries and keys at every layer).
 pub(crate) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, ModelError> {
-    let half = x.dims()[2] / 2;
-    let first = x.narrow(2, 0, half)?;
-    let second = x.narrow(2, half, half)?;
-    let rotated_first = (first.broadcast_mul(cos)? - second.broadcast_mul(sin)?)?;
-    let rotated_second = (second.broadcast_mul(cos)? + first.broadcast_mul(sin)?)?;
-    Ok(Tensor::cat(&[rotated_first, rotated_second], 2)?)
+    let (heads, n, dim) = x.dims3()?;
+    let half = dim / 2;
+    let table = |t: &Tensor| -> Result<Vec<f32>, ModelError> { Ok(t.flatten_all()?.to_vec1()?) };
+    let (cos, sin) = (table(cos)?, table(sin)?);
+    let x = x.contiguous()?.reshape((heads * n, dim))?;
+    let rotated = with_rows(&x, |rows, stride| {
+        let mut out = vec![0.0f32; heads * n * dim];
+        for (line, out) in out.chunks_exact_mut(dim).enumerate() {
+            let position = line % n;
+            let (cos, sin) = (&cos[position * half..], &sin[position * half..]);
+            let (first, second) = rows[line * stride..][..dim].split_at(half);
+            let (out_first, out_second) = out.split_at_mut(half);
+            for i in 0..half {
+                let (a, b, c, s) = (first[i], second[i], cos[i], sin[i]);
+                out_first[i] = a * c - b * s;
+                out_second[i] = b * c + a * s;
+            }
+        }
+        out
+    })?;
+    match rotated {
+        Some(out) => Ok(Tensor::from_vec(out, (heads, n, dim), &Device::Cpu)?),
+        None => Err(ModelError::Mask("rotary input outside CPU memory".into())),
+    }
 }
 
 /// `[heads, n, d]` from a `[n, heads*d]` projection.
@@ -266,6 +288,47 @@ mod tests {
             out.extend(mixed.flatten_all().unwrap().to_vec1::<f32>().unwrap());
         }
         out
+    }
+
+    /// The chain of tensor operations [`rotate`] stands for.
+    fn rotated_by_candle(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Tensor {
+        let half = x.dims()[2] / 2;
+        let first = x.narrow(2, 0, half).unwrap();
+        let second = x.narrow(2, half, half).unwrap();
+        let product = |a: &Tensor, b: &Tensor| a.broadcast_mul(b).unwrap();
+        let rotated_first = (product(&first, cos) - product(&second, sin)).unwrap();
+        let rotated_second = (product(&second, cos) + product(&first, sin)).unwrap();
+        Tensor::cat(&[rotated_first, rotated_second], 2).unwrap()
+    }
+
+    #[test]
+    fn the_one_pass_rotary_is_candles_chain_bit_for_bit() {
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let values: Vec<f32> = t.flatten_all().unwrap().to_vec1().unwrap();
+            values.into_iter().map(f32::to_bits).collect()
+        };
+        // Large and small values, so that rounding each product before the sum shows.
+        for (heads, n, dim, start) in [(3, 5, 8, 0), (2, 1, 64, 997), (9, 37, 64, 40)] {
+            let values = (0..heads * n * dim)
+                .map(|i| ((i * 7919 % 1013) as f32 * 0.37).sin() * 10f32.powi((i % 7) as i32 - 3));
+            let x = Tensor::from_vec(values.collect(), (heads, n, dim), &Device::Cpu).unwrap();
+            let (cos, sin) = rotary_tables(&inverse_frequencies(10000.0, dim), start, n).unwrap();
+            let strided = Tensor::from_vec(
+                (0..n * heads * dim)
+                    .map(|i| (i as f32 * 0.61).cos())
+                    .collect(),
+                (n, heads, dim),
+                &Device::Cpu,
+            )
+            .unwrap()
+            .transpose(0, 1)
+            .unwrap();
+            for x in [x, strided] {
+                let fused = rotate(&x, &cos, &sin).unwrap();
+                assert_eq!(fused.dims(), x.dims());
+                assert_eq!(bits(&fused), bits(&rotated_by_candle(&x, &cos, &sin)));
+            }
+        }
     }
 
     #[test]
