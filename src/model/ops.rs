@@ -70,7 +70,7 @@ pub(crate) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, M
     })?;
     match rotated {
         Some(out) => Ok(Tensor::from_vec(out, (heads, n, dim), &Device::Cpu)?),
-        None => Err(ModelError::Mask("rotary input outside CPU memory".into())),
+        None => Err(ModelError::Input("rotary input outside CPU memory".into())),
     }
 }
 
@@ -361,7 +361,8 @@ mod tests {
                 .unwrap();
             let q =
                 Tensor::from_vec(wave(heads * dim, 0.7), (heads, 1, dim), &Device::Cpu).unwrap();
-            // A key masked in one head; in another, every key but the window's first two.
+            // A key masked in one head; in another, all but the last eight keys (two of them inside a
+            // sliding window of ten).
             let mut per_head = vec![0.0f32; heads * positions];
             per_head[3 * positions + 5] = f32::NEG_INFINITY;
             per_head[5 * positions..][..positions - 8].fill(f32::NEG_INFINITY);
