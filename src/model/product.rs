@@ -528,53 +528,57 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
         if shared {
-            // Three rows at a time through every pair of columns, so that the rows stay in the
-            // first-level cache while the weights pass.
-            let (grouped, paired) = (m / 3 * 3, width / 2 * 2);
-            for row in (0..grouped).step_by(3) {
-                let rows = [0, 1, 2].map(|r| &x[(row + r) * k..][..k]);
-                for column in (0..paired).step_by(2) {
-                    let weights = [weight(column), weight(column + 1)];
-                    // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
-                    let sums = unsafe { gemv_dot_3x2_avx512(rows, weights) };
-                    for (r, sums) in sums.into_iter().enumerate() {
-                        block[(row + r) * width + column..][..2].copy_from_slice(&sums);
-                    }
-                }
-            }
-            for column in 0..paired {
-                let to = (&mut *block, width, column);
-                dot_column(x, weight(column), (grouped, m, k), to, shared);
-            }
-            column = paired;
-        }
-        #[cfg(target_arch = "x86_64")]
-        while blocked && column + 4 <= width {
-            let weights: [&[f32]; 4] = std::array::from_fn(|c| weight(column + c));
-            let paired = m / 2 * 2;
-            for row in (0..paired).step_by(2) {
-                let rows = [0, 1].map(|r| &x[(row + r) * k..][..k]);
-                // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
-                let sums = unsafe { gemv_dot_2x4_avx2(rows, weights) };
-                for (r, sums) in sums.into_iter().enumerate() {
-                    block[(row + r) * width + column..][..4].copy_from_slice(&sums);
-                }
-            }
-            for (c, weight) in weights.into_iter().enumerate() {
-                dot_column(
-                    x,
-                    weight,
-                    (paired, m, k),
-                    (block, width, column + c),
-                    shared,
-                );
-            }
-            column += 4;
+            let kernel = gemv_dot_3x2_avx512;
+            // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
+            column = unsafe { dot_tiles(x, &weight, (m, k, width), block, kernel, shared) };
+        } else if blocked {
+            let kernel = gemv_dot_2x4_avx2;
+            // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
+            column = unsafe { dot_tiles(x, &weight, (m, k, width), block, kernel, shared) };
         }
         for column in column..width {
             dot_column(x, weight(column), (0, m, k), (block, width, column), shared);
         }
     })
+}
+
+/// The rows of `x` `R` at a time through the columns of `block` (`width` wide, column `c` the
+/// dot products with `weight(c)`) `C` at a time, by `kernel`, so that the rows stay in the
+/// first-level cache while the weights pass; the rows past the last whole group of `R`, column by
+/// column ([`dot_column`]). Returns the columns done: the whole groups of `C`.
+///
+/// # Safety
+/// The processor has what `kernel` needs.
+#[cfg(target_arch = "x86_64")]
+unsafe fn dot_tiles<'w, const R: usize, const C: usize>(
+    x: &[f32],
+    weight: &dyn Fn(usize) -> &'w [f32],
+    (m, k, width): (usize, usize, usize),
+    block: &mut [f32],
+    kernel: unsafe fn([&[f32]; R], [&[f32]; C]) -> [[f32; C]; R],
+    shared: bool,
+) -> usize {
+    let (grouped, tiled) = (m / R * R, width / C * C);
+    for row in (0..grouped).step_by(R) {
+        let rows: [&[f32]; R] = std::array::from_fn(|r| &x[(row + r) * k..][..k]);
+        for column in (0..tiled).step_by(C) {
+            let weights: [&[f32]; C] = std::array::from_fn(|c| weight(column + c));
+            let sums = kernel(rows, weights);
+            for (r, sums) in sums.into_iter().enumerate() {
+                block[(row + r) * width + column..][..C].copy_from_slice(&sums);
+            }
+        }
+    }
+    for column in 0..tiled {
+        dot_column(
+            x,
+            weight(column),
+            (grouped, m, k),
+            (block, width, column),
+            shared,
+        );
+    }
+    tiled
 }
 
 /// Rows `from..m` of `x` dotted with `weight` into column `column` of `block` (`width` wide), by
