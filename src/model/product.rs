@@ -528,13 +528,17 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
         let mut column = 0;
         #[cfg(target_arch = "x86_64")]
         if shared {
-            let kernel = gemv_dot_3x2_avx512;
             // SAFETY: `shares_weight_loads` detected AVX2, FMA, AVX-512F and AVX-512VL.
-            column = unsafe { dot_tiles(x, &weight, (m, k, width), block, kernel, shared) };
+            let kernel = |rows: [&[f32]; 3], weights: [&[f32]; 2]| unsafe {
+                gemv_dot_3x2_avx512(rows, weights)
+            };
+            column = dot_tiles(x, weight, (m, k, width), block, kernel, shared);
         } else if blocked {
-            let kernel = gemv_dot_2x4_avx2;
             // SAFETY: `fuses_multiply_add` detected AVX2 and FMA.
-            column = unsafe { dot_tiles(x, &weight, (m, k, width), block, kernel, shared) };
+            let kernel = |rows: [&[f32]; 2], weights: [&[f32]; 4]| unsafe {
+                gemv_dot_2x4_avx2(rows, weights)
+            };
+            column = dot_tiles(x, weight, (m, k, width), block, kernel, shared);
         }
         for column in column..width {
             dot_column(x, weight(column), (0, m, k), (block, width, column), shared);
@@ -546,16 +550,13 @@ fn dot_rows(x: &[f32], w: &[f32], stride: usize, (m, k, n): (usize, usize, usize
 /// dot products with `weight(c)`) `C` at a time, by `kernel`, so that the rows stay in the
 /// first-level cache while the weights pass; the rows past the last whole group of `R`, column by
 /// column ([`dot_column`]). Returns the columns done: the whole groups of `C`.
-///
-/// # Safety
-/// The processor has what `kernel` needs.
 #[cfg(target_arch = "x86_64")]
-unsafe fn dot_tiles<'w, const R: usize, const C: usize>(
+fn dot_tiles<'w, const R: usize, const C: usize>(
     x: &[f32],
-    weight: &dyn Fn(usize) -> &'w [f32],
+    weight: impl Fn(usize) -> &'w [f32],
     (m, k, width): (usize, usize, usize),
     block: &mut [f32],
-    kernel: unsafe fn([&[f32]; R], [&[f32]; C]) -> [[f32; C]; R],
+    kernel: impl Fn([&[f32]; R], [&[f32]; C]) -> [[f32; C]; R],
     shared: bool,
 ) -> usize {
     let (grouped, tiled) = (m / R * R, width / C * C);
