@@ -19,6 +19,7 @@ use super::batch::{
     product_spans, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
 };
 use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts};
+use super::gated::{gated, Activation};
 use super::product::rows_product;
 use super::weight::Weight;
 use super::gguf::GgufFile;
@@ -250,7 +251,7 @@ impl Gemma3 {
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
-            let gated = (product(&block.gate)?.gelu()? * product(&block.up)?)?;
+            let gated = gated(&product(&block.gate)?, &product(&block.up)?, Activation::GeluTanh)?;
             let down = block.down.rows_product(&gated, &sums)?;
             x = (x + rms_norm(&down, &block.post_ffw_norm, eps)?)?;
         }

@@ -6,6 +6,7 @@ use super::batch::{
     each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
+use super::gated::{gated, Activation};
 use super::weight::Weight;
 use super::gguf::{unpermute_rows, GgufFile};
 use super::cached_attention::LayerAttention;
@@ -186,7 +187,7 @@ impl Llama {
             x = (x + block.wo.rows_product(&attended, &sums)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
-            let gated = (product(&block.gate)?.silu()? * product(&block.up)?)?;
+            let gated = gated(&product(&block.gate)?, &product(&block.up)?, Activation::Silu)?;
             x = (x + block.down.rows_product(&gated, &sums)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {

@@ -20,6 +20,7 @@ mod causal_lm;
 mod error;
 mod expf;
 pub mod family;
+mod gated;
 mod gguf;
 pub mod hf;
 mod mask;
@@ -32,6 +33,7 @@ mod prompt;
 mod recorder;
 mod spm;
 mod strips;
+mod tanhf;
 mod tokenizer;
 mod weight;
 
