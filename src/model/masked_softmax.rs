@@ -6,9 +6,10 @@
 //! `[n, P]` logits per head, each with its own allocation, took a sixth of a ~4K SmolLM2 prompt's
 //! closed-loop runs.
 
+use super::line_sum::line_sum;
 use super::product::with_rows;
 use super::ModelError;
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
 use rayon::prelude::*;
 
 /// Which cached positions `first..past + n` each query of a chunk at positions `past..past + n`
@@ -98,7 +99,7 @@ pub(crate) fn masked_softmax(
                     &policy[(head * n + row) * total + mask.first..][..columns]
                 });
                 let logits = &data[row * stride..][..columns];
-                exponentiate(logits, line, (scale, policy), mask.window_of(row));
+                softmax_line(logits, line, (scale, policy), mask.window_of(row));
             });
         weights
     })?;
@@ -107,8 +108,7 @@ pub(crate) fn masked_softmax(
             "attention logits outside CPU memory".into(),
         ));
     };
-    let weights = Tensor::from_vec(weights, (1, n, columns), &Device::Cpu)?;
-    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
+    Ok(Tensor::from_vec(weights, (1, n, columns), &Device::Cpu)?)
 }
 
 /// `softmax(scale · logits + mask)` of the lines `[lines, columns]` of one-query steps, each
@@ -136,10 +136,9 @@ fn softmax_windowed_lines<'m>(
     let mut weights = vec![0.0f32; lines * columns];
     for (line, out) in weights.chunks_exact_mut(columns).enumerate() {
         let logits = &logits[line * columns..][..columns];
-        exponentiate(logits, out, (scale, policy(line)), window);
+        softmax_line(logits, out, (scale, policy(line)), window);
     }
-    let weights = Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?;
-    Ok(weights.broadcast_div(&weights.sum_keepdim(D::Minus1)?)?)
+    Ok(Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?)
 }
 
 /// `softmax(scale · logits + mask)` of one query per head (a step), for query heads
@@ -170,12 +169,13 @@ pub(crate) fn one_query_softmax(
     })
 }
 
-/// One query's `exp(x − max x)` into `out`, where `x = (logit · scale + 0) + m`: the window's
-/// mask (0 on columns `lo..=hi`, −∞ elsewhere), plus the policy's entry first when it decides,
-/// as candle's affine map and broadcast additions compute them, each exponential as `f32::exp`
-/// ([`exp_shifted`](super::expf::exp_shifted)). A masked entry's `x` is −∞, and its weight
+/// One query's `exp(x − max x)` into `out`, each divided by the line's sum, where
+/// `x = (logit · scale + 0) + m`: the window's mask (0 on columns `lo..=hi`, −∞ elsewhere), plus
+/// the policy's entry first when it decides, as candle's affine map and broadcast additions
+/// compute them, each exponential as `f32::exp` ([`exp_shifted`](super::expf::exp_shifted)), the
+/// sum as its `sum_keepdim` ([`line_sum`]). A masked entry's `x` is −∞, and its weight
 /// `exp(−∞ − max)` is 0 when any entry is not masked.
-fn exponentiate(
+fn softmax_line(
     logits: &[f32],
     out: &mut [f32],
     (scale, policy): (f64, Option<&[f32]>),
@@ -201,11 +201,15 @@ fn exponentiate(
         // Every entry is masked: candle's `exp(−∞ − (−∞))`, a NaN, on each (computed at run
         // time, as candle computes it, so that its bits are the same).
         out.fill((f32::NEG_INFINITY - std::hint::black_box(f32::NEG_INFINITY)).exp());
-        return;
+    } else {
+        out[..lo].fill(0.0);
+        out[hi + 1..].fill(0.0);
+        super::expf::exp_shifted(&mut out[lo..=hi], max);
     }
-    out[..lo].fill(0.0);
-    out[hi + 1..].fill(0.0);
-    super::expf::exp_shifted(&mut out[lo..=hi], max);
+    let total = line_sum(out);
+    for weight in out {
+        *weight /= total;
+    }
 }
 
 /// The largest of `values`, NaNs left out, as a fold of `f32::max` gives it, compared in eight
@@ -230,6 +234,7 @@ fn line_max(values: &[f32]) -> f32 {
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::D;
 
     /// The chain of tensor operations the fused pass stands for.
     fn by_candle(logits: &Tensor, scale: f64, mask: &Tensor) -> Vec<f32> {

@@ -23,6 +23,7 @@ pub mod family;
 mod gated;
 mod gguf;
 pub mod hf;
+mod line_sum;
 mod mask;
 pub(crate) mod mask_buffers;
 mod masked_softmax;

@@ -1,16 +1,60 @@
 //! Tensor operations both model families share: RMSNorm, the half-split rotary, head splitting,
 //! and masked softmax attention (grouped-query).
 
+use super::line_sum::line_sum;
 use super::masked_softmax::{masked_softmax, one_query_softmax, ChunkMask};
 use super::product::{rows_product, with_rows};
 use super::ModelError;
-use candle_core::{Device, Tensor, D};
+use candle_core::{Device, Tensor};
+use rayon::prelude::*;
 
-/// `x / rms(x) * weight` over the last axis.
+/// Elements of the lines one task normalises, at least one line.
+const TASK_ELEMENTS: usize = 16384;
+
+/// `x / rms(x) * weight` over the last axis, in one parallel pass over the lines, each element
+/// what candle's chain (`sqr`, `mean_keepdim`, `+ eps`, `sqrt`, `recip`, two broadcast products)
+/// gives, bit for bit: the mean is the line's sum ([`line_sum`]) times `1/width` rounded to f32,
+/// plus 0, and `eps` is added after a product by 1, as candle's affine maps compute them.
 pub(crate) fn rms_norm(x: &Tensor, weight: &Tensor, eps: f64) -> Result<Tensor, ModelError> {
-    let mean_square = x.sqr()?.mean_keepdim(D::Minus1)?;
-    let inv_rms = (mean_square + eps)?.sqrt()?.recip()?;
-    Ok(x.broadcast_mul(&inv_rms)?.broadcast_mul(weight)?)
+    let shape = x.shape().clone();
+    let width = x.dims().last().copied().unwrap_or(0);
+    let weight: Vec<f32> = weight.to_vec1()?;
+    if weight.len() != width || width == 0 {
+        return Err(ModelError::Input(format!(
+            "an RMSNorm of {} weights over lines of {width}",
+            weight.len()
+        )));
+    }
+    let lines = x
+        .contiguous()?
+        .reshape((shape.elem_count() / width, width))?;
+    match with_rows(&lines, |data, _| normalized_lines(data, &weight, eps))? {
+        Some(normed) => Ok(Tensor::from_vec(normed, shape, &Device::Cpu)?),
+        None => Err(ModelError::Input("RMSNorm input outside CPU memory".into())),
+    }
+}
+
+/// [`rms_norm`] of the lines of `data`, each `weight.len()` wide.
+fn normalized_lines(data: &[f32], weight: &[f32], eps: f64) -> Vec<f32> {
+    let width = weight.len();
+    let (scale, eps) = ((1.0 / width as f64) as f32, eps as f32);
+    let task = width * (TASK_ELEMENTS / width).max(1);
+    let mut out = vec![0.0f32; data.len()];
+    out.par_chunks_mut(task)
+        .zip(data.par_chunks(task))
+        .for_each(|(out, data)| {
+            for (out, x) in out.chunks_exact_mut(width).zip(data.chunks_exact(width)) {
+                for (square, &v) in out.iter_mut().zip(x) {
+                    *square = v * v;
+                }
+                let mean_square = line_sum(out) * scale + 0.0;
+                let inv_rms = (mean_square * 1.0 + eps).sqrt().recip();
+                for ((out, &v), &w) in out.iter_mut().zip(x).zip(weight) {
+                    *out = v * inv_rms * w;
+                }
+            }
+        });
+    out
 }
 
 /// Inverse frequencies `theta^(-2i/d)` of the half-split rotary.
@@ -152,6 +196,7 @@ fn attend_one_query(
 #[cfg(test)]
 mod tests {
     use super::*;
+    use candle_core::D;
 
     /// `softmax(scale · q·k + mask) · v` head by head in f64, query head `h` reading KV head
     /// `h / group`: the definition, with nothing shared.
@@ -299,6 +344,65 @@ mod tests {
         let rotated_first = (product(&first, cos) - product(&second, sin)).unwrap();
         let rotated_second = (product(&second, cos) + product(&first, sin)).unwrap();
         Tensor::cat(&[rotated_first, rotated_second], 2).unwrap()
+    }
+
+    #[test]
+    fn the_one_pass_rms_norm_is_candles_chain_bit_for_bit() {
+        // Lines shorter and longer than the sum's 32-value blocks, several tasks' worth, values
+        // of many magnitudes; a QK-norm's `[heads, n, d]`, and a strided view.
+        let wave = |len: usize, salt: f32| -> Vec<f32> {
+            (0..len)
+                .map(|i| {
+                    let magnitude = ((i * 7919) % 17) as f32 - 8.0;
+                    ((i as f32 + salt) * 0.37).sin() * magnitude.exp2()
+                })
+                .collect()
+        };
+        let chain = |x: &Tensor, weight: &Tensor, eps: f64| -> Tensor {
+            let mean_square = x.sqr().unwrap().mean_keepdim(D::Minus1).unwrap();
+            let inv_rms = (mean_square + eps)
+                .unwrap()
+                .sqrt()
+                .unwrap()
+                .recip()
+                .unwrap();
+            x.broadcast_mul(&inv_rms)
+                .unwrap()
+                .broadcast_mul(weight)
+                .unwrap()
+        };
+        let bits = |t: &Tensor| -> Vec<u32> {
+            let values = t.flatten_all().unwrap().to_vec1::<f32>().unwrap();
+            values.iter().map(|v| v.to_bits()).collect()
+        };
+        let cpu = &Device::Cpu;
+        for (dims, eps) in [
+            (vec![3, 7], 1e-6),
+            (vec![5, 64], 1e-5),
+            (vec![40, 640], 1e-6),
+            (vec![2, 2049], 1e-6),
+            (vec![4, 9, 256], 1e-6),
+        ] {
+            let width = *dims.last().unwrap();
+            let count = dims.iter().product();
+            let x = Tensor::from_vec(wave(count, 0.5), dims.as_slice(), cpu).unwrap();
+            let weight = Tensor::from_vec(wave(width, 2.0), width, cpu).unwrap();
+            let ours = rms_norm(&x, &weight, eps).unwrap();
+            assert_eq!(bits(&ours), bits(&chain(&x, &weight, eps)), "{dims:?}");
+        }
+        let x = Tensor::from_vec(wave(64 * 5, 1.0), (64, 5), cpu)
+            .unwrap()
+            .t()
+            .unwrap();
+        let weight = Tensor::from_vec(wave(64, 3.0), 64, cpu).unwrap();
+        let ours = rms_norm(&x, &weight, 1e-6).unwrap();
+        assert_eq!(bits(&ours), bits(&chain(&x, &weight, 1e-6)));
+        let refused = rms_norm(
+            &x,
+            &Tensor::ones(63, candle_core::DType::F32, cpu).unwrap(),
+            1e-6,
+        );
+        assert!(matches!(refused, Err(ModelError::Input(_))), "{refused:?}");
     }
 
     #[test]
