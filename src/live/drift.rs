@@ -41,13 +41,7 @@ impl StartKeys {
     /// The keys `cache` holds in every layer.
     pub fn new(cache: &KvCache) -> Result<Self, ModelError> {
         let layers = (0..cache.n_layers())
-            .map(|layer| {
-                let keys = cache.keys(layer)?;
-                Ok(keys
-                    .outer_iter()
-                    .map(|head| head.iter().copied().collect())
-                    .collect())
-            })
+            .map(|layer| cache.head_keys(layer))
             .collect::<Result<_, ModelError>>()?;
         Ok(Self { layers })
     }

@@ -3,10 +3,12 @@
 //! attention saw. Greedy generation is written once, here, for every family.
 
 use super::mask::{AttentionMask, Rewrite};
+use super::product::with_rows;
 use super::prompt::TextTokenizer;
 use super::recorder::Recorder;
 use super::ModelError;
 use candle_core::{Device, Tensor};
+use std::sync::Arc;
 
 /// The attention geometry of a model, as a trace header records it.
 #[derive(Debug, Clone, PartialEq)]
@@ -388,6 +390,30 @@ impl KvCache {
         super::mask::to_array(&keys.transpose(1, 2)?.contiguous()?)
     }
 
+    /// The cached keys of `layer` per KV head, each `[positions, head_dim]` row after row in one
+    /// shared allocation: [`keys`](Self::keys) head by head, transposed straight from the cache.
+    pub(crate) fn head_keys(&self, layer: usize) -> Result<Vec<Arc<[f32]>>, ModelError> {
+        let layer = &self.layers[layer];
+        let (heads, dim, room) = layer.keys_t.dims3()?;
+        let held = layer.held();
+        let lines = layer.keys_t.reshape((heads * dim, room))?;
+        let transposed = with_rows(&lines, |data, stride| {
+            (0..heads)
+                .map(|head| {
+                    let mut rows = vec![0.0f32; held * dim];
+                    for channel in 0..dim {
+                        let line = &data[(head * dim + channel) * stride..][..held];
+                        for (position, &key) in line.iter().enumerate() {
+                            rows[position * dim + channel] = key;
+                        }
+                    }
+                    Arc::from(rows)
+                })
+                .collect()
+        })?;
+        transposed.ok_or_else(|| ModelError::Input("cached keys outside CPU memory".into()))
+    }
+
     /// The cached values of `layer`, `[n_kv_heads, positions, head_dim]` (the positions it
     /// holds, as [`keys`](Self::keys)).
     pub fn values(&self, layer: usize) -> Result<ndarray::Array3<f32>, ModelError> {
@@ -688,8 +714,12 @@ mod tests {
         (t.clone(), (t * 2.0).unwrap())
     }
 
+    /// The keys of layer 0, head after head, row after row; taken head by head they are the same.
     fn rows(cache: &KvCache) -> Vec<f32> {
-        cache.keys(0).unwrap().iter().copied().collect()
+        let rows: Vec<f32> = cache.keys(0).unwrap().iter().copied().collect();
+        let heads = cache.head_keys(0).unwrap();
+        assert_eq!(heads.concat(), rows);
+        rows
     }
 
     #[test]
