@@ -67,6 +67,12 @@ fn finish(p: [f32; 8], xs: &[f32], ys: &[f32]) -> f32 {
     sum += p[1] + p[5];
     sum += p[2] + p[6];
     sum += p[3] + p[7];
+    tail(sum, xs, ys)
+}
+
+/// `sum` with the terms left over past the eight lanes added one by one.
+#[inline]
+fn tail(mut sum: f32, xs: &[f32], ys: &[f32]) -> f32 {
     for (&x, &y) in xs.iter().zip(ys) {
         sum += x * y;
     }
@@ -74,7 +80,8 @@ fn finish(p: [f32; 8], xs: &[f32], ys: &[f32]) -> f32 {
 }
 
 /// [`ROWS`] rows' `unrolled_dot` with `query`, each row's eight partial sums the lanes of one
-/// vector (multiplied, then added: no fused multiply-add).
+/// vector (multiplied, then added: no fused multiply-add), the eight rows' partial sums then
+/// added together in one transposed pass ([`finish_eight`]).
 ///
 /// # Safety
 /// The processor has AVX.
@@ -95,11 +102,43 @@ unsafe fn dots_avx(rows: [&[f32]; ROWS], query: &[f32]) -> [f32; ROWS] {
         }
         at += 8;
     }
-    std::array::from_fn(|index| {
-        let mut lanes = [0.0f32; 8];
-        _mm256_storeu_ps(lanes.as_mut_ptr(), sums[index]);
-        finish(lanes, &rows[index][whole..], &query[whole..])
-    })
+    let heads = finish_eight(sums);
+    std::array::from_fn(|index| tail(heads[index], &rows[index][whole..], &query[whole..]))
+}
+
+/// Eight vectors' partial sums added as [`finish`] adds them, before the terms left over: lane
+/// `i` of `sums[i]`'s `0 + (p0 + p4) + (p1 + p5) + (p2 + p6) + (p3 + p7)`, the eight at once
+/// after a transpose that puts every vector's partial sum `p_l` in one vector.
+///
+/// # Safety
+/// The processor has AVX.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx")]
+unsafe fn finish_eight(sums: [std::arch::x86_64::__m256; 8]) -> [f32; 8] {
+    use std::arch::x86_64::*;
+    let [a, b, c, d, e, f, g, h] = sums;
+    // Pairs of vectors interleaved, then quadruples: `low[l]` holds `p_l` and `p_{l+4}` of the
+    // first four vectors, `high[l]` of the last four.
+    let quads = |a, b, c, d| {
+        let (ab_low, ab_high) = (_mm256_unpacklo_ps(a, b), _mm256_unpackhi_ps(a, b));
+        let (cd_low, cd_high) = (_mm256_unpacklo_ps(c, d), _mm256_unpackhi_ps(c, d));
+        [
+            _mm256_shuffle_ps::<0x44>(ab_low, cd_low),
+            _mm256_shuffle_ps::<0xee>(ab_low, cd_low),
+            _mm256_shuffle_ps::<0x44>(ab_high, cd_high),
+            _mm256_shuffle_ps::<0xee>(ab_high, cd_high),
+        ]
+    };
+    let (low, high) = (quads(a, b, c, d), quads(e, f, g, h));
+    let p = |l: usize| _mm256_permute2f128_ps::<0x20>(low[l], high[l]);
+    let p_plus_four = |l: usize| _mm256_permute2f128_ps::<0x31>(low[l], high[l]);
+    let mut sum = _mm256_setzero_ps();
+    for l in 0..4 {
+        sum = _mm256_add_ps(sum, _mm256_add_ps(p(l), p_plus_four(l)));
+    }
+    let mut out = [0.0f32; 8];
+    _mm256_storeu_ps(out.as_mut_ptr(), sum);
+    out
 }
 
 #[cfg(test)]
