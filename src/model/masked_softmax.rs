@@ -174,8 +174,41 @@ pub(crate) fn one_query_softmax(
 /// the policy's entry first when it decides, as candle's affine map and broadcast additions
 /// compute them, each exponential as `f32::exp` ([`exp_shifted`](super::expf::exp_shifted)), the
 /// sum as its `sum_keepdim` ([`line_sum`]). A masked entry's `x` is −∞, and its weight
-/// `exp(−∞ − max)` is 0 when any entry is not masked.
+/// `exp(−∞ − max)` is 0 when any entry is not masked. Where the processor has AVX2 its passes
+/// run eight lanes wide: each element's operations are the same.
 fn softmax_line(
+    logits: &[f32],
+    out: &mut [f32],
+    mask: (f64, Option<&[f32]>),
+    window: (usize, usize),
+) {
+    #[cfg(target_arch = "x86_64")]
+    if std::is_x86_feature_detected!("avx2") {
+        // SAFETY: AVX2 was just detected.
+        unsafe { softmax_line_avx2(logits, out, mask, window) };
+        return;
+    }
+    softmax_line_here(logits, out, mask, window);
+}
+
+/// [`softmax_line`] compiled for AVX2.
+///
+/// # Safety
+/// The processor must support AVX2.
+#[cfg(target_arch = "x86_64")]
+#[target_feature(enable = "avx2")]
+unsafe fn softmax_line_avx2(
+    logits: &[f32],
+    out: &mut [f32],
+    mask: (f64, Option<&[f32]>),
+    window: (usize, usize),
+) {
+    softmax_line_here(logits, out, mask, window);
+}
+
+/// [`softmax_line`]'s passes, compiled for the processor of the function they are inlined in.
+#[inline(always)]
+fn softmax_line_here(
     logits: &[f32],
     out: &mut [f32],
     (scale, policy): (f64, Option<&[f32]>),
@@ -215,6 +248,7 @@ fn softmax_line(
 /// The largest of `values`, NaNs left out, as a fold of `f32::max` gives it, compared in eight
 /// lanes: a maximum does not depend on the order of its comparisons (of two zeros either may
 /// come out, and `x − max` is the same for both).
+#[inline(always)]
 fn line_max(values: &[f32]) -> f32 {
     let larger = |max: f32, x: f32| if x > max { x } else { max };
     let mut lanes = [f32::NEG_INFINITY; 8];
