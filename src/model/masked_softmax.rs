@@ -1,10 +1,10 @@
 //! The softmax of a chunk's attention logits under its mask, in one pass over each query's line:
 //! the window's and the policy's masks read where they lie, never added into a mask of their own,
-//! and the scale, mask, maximum and exponential of each logit computed as candle's chain of
-//! tensor operations computes them, bit for bit. A long prompt's prefill under a policy that
-//! evicts while it runs attends every query over every earlier key; the chain's six passes over
-//! `[n, P]` logits per head, each with its own allocation, took a sixth of a ~4K SmolLM2 prompt's
-//! closed-loop runs.
+//! and the scale, mask, maximum, exponential, sum and division of each line computed as
+//! candle's chain of tensor operations computes them, bit for bit. A long prompt's prefill under
+//! a policy that evicts while it runs attends every query over every earlier key; the chain's six
+//! passes over `[n, P]` logits per head, each with its own allocation, took a sixth of a ~4K
+//! SmolLM2 prompt's closed-loop runs.
 
 use super::line_sum::line_sum;
 use super::product::with_rows;
@@ -79,7 +79,8 @@ fn policy_columns(
 
 /// `softmax(scale · logits + mask)` over the last axis for query head `head`'s logits
 /// `[1, n, columns]`: what `((logits * scale) + mask)`, its maximum subtracted, exponentiated
-/// and divided by its sum, gives in candle, bit for bit (the sum and the division are candle's).
+/// and divided by its sum, gives in candle, bit for bit (the sum in the order of candle's
+/// `sum_keepdim`, [`line_sum`]).
 pub(crate) fn masked_softmax(
     logits: &Tensor,
     scale: f64,
