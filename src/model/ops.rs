@@ -465,8 +465,8 @@ mod tests {
                 .unwrap();
             let q =
                 Tensor::from_vec(wave(heads * dim, 0.7), (heads, 1, dim), &Device::Cpu).unwrap();
-            // A key masked in one head; in another, all but the last eight keys (so the first two of a
-            // ten-key sliding window too).
+            // A key masked in one head; in another, all but the last eight keys (so the first two
+            // of a ten-key sliding window too).
             let mut per_head = vec![0.0f32; heads * positions];
             per_head[3 * positions + 5] = f32::NEG_INFINITY;
             per_head[5 * positions..][..positions - 8].fill(f32::NEG_INFINITY);
