@@ -26,7 +26,7 @@ use super::gguf::GgufFile;
 use super::llama::transposed;
 use super::cached_attention::LayerAttention;
 use super::ops::{
-    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads,
+    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables,
 };
 use super::prompt::TextTokenizer;
 use super::{ModelError, SpmTokenizer};
@@ -204,8 +204,8 @@ impl CausalLm for Gemma3 {
 struct Sequence {
     past: usize,
     feed: Feed,
-    global: (Tensor, Tensor),
-    sliding: (Tensor, Tensor),
+    global: RotaryTables,
+    sliding: RotaryTables,
 }
 
 impl Gemma3 {
@@ -274,8 +274,8 @@ impl Gemma3 {
         Ok(Sequence {
             past,
             feed,
-            global: rotary_tables(&self.global_inv_freq, start, n)?,
-            sliding: rotary_tables(&self.sliding_inv_freq, start, n)?,
+            global: rotary_tables(&self.global_inv_freq, start, n),
+            sliding: rotary_tables(&self.sliding_inv_freq, start, n),
         })
     }
 
@@ -289,15 +289,15 @@ impl Gemma3 {
     ) -> Result<Rotated, ModelError> {
         let (spec, eps) = (&self.spec, self.rms_eps);
         let window = spec.windows[layer];
-        let (cos, sin) = if window > 0 {
+        let tables = if window > 0 {
             &sequence.sliding
         } else {
             &sequence.global
         };
         let q = split_heads(&q, spec.n_heads)?;
-        let q = rotate(&rms_norm(&q, &block.q_norm, eps)?, cos, sin)?;
+        let q = rotate(&rms_norm(&q, &block.q_norm, eps)?, tables)?;
         let k = split_heads(&k, spec.n_kv_heads)?;
-        let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, cos, sin)?;
+        let k = rotate(&rms_norm(&k, &block.k_norm, eps)?, tables)?;
         let v = split_heads(&v, spec.n_kv_heads)?;
         let geometry = LayerAttention {
             layer,

@@ -10,7 +10,9 @@ use super::gated::{gated, Activation};
 use super::weight::Weight;
 use super::gguf::{unpermute_rows, GgufFile};
 use super::cached_attention::LayerAttention;
-use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads};
+use super::ops::{
+    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables,
+};
 use super::prompt::TextTokenizer;
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
@@ -153,8 +155,7 @@ impl CausalLm for Llama {
 struct Sequence {
     past: usize,
     feed: Feed,
-    cos: Tensor,
-    sin: Tensor,
+    rotary: RotaryTables,
 }
 
 impl Llama {
@@ -205,12 +206,11 @@ impl Llama {
     /// What `row`'s attention needs through the pass, its tokens fed as `feed` says.
     fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past) = (row.ids.len(), row.cache.len());
-        let (cos, sin) = rotary_tables(&self.inv_freq, row.cache.next_position, n)?;
+        let rotary = rotary_tables(&self.inv_freq, row.cache.next_position, n);
         Ok(Sequence {
             past,
             feed,
-            cos,
-            sin,
+            rotary,
         })
     }
 
@@ -224,9 +224,8 @@ impl Llama {
     ) -> Result<Rotated, ModelError> {
         let config = &self.config;
         let (n_heads, n_kv) = (config.n_heads, config.n_kv_heads);
-        let (cos, sin) = (&sequence.cos, &sequence.sin);
-        let q = rotate(&split_heads(&q, n_heads)?, cos, sin)?;
-        let k = rotate(&split_heads(&k, n_kv)?, cos, sin)?;
+        let q = rotate(&split_heads(&q, n_heads)?, &sequence.rotary)?;
+        let k = rotate(&split_heads(&k, n_kv)?, &sequence.rotary)?;
         let v = split_heads(&v, n_kv)?;
         let geometry = LayerAttention {
             layer,

@@ -64,12 +64,16 @@ pub(crate) fn inverse_frequencies(theta: f32, head_dim: usize) -> Vec<f32> {
         .collect()
 }
 
-/// cos and sin tables `[n, head_dim/2]` for positions `start..start+n`.
-pub(crate) fn rotary_tables(
-    inv_freq: &[f32],
-    start: usize,
-    n: usize,
-) -> Result<(Tensor, Tensor), ModelError> {
+/// The half-split rotary's cos and sin tables for a run of positions, `[n, head_dim/2]` each,
+/// row-major.
+pub(crate) struct RotaryTables {
+    cos: Vec<f32>,
+    sin: Vec<f32>,
+    half: usize,
+}
+
+/// The rotary tables for positions `start..start+n`.
+pub(crate) fn rotary_tables(inv_freq: &[f32], start: usize, n: usize) -> RotaryTables {
     let half = inv_freq.len();
     let mut cos = Vec::with_capacity(n * half);
     let mut sin = Vec::with_capacity(n * half);
@@ -80,22 +84,25 @@ pub(crate) fn rotary_tables(
             sin.push(angle.sin());
         }
     }
-    Ok((
-        Tensor::from_vec(cos, (n, half), &Device::Cpu)?,
-        Tensor::from_vec(sin, (n, half), &Device::Cpu)?,
-    ))
+    RotaryTables { cos, sin, half }
 }
 
-/// Half-split rotary on `[heads, n, head_dim]` with tables `[n, head_dim/2]`: each pair
+/// Half-split rotary on `[heads, n, head_dim]` with `tables` for its `n` positions: each pair
 /// `(a, b)` of a position's halves becomes `(a·cos − b·sin, b·cos + a·sin)`, every product
 /// rounded before its sum as candle's chain of broadcast products, difference and sum rounds
 /// them, so the same bits, in one pass instead of eight operations and their allocations (a
 /// decode step rotates every row's queries and keys at every layer).
-pub(crate) fn rotate(x: &Tensor, cos: &Tensor, sin: &Tensor) -> Result<Tensor, ModelError> {
+pub(crate) fn rotate(x: &Tensor, tables: &RotaryTables) -> Result<Tensor, ModelError> {
     let (heads, n, dim) = x.dims3()?;
     let half = dim / 2;
-    let table = |t: &Tensor| -> Result<Vec<f32>, ModelError> { Ok(t.flatten_all()?.to_vec1()?) };
-    let (cos, sin) = (table(cos)?, table(sin)?);
+    let RotaryTables { cos, sin, .. } = tables;
+    if tables.half != half || cos.len() < n * half {
+        return Err(ModelError::Input(format!(
+            "rotary tables of {} positions by {} for {n} positions of {dim} channels",
+            cos.len() / tables.half.max(1),
+            tables.half
+        )));
+    }
     let x = x.contiguous()?.reshape((heads * n, dim))?;
     let rotated = with_rows(&x, |rows, stride| {
         let mut out = vec![0.0f32; heads * n * dim];
@@ -416,7 +423,9 @@ mod tests {
             let values = (0..heads * n * dim)
                 .map(|i| ((i * 7919 % 1013) as f32 * 0.37).sin() * 10f32.powi((i % 7) as i32 - 3));
             let x = Tensor::from_vec(values.collect(), (heads, n, dim), &Device::Cpu).unwrap();
-            let (cos, sin) = rotary_tables(&inverse_frequencies(10000.0, dim), start, n).unwrap();
+            let tables = rotary_tables(&inverse_frequencies(10000.0, dim), start, n);
+            let table = |t: &[f32]| Tensor::from_slice(t, (n, dim / 2), &Device::Cpu).unwrap();
+            let (cos, sin) = (table(&tables.cos), table(&tables.sin));
             let strided = Tensor::from_vec(
                 (0..n * heads * dim)
                     .map(|i| (i as f32 * 0.61).cos())
@@ -428,10 +437,17 @@ mod tests {
             .transpose(0, 1)
             .unwrap();
             for x in [x, strided] {
-                let fused = rotate(&x, &cos, &sin).unwrap();
+                let fused = rotate(&x, &tables).unwrap();
                 assert_eq!(fused.dims(), x.dims());
                 assert_eq!(bits(&fused), bits(&rotated_by_candle(&x, &cos, &sin)));
             }
+        }
+        // Tables of another head size, or of fewer positions, are refused.
+        let x = Tensor::zeros((2, 3, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
+        for (dim, n) in [(4, 3), (8, 2)] {
+            let tables = rotary_tables(&inverse_frequencies(10000.0, dim), 0, n);
+            let refused = rotate(&x, &tables);
+            assert!(matches!(refused, Err(ModelError::Input(_))), "{refused:?}");
         }
     }
 
