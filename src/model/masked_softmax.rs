@@ -120,26 +120,25 @@ pub(crate) fn softmax_lines<'m>(
     (lines, columns): (usize, usize),
     scale: f64,
     policy: impl Fn(usize) -> Option<&'m [f32]>,
-) -> Result<Vec<f32>, ModelError> {
+) -> Vec<f32> {
     let window = (0, columns - 1);
-    let weights = softmax_windowed_lines(logits, (lines, columns), (scale, window), policy)?;
-    Ok(weights.flatten_all()?.to_vec1::<f32>()?)
+    softmax_windowed_lines(logits, (lines, columns), (scale, window), policy)
 }
 
 /// [`softmax_lines`] of lines that see columns `lo..=hi` of their own (a sliding-window layer's
-/// query over a cache holding more than its window), as a tensor `[lines, columns]`.
+/// query over a cache holding more than its window).
 fn softmax_windowed_lines<'m>(
     logits: &[f32],
     (lines, columns): (usize, usize),
     (scale, window): (f64, (usize, usize)),
     policy: impl Fn(usize) -> Option<&'m [f32]>,
-) -> Result<Tensor, ModelError> {
+) -> Vec<f32> {
     let mut weights = vec![0.0f32; lines * columns];
     for (line, out) in weights.chunks_exact_mut(columns).enumerate() {
         let logits = &logits[line * columns..][..columns];
         softmax_line(logits, out, (scale, policy(line)), window);
     }
-    Ok(Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?)
+    weights
 }
 
 /// `softmax(scale · logits + mask)` of one query per head (a step), for query heads
@@ -163,11 +162,12 @@ pub(crate) fn one_query_softmax(
     let weights = with_rows(&logits, |data, _| {
         softmax_windowed_lines(data, (lines, columns), (scale, mask.window_of(0)), policy)
     })?;
-    weights.unwrap_or_else(|| {
-        Err(ModelError::Mask(
+    match weights {
+        Some(weights) => Ok(Tensor::from_vec(weights, (lines, columns), &Device::Cpu)?),
+        None => Err(ModelError::Mask(
             "attention logits outside CPU memory".into(),
-        ))
-    })
+        )),
+    }
 }
 
 /// One query's `exp(x − max x)` into `out`, each divided by the line's sum, where

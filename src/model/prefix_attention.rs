@@ -264,7 +264,7 @@ fn query_weights(
         line.extend_from_slice(&own[head * seen..][..seen]);
     }
     let policy = |head: usize| member.policy_line(token, kv * group + head, columns);
-    let weights = softmax_lines(&line, (group, columns), shape.scale, policy)?;
+    let weights = softmax_lines(&line, (group, columns), shape.scale, policy);
     Ok((weights, columns))
 }
 
