@@ -96,7 +96,7 @@ pub(crate) fn rotate(x: &Tensor, tables: &RotaryTables) -> Result<Tensor, ModelE
     let (heads, n, dim) = x.dims3()?;
     let half = dim / 2;
     let RotaryTables { cos, sin, .. } = tables;
-    if tables.half != half || cos.len() < n * half {
+    if tables.half != half || cos.len() != n * half {
         return Err(ModelError::Input(format!(
             "rotary tables of {} positions by {} for {n} positions of {dim} channels",
             cos.len() / tables.half.max(1),
@@ -442,9 +442,9 @@ mod tests {
                 assert_eq!(bits(&fused), bits(&rotated_by_candle(&x, &cos, &sin)));
             }
         }
-        // Tables of another head size, or of fewer positions, are refused.
+        // Tables of another head size, or of other positions, are refused.
         let x = Tensor::zeros((2, 3, 8), candle_core::DType::F32, &Device::Cpu).unwrap();
-        for (dim, n) in [(4, 3), (8, 2)] {
+        for (dim, n) in [(4, 3), (8, 2), (8, 4)] {
             let tables = rotary_tables(&inverse_frequencies(10000.0, dim), 0, n);
             let refused = rotate(&x, &tables);
             assert!(matches!(refused, Err(ModelError::Input(_))), "{refused:?}");
