@@ -475,12 +475,13 @@ fn two_models_side_by_side() {
     };
     let (part_a, part_b) = (part("model-a"), part("model-b"));
     assert!(
-        part_a.contains("Student t over per-trace means"),
+        part_a.contains("Student t over the per-prompt means of 2 prompts, 2 runs"),
         "{part_a}"
     );
     assert!(!part_a.contains("attends over"), "{part_a}");
     assert!(
-        part_b.contains(&format!("| snapkv | {:.4} ± ", mass(&b1))),
+        part_b.contains(&format!("| snapkv | {:.4} (", mass(&b1)))
+            && part_b.contains("Mean retained mass of the one prompt (no interval"),
         "{part_b}"
     );
     assert!(part_b.contains("| 0     | window 8"), "{part_b}");

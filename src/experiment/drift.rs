@@ -5,13 +5,17 @@
 //! layer by layer, is how far the model's own vectors moved once tokens were gone: what an
 //! open-loop number cannot see. Runs stored before the live mass was measured are left out.
 
+use super::calibration::prompts_of;
 use super::figures::{line_chart, FigureFiles, Series};
-use super::stats::{bootstrap, spearman};
+use super::intervals::rank_interval;
+use super::protocols::protocol;
+use super::stats::spearman;
 use super::store::StoredRun;
 use super::SweepError;
 use crate::export::{Format, Table};
 use crate::replay::RETAINED_MASS;
 use crate::trace::ranges;
+use std::collections::BTreeSet;
 use std::path::PathBuf;
 
 /// A run's open-loop and live retained mass, per layer and overall, when both were measured.
@@ -133,21 +137,32 @@ pub(crate) fn section(
     Ok((out, figures))
 }
 
-/// Which predicts the closed-loop KL better: the open-loop or the live retained mass?
+/// Which predicts the closed-loop KL better: the open-loop or the live retained mass? Per
+/// protocol, since the open-loop mass counts other queries under each.
 fn predictors(pairs: &[Paired]) -> String {
-    let kl: Vec<f64> = pairs
-        .iter()
-        .map(|p| p.run.closed_loop.as_ref().map_or(f64::NAN, |c| c.kl))
-        .collect();
-    let open: Vec<f64> = pairs.iter().map(|p| p.open).collect();
-    let live: Vec<f64> = pairs.iter().map(|p| p.live).collect();
-    let show = |(value, low, high): (f64, f64, f64)| format!("{value:+.3} [{low:+.3}, {high:+.3}]");
-    format!(
-        "\nSpearman ρ with the closed-loop KL over the same {} runs (95% bootstrap interval): open-loop retained mass {}, live retained mass {}. The live mass is measured inside the closed loop, so it is a diagnosis, not a prediction; where it correlates much better, the open-loop numbers lose their order to the drift.\n",
-        pairs.len(),
-        show(bootstrap(&open, &kl, spearman, 2000)),
-        show(bootstrap(&live, &kl, spearman, 2001)),
-    )
+    let protocols: BTreeSet<&str> = pairs.iter().map(|p| protocol(p.run)).collect();
+    let mut out = String::new();
+    for &name in &protocols {
+        let of: Vec<&Paired> = pairs.iter().filter(|p| protocol(p.run) == name).collect();
+        let kl: Vec<f64> = of
+            .iter()
+            .map(|p| p.run.closed_loop.as_ref().map_or(f64::NAN, |c| c.kl))
+            .collect();
+        let open: Vec<f64> = of.iter().map(|p| p.open).collect();
+        let live: Vec<f64> = of.iter().map(|p| p.live).collect();
+        let prompts = prompts_of(of.iter().map(|p| p.run));
+        let under = match protocols.len() {
+            1 => String::new(),
+            _ => format!(" under {name}"),
+        };
+        out += &format!(
+            "\nSpearman ρ with the closed-loop KL over the same {}{under} (95% cluster-bootstrap interval over prompts, as above): open-loop retained mass {}, live retained mass {}.",
+            prompts.describe(),
+            rank_interval(&open, &kl, &prompts, spearman, 2000),
+            rank_interval(&live, &kl, &prompts, spearman, 2001),
+        );
+    }
+    out + " The live mass is measured inside the closed loop, so it is a diagnosis, not a prediction; where it correlates much better, the open-loop numbers lose their order to the drift.\n"
 }
 
 #[cfg(test)]
@@ -185,7 +200,7 @@ mod tests {
         );
         assert!(text.contains("Layer 0 cannot drift"), "{text}");
         assert!(!text.contains("| b "), "{text}");
-        assert!(text.contains("over the same 2 runs"), "{text}");
+        assert!(text.contains("over the same 1 prompt, 2 runs"), "{text}");
         assert_eq!(figures.len(), 2);
         assert!(figures.iter().all(|f| f.is_file()));
         // A hybrid model's two compressed layers are its layers 5 and 11: the table names them.

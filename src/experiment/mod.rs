@@ -15,6 +15,7 @@ mod drift;
 mod error;
 mod figures;
 pub mod frames;
+pub mod intervals;
 mod protocols;
 mod ranking;
 pub mod report;

@@ -68,7 +68,7 @@ fn answer_span_mass(run: &StoredRun) -> Option<f64> {
 }
 
 /// A run's protocol, by name.
-fn protocol(run: &StoredRun) -> &str {
+pub(crate) fn protocol(run: &StoredRun) -> &str {
     run.report
         .settings
         .get("protocol")

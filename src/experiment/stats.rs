@@ -1,14 +1,8 @@
 //! The statistics the reports use: means with Student-t intervals and the sign test (statrs),
-//! average ranks, Pearson, Spearman and Kendall's τ-b, and a seeded percentile bootstrap whose
-//! percentiles come from ndarray-stats. Every function is deterministic: a report computed twice
-//! from the same runs is byte-identical.
+//! average ranks, Pearson, Spearman and Kendall's τ-b; the intervals over prompts (the bootstrap
+//! among them) live in [`super::intervals`]. Every function is deterministic: a report computed twice from
+//! the same runs is byte-identical.
 
-use crate::splitmix;
-use ndarray::Array1;
-use ndarray_stats::interpolate::Nearest;
-use ndarray_stats::Quantile1dExt;
-use noisy_float::types::n64;
-use rayon::prelude::*;
 use statrs::distribution::{Binomial, ContinuousCDF, DiscreteCDF, StudentsT};
 
 /// Mean and 95% half-width of a sample (Student t; 0 half-width for fewer than two values).
@@ -221,54 +215,6 @@ fn merge((left, right): (&[f64], &[f64]), out: &mut [f64]) -> i64 {
     count
 }
 
-/// Resamples of the bootstrap.
-pub const BOOTSTRAP_RESAMPLES: usize = 2000;
-
-/// `statistic` of the points and its 95% percentile-bootstrap interval (resamples whose
-/// statistic is undefined are left out).
-pub fn bootstrap(
-    x: &[f64],
-    y: &[f64],
-    statistic: fn(&[f64], &[f64]) -> f64,
-    seed: u64,
-) -> (f64, f64, f64) {
-    let n = x.len();
-    let value = statistic(x, y);
-    // The picks are drawn in one sequence, as one thread would draw them; the resamples' statistics
-    // are then computed on worker threads and kept in resample order.
-    let mut state = seed;
-    let picks: Vec<usize> = (0..BOOTSTRAP_RESAMPLES * n)
-        .map(|_| (splitmix::next(&mut state) % n as u64) as usize)
-        .collect();
-    let estimates: Vec<f64> = picks
-        .par_chunks(n.max(1))
-        .map(|picks| {
-            let rx: Vec<f64> = picks.iter().map(|&pick| x[pick]).collect();
-            let ry: Vec<f64> = picks.iter().map(|&pick| y[pick]).collect();
-            statistic(&rx, &ry)
-        })
-        .filter(|estimate| estimate.is_finite())
-        .collect();
-    if estimates.is_empty() {
-        return (value, f64::NAN, f64::NAN);
-    }
-    let (low, high) = percentiles(estimates, 0.025, 0.975);
-    (value, low, high)
-}
-
-/// The `low` and `high` quantiles of `values` by the nearest rank `round((n - 1) q)`
-/// (ndarray-stats' `Nearest`; ties at a half go to the higher rank).
-fn percentiles(values: Vec<f64>, low: f64, high: f64) -> (f64, f64) {
-    let mut values = Array1::from_vec(values.into_iter().map(n64).collect());
-    let mut at = |q: f64| {
-        values
-            .quantile_mut(n64(q), &Nearest)
-            .expect("a quantile of a non-empty array")
-            .raw()
-    };
-    (at(low), at(high))
-}
-
 #[cfg(test)]
 mod tests {
     use super::*;
@@ -367,29 +313,5 @@ mod tests {
             prop_assert_eq!(inversions(&mut values), by_pairs);
             prop_assert_eq!(values, sorted);
         }
-    }
-
-    #[test]
-    fn bootstrap_is_seeded_and_brackets_a_perfect_correlation() {
-        let x: Vec<f64> = (0..30).map(f64::from).collect();
-        let y: Vec<f64> = x.iter().map(|v| -2.0 * v).collect();
-        let (value, low, high) = bootstrap(&x, &y, spearman, 7);
-        assert_eq!((value, low, high), (-1.0, -1.0, -1.0));
-        let noisy: Vec<f64> = x.iter().map(|v| (v * 7.0) % 11.0).collect();
-        assert_eq!(
-            bootstrap(&x, &noisy, kendall, 3),
-            bootstrap(&x, &noisy, kendall, 3)
-        );
-        let (value, low, high) = bootstrap(&x, &noisy, kendall, 3);
-        assert!(low <= value && value <= high, "{low} {value} {high}");
-    }
-
-    #[test]
-    fn percentiles_are_the_nearest_ranks() {
-        // 11 values 0..=10 shuffled: (n - 1) q = 0.25 and 9.75 round to ranks 0 and 10; at 0.05
-        // and 0.95, 0.5 and 9.5 go up to ranks 1 and 10.
-        let values: Vec<f64> = [3, 7, 0, 10, 5, 1, 9, 2, 8, 4, 6].map(f64::from).to_vec();
-        assert_eq!(percentiles(values.clone(), 0.025, 0.975), (0.0, 10.0));
-        assert_eq!(percentiles(values, 0.05, 0.95), (1.0, 10.0));
     }
 }

@@ -1,6 +1,8 @@
 //! Retained mass per policy and budget with intervals and real memory, overall and per model.
 
 use super::*;
+use crate::experiment::calibration::{prompts_of, shared_context};
+use crate::experiment::intervals::{mean_interval, Prompts};
 
 /// The retained-mass table (mean ± CI, KV entries per layer) and its series for the figure.
 pub(super) fn mass_section(
@@ -10,15 +12,14 @@ pub(super) fn mass_section(
     trace_names: &[String],
     traces: &[TraceFile],
 ) -> (String, Vec<Series>) {
-    let several = trace_names.len() > 1;
-    let mut out = format!(
-        "Mean retained mass ± 95% CI half-width ({}), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n",
-        if several {
-            "Student t over per-trace means"
-        } else {
-            "Student t over the layer × query head × decode step samples of one trace; they are correlated, so this is the precision of this measurement, not a generalisation claim"
-        }
-    );
+    let prompts = Prompts::of(trace_names.iter().map(|t| shared_context(t)));
+    let mut out = match prompts.count() {
+        1 => "Mean retained mass of the one prompt (no interval: an interval over prompts needs two or more), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n".to_string(),
+        _ => format!(
+            "Mean retained mass ± 95% CI half-width (Student t over the per-prompt means of {}), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n",
+            prompts.describe()
+        ),
+    };
     let mut table = budget_table(experiment);
     let mut mass_series: Vec<Series> = Vec::new();
     for name in names {
@@ -33,20 +34,15 @@ pub(super) fn mass_section(
                 row.push("—".into());
                 continue;
             }
-            let (mean, half) = if several {
-                mean_ci(
-                    &per_trace
-                        .iter()
-                        .map(|r| r.report.metric(RETAINED_MASS).unwrap_or(f64::NAN))
-                        .collect::<Vec<_>>(),
-                )
-            } else {
-                mean_ci(&samples(per_trace[0]))
-            };
+            let mass: Vec<f64> = per_trace
+                .iter()
+                .map(|r| r.report.metric(RETAINED_MASS).unwrap_or(f64::NAN))
+                .collect();
+            let interval = mean_interval(&mass, &prompts_of(per_trace.iter().copied()));
             let entries = per_trace.iter().map(|r| kv_entries(r, traces)).sum::<f64>()
                 / per_trace.len() as f64;
-            row.push(format!("{mean:.4} ± {half:.4} ({entries:.0})"));
-            points.push((budget.position(), mean));
+            row.push(format!("{} ({entries:.0})", unsigned(&interval)));
+            points.push((budget.position(), interval.estimate));
         }
         table.push(row);
         mass_series.push((name.clone(), points));
@@ -63,7 +59,7 @@ pub(super) fn model_section(
     runs: &[StoredRun],
     models: &[(String, Vec<TraceFile>)],
 ) -> String {
-    let mut out = "Models side by side (the trace header's `model`, with its number of traces): mean retained mass over each model's traces, ± 95% CI (Student t over per-trace means) where it has several. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window. Each model's part below has the full tables.\n\n".to_string();
+    let mut out = "Models side by side (the trace header's `model`, with its number of traces): mean retained mass over each model's traces, ± 95% CI (Student t over per-prompt means; the questions asked of one context are one prompt) where it has two prompts or more. On a model with sliding-window layers only its global layers are compressed and measured; the others keep their window. Each model's part below has the full tables.\n\n".to_string();
     let mut headers = vec!["policy".to_string(), "model".to_string()];
     headers.extend(experiment.budgets.iter().map(Budget::header));
     let mut table = Table::with_headers(headers);
@@ -71,18 +67,18 @@ pub(super) fn model_section(
         for (model, traces) in models {
             let mut row = vec![name.clone(), format!("{model} ({})", traces.len())];
             for &budget in &experiment.budgets {
-                let values: Vec<f64> = traces
+                let of: Vec<(&StoredRun, f64)> = traces
                     .iter()
                     .filter_map(|t| find_run(runs, name, budget, &t.path.display().to_string()))
-                    .filter_map(|r| r.report.metric(RETAINED_MASS))
+                    .filter_map(|r| Some((r, r.report.metric(RETAINED_MASS)?)))
                     .collect();
+                let values: Vec<f64> = of.iter().map(|&(_, value)| value).collect();
                 row.push(match values.len() {
                     0 => "—".into(),
-                    1 => format!("{:.4}", values[0]),
-                    _ => {
-                        let (mean, half) = mean_ci(&values);
-                        format!("{mean:.4} ± {half:.4}")
-                    }
+                    _ => unsigned(&mean_interval(
+                        &values,
+                        &prompts_of(of.iter().map(|&(r, _)| r)),
+                    )),
                 });
             }
             table.push(row);

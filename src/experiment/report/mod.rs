@@ -3,15 +3,17 @@
 //! comparisons (mean difference with its interval and a two-sided sign test), span survival,
 //! the entropy profile when asked, rows in Parquet and CSV (polars), and plots.
 //!
-//! Intervals: with one trace, Student-t over the (layer, query head, decode step) samples of
-//! retained mass. Those samples are correlated (the same needle, neighbouring steps), so the
-//! interval says how precisely this trace was measured, not how the method generalises; with
-//! several traces the interval is over per-trace means instead, and the report says which.
+//! Intervals are over prompts ([`super::intervals`]): Student t over per-prompt means, the
+//! questions asked of one shared context counting as one prompt. A report over one prompt gives
+//! its means without an interval and says so: the (layer, query head, decode step) samples of one
+//! trace are correlated (the same needle, neighbouring steps), so they measure that prompt, not
+//! how a method generalises.
 
 use super::calibration;
 use super::figures::{heatmap, line_chart, slug, FigureFiles, Series};
+use super::intervals::Interval;
 use super::ranking;
-use super::stats::{mean_ci, sign_test};
+use super::stats::sign_test;
 use super::store::{find_run, stored_runs, write_atomically, StoredRun};
 use super::traces::NeedleCell;
 use super::SweepError;
@@ -48,6 +50,22 @@ fn samples(run: &StoredRun) -> Vec<f64> {
         .flatten()
         .copied()
         .collect()
+}
+
+/// `0.9118 ± 0.0163`, or the mean alone where there is no interval (the header says when).
+fn unsigned(interval: &Interval) -> String {
+    match interval.half_width() {
+        Some(half) => format!("{:.4} ± {half:.4}", interval.estimate),
+        None => format!("{:.4}", interval.estimate),
+    }
+}
+
+/// `+0.0123 ± 0.0045`, or the mean alone where there is no interval.
+fn signed(interval: &Interval) -> String {
+    match interval.half_width() {
+        Some(half) => format!("{:+.4} ± {half:.4}", interval.estimate),
+        None => format!("{:+.4}", interval.estimate),
+    }
 }
 
 /// A run's KV entries per layer, from its trace's head counts.

@@ -1,6 +1,9 @@
-//! Paired comparisons: the mean difference of two policies on the same samples, its interval, and a sign test.
+//! Paired comparisons: the mean difference of two policies on the same prompts, its interval over
+//! prompts, and a sign test over prompts.
 
 use super::*;
+use crate::experiment::calibration::prompts_of;
+use crate::experiment::intervals::mean_interval;
 
 /// The paired comparisons (`[[compare]]`), or nothing.
 pub(super) fn paired_section(
@@ -11,34 +14,51 @@ pub(super) fn paired_section(
     if experiment.compare.is_empty() {
         return String::new();
     }
-    let mut out = "\nPaired comparisons on the same (trace, layer, head, step) positions: mean of a − b with its 95% CI, the share of positions where a keeps more, and a two-sided sign test:\n\n".to_string();
-    let mut paired = Table::new(["a", "b", "budget", "mean a − b", "a > b", "sign test p"]);
+    let mut out = "\nPaired comparisons on the same (trace, layer, head, step) positions: mean of a − b (the mean over prompts of each prompt's mean difference) with its 95% Student-t interval over prompts (none over one prompt), the share of positions where a keeps more, and a two-sided sign test over the prompts' mean differences:\n\n".to_string();
+    let mut paired = Table::new([
+        "a",
+        "b",
+        "budget",
+        "prompts",
+        "mean a − b",
+        "a > b",
+        "sign test p",
+    ]);
     for pair in &experiment.compare {
         for &budget in &experiment.budgets {
-            let mut differences = Vec::new();
+            let (mut differences, mut of) = (Vec::new(), Vec::new());
             for trace in trace_names {
                 if let (Some(a), Some(b)) = (
                     find_run(runs, &pair.a, budget, trace),
                     find_run(runs, &pair.b, budget, trace),
                 ) {
-                    differences.extend(samples(a).iter().zip(samples(b)).map(|(x, y)| x - y));
+                    let at: Vec<f64> = samples(a)
+                        .iter()
+                        .zip(samples(b))
+                        .map(|(x, y)| x - y)
+                        .collect();
+                    of.extend(std::iter::repeat_n(a, at.len()));
+                    differences.extend(at);
                 }
             }
             if differences.is_empty() {
                 continue;
             }
-            let (mean, half) = mean_ci(&differences);
+            let prompts = prompts_of(of);
+            let interval = mean_interval(&differences, &prompts);
             let wins =
                 differences.iter().filter(|d| **d > 0.0).count() as f64 / differences.len() as f64;
             paired.push([
                 pair.a.clone(),
                 pair.b.clone(),
                 budget.to_string(),
-                format!("{mean:+.4} ± {half:.4}"),
+                interval.prompts.to_string(),
+                signed(&interval),
                 format!("{:.1}%", 100.0 * wins),
-                match sign_test(&differences) {
-                    0.0 => "< 1e-300".into(),
-                    p => format!("{p:.2e}"),
+                match (prompts.count(), sign_test(&prompts.means(&differences))) {
+                    (1, _) => "— (1 prompt)".into(),
+                    (_, 0.0) => "< 1e-300".into(),
+                    (_, p) => format!("{p:.2e}"),
                 },
             ]);
         }
