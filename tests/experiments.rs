@@ -475,7 +475,7 @@ fn two_models_side_by_side() {
     };
     let (part_a, part_b) = (part("model-a"), part("model-b"));
     assert!(
-        part_a.contains("Student t over the per-prompt means of 2 prompts, 2 runs"),
+        part_a.contains("Student t over the per-prompt means of 2 prompts;"),
         "{part_a}"
     );
     assert!(!part_a.contains("attends over"), "{part_a}");

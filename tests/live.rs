@@ -707,6 +707,48 @@ fn with_capital_recipe() -> tempfile::TempDir {
     dir
 }
 
+/// A recipe of `samples = 5` is five prompts: the sweep captures each sample's trace, runs every
+/// policy on each, and the report's intervals rest on the five prompts.
+#[test]
+fn a_sampled_recipe_sweeps_every_sample_as_a_prompt() {
+    model();
+    let dir = tempfile::tempdir().unwrap();
+    std::fs::write(
+        dir.path().join("vt.toml"),
+        "kind = \"ruler-niah\"\nprompt_tokens = 300\ntype_haystack = \"noise\"\ngenerate = 8\nsamples = 5\n",
+    )
+    .unwrap();
+    std::fs::write(
+        dir.path().join("s.toml"),
+        "description = \"sampled\"\ntraces = [\"vt.toml\"]\nbudgets = [48]\nclosed_loop = true\n\
+         [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\n[[policy]]\nname = \"recency\"\nscorer = \"recency\"\n",
+    )
+    .unwrap();
+    let assert = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .current_dir(dir.path())
+        .args(["sweep", "s.toml"])
+        .assert()
+        .success();
+    let report = String::from_utf8(assert.get_output().stdout.clone()).unwrap();
+    let traces: Vec<std::path::PathBuf> = (0..5)
+        .map(|k| dir.path().join(format!("vt.samples/s00{k}.safetensors")))
+        .collect();
+    assert!(traces.iter().all(|t| t.is_file()), "{report}");
+    assert!(!dir.path().join("vt.safetensors").exists());
+    // Five prompts, each its own key and number: the samples' prompt texts differ.
+    let texts: std::collections::BTreeSet<String> = traces
+        .iter()
+        .map(|t| kvreplay::trace::TraceReader::open(t).unwrap().meta().extra["prompt_text"].clone())
+        .collect();
+    assert_eq!(texts.len(), 5);
+    assert!(report.contains("of 5 prompts, 10 runs"), "{report}");
+    assert!(
+        report.contains("Student t over the per-prompt means of 5 prompts;"),
+        "{report}"
+    );
+}
+
 #[test]
 fn a_closed_loop_sweep_stores_outcomes_and_reports_the_calibration() {
     model();
@@ -752,7 +794,10 @@ window = 4
     assert!(dir.path().join("results/c/calibration.png").is_file());
     // Every run measured its live attention: the drift section and its figure are there.
     assert!(report.contains("Live attention drift"), "{report}");
-    assert!(report.contains("over the same 4 runs"), "{report}");
+    assert!(
+        report.contains("over the same 1 prompt, 4 runs"),
+        "{report}"
+    );
     assert!(dir.path().join("results/c/drift.png").is_file());
     // A closed-loop experiment on a trace file is refused.
     std::fs::write(

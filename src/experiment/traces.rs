@@ -5,6 +5,7 @@
 use super::SweepError;
 use crate::assets::sha256_file;
 use crate::capture::{question_trace, CaptureError};
+use crate::recipe::samples::sample_recipes;
 use crate::recipe::Recipe;
 use crate::trace::{read_header, TraceMeta};
 use sha2::{Digest, Sha256};
@@ -138,11 +139,25 @@ pub enum TraceEntry {
     Uncaptured(PathBuf),
 }
 
+/// An experiment's `entries` with each recipe of `samples = N` replaced by its N sample recipes
+/// ([`sample_recipes`], written beside it on first use).
+fn sampled(entries: &[PathBuf]) -> Result<Vec<PathBuf>, SweepError> {
+    let mut expanded = Vec::new();
+    for entry in entries {
+        match entry.extension().is_some_and(|e| e == "toml") {
+            true => expanded.extend(sample_recipes(entry).map_err(CaptureError::from)?),
+            false => expanded.push(entry.clone()),
+        }
+    }
+    Ok(expanded)
+}
+
 /// The entries of an experiment's `entries`, in its order. A recipe (`.toml`) stands for the trace
 /// beside it (`.safetensors`), or for one per question when it asks several of one context
-/// ([`question_trace`]); a trace file (any other path) must exist.
+/// ([`question_trace`]), or for its samples' when it has `samples`; a trace file (any other path)
+/// must exist.
 pub(crate) fn trace_entries(entries: &[PathBuf]) -> Result<Vec<TraceEntry>, SweepError> {
-    entries
+    sampled(entries)?
         .iter()
         .map(|entry| {
             if entry.extension().is_none_or(|e| e != "toml") {

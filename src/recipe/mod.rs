@@ -5,6 +5,7 @@
 
 pub mod niah;
 pub mod ruler;
+pub mod samples;
 
 pub use niah::{NiahRecipe, NIAH_QUESTION_SUFFIX, NIAH_SYSTEM};
 
@@ -208,6 +209,14 @@ impl BuiltPrompt {
     }
 }
 
+/// Recipe text as a TOML table; `path` names it in errors.
+fn table_of(text: &str, path: &Path) -> Result<toml::Table, RecipeError> {
+    toml::from_str(text).map_err(|err: toml::de::Error| RecipeError::Parse {
+        path: path.to_owned(),
+        detail: err.message().to_owned(),
+    })
+}
+
 impl Recipe {
     /// Reads and checks a recipe file.
     pub fn load(path: &Path) -> Result<(Self, PathBuf), RecipeError> {
@@ -220,9 +229,14 @@ impl Recipe {
         Ok((recipe, base))
     }
 
-    /// Parses and checks recipe text; `path` names it in errors.
+    /// Parses and checks recipe text; `path` names it in errors. Its `samples` (see
+    /// [`samples`]) is checked here and expanded by [`samples::sample_recipes`]: the recipe itself
+    /// is its draw at its own `seed`.
     pub fn parse(text: &str, path: &Path) -> Result<Self, RecipeError> {
-        let recipe: Recipe = toml::from_str(text).map_err(|err| RecipeError::Parse {
+        let mut table = table_of(text, path)?;
+        samples::samples_of(&table, path)?;
+        table.remove("samples");
+        let recipe = Recipe::deserialize(table).map_err(|err| RecipeError::Parse {
             path: path.to_owned(),
             detail: err.message().to_owned(),
         })?;

@@ -16,8 +16,8 @@ pub(super) fn mass_section(
     let mut out = match prompts.count() {
         1 => "Mean retained mass of the one prompt (no interval: an interval over prompts needs two or more), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n".to_string(),
         _ => format!(
-            "Mean retained mass ± 95% CI half-width (Student t over the per-prompt means of {}), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n",
-            prompts.describe()
+            "Mean retained mass ± 95% CI half-width (Student t over the per-prompt means of {} prompts; the questions asked of one context are one prompt), KV entries stored per layer in brackets (mean over layers and decode steps; one unit for every cache layout, so equal numbers are equal memory):\n\n",
+            prompts.count()
         ),
     };
     let mut table = budget_table(experiment);

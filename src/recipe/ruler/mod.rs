@@ -87,7 +87,7 @@ impl Sources<'_> {
 }
 
 /// RULER's default seed, 42.
-fn rulers_seed() -> u64 {
+pub(super) fn rulers_seed() -> u64 {
     42
 }
 
