@@ -25,6 +25,10 @@ pub struct CommonWords {
     /// The seed of every random draw (RULER's default, 42).
     #[serde(default = "super::rulers_seed")]
     pub seed: u64,
+    /// The prompt's template: `chat` (the model's own, the default) or `base` (RULER's `base`:
+    /// the raw task text after BOS, then the answer prefix).
+    #[serde(default)]
+    pub template: super::PromptTemplate,
     /// Repetitions of each common word (prompts of 4,096 tokens or more).
     #[serde(default = "freq_cw")]
     pub freq_cw: usize,
@@ -198,7 +202,7 @@ impl Task for CommonWords {
                 });
             }
             let list = self.list(&mut draw.clone(), &words, count, common, other);
-            let mut prompt = Assembly::open(sources.tokenizer);
+            let mut prompt = Assembly::open(sources.tokenizer, self.template);
             for example in &examples {
                 prompt.text(&format!("{example}\n"));
             }

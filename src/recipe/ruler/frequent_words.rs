@@ -24,6 +24,10 @@ pub struct FrequentWords {
     /// The seed of every random draw (RULER's default, 42).
     #[serde(default = "super::rulers_seed")]
     pub seed: u64,
+    /// The prompt's template: `chat` (the model's own, the default) or `base` (RULER's `base`:
+    /// the raw task text after BOS, then the answer prefix).
+    #[serde(default)]
+    pub template: super::PromptTemplate,
     /// The Zipf exponent (RULER's default, 2).
     #[serde(default = "alpha")]
     pub alpha: f64,
@@ -124,7 +128,7 @@ impl Task for FrequentWords {
         let vocabulary = self.vocabulary(&mut draw);
         let answers = vocabulary[1..4].to_vec();
         fit(KIND, self.prompt_tokens, 1, |n| {
-            let mut prompt = Assembly::open(sources.tokenizer);
+            let mut prompt = Assembly::open(sources.tokenizer, self.template);
             prompt.text(&format!(
                 "{HEAD}{}",
                 self.text(&mut draw.clone(), &vocabulary, n)

@@ -18,7 +18,8 @@
 //! - random draws come from one seeded SplitMix64 stream, so the same recipe gives the same
 //!   prompt on any machine, but not RULER's Python samples;
 //! - on a chat model the task is the user's message and the answer prefix opens the assistant's
-//!   turn (RULER's chat templates do the same); few-shot examples sit inside that message.
+//!   turn (RULER's chat templates do the same); few-shot examples sit inside that message;
+//!   `template = "base"` writes RULER's `base` template instead, the raw task text.
 //!
 //! Every built prompt is checked by its task's own solver, which reads the answers back from the
 //! prompt's decoded text with no knowledge of how it was generated: a prompt whose tokens do not
@@ -33,6 +34,7 @@ use super::{essay_tokens, with_bos, BuiltPrompt, RecipeError};
 use crate::model::{ChatTokenizer, Template, TextTokenizer, DEFAULT_SYSTEM};
 use crate::splitmix;
 use crate::trace::Span;
+use serde::Deserialize;
 use std::collections::BTreeSet;
 use std::path::PathBuf;
 
@@ -199,18 +201,37 @@ pub(crate) fn fit<P: Fitted>(
     Ok(best)
 }
 
+/// Which template a task's prompt is written in (RULER's `--model_template_type`).
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum PromptTemplate {
+    /// The model's own: on a chat model the task is the user's message and the answer prefix
+    /// opens the assistant's turn (RULER's chat templates); on a base model, as `base`.
+    #[default]
+    Chat,
+    /// RULER's `base` template, `{task_template}`: the raw task text after BOS, then the answer
+    /// prefix, whatever the model.
+    Base,
+}
+
 /// A prompt assembled in token space: each piece is tokenized on its own, so spans are exact.
 pub(crate) struct Assembly<'t> {
     tokenizer: &'t dyn TextTokenizer,
+    /// The template the prompt is written in: the model's, or plain text for `base`.
+    template: Template,
     ids: Vec<u32>,
     spans: Vec<Span>,
 }
 
 impl<'t> Assembly<'t> {
     /// The opening of a user's message: ChatML's system turn (the template's default) and user
-    /// header, or a base model's BOS token.
-    pub fn open(tokenizer: &'t dyn TextTokenizer) -> Self {
-        let ids = match tokenizer.template() {
+    /// header, or BOS alone for a base model or the `base` template.
+    pub fn open(tokenizer: &'t dyn TextTokenizer, template: PromptTemplate) -> Self {
+        let template = match template {
+            PromptTemplate::Chat => tokenizer.template(),
+            PromptTemplate::Base => Template::Plain,
+        };
+        let ids = match template {
             Template::ChatMl => tokenizer.encode(&format!(
                 "{}<|im_start|>user\n",
                 ChatTokenizer::chat_turn("system", DEFAULT_SYSTEM)
@@ -219,6 +240,7 @@ impl<'t> Assembly<'t> {
         };
         Self {
             tokenizer,
+            template,
             ids,
             spans: Vec::new(),
         }
@@ -237,7 +259,7 @@ impl<'t> Assembly<'t> {
         generate: usize,
         answers: Vec<String>,
     ) -> BuiltPrompt {
-        match self.tokenizer.template() {
+        match self.template {
             Template::ChatMl => self.text(&format!(
                 "<|im_end|>\n<|im_start|>assistant\n{answer_prefix}"
             )),
@@ -437,6 +459,27 @@ pub(crate) mod testing {
         }
     }
 
+    /// [`Bytes`] with a chat model's layout (ChatML).
+    pub struct ChatBytes;
+
+    impl TextTokenizer for ChatBytes {
+        fn encode(&self, text: &str) -> Vec<u32> {
+            Bytes.encode(text)
+        }
+        fn decode(&self, ids: &[u32]) -> String {
+            Bytes.decode(ids)
+        }
+        fn stop_token(&self) -> u32 {
+            0
+        }
+        fn bos(&self) -> Option<u32> {
+            None
+        }
+        fn template(&self) -> Template {
+            Template::ChatMl
+        }
+    }
+
     /// A folder with one essay of `sentences` sentences over a vocabulary of about twice as
     /// many made-up words.
     pub fn essays(sentences: usize) -> (tempfile::TempDir, Vec<PathBuf>) {
@@ -486,6 +529,48 @@ mod tests {
         assert_eq!(sample.iter().collect::<BTreeSet<_>>().len(), 40);
         assert_eq!(Draw::new(42).sample(40, 5), sample[..5]);
         assert_ne!(Draw::new(43).sample(40, 5), sample[..5]);
+    }
+
+    /// On a chat model, `chat` wraps the task in the chat turns and `base` writes RULER's raw task
+    /// text; the task's own text, spans and answers are the same under both.
+    #[test]
+    fn the_base_template_is_the_raw_task_text() {
+        let (_dir, essays) = testing::essays(200);
+        let under = |template: &str| {
+            let task: niah::NiahTask = toml::from_str(&format!(
+                "prompt_tokens = 1500\ntype_haystack = \"noise\"\ntemplate = \"{template}\""
+            ))
+            .unwrap();
+            build(&task, &testing::ChatBytes, &essays).unwrap()
+        };
+        let (chat, base) = (under("chat"), under("base"));
+        let (chat_text, base_text) = (
+            testing::Bytes.decode(&chat.ids),
+            testing::Bytes.decode(&base.ids),
+        );
+        assert!(chat_text.starts_with("<|im_start|>system\n"), "{chat_text}");
+        assert!(
+            chat_text.contains("<|im_end|>\n<|im_start|>assistant\n"),
+            "{chat_text}"
+        );
+        assert!(
+            base_text.starts_with("A special magic number is hidden"),
+            "{base_text}"
+        );
+        assert!(!base_text.contains("<|im_"), "{base_text}");
+        assert_eq!(chat.answers, base.answers);
+        let question = |prompt: &BuiltPrompt, text: &str| {
+            let span = prompt.spans.iter().find(|s| s.name == "question").unwrap();
+            text[span.start..span.end].to_owned()
+        };
+        assert_eq!(question(&chat, &chat_text), question(&base, &base_text));
+        let err = toml::from_str::<niah::NiahTask>("prompt_tokens = 1500\ntemplate = \"raw\"")
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.contains("unknown variant `raw`, expected `chat` or `base`"),
+            "{err}"
+        );
     }
 
     #[test]

@@ -34,6 +34,10 @@ pub struct NiahTask {
     /// The seed of every random draw (RULER's default, 42).
     #[serde(default = "super::rulers_seed")]
     pub seed: u64,
+    /// The prompt's template: `chat` (the model's own, the default) or `base` (RULER's `base`:
+    /// the raw task text after BOS, then the answer prefix).
+    #[serde(default)]
+    pub template: super::PromptTemplate,
     /// What the needles hide in.
     #[serde(default)]
     pub type_haystack: Haystack,
@@ -277,7 +281,7 @@ impl NiahTask {
         at.sort_unstable();
         let [head, asked, prefix] = self.template(&plan.queries[question]);
         let names = Self::span_names(plan, question);
-        let mut prompt = Assembly::open(tokenizer);
+        let mut prompt = Assembly::open(tokenizer, self.template);
         prompt.text(&format!("{head}\n"));
         let mut from = 0;
         for ((position, (needle, _)), name) in at.into_iter().zip(&plan.needles).zip(names) {
@@ -320,7 +324,7 @@ impl NiahTask {
             .map(|question| {
                 let [head, asked, prefix] = self.template(&plan.queries[question]);
                 let mut names = Self::span_names(plan, question);
-                let mut prompt = Assembly::open(tokenizer);
+                let mut prompt = Assembly::open(tokenizer, self.template);
                 prompt.text(&head);
                 for line in &haystack {
                     match *line {

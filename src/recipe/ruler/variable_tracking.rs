@@ -27,6 +27,10 @@ pub struct VariableTracking {
     /// The seed of every random draw (RULER's default, 42).
     #[serde(default = "super::rulers_seed")]
     pub seed: u64,
+    /// The prompt's template: `chat` (the model's own, the default) or `base` (RULER's `base`:
+    /// the raw task text after BOS, then the answer prefix).
+    #[serde(default)]
+    pub template: super::PromptTemplate,
     /// Chains of assignments (the first is asked; the others are distractors).
     #[serde(default = "one")]
     pub num_chains: usize,
@@ -201,7 +205,7 @@ impl Task for VariableTracking {
         let least = self.num_chains * (self.num_hops + 1);
         fit(KIND, self.prompt_tokens, least, |lines| {
             let haystack = chains.haystack(&mut draw.clone(), lines);
-            let mut prompt = Assembly::open(tokenizer);
+            let mut prompt = Assembly::open(tokenizer, self.template);
             prompt.tokens(&example);
             chains.write(&haystack, &mut prompt);
             Ok(prompt.close(
