@@ -27,7 +27,7 @@ pub enum RecipeError {
         source: std::io::Error,
     },
     /// The TOML is malformed, has an unknown key or kind, or a value of the wrong type.
-    #[error("{path}: invalid recipe: {detail} (valid kinds: niah, chat, text, ruler-niah, ruler-vt, ruler-cwe, ruler-fwe)")]
+    #[error("{path}: invalid recipe: {detail} (valid kinds: niah, chat, text, ruler-niah, ruler-vt, ruler-cwe, ruler-fwe, ruler-jsonl)")]
     Parse {
         /// The recipe.
         path: PathBuf,
@@ -51,6 +51,18 @@ pub enum RecipeError {
         available: usize,
         /// Tokens needed.
         needed: usize,
+    },
+    /// A line of a data file (a RULER `validation.jsonl`) lacks a field or breaks its rule.
+    #[error("{path}: line {line}: field `{field}`: {rule}")]
+    Line {
+        /// The data file.
+        path: PathBuf,
+        /// The line, from 1.
+        line: usize,
+        /// The field.
+        field: &'static str,
+        /// The rule broken.
+        rule: String,
     },
     /// A task's parameters cannot fit its length, or its prompt does not hold its answer.
     #[error("{task}: {rule}")]
@@ -84,6 +96,9 @@ pub enum Recipe {
     /// RULER's frequent-words extraction from Zipf-distributed coded words.
     #[serde(rename = "ruler-fwe")]
     RulerFwe(ruler::frequent_words::FrequentWords),
+    /// A sample of a RULER `validation.jsonl`, as RULER wrote it.
+    #[serde(rename = "ruler-jsonl")]
+    RulerJsonl(ruler::file::RulerFile),
 }
 
 /// The chat recipe.
@@ -254,6 +269,7 @@ impl Recipe {
             Recipe::RulerVt(task) => &task.model,
             Recipe::RulerCwe(task) => &task.model,
             Recipe::RulerFwe(task) => &task.model,
+            Recipe::RulerJsonl(file) => &file.model,
         };
         model.as_deref().unwrap_or(crate::assets::MODELS[0].name)
     }
@@ -265,7 +281,7 @@ impl Recipe {
             Recipe::RulerVt(task) => Some(task),
             Recipe::RulerCwe(task) => Some(task),
             Recipe::RulerFwe(task) => Some(task),
-            Recipe::Niah(_) | Recipe::Chat(_) | Recipe::Text(_) => None,
+            Recipe::Niah(_) | Recipe::Chat(_) | Recipe::Text(_) | Recipe::RulerJsonl(_) => None,
         }
     }
 
@@ -316,6 +332,10 @@ impl Recipe {
         }
         if let Some(task) = self.ruler_task() {
             ruler::check(task).map_err(|(field, rule)| invalid(field, &rule))?;
+        }
+        if let Recipe::RulerJsonl(file) = self {
+            file.check()
+                .map_err(|(field, rule)| invalid(field, &rule))?;
         }
         Ok(())
     }
@@ -397,6 +417,7 @@ impl Recipe {
                     answers: chat.answer.iter().cloned().collect(),
                 })
             }
+            Recipe::RulerJsonl(file) => file.build(tokenizer, base),
             Recipe::Text(text) => {
                 let path = base.join(&text.file);
                 let content = std::fs::read_to_string(&path)

@@ -6,6 +6,9 @@
 //! and models (so two models answer the same prompts), recipes of different tasks do not, and a
 //! sample does not depend on how many there are.
 //!
+//! A `ruler-jsonl` recipe's samples are the lines of its file instead: sample `k` reads line
+//! `k + 1`, and `samples` may not exceed the file's lines.
+//!
 //! Each sample is written out as a recipe of its own, `<stem>.samples/s<k>.toml` beside the
 //! recipe (its text less `samples`, with its seed), so that capture, live mode and sweeps run it
 //! as any recipe and it can be run or inspected alone.
@@ -40,9 +43,24 @@ pub(super) fn samples_of(table: &toml::Table, path: &Path) -> Result<usize, Reci
         .get("kind")
         .and_then(toml::Value::as_str)
         .unwrap_or("");
+    if samples > 1 && kind == "ruler-jsonl" {
+        let file = table
+            .get("file")
+            .and_then(toml::Value::as_str)
+            .unwrap_or("");
+        let data = path.parent().unwrap_or(Path::new("")).join(file);
+        let lines = super::ruler::file::count_samples(&data)?;
+        if samples as usize > lines {
+            return Err(invalid(format!(
+                "{} holds {lines} samples, fewer than {samples}",
+                data.display()
+            )));
+        }
+        return Ok(samples as usize);
+    }
     if samples > 1 && !DRAWING_KINDS.contains(&kind) {
         return Err(invalid(format!(
-            "kind `{kind}` draws nothing at random, so its samples would be one prompt: samples need a kind of {}",
+            "kind `{kind}` draws nothing at random, so its samples would be one prompt: samples need a kind of {} (or ruler-jsonl, whose samples are its file's lines)",
             DRAWING_KINDS.join(", ")
         )));
     }
@@ -94,11 +112,23 @@ fn write_sample(recipe: &Path, table: &toml::Table, sample: usize) -> Result<Pat
         .map_or(super::ruler::rulers_seed(), |seed| seed as u64);
     let mut own = table.clone();
     own.remove("samples");
-    let drawn = sample_seed(seed, &stem, sample);
-    own.insert("seed".into(), toml::Value::Integer(drawn as i64));
+    let how = match own.get("file").and_then(toml::Value::as_str) {
+        // A file's sample is its line; the sample recipe sits a folder down.
+        Some(file) => {
+            let file = Path::new("..").join(file).display().to_string();
+            own.insert("file".into(), toml::Value::String(file));
+            own.insert("line".into(), toml::Value::Integer(sample as i64 + 1));
+            format!("line {} of its file", sample + 1)
+        }
+        None => {
+            let drawn = sample_seed(seed, &stem, sample);
+            own.insert("seed".into(), toml::Value::Integer(drawn as i64));
+            format!("seed {drawn} (the hash of its seed {seed}, its name `{stem}` and the sample's index)")
+        }
+    };
     let path = sample_recipe(recipe, sample);
     let content = format!(
-        "# Sample {sample} of {}: written by kvreplay from that recipe with seed {drawn} (the hash of\n# its seed {seed}, its name `{stem}` and the sample's index); edit that recipe, not this file.\n{}",
+        "# Sample {sample} of {}, written by kvreplay from that recipe:\n# {how}. Edit that recipe, not this file.\n{}",
         recipe.display(),
         toml::to_string(&own).expect("a TOML table serializes")
     );
@@ -175,6 +205,43 @@ mod tests {
         assert_eq!(
             std::fs::metadata(&samples[0]).unwrap().modified().unwrap(),
             written
+        );
+    }
+
+    #[test]
+    fn a_files_samples_are_its_lines() {
+        let dir = tempfile::tempdir().unwrap();
+        let line = |value: u32| {
+            format!("{{\"input\": \"Numbers.\\nThe number for a-b is: {value}.\\nWhat is the number for a-b?\", \"answer_prefix\": \" It is\", \"outputs\": [\"{value}\"]}}\n")
+        };
+        std::fs::write(
+            dir.path().join("validation.jsonl"),
+            line(1111) + &line(2222) + &line(3333),
+        )
+        .unwrap();
+        let text = "kind = \"ruler-jsonl\"\nfile = \"validation.jsonl\"\ntask = \"niah_single_1\"\nsamples = 2\n";
+        let path = recipe(dir.path(), "mine.toml", text);
+        let samples = sample_recipes(&path).unwrap();
+        assert_eq!(samples.len(), 2);
+        let answers: Vec<Vec<String>> = samples
+            .iter()
+            .map(|sample| {
+                let (recipe, base) = super::super::Recipe::load(sample).unwrap();
+                let tokenizer = super::super::ruler::testing::Bytes;
+                recipe.build(&tokenizer, &[], &base).unwrap().answers
+            })
+            .collect();
+        assert_eq!(answers, [["1111"], ["2222"]]);
+        let four = recipe(
+            dir.path(),
+            "four.toml",
+            &text.replace("samples = 2", "samples = 4"),
+        );
+        let err = sample_recipes(&four).unwrap_err().to_string();
+        assert!(
+            err.contains("field `samples`: ")
+                && err.contains("validation.jsonl holds 3 samples, fewer than 4"),
+            "{err}"
         );
     }
 

@@ -26,6 +26,7 @@
 //! state its answer is refused.
 
 pub mod common_words;
+pub mod file;
 pub mod frequent_words;
 pub mod niah;
 pub mod variable_tracking;
