@@ -100,3 +100,52 @@ fn a_task_that_cannot_fit_its_length_is_refused() {
         "{err}"
     );
 }
+
+/// RULER's own files (`tests/fixtures/ruler-1k-base`, written by RULER's code with SmolLM2's
+/// tokenizer): each line builds as a `ruler-jsonl` recipe into the prompt RULER counted (its
+/// `length` is the prompt's tokens plus the tokens to generate), with RULER's expected strings,
+/// its question marked and, on the needle tasks, each needle's value.
+#[test]
+fn rulers_own_files_build_to_rulers_lengths() {
+    let model = common::real_model();
+    let tokenizer = model.tokenizer();
+    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ruler-1k-base");
+    for task in [
+        "niah_single_1",
+        "niah_multikey_2",
+        "niah_multikey_3",
+        "vt",
+        "fwe",
+    ] {
+        let folder = fixtures.join(task);
+        let lines = std::fs::read_to_string(folder.join("validation.jsonl")).unwrap();
+        for (index, line) in lines.lines().enumerate() {
+            let json: serde_json::Value = serde_json::from_str(line).unwrap();
+            let text = format!(
+                "kind = \"ruler-jsonl\"\nfile = \"validation.jsonl\"\ntask = \"{task}\"\nline = {}\n",
+                index + 1
+            );
+            let recipe = Recipe::parse(&text, &folder.join("r.toml")).unwrap();
+            let prompt = recipe.build(tokenizer, &[], &folder).unwrap();
+            let bos = usize::from(tokenizer.bos().is_some());
+            assert_eq!(
+                prompt.ids.len() - bos + prompt.generate,
+                json["length"].as_u64().unwrap() as usize,
+                "{task} line {}",
+                index + 1
+            );
+            let outputs: Vec<String> = serde_json::from_value(json["outputs"].clone()).unwrap();
+            assert_eq!(prompt.answers, outputs);
+            let question = prompt.spans.iter().find(|s| s.name == "question").unwrap();
+            assert!(question.end < prompt.ids.len(), "{task}");
+            if task.starts_with("niah") {
+                let needle = prompt.spans.iter().find(|s| s.name == "needle").unwrap();
+                let value = tokenizer.decode(&prompt.ids[needle.start..needle.end]);
+                assert!(
+                    outputs.contains(&value.trim().to_string()),
+                    "{task}: {value}"
+                );
+            }
+        }
+    }
+}

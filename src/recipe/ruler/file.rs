@@ -9,7 +9,8 @@
 //! holds, [`crate::recipe::BuiltPrompt::answer_score`]); its QA tasks score by
 //! `string_match_part` and are refused. Spans: `question`, the line that asks (the last line of
 //! `input` opening with `What ` or `Question:`), and on the needle tasks a `needle` span (then
-//! `needle-2`, …) on the first occurrence of each expected value in the context before it.
+//! `needle-2`, …) on the first occurrence of each expected value in the context before it, each
+//! the tokens that hold its characters.
 
 use super::super::{with_bos, BuiltPrompt, RecipeError};
 use super::nth_span;
@@ -110,38 +111,31 @@ impl RulerFile {
             ),
             false => Vec::new(),
         };
-        let mut pieces: Vec<(Option<String>, &str)> = Vec::new();
-        let mut at = 0;
-        for (index, (start, end)) in needles.iter().enumerate() {
-            pieces.push((None, &sample.input[at..*start]));
-            pieces.push((Some(nth_span("needle", index)), &sample.input[*start..*end]));
-            at = *end;
-        }
-        let question_at = question.unwrap_or(sample.input.len()).max(at);
-        pieces.push((None, &sample.input[at..question_at]));
+        let question_at = question.unwrap_or(sample.input.len());
         let question_end = sample.input[question_at..]
             .find('\n')
             .map_or(sample.input.len(), |n| question_at + n);
+        let mut marked: Vec<(String, (usize, usize))> = needles
+            .iter()
+            .enumerate()
+            .map(|(index, &range)| (nth_span("needle", index), range))
+            .collect();
         if question.is_some() {
-            pieces.push((
-                Some("question".into()),
-                &sample.input[question_at..question_end],
-            ));
+            marked.push(("question".into(), (question_at, question_end)));
         }
-        pieces.push((None, &sample.input[question_end..]));
-        pieces.push((None, &sample.answer_prefix));
-        let (mut ids, mut spans) = (with_bos(tokenizer, Vec::new()), Vec::new());
-        for (name, text) in pieces {
-            let start = ids.len();
-            ids.extend(tokenizer.encode(text));
-            if let Some(name) = name {
-                spans.push(Span {
-                    name,
-                    start,
-                    end: ids.len(),
-                });
-            }
-        }
+        // One piece, as RULER tokenizes it; the spans are found by their characters.
+        let text = sample.input.clone() + &sample.answer_prefix;
+        let body = tokenizer.encode(&text);
+        let ids = with_bos(tokenizer, body.clone());
+        let bos = ids.len() - body.len();
+        let spans = marked
+            .into_iter()
+            .map(|(name, (start, end))| Span {
+                name,
+                start: bos + token_of(tokenizer, &body, start),
+                end: bos + tokens_through(tokenizer, &body, end),
+            })
+            .collect();
         Ok(BuiltPrompt {
             ids,
             spans,
@@ -149,6 +143,33 @@ impl RulerFile {
             answers: sample.outputs,
         })
     }
+}
+
+/// The index of the token holding character `offset` of the decoded `ids`: the most tokens whose
+/// text ends at or before it.
+fn token_of(tokenizer: &dyn TextTokenizer, ids: &[u32], offset: usize) -> usize {
+    let (mut low, mut high) = (0, ids.len());
+    while low < high {
+        let middle = (low + high).div_ceil(2);
+        match tokenizer.decode(&ids[..middle]).len() <= offset {
+            true => low = middle,
+            false => high = middle - 1,
+        }
+    }
+    low
+}
+
+/// The fewest tokens whose decoded text reaches character `offset`.
+fn tokens_through(tokenizer: &dyn TextTokenizer, ids: &[u32], offset: usize) -> usize {
+    let (mut low, mut high) = (0, ids.len());
+    while low < high {
+        let middle = (low + high) / 2;
+        match tokenizer.decode(&ids[..middle]).len() >= offset {
+            true => high = middle,
+            false => low = middle + 1,
+        }
+    }
+    low
 }
 
 /// The number of samples (non-empty lines) of a `validation.jsonl`.
