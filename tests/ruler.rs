@@ -149,3 +149,45 @@ fn rulers_own_files_build_to_rulers_lengths() {
         }
     }
 }
+
+/// `words = "wonderwords"` draws as RULER does: a needle key is one of RULER's adjectives and one
+/// of its nouns (from the pinned `wonderwords` wheel), and the common words come from its lists.
+#[test]
+fn rulers_word_lists_give_the_keys_and_the_common_words() {
+    let model = common::real_model();
+    let lists = common::real_assets().word_lists().unwrap();
+    assert_eq!(
+        (lists.adjectives.len(), lists.nouns.len(), lists.verbs.len()),
+        (912, 6782, 1042)
+    );
+    let essays = common::real_assets().require_essays().unwrap();
+    let build = |text: &str| {
+        let recipe = Recipe::parse(text, Path::new("w.toml")).unwrap();
+        recipe
+            .build(model.tokenizer(), &essays, Path::new("."))
+            .unwrap()
+    };
+    let niah = build("kind = \"ruler-niah\"\nprompt_tokens = 600\ntype_haystack = \"noise\"\nwords = \"wonderwords\"\n");
+    let text = model.tokenizer().decode(&niah.ids);
+    let key = text
+        .split("special magic numbers for ")
+        .nth(1)
+        .and_then(|rest| rest.split(" is: ").next())
+        .unwrap();
+    let (adjective, noun) = key.split_once('-').unwrap();
+    assert!(lists.adjectives.iter().any(|a| a == adjective), "{key}");
+    assert!(lists.nouns.iter().any(|n| n == noun), "{key}");
+    let cwe = build("kind = \"ruler-cwe\"\nprompt_tokens = 1000\nwords = \"wonderwords\"\n");
+    let vocabulary: std::collections::BTreeSet<&String> = lists
+        .nouns
+        .iter()
+        .chain(&lists.adjectives)
+        .chain(&lists.verbs)
+        .collect();
+    assert_eq!(cwe.answers.len(), 10);
+    assert!(
+        cwe.answers.iter().all(|w| vocabulary.contains(w)),
+        "{:?}",
+        cwe.answers
+    );
+}

@@ -25,6 +25,10 @@ pub struct CommonWords {
     /// The seed of every random draw (RULER's default, 42).
     #[serde(default = "super::rulers_seed")]
     pub seed: u64,
+    /// Where the words come from: `essays` (the default) or `wonderwords` (RULER's nouns,
+    /// adjectives and verbs, its list when its own `english_words.json` is too short).
+    #[serde(default)]
+    pub words: super::WordSource,
     /// The prompt's template: `chat` (the model's own, the default) or `base` (RULER's `base`:
     /// the raw task text after BOS, then the answer prefix).
     #[serde(default)]
@@ -160,7 +164,7 @@ impl Task for CommonWords {
     }
 
     fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
-        let mut words = sources.words()?;
+        let mut words = sources.list_words(self.words)?;
         let mut draw = Draw::new(self.seed);
         draw.shuffle(&mut words);
         let (example_words, (example_common, example_other), (common, other)) = self.sizes();

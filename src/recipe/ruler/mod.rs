@@ -13,8 +13,8 @@
 //! - the haystack grows until the prompt holds `prompt_tokens` tokens (template and answer prefix
 //!   included), where RULER's limit also counts the generated tokens;
 //! - words (needle keys of type `words`, the common-words list) come from the essays' own
-//!   vocabulary, not from the `wonderwords` lists; a `words` key is two of them joined by '-',
-//!   like RULER's adjective-noun pairs;
+//!   vocabulary unless `words = "wonderwords"` takes RULER's lists ([`WordSource`]); a `words`
+//!   key is two of them joined by '-', like RULER's adjective-noun pairs;
 //! - random draws come from one seeded SplitMix64 stream, so the same recipe gives the same
 //!   prompt on any machine, but not RULER's Python samples;
 //! - on a chat model the task is the user's message and the answer prefix opens the assistant's
@@ -70,6 +70,35 @@ impl Sources<'_> {
         essay_tokens(self.tokenizer, self.essays, needed, collapse_whitespace)
     }
 
+    /// The two word lists a `words` key joins one of each of: the essays' vocabulary twice, or
+    /// RULER's adjectives and nouns (each sorted, duplicates removed).
+    pub fn key_words(&self, source: WordSource) -> Result<(Vec<String>, Vec<String>), RecipeError> {
+        match source {
+            WordSource::Essays => {
+                let words = self.words()?;
+                Ok((words.clone(), words))
+            }
+            WordSource::Wonderwords => {
+                let lists = word_lists()?;
+                Ok((sorted(lists.adjectives), sorted(lists.nouns)))
+            }
+        }
+    }
+
+    /// The words a list task draws from: the essays' vocabulary, or RULER's nouns, adjectives and
+    /// verbs together (sorted, duplicates removed).
+    pub fn list_words(&self, source: WordSource) -> Result<Vec<String>, RecipeError> {
+        match source {
+            WordSource::Essays => self.words(),
+            WordSource::Wonderwords => {
+                let lists = word_lists()?;
+                Ok(sorted(
+                    [lists.nouns, lists.adjectives, lists.verbs].concat(),
+                ))
+            }
+        }
+    }
+
     /// The essays' vocabulary: every distinct lower-case ASCII word of 4 to 12 letters, sorted.
     pub fn words(&self) -> Result<Vec<String>, RecipeError> {
         let mut words = BTreeSet::new();
@@ -89,9 +118,42 @@ impl Sources<'_> {
     }
 }
 
+/// Where a task's words come from.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Deserialize)]
+#[serde(rename_all = "lowercase")]
+pub enum WordSource {
+    /// The essays' own vocabulary (what the shipped recipes use): a key's words may also occur in
+    /// the haystack.
+    #[default]
+    Essays,
+    /// RULER's, from the `wonderwords` package (fetched and checksum-pinned): a needle key is an
+    /// adjective and a noun (`scripts/data/synthetic/niah.py`), the common words are its nouns,
+    /// adjectives and verbs (`common_words_extraction.py`).
+    Wonderwords,
+}
+
 /// RULER's default seed, 42.
 pub(super) fn rulers_seed() -> u64 {
     42
+}
+
+/// RULER's word lists, fetched when missing.
+fn word_lists() -> Result<crate::assets::WordLists, RecipeError> {
+    crate::assets::Assets::from_env()
+        .word_lists()
+        .map_err(|err| RecipeError::Task {
+            task: "wonderwords",
+            rule: err.to_string(),
+        })
+}
+
+/// `words` sorted, duplicates removed (Python's `sorted(set(words))`).
+fn sorted(words: Vec<String>) -> Vec<String> {
+    words
+        .into_iter()
+        .collect::<BTreeSet<_>>()
+        .into_iter()
+        .collect()
 }
 
 /// Checks `task`'s settings: the field and the rule broken.

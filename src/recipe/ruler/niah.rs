@@ -41,6 +41,10 @@ pub struct NiahTask {
     /// What the needles hide in.
     #[serde(default)]
     pub type_haystack: Haystack,
+    /// Where `words` keys and values come from: `essays` (the default) or `wonderwords`
+    /// (RULER's adjective and noun lists).
+    #[serde(default)]
+    pub words: super::WordSource,
     /// What a key is (default `words`).
     #[serde(default = "words")]
     pub type_needle_k: Kind,
@@ -81,7 +85,8 @@ pub enum Kind {
     /// A 7-digit number.
     #[default]
     Numbers,
-    /// Two words of the essays joined by '-'.
+    /// Two words joined by '-': an adjective and a noun of RULER's lists (`words =
+    /// "wonderwords"`), or two words of the essays.
     Words,
     /// A version-4 UUID.
     Uuids,
@@ -97,6 +102,9 @@ fn words() -> Kind {
     Kind::Words
 }
 
+/// The words a `words` key joins: its first and its second.
+type KeyWords = (Vec<String>, Vec<String>);
+
 /// RULER's noise paragraph.
 pub(crate) const NOISE: &str =
     "The grass is green. The sky is blue. The sun is yellow. Here we go. There and back again.";
@@ -110,13 +118,14 @@ impl Kind {
         }
     }
 
-    fn draw(self, draw: &mut Draw, words: &[String]) -> String {
+    fn draw(self, draw: &mut Draw, words: &KeyWords) -> String {
+        let (first, second) = words;
         match self {
             Kind::Numbers => draw.between(1_000_000, 9_999_999).to_string(),
             Kind::Words => format!(
                 "{}-{}",
-                words[draw.below(words.len())],
-                words[draw.below(words.len())]
+                first[draw.below(first.len())],
+                second[draw.below(second.len())]
             ),
             Kind::Uuids => draw.uuid(),
         }
@@ -161,7 +170,7 @@ impl NiahTask {
 
     /// RULER's draws: keys, their values, the needles shuffled, the keys asked (every question's
     /// at once, then split).
-    fn plan(&self, words: &[String]) -> Plan {
+    fn plan(&self, words: &KeyWords) -> Plan {
         let mut draw = Draw::new(self.seed);
         let num_keys = self.num_keys();
         let (mut keys, mut values, mut needles) = (Vec::new(), Vec::new(), Vec::new());
@@ -300,7 +309,7 @@ impl NiahTask {
         tokenizer: &dyn TextTokenizer,
         plan: &Plan,
         lines: usize,
-        words: &[String],
+        words: &KeyWords,
     ) -> Vec<BuiltPrompt> {
         let mut draw = plan.draw.clone();
         let mut haystack: Vec<Line> = (0..lines)
@@ -379,11 +388,11 @@ impl Task for NiahTask {
     fn prompts(&self, sources: &Sources<'_>) -> Result<Vec<BuiltPrompt>, RecipeError> {
         let uses_words = [self.type_needle_k, self.type_needle_v].contains(&Kind::Words);
         let words = if uses_words {
-            sources.words()?
+            sources.key_words(self.words)?
         } else {
-            Vec::new()
+            (Vec::new(), Vec::new())
         };
-        if uses_words && words.len() < 2 {
+        if uses_words && (words.0.len() < 2 || words.1.len() < 2) {
             return Err(RecipeError::Task {
                 task: KIND,
                 rule: "`words` keys or values need words of 4 to 12 letters in the essays".into(),
