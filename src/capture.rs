@@ -153,6 +153,18 @@ pub fn question_trace(trace: &Path, question: usize, questions: usize) -> PathBu
     }
 }
 
+/// The trace of a question's shared context: [`question_trace`]'s `<stem>.q<N>.safetensors` less
+/// its `.q<N>`; any other trace is its own.
+pub fn shared_context(trace: &str) -> &str {
+    let Some(stem) = trace.strip_suffix(".safetensors") else {
+        return trace;
+    };
+    match stem.rsplit_once(".q") {
+        Some((context, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => context,
+        _ => trace,
+    }
+}
+
 /// Captures `recipe` into `trace` (each of its questions' traces) unless it exists, holding a lock beside it (dropped by
 /// the OS if the holder dies), so that sweeps or shards that start together capture a recipe once;
 /// `capture` runs the capture (with a progress display of the caller's, or none).
@@ -497,5 +509,32 @@ fn trace_meta(
         windows: spec.windows.clone(),
         spans: prompt.spans.clone(),
         extra,
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_questions_trace_leads_back_to_its_shared_context() {
+        assert_eq!(
+            shared_context("r/niah_questions.q2.safetensors"),
+            "r/niah_questions"
+        );
+        assert_eq!(shared_context("r/niah.safetensors"), "r/niah.safetensors");
+        assert_eq!(
+            shared_context("r/a.quest.safetensors"),
+            "r/a.quest.safetensors"
+        );
+        assert_eq!(shared_context("r/a.q.safetensors"), "r/a.q.safetensors");
+        let trace = Path::new("r/niah_questions.safetensors");
+        for question in 0..4 {
+            let asked = question_trace(trace, question, 4);
+            assert_eq!(
+                shared_context(&asked.display().to_string()),
+                "r/niah_questions"
+            );
+        }
     }
 }

@@ -15,10 +15,10 @@
 //!   came with the higher KL by the widest margins.
 
 use super::figures::{scatter, FigureFiles, Series};
-use super::intervals::{rank_interval, Prompts, BOOTSTRAP_RESAMPLES};
+use super::intervals::{rank_interval, BOOTSTRAP_RESAMPLES};
 use super::protocols::protocol;
 use super::stats::{best_index, kendall, spearman};
-use super::store::StoredRun;
+use super::store::{prompts_of, StoredRun};
 use super::SweepError;
 use super::{Budget, Experiment};
 use crate::export::{Format, Table};
@@ -83,24 +83,6 @@ const ANSWER_SCORE: Outcome = Outcome {
     value: |r| closed(r).answer_score(),
     counts: |r| closed(r).full_answer_score() > 0.0,
 };
-
-/// The prompts of `runs`: their traces, the questions asked of one shared context counting as
-/// that one prompt.
-pub(crate) fn prompts_of<'a>(runs: impl IntoIterator<Item = &'a StoredRun>) -> Prompts {
-    Prompts::of(runs.into_iter().map(|run| shared_context(&run.trace)))
-}
-
-/// The trace of a question's shared context: `<stem>.q<N>.safetensors` (see
-/// [`crate::capture::question_trace`]) less its `.q<N>`; any other trace is its own.
-pub(crate) fn shared_context(trace: &str) -> &str {
-    let Some(stem) = trace.strip_suffix(".safetensors") else {
-        return trace;
-    };
-    match stem.rsplit_once(".q") {
-        Some((context, n)) if !n.is_empty() && n.bytes().all(|b| b.is_ascii_digit()) => context,
-        _ => trace,
-    }
-}
 
 /// What a correlation's interval rests on, for the paragraph above its table.
 fn intervals_note() -> String {
@@ -429,36 +411,6 @@ mod tests {
         assert!(!row.contains('['), "{table}");
         assert!(table.contains("no interval over prompts"), "{table}");
         assert_ne!(name_seed("s"), name_seed("t"));
-    }
-
-    #[test]
-    fn the_questions_of_one_context_are_one_prompt() {
-        assert_eq!(
-            shared_context("r/niah_questions.q2.safetensors"),
-            "r/niah_questions"
-        );
-        assert_eq!(shared_context("r/niah.safetensors"), "r/niah.safetensors");
-        assert_eq!(
-            shared_context("r/a.quest.safetensors"),
-            "r/a.quest.safetensors"
-        );
-        assert_eq!(shared_context("r/a.q.safetensors"), "r/a.q.safetensors");
-        let trace = std::path::Path::new("r/niah_questions.safetensors");
-        for question in 0..4 {
-            let asked = crate::capture::question_trace(trace, question, 4);
-            assert_eq!(
-                shared_context(&asked.display().to_string()),
-                "r/niah_questions"
-            );
-        }
-        let runs: Vec<StoredRun> = ["a.q1.safetensors", "a.q2.safetensors", "b.safetensors"]
-            .iter()
-            .map(|trace| StoredRun {
-                trace: trace.to_string(),
-                ..closed_run("p", [0.5, 0.5], None, 0.1)
-            })
-            .collect();
-        assert_eq!(prompts_of(&runs).describe(), "2 prompts, 3 runs");
     }
 
     #[test]

@@ -5,11 +5,11 @@
 //! layer by layer, is how far the model's own vectors moved once tokens were gone: what an
 //! open-loop number cannot see. Runs stored before the live mass was measured are left out.
 
-use super::calibration::prompts_of;
 use super::figures::{line_chart, FigureFiles, Series};
 use super::intervals::rank_interval;
 use super::protocols::protocol;
 use super::stats::spearman;
+use super::store::prompts_of;
 use super::store::StoredRun;
 use super::SweepError;
 use crate::export::{Format, Table};

@@ -1,8 +1,10 @@
 //! The run store: one JSON file per finished run, written to a temporary name and renamed, so a
 //! killed sweep leaves only finished runs and a rerun skips them; reading them back for reports.
 
+use super::intervals::Prompts;
 use super::SweepError;
 use super::{Budget, Experiment, PlannedRun, TraceFile};
+use crate::capture::shared_context;
 use crate::live::LiveReport;
 use crate::replay::{PolicyParams, ReplayReport};
 use serde::{Deserialize, Serialize};
@@ -280,6 +282,12 @@ impl StoredRun {
     }
 }
 
+/// The prompts of `runs`, the unit the report's intervals rest on: their traces, the questions
+/// asked of one shared context counting as that one prompt.
+pub(crate) fn prompts_of<'a>(runs: impl IntoIterator<Item = &'a StoredRun>) -> Prompts {
+    Prompts::of(runs.into_iter().map(|run| shared_context(&run.trace)))
+}
+
 /// The stored run of policy `name` at `budget` on `trace`, if any.
 pub(crate) fn find_run<'a>(
     runs: &'a [StoredRun],
@@ -436,5 +444,17 @@ mod tests {
         assert!(tokens.ran_at(Budget::Tokens(64)) && !bytes.ran_at(Budget::Tokens(64)));
         assert!(bytes.ran_at(Budget::Bytes(0.125)) && !bytes.ran_at(Budget::Bytes(0.25)));
         assert!(!tokens.ran_at(Budget::Bytes(0.125)));
+    }
+
+    #[test]
+    fn the_questions_of_one_context_are_one_prompt() {
+        let runs: Vec<StoredRun> = ["a.q1.safetensors", "a.q2.safetensors", "b.safetensors"]
+            .iter()
+            .map(|trace| StoredRun {
+                trace: trace.to_string(),
+                ..closed_run("p", [0.5, 0.5], None, 0.1)
+            })
+            .collect();
+        assert_eq!(prompts_of(&runs).describe(), "2 prompts, 3 runs");
     }
 }

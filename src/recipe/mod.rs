@@ -224,6 +224,40 @@ impl BuiltPrompt {
     }
 }
 
+/// A RULER recipe's `max_seq_length`, taken out of `table` and standing in for `prompt_tokens`
+/// until [`Recipe::fit_sequence`] sets it; `None` when the recipe gives `prompt_tokens`.
+fn max_seq_length(table: &mut toml::Table, path: &Path) -> Result<Option<usize>, RecipeError> {
+    let invalid = |rule: &str| RecipeError::Invalid {
+        path: path.to_owned(),
+        field: "max_seq_length",
+        rule: rule.to_owned(),
+    };
+    let Some(value) = table.remove("max_seq_length") else {
+        return Ok(None);
+    };
+    let kind = table
+        .get("kind")
+        .and_then(toml::Value::as_str)
+        .unwrap_or("");
+    if !samples::DRAWING_KINDS.contains(&kind) {
+        return Err(invalid(&format!(
+            "kind `{kind}` does not take it: only {}",
+            samples::DRAWING_KINDS.join(", ")
+        )));
+    }
+    if table.contains_key("prompt_tokens") {
+        return Err(invalid(
+            "give prompt_tokens or max_seq_length, not both (max_seq_length counts the tokens to generate too)",
+        ));
+    }
+    let length = value
+        .as_integer()
+        .filter(|n| *n > 0)
+        .ok_or_else(|| invalid("must be a positive whole number"))?;
+    table.insert("prompt_tokens".into(), toml::Value::Integer(length));
+    Ok(Some(length as usize))
+}
+
 /// Recipe text as a TOML table; `path` names it in errors.
 fn table_of(text: &str, path: &Path) -> Result<toml::Table, RecipeError> {
     toml::from_str(text).map_err(|err: toml::de::Error| RecipeError::Parse {
@@ -251,12 +285,33 @@ impl Recipe {
         let mut table = table_of(text, path)?;
         samples::samples_of(&table, path)?;
         table.remove("samples");
-        let recipe = Recipe::deserialize(table).map_err(|err| RecipeError::Parse {
+        let max_seq_length = max_seq_length(&mut table, path)?;
+        let mut recipe = Recipe::deserialize(table).map_err(|err| RecipeError::Parse {
             path: path.to_owned(),
             detail: err.message().to_owned(),
         })?;
+        if let Some(length) = max_seq_length {
+            recipe.fit_sequence(length, path)?;
+        }
         recipe.check(path)?;
         Ok(recipe)
+    }
+
+    /// Sets a RULER kind's `prompt_tokens` to `max_seq_length` less its tokens to generate, as
+    /// RULER's `max_seq_length` counts both.
+    fn fit_sequence(&mut self, max_seq_length: usize, path: &Path) -> Result<(), RecipeError> {
+        let (prompt_tokens, generate) = match self {
+            Recipe::RulerNiah(task) => (&mut task.prompt_tokens, task.generate),
+            Recipe::RulerVt(task) => (&mut task.prompt_tokens, task.generate),
+            Recipe::RulerCwe(task) => (&mut task.prompt_tokens, task.generate),
+            Recipe::RulerFwe(task) => (&mut task.prompt_tokens, task.generate),
+            _ => unreachable!(
+                "max_seq_length is refused on other kinds: {}",
+                path.display()
+            ),
+        };
+        *prompt_tokens = max_seq_length.saturating_sub(generate);
+        Ok(())
     }
 
     /// The name of the model that runs the recipe.
@@ -485,6 +540,44 @@ fn sentence_break_before(tokenizer: &dyn TextTokenizer, context: &[u32], positio
 
 #[cfg(test)]
 mod tests {
+    /// `max_seq_length` counts the tokens to generate, as RULER's does: the prompt gets the rest.
+    #[test]
+    fn max_seq_length_leaves_room_for_the_generated_tokens() {
+        let path = std::path::Path::new("m.toml");
+        let parse = |text: &str| super::Recipe::parse(text, path);
+        let Ok(super::Recipe::RulerVt(vt)) = parse("kind = \"ruler-vt\"\nmax_seq_length = 1024\n")
+        else {
+            panic!("a ruler-vt recipe");
+        };
+        assert_eq!((vt.prompt_tokens, vt.generate), (994, 30));
+        let Ok(super::Recipe::RulerCwe(cwe)) =
+            parse("kind = \"ruler-cwe\"\nmax_seq_length = 4096\ngenerate = 120\n")
+        else {
+            panic!("a ruler-cwe recipe");
+        };
+        assert_eq!(cwe.prompt_tokens, 3976);
+        for (text, rule) in [
+            (
+                "kind = \"ruler-vt\"\nmax_seq_length = 1024\nprompt_tokens = 900\n",
+                "not both",
+            ),
+            (
+                "kind = \"chat\"\nmessage = \"hi\"\ngenerate = 2\nmax_seq_length = 64\n",
+                "kind `chat` does not take it",
+            ),
+            (
+                "kind = \"ruler-vt\"\nmax_seq_length = 0\n",
+                "must be a positive whole number",
+            ),
+        ] {
+            let err = parse(text).unwrap_err().to_string();
+            assert!(
+                err.starts_with("m.toml: field `max_seq_length`: ") && err.contains(rule),
+                "{err}"
+            );
+        }
+    }
+
     use super::*;
 
     fn load(text: &str) -> Recipe {

@@ -22,7 +22,7 @@ use std::path::{Path, PathBuf};
 pub const MAX_SAMPLES: usize = 10_000;
 
 /// The recipe kinds that draw their prompt at random, so that samples differ.
-const DRAWING_KINDS: [&str; 4] = ["ruler-niah", "ruler-vt", "ruler-cwe", "ruler-fwe"];
+pub(super) const DRAWING_KINDS: [&str; 4] = ["ruler-niah", "ruler-vt", "ruler-cwe", "ruler-fwe"];
 
 /// The `samples` of recipe text (1 when absent), checked: a whole number from 1 to
 /// [`MAX_SAMPLES`], on a kind that draws at random.

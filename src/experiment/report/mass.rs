@@ -1,8 +1,9 @@
 //! Retained mass per policy and budget with intervals and real memory, overall and per model.
 
 use super::*;
-use crate::experiment::calibration::{prompts_of, shared_context};
+use crate::capture::shared_context;
 use crate::experiment::intervals::{mean_interval, Prompts};
+use crate::experiment::store::prompts_of;
 
 /// The retained-mass table (mean ± CI, KV entries per layer) and its series for the figure.
 pub(super) fn mass_section(

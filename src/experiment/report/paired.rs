@@ -2,8 +2,8 @@
 //! prompts, and a sign test over prompts.
 
 use super::*;
-use crate::experiment::calibration::prompts_of;
 use crate::experiment::intervals::mean_interval;
+use crate::experiment::store::prompts_of;
 
 /// The paired comparisons (`[[compare]]`), or nothing.
 pub(super) fn paired_section(
