@@ -131,9 +131,11 @@ pub(crate) fn section(budgets: &[Budget], runs: &[StoredRun], traces: &[String])
     if protocols.len() < 2 {
         return String::new();
     }
-    predictors(runs, traces, &protocols)
-        + &every_outcome(runs, traces, &protocols)
-        + &rankings(budgets, runs, traces)
+    let per_cell = match cells(runs, traces, &protocols).is_empty() {
+        true => "\nWhich open-loop metric predicts KL per (trace, protocol): not computed, as no cell has the three (policy, budget) points a rank correlation within one trace and protocol needs; the correlations over prompts above hold what the runs say.\n".to_string(),
+        false => predictors(runs, traces, &protocols) + &every_outcome(runs, traces, &protocols),
+    };
+    per_cell + &rankings(budgets, runs, traces)
 }
 
 /// Each (trace, protocol) cell with at least three points, with its runs.
@@ -466,6 +468,27 @@ mod tests {
 
     fn protocols_of(runs: &[StoredRun]) -> BTreeSet<&str> {
         runs.iter().map(protocol).collect()
+    }
+
+    #[test]
+    fn cells_too_small_for_a_correlation_say_so_instead_of_empty_tables() {
+        // One policy under two protocols: two points per (trace, protocol) cell.
+        let runs: Vec<StoredRun> = ["question-in-prompt", "question-agnostic"]
+            .iter()
+            .map(|protocol| {
+                let mut run = closed_run("p", [0.5, 0.5], None, 0.1);
+                run.report
+                    .settings
+                    .insert("protocol".into(), protocol.to_string());
+                run
+            })
+            .collect();
+        let text = section(&[Budget::Tokens(64)], &runs, &["t".into()]);
+        assert!(
+            text.contains("not computed, as no cell has the three"),
+            "{text}"
+        );
+        assert!(!text.contains("| cells "), "{text}");
     }
 
     #[test]
