@@ -743,6 +743,7 @@ fn a_sampled_recipe_sweeps_every_sample_as_a_prompt() {
         .collect();
     assert_eq!(texts.len(), 5);
     assert!(report.contains("of 5 prompts, 10 runs"), "{report}");
+    assert!(report.contains("): `chat` on 5.\n"), "{report}");
     assert!(
         report.contains("Student t over the per-prompt means of 5 prompts;"),
         "{report}"

@@ -340,6 +340,19 @@ impl Recipe {
         }
     }
 
+    /// The prompt template of a RULER recipe (`chat` or `base`; a RULER file's is in its text),
+    /// `None` for the other kinds.
+    pub fn template(&self) -> Option<&'static str> {
+        match self {
+            Recipe::RulerNiah(task) => Some(task.template.name()),
+            Recipe::RulerVt(task) => Some(task.template.name()),
+            Recipe::RulerCwe(task) => Some(task.template.name()),
+            Recipe::RulerFwe(task) => Some(task.template.name()),
+            Recipe::RulerJsonl(_) => Some("RULER's file"),
+            Recipe::Niah(_) | Recipe::Chat(_) | Recipe::Text(_) => None,
+        }
+    }
+
     /// How many questions the recipe asks of its one context (each a trace of its own).
     pub fn questions(&self) -> usize {
         match self {

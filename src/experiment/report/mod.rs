@@ -52,6 +52,33 @@ fn samples(run: &StoredRun) -> Vec<f64> {
         .collect()
 }
 
+/// Which prompt templates the traces' RULER recipes use, as a line of the report's header; empty
+/// when none is a RULER recipe.
+fn templates(traces: &[TraceFile]) -> String {
+    let mut counts: std::collections::BTreeMap<&str, usize> = std::collections::BTreeMap::new();
+    for trace in traces {
+        let template = trace
+            .recipe
+            .as_ref()
+            .and_then(|recipe| crate::recipe::Recipe::load(recipe).ok())
+            .and_then(|(recipe, _)| recipe.template());
+        if let Some(template) = template {
+            *counts.entry(template).or_default() += 1;
+        }
+    }
+    if counts.is_empty() {
+        return String::new();
+    }
+    let each: Vec<String> = counts
+        .iter()
+        .map(|(template, n)| format!("`{template}` on {n}"))
+        .collect();
+    format!(
+        "Prompt template of the RULER traces (a recipe's `template`: `chat` wraps the task in the model's chat turns, `base` is RULER's raw task text): {}.\n\n",
+        each.join(", ")
+    )
+}
+
 /// `0.9118 ± 0.0163`, or the mean alone where there is no interval (the header says when).
 fn unsigned(interval: &Interval) -> String {
     match interval.half_width() {
@@ -126,6 +153,7 @@ pub fn build(
         runs.len(),
         trace_names.join(", ")
     );
+    out += &templates(traces);
     let frames = if runs.is_empty() {
         Vec::new()
     } else {

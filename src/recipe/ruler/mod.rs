@@ -277,6 +277,16 @@ pub enum PromptTemplate {
     Base,
 }
 
+impl PromptTemplate {
+    /// Its name in a recipe.
+    pub fn name(self) -> &'static str {
+        match self {
+            PromptTemplate::Chat => "chat",
+            PromptTemplate::Base => "base",
+        }
+    }
+}
+
 /// A prompt assembled in token space: each piece is tokenized on its own, so spans are exact.
 pub(crate) struct Assembly<'t> {
     tokenizer: &'t dyn TextTokenizer,
