@@ -26,36 +26,40 @@ pub(super) fn paired_section(
     ]);
     for pair in &experiment.compare {
         for &budget in &experiment.budgets {
-            let (mut differences, mut of) = (Vec::new(), Vec::new());
+            // Per trace: its mean difference, and the positions where a keeps more.
+            let (mut compared, mut means, mut wins, mut positions) = (Vec::new(), Vec::new(), 0, 0);
             for trace in trace_names {
                 if let (Some(a), Some(b)) = (
                     find_run(runs, &pair.a, budget, trace),
                     find_run(runs, &pair.b, budget, trace),
                 ) {
-                    let at: Vec<f64> = samples(a)
+                    let differences: Vec<f64> = samples(a)
                         .iter()
                         .zip(samples(b))
                         .map(|(x, y)| x - y)
                         .collect();
-                    of.extend(std::iter::repeat_n(a, at.len()));
-                    differences.extend(at);
+                    if differences.is_empty() {
+                        continue;
+                    }
+                    wins += differences.iter().filter(|d| **d > 0.0).count();
+                    positions += differences.len();
+                    means.push(differences.iter().sum::<f64>() / differences.len() as f64);
+                    compared.push(a);
                 }
             }
-            if differences.is_empty() {
+            if compared.is_empty() {
                 continue;
             }
-            let prompts = prompts_of(of);
-            let interval = mean_interval(&differences, &prompts);
-            let wins =
-                differences.iter().filter(|d| **d > 0.0).count() as f64 / differences.len() as f64;
+            let prompts = prompts_of(compared);
+            let interval = mean_interval(&means, &prompts);
             paired.push([
                 pair.a.clone(),
                 pair.b.clone(),
                 budget.to_string(),
                 interval.prompts.to_string(),
                 signed(&interval),
-                format!("{:.1}%", 100.0 * wins),
-                match (prompts.count(), sign_test(&prompts.means(&differences))) {
+                format!("{:.1}%", 100.0 * wins as f64 / positions as f64),
+                match (prompts.count(), sign_test(&prompts.means(&means))) {
                     (1, _) => "— (1 prompt)".into(),
                     (_, 0.0) => "< 1e-300".into(),
                     (_, p) => format!("{p:.2e}"),
