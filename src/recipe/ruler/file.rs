@@ -174,8 +174,14 @@ fn tokens_through(tokenizer: &dyn TextTokenizer, ids: &[u32], offset: usize) -> 
 
 /// The number of samples (non-empty lines) of a `validation.jsonl`.
 pub fn count_samples(path: &Path) -> Result<usize, RecipeError> {
-    let text = read(path)?;
-    Ok(text.lines().filter(|line| !line.trim().is_empty()).count())
+    Ok(sample_lines(&read(path)?).len())
+}
+
+/// The samples of a `validation.jsonl`'s text: its non-empty lines.
+fn sample_lines(text: &str) -> Vec<&str> {
+    text.lines()
+        .filter(|line| !line.trim().is_empty())
+        .collect()
 }
 
 fn read(path: &Path) -> Result<String, RecipeError> {
@@ -194,19 +200,10 @@ fn read_sample(path: &Path, line: usize) -> Result<Sample, RecipeError> {
         field,
         rule,
     };
-    let raw = text
-        .lines()
-        .filter(|l| !l.trim().is_empty())
-        .nth(line - 1)
-        .ok_or_else(|| {
-            rule(
-                "line",
-                format!(
-                    "the file has {} samples",
-                    text.lines().filter(|l| !l.trim().is_empty()).count()
-                ),
-            )
-        })?;
+    let samples = sample_lines(&text);
+    let raw = samples
+        .get(line - 1)
+        .ok_or_else(|| rule("line", format!("the file has {} samples", samples.len())))?;
     let json: serde_json::Value =
         serde_json::from_str(raw).map_err(|err| rule("line", format!("not JSON: {err}")))?;
     let string = |field: &'static str| -> Result<String, RecipeError> {
