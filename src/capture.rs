@@ -64,8 +64,9 @@ pub struct CaptureSummary {
     pub generated_text: String,
 }
 
-/// Model `name`: a native one (a [`MODELS`](crate::assets::MODELS) name), fetching the assets
-/// first if they are missing, or a Hugging Face one (`hf:…`, [`HfModel`]).
+/// Model `name`: a native one (a [`MODELS`](crate::assets::MODELS) name, fetching the assets
+/// first if they are missing, or `gguf:PATH`, a GGUF on disk), or a Hugging Face one (`hf:…`,
+/// [`HfModel`]).
 pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> {
     if name.starts_with(crate::model::hf::PREFIX) {
         return Ok(Box::new(HfModel::load(name)?));
@@ -96,9 +97,13 @@ impl ModelSlot {
     }
 }
 
-/// The GGUF of model `name`, fetched (with the essays) if missing. A file already there is used as
+/// The GGUF of model `name`: the file a `gguf:PATH` names, or the asset fetched (with the
+/// essays) if missing. A file already there is used as
 /// it is: a corrupted one is named when it loads, never replaced behind the user's back.
 fn model_file(name: &str) -> Result<std::path::PathBuf, CaptureError> {
+    if let Some(path) = family::gguf_path(name) {
+        return Ok(path);
+    }
     let asset = model_asset(name).ok_or_else(|| CaptureError::UnknownModel(name.to_owned()))?;
     let assets = Assets::from_env();
     let path = assets.model_file(asset);

@@ -115,14 +115,15 @@ const CANDLE_SPIN_LIMIT: &str = "CANDLE_BARRIER_POOL_SPIN_LIMIT";
 /// The memory the system can still give this process (`MemAvailable` of /proc/meminfo), or 4 GiB
 /// where that cannot be read.
 pub fn available_memory() -> usize {
-    std::fs::read_to_string("/proc/meminfo")
-        .ok()
-        .and_then(|info| {
-            let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
-            let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
-            Some(kib << 10)
-        })
-        .unwrap_or(4 << 30)
+    memory_available().unwrap_or(4 << 30)
+}
+
+/// `MemAvailable` of /proc/meminfo, where it can be read.
+pub fn memory_available() -> Option<usize> {
+    let info = std::fs::read_to_string("/proc/meminfo").ok()?;
+    let line = info.lines().find(|l| l.starts_with("MemAvailable:"))?;
+    let kib: usize = line.split_whitespace().nth(1)?.parse().ok()?;
+    Some(kib << 10)
 }
 
 /// Hands the memory freed by a layer's work back to the system. glibc keeps freed blocks of its

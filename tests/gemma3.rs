@@ -1,5 +1,5 @@
 //! The native Gemma 3 forward and tokenizer against an implementation we did not write:
-//! Hugging Face transformers (5.x) loading the same GGUF (`tests/reference/gemma3_hf.py`).
+//! Hugging Face transformers (5.x) loading the same GGUF (`tests/reference/causal_lm_hf.py`).
 //! Token ids must be equal; the last-position logits agree within 2e-3 relative to their range
 //! (two f32 implementations of 18 layers; observed below); greedy tokens are equal; the layer
 //! kinds are the config's; attention recomputed from the recorded vectors equals the forward's.
@@ -13,34 +13,11 @@ use kvreplay::live::{Batching, LiveSession};
 use kvreplay::model::{CausalLm, Gemma3, KvCache, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{Layers, PolicyParams, Timing};
-use std::io::Write;
 use std::path::PathBuf;
-use std::process::{Command, Stdio};
 
 fn gemma() -> (Gemma3, PathBuf) {
     let path = common::gemma_path();
     (Gemma3::load(&path).expect("the Gemma 3 GGUF loads"), path)
-}
-
-fn hf(path: &std::path::Path, requests: serde_json::Value) -> serde_json::Value {
-    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/gemma3_hf.py");
-    let mut child = Command::new(common::torch_python())
-        .arg(script)
-        .arg(path.parent().unwrap())
-        .arg(path.file_name().unwrap())
-        .stdin(Stdio::piped())
-        .stdout(Stdio::piped())
-        .spawn()
-        .unwrap();
-    child
-        .stdin
-        .take()
-        .unwrap()
-        .write_all(requests.to_string().as_bytes())
-        .unwrap();
-    let output = child.wait_with_output().unwrap();
-    assert!(output.status.success(), "gemma3_hf.py failed");
-    serde_json::from_slice(&output.stdout).unwrap()
 }
 
 #[test]
@@ -61,7 +38,7 @@ fn gemma3_matches_transformers() {
         .map(|t| serde_json::json!({ "text": t }))
         .collect();
     requests.push(serde_json::json!({ "ids": ids, "generate": 12 }));
-    let reply = hf(&path, serde_json::Value::Array(requests));
+    let reply = common::transformers_reference(&path, serde_json::Value::Array(requests));
     let answers = reply["answers"].as_array().unwrap();
     for (text, answer) in texts.iter().zip(answers) {
         let ours: Vec<u32> = model

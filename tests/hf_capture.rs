@@ -9,7 +9,7 @@ mod common;
 use kvreplay::assets::Assets;
 
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{CausalLm, Gemma3, Llama, Recorder};
+use kvreplay::model::{CausalLm, Gemma3, Llama, Qwen2, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::{presets, replay};
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -202,6 +202,46 @@ fn python_capture_of_gemma3_matches_native_capture() {
     assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
     let worst = worst_difference(&ours, &theirs, true);
     eprintln!("Gemma 3: max |Δ| / max |x| over q, k, v of 18 layers = {worst:e}");
+    assert!(worst < 1e-3, "q/k/v differ by {worst} of their range");
+    assert_same_metrics(
+        &ours,
+        &theirs,
+        &["snapkv", "h2o", "streamingllm", "oracle"],
+        64,
+        &["retained_mass"],
+    );
+}
+
+/// Qwen2 (q/k/v biases, unpermuted rows, its own pre-tokenizer and system message): the Python
+/// capture of the same GGUF writes the same tokens (prompt and greedy answer), spans and vectors.
+#[test]
+fn python_capture_of_qwen2_matches_native_capture() {
+    let gguf = common::model_gguf("qwen2.5-coder-0.5b");
+    let model = Qwen2::load(&gguf).unwrap();
+    let essays = common::real_assets().require_essays().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("niah-qwen.toml");
+    std::fs::write(
+        &recipe,
+        "kind = \"niah\"\nmodel = \"qwen2.5-coder-0.5b\"\nprompt_tokens = 600\ndepth_percent = 35.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\ngenerate = 8\n",
+    )
+    .unwrap();
+    let (native_path, hf_path) = (
+        dir.path().join("native.safetensors"),
+        dir.path().join("hf.safetensors"),
+    );
+    native(&model, &recipe, &essays, &native_path);
+    python_capture(&gguf, &recipe, &hf_path, &["--dtype", "f32"]);
+    let (ours, theirs) = (
+        TraceReader::open(&native_path).unwrap(),
+        TraceReader::open(&hf_path).unwrap(),
+    );
+    assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
+    assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
+    assert_eq!(ours.meta().spans, theirs.meta().spans);
+    assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
+    let worst = worst_difference(&ours, &theirs, true);
+    eprintln!("Qwen2: max |Δ| / max |x| over q, k, v of 24 layers = {worst:e}");
     assert!(worst < 1e-3, "q/k/v differ by {worst} of their range");
     assert_same_metrics(
         &ours,

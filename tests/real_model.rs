@@ -75,12 +75,13 @@ fn logits_match_the_independent_reference() {
 
 #[test]
 fn answers_the_capital_of_france() {
-    let prompt = model()
-        .tokenizer()
-        .encode(&ChatTokenizer::chat_prompt(&[ChatMessage {
+    let prompt = model().tokenizer().encode(&ChatTokenizer::chat_prompt(
+        &[ChatMessage {
             role: "user".into(),
             content: "What is the capital of France?".into(),
-        }]));
+        }],
+        model().tokenizer().default_system(),
+    ));
     let generated = model()
         .generate(&prompt, 16, 512, None, &mut |_| {})
         .unwrap();

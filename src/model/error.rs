@@ -42,6 +42,16 @@ pub enum ModelError {
         /// The architectures of the registered families.
         known: String,
     },
+    /// The model's weights, held as f32, would not fit the memory available.
+    #[error("{path}: the model needs {} GB as f32 weights, and {} GB of memory is available", gb(*needs), gb(*available))]
+    Memory {
+        /// The model file.
+        path: PathBuf,
+        /// Bytes its weights take as f32.
+        needs: usize,
+        /// Bytes available (`MemAvailable`).
+        available: usize,
+    },
     /// The tokenizer could not be built from the GGUF vocabulary.
     #[error("{path}: cannot build the tokenizer from the GGUF vocabulary: {detail}")]
     Tokenizer {
@@ -67,4 +77,9 @@ pub enum ModelError {
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),
+}
+
+/// Bytes in GB, one decimal.
+fn gb(bytes: usize) -> String {
+    format!("{:.1}", bytes as f64 / 1e9)
 }

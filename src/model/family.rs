@@ -2,11 +2,14 @@
 //! `general.architecture`. Adding a family is one file implementing [`CausalLm`] (with a
 //! `from_gguf` constructor) and one line of the [`families!`](crate::families) list in
 //! `model/mod.rs`, which declares its module, re-exports its type and registers it here.
+//!
+//! A model is named by a fetchable asset's name (`crate::assets::MODELS`) or, for a GGUF already
+//! on disk, `gguf:PATH` ([`gguf_path`]); either way this registry picks its family.
 
 use super::causal_lm::CausalLm;
 use super::gguf::GgufFile;
 use super::ModelError;
-use std::path::Path;
+use std::path::{Path, PathBuf};
 
 /// One model family.
 pub struct Family {
@@ -33,9 +36,38 @@ macro_rules! families {
     };
 }
 
-/// Loads the GGUF at `path` with the family its architecture names.
+/// How a recipe names a GGUF on disk: `gguf:PATH`.
+pub const GGUF_PREFIX: &str = "gguf:";
+
+/// The file a `gguf:PATH` model name names (a leading `~/` is the home directory), or `None` for
+/// another kind of name.
+pub fn gguf_path(name: &str) -> Option<PathBuf> {
+    let path = name.strip_prefix(GGUF_PREFIX)?;
+    Some(match path.strip_prefix("~/") {
+        Some(rest) => std::env::var_os("HOME").map(PathBuf::from)?.join(rest),
+        None => PathBuf::from(path),
+    })
+}
+
+/// The memory a native model holds once loaded: every tensor dequantised to f32 (the products'
+/// strip copies, made on a batch's first decode, come on top).
+fn f32_bytes(gguf: &GgufFile) -> usize {
+    let infos = gguf.content.tensor_infos.values();
+    infos.map(|info| info.shape.elem_count() * 4).sum()
+}
+
+/// Loads the GGUF at `path` with the family its architecture names; refused before loading when
+/// its weights would not fit the memory the system reports available.
 pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
     let gguf = GgufFile::open(path)?;
+    let needs = f32_bytes(&gguf);
+    if let Some(available) = crate::sys::memory_available().filter(|&free| needs > free) {
+        return Err(ModelError::Memory {
+            path: path.to_owned(),
+            needs,
+            available,
+        });
+    }
     let architecture = gguf.architecture();
     match super::FAMILIES
         .iter()

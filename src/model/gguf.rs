@@ -1,4 +1,5 @@
-//! Reading a GGUF: its metadata, the Llama hyper-parameters, and the weights dequantised to f32.
+//! Reading a GGUF: its metadata, the hyper-parameters of a Llama-shaped decoder, and the weights
+//! dequantised to f32.
 
 use super::ModelError;
 use candle_core::quantized::gguf_file::{Content, Value};
@@ -9,9 +10,11 @@ use std::fs::File;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
 
-/// The hyper-parameters of a Llama-architecture model, from its GGUF metadata.
+/// The hyper-parameters of a Llama-shaped decoder (`llama`, `qwen2`), from its GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LlamaConfig {
+    /// `general.architecture`: the prefix of the keys below.
+    pub architecture: String,
     /// Transformer blocks.
     pub n_layers: usize,
     /// Query heads.
@@ -121,21 +124,29 @@ impl GgufFile {
             .unwrap_or_else(|| default.into())
     }
 
-    /// The Llama hyper-parameters (`general.architecture` must be `llama`).
-    pub fn llama_config(&self) -> Result<LlamaConfig, ModelError> {
-        if self.architecture() != "llama" {
-            return Err(self.metadata_error("general.architecture", "\"llama\""));
+    /// The hyper-parameters of a Llama-shaped decoder, read under the keys of its architecture
+    /// (`llama.block_count`, `qwen2.block_count`, ...), which must be `expected`.
+    pub fn llama_config(&self, expected: &'static str) -> Result<LlamaConfig, ModelError> {
+        let architecture = self.architecture();
+        if architecture != expected {
+            return Err(self.metadata_error("general.architecture", expected));
         }
-        let name = self.name("llama");
+        let key = |name: &str| format!("{architecture}.{name}");
         Ok(LlamaConfig {
-            n_layers: self.usize_value("llama.block_count")?,
-            n_heads: self.usize_value("llama.attention.head_count")?,
-            n_kv_heads: self.usize_value("llama.attention.head_count_kv")?,
-            embedding_len: self.usize_value("llama.embedding_length")?,
-            rope_theta: self.f32_value("llama.rope.freq_base").unwrap_or(10_000.0),
-            rms_eps: self.f32_value("llama.attention.layer_norm_rms_epsilon")? as f64,
-            name,
+            n_layers: self.usize_value(&key("block_count"))?,
+            n_heads: self.usize_value(&key("attention.head_count"))?,
+            n_kv_heads: self.usize_value(&key("attention.head_count_kv"))?,
+            embedding_len: self.usize_value(&key("embedding_length"))?,
+            rope_theta: self.f32_value(&key("rope.freq_base")).unwrap_or(10_000.0),
+            rms_eps: self.f32_value(&key("attention.layer_norm_rms_epsilon"))? as f64,
+            name: self.name(&architecture),
+            architecture,
         })
+    }
+
+    /// Whether the file holds a tensor called `name`.
+    pub(crate) fn has_tensor(&self, name: &str) -> bool {
+        self.content.tensor_infos.contains_key(name)
     }
 
     /// The token embedding and every layer's `block`, read side by side on worker threads (each

@@ -1,6 +1,7 @@
 //! The Llama forward pass (RMSNorm, half-split rotary, grouped-query attention, SwiGLU, tied
 //! embeddings), run chunk by chunk over a KV cache, with a [`Recorder`] hook that keeps what
-//! attention saw.
+//! attention saw. Families with Llama's block and small differences ([`Variant`]: Qwen2's q/k/v
+//! biases and unpermuted rows) run on it too.
 
 use super::batch::{
     each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
@@ -18,12 +19,28 @@ use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
 use std::path::Path;
 
+/// What sets a family with Llama's block apart from Llama.
+pub(crate) struct Variant {
+    /// `general.architecture`, and the family the spec names.
+    pub(crate) architecture: &'static str,
+    /// Whether llama.cpp's converter permuted the q/k rows for its interleaved rotary (it does
+    /// for `llama`, not for `qwen2`); undone at load.
+    pub(crate) permuted_qk: bool,
+}
+
+const LLAMA: Variant = Variant {
+    architecture: "llama",
+    permuted_qk: true,
+};
+
 struct Block {
     attn_norm: Tensor,
     // Weights are stored transposed, [in, out], so a linear layer is one `matmul`.
     wq: Weight,
     wk: Weight,
     wv: Weight,
+    /// The q, k and v biases, where the file has them (Qwen2).
+    biases: Option<[Tensor; 3]>,
     wo: Weight,
     ffn_norm: Tensor,
     gate: Weight,
@@ -32,6 +49,27 @@ struct Block {
 }
 
 impl Block {
+    /// q, k and v of the normed hidden states `h` (rows summed at `sums`), biases added.
+    fn projected(
+        &self,
+        h: &Tensor,
+        sums: &[(usize, usize)],
+    ) -> Result<(Tensor, Tensor, Tensor), ModelError> {
+        let project = |w: &Weight, bias: Option<&Tensor>| -> Result<Tensor, ModelError> {
+            let product = w.rows_product(h, sums)?;
+            Ok(match bias {
+                Some(bias) => product.broadcast_add(bias)?,
+                None => product,
+            })
+        };
+        let bias = |i: usize| self.biases.as_ref().map(|biases| &biases[i]);
+        Ok((
+            project(&self.wq, bias(0))?,
+            project(&self.wk, bias(1))?,
+            project(&self.wv, bias(2))?,
+        ))
+    }
+
     /// The weights of its linear layers.
     fn projections(&self) -> [&Weight; 7] {
         [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
@@ -63,15 +101,30 @@ impl Llama {
 
     /// [`load`](Self::load) from an opened GGUF.
     pub fn from_gguf(gguf: GgufFile) -> Result<Self, ModelError> {
-        let config = gguf.llama_config()?;
+        Self::from_variant(gguf, &LLAMA)
+    }
+
+    /// A GGUF of a family with Llama's block, loaded as `variant` says.
+    pub(crate) fn from_variant(gguf: GgufFile, variant: &Variant) -> Result<Self, ModelError> {
+        let config = gguf.llama_config(variant.architecture)?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
         let block = |layer: usize| -> Result<Block, ModelError> {
             let weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
+            let unpermuted = |name: &str, heads: usize| match variant.permuted_qk {
+                true => unpermute_rows(&weight(name)?, heads),
+                false => weight(name),
+            };
+            let bias = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.bias"));
+            let biases = match gguf.has_tensor(&format!("blk.{layer}.attn_q.bias")) {
+                true => Some([bias("attn_q")?, bias("attn_k")?, bias("attn_v")?]),
+                false => None,
+            };
             Ok(Block {
                 attn_norm: weight("attn_norm")?,
-                wq: transposed(unpermute_rows(&weight("attn_q")?, config.n_heads)?)?,
-                wk: transposed(unpermute_rows(&weight("attn_k")?, config.n_kv_heads)?)?,
+                wq: transposed(unpermuted("attn_q", config.n_heads)?)?,
+                wk: transposed(unpermuted("attn_k", config.n_kv_heads)?)?,
                 wv: transposed(weight("attn_v")?)?,
+                biases,
                 wo: transposed(weight("attn_output")?)?,
                 ffn_norm: weight("ffn_norm")?,
                 gate: transposed(weight("ffn_gate")?)?,
@@ -80,13 +133,13 @@ impl Llama {
             })
         };
         let (embedding, blocks) = gguf.embedding_and_blocks(config.n_layers, block)?;
-        let output = match gguf.content.tensor_infos.contains_key("output.weight") {
+        let output = match gguf.has_tensor("output.weight") {
             true => gguf.tensor("output.weight")?,
             false => embedding.clone(),
         };
         let head_dim = config.head_dim();
         let spec = ModelSpec {
-            family: "llama",
+            family: variant.architecture,
             name: config.name.clone(),
             n_layers: config.n_layers,
             n_heads: config.n_heads,
@@ -177,8 +230,7 @@ impl Llama {
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
-            let product = |w: &Weight| w.rows_product(&h, &sums);
-            let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
+            let (q, k, v) = block.projected(&h, &sums)?;
             let attended = each_row_attends(
                 rows,
                 (&sequences, &spans),

@@ -1,7 +1,8 @@
 //! Native, CPU-only forward passes of GGUF models, written to record what attention sees:
-//! post-rotary q and k and the v of every layer and position. Two families sit behind one trait
+//! post-rotary q and k and the v of every layer and position. Three families sit behind one trait
 //! ([`CausalLm`]) and one registry ([`family`]): Llama (SmolLM2-135M-Instruct is the project's
-//! default) and Gemma 3 (hybrid sliding-window/global attention, QK-norm, one KV head).
+//! default), Qwen2 (Llama's block with q/k/v biases, run on the Llama forward) and Gemma 3
+//! (hybrid sliding-window/global attention, QK-norm, one KV head).
 //!
 //! Why our own forward instead of a framework's model zoo: capture needs a hook inside attention,
 //! and the same forward runs eviction policies live. candle-core reads the GGUF and supplies the
@@ -47,9 +48,10 @@ pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted, Rewrite};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;
 pub use spm::SpmTokenizer;
-pub use tokenizer::{ChatMessage, ChatTokenizer, DEFAULT_SYSTEM};
+pub use tokenizer::{default_system, ChatMessage, ChatTokenizer};
 
 crate::families! {
     llama::Llama = "llama",
     gemma3::Gemma3 = "gemma3",
+    qwen2::Qwen2 = "qwen2",
 }

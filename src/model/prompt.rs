@@ -26,4 +26,8 @@ pub trait TextTokenizer: Send + Sync {
     fn bos(&self) -> Option<u32>;
     /// The prompt layout recipes build.
     fn template(&self) -> Template;
+    /// The system message a ChatML template inserts when a conversation has none.
+    fn default_system(&self) -> Option<&str> {
+        None
+    }
 }

@@ -106,7 +106,7 @@ pub enum Recipe {
 #[serde(deny_unknown_fields)]
 pub struct ChatRecipe {
     /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
-    /// or `hf:` and a Hugging Face hub id or directory).
+    /// or `gguf:PATH`, a GGUF on disk; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The user's message.
@@ -125,7 +125,7 @@ pub struct ChatRecipe {
 #[serde(deny_unknown_fields)]
 pub struct TextRecipe {
     /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
-    /// or `hf:` and a Hugging Face hub id or directory).
+    /// or `gguf:PATH`, a GGUF on disk; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The file, relative to the recipe.
@@ -376,12 +376,17 @@ impl Recipe {
             rule: rule.to_owned(),
         };
         let hf = self.model().starts_with(crate::model::hf::PREFIX);
-        if !hf && crate::assets::model_asset(self.model()).is_none() {
+        let on_disk = crate::model::family::gguf_path(self.model());
+        if let Some(gguf) = on_disk.as_ref().filter(|gguf| !gguf.is_file()) {
+            let rule = format!("`{}`: no GGUF file at {}", self.model(), gguf.display());
+            return Err(invalid("model", &rule));
+        }
+        if !hf && on_disk.is_none() && crate::assets::model_asset(self.model()).is_none() {
             let names: Vec<&str> = crate::assets::MODELS.iter().map(|m| m.name).collect();
             return Err(invalid(
                 "model",
                 &format!(
-                    "unknown model `{}` (known: {}; or `hf:` and a Hugging Face hub id or directory)",
+                    "unknown model `{}` (known: {}; or `gguf:` and a GGUF file's path; or `gguf:PATH`, a GGUF on disk; or `hf:` and a Hugging Face hub id or directory)",
                     self.model(),
                     names.join(", ")
                 ),
@@ -479,7 +484,10 @@ impl Recipe {
                     content: chat.message.clone(),
                 });
                 Ok(BuiltPrompt {
-                    ids: tokenizer.encode(&ChatTokenizer::chat_prompt(&messages)),
+                    ids: tokenizer.encode(&ChatTokenizer::chat_prompt(
+                        &messages,
+                        tokenizer.default_system(),
+                    )),
                     spans: Vec::new(),
                     generate: chat.generate,
                     answers: chat.answer.iter().cloned().collect(),

@@ -35,13 +35,38 @@ pub fn real_model() -> &'static Llama {
 /// The Gemma 3 270M GGUF, fetched once per test binary.
 pub fn gemma_path() -> PathBuf {
     static FETCHED: OnceLock<PathBuf> = OnceLock::new();
-    FETCHED
-        .get_or_init(|| {
-            Assets::from_env()
-                .fetch_model(kvreplay::assets::model_asset("gemma3-270m").unwrap())
-                .unwrap_or_else(|err| panic!("the Gemma 3 tests need its GGUF: {err}"))
-        })
-        .clone()
+    FETCHED.get_or_init(|| model_gguf("gemma3-270m")).clone()
+}
+
+/// Model `name`'s GGUF ([`kvreplay::assets::MODELS`]), fetched if missing.
+pub fn model_gguf(name: &str) -> PathBuf {
+    Assets::from_env()
+        .fetch_model(kvreplay::assets::model_asset(name).unwrap())
+        .unwrap_or_else(|err| panic!("the tests of {name} need its GGUF: {err}"))
+}
+
+/// `requests` answered by transformers loading the GGUF at `path` itself
+/// (`tests/reference/causal_lm_hf.py`: token ids of texts, last-position logits and greedy tokens).
+pub fn transformers_reference(path: &Path, requests: serde_json::Value) -> serde_json::Value {
+    use std::io::Write;
+    let script = PathBuf::from(env!("CARGO_MANIFEST_DIR")).join("tests/reference/causal_lm_hf.py");
+    let mut child = std::process::Command::new(torch_python())
+        .arg(script)
+        .arg(path.parent().unwrap())
+        .arg(path.file_name().unwrap())
+        .stdin(std::process::Stdio::piped())
+        .stdout(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    child
+        .stdin
+        .take()
+        .unwrap()
+        .write_all(requests.to_string().as_bytes())
+        .unwrap();
+    let output = child.wait_with_output().unwrap();
+    assert!(output.status.success(), "causal_lm_hf.py failed");
+    serde_json::from_slice(&output.stdout).unwrap()
 }
 
 /// SplitMix64: a tiny seeded generator, so fixtures need no RNG crate.

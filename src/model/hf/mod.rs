@@ -24,6 +24,7 @@ use super::batch::Feed;
 use super::cached_attention::{attend_cached, LayerAttention};
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
 use super::prompt::{Template, TextTokenizer};
+use super::tokenizer::default_system;
 use super::ModelError;
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
@@ -46,6 +47,7 @@ pub struct HfModel {
 struct HfTokenizer {
     worker: Mutex<Worker>,
     template: Template,
+    default_system: Option<String>,
     bos: Option<u32>,
     stop: u32,
 }
@@ -88,6 +90,7 @@ impl HfModel {
                 Some("chatml") => Template::ChatMl,
                 _ => Template::Plain,
             },
+            default_system: ready["chat_template"].as_str().and_then(default_system),
             bos: ready["bos"].as_u64().map(|id| id as u32),
             stop,
             worker: Mutex::new(worker),
@@ -220,6 +223,10 @@ impl TextTokenizer for HfTokenizer {
 
     fn bos(&self) -> Option<u32> {
         self.bos
+    }
+
+    fn default_system(&self) -> Option<&str> {
+        self.default_system.as_deref()
     }
 
     fn template(&self) -> Template {

@@ -111,6 +111,7 @@ def describe(model, tokenizer):
         "rope_theta": float(rope_theta) if rope_theta and not thetas else None,
         "rope_thetas": thetas,
         "template": "chatml" if chatml else "plain",
+        "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
         "bos": bos,
         "stop": tokenizer.convert_tokens_to_ids("<|im_end|>") if chatml else tokenizer.eos_token_id,
     }

@@ -40,7 +40,7 @@ pub const TASKS: [(&str, usize); 11] = [
 #[serde(deny_unknown_fields)]
 pub struct RulerFile {
     /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
-    /// or `hf:` and a Hugging Face hub id or directory).
+    /// or `gguf:PATH`, a GGUF on disk; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// The `validation.jsonl`, relative to the recipe.

@@ -32,7 +32,7 @@ pub mod niah;
 pub mod variable_tracking;
 
 use super::{essay_tokens, with_bos, BuiltPrompt, RecipeError};
-use crate::model::{ChatTokenizer, Template, TextTokenizer, DEFAULT_SYSTEM};
+use crate::model::{ChatTokenizer, Template, TextTokenizer};
 use crate::splitmix;
 use crate::trace::Span;
 use serde::Deserialize;
@@ -305,10 +305,11 @@ impl<'t> Assembly<'t> {
             PromptTemplate::Base => Template::Plain,
         };
         let ids = match template {
-            Template::ChatMl => tokenizer.encode(&format!(
-                "{}<|im_start|>user\n",
-                ChatTokenizer::chat_turn("system", DEFAULT_SYSTEM)
-            )),
+            Template::ChatMl => {
+                let system = tokenizer.default_system();
+                let system = system.map(|system| ChatTokenizer::chat_turn("system", system));
+                tokenizer.encode(&format!("{}<|im_start|>user\n", system.unwrap_or_default()))
+            }
             Template::Plain => with_bos(tokenizer, Vec::new()),
         };
         Self {

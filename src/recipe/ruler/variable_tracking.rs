@@ -16,7 +16,7 @@ use serde::Deserialize;
 #[serde(deny_unknown_fields)]
 pub struct VariableTracking {
     /// The model that runs it (a name of `kvreplay fetch --model`, default `smollm2-135m`;
-    /// or `hf:` and a Hugging Face hub id or directory).
+    /// or `gguf:PATH`, a GGUF on disk; or `hf:` and a Hugging Face hub id or directory).
     #[serde(default)]
     pub model: Option<String>,
     /// Prompt length in tokens, template, example and answer prefix included.

@@ -1,12 +1,14 @@
 #!/usr/bin/env python3
-"""Gemma 3 through Hugging Face transformers, as the independent side of tests/gemma3.rs.
+"""A GGUF through Hugging Face transformers, as the independent side of the native families' tests
+(tests/gemma3.rs, tests/qwen2.rs).
 
-    python gemma3_hf.py MODEL_DIR GGUF_FILE < requests.json > answers.json
+    python causal_lm_hf.py MODEL_DIR GGUF_FILE < requests.json > answers.json
 
-transformers (5.x) loads the GGUF itself (dequantised to f32) as Gemma3ForCausalLM, with its own
-tokenizer converted from the GGUF vocabulary. Each request is {"text": ...} (token ids of the
+transformers (5.x) loads the GGUF itself (dequantised to f32) as its architecture's ForCausalLM
+(Gemma3ForCausalLM, Qwen2ForCausalLM), with its own tokenizer converted from the GGUF vocabulary. Each request is {"text": ...} (token ids of the
 text, BOS added as the tokenizer does) or {"ids": [...], "generate": N} (the last position's
-logits after the ids, and N greedy tokens). The config's layer kinds and window come back too.
+logits after the ids, and N greedy tokens). The config's layer kinds and window come back too,
+where it has them.
 """
 import json
 import sys
@@ -33,6 +35,6 @@ for request in requests:
 config = model.config if model is not None else None
 print(json.dumps({
     "answers": answers,
-    "layer_types": list(config.layer_types) if config is not None else None,
-    "sliding_window": config.sliding_window if config is not None else None,
+    "layer_types": list(getattr(config, "layer_types", None) or []) if config is not None else None,
+    "sliding_window": getattr(config, "sliding_window", None) if config is not None else None,
 }))
