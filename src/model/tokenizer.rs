@@ -88,6 +88,19 @@ impl ChatTokenizer {
             path: gguf.path.clone(),
             detail,
         };
+        let model = gguf.str_value("tokenizer.ggml.model").unwrap_or_default();
+        if model != "gpt2" {
+            return Err(fail(format!(
+                "tokenizer.ggml.model `{model}` is not byte-level BPE (`gpt2`), the tokenizer this family builds"
+            )));
+        }
+        let pre = gguf.str_value("tokenizer.ggml.pre").unwrap_or_default();
+        let pre_tokenizer = pre_tokenizer(pre).ok_or_else(|| {
+            fail(format!(
+                "tokenizer.ggml.pre `{pre}` is not a pre-tokenizer kvreplay builds (known: {})",
+                PRE_TOKENIZERS.join(", ")
+            ))
+        })?;
         let tokens = gguf.strings("tokenizer.ggml.tokens")?;
         let merges = gguf
             .strings("tokenizer.ggml.merges")?
@@ -113,17 +126,6 @@ impl ChatTokenizer {
             .vocab_and_merges(vocab, merges)
             .build()
             .map_err(|err| fail(err.to_string()))?;
-        let pre = gguf
-            .value("tokenizer.ggml.pre")
-            .and_then(|v| v.to_string().ok())
-            .cloned()
-            .unwrap_or_default();
-        let pre_tokenizer = pre_tokenizer(&pre).ok_or_else(|| {
-            fail(format!(
-                "tokenizer.ggml.pre `{pre}` is not a pre-tokenizer kvreplay builds (known: {})",
-                PRE_TOKENIZERS.join(", ")
-            ))
-        })?;
         let mut tokenizer = Tokenizer::new(bpe);
         tokenizer.with_pre_tokenizer(Some(pre_tokenizer));
         tokenizer.with_decoder(Some(DecoderWrapper::ByteLevel(ByteLevelDecoder::default())));
@@ -140,13 +142,11 @@ impl ChatTokenizer {
         let end_of_turn = tokenizer
             .token_to_id("<|im_end|>")
             .ok_or_else(|| fail("no <|im_end|> token: not a ChatML model".into()))?;
-        let template = gguf
-            .value("tokenizer.chat_template")
-            .and_then(|v| v.to_string().ok());
+        let template = gguf.str_value("tokenizer.chat_template");
         Ok(Self {
             tokenizer,
             end_of_turn,
-            default_system: template.and_then(|template| default_system(template)),
+            default_system: template.and_then(default_system),
         })
     }
 
