@@ -203,7 +203,7 @@ fn each_row_logits(
 
 /// The multiply-adds one token costs through `weights`: their elements, together.
 pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Weight>) -> usize {
-    weights.map(|weight| weight.tensor().elem_count()).sum()
+    weights.map(Weight::elem_count).sum()
 }
 
 /// The spans the weight products sum by: the rows' own, or one per token when fed step by step.

@@ -42,15 +42,17 @@ pub enum ModelError {
         /// The architectures of the registered families.
         known: String,
     },
-    /// The model's weights, held as f32, would not fit the memory available.
-    #[error("{path}: the model needs {} GB as f32 weights, and {} GB of memory is available", gb(*needs), gb(*available))]
+    /// The model's weights, held as its family holds them, would not fit the memory available.
+    #[error("{path}: the model needs {} GB for its weights held {held}, and {} GB of memory is available", gb(*needs), gb(*available))]
     Memory {
         /// The model file.
         path: PathBuf,
-        /// Bytes its weights take as f32.
+        /// Bytes its weights take.
         needs: usize,
         /// Bytes available (`MemAvailable`).
         available: usize,
+        /// How they would be held (`as f32`, `as stored`).
+        held: &'static str,
     },
     /// The tokenizer could not be built from the GGUF vocabulary.
     #[error("{path}: cannot build the tokenizer from the GGUF vocabulary: {detail}")]

@@ -49,25 +49,10 @@ pub fn gguf_path(name: &str) -> Option<PathBuf> {
     })
 }
 
-/// The memory a native model holds once loaded: every tensor dequantised to f32 (the products'
-/// strip copies, made on a batch's first decode, come on top).
-fn f32_bytes(gguf: &GgufFile) -> usize {
-    let infos = gguf.content.tensor_infos.values();
-    infos.map(|info| info.shape.elem_count() * 4).sum()
-}
-
-/// Loads the GGUF at `path` with the family its architecture names; refused before loading when
-/// its weights would not fit the memory the system reports available.
+/// Loads the GGUF at `path` with the family its architecture names (each family refuses, before
+/// reading a weight, weights that would not fit the memory available).
 pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
     let gguf = GgufFile::open(path)?;
-    let needs = f32_bytes(&gguf);
-    if let Some(available) = crate::sys::memory_available().filter(|&free| needs > free) {
-        return Err(ModelError::Memory {
-            path: path.to_owned(),
-            needs,
-            available,
-        });
-    }
     let architecture = gguf.architecture();
     match super::FAMILIES
         .iter()

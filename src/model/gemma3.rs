@@ -86,6 +86,7 @@ impl Gemma3 {
         if gguf.architecture() != "gemma3" {
             return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
         }
+        gguf.check_fits(false)?;
         let key = |name: &str| format!("gemma3.{name}");
         let n_layers = gguf.usize_value(&key("block_count"))?;
         let n_heads = gguf.usize_value(&key("attention.head_count"))?;
@@ -114,7 +115,8 @@ impl Gemma3 {
                 post_ffw_norm: weight("post_ffw_norm")?,
             })
         };
-        let (embedding, blocks) = gguf.embedding_and_blocks(n_layers, block)?;
+        let embedding = || gguf.tensor("token_embd.weight");
+        let (embedding, blocks) = gguf.embedding_and_blocks(embedding, n_layers, block)?;
         let windows: Vec<usize> = (0..n_layers)
             .map(|layer| {
                 if layer % SLIDING_PATTERN < SLIDING_PATTERN - 1 {

@@ -1,14 +1,18 @@
 //! Reading a GGUF: its metadata, the hyper-parameters of a Llama-shaped decoder, and the weights
 //! dequantised to f32.
 
+use super::weight::F32_LIMIT;
 use super::ModelError;
-use candle_core::quantized::gguf_file::{Content, Value};
+use candle_core::quantized::ggml_file::qtensor_from_ggml;
+use candle_core::quantized::gguf_file::{Content, TensorInfo, Value};
+use candle_core::quantized::QTensor;
 use candle_core::{Device, Tensor};
 use memmap2::Mmap;
 use rayon::prelude::*;
 use std::fs::File;
 use std::io::Cursor;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// The hyper-parameters of a Llama-shaped decoder (`llama`, `qwen2`), from its GGUF metadata.
 #[derive(Debug, Clone, PartialEq)]
@@ -152,24 +156,79 @@ impl GgufFile {
         self.content.tensor_infos.contains_key(name)
     }
 
-    /// The token embedding and every layer's `block`, read side by side on worker threads (each
-    /// tensor is dequantised on one thread). A failure is the embedding's, else the first failing
-    /// layer's, in layer order.
-    pub(crate) fn embedding_and_blocks<B: Send>(
+    /// Bytes the weights take held as f32.
+    pub(crate) fn f32_bytes(&self) -> usize {
+        let infos = self.content.tensor_infos.values();
+        infos.map(|info| info.shape.elem_count() * 4).sum()
+    }
+
+    /// Bytes the weights take held as the file stores them.
+    fn stored_bytes(&self) -> usize {
+        let infos = self.content.tensor_infos.values();
+        let bytes = |info: &TensorInfo| {
+            let dtype = info.ggml_dtype;
+            info.shape.elem_count() / dtype.block_size() * dtype.type_size()
+        };
+        infos.map(bytes).sum()
+    }
+
+    /// Whether a family that can hold its weights quantized does: above [`F32_LIMIT`] as f32.
+    pub(crate) fn holds_quantized(&self) -> bool {
+        self.f32_bytes() > F32_LIMIT
+    }
+
+    /// Refuses, before any weight is read, weights that would not fit the memory the system
+    /// reports available, held as f32 or (`quantized`) as stored.
+    pub(crate) fn check_fits(&self, quantized: bool) -> Result<(), ModelError> {
+        let needs = match quantized {
+            true => self.stored_bytes(),
+            false => self.f32_bytes(),
+        };
+        match crate::sys::memory_available() {
+            Some(available) if needs > available => Err(ModelError::Memory {
+                path: self.path.clone(),
+                needs,
+                available,
+                held: if quantized { "as stored" } else { "as f32" },
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// The token embedding (`embedding`) and every layer's `block`, read side by side on worker
+    /// threads (each tensor is dequantised on one thread). A failure is the embedding's, else the
+    /// first failing layer's, in layer order.
+    pub(crate) fn embedding_and_blocks<E: Send, B: Send>(
         &self,
+        embedding: impl FnOnce() -> Result<E, ModelError> + Send,
         n_layers: usize,
         block: impl Fn(usize) -> Result<B, ModelError> + Sync,
-    ) -> Result<(Tensor, Vec<B>), ModelError> {
-        let (embedding, blocks) = rayon::join(
-            || self.tensor("token_embd.weight"),
-            || {
-                (0..n_layers)
-                    .into_par_iter()
-                    .map(&block)
-                    .collect::<Vec<_>>()
-            },
-        );
+    ) -> Result<(E, Vec<B>), ModelError> {
+        let (embedding, blocks) = rayon::join(embedding, || {
+            (0..n_layers)
+                .into_par_iter()
+                .map(&block)
+                .collect::<Vec<_>>()
+        });
         Ok((embedding?, blocks.into_iter().collect::<Result<_, _>>()?))
+    }
+
+    /// A tensor as the file stores it, in candle's (out, in) layout, read through its own file
+    /// handle: the bytes pass through the page cache instead of this process's mapping, so a
+    /// model held quantized costs its weights once, not twice, at its peak.
+    pub(crate) fn qtensor(&self, name: &str) -> Result<Arc<QTensor>, ModelError> {
+        let mut file = File::open(&self.path).map_err(|source| ModelError::Io {
+            path: self.path.clone(),
+            source,
+        })?;
+        let qtensor = self
+            .content
+            .tensor(&mut file, name, &Device::Cpu)
+            .map_err(|err| ModelError::Gguf {
+                path: self.path.clone(),
+                detail: format!("tensor `{name}`: {err}"),
+            })?;
+        Ok(Arc::new(qtensor))
     }
 
     /// A tensor, dequantised to f32, in candle's (out, in) layout.
@@ -185,6 +244,26 @@ impl GgufFile {
     }
 }
 
+/// [`unpermute_rows`] on a quantized weight `[out, in]`: its rows are whole blocks, moved as bytes.
+pub(crate) fn unpermute_quantized_rows(
+    weight: &QTensor,
+    n_head: usize,
+) -> Result<Arc<QTensor>, ModelError> {
+    let (out, inp) = weight.shape().dims2()?;
+    let dtype = weight.dtype();
+    let row_bytes = inp / dtype.block_size() * dtype.type_size();
+    let (rows, half) = (weight.data()?, out / n_head / 2);
+    let mut moved = Vec::with_capacity(rows.len());
+    for head in 0..n_head {
+        for (j, i) in (0..2).flat_map(|j| (0..half).map(move |i| (j, i))) {
+            let stored = head * 2 * half + 2 * i + j;
+            moved.extend_from_slice(&rows[stored * row_bytes..(stored + 1) * row_bytes]);
+        }
+    }
+    let moved = qtensor_from_ggml(dtype, &moved, vec![out, inp], &Device::Cpu)?;
+    Ok(Arc::new(moved))
+}
+
 /// Undoes llama.cpp's q/k row permutation (`reshape(n_head, 2, hd/2, in).swapaxes(1, 2)`): the
 /// stored row `2i + j` of a head is the original row `j*hd/2 + i`.
 pub(crate) fn unpermute_rows(weight: &Tensor, n_head: usize) -> Result<Tensor, ModelError> {
@@ -195,4 +274,26 @@ pub(crate) fn unpermute_rows(weight: &Tensor, n_head: usize) -> Result<Tensor, M
         .transpose(1, 2)?
         .contiguous()?
         .reshape((out, inp))?)
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+    use crate::model::product::tests::wave;
+    use candle_core::quantized::GgmlDType;
+
+    #[test]
+    fn quantized_rows_are_unpermuted_as_the_f32_rows_are() {
+        // Two heads of 8 rows (4 rotary pairs each), 256 columns: one Q4_K block per row.
+        let weight = Tensor::from_vec(wave(16 * 256, 0.7), (16, 256), &Device::Cpu).unwrap();
+        let quantized = QTensor::quantize(&weight, GgmlDType::Q4K).unwrap();
+        let moved = unpermute_quantized_rows(&quantized, 2).unwrap();
+        let ours: Vec<Vec<f32>> = moved.dequantize(&Device::Cpu).unwrap().to_vec2().unwrap();
+        let dequantized = quantized.dequantize(&Device::Cpu).unwrap();
+        let expected: Vec<Vec<f32>> = unpermute_rows(&dequantized, 2).unwrap().to_vec2().unwrap();
+        assert_eq!(ours, expected);
+        // Row 1 of head 0 is stored row 2 (i = 1, j = 0); row 4 is stored row 1 (i = 0, j = 1).
+        let stored: Vec<Vec<f32>> = dequantized.to_vec2().unwrap();
+        assert_eq!((&ours[1], &ours[4]), (&stored[2], &stored[1]));
+    }
 }

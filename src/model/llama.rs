@@ -8,8 +8,8 @@ use super::batch::{
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::gated::{gated, Activation};
-use super::weight::Weight;
-use super::gguf::{unpermute_rows, GgufFile};
+use super::weight::{Embedding, Weight};
+use super::gguf::{unpermute_quantized_rows, unpermute_rows, GgufFile};
 use super::cached_attention::LayerAttention;
 use super::ops::{
     inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables,
@@ -76,11 +76,11 @@ impl Block {
     }
 }
 
-/// A loaded model: f32 weights, the tokenizer and the rotary tables.
+/// A loaded model: its weights (f32, or quantized as stored), the tokenizer and the rotary tables.
 pub struct Llama {
     config: LlamaConfig,
     spec: ModelSpec,
-    embedding: Tensor,
+    embedding: Embedding,
     output: Weight,
     output_norm: Tensor,
     blocks: Vec<Block>,
@@ -104,38 +104,66 @@ impl Llama {
         Self::from_variant(gguf, &LLAMA)
     }
 
-    /// A GGUF of a family with Llama's block, loaded as `variant` says.
+    /// Loads a Llama-architecture GGUF holding its weights as the file stores them, whatever its
+    /// size: the path a model above [`F32_LIMIT`](super::weight::F32_LIMIT) as f32 takes.
+    pub fn load_quantized(path: &Path) -> Result<Self, ModelError> {
+        Self::with_weights(GgufFile::open(path)?, &LLAMA, true)
+    }
+
+    /// A GGUF of a family with Llama's block, loaded as `variant` says: its weights dequantised to
+    /// f32, or, above [`F32_LIMIT`](super::weight::F32_LIMIT) as f32, held as the file stores them.
     pub(crate) fn from_variant(gguf: GgufFile, variant: &Variant) -> Result<Self, ModelError> {
+        let quantized = gguf.holds_quantized();
+        Self::with_weights(gguf, variant, quantized)
+    }
+
+    /// [`from_variant`](Self::from_variant), the weights `quantized` or f32.
+    fn with_weights(gguf: GgufFile, variant: &Variant, quantized: bool) -> Result<Self, ModelError> {
+        gguf.check_fits(quantized)?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
         let config = gguf.llama_config(variant.architecture)?;
+        let linear = |name: &str, heads: Option<usize>| -> Result<Weight, ModelError> {
+            let heads = heads.filter(|_| variant.permuted_qk);
+            match (quantized, heads) {
+                (true, None) => Weight::quantized(gguf.qtensor(name)?),
+                (true, Some(heads)) => {
+                    Weight::quantized(unpermute_quantized_rows(&*gguf.qtensor(name)?, heads)?)
+                }
+                (false, None) => transposed(gguf.tensor(name)?),
+                (false, Some(heads)) => transposed(unpermute_rows(&gguf.tensor(name)?, heads)?),
+            }
+        };
         let block = |layer: usize| -> Result<Block, ModelError> {
-            let weight = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.weight"));
-            let unpermuted = |name: &str, heads: usize| match variant.permuted_qk {
-                true => unpermute_rows(&weight(name)?, heads),
-                false => weight(name),
-            };
+            let name = |name: &str| format!("blk.{layer}.{name}.weight");
+            let weight = |name: &str| linear(&format!("blk.{layer}.{name}.weight"), None);
             let bias = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.bias"));
             let biases = match gguf.has_tensor(&format!("blk.{layer}.attn_q.bias")) {
                 true => Some([bias("attn_q")?, bias("attn_k")?, bias("attn_v")?]),
                 false => None,
             };
             Ok(Block {
-                attn_norm: weight("attn_norm")?,
-                wq: transposed(unpermuted("attn_q", config.n_heads)?)?,
-                wk: transposed(unpermuted("attn_k", config.n_kv_heads)?)?,
-                wv: transposed(weight("attn_v")?)?,
+                attn_norm: gguf.tensor(&name("attn_norm"))?,
+                wq: linear(&name("attn_q"), Some(config.n_heads))?,
+                wk: linear(&name("attn_k"), Some(config.n_kv_heads))?,
+                wv: weight("attn_v")?,
                 biases,
-                wo: transposed(weight("attn_output")?)?,
-                ffn_norm: weight("ffn_norm")?,
-                gate: transposed(weight("ffn_gate")?)?,
-                up: transposed(weight("ffn_up")?)?,
-                down: transposed(weight("ffn_down")?)?,
+                wo: weight("attn_output")?,
+                ffn_norm: gguf.tensor(&name("ffn_norm"))?,
+                gate: weight("ffn_gate")?,
+                up: weight("ffn_up")?,
+                down: weight("ffn_down")?,
             })
         };
-        let (embedding, blocks) = gguf.embedding_and_blocks(config.n_layers, block)?;
+        let embedding = || -> Result<Embedding, ModelError> {
+            Ok(match quantized {
+                true => Embedding::Quantized(gguf.qtensor("token_embd.weight")?),
+                false => Embedding::F32(gguf.tensor("token_embd.weight")?),
+            })
+        };
+        let (embedding, blocks) = gguf.embedding_and_blocks(embedding, config.n_layers, block)?;
         let output = match gguf.has_tensor("output.weight") {
-            true => gguf.tensor("output.weight")?,
-            false => embedding.clone(),
+            true => linear("output.weight", None)?,
+            false => embedding.tied_output()?,
         };
         let head_dim = config.head_dim();
         let spec = ModelSpec {
@@ -151,7 +179,7 @@ impl Llama {
             windows: vec![0; config.n_layers],
         };
         Ok(Self {
-            output: transposed(output)?,
+            output,
             output_norm: gguf.tensor("output_norm.weight")?,
             embedding,
             blocks,
@@ -194,7 +222,7 @@ impl CausalLm for Llama {
     fn weight_products_per_token(&self) -> Option<WeightProducts> {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
-            output: self.output.tensor().elem_count(),
+            output: self.output.elem_count(),
         })
     }
 
@@ -223,7 +251,7 @@ impl Llama {
         let eps = self.config.rms_eps;
         let spans = spans(rows);
         let sums = product_spans(&spans, feed);
-        let mut x = self.embedding.embedding(&stacked_ids(rows)?)?;
+        let mut x = self.embedding.rows(&stacked_ids(rows)?)?;
         let sequences = rows
             .iter()
             .map(|row| self.sequence(row, feed))

@@ -32,6 +32,7 @@ mod ops;
 mod prefix_attention;
 mod product;
 mod prompt;
+mod quantized;
 mod recorder;
 mod spm;
 mod strips;
