@@ -217,7 +217,7 @@ fn gguf_models_from_disk_name_what_is_wrong() {
     std::fs::write(&huge, bytes).unwrap();
     recipe("huge.gguf");
     capture().stderr(contains(
-        "huge.gguf: the model needs 17592.2 GB as f32 weights",
+        "huge.gguf: the model needs 17592.2 GB for its weights held as stored",
     ));
     // Truncated: the header promises more than the file holds.
     let truncated = dir.path().join("truncated.gguf");
