@@ -6,8 +6,12 @@
 //!
 //! Why our own forward instead of a framework's model zoo: capture needs a hook inside attention,
 //! and the same forward runs eviction policies live. candle-core reads the GGUF and supplies the
-//! tensor kernels; the weights are dequantised to f32 once at load (f32 GEMM is ~15× faster than
-//! candle's quantised Q4_1 matmul on this machine, see docs/assets.md).
+//! tensor kernels. Which path holds which weights: a model whose weights take at most 8 GB as f32
+//! (every model `kvreplay fetch` gets: SmolLM2-135M, Gemma 3 270M, Qwen2.5-Coder 0.5B and 1.5B)
+//! has them dequantised to f32 once at load, the bit-exact path the committed results come from
+//! (f32 GEMM is ~15× faster than candle's quantised Q4_1 matmul on this machine, see
+//! docs/assets.md); a larger Llama or Qwen2 holds them as its GGUF stores them, in their blocks
+//! (`quantized.rs`), so it costs about its file's size.
 //!
 //! Rotary convention: llama.cpp's converter permutes the rows of a Llama's `attn_q`/`attn_k` so
 //! that *interleaved* rotary pairs work on them. We undo that permutation at load and apply the
