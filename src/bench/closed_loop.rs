@@ -250,7 +250,7 @@ fn recipe_work(
 /// and of one decode step right after the prompt: the weight products (the logits of a
 /// prefill's last token only, of every decode step) and each query's q·k and weights·v over
 /// what each layer's window shows it.
-fn multiply_adds(
+pub(super) fn multiply_adds(
     weights: WeightProducts,
     spec: &ModelSpec,
     (prompt, steps): (usize, usize),
@@ -279,7 +279,7 @@ const PEAK_SPAN: Duration = Duration::from_millis(500);
 /// projection), as the model runs its products: candle on every thread, over half a second of
 /// products at least (a few products alone read anywhere from 60% to all of the peak on a
 /// shared machine).
-fn product_peak() -> f64 {
+pub(super) fn product_peak() -> f64 {
     let (m, k, n) = (512, 1024, 2048);
     let operand = |rows: usize, columns: usize| {
         let values = (0..rows * columns)
@@ -394,6 +394,7 @@ mod tests {
         let weights = WeightProducts {
             blocks: 10,
             output: 3,
+            bytes: 52,
         };
         // A query at t sees t + 1 and min(2, t + 1) positions, each twice (q·k, weights·v):
         // attention 4, 8, 10, 12, 14 at t = 0..=4. Prefill of 3: 3 + (10+4) + (10+8) + (10+10)

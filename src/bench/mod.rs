@@ -22,6 +22,7 @@ use std::time::Instant;
 
 mod closed_loop;
 pub mod heap;
+mod limits;
 mod oneshot;
 mod table;
 pub use closed_loop::{experiment_work, RecipeWork};

@@ -12,8 +12,8 @@ use std::path::{Path, PathBuf};
 /// What one bench run measures (the `kvreplay bench` flags).
 #[derive(Debug, Clone, clap::Args)]
 pub struct BenchRun {
-    /// The trace (niah-2k); not needed with --closed-loop or --essential.
-    #[arg(required_unless_present_any = ["closed_loop", "essential"])]
+    /// The trace (niah-2k); not needed with --closed-loop, --essential or --model.
+    #[arg(required_unless_present_any = ["closed_loop", "essential", "model"])]
     pub trace: Option<PathBuf>,
     /// A long trace (traces/gemma3/niah-32k-d50.safetensors): its causal prefix pass against
     /// the matmul peak, one replay each of SnapKV, the H2O prompt-end cut and the per-step
@@ -50,12 +50,21 @@ pub struct BenchRun {
     /// now. Runs nothing live: the floor to hold `kvreplay sweep`'s time against.
     #[arg(long, value_name = "EXPERIMENT", conflicts_with = "closed_loop")]
     pub essential: Option<PathBuf>,
+    /// Measure only a native model at this machine's limits, on --capture-tokens tokens of the
+    /// essays: the capture's prefill against its essential work at the product peak, one decode
+    /// step against reading its weights and cache once at a streaming read, and one step of
+    /// many rows (a `kvreplay fetch --model` name or `gguf:PATH`).
+    #[arg(long, value_name = "MODEL", conflicts_with_all = ["closed_loop", "essential"])]
+    pub model: Option<String>,
 }
 
 /// Runs every measurement of `run`, telling `progress` which one starts.
 pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
     if !run.closed_loop.is_empty() {
         return closed_loop_rows(&run.closed_loop, progress);
+    }
+    if let Some(model) = &run.model {
+        return limits_rows(model, run.capture_tokens, progress);
     }
     let trace_path = run
         .trace
@@ -456,6 +465,49 @@ pub fn essential_rows(
             whole / 60.0,
             total.0,
             total.1
+        ),
+    ]);
+    Ok(table)
+}
+
+/// The rows of `kvreplay bench --model`: a model at this machine's limits
+/// ([`model_limits`](super::limits::model_limits)).
+fn limits_rows(model: &str, tokens: usize, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+    let _tuned = ModelMalloc::tune();
+    progress(&format!("{model} at this machine's limits"));
+    let limits = super::limits::model_limits(model, tokens)?;
+    let mut table = Table::new(["measure", "value"]);
+    table.push(["threads".into(), rayon::current_num_threads().to_string()]);
+    let (prefill, essential) = limits.prefill;
+    table.push([
+        format!("{model}: capture prefill, {} tokens, recording q/k/v", limits.tokens),
+        format!(
+            "{prefill:.2} s ({:.0} tokens/s); essential work {essential:.2} s at the product peak of {:.0} GFLOP/s: {:.2}×",
+            limits.tokens as f64 / prefill,
+            limits.peak,
+            prefill / essential
+        ),
+    ]);
+    let (step, floor) = limits.step;
+    let (weights, cache) = limits.bytes;
+    table.push([
+        format!("{model}: one decode step, one row, after {} tokens", limits.tokens),
+        format!(
+            "{step:.1} ms; bandwidth floor {floor:.1} ms ({:.2} GB of weights as held and {:.2} GB of cache read once at a streaming read of {:.1} GB/s): {:.2}×",
+            weights as f64 / 1e9,
+            cache as f64 / 1e9,
+            limits.bandwidth,
+            step / floor
+        ),
+    ]);
+    let rows = super::limits::BATCH_ROWS;
+    table.push([
+        format!("{model}: one decode step of {rows} rows, each its own copy of the cache"),
+        format!(
+            "{:.1} ms ({:.1} rows/s; {:.2}× one row's time for {rows}× its rows)",
+            limits.batched_ms,
+            1e3 * rows as f64 / limits.batched_ms,
+            limits.batched_ms / step
         ),
     ]);
     Ok(table)

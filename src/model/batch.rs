@@ -206,6 +206,11 @@ pub(crate) fn elements<'a>(weights: impl Iterator<Item = &'a Weight>) -> usize {
     weights.map(Weight::elem_count).sum()
 }
 
+/// The bytes `weights` take as held.
+pub(crate) fn bytes<'a>(weights: impl Iterator<Item = &'a Weight>) -> usize {
+    weights.map(Weight::bytes).sum()
+}
+
 /// The spans the weight products sum by: the rows' own, or one per token when fed step by step.
 pub(crate) fn product_spans(spans: &[(usize, usize)], feed: Feed) -> Vec<(usize, usize)> {
     match feed {

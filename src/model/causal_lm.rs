@@ -43,6 +43,8 @@ pub struct WeightProducts {
     pub blocks: usize,
     /// The output layer (the logits).
     pub output: usize,
+    /// Bytes of all those weights as the model holds them (f32, or quantized blocks).
+    pub bytes: usize,
 }
 
 /// One sequence of a batched forward pass: its next tokens (positions `cache.len()..`), its

@@ -188,6 +188,8 @@ impl CausalLm for Gemma3 {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.embedding.elem_count(),
+            bytes: 4 * (elements(self.blocks.iter().flat_map(Block::projections))
+                + self.embedding.elem_count()),
         })
     }
 

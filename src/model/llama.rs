@@ -4,7 +4,7 @@
 //! biases and unpermuted rows) run on it too.
 
 use super::batch::{
-    each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    bytes, each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
 };
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::gated::{gated, Activation};
@@ -223,6 +223,7 @@ impl CausalLm for Llama {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.output.elem_count(),
+            bytes: bytes(self.blocks.iter().flat_map(Block::projections).chain([&self.output])),
         })
     }
 

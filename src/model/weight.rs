@@ -66,6 +66,14 @@ impl Weight {
         }
     }
 
+    /// Bytes it takes as held.
+    pub(crate) fn bytes(&self) -> usize {
+        match self {
+            Self::F32 { tensor, .. } => 4 * tensor.elem_count(),
+            Self::Quantized(weight) => weight.storage_size_in_bytes(),
+        }
+    }
+
     /// `x · w` for `x` stacking rows of tokens at `spans`, each row's result as it gets it alone
     /// ([`rows_product`](super::product::rows_product)), the strips read where it sums one-token
     /// rows in them; quantized, candle's product, whose rows are independent too.
