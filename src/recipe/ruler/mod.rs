@@ -533,7 +533,7 @@ pub(crate) mod testing {
         }
     }
 
-    /// [`Bytes`] with a chat model's layout (ChatML).
+    /// [`Bytes`] with a chat model's layout (ChatML) and a default system message.
     pub struct ChatBytes;
 
     impl TextTokenizer for ChatBytes {
@@ -551,6 +551,9 @@ pub(crate) mod testing {
         }
         fn template(&self) -> Template {
             Template::ChatMl
+        }
+        fn default_system(&self) -> Option<&str> {
+            Some("You are a test.")
         }
     }
 
