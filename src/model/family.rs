@@ -1,7 +1,7 @@
 //! The model-family registry: which native forward runs a GGUF, chosen by its
 //! `general.architecture`. Adding a family is one file implementing [`CausalLm`] (with a
-//! `from_gguf` constructor) and one line of the [`families!`](crate::families) list in
-//! `model/mod.rs`, which declares its module, re-exports its type and registers it here.
+//! `from_gguf` constructor), its module line and one line of the [`families!`](crate::families)
+//! list in `model/mod.rs`, which registers it here.
 //!
 //! A model is named by a fetchable asset's name (`crate::assets::MODELS`) or, for a GGUF already
 //! on disk, `gguf:PATH` ([`gguf_path`]); either way this registry picks its family.
@@ -19,12 +19,13 @@ pub struct Family {
     pub load: fn(GgufFile) -> Result<Box<dyn CausalLm + Send>, ModelError>,
 }
 
-/// Declares the model families, one line each (`module::Type = "architecture"`): their modules,
-/// the re-export of each type, and `FAMILIES`, the list [`load`] reads.
+/// Registers the model families, one line each (`module::Type = "architecture"`): the re-export
+/// of each type, and `FAMILIES`, the list [`load`] reads (the modules are declared beside it,
+/// written out).
 #[macro_export]
 macro_rules! families {
     ($( $module:ident :: $model:ident = $architecture:literal ),+ $(,)?) => {
-        $( mod $module; pub use $module::$model; )+
+        $( pub use $module::$model; )+
 
         /// Every family, by architecture.
         pub const FAMILIES: &[family::Family] = &[

@@ -18,17 +18,15 @@ use super::batch::{
     each_row_attends, elements, entered_at, entry_states, every_step_logits, last_logits,
     product_spans, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
 };
+use super::cached_attention::LayerAttention;
 use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts};
 use super::gated::{gated, Activation};
-use super::product::rows_product;
-use super::weight::Weight;
 use super::gguf::GgufFile;
 use super::llama::transposed;
-use super::cached_attention::LayerAttention;
-use super::ops::{
-    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables,
-};
+use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables};
+use super::product::rows_product;
 use super::prompt::TextTokenizer;
+use super::weight::Weight;
 use super::{ModelError, SpmTokenizer};
 use candle_core::Tensor;
 use std::path::Path;
@@ -58,7 +56,9 @@ struct Block {
 impl Block {
     /// The weights of its linear layers.
     fn projections(&self) -> [&Weight; 7] {
-        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
+        [
+            &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+        ]
     }
 }
 
@@ -188,8 +188,9 @@ impl CausalLm for Gemma3 {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.embedding.elem_count(),
-            bytes: 4 * (elements(self.blocks.iter().flat_map(Block::projections))
-                + self.embedding.elem_count()),
+            bytes: 4
+                * (elements(self.blocks.iter().flat_map(Block::projections))
+                    + self.embedding.elem_count()),
         })
     }
 
@@ -244,7 +245,11 @@ impl Gemma3 {
             }
             let h = rms_norm(&x, &block.attn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
-            let (q, k, v) = (product(&block.wq)?, product(&block.wk)?, product(&block.wv)?);
+            let (q, k, v) = (
+                product(&block.wq)?,
+                product(&block.wk)?,
+                product(&block.wv)?,
+            );
             let attended = each_row_attends(
                 rows,
                 (&sequences, &spans),
@@ -255,7 +260,11 @@ impl Gemma3 {
             x = (x + rms_norm(&out, &block.post_attention_norm, eps)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
-            let gated = gated(&product(&block.gate)?, &product(&block.up)?, Activation::GeluTanh)?;
+            let gated = gated(
+                &product(&block.gate)?,
+                &product(&block.up)?,
+                Activation::GeluTanh,
+            )?;
             let down = block.down.rows_product(&gated, &sums)?;
             x = (x + rms_norm(&down, &block.post_ffw_norm, eps)?)?;
         }

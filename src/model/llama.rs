@@ -4,17 +4,16 @@
 //! biases and unpermuted rows) run on it too.
 
 use super::batch::{
-    bytes, each_row_attends, elements, Rotated, every_step_logits, last_logits, product_spans, spans, stacked_ids, Feed,
+    bytes, each_row_attends, elements, every_step_logits, last_logits, product_spans, spans,
+    stacked_ids, Feed, Rotated,
 };
+use super::cached_attention::LayerAttention;
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
 use super::gated::{gated, Activation};
-use super::weight::{Embedding, Weight};
 use super::gguf::{unpermute_quantized_rows, unpermute_rows, GgufFile};
-use super::cached_attention::LayerAttention;
-use super::ops::{
-    inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables,
-};
+use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables};
 use super::prompt::TextTokenizer;
+use super::weight::{Embedding, Weight};
 use super::{ChatTokenizer, LlamaConfig, ModelError};
 use candle_core::Tensor;
 use std::path::Path;
@@ -72,7 +71,9 @@ impl Block {
 
     /// The weights of its linear layers.
     fn projections(&self) -> [&Weight; 7] {
-        [&self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down]
+        [
+            &self.wq, &self.wk, &self.wv, &self.wo, &self.gate, &self.up, &self.down,
+        ]
     }
 }
 
@@ -118,7 +119,11 @@ impl Llama {
     }
 
     /// [`from_variant`](Self::from_variant), the weights `quantized` or f32.
-    fn with_weights(gguf: GgufFile, variant: &Variant, quantized: bool) -> Result<Self, ModelError> {
+    fn with_weights(
+        gguf: GgufFile,
+        variant: &Variant,
+        quantized: bool,
+    ) -> Result<Self, ModelError> {
         gguf.check_fits(quantized)?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
         let config = gguf.llama_config(variant.architecture)?;
@@ -223,7 +228,12 @@ impl CausalLm for Llama {
         Some(WeightProducts {
             blocks: elements(self.blocks.iter().flat_map(Block::projections)),
             output: self.output.elem_count(),
-            bytes: bytes(self.blocks.iter().flat_map(Block::projections).chain([&self.output])),
+            bytes: bytes(
+                self.blocks
+                    .iter()
+                    .flat_map(Block::projections)
+                    .chain([&self.output]),
+            ),
         })
     }
 
@@ -269,7 +279,11 @@ impl Llama {
             x = (x + block.wo.rows_product(&attended, &sums)?)?;
             let h = rms_norm(&x, &block.ffn_norm, eps)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
-            let gated = gated(&product(&block.gate)?, &product(&block.up)?, Activation::Silu)?;
+            let gated = gated(
+                &product(&block.gate)?,
+                &product(&block.up)?,
+                Activation::Silu,
+            )?;
             x = (x + block.down.rows_product(&gated, &sums)?)?;
         }
         for (row, &(_, n)) in rows.iter_mut().zip(&spans) {
@@ -288,11 +302,7 @@ impl Llama {
     fn sequence(&self, row: &Row<'_, '_>, feed: Feed) -> Result<Sequence, ModelError> {
         let (n, past) = (row.ids.len(), row.cache.len());
         let rotary = rotary_tables(&self.inv_freq, row.cache.next_position, n);
-        Ok(Sequence {
-            past,
-            feed,
-            rotary,
-        })
+        Ok(Sequence { past, feed, rotary })
     }
 
     /// One row's vectors at `layer` as its attention takes them, from its projections

@@ -216,15 +216,14 @@ macro_rules! settings {
     };
 }
 
-/// Declares an axis's methods: one line per method, `module::Type`, in listing order (a line may
-/// carry attributes, e.g. `#[cfg(test)]`). Declares the modules and `REGISTRY`, the list every
-/// lookup, flag and listing reads. Each type implements [`Declared`] (through
-/// [`settings!`](crate::settings)) and the axis's trait.
+/// Registers an axis's methods: one line per method, `module::Type`, in listing order (a line may
+/// carry attributes, e.g. `#[cfg(test)]`). Declares `REGISTRY`, the list every lookup, flag and
+/// listing reads; the modules are declared beside it, written out so that rustfmt and clippy see
+/// them. Each type implements [`Declared`] (through [`settings!`](crate::settings)) and the
+/// axis's trait.
 #[macro_export]
 macro_rules! registry {
     ($axis:ident: $( $(#[$attr:meta])* $module:ident :: $method:ident ),+ $(,)?) => {
-        $( $(#[$attr])* mod $module; )+
-
         /// Every registered method of this axis, in listing order.
         pub const REGISTRY: &[$crate::replay::settings::Method<dyn $axis>] = &[
             $( $(#[$attr])* $crate::replay::settings::Method {

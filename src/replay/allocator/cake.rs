@@ -147,9 +147,15 @@ mod tests {
     fn adjust_budgets_by_hand() {
         // cap 50: [80.9, 10.2, 9.9] -> [80, 10, 9]; 30 excess over the two under the cap: +15
         // each -> [50, 25, 24] = 99; 1 missing -> to the first under the cap: [50, 26, 24].
-        assert_eq!(adjust_budgets(&[80.9, 10.2, 9.9], 100, 50), vec![50, 26, 24]);
+        assert_eq!(
+            adjust_budgets(&[80.9, 10.2, 9.9], 100, 50),
+            vec![50, 26, 24]
+        );
         // Too many: [40.0, 40.0, 40.0] with total 100 -> 20 to take from those above 1:
         // 6 each, the remainder 2 from the first two -> [33, 33, 34].
-        assert_eq!(adjust_budgets(&[40.0, 40.0, 40.0], 100, 50), vec![33, 33, 34]);
+        assert_eq!(
+            adjust_budgets(&[40.0, 40.0, 40.0], 100, 50),
+            vec![33, 33, 34]
+        );
     }
 }

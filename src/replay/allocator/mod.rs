@@ -11,6 +11,13 @@
 use super::settings::Broken;
 use super::{LayerProfile, Protection};
 
+mod cake;
+mod entropy;
+mod flat;
+mod oracle;
+mod pyramid;
+mod pyramid_taper;
+
 crate::registry! {
     Allocator:
     flat::Flat,

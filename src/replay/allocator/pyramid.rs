@@ -43,8 +43,12 @@ impl Allocator for Pyramid {
     }
 
     fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        let (cap, window, n, layers) =
-            (input.budget, input.protect.window, input.prompt_len, input.n_layers);
+        let (cap, window, n, layers) = (
+            input.budget,
+            input.protect.window,
+            input.prompt_len,
+            input.n_layers,
+        );
         let selected = cap.saturating_sub(window);
         if n < cap || n < 2 * selected || layers < 2 {
             return vec![cap; layers];

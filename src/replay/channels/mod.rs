@@ -13,6 +13,9 @@ pub use cache::PrunedKeys;
 use super::settings::Broken;
 use ndarray::ArrayView2;
 
+mod none;
+mod think;
+
 crate::registry! {
     KeyChannels:
     none::AllChannels,

@@ -9,8 +9,8 @@
 //! position. torch.round rounds half to even, and so does this.
 
 use super::HeadSplit;
-use crate::replay::{LayerContext, Protection};
 use crate::replay::settings::Broken;
+use crate::replay::{LayerContext, Protection};
 
 crate::settings! {
     /// AdaKV's head-wise budgets: a cache's share follows how many of the layer's top scores it
@@ -117,15 +117,24 @@ mod tests {
             vec![0.95, 0.5, 0.2, 0.3, 0.05, 0.0],
         ];
         let none = Protection::default();
-        let (q, k) = (ndarray::Array3::zeros((2, 6, 2)), ndarray::Array3::zeros((2, 6, 2)));
+        let (q, k) = (
+            ndarray::Array3::zeros((2, 6, 2)),
+            ndarray::Array3::zeros((2, 6, 2)),
+        );
         let layer = crate::replay::scorer::testing::context(&q, &k, 6);
         let plain = |alpha| AdaKv {
             alpha,
             normalize: false,
         };
-        assert_eq!(plain(0.2).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 2]);
+        assert_eq!(
+            plain(0.2).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none),
+            vec![3, 2]
+        );
         // With alpha 1 every cache gets exactly the floor: B.
-        assert_eq!(plain(1.0).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none), vec![3, 3]);
+        assert_eq!(
+            plain(1.0).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none),
+            vec![3, 3]
+        );
     }
 
     #[test]
@@ -136,7 +145,10 @@ mod tests {
         // Normalised, the top 2 are 0.3 (cache 1) and 0.16 (cache 0): caps [1, 1].
         // Unnormalised they are 0.4 and 0.4, both cache 0: caps [2, 0].
         let scores = vec![vec![0.4, 0.4, 0.2, 0.0], vec![0.3, 0.0, 0.0, 0.0]];
-        let (q, k) = (ndarray::Array3::zeros((2, 4, 2)), ndarray::Array3::zeros((2, 4, 2)));
+        let (q, k) = (
+            ndarray::Array3::zeros((2, 4, 2)),
+            ndarray::Array3::zeros((2, 4, 2)),
+        );
         let layer = crate::replay::scorer::testing::context(&q, &k, 4);
         let split = |normalize| {
             AdaKv {

@@ -308,7 +308,10 @@ fn each_layer<T>(
 
 /// Each KV head's on-the-fly score ([`head_scores`]) in `layer`, from the mean pre-rotary query
 /// and key of its prompt.
-fn on_the_fly_scores(layer: &crate::replay::LayerContext<'_>, q_len: usize) -> Result<Vec<f64>, String> {
+fn on_the_fly_scores(
+    layer: &crate::replay::LayerContext<'_>,
+    q_len: usize,
+) -> Result<Vec<f64>, String> {
     let theta = layer.rope_theta.ok_or_else(|| {
         format!(
             "the calibration trace's layer {} has no rotary base (`rope_theta`): its vectors cannot be turned back",
@@ -375,7 +378,12 @@ fn pre_rotary_mean(vectors: ArrayView2<f32>, prompt: usize, theta: f32) -> Array
 /// DuoAttention's on-the-fly score of each KV head: the mean, over its query heads, of the area
 /// under the cumulative attention curve of the mean query at position `q_len − 1` over the mean
 /// key at positions `0..q_len`.
-fn head_scores(queries: &[Array1<f64>], keys: &[Array1<f64>], theta: f32, q_len: usize) -> Vec<f64> {
+fn head_scores(
+    queries: &[Array1<f64>],
+    keys: &[Array1<f64>],
+    theta: f32,
+    q_len: usize,
+) -> Vec<f64> {
     let d = keys[0].len();
     let rotary = Rotary::new(theta, d);
     let group = queries.len() / keys.len();
@@ -438,8 +446,17 @@ mod tests {
             [vec![false, true], vec![true, false], vec![true, false]]
         );
         // 6 · 0.25 = 1.5 rounds to 2 (even); 6 · 0.75 = 4.5 to 4.
-        let count = |r: f64| streaming_heads(&scores, r).concat().iter().filter(|&&s| s).count();
-        assert_eq!((count(0.25), count(0.75), count(0.0), count(1.0)), (2, 4, 0, 6));
+        let count = |r: f64| {
+            streaming_heads(&scores, r)
+                .concat()
+                .iter()
+                .filter(|&&s| s)
+                .count()
+        };
+        assert_eq!(
+            (count(0.25), count(0.75), count(0.0), count(1.0)),
+            (2, 4, 0, 6)
+        );
     }
 
     #[test]
@@ -458,7 +475,12 @@ mod tests {
         assert!((two - (a / (a + b) + 1.0) / 2.0).abs() < 1e-12, "{two}");
         // A KV head scores the mean of its query heads: [q, q] as [q].
         let q = array![0.3, -1.2];
-        let one = head_scores(std::slice::from_ref(&q), std::slice::from_ref(&key), 10_000.0, 50)[0];
+        let one = head_scores(
+            std::slice::from_ref(&q),
+            std::slice::from_ref(&key),
+            10_000.0,
+            50,
+        )[0];
         let two = head_scores(&[q.clone(), q], &[key], 10_000.0, 50)[0];
         assert!((one - two).abs() < 1e-15);
     }
@@ -503,6 +525,9 @@ mod tests {
             .collect();
         let vectors = ndarray::Array2::from_shape_vec((6, 4), rows).unwrap();
         let mean = pre_rotary_mean(vectors.view(), 6, 10_000.0);
-        assert!(mean.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-6), "{mean}");
+        assert!(
+            mean.iter().zip(&x).all(|(a, b)| (a - b).abs() < 1e-6),
+            "{mean}"
+        );
     }
 }

@@ -7,6 +7,11 @@ use super::settings::Broken;
 use super::{LayerContext, Protection};
 use crate::trace::TraceMeta;
 
+mod adakv;
+mod duo;
+mod threshold;
+mod uniform;
+
 crate::registry! {
     HeadSplit:
     uniform::Uniform,

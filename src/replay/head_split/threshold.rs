@@ -46,11 +46,14 @@ impl HeadSplit for Threshold {
             .map(|unit_scores| {
                 let (protected, above) = candidates.iter().zip(unit_scores).fold(
                     (0, 0),
-                    |(protected, above), (&position, &score)| {
-                        match protect.covers(position, prompt_len) {
-                            true => (protected + 1, above),
-                            false => (protected, above + usize::from(score as f64 >= self.threshold)),
-                        }
+                    |(protected, above), (&position, &score)| match protect
+                        .covers(position, prompt_len)
+                    {
+                        true => (protected + 1, above),
+                        false => (
+                            protected,
+                            above + usize::from(score as f64 >= self.threshold),
+                        ),
                     },
                 );
                 (protected + above).min(cap)
@@ -75,7 +78,10 @@ mod tests {
             sinks: 0,
             window: 2,
         };
-        let (q, k) = (ndarray::Array3::zeros((2, 6, 2)), ndarray::Array3::zeros((2, 6, 2)));
+        let (q, k) = (
+            ndarray::Array3::zeros((2, 6, 2)),
+            ndarray::Array3::zeros((2, 6, 2)),
+        );
         let layer = crate::replay::scorer::testing::context(&q, &k, 6);
         let split = |threshold, cap| {
             Threshold { threshold }.split(&layer, cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)

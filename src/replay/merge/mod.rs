@@ -17,6 +17,10 @@ pub use decoding::{DecodeMerge, DecodeMergedValues, Eviction};
 use super::settings::Broken;
 use ndarray::{ArrayView1, ArrayView2};
 
+mod cam;
+mod none;
+mod similarity;
+
 crate::registry! {
     Merge:
     none::NoMerge,

@@ -31,12 +31,10 @@ use serde::Serialize;
 use std::collections::BTreeMap;
 use std::ops::Range;
 
-/// Declares the metrics, one line each (`module::Type`), in column order: the modules and
-/// [`REGISTRY`].
+/// Registers the metrics, one line each (`module::Type`), in column order: [`REGISTRY`] (the
+/// modules are declared beside it, written out).
 macro_rules! metrics {
     ($( $module:ident :: $metric:ident ),+ $(,)?) => {
-        $( mod $module; )+
-
         /// Every metric, in the order of the columns that show them.
         pub const REGISTRY: &[&dyn Metric] = &[ $( &$module::$metric ),+ ];
     };
@@ -46,7 +44,12 @@ mod kept_output;
 pub mod lost;
 mod mass_sum;
 mod nested;
+mod output_error;
 mod policy_attention;
+mod retained_mass;
+mod topk_recall;
+mod value_gap;
+mod value_weighted_mass;
 
 pub use nested::{nested_shares, CacheShares, KeptShare};
 pub use policy_attention::PolicyAttention;

@@ -27,7 +27,10 @@ impl Metric for TopkRecall {
             let mut order: Vec<usize> = (0..p.len()).collect();
             order.sort_by(|&a, &b| p[b].total_cmp(&p[a]).then(a.cmp(&b)));
             let k = sample.top_k.min(order.len());
-            let kept = order[..k].iter().filter(|j| sample.kept().contains(j)).count();
+            let kept = order[..k]
+                .iter()
+                .filter(|j| sample.kept().contains(j))
+                .count();
             kept as f64 / k as f64
         })
     }

@@ -58,7 +58,10 @@ impl Metric for ValueGap {
             }
             let full = sample.full_output();
             let norm = reference::distance(&full, &vec![0.0; full.len()]);
-            let (rest, kept) = (sample.mean_value(&discarded), sample.mean_value(sample.kept()));
+            let (rest, kept) = (
+                sample.mean_value(&discarded),
+                sample.mean_value(sample.kept()),
+            );
             reference::distance(&rest, &kept) / norm
         })
     }
@@ -98,9 +101,19 @@ mod tests {
     use super::*;
     use ndarray::Array1;
 
-    fn sample<'a>(weights: &'a [f32], kept: &'a [usize], values: &[[f64; 2]], partial: &'a mut Vec<f64>, full: &'a Array1<f64>) -> Sample<'a> {
+    fn sample<'a>(
+        weights: &'a [f32],
+        kept: &'a [usize],
+        values: &[[f64; 2]],
+        partial: &'a mut Vec<f64>,
+        full: &'a Array1<f64>,
+    ) -> Sample<'a> {
         partial.clear();
-        partial.extend((0..2).map(|x| kept.iter().map(|&j| weights[j] as f64 * values[j][x]).sum::<f64>()));
+        partial.extend((0..2).map(|x| {
+            kept.iter()
+                .map(|&j| weights[j] as f64 * values[j][x])
+                .sum::<f64>()
+        }));
         Sample {
             weights,
             kept,

@@ -34,7 +34,12 @@ impl Metric for ValueWeightedMass {
             let p = sample.weights();
             let l1 = |j: usize| sample.value(j).iter().map(|x| x.abs()).sum::<f64>();
             let shared = sample.shared_weights();
-            let kept: f64 = sample.kept().iter().zip(shared).map(|(&j, w)| w * l1(j)).sum();
+            let kept: f64 = sample
+                .kept()
+                .iter()
+                .zip(shared)
+                .map(|(&j, w)| w * l1(j))
+                .sum();
             kept / (0..p.len()).map(|j| p[j] * l1(j)).sum::<f64>()
         })
     }

@@ -12,6 +12,10 @@ pub use cache::QuantizedCache;
 
 use super::settings::Broken;
 
+mod kivi;
+mod none;
+mod per_token;
+
 crate::registry! {
     Quantizer:
     none::NoQuantizer,

@@ -16,9 +16,9 @@
 
 use super::snapkv::{check_kernel, pool1d};
 use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// CAKE's token score: mean + gamma x variance of the window's attention, pooled, and the
@@ -191,9 +191,11 @@ impl ScoreState for State {
         out.clear();
         if newest < self.prompt_len {
             let scores = self.window_scores();
-            out.extend(cache.iter().map(|&position| {
-                scores.get(position).copied().unwrap_or(f32::INFINITY)
-            }));
+            out.extend(
+                cache
+                    .iter()
+                    .map(|&position| scores.get(position).copied().unwrap_or(f32::INFINITY)),
+            );
             return;
         }
         // The newest query's weights, laid out in the official order, pooled outside the window.
@@ -270,8 +272,7 @@ impl Cake {
                     let mean = rows.iter().map(|r| r[j]).sum::<f64>() / w as f64;
                     let var = match w > 1 {
                         true => {
-                            rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>()
-                                / (w - 1) as f64
+                            rows.iter().map(|r| (r[j] - mean).powi(2)).sum::<f64>() / (w - 1) as f64
                         }
                         false => 0.0,
                     };
@@ -288,18 +289,35 @@ impl ScorerRule for Cake {
         vec![("kernel", 3.into())]
     }
 
-    fn prompt_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+    fn prompt_scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Option<Vec<f64>> {
         Some(self.window_scores(layer, policy, cache))
     }
 
-    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         match positions.last().is_some_and(|&at| at < layer.prompt_len) {
             true => self.window_scores(layer, policy, cache),
             false => running.to_vec(),
         }
     }
 
-    fn order_at_cut(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+    fn order_at_cut(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Option<Vec<f64>> {
         Some(self.window_scores(layer, policy, cache))
     }
 

@@ -13,9 +13,9 @@
 //! `chunk_length` and no shorter chunk among the best, the two keep the same tokens.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// ChunkKV: an inner scorer's scores averaged over chunks of the prompt, whole chunks kept
@@ -31,7 +31,10 @@ crate::settings! {
 impl ChunkKv {
     /// The inner scorer, when `inner` names another registered scorer.
     fn inner(&self) -> Result<Box<dyn Scorer>, Broken> {
-        super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
+        super::inner_scorer(
+            &self.inner,
+            <Self as crate::replay::settings::Declared>::NAME,
+        )
     }
 
     fn inner_or_panic(&self) -> Box<dyn Scorer> {
@@ -58,7 +61,8 @@ impl Scorer for ChunkKv {
         } else {
             Err(Broken {
                 key: "inner",
-                rule: "must be a scorer that selects at the end of the prompt (prefill timing)".into(),
+                rule: "must be a scorer that selects at the end of the prompt (prefill timing)"
+                    .into(),
             })
         }
     }
@@ -91,7 +95,9 @@ impl Scorer for ChunkKv {
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
-        let inner = super::inner_scorer(&self.inner, "chunkkv").ok()?.reference()?;
+        let inner = super::inner_scorer(&self.inner, "chunkkv")
+            .ok()?
+            .reference()?;
         Some(Box::new(Rule {
             chunk_length: self.chunk_length,
             inner,
@@ -131,11 +137,24 @@ impl ScorerRule for Rule {
         vec![("inner", "knorm".into()), ("chunk_length", 3.into())]
     }
 
-    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+    fn step(
+        &self,
+        layer: &reference::Layer,
+        cache: &Member,
+        positions: &[usize],
+        running: &mut Vec<f64>,
+    ) {
         self.inner.step(layer, cache, positions, running);
     }
 
-    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         let inner = self.inner.scores(layer, policy, cache, positions, running);
         inner
             .chunks(self.chunk_length)

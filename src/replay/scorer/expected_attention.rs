@@ -19,12 +19,12 @@
 //! most `n_sink` tokens, which kvpress refuses, scores all tokens alike.
 
 use super::{ScoreState, Scorer, Started};
-use crate::replay::settings::Broken;
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::rotary::{rotate, Rotary};
+use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{Array1, Array2, ArrayView1};
 use std::ops::Range;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Expected Attention: keys scored by the attention the statistics of the prompt's queries,
@@ -99,7 +99,9 @@ impl ScoreState for State {
             return;
         }
         let rotary = Rotary::new(
-            layer.rope_theta.expect("the engine checks the trace's rope_theta"),
+            layer
+                .rope_theta
+                .expect("the engine checks the trace's rope_theta"),
             layer.q.shape()[2],
         );
         // kvpress's `q_len`: the position after the newest (the cache's length on a global layer).
@@ -177,7 +179,11 @@ fn query_statistics(
         .map(|&position| {
             let (cos, sin) = rotary.at(position);
             let minus_sin: Vec<f64> = sin.iter().map(|s| -s).collect();
-            rotate(layer.query(head, position).mapv(f64::from).view(), &cos, &minus_sin)
+            rotate(
+                layer.query(head, position).mapv(f64::from).view(),
+                &cos,
+                &minus_sin,
+            )
         })
         .collect();
     let n = queries.len() as f64;
@@ -201,7 +207,14 @@ fn query_statistics(
 /// logits μ·k / √d + kᵀ S k / (2d) over the keys after the sinks, softmaxed per head, averaged
 /// over heads, times ‖v‖; the sinks score the maximum + 1.
 impl ScorerRule for ExpectedAttention {
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let (sinks, future) = (self.n_sink, self.n_future_positions);
         let n = positions.len();
         let d = layer.head_dim();
@@ -235,7 +248,11 @@ impl ScorerRule for ExpectedAttention {
         };
         let product = |a: &Vec<Vec<f64>>, b: &dyn Fn(usize, usize) -> f64| -> Vec<Vec<f64>> {
             (0..d)
-                .map(|i| (0..d).map(|j| (0..d).map(|k| a[i][k] * b(k, j)).sum()).collect())
+                .map(|i| {
+                    (0..d)
+                        .map(|j| (0..d).map(|k| a[i][k] * b(k, j)).sum())
+                        .collect()
+                })
                 .collect()
         };
         let mut total = vec![0.0; n - sinks];
@@ -245,7 +262,8 @@ impl ScorerRule for ExpectedAttention {
                 .map(|&p| {
                     let r = rotation(p);
                     // R(p) is orthogonal: its transpose turns the stored query back.
-                    let rt: Vec<Vec<f64>> = (0..d).map(|i| (0..d).map(|j| r[j][i]).collect()).collect();
+                    let rt: Vec<Vec<f64>> =
+                        (0..d).map(|i| (0..d).map(|j| r[j][i]).collect()).collect();
                     apply(&rt, &layer.query(h, p))
                 })
                 .collect();
@@ -256,7 +274,13 @@ impl ScorerRule for ExpectedAttention {
             let cov: Vec<Vec<f64>> = (0..d)
                 .map(|i| {
                     (0..d)
-                        .map(|j| queries.iter().map(|q| (q[i] - mu[i]) * (q[j] - mu[j])).sum::<f64>() / m)
+                        .map(|j| {
+                            queries
+                                .iter()
+                                .map(|q| (q[i] - mu[i]) * (q[j] - mu[j]))
+                                .sum::<f64>()
+                                / m
+                        })
                         .collect()
                 })
                 .collect();
@@ -285,7 +309,9 @@ impl ScorerRule for ExpectedAttention {
             })
             .collect();
         let max = scores.iter().cloned().fold(f64::NEG_INFINITY, f64::max);
-        std::iter::repeat_n(max + 1.0, sinks).chain(scores).collect()
+        std::iter::repeat_n(max + 1.0, sinks)
+            .chain(scores)
+            .collect()
     }
 }
 

@@ -9,11 +9,11 @@
 //! since the measured quantity is the full model's attention. Softcap is not applied (the library
 //! has none).
 
-use super::{Started, AlignedScores, ScoreState, Scorer};
+use super::{AlignedScores, ScoreState, Scorer, Started};
 use crate::attention::{attend_positions, softmax, CausalLogits};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Axis;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Each new key as its own query (the VeloxQuant-MLX library's H2O-adapted rule, the
@@ -79,7 +79,13 @@ impl ScoreState for State {
 /// The brute-force rule: the first token starts at 1, every later one at 0, and each new key's
 /// attention over the keys before it (the key as the query) adds to their scores.
 impl ScorerRule for KeyProxy {
-    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+    fn step(
+        &self,
+        layer: &reference::Layer,
+        cache: &Member,
+        positions: &[usize],
+        running: &mut Vec<f64>,
+    ) {
         let at = *positions.last().expect("a position arrived");
         if positions.len() == 1 {
             running.push(1.0);
@@ -93,7 +99,14 @@ impl ScorerRule for KeyProxy {
         running.push(0.0);
     }
 
-    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, _: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        _: &reference::Layer,
+        _: &reference::Policy,
+        _: &Member,
+        _: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         running.to_vec()
     }
 }

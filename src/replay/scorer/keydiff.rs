@@ -7,9 +7,9 @@
 //! only: under `gqa = "query-head"` every head of a group gets its KV head's scores.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Array1;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Keep the keys least similar to the mean normalised key (Park et al., 2025,
@@ -65,7 +65,14 @@ impl ScoreState for State {
 /// The brute-force rule: minus the cosine of each key to the mean of the cached keys, each
 /// normalised.
 impl ScorerRule for KeyDiff {
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let norm = |v: &[f64]| reference::dot(v, v).sqrt();
         let keys: Vec<Vec<f64>> = positions.iter().map(|&j| layer.key(cache.kv, j)).collect();
         let anchor: Vec<f64> = (0..layer.head_dim())

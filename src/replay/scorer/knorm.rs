@@ -1,9 +1,9 @@
 //! `knorm`: keep the keys of *smallest* L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress's
 //! `KnormPress` scores `-keys.norm(dim=-1)`). Uses keys only, so it needs no queries at all.
 
-use super::{Started, ScoreState, Scorer};
-use crate::replay::{LayerContext, Protection, Unit};
+use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
     /// Keep the keys of smallest L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress
@@ -44,7 +44,14 @@ impl ScoreState for State {
 
 /// The brute-force rule: minus each key's L2 norm.
 impl ScorerRule for Knorm {
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         positions
             .iter()
             .map(|&j| {

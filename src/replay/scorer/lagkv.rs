@@ -10,10 +10,10 @@
 //! kvpress presses are. Needs the trace's values.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::ArrayView2;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// LagKV: keys and values normalised by the next partition's range, scored by the spread of
@@ -70,7 +70,9 @@ impl ScoreState for State {
     fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
 
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        let values = layer.v.expect("the engine checks that lagkv's trace has values");
+        let values = layer
+            .v
+            .expect("the engine checks that lagkv's trace has values");
         let keys = layer.keys(self.kv_head);
         let values = values.index_axis_move(ndarray::Axis(0), self.kv_head);
         *out = lag_scores(keys, values, cache, &self.settings);
@@ -112,7 +114,10 @@ fn lag_scores(
         let score = if settings.cross_scoring {
             score
         } else {
-            ranks(&score).into_iter().map(|r| r as f32 / lag as f32).collect()
+            ranks(&score)
+                .into_iter()
+                .map(|r| r as f32 / lag as f32)
+                .collect()
         };
         out[start..start + lag].copy_from_slice(&score);
     }
@@ -177,7 +182,14 @@ impl ScorerRule for LagKv {
         vec![("lag_size", 3.into())]
     }
 
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let (sinks, lag) = (self.n_sink, self.lag_size);
         let n = positions.len();
         if n < sinks + 2 * lag {
@@ -196,7 +208,9 @@ impl ScorerRule for LagKv {
             let next = &positions[start + lag..start + 2 * lag];
             let key_soft = spread_softmax(part, next, &|j| layer.key(cache.kv, j));
             let value_soft = spread_softmax(part, next, &|j| layer.value(cache.kv, j));
-            let score: Vec<f64> = (0..lag).map(|i| (key_soft[i] + value_soft[i]) / 2.0).collect();
+            let score: Vec<f64> = (0..lag)
+                .map(|i| (key_soft[i] + value_soft[i]) / 2.0)
+                .collect();
             for i in 0..lag {
                 let below = (0..lag)
                     .filter(|&o| score[o] < score[i] || (score[o] == score[i] && o < i))
@@ -220,7 +234,10 @@ fn spread_softmax(part: &[usize], next: &[usize], row: &dyn Fn(usize) -> Vec<f64
             let scaled: Vec<f64> = (0..d)
                 .map(|x| {
                     let low = next_rows.iter().map(|n| n[x]).fold(f64::INFINITY, f64::min);
-                    let high = next_rows.iter().map(|n| n[x]).fold(f64::NEG_INFINITY, f64::max);
+                    let high = next_rows
+                        .iter()
+                        .map(|n| n[x])
+                        .fold(f64::NEG_INFINITY, f64::max);
                     (r[x] - low) / (high - low)
                 })
                 .collect();

@@ -15,6 +15,27 @@ use super::{Aggregation, Protection, Timing};
 use super::{LayerContext, Unit};
 use crate::attention::{softmax_in_place, softmax_into, sparse_logits, CausalLogits};
 
+mod cake;
+mod chunkkv;
+mod expected_attention;
+mod key_proxy;
+mod keydiff;
+mod knorm;
+mod lagkv;
+mod observed_attention;
+mod oracle_static;
+mod qfilter;
+mod quest;
+mod random;
+mod recency;
+mod rkv;
+mod snapkv;
+mod tova;
+#[cfg(test)]
+mod toy;
+mod true_query;
+mod value_aware;
+
 crate::registry! {
     Scorer:
     key_proxy::KeyProxy,

@@ -3,9 +3,9 @@
 //! this is the best single kept set for the whole decode ranked by total mass: an upper
 //! reference for one-shot scorers. It sees the future, so no real policy can implement it.
 
-use super::{Started, GroupQueries, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Protection, Unit};
+use super::{GroupQueries, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
     /// The attention the future decode queries pay each token, summed over the decode (sees the
@@ -59,7 +59,14 @@ impl ScoreState for State {
 /// The brute-force rule: each position's attention from every decode query that sees it (the
 /// group combined by `agg`), summed.
 impl ScorerRule for OracleStatic {
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         positions
             .iter()
             .map(|&j| {

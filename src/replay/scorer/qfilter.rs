@@ -18,12 +18,12 @@
 //! head of a group gets its KV head's scores.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use crate::trace::{TraceMeta, TraceReader};
 use ndarray::{Array2, ArrayView2, Axis};
 use std::sync::{Arc, OnceLock};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Q-Filters: keys projected on the queries' principal direction (Godey et al., 2025,
@@ -164,7 +164,9 @@ fn dominant_eigenvector(matrix: &Array2<f64>) -> Vec<f64> {
             break;
         }
     }
-    let largest = v.iter().fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+    let largest = v
+        .iter()
+        .fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
     if largest < 0.0 {
         v = -v;
     }
@@ -212,7 +214,14 @@ impl ScoreState for State {
 /// largest entry made positive, then signed by the majority sign of the projections; the KV
 /// head's filter is minus their mean, and a key scores minus its dot product with it.
 impl ScorerRule for QFilter {
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let filter = prompt_filter(layer, cache.kv);
         positions
             .iter()
@@ -230,11 +239,19 @@ fn prompt_filter(layer: &reference::Layer, kv: usize) -> Vec<f64> {
     for head in kv * group..(kv + 1) * group {
         let rows: Vec<Vec<f64>> = (0..n).map(|at| layer.query(head, at)).collect();
         let mut g: Vec<Vec<f64>> = (0..d)
-            .map(|a| (0..d).map(|b| rows.iter().map(|r| r[a] * r[b]).sum()).collect())
+            .map(|a| {
+                (0..d)
+                    .map(|b| rows.iter().map(|r| r[a] * r[b]).sum())
+                    .collect()
+            })
             .collect();
         for _ in 0..40 {
             let squared: Vec<Vec<f64>> = (0..d)
-                .map(|a| (0..d).map(|b| (0..d).map(|c| g[a][c] * g[c][b]).sum()).collect())
+                .map(|a| {
+                    (0..d)
+                        .map(|b| (0..d).map(|c| g[a][c] * g[c][b]).sum())
+                        .collect()
+                })
                 .collect();
             let scale = squared.iter().flatten().fold(0.0f64, |m, x| m.max(x.abs()));
             g = squared
@@ -248,7 +265,9 @@ fn prompt_filter(layer: &reference::Layer, kv: usize) -> Vec<f64> {
             .expect("d > 0");
         let norm = column_norm(column).sqrt();
         let mut v: Vec<f64> = g.iter().map(|row| row[column] / norm).collect();
-        let largest = v.iter().fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
+        let largest = v
+            .iter()
+            .fold(0.0f64, |m, x| if x.abs() > m.abs() { *x } else { m });
         if largest < 0.0 {
             v.iter_mut().for_each(|x| *x = -*x);
         }

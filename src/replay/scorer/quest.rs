@@ -15,10 +15,10 @@
 //! and the shorter last page not among the best, the two read the same tokens.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 use std::ops::Range;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Quest: pages of keys ranked by the upper bound of the current query's logits (Tang et al.,
@@ -141,7 +141,14 @@ impl ScorerRule for Quest {
         vec![("page_size", 3.into())]
     }
 
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let at = *positions.last().expect("a cache");
         let bound = |head: usize, page: &[usize]| -> f64 {
             let q = layer.query(head, at);

@@ -2,10 +2,10 @@
 //! must clear. The score is a SplitMix64 hash of those and `--seed`, so it does not depend on
 //! evaluation order or thread count.
 
-use super::{Started, ScoreState, Scorer};
+use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::{LayerContext, Protection, Unit};
 use crate::splitmix::hash;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// A seeded uniform score per (layer, cache, position): the floor every scorer must clear.
@@ -22,8 +22,7 @@ struct State {
 
 impl Scorer for Random {
     fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        let stream =
-            hash(hash(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
+        let stream = hash(hash(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
         Box::new(State { stream })
     }
 
@@ -50,9 +49,17 @@ impl ScorerRule for Random {
         vec![("seed", seed.into())]
     }
 
-    fn scores(&self, layer: &reference::Layer, _: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        _: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         use reference::splitmix64;
-        let stream = splitmix64(splitmix64(self.seed ^ (layer.index as u64) << 32) ^ cache.unit as u64);
+        let stream =
+            splitmix64(splitmix64(self.seed ^ (layer.index as u64) << 32) ^ cache.unit as u64);
         positions
             .iter()
             .map(|&j| (splitmix64(stream ^ j as u64) >> 40) as f64 / (1u64 << 24) as f64)
@@ -69,9 +76,27 @@ mod tests {
     fn seeded_and_in_unit_interval() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 64], &[[0.0, 0.0]; 64], 64);
         let layer = context(&q, &k, n);
-        let first = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
-        let again = scores_after(Random { seed: 7 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
-        let other = scores_after(Random { seed: 8 }.start(&layer, &unit(), Protection::default()).as_mut(), &layer, 64);
+        let first = scores_after(
+            Random { seed: 7 }
+                .start(&layer, &unit(), Protection::default())
+                .as_mut(),
+            &layer,
+            64,
+        );
+        let again = scores_after(
+            Random { seed: 7 }
+                .start(&layer, &unit(), Protection::default())
+                .as_mut(),
+            &layer,
+            64,
+        );
+        let other = scores_after(
+            Random { seed: 8 }
+                .start(&layer, &unit(), Protection::default())
+                .as_mut(),
+            &layer,
+            64,
+        );
         assert_eq!(first, again);
         assert_ne!(first, other);
         assert!(first.iter().all(|s| (0.0..1.0).contains(s)));

@@ -2,9 +2,9 @@
 //! with `--sinks`; the paper uses 4) and the most recent tokens. The score is the position, so the
 //! oldest unprotected token goes first.
 
-use super::{Started, ScoreState, Scorer};
-use crate::replay::{LayerContext, Protection, Unit};
+use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
     /// StreamingLLM's rule: the sinks (`sinks`) and the most recent tokens (Xiao et al., 2023,
@@ -36,7 +36,14 @@ impl ScoreState for State {
 
 /// The brute-force rule: a position scores itself (the newest kept).
 impl ScorerRule for Recency {
-    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        _: &reference::Layer,
+        _: &reference::Policy,
+        _: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         positions.iter().map(|&j| j as f64).collect()
     }
 }

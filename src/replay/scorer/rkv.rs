@@ -29,12 +29,12 @@
 
 use super::snapkv::{check_kernel, pool1d, Pooling};
 use super::{ScoreState, Scorer, Started};
+use crate::attention::{softmax_in_place, sparse_logits};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
-use crate::attention::{softmax_in_place, sparse_logits};
 use ndarray::{s, Array2};
 use std::collections::VecDeque;
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// R-KV's redundancy-aware score: observation-window attention minus key redundancy (Cai et
@@ -152,7 +152,8 @@ impl ScoreState for State {
             .copied()
             .filter(|_| !*marks.next().expect("one mark per entry"))
             .collect();
-        self.cache.retain(|position| dropped.binary_search(position).is_err());
+        self.cache
+            .retain(|position| dropped.binary_search(position).is_err());
         if self.order.is_empty() {
             // The prompt's cut: R-KV's order starts here.
             self.order = self.cache.clone();
@@ -252,9 +253,7 @@ impl State {
         let mut column_sums = vec![0.0f32; n];
         for start in (0..n).step_by(SIMILARITY_ROWS) {
             let end = (start + SIMILARITY_ROWS).min(n);
-            let mut block = normalised
-                .slice(s![start..end, ..])
-                .dot(&normalised.t());
+            let mut block = normalised.slice(s![start..end, ..]).dot(&normalised.t());
             for (offset, mut row) in block.rows_mut().into_iter().enumerate() {
                 let row = row.as_slice_mut().expect("standard layout");
                 row[start + offset] = 0.0;
@@ -292,7 +291,14 @@ impl ScorerRule for RKv {
         vec![("kernel", 3.into()), ("retain", retain.into())]
     }
 
-    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let (lambda, threshold) = (self.mix_lambda, self.threshold);
         let w = policy.window.max(1);
         let n = positions.len();
@@ -310,7 +316,9 @@ impl ScorerRule for RKv {
                     cache
                         .heads
                         .iter()
-                        .map(|&h| reference::dot(&layer.query(h, r), &layer.key(cache.kv, j)) / d.sqrt())
+                        .map(|&h| {
+                            reference::dot(&layer.query(h, r), &layer.key(cache.kv, j)) / d.sqrt()
+                        })
                         .fold(f64::NEG_INFINITY, f64::max)
                 })
                 .collect();
@@ -337,7 +345,13 @@ impl ScorerRule for RKv {
         let mut columns = vec![0.0; n];
         for i in 0..n {
             let mut row: Vec<f64> = (0..n)
-                .map(|j| if i == j { 0.0 } else { reference::dot(&keys[i], &keys[j]) })
+                .map(|j| {
+                    if i == j {
+                        0.0
+                    } else {
+                        reference::dot(&keys[i], &keys[j])
+                    }
+                })
                 .collect();
             let above = |j: &usize| row[*j] > threshold;
             let exempt = match self.retain {
@@ -359,7 +373,12 @@ impl ScorerRule for RKv {
     }
 
     /// R-KV's cache after the prompt's cut is in `topk` order: the prompt's scores order it.
-    fn order_at_cut(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+    fn order_at_cut(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Option<Vec<f64>> {
         let prompt: Vec<usize> = (0..layer.prompt_len).collect();
         Some(self.scores(layer, policy, cache, &prompt, &[]))
     }

@@ -10,10 +10,10 @@
 //! the kernel including the zero padding (torch's `count_include_pad`), `max` ignores padding.
 //! One-shot: defined for `--timing prefill` only.
 
-use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
+use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// SnapKV's observation-window vote, pooled (Li et al., 2024, arXiv:2404.14469;
@@ -193,12 +193,24 @@ impl ScorerRule for SnapKv {
         vec![("kernel", 3.into()), ("pool", pool.into())]
     }
 
-    fn prompt_scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member) -> Option<Vec<f64>> {
+    fn prompt_scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+    ) -> Option<Vec<f64>> {
         Some(self.window_vote(layer, policy, cache))
     }
 
     /// One-shot only: the window vote over the prompt.
-    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         let vote = self.window_vote(layer, policy, cache);
         positions.iter().map(|&j| vote[j]).collect()
     }

@@ -6,8 +6,8 @@
 //! token's.
 
 use super::{CurrentQuery, Scorer, Started};
-use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
     /// TOVA: the current query's attention (Oren et al., 2024, arXiv:2401.06104). Under the
@@ -31,12 +31,25 @@ impl Scorer for Tova {
 
 /// The brute-force rule: the newest query's attention (its group combined by `agg`) alone.
 impl ScorerRule for Tova {
-    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+    fn step(
+        &self,
+        layer: &reference::Layer,
+        cache: &Member,
+        positions: &[usize],
+        running: &mut Vec<f64>,
+    ) {
         let at = *positions.last().expect("a position arrived");
         *running = layer.group_attention(&cache.heads, cache.kv, at, positions, self.agg);
     }
 
-    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, _: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        _: &reference::Layer,
+        _: &reference::Policy,
+        _: &Member,
+        _: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         running.to_vec()
     }
 }

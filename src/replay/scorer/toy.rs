@@ -4,9 +4,9 @@
 //! `kvreplay methods`. Its rule: even positions score `weight`, odd positions 0.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Unit};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// Keeps even positions first (a test fixture, not a method; at rule version 2 to test that
@@ -50,13 +50,24 @@ impl ScoreState for State {
 
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
-        out.extend(cache.iter().map(|p| if p % 2 == 0 { self.weight } else { 0.0 }));
+        out.extend(
+            cache
+                .iter()
+                .map(|p| if p % 2 == 0 { self.weight } else { 0.0 }),
+        );
     }
 }
 
 /// The brute-force rule: even positions score `weight`, odd ones 0.
 impl ScorerRule for Toy {
-    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, positions: &[usize], _: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        _: &reference::Layer,
+        _: &reference::Policy,
+        _: &Member,
+        positions: &[usize],
+        _: &[f64],
+    ) -> Vec<f64> {
         positions
             .iter()
             .map(|p| if p % 2 == 0 { self.weight } else { 0.0 })
@@ -111,8 +122,15 @@ mod tests {
         assert_eq!(kept.kept[0].kept_positions(0, 8), vec![0, 2, 4, 8]);
         assert!(replay(&trace, &checked).is_ok());
         // Its setting is checked by its own rule, and named with it.
-        let err = policy().with("weight", -1.0).check().unwrap_err().to_string();
-        assert_eq!(err, "scorer `toy`: setting `weight` = -1.0: must be positive");
+        let err = policy()
+            .with("weight", -1.0)
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert_eq!(
+            err,
+            "scorer `toy`: setting `weight` = -1.0: must be positive"
+        );
         // A setting it does not take names it and what it takes.
         let err = policy().with("kernel", 3).check().unwrap_err().to_string();
         assert!(err.contains("scorer `toy` (weight)"), "{err}");

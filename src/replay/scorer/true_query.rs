@@ -6,9 +6,9 @@
 //! its own self-attention. Unlike the 2025-01 H2O code, whose prefill scores let rows before the
 //! last window see future keys, attention here is always causal.
 
-use super::{Started, AlignedScores, GroupQueries, ScoreState, Scorer};
-use crate::replay::{Aggregation, LayerContext, Protection, Unit};
+use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
     /// H2O's heavy-hitter score: the attention each cached token has received from the real
@@ -65,7 +65,13 @@ impl ScoreState for State {
 /// The brute-force rule: every query's attention (its group combined by `agg`) over the cache it
 /// reads adds to the scores; a new token starts at 0.
 impl ScorerRule for TrueQuery {
-    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+    fn step(
+        &self,
+        layer: &reference::Layer,
+        cache: &Member,
+        positions: &[usize],
+        running: &mut Vec<f64>,
+    ) {
         let at = *positions.last().expect("a position arrived");
         running.push(0.0);
         let p = layer.group_attention(&cache.heads, cache.kv, at, positions, self.agg);
@@ -74,7 +80,14 @@ impl ScorerRule for TrueQuery {
         }
     }
 
-    fn scores(&self, _: &reference::Layer, _: &reference::Policy, _: &Member, _: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        _: &reference::Layer,
+        _: &reference::Policy,
+        _: &Member,
+        _: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         running.to_vec()
     }
 }

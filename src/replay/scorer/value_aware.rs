@@ -7,9 +7,9 @@
 //! for the attention scorers (`true-query`, `snapkv`, `tova`, `cake`). Needs the trace's values.
 
 use super::{ScoreState, Scorer, Started};
+use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
-use crate::replay::reference::{self, Member, ScorerRule};
 
 crate::settings! {
     /// VATP: an inner scorer's scores times each token's value L1 norm (arXiv:2406.12335).
@@ -22,7 +22,10 @@ crate::settings! {
 impl ValueAware {
     /// The inner scorer, when `inner` names another registered scorer.
     fn inner(&self) -> Result<Box<dyn Scorer>, Broken> {
-        super::inner_scorer(&self.inner, <Self as crate::replay::settings::Declared>::NAME)
+        super::inner_scorer(
+            &self.inner,
+            <Self as crate::replay::settings::Declared>::NAME,
+        )
     }
 
     fn inner_or_panic(&self) -> Box<dyn Scorer> {
@@ -69,7 +72,9 @@ impl Scorer for ValueAware {
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
-        let inner = super::inner_scorer(&self.inner, "value-aware").ok()?.reference()?;
+        let inner = super::inner_scorer(&self.inner, "value-aware")
+            .ok()?
+            .reference()?;
         Some(Box::new(Rule { inner }))
     }
 }
@@ -104,16 +109,36 @@ struct Rule {
 }
 
 impl ScorerRule for Rule {
-    fn step(&self, layer: &reference::Layer, cache: &Member, positions: &[usize], running: &mut Vec<f64>) {
+    fn step(
+        &self,
+        layer: &reference::Layer,
+        cache: &Member,
+        positions: &[usize],
+        running: &mut Vec<f64>,
+    ) {
         self.inner.step(layer, cache, positions, running);
     }
 
-    fn scores(&self, layer: &reference::Layer, policy: &reference::Policy, cache: &Member, positions: &[usize], running: &[f64]) -> Vec<f64> {
+    fn scores(
+        &self,
+        layer: &reference::Layer,
+        policy: &reference::Policy,
+        cache: &Member,
+        positions: &[usize],
+        running: &[f64],
+    ) -> Vec<f64> {
         let inner = self.inner.scores(layer, policy, cache, positions, running);
         positions
             .iter()
             .zip(inner)
-            .map(|(&j, score)| score * layer.value(cache.kv, j).iter().map(|x| x.abs()).sum::<f64>())
+            .map(|(&j, score)| {
+                score
+                    * layer
+                        .value(cache.kv, j)
+                        .iter()
+                        .map(|x| x.abs())
+                        .sum::<f64>()
+            })
             .collect()
     }
 }
