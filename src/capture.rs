@@ -325,6 +325,11 @@ pub struct PromptRun {
     pub recorder: Recorder,
 }
 
+/// What a caller does with each question's run of a shared prompt: its index, the run, and a
+/// progress hook.
+pub type OnPromptRun<'a, E> =
+    dyn FnMut(usize, PromptRun, &mut dyn FnMut(usize)) -> Result<(), E> + 'a;
+
 /// Runs the prompt of every question of `questions` with the full cache: their shared context
 /// prefilled once (in chunks of `chunk` tokens, recorded in files under `spill_dir`), then each
 /// question's own tokens from a copy of that cache, its recorder continuing the context's. Hands
@@ -336,7 +341,7 @@ pub fn prefill_questions<E: From<ModelError>>(
     questions: &BuiltQuestions,
     (chunk, spill_dir): (usize, &Path),
     progress: &mut dyn FnMut(usize),
-    then: &mut dyn FnMut(usize, PromptRun, &mut dyn FnMut(usize)) -> Result<(), E>,
+    then: &mut OnPromptRun<'_, E>,
 ) -> Result<(), E> {
     let shared = questions.shared;
     let mut context = Recorder::spilling(spill_dir);

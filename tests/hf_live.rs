@@ -196,7 +196,7 @@ fn kvreplay_live_and_a_closed_loop_sweep_run_on_a_transformers_model() {
     let csv = std::fs::read_to_string(dir.path().join("results/e/runs.csv")).unwrap();
     assert_eq!(csv.lines().count(), 3, "{csv}");
     // The trace beside the recipe was captured through transformers.
-    let trace = TraceReader::open(&dir.path().join("niah-hf.safetensors")).unwrap();
+    let trace = TraceReader::open(dir.path().join("niah-hf.safetensors")).unwrap();
     assert!(
         trace.meta().model.starts_with("hf:"),
         "{}",

@@ -496,7 +496,7 @@ fn tokens_fed_in_one_pass_are_the_tokens_fed_one_at_a_time() {
     // Each step of each row handed over once, in whatever order.
     let mut handed = handed.into_inner().unwrap();
     handed.sort_by_key(|&(row, step, _)| (row, step));
-    let mut got = vec![Vec::new(), Vec::new()];
+    let mut got = [Vec::new(), Vec::new()];
     for (row, step, logits) in handed {
         assert_eq!(
             got[row].len(),

@@ -188,10 +188,11 @@ fn engine_matches_brute_force_reference() {
                         let expected = reference::kept(&layer, &reference_policy);
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
                         for (unit, unit_kept) in kept.kept.iter().enumerate() {
-                            for step in 0..shape.generated {
+                            assert_eq!(expected[unit].len(), shape.generated);
+                            for (step, expected) in expected[unit].iter().enumerate() {
                                 assert_eq!(
                                     unit_kept.kept_positions(step, shape.prompt_len),
-                                    expected[unit][step],
+                                    *expected,
                                     "{scorer} {timing:?} {order:?} every {interval} by {trigger:?} {gqa:?} {agg:?} seed {seed} layer {index} unit {unit} step {step}"
                                 );
                             }

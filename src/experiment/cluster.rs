@@ -15,9 +15,9 @@ pub enum ClusterError {
     /// The experiment file is not valid.
     #[error(transparent)]
     Experiment(#[from] ExperimentError),
-    /// Its traces or results could not be read.
+    /// Its traces or results could not be read (boxed: a sweep's error is large).
     #[error(transparent)]
-    Sweep(#[from] SweepError),
+    Sweep(Box<SweepError>),
     /// Slurm refused the scripts or is not here.
     #[error(transparent)]
     Slurm(#[from] SlurmError),
@@ -32,6 +32,12 @@ pub enum ClusterError {
         /// The failure.
         source: std::io::Error,
     },
+}
+
+impl From<SweepError> for ClusterError {
+    fn from(error: SweepError) -> Self {
+        Self::Sweep(Box::new(error))
+    }
 }
 
 /// Where a Slurm submission keeps its scripts, logs and shard count.

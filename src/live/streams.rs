@@ -23,13 +23,16 @@ struct LiveLayer {
     v: Array3<f32>,
     len: usize,
     /// Per selection group: its caches and their stream.
-    streams: Vec<(Vec<Unit>, CacheStream)>,
+    streams: LayerStreams,
 }
 
 /// Where streams stood after some position: each layer's positions held and its streams. The
 /// live vectors they read are those positions', which a run going on from there only writes
 /// after.
-pub(crate) struct StreamsState(Vec<(usize, Vec<(Vec<Unit>, CacheStream)>)>);
+pub(crate) struct StreamsState(Vec<(usize, LayerStreams)>);
+
+/// A layer's streams: each one's units and its stream.
+type LayerStreams = Vec<(Vec<Unit>, CacheStream)>;
 
 /// Shapes and softmax settings of the model's attention.
 #[derive(Debug, Clone, Copy)]
@@ -107,10 +110,7 @@ impl<'p> LiveStreams<'p> {
 
     /// A continuation taking these streams' live vectors, each layer's streams as `streams`
     /// gives them.
-    fn taken(
-        &mut self,
-        streams: fn(&mut Vec<(Vec<Unit>, CacheStream)>) -> Vec<(Vec<Unit>, CacheStream)>,
-    ) -> Self {
+    fn taken(&mut self, streams: fn(&mut LayerStreams) -> LayerStreams) -> Self {
         let layers = self
             .layers
             .iter_mut()

@@ -622,14 +622,14 @@ fn gemv_dot(a: &[f32], b: &[f32]) -> f32 {
     let mut depth = 0;
     while depth + 8 <= k {
         for (lane, value) in acc.iter_mut().enumerate() {
-            *value = a[depth + lane] * b[depth + lane] + *value;
+            *value += a[depth + lane] * b[depth + lane];
         }
         depth += 8;
     }
     let mut total =
         ((acc[0] + acc[1]) + (acc[2] + acc[3])) + ((acc[4] + acc[5]) + (acc[6] + acc[7]));
     for index in depth..k {
-        total = a[index] * b[index] + total;
+        total += a[index] * b[index];
     }
     total
 }

@@ -225,6 +225,8 @@ fn measure_pass(
     // One plan per set of policies that compress a layer together (the global layers', and on a
     // hybrid model the sliding layers' under `layers = all`), made on its first layer.
     let mut plans: BTreeMap<Vec<usize>, Plan<'_>> = BTreeMap::new();
+    // Layers index every policy's budgets, the trace and the plans alike.
+    #[allow(clippy::needless_range_loop)]
     for layer in 0..meta.n_layers {
         // The policies that compress this layer, by index.
         let here: Vec<usize> = compressed

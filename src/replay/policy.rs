@@ -823,16 +823,16 @@ impl ValidPolicy {
                 rule: "folds what the compressions made while decoding evict: use --timing decoding, prefill-then-stream or streaming",
             });
         }
-        if self.merge.merging().is_some() || self.merge.decode_merging().is_some() {
-            if self.scheme().is_some() || self.channels.pruning().is_some() {
-                return Err(PolicyError::Unsupported {
-                    what: format!(
-                        "merge `{}` with quantizer `{}` and channels `{}`",
-                        params.merge, params.quantizer, params.channels
-                    ),
-                    rule: "are not combined yet: a cache merges, quantizes or prunes key channels",
-                });
-            }
+        if (self.merge.merging().is_some() || self.merge.decode_merging().is_some())
+            && (self.scheme().is_some() || self.channels.pruning().is_some())
+        {
+            return Err(PolicyError::Unsupported {
+                what: format!(
+                    "merge `{}` with quantizer `{}` and channels `{}`",
+                    params.merge, params.quantizer, params.channels
+                ),
+                rule: "are not combined yet: a cache merges, quantizes or prunes key channels",
+            });
         }
         if self.allocator.needs_mass_curves() && params.timing != Timing::Prefill {
             return Err(PolicyError::Unsupported {

@@ -107,7 +107,7 @@ impl Task for FrequentWords {
     }
 
     fn check(&self) -> Result<(), (&'static str, String)> {
-        if !(self.alpha >= 1.1) {
+        if self.alpha.is_nan() || self.alpha < 1.1 {
             return Err(("alpha", "must be at least 1.1 (ζ(α) diverges at 1)".into()));
         }
         if !(2..=12).contains(&self.coded_wordlen) {

@@ -40,8 +40,11 @@ struct State {
     /// Each page's cached positions and their keys' channel-wise `(minimum, maximum)` at the
     /// last step, in page order: a page whose entries are unchanged keeps them (a cached
     /// position's key never changes).
-    extremes: Vec<(Vec<usize>, Vec<(f32, f32)>)>,
+    extremes: Vec<PageExtremes>,
 }
+
+/// A page's cached positions and its keys' channel-wise `(minimum, maximum)`.
+type PageExtremes = (Vec<usize>, Vec<(f32, f32)>);
 
 impl Scorer for Quest {
     fn check(&self) -> Result<(), Broken> {

@@ -287,7 +287,11 @@ const SIMILARITY_ROWS: usize = 256;
 /// the window, then the new tokens; after each eviction the survivors are gathered again.
 impl ScorerRule for RKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
-        let retain = if seed % 2 == 0 { "last" } else { "first" };
+        let retain = if seed.is_multiple_of(2) {
+            "last"
+        } else {
+            "first"
+        };
         vec![("kernel", 3.into()), ("retain", retain.into())]
     }
 

@@ -189,7 +189,7 @@ impl SnapKv {
 
 impl ScorerRule for SnapKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
-        let pool = if seed % 2 == 0 { "avg" } else { "max" };
+        let pool = if seed.is_multiple_of(2) { "avg" } else { "max" };
         vec![("kernel", 3.into()), ("pool", pool.into())]
     }
 
