@@ -4,8 +4,8 @@
 //! Both become the same [`PolicyParams`] an experiment file's policy table does, read by serde and
 //! checked by the same code.
 
-use super::settings;
-use super::{all_methods, PolicyParams, COMMON};
+use super::{all_methods, presets, settings, PolicyParams, COMMON};
+use clap::parser::ValueSource;
 
 /// One flag per setting every policy has ([`COMMON`]), with its default and the values it takes.
 pub fn common_flags() -> Vec<clap::Arg> {
@@ -33,9 +33,14 @@ pub fn common_flags() -> Vec<clap::Arg> {
         .collect()
 }
 
-/// Every policy flag: the common settings, then each method's.
+/// Every policy flag: a preset to start from, the common settings, then each method's.
 pub fn policy_flags() -> Vec<clap::Arg> {
-    let mut flags = common_flags();
+    let mut flags = vec![clap::Arg::new("preset")
+        .long("preset")
+        .value_name("NAME")
+        .value_parser(clap::builder::PossibleValuesParser::new(presets::NAMES))
+        .help("Start from a named preset of a classic method, as `compare` and the tables name it, at --budget; the other flags given set its settings over it")];
+    flags.extend(common_flags());
     flags.extend(method_flags());
     flags
 }
@@ -85,13 +90,19 @@ pub fn method_flags() -> Vec<clap::Arg> {
 }
 
 /// The policy the flags of [`policy_flags`] in `matches` give, read as an experiment file's
-/// policy table is (the same keys, values and checks).
+/// policy table is (the same keys, values and checks). With `--preset`, the preset at the budget
+/// the flags give, and over it only the flags given on the command line.
 pub fn policy_params(matches: &clap::ArgMatches) -> Result<PolicyParams, String> {
+    let preset = matches.get_one::<String>("preset");
     let mut given = serde_json::Map::new();
     for common in COMMON {
         let Some(text) = matches.get_one::<String>(common.key) else {
             continue;
         };
+        let typed = matches.value_source(common.key) == Some(ValueSource::CommandLine);
+        if preset.is_some() && !typed && common.key != "budget" {
+            continue;
+        }
         // A name stays a string even where it reads as a number (`--scorer 1`).
         let value = match ((common.values)().is_empty(), common.whole) {
             (false, _) => serde_json::Value::from(text.as_str()),
@@ -109,6 +120,50 @@ pub fn policy_params(matches: &clap::ArgMatches) -> Result<PolicyParams, String>
             given.insert(key.to_owned(), settings::from_flag(value));
         }
     }
-    serde_json::from_value(serde_json::Value::Object(given))
-        .map_err(|err| format!("policy flags: {err}"))
+    match preset {
+        Some(name) => {
+            given.insert("preset".into(), serde_json::Value::from(name.as_str()));
+            presets::from_settings(&given).map_err(|err| format!("policy flags: {err}"))
+        }
+        None => serde_json::from_value(serde_json::Value::Object(given))
+            .map_err(|err| format!("policy flags: {err}")),
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    fn parsed(args: &[&str]) -> Result<PolicyParams, String> {
+        let command = clap::Command::new("replay").args(policy_flags());
+        let matches = command
+            .try_get_matches_from(std::iter::once("replay").chain(args.iter().copied()))
+            .map_err(|err| err.to_string())?;
+        policy_params(&matches)
+    }
+
+    #[test]
+    fn a_preset_is_the_policy_an_experiment_table_of_it_gives() {
+        let settings =
+            |json: serde_json::Value| presets::from_settings(json.as_object().unwrap()).unwrap();
+        assert_eq!(
+            parsed(&["--preset", "snapkv", "--budget", "64"]).unwrap(),
+            settings(serde_json::json!({"preset": "snapkv", "budget": 64}))
+        );
+        // Flags given set their settings over it; flags left at their defaults do not.
+        let over = parsed(&["--preset", "snapkv", "--window", "4", "--kernel", "3"]).unwrap();
+        assert_eq!(
+            over,
+            settings(serde_json::json!({"preset": "snapkv", "window": 4, "kernel": 3}))
+        );
+        assert_eq!(over.budget, PolicyParams::default().budget);
+        assert_eq!(
+            over.settings["pool"], "max",
+            "the preset's own pooling stays"
+        );
+        // Without a preset, the flags alone.
+        assert_eq!(parsed(&[]).unwrap(), PolicyParams::default());
+        let err = parsed(&["--preset", "snapk"]).unwrap_err();
+        assert!(err.contains("snapkv"), "{err}");
+    }
 }
