@@ -95,7 +95,8 @@ pub(crate) fn transposed(weight: Tensor) -> Result<Weight, ModelError> {
 }
 
 impl Llama {
-    /// Loads a Llama-architecture GGUF, dequantising every weight to f32.
+    /// Loads a Llama-architecture GGUF: its weights as f32, or, above
+    /// [`F32_LIMIT`](super::weight::F32_LIMIT) as f32, as the file stores them.
     pub fn load(path: &Path) -> Result<Self, ModelError> {
         Self::from_gguf(GgufFile::open(path)?)
     }
@@ -140,7 +141,7 @@ impl Llama {
         };
         let block = |layer: usize| -> Result<Block, ModelError> {
             let name = |name: &str| format!("blk.{layer}.{name}.weight");
-            let weight = |name: &str| linear(&format!("blk.{layer}.{name}.weight"), None);
+            let weight = |short: &str| linear(&name(short), None);
             let bias = |name: &str| gguf.tensor(&format!("blk.{layer}.{name}.bias"));
             let biases = match gguf.has_tensor(&format!("blk.{layer}.attn_q.bias")) {
                 true => Some([bias("attn_q")?, bias("attn_k")?, bias("attn_v")?]),

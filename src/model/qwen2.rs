@@ -25,7 +25,7 @@ const QWEN2: Variant = Variant {
 };
 
 impl Qwen2 {
-    /// Loads a `qwen2` GGUF, dequantising every weight to f32.
+    /// Loads a `qwen2` GGUF: its weights as f32, or, above 8 GB as f32, as the file stores them.
     pub fn load(path: &Path) -> Result<Llama, ModelError> {
         Self::from_gguf(GgufFile::open(path)?)
     }
