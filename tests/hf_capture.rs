@@ -162,36 +162,47 @@ fn python_capture_matches_native_capture() {
     }
 }
 
+/// A needle recipe for `model` of `tokens` prompt tokens, the needle at `depth` percent, the
+/// answer opened for it, `generate` tokens.
+fn needle_recipe(model: &str, (tokens, depth): (usize, f64), generate: usize) -> String {
+    format!(
+        "kind = \"niah\"\nmodel = \"{model}\"\nprompt_tokens = {tokens}\ndepth_percent = {depth:.1}\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\ngenerate = {generate}\n"
+    )
+}
+
+/// The native capture of `recipe` (a recipe's text) by `model` and the Python capture of it from
+/// the GGUF `gguf`, in f32 with `extra` options; the folder holding both traces, then ours and
+/// theirs.
+fn both_captures(
+    model: &dyn CausalLm,
+    gguf: &Path,
+    recipe: &str,
+    extra: &[&str],
+) -> (tempfile::TempDir, TraceReader, TraceReader) {
+    let essays = common::real_assets().require_essays().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("needle.toml");
+    std::fs::write(&path, recipe).unwrap();
+    let (native_path, hf_path) = (
+        dir.path().join("native.safetensors"),
+        dir.path().join("hf.safetensors"),
+    );
+    native(model, &path, &essays, &native_path);
+    let options: Vec<&str> = ["--dtype", "f32"].iter().chain(extra).copied().collect();
+    python_capture(gguf, &path, &hf_path, &options);
+    let ours = TraceReader::open(&native_path).unwrap();
+    let theirs = TraceReader::open(&hf_path).unwrap();
+    (dir, ours, theirs)
+}
+
 /// Gemma 3 (hybrid attention, a base model): the Python capture writes the same tokens, spans,
 /// layer windows and vectors as the native one, on a prompt longer than the 512-token window.
 #[test]
 fn python_capture_of_gemma3_matches_native_capture() {
     let gguf = common::gemma_path();
     let model = Gemma3::load(&gguf).unwrap();
-    let assets = common::real_assets();
-    let essays = assets.require_essays().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let recipe = dir.path().join("niah-gemma.toml");
-    std::fs::write(
-        &recipe,
-        "kind = \"niah\"\nmodel = \"gemma3-270m\"\nprompt_tokens = 700\ndepth_percent = 30.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\ngenerate = 6\n",
-    )
-    .unwrap();
-    let (native_path, hf_path) = (
-        dir.path().join("native.safetensors"),
-        dir.path().join("hf.safetensors"),
-    );
-    native(&model, &recipe, &essays, &native_path);
-    python_capture(
-        &gguf,
-        &recipe,
-        &hf_path,
-        &["--dtype", "f32", "--chunk", "256"],
-    );
-    let (ours, theirs) = (
-        TraceReader::open(&native_path).unwrap(),
-        TraceReader::open(&hf_path).unwrap(),
-    );
+    let recipe = needle_recipe("gemma3-270m", (700, 30.0), 6);
+    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &["--chunk", "256"]);
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().spans, theirs.meta().spans);
     assert_eq!(ours.meta().windows, theirs.meta().windows);
@@ -218,24 +229,8 @@ fn python_capture_of_gemma3_matches_native_capture() {
 fn python_capture_of_qwen2_matches_native_capture() {
     let gguf = common::model_gguf("qwen2.5-coder-0.5b");
     let model = Qwen2::load(&gguf).unwrap();
-    let essays = common::real_assets().require_essays().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let recipe = dir.path().join("niah-qwen.toml");
-    std::fs::write(
-        &recipe,
-        "kind = \"niah\"\nmodel = \"qwen2.5-coder-0.5b\"\nprompt_tokens = 600\ndepth_percent = 35.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\nanswer_prefix = \"The best thing to do in San Francisco is\"\ngenerate = 8\n",
-    )
-    .unwrap();
-    let (native_path, hf_path) = (
-        dir.path().join("native.safetensors"),
-        dir.path().join("hf.safetensors"),
-    );
-    native(&model, &recipe, &essays, &native_path);
-    python_capture(&gguf, &recipe, &hf_path, &["--dtype", "f32"]);
-    let (ours, theirs) = (
-        TraceReader::open(&native_path).unwrap(),
-        TraceReader::open(&hf_path).unwrap(),
-    );
+    let recipe = needle_recipe("qwen2.5-coder-0.5b", (600, 35.0), 8);
+    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &[]);
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
     assert_eq!(ours.meta().spans, theirs.meta().spans);
