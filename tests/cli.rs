@@ -6,6 +6,7 @@ mod common;
 use assert_cmd::Command;
 use common::{write_fixture, Shape};
 use predicates::str::contains;
+use std::collections::BTreeMap;
 
 fn fixture() -> tempfile::TempDir {
     let dir = tempfile::tempdir().unwrap();
@@ -887,4 +888,56 @@ fn a_method_added_through_the_guide_runs_end_to_end() {
     assert!(help.contains("observed-attention"), "{help}");
     let methods = stdout(kvreplay(&dir).arg("methods"));
     assert!(methods.contains("### `observed-attention`"), "{methods}");
+}
+
+/// The rows of the first Markdown table in `text` whose header starts with `| policy`, by
+/// policy: column name → cell.
+fn policy_table(text: &str) -> BTreeMap<String, BTreeMap<String, String>> {
+    let cells = |line: &str| -> Vec<String> {
+        let inner = line.trim().trim_start_matches('|').trim_end_matches('|');
+        inner
+            .split('|')
+            .map(|cell| cell.trim().to_owned())
+            .collect()
+    };
+    let mut lines = text
+        .lines()
+        .skip_while(|line| !line.starts_with("| policy"));
+    let header = cells(lines.next().expect("a policy table"));
+    lines
+        .skip(1)
+        .take_while(|line| line.starts_with('|'))
+        .map(|line| {
+            let row = cells(line);
+            let named = header.iter().cloned().zip(row.iter().cloned()).collect();
+            (row[0].clone(), named)
+        })
+        .collect()
+}
+
+/// The README's demo table is a cut of `docs/demo.md`'s full one: every row and column it shows
+/// holds the same cell there.
+#[test]
+fn the_readme_demo_rows_are_docs_demo_rows() {
+    let read = |path: &str| {
+        std::fs::read_to_string(format!("{}/{path}", env!("CARGO_MANIFEST_DIR"))).unwrap()
+    };
+    let (readme, demo) = (
+        policy_table(&read("README.md")),
+        policy_table(&read("docs/demo.md")),
+    );
+    assert_eq!(readme.len(), 14, "the README shows every preset");
+    for (policy, row) in &readme {
+        let full = demo
+            .get(policy)
+            .unwrap_or_else(|| panic!("{policy} not in docs/demo.md"));
+        for (column, cell) in row {
+            assert_eq!(
+                full.get(column),
+                Some(cell),
+                "{policy}, {column}: README {cell}, docs/demo.md {:?}",
+                full.get(column)
+            );
+        }
+    }
 }
