@@ -223,17 +223,7 @@ fn an_8b_shaped_q4_k_model_runs_within_its_file_size() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("llama-3.1-8b-shaped-q4_k.gguf");
     let size = write_gguf(&path);
-    eprintln!("DEBUG before load {}", peak_resident());
     let model = family::load(&path).expect("the synthetic GGUF loads");
-    eprintln!(
-        "DEBUG after load {} rss {}",
-        peak_resident(),
-        std::fs::read_to_string("/proc/self/status")
-            .unwrap()
-            .lines()
-            .find(|l| l.starts_with("VmRSS"))
-            .unwrap()
-    );
     let spec = model.spec();
     assert_eq!(
         (spec.n_layers, spec.n_heads, spec.n_kv_heads, spec.head_dim),
