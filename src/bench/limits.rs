@@ -8,10 +8,9 @@
 //! - the batched decode: one step of many rows, each with its own copy of the prompt's cache.
 
 use super::closed_loop::{multiply_adds, product_peak};
-use super::BenchError;
-use crate::assets::Assets;
+use super::{essay_ids, BenchError};
 use crate::capture::load_model;
-use crate::model::{CausalLm, KvCache, Recorder, Row};
+use crate::model::{KvCache, ModelSpec, Recorder, Row};
 use rayon::prelude::*;
 use std::time::Instant;
 
@@ -79,7 +78,7 @@ pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError
         model.forward_rows(&mut rows)?;
         Ok(Some(started.elapsed().as_secs_f64()))
     })?;
-    let bytes = (weights.bytes, cache_bytes(&cache));
+    let bytes = (weights.bytes, cache_bytes(model.spec(), ids.len()));
     let bandwidth = streaming_read(STREAMED_BYTES);
     Ok(ModelLimits {
         tokens: ids.len(),
@@ -95,28 +94,18 @@ pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError
     })
 }
 
-/// The first `tokens` tokens of the first two haystack essays, in `model`'s tokens.
-fn essay_ids(model: &dyn CausalLm, tokens: usize) -> Result<Vec<u32>, BenchError> {
-    let essays = Assets::from_env().require_essays()?;
-    let mut text = String::new();
-    for path in &essays[..2] {
-        text += &std::fs::read_to_string(path).map_err(|e| {
-            BenchError::Reference(format!("{}: cannot read essay: {e}", path.display()))
-        })?;
-    }
-    let mut ids = model.tokenizer().encode(&text);
-    ids.truncate(tokens);
-    Ok(ids)
-}
-
-/// Bytes of the keys and values `cache` holds, as f32.
-fn cache_bytes(cache: &KvCache) -> usize {
-    (0..cache.n_layers())
-        .map(|layer| {
-            let count = |a: Result<ndarray::Array3<f32>, _>| a.map_or(0, |a| a.len());
-            4 * (count(cache.keys(layer)) + count(cache.values(layer)))
-        })
-        .sum()
+/// Bytes of the keys and values a cache holds after `tokens` positions, as f32: each layer keeps
+/// what its window shows.
+fn cache_bytes(spec: &ModelSpec, tokens: usize) -> usize {
+    let held = |window: usize| {
+        if window == 0 {
+            tokens
+        } else {
+            window.min(tokens)
+        }
+    };
+    let per_position = 2 * spec.n_kv_heads * spec.head_dim * 4;
+    spec.windows.iter().map(|&w| held(w) * per_position).sum()
 }
 
 /// The best of [`REPEATS`] timings of `run` (its own seconds where it returns them, else the
@@ -156,4 +145,29 @@ fn streaming_read(bytes: usize) -> f64 {
         best = best.max(bytes as f64 / started.elapsed().as_secs_f64() / 1e9);
     }
     best
+}
+
+#[cfg(test)]
+mod tests {
+    use super::*;
+
+    #[test]
+    fn a_cache_holds_each_layer_s_window() {
+        let spec = ModelSpec {
+            family: "llama",
+            name: "tiny".into(),
+            n_layers: 2,
+            n_heads: 2,
+            n_kv_heads: 1,
+            head_dim: 2,
+            scale: 1.0,
+            rope_theta: None,
+            rope_thetas: Vec::new(),
+            windows: vec![0, 2],
+        };
+        // A position is a key and a value of 2 f32 per KV head: 16 bytes. Five positions: the
+        // global layer holds 5, the windowed one 2.
+        assert_eq!(cache_bytes(&spec, 5), 5 * 16 + 2 * 16);
+        assert_eq!(cache_bytes(&spec, 1), 2 * 16);
+    }
 }

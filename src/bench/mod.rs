@@ -203,9 +203,14 @@ fn numpy_reference(
 
 /// The first `tokens` tokens of two haystack essays, and the model.
 fn essay_prompt(tokens: usize) -> Result<(Llama, Vec<u32>), BenchError> {
-    let assets = Assets::from_env();
-    let model = Llama::load(&assets.require_model()?)?;
-    let essays = assets.require_essays()?;
+    let model = Llama::load(&Assets::from_env().require_model()?)?;
+    let ids = essay_ids(&model, tokens)?;
+    Ok((model, ids))
+}
+
+/// The first `tokens` tokens of the first two haystack essays, in `model`'s tokens.
+fn essay_ids(model: &dyn CausalLm, tokens: usize) -> Result<Vec<u32>, BenchError> {
+    let essays = Assets::from_env().require_essays()?;
     let read = |path: &Path| {
         std::fs::read_to_string(path).map_err(|e| {
             BenchError::Reference(format!("{}: cannot read essay: {e}", path.display()))
@@ -214,7 +219,7 @@ fn essay_prompt(tokens: usize) -> Result<(Llama, Vec<u32>), BenchError> {
     let text = read(&essays[0])? + &read(&essays[1])?;
     let mut ids = model.tokenizer().encode(&text);
     ids.truncate(tokens);
-    Ok((model, ids))
+    Ok(ids)
 }
 
 /// Prefill tokens per second of the native model recording q/k/v, on the first `tokens` tokens of
