@@ -5,6 +5,8 @@
 //! cache, a few MB here), where its weights as f32 would take 32 GB. One test in its own binary,
 //! so the peak (`VmHWM`) is this model's.
 
+mod common;
+
 use half::f16;
 use kvreplay::model::{family, KvCache};
 use std::io::{BufWriter, Write};
@@ -182,7 +184,7 @@ fn write_gguf(path: &std::path::Path) -> u64 {
     }
     let padding = written.next_multiple_of(32) - written;
     out.write_all(&vec![0u8; padding as usize]).unwrap();
-    let mut state = 0x5EED_u64;
+    let mut rng = common::Rng(0x5EED);
     let mut block = [0u8; 144];
     block[..2].copy_from_slice(&f16::from_f32(0.001).to_bits().to_le_bytes());
     block[2..4].copy_from_slice(&f16::from_f32(0.0075).to_bits().to_le_bytes());
@@ -194,11 +196,8 @@ fn write_gguf(path: &std::path::Path) -> u64 {
         } else {
             for _ in 0..size / 144 {
                 for chunk in block[4..].chunks_mut(8) {
-                    state = state.wrapping_add(0x9E37_79B9_7F4A_7C15);
-                    let mut z = state;
-                    z = (z ^ (z >> 30)).wrapping_mul(0xBF58_476D_1CE4_E5B9);
-                    z = (z ^ (z >> 27)).wrapping_mul(0x94D0_49BB_1331_11EB);
-                    chunk.copy_from_slice(&(z ^ (z >> 31)).to_le_bytes()[..chunk.len()]);
+                    let bits = rng.next_u64().to_le_bytes();
+                    chunk.copy_from_slice(&bits[..chunk.len()]);
                 }
                 out.write_all(&block).unwrap();
             }
