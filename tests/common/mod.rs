@@ -45,6 +45,21 @@ pub fn model_gguf(name: &str) -> PathBuf {
         .unwrap_or_else(|err| panic!("the tests of {name} need its GGUF: {err}"))
 }
 
+/// Asserts logits `ours` within `tolerance` times the range (largest minus smallest) of
+/// `theirs`, printing the largest difference.
+pub fn assert_logits_near(ours: &[f32], theirs: &[f32], tolerance: f32) {
+    let range = theirs.iter().cloned().fold(f32::MIN, f32::max)
+        - theirs.iter().cloned().fold(f32::MAX, f32::min);
+    let worst = ours
+        .iter()
+        .zip(theirs)
+        .map(|(a, b)| (a - b).abs())
+        .fold(0.0f32, f32::max);
+    eprintln!("max |Δ logit| = {worst:e} over a range of {range}");
+    assert_eq!(ours.len(), theirs.len(), "as many logits");
+    assert!(worst < tolerance * range, "logits differ by {worst}");
+}
+
 /// `requests` answered by transformers loading the GGUF at `path` itself
 /// (`tests/reference/causal_lm_hf.py`: token ids of texts, last-position logits and greedy tokens).
 pub fn transformers_reference(path: &Path, requests: serde_json::Value) -> serde_json::Value {
