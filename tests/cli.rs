@@ -601,7 +601,7 @@ fn unknown_names_list_the_valid_ones() {
         .assert()
         .code(2)
         .stderr(contains(
-            "unknown allocator `pyramids`; valid: flat, pyramid, pyramid-taper",
+            "unknown allocator `pyramids`; valid: flat, pyramid, pyramid-kvpress, pyramid-taper",
         ));
     kvreplay(&dir)
         .args([
@@ -685,7 +685,7 @@ fn bad_parameters_exit_2_with_the_rule() {
         // A setting the chosen methods do not take names them, what they take, and its owners.
         (
             vec!["--beta", "2"],
-            "setting `beta` is not taken by allocator `flat` (no settings), scorer `snapkv` (kernel, pool, agg) or head split `uniform` (no settings); it is a setting of allocator `pyramid`, allocator `pyramid-taper`",
+            "setting `beta` is not taken by allocator `flat` (no settings), scorer `snapkv` (kernel, pool, agg) or head split `uniform` (no settings); it is a setting of allocator `pyramid`, allocator `pyramid-kvpress`, allocator `pyramid-taper`",
         ),
         (
             vec!["--scorer", "recency", "--agg", "max"],

@@ -141,6 +141,8 @@ fn python_capture_matches_native_capture() {
         );
         assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
         assert_eq!(ours.meta().spans, theirs.meta().spans);
+        assert_eq!(theirs.meta().rope_theta, Some(100_000.0));
+        assert_eq!(ours.meta().rope_theta, theirs.meta().rope_theta);
         assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
         let worst = worst_difference(&ours, &theirs, false);
         eprintln!(
@@ -234,6 +236,8 @@ fn python_capture_of_qwen2_matches_native_capture() {
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
     assert_eq!(ours.meta().spans, theirs.meta().spans);
+    assert_eq!(theirs.meta().rope_theta, Some(1_000_000.0));
+    assert_eq!(ours.meta().rope_theta, theirs.meta().rope_theta);
     assert!((ours.meta().scale - theirs.meta().scale).abs() < 1e-7);
     let worst = worst_difference(&ours, &theirs, true);
     eprintln!("Qwen2: max |Δ| / max |x| over q, k, v of 24 layers = {worst:e}");

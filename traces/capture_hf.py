@@ -201,14 +201,14 @@ def main():
     softcap = getattr(config, "attn_logit_softcapping", None)
     if softcap:
         meta["softcap"] = repr(float(softcap))
-    # The plain half-split rotary only: a scaled or per-layer rotary (rope_scaling) is not
-    # described by one base, so the key is left out and scorers that turn queries back refuse.
-    rope_theta = getattr(config, "rope_theta", None)
-    if rope_theta and not getattr(config, "rope_scaling", None):
-        meta["rope_theta"] = repr(float(rope_theta))
-    # One plain rotary per layer type (transformers 5's `rope_parameters` keyed by `layer_types`,
-    # as Gemma 3 has: 10,000 for sliding layers, 1,000,000 for global ones).
+    # The plain half-split rotary only (transformers 5's `rope_parameters` of rope_type
+    # `default`): a scaled rotary is not described by one base, so the key is left out and
+    # scorers that turn queries back refuse.
     parameters = getattr(config, "rope_parameters", None)
+    if isinstance(parameters, dict) and "rope_theta" in parameters and parameters.get("rope_type", "default") == "default":
+        meta["rope_theta"] = repr(float(parameters["rope_theta"]))
+    # One plain rotary per layer type (`rope_parameters` keyed by `layer_types`, as Gemma 3
+    # has: 10,000 for sliding layers, 1,000,000 for global ones).
     layer_types = getattr(config, "layer_types", None)
     if isinstance(parameters, dict) and layer_types and all(t in parameters for t in set(layer_types)):
         per_layer = [parameters[layer_types[layer]] for layer in layers]

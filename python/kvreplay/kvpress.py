@@ -15,6 +15,11 @@ Llama projection these are what ``q_proj(hidden_states)`` would give. ``position
 in the keyword arguments; ``attentions`` (the prompt's causal attention weights, as eager attention
 returns them) is given to the presses that read them (``ObservedAttentionPress``).
 
+A press runs as kvpress runs it: kvpress's ``ScorerPress`` keeps the top scores and nothing else,
+so a :class:`PressScorer` declares ``defaults = {"window": 0, "sinks": 0}``: a policy given it as
+``scorer=`` protects no recent or first tokens beyond what the press's own scores keep (SnapKV's
+window, StreamingLLM's sinks), unless the call sets ``window`` or ``sinks`` itself.
+
 A press that reads what a trace does not hold (the real hidden states, a model's other weights, a
 component fetched from the hub, extra forward passes) fails on a small probe when it is wrapped,
 before any work, with a ``KvreplayError`` naming the press and what it tried to read.
@@ -36,6 +41,8 @@ class PressScorer:
 
     timings = ("prefill",)
     needs_values = True
+    # kvpress's ScorerPress protects nothing of its own: no recent window, no sinks.
+    defaults = {"window": 0, "sinks": 0}
 
     def __init__(self, press, name=None, probe=True):
         import torch  # noqa: F401  (the stand-in needs torch and transformers)
@@ -151,8 +158,11 @@ def policy(press):
 
     - ``AdaKVPress(press, alpha_safeguard)``: the ``adakv`` head split with ``alpha`` the
       safeguard and no score normalisation (kvpress compares raw scores across heads);
-    - ``PyramidKVPress``: the ``pyramid`` allocator with the press's ``beta`` and its
-      ``window_size`` as the protected window (its scores are SnapKV's);
+    - ``PyramidKVPress``: the ``pyramid-kvpress`` allocator (kvpress's own schedule, flat below
+      ``beta * window_size`` tokens) with the press's ``beta`` and its ``window_size`` as the
+      protected window (its scores are SnapKV's);
+    - ``TOVAPress``: one kept set per layer (``gqa="layer"``), since the press averages the last
+      query's attention over every head of the layer;
     - ``DMSPress(press, threshold, sliding_window_size)`` (``decoding=False``): the ``threshold``
       head split with the window as its protected window; pass a budget at or above the prompt's
       length, since kvreplay's budget caps each cache and DMS has none;
@@ -202,7 +212,9 @@ def policy(press):
     if hasattr(press, "score") and not hasattr(press, "press"):
         settings = {"scorer": PressScorer(press)}
         if kind == "PyramidKVPress":
-            settings.update(allocator="pyramid", beta=float(press.beta), window=int(press.window_size))
+            settings.update(allocator="pyramid-kvpress", beta=float(press.beta), window=int(press.window_size))
+        if kind == "TOVAPress":
+            settings.update(gqa="layer")
         return settings
     raise KvreplayError(f"kvpress:{kind} has no kvreplay counterpart: wrap its inner press's scorer instead")
 

@@ -52,6 +52,9 @@ impl Policy {
             } else {
                 let python = PyScorer::new(&scorer)?;
                 settings.insert("scorer".into(), python.name().into());
+                for (key, value) in python.defaults() {
+                    settings.entry(key.clone()).or_insert_with(|| value.clone());
+                }
                 code.push(code_identity(&scorer)?);
                 let identity = format!("{:p}", scorer.as_ptr());
                 external.scorer = Some((Box::new(python), identity));

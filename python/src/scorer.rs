@@ -5,7 +5,9 @@
 //! exactly as for a built-in scorer.
 //!
 //! Optional attributes: `name` (default: the class name), `timings` (default `("prefill",
-//! "per-step-prompt", "per-step")`) and `needs_values` (default False). A Python scorer is
+//! "per-step-prompt", "per-step")`), `needs_values` (default False) and `defaults` (a dict of
+//! policy settings, such as `{"window": 0}`, that a policy given the object as `scorer=` runs
+//! under unless the call sets them: the semantics of the method it wraps). A Python scorer is
 //! stateless: it is asked for scores whenever the engine chooses, so the streaming timings, which
 //! choose at every token, are refused (one Python call per token, cache and layer).
 //!
@@ -15,11 +17,14 @@
 
 use crate::errors::message;
 use crate::method::PyMethod;
+use crate::settings::settings_map;
 use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
 use kvreplay::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array1};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
+use pyo3::types::PyDict;
+use serde_json::{Map, Value};
 use std::sync::Arc;
 
 /// What a Python scorer sees of one cache when asked for scores.
@@ -70,6 +75,7 @@ pub struct PyScorer {
     shared: Arc<PyMethod>,
     timings: Vec<Timing>,
     needs_values: bool,
+    defaults: Map<String, Value>,
 }
 
 impl PyScorer {
@@ -96,16 +102,33 @@ impl PyScorer {
             Some(flag) => flag.extract()?,
             None => false,
         };
+        let defaults = match object.getattr_opt("defaults")? {
+            Some(given) => {
+                let dict = given.cast::<PyDict>().map_err(|_| {
+                    message(format!(
+                        "Python scorer `{name}`: `defaults` must be a dict of policy settings"
+                    ))
+                })?;
+                settings_map(Some(dict), &[])?
+            }
+            None => Map::new(),
+        };
         Ok(Self {
             shared: Arc::new(method),
             timings,
             needs_values,
+            defaults,
         })
     }
 
     /// The name results give it.
     pub fn name(&self) -> &str {
         &self.shared.name
+    }
+
+    /// The policy settings it runs under unless a call sets them.
+    pub fn defaults(&self) -> &Map<String, Value> {
+        &self.defaults
     }
 }
 

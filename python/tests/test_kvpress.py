@@ -36,6 +36,9 @@ EQUIVALENT = {
     "StreamingLLMPress": ("recency", {"sinks": 4}, {}),
 }
 
+# kvpress's ScorerPress protects nothing beyond what its scores keep (PressScorer's defaults).
+AS_KVPRESS = {"window": 0, "sinks": 0}
+
 # The other presses that replay from a trace, and those that cannot (the README's table).
 ALSO_RUN = {"PyramidKVPress", "ObservedAttentionPress", "NonCausalAttnPress", "CURPress", "CapPress", "RandomPress"}
 CANNOT = {"QFilterPress", "KVzapPress", "LeverageScorePress", "CompactorPress", "CriticalKVPress"}
@@ -85,7 +88,7 @@ def test_presses_keep_what_rust_keeps(trace, press_name, budget):
     press = cls(compression_ratio=ratio) if press_name == "StreamingLLMPress" else cls()
     rust, common, own = EQUIVALENT[press_name]
     ours = kvreplay.kept(trace, scorer=PressScorer(press), budget=budget, **common)["mask"]
-    theirs = kvreplay.kept(trace, scorer=rust, budget=budget, **common, **own)["mask"]
+    theirs = kvreplay.kept(trace, scorer=rust, budget=budget, **{**AS_KVPRESS, **common}, **own)["mask"]
     differ = (ours != theirs).any(axis=-1).sum()
     assert differ == 0, f"{press_name}: {differ} of {ours.shape[0] * ours.shape[1]} caches differ"
 
@@ -121,12 +124,13 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
 
     wrapper = importlib.import_module("kvpress.presses.adakv_press").AdaKVPress
     ours = kvreplay.kept(trace, budget=96, **policy(wrapper(PRESSES["KnormPress"](), alpha_safeguard=0.3)))["mask"]
-    theirs = kvreplay.kept(trace, budget=96, scorer="knorm", heads="adakv", alpha=0.3, normalize=False)["mask"]
+    theirs = kvreplay.kept(trace, budget=96, scorer="knorm", heads="adakv", alpha=0.3, normalize=False, **AS_KVPRESS)["mask"]
     assert np.array_equal(ours, theirs)
 
-    pyramid = policy(PRESSES["PyramidKVPress"]())
+    pyramid = policy(PRESSES["PyramidKVPress"](window_size=8, beta=4))
     ours = kvreplay.kept(trace, budget=128, **pyramid)
-    theirs = kvreplay.kept(trace, budget=128, allocator="pyramid", beta=20.0, window=64, kernel=5, pool="avg")
+    theirs = kvreplay.kept(trace, budget=128, allocator="pyramid-kvpress", beta=4.0, window=8, kernel=5, pool="avg", sinks=0)
+    assert len(set(ours["budgets"])) > 1, "a pyramid, not flat"
     assert ours["budgets"] == theirs["budgets"] and np.array_equal(ours["mask"], theirs["mask"])
 
     per_layer = importlib.import_module("kvpress.presses.per_layer_compression_press").PerLayerCompressionPress
@@ -146,8 +150,8 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     composed = importlib.import_module("kvpress.presses.composed_press").ComposedPress
     pruned = policy(composed([PRESSES["KnormPress"](), think(key_channel_compression_ratio=0.25, window_size=16)]))
     ours = kvreplay.replay(trace, budget=96, **pruned).runs.row(0, named=True)
-    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", channels="think", key_channel_ratio=0.25, query_window=16).runs.row(0, named=True)
-    plain = kvreplay.replay(trace, budget=96, scorer="knorm").runs.row(0, named=True)
+    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", channels="think", key_channel_ratio=0.25, query_window=16, **AS_KVPRESS).runs.row(0, named=True)
+    plain = kvreplay.replay(trace, budget=96, scorer="knorm", **AS_KVPRESS).runs.row(0, named=True)
     assert [ours[m] for m in METRICS] == [theirs[m] for m in METRICS] and ours["kv_bytes"] == theirs["kv_bytes"]
     assert ours["kv_bytes"] < plain["kv_bytes"] and ours["retained_mass"] < plain["retained_mass"]
     with pytest.raises(kvreplay.KvreplayError, match="ThinK last"):
@@ -156,7 +160,7 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     merging = importlib.import_module("kvpress.presses.merging_press").MergingPress
     folded = policy(merging(press=PRESSES["KnormPress"](), similarity_threshold=0.1, merge_fraction=0.5))
     ours = kvreplay.replay(trace, budget=96, **folded).runs.row(0, named=True)
-    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", merge="similarity", similarity_threshold=0.1, merge_fraction=0.5).runs.row(0, named=True)
+    theirs = kvreplay.replay(trace, budget=96, scorer="knorm", merge="similarity", similarity_threshold=0.1, merge_fraction=0.5, **AS_KVPRESS).runs.row(0, named=True)
     assert [ours[m] for m in METRICS] == [theirs[m] for m in METRICS]
     assert ours["kv_bytes"] == plain["kv_bytes"] and ours["retained_mass"] == plain["retained_mass"]
 

@@ -119,6 +119,30 @@ def test_streaming_timings_are_refused(trace):
         kvreplay.replay(trace, scorer=example("knorm", "Knorm")(), timing="streaming")
 
 
+def test_a_scorers_defaults_apply_unless_the_call_sets_them(trace):
+    class Windowless:
+        defaults = {"window": 0}
+
+        def score(self, cache):
+            return -cache.positions.astype(np.float32)  # the earliest positions first
+
+    kept = lambda **settings: kvreplay.kept(trace, budget=16, **settings)["mask"]
+    first = kept(scorer=Windowless())
+    assert first[..., :16].all() and not first[..., 16:].any(), "no recent window: the first 16"
+    windowed = kept(scorer=Windowless(), window=8)
+    assert windowed[..., :8].all() and windowed[..., -8:].all()
+    assert np.array_equal(windowed, kept(scorer=Windowless(), **{"window": 8, "sinks": 0}))
+
+    class Broken(Windowless):
+        defaults = [("window", 0)]
+
+    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `Broken`: `defaults` must be a dict of policy settings"):
+        kept(scorer=Broken())
+    Broken.defaults = {"window": -1}
+    with pytest.raises(kvreplay.KvreplayError, match="setting `window` = -1: invalid value"):
+        kept(scorer=Broken())
+
+
 def test_live_with_a_python_scorer(recipe):
     snapkv = example("snapkv", "SnapKV")()
     results = kvreplay.live(

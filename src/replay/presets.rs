@@ -199,8 +199,17 @@ pub fn from_settings(given: &Map<String, Value>) -> Result<PolicyParams, PolicyE
         Some(Value::String(name)) => preset(name, budget)?,
         Some(other) => preset(&super::settings::text(other), budget)?,
     };
-    overlay(&base, given.iter().filter(|(key, _)| *key != "preset"))
-        .map_err(|err| PolicyError::Malformed(err.to_string()))
+    let settings = || given.iter().filter(|(key, _)| *key != "preset");
+    overlay(&base, settings()).map_err(|err| {
+        // The setting that does not read, named with its value.
+        match settings().find(|&(key, value)| overlay(&base, [(key, value)]).is_err()) {
+            Some((key, value)) => PolicyError::Malformed(format!(
+                "setting `{key}` = {}: {err}",
+                super::settings::text(value)
+            )),
+            None => PolicyError::Malformed(err.to_string()),
+        }
+    })
 }
 
 /// `base` with each `(key, value)` set over it, read back by serde.

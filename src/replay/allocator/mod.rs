@@ -16,12 +16,14 @@ mod entropy;
 mod flat;
 mod oracle;
 mod pyramid;
+mod pyramid_kvpress;
 mod pyramid_taper;
 
 crate::registry! {
     Allocator:
     flat::Flat,
     pyramid::Pyramid,
+    pyramid_kvpress::PyramidKvpress,
     pyramid_taper::PyramidTaper,
     entropy::Entropy,
     cake::Cake,

@@ -1,0 +1,107 @@
+"""The bridge as kvpress runs it: every press that replays, run live by kvpress 0.5.5 in
+transformers (its own forward hooks, one prefill, the compressed cache read back;
+tests/reference/kvpress_live.py), keeps what `kvreplay.kvpress.policy(press)` keeps replaying a
+trace of the same prompt captured through transformers (traces/capture_hf.py, f32). Positions
+may differ only at exact ties of the press's own live scores (torch.topk and kvreplay order
+equal scores differently).
+
+kvpress 0.5.5 declares transformers<5.3 and its hooks read keyword arguments that later
+versions no longer pass, so the live side runs in a venv of its own with transformers 5.2.0
+(requirements-kvpress.txt, made once under $KVREPLAY_HOME) that reaches this venv's torch and
+gguf through a .pth file. RandomPress is left out: live it draws one tensor for all KV heads of a
+layer, the bridge one per cache, so their draws differ by construction."""
+
+import os
+import pathlib
+import subprocess
+import sys
+
+import numpy as np
+import pytest
+
+import kvreplay
+from kvreplay.kvpress import policy
+
+from test_kvpress import HOME, KVPRESS
+
+ROOT = pathlib.Path(__file__).resolve().parents[2]
+BUDGET = 128
+REQUIREMENTS = pathlib.Path(__file__).with_name("requirements-kvpress.txt")
+GGUF = HOME / "smollm2" / "SmolLM2-135M-Instruct.Q4_1.gguf"
+sys.path.insert(0, str(ROOT / "tests" / "reference"))
+os.environ.setdefault("KVPRESS_PATH", str(KVPRESS))
+import kvpress_live  # noqa: E402  (tests/reference, on the path above)
+
+
+@pytest.fixture(scope="session")
+def kvpress_python():
+    """A venv with transformers 5.2.0, made once, that reaches this venv's torch and gguf."""
+    venv = HOME / "kvpress-venv"
+    python = venv / "bin" / "python"
+    check = [str(python), "-c", "import torch, gguf, transformers; assert transformers.__version__ == '5.2.0'"]
+    if not python.exists() or subprocess.run(check, capture_output=True).returncode != 0:
+        import gguf
+        import torch
+
+        subprocess.run([sys.executable, "-m", "venv", "--clear", str(venv)], check=True)
+        install = [str(python), "-m", "pip", "install", "--quiet", "--disable-pip-version-check", "--no-deps"]
+        subprocess.run([*install, "-r", str(REQUIREMENTS)], check=True)
+        own = subprocess.run([str(python), "-c", "import sysconfig; print(sysconfig.get_paths()['purelib'])"], capture_output=True, text=True, check=True)
+        found = sorted({str(pathlib.Path(module.__file__).parents[1]) for module in (torch, gguf)})
+        pathlib.Path(own.stdout.strip(), "zz-torch.pth").write_text("\n".join(found) + "\n")
+        subprocess.run(check, check=True)
+    return python
+
+
+@pytest.fixture(scope="session")
+def hf_trace(recipe, trace_path, tmp_path_factory):
+    """The conftest's prompt captured through transformers in f32 (`trace_path` fetched the GGUF)."""
+    out = tmp_path_factory.mktemp("hf") / "niah-600-hf.safetensors"
+    capture = [sys.executable, str(ROOT / "traces" / "capture_hf.py"), "--model", str(GGUF.parent), "--gguf-file", GGUF.name]
+    subprocess.run([*capture, "--recipe", str(recipe), "--out", str(out), "--dtype", "f32", "--generate", "1"], check=True, capture_output=True)
+    return kvreplay.Trace(out)
+
+
+@pytest.fixture(scope="session")
+def live(kvpress_python, hf_trace, tmp_path_factory):
+    """What each press keeps run live, and its live scores."""
+    work = tmp_path_factory.mktemp("live")
+    tokens = work / "tokens.npy"
+    np.save(tokens, hf_trace.tokens[: hf_trace.prompt_len])
+    out = work / "live.npz"
+    script = ROOT / "tests" / "reference" / "kvpress_live.py"
+    env = {**os.environ, "KVPRESS_PATH": str(KVPRESS), "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(tokens), str(BUDGET), str(out), *kvpress_live.PRESSES]
+    subprocess.run(args, check=True, env=env, capture_output=True)
+    return dict(np.load(out))
+
+
+def untied(ours, theirs, scores):
+    """The positions where the kept sets differ and the press's live score is not exactly the
+    live boundary's (the lowest kept score of the cache)."""
+    found = []
+    for layer, head in zip(*np.nonzero((ours != theirs).any(axis=-1))):
+        row = scores[layer, head]
+        boundary = row[theirs[layer, head]].min()
+        differ = np.nonzero(ours[layer, head] != theirs[layer, head])[0]
+        found += [(int(layer), int(head), int(p), float(row[p] - boundary)) for p in differ if row[p] != boundary]
+    return found
+
+
+@pytest.mark.parametrize("name", sorted(kvpress_live.PRESSES))
+def test_the_bridge_keeps_what_kvpress_keeps_live(name, live, hf_trace):
+    press = kvpress_live.build(name, BUDGET, hf_trace.prompt_len)
+    ours = kvreplay.kept(hf_trace, budget=BUDGET, **policy(press))["mask"]
+    theirs = live[f"{name}.kept"]
+    ours = np.broadcast_to(ours.reshape(theirs.shape[0], -1, theirs.shape[2]), theirs.shape)
+    assert (ours.sum(axis=-1) == theirs.sum(axis=-1)).all(), f"{name}: budgets differ"
+    assert untied(ours, theirs, live[f"{name}.scores"]) == [], f"{name}: kept sets differ beyond ties"
+    caches = (ours == theirs).all(axis=-1).sum()
+    print(f"\n{name}: {caches} of {ours.shape[0] * ours.shape[1]} caches identical, {(ours & theirs).sum() / theirs.sum():.4%} of kept positions")
+
+
+def test_a_protected_window_is_what_kvpress_does_not_do(live, hf_trace):
+    # kvreplay's default window of 8, kept with kvpress's Knorm scores, leaves kvpress's sets.
+    press = kvpress_live.build("KnormPress", BUDGET, hf_trace.prompt_len)
+    windowed = kvreplay.kept(hf_trace, budget=BUDGET, **{**policy(press), "window": 8})["mask"]
+    assert untied(windowed.reshape(live["KnormPress.kept"].shape), live["KnormPress.kept"], live["KnormPress.scores"])

@@ -1,0 +1,127 @@
+"""kvpress 0.5.5 run live, as its pipeline runs a press: the model in transformers (eager
+attention), the press's forward hooks on every attention layer (`with press(model):`), one
+prefill of the prompt, and the compressed cache read back. For the bridge's parity test
+(python/tests/test_kvpress.py): what each press keeps live, to compare with what
+`kvreplay.kvpress.policy(press)` keeps replaying a trace of the same prompt.
+
+kvpress 0.5.5 declares transformers<5.3 and its hook reads `past_key_values` and
+`cache_position`, which transformers 5.3 onwards no longer passes; this script runs in the
+test's own venv with transformers 5.2.0 (python/tests/requirements-kvpress.txt) and the
+package installed without its dependencies at $KVPRESS_PATH.
+
+Kept positions: kvpress gathers the kept keys (ScorerPress.compress, scorer_press.py lines
+92-97); each kept key row is matched to the prompt position whose key it is, from a prefill
+without the press (prefill compresses after each layer's attention, so every layer sees the
+same inputs as without the press and the rows are bit-identical). Scores: the press's own
+`score()` output, recorded as it returns.
+
+Usage: kvpress_live.py MODEL_DIR GGUF_FILE TOKENS.npy BUDGET OUT.npz PRESS...
+Writes `<press>.kept` (bool [layers, kv_heads, n]) and `<press>.scores` (float32, same shape;
+absent for presses that do not score through `score()`).
+"""
+
+import importlib
+import os
+import sys
+import types
+from pathlib import Path
+
+import numpy as np
+import torch
+
+KVPRESS = Path(os.environ["KVPRESS_PATH"])
+sys.path.insert(0, str(KVPRESS))
+for name, path in [("kvpress", KVPRESS / "kvpress"), ("kvpress.presses", KVPRESS / "kvpress" / "presses")]:
+    module = types.ModuleType(name)
+    module.__path__ = [str(path)]
+    sys.modules.setdefault(name, module)
+
+from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+
+# Each press's module, and arguments beyond its defaults: a PyramidKVPress whose schedule is not
+# flat on a short prompt (kvpress's is flat unless the budget reaches beta * window_size).
+PRESSES = {
+    "KnormPress": ("knorm_press", {}),
+    "KeyDiffPress": ("keydiff_press", {}),
+    "LagKVPress": ("lagkv_press", {}),
+    "ExpectedAttentionPress": ("expected_attention_press", {}),
+    "SnapKVPress": ("snapkv_press", {}),
+    "TOVAPress": ("tova_press", {}),
+    "StreamingLLMPress": ("streaming_llm_press", {}),
+    "PyramidKVPress": ("pyramidkv_press", {"window_size": 8, "beta": 4}),
+    "ObservedAttentionPress": ("observed_attention_press", {}),
+    "NonCausalAttnPress": ("non_causal_attention_press", {}),
+    "CURPress": ("cur_press", {}),
+    "CapPress": ("cap_press", {}),
+}
+
+
+def build(name, budget, n):
+    """Press `name` set to keep `budget` of `n` positions: ScorerPress keeps
+    int(n * (1 - ratio)) (half a token above the budget), PyramidKVPress's schedule reads
+    n * (1 - ratio) as the budget itself."""
+    module, arguments = PRESSES[name]
+    press = getattr(importlib.import_module(f"kvpress.presses.{module}"), name)(**arguments)
+    press.compression_ratio = 1 - (budget + (0 if name == "PyramidKVPress" else 0.5)) / n
+    return press
+
+
+def prefill(model, ids, press=None):
+    cache = DynamicCache()
+    with torch.no_grad():
+        if press is None:
+            model(input_ids=ids, past_key_values=cache, use_cache=True)
+        else:
+            with press(model):
+                model(input_ids=ids, past_key_values=cache, use_cache=True)
+    return [layer.keys[0].float() for layer in cache.layers]
+
+
+def kept_positions(full, compressed):
+    """[kv_heads, n] bool: which prompt positions' keys the compressed cache holds."""
+    heads, n, _ = full.shape
+    mask = np.zeros((heads, n), dtype=bool)
+    for head in range(heads):
+        distance = torch.cdist(compressed[head], full[head], compute_mode="donot_use_mm_for_euclid_dist")
+        nearest = distance.argmin(dim=-1)
+        exact = distance.gather(-1, nearest[:, None]).max().item()
+        if exact > 0:
+            raise SystemExit(f"a kept key matches no prompt position exactly (distance {exact})")
+        mask[head, nearest.numpy()] = True
+    return mask
+
+
+def recorded(press, scores):
+    """Records the press's `score()` output per layer as it returns it."""
+    own = press.score
+
+    def score(module, *args, **kwargs):
+        result = own(module, *args, **kwargs)
+        scores[module.layer_idx] = result[0].float().numpy()
+        return result
+
+    object.__setattr__(press, "score", score)
+
+
+def main():
+    model_dir, gguf, tokens, budget, out, *names = sys.argv[1:]
+    ids = torch.from_numpy(np.load(tokens)).long()[None]
+    n = ids.shape[1]
+    model = AutoModelForCausalLM.from_pretrained(
+        model_dir, gguf_file=gguf, dtype=torch.float32, attn_implementation="eager"
+    ).eval()
+    full = prefill(model, ids)
+    found = {}
+    for name in names:
+        press = build(name, int(budget), n)
+        scores = {}
+        recorded(press, scores)
+        compressed = prefill(model, ids, press)
+        found[f"{name}.kept"] = np.stack([kept_positions(f, c) for f, c in zip(full, compressed)])
+        if len(scores) == len(full):
+            found[f"{name}.scores"] = np.stack([scores[layer] for layer in range(len(full))])
+    np.savez(out, **found)
+
+
+if __name__ == "__main__":
+    main()
