@@ -22,6 +22,7 @@ pub mod replay;
 pub mod splitmix;
 pub mod sys;
 pub mod trace;
+pub mod view;
 
 /// An error and its causes as one line, each cause once (typed errors often say their cause
 /// already): what the command line prints after `error: ` and what the Python package raises.

@@ -174,6 +174,19 @@ enum Command {
     /// List every allocator, head split, scorer and timing with its settings, defaults and
     /// source, and the presets.
     Methods,
+    /// Write one self-contained HTML page of what a policy keeps on a trace: a layer x position
+    /// map of its kept sets (per cache, per decode step), the full cache's attention beside it,
+    /// the spans, and each layer's budget, retained and lost mass. Policy flags as `replay`.
+    View {
+        /// The trace file.
+        trace: PathBuf,
+        /// A preset to show beside the policy, at the same budget, and where the two differ.
+        #[arg(long, value_name = "PRESET", value_parser = clap::builder::PossibleValuesParser::new(presets::NAMES))]
+        compare: Option<String>,
+        /// Where to write the page (default: the trace's path with .html).
+        #[arg(long)]
+        out: Option<PathBuf>,
+    },
     /// Print a trace's header, spans, sizes and per-layer attention entropy.
     Inspect {
         /// The trace file.
@@ -304,6 +317,20 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             results,
         } => commands::sweep(&experiment, &results, SweepRuns::None)?,
         Command::Bench(run) => print!("{}", commands::bench(&run)?),
+        Command::View {
+            trace,
+            compare,
+            out,
+        } => {
+            let flags = matches
+                .subcommand_matches("view")
+                .expect("the view subcommand");
+            let params = policy_params(flags).map_err(anyhow::Error::msg)?;
+            let out = out.unwrap_or_else(|| trace.with_extension("html"));
+            let reader = TraceReader::open(&trace)?;
+            let bytes = commands::view(&reader, &params, compare.as_deref(), &out)?;
+            println!("{}: {:.1} KiB", out.display(), bytes as f64 / 1024.0);
+        }
         Command::Inspect { trace, window } => {
             let reader = TraceReader::open(&trace)?;
             print!("{}", kvreplay::export::inspect_markdown(&reader, window)?);
@@ -317,6 +344,7 @@ fn main() -> ExitCode {
     let matches = Cli::command()
         .mut_subcommand("replay", |replay| replay.args(policy_flags()))
         .mut_subcommand("live", |live| live.args(policy_flags()))
+        .mut_subcommand("view", |view| view.args(policy_flags()))
         .get_matches();
     let cli = match Cli::from_arg_matches(&matches) {
         Ok(cli) => cli,

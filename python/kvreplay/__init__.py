@@ -12,6 +12,7 @@ error messages (raised as :class:`KvreplayError`).
 from ._native import (
     Cache,
     KvreplayError,
+    Page,
     Results,
     Trace,
     capture,
@@ -22,11 +23,13 @@ from ._native import (
     replay,
     report,
     sweep,
+    view,
 )
 
 __all__ = [
     "Cache",
     "KvreplayError",
+    "Page",
     "Results",
     "Trace",
     "capture",
@@ -37,4 +40,5 @@ __all__ = [
     "replay",
     "report",
     "sweep",
+    "view",
 ]

@@ -1,6 +1,6 @@
 //! kvreplay's Python package: one binding layer over the library, with no logic of its own.
 //! Traces open as NumPy views of the mapped file; replay, compare, kept sets, live runs, capture,
-//! sweeps and reports take the settings the TOML and the command line take, by the same names,
+//! sweeps, reports and view pages take the settings the TOML and the command line take, by the same names,
 //! checked by the same code; results come back as polars DataFrames; errors are
 //! `kvreplay.KvreplayError` carrying the command line's message; the GIL is released while Rust
 //! works. A scorer or an allocator may be a Python object ([`scorer`], [`allocator`]).
@@ -19,6 +19,7 @@ mod run;
 mod scorer;
 mod settings;
 mod trace;
+mod view;
 
 pub use errors::KvreplayError;
 
@@ -29,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<trace::Trace>()?;
     m.add_class::<results::Results>()?;
     m.add_class::<scorer::Cache>()?;
+    m.add_class::<view::Page>()?;
     m.add_function(wrap_pyfunction!(run::replay, m)?)?;
     m.add_function(wrap_pyfunction!(run::compare, m)?)?;
     m.add_function(wrap_pyfunction!(run::kept, m)?)?;
@@ -37,5 +39,6 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_function(wrap_pyfunction!(live::capture, m)?)?;
     m.add_function(wrap_pyfunction!(experiment::sweep, m)?)?;
     m.add_function(wrap_pyfunction!(experiment::report, m)?)?;
+    m.add_function(wrap_pyfunction!(view::view, m)?)?;
     Ok(())
 }

@@ -12,9 +12,10 @@ use kvreplay::experiment::{
 };
 use kvreplay::export::{exporter, Format};
 use kvreplay::live::LiveReport;
-use kvreplay::replay::{presets, replay_many, ReplayReport, ValidPolicy};
+use kvreplay::replay::{presets, replay_many, PolicyParams, ReplayReport, ValidPolicy};
 use kvreplay::sys;
 use kvreplay::trace::{StorageDtype, TraceReader};
+use kvreplay::view;
 use std::path::Path;
 
 pub fn replay_all(
@@ -298,6 +299,29 @@ pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
     let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
     spinner.finish_and_clear();
     Ok(table.render(Format::Markdown))
+}
+
+/// Writes the view page of the policy `params` (and preset `compare` at its budget) on `trace`
+/// to `out`, atomically; returns its size in bytes.
+pub fn view(
+    trace: &TraceReader,
+    params: &PolicyParams,
+    compare: Option<&str>,
+    out: &Path,
+) -> Result<usize> {
+    let main = params.clone().check()?;
+    let mut policies = vec![(main.label(), main)];
+    if let Some(name) = compare {
+        let other = presets::preset(name, params.budget)?.check()?;
+        policies.push((name.to_owned(), other));
+    }
+    let texts = view::token_texts(trace, &Assets::from_env());
+    let page = view::page::html(
+        &view::build(trace, &policies, texts.as_deref(), &|| {})?,
+        &format!("{}: {}", trace.path().display(), policies[0].0),
+    );
+    kvreplay::atomic::write(out, page.as_bytes()).with_context(|| format!("{}", out.display()))?;
+    Ok(page.len())
 }
 
 #[cfg(test)]

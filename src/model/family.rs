@@ -8,7 +8,9 @@
 
 use super::causal_lm::CausalLm;
 use super::gguf::GgufFile;
+use super::prompt::TextTokenizer;
 use super::ModelError;
+use super::{ChatTokenizer, SpmTokenizer};
 use std::path::{Path, PathBuf};
 
 /// One model family.
@@ -69,5 +71,16 @@ pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
                 .collect::<Vec<_>>()
                 .join(", "),
         }),
+    }
+}
+
+/// The tokenizer of the GGUF at `path`, without its weights: byte-level BPE with the ChatML
+/// template (`tokenizer.ggml.model` = `gpt2`) or SentencePiece (`llama`), whichever the file
+/// names, so a trace's positions can be shown as text.
+pub fn tokenizer(path: &Path) -> Result<Box<dyn TextTokenizer>, ModelError> {
+    let gguf = GgufFile::open(path)?;
+    match gguf.str_value("tokenizer.ggml.model").unwrap_or_default() {
+        "llama" => Ok(Box::new(SpmTokenizer::from_gguf(&gguf)?)),
+        _ => Ok(Box::new(ChatTokenizer::from_gguf(&gguf)?)),
     }
 }
