@@ -4,7 +4,7 @@
 #[path = "cli/commands.rs"]
 mod commands;
 
-use anyhow::Result;
+use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use commands::SweepRuns;
 use kvreplay::assets::Assets;
@@ -171,6 +171,14 @@ enum Command {
         #[arg(long, default_value = "results")]
         results: PathBuf,
     },
+    /// Write `report.html` beside every experiment's `report.md` under a results directory (the
+    /// same sections, sortable tables, the SVG figures inlined) and `index.html` over them; a
+    /// sweep or report writes its own page and the index itself.
+    Pages {
+        /// The results directory.
+        #[arg(long, default_value = "results")]
+        results: PathBuf,
+    },
     /// List every allocator, head split, scorer and timing with its settings, defaults and
     /// source, and the presets.
     Methods,
@@ -316,6 +324,11 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             experiment,
             results,
         } => commands::sweep(&experiment, &results, SweepRuns::None)?,
+        Command::Pages { results } => {
+            let count = kvreplay::view::report::write_pages(&results)
+                .with_context(|| format!("{}", results.display()))?;
+            println!("{}: {count} report pages and index.html", results.display());
+        }
         Command::Bench(run) => print!("{}", commands::bench(&run)?),
         Command::View {
             trace,

@@ -169,3 +169,36 @@ fn bad_input_is_named_and_writes_nothing() {
         .stderr(contains("unknown scorer `knorms`"));
     assert!(!dir.path().join("page.html").exists());
 }
+
+#[test]
+fn a_report_page_renders_its_tables_sorted_and_its_figures() {
+    let dir = tempfile::tempdir().unwrap();
+    let experiment = dir.path().join("results/quick");
+    std::fs::create_dir_all(&experiment).unwrap();
+    let markdown = "# quick\n\nTwo policies.\n\n| policy | mass |\n|---|---|\n| a | 0.25 [0.20, 0.30] |\n| b | 0.75 [0.70, 0.80] |\n| c | 0.5 |\n\nFiles: `mass.svg`.\n";
+    std::fs::write(experiment.join("report.md"), markdown).unwrap();
+    std::fs::write(
+        experiment.join("mass.svg"),
+        "<svg width=\"20\" height=\"20\"><circle r=\"5\"/></svg>",
+    )
+    .unwrap();
+    kvreplay(dir.path())
+        .args(["pages", "--results", "results"])
+        .assert()
+        .success()
+        .stdout(contains("results: 1 report pages and index.html"));
+    let page = experiment.join("report.html");
+    let dom = browse(
+        &format!("file://{}#sort=1", page.display()),
+        &["--dump-dom"],
+    );
+    assert!(dom.contains("data-rendered=\"ok\"") && !dom.contains("data-error"));
+    assert!(dom.contains("data-tables=\"1\"") && dom.contains("<circle r=\"5\""));
+    // Sorted by mass, largest first: b, c, a.
+    let at = |cell: &str| dom.find(cell).expect(cell);
+    let (b, c, a) = (at("<td>b</td>"), at("<td>c</td>"), at("<td>a</td>"));
+    assert!(b < c && c < a, "{dom}");
+    let index = dir.path().join("results/index.html");
+    let dom = browse(&format!("file://{}", index.display()), &["--dump-dom"]);
+    assert!(dom.contains("href=\"quick/report.html\"") && dom.contains("Two policies."));
+}

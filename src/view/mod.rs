@@ -2,7 +2,7 @@
 //! positions each policy holds (at the prompt's end, or at every decode step for the timings that
 //! choose again), beside the full cache's attention mass on each position, the trace's spans and
 //! each layer's budget, retained mass and lost mass by region and cause. [`page`] renders it as
-//! one self-contained HTML file.
+//! one self-contained HTML file; [`report`] renders an experiment's report as a page.
 //!
 //! A cell is one position while the kept sets of every policy, layer, cache and step fit
 //! [`MAX_BIT_CELLS`] (one bit each). Longer prompts are aggregated: positions fall into at most
@@ -12,6 +12,7 @@
 //! step is in the data.
 
 pub mod page;
+pub mod report;
 
 use crate::assets::{Assets, MODELS};
 use crate::attention::decode_attention;

@@ -208,6 +208,15 @@ pub fn build(
         }
     }
     write_atomically(&results.join("report.md"), out.as_bytes())?;
+    let page = crate::view::report::report_page(&out, results);
+    write_atomically(&results.join("report.html"), page.as_bytes())?;
+    if let Some(root) = results.parent().filter(|root| !root.as_os_str().is_empty()) {
+        let index = crate::view::report::index_page(root).map_err(|e| SweepError::Io {
+            path: root.to_owned(),
+            detail: format!("cannot list the experiments: {e}"),
+        })?;
+        write_atomically(&root.join("index.html"), index.as_bytes())?;
+    }
     Ok(out)
 }
 
