@@ -60,9 +60,16 @@ fn sweep_writes_report_rows_and_plots_then_resumes() {
         "retained_mass_vs_budget.png",
         "retained_mass_vs_budget.svg",
         "schedules.png",
+        "report.html",
     ] {
         assert!(results.join(file).is_file(), "{file} missing");
     }
+    assert!(dir.path().join("results/index.html").is_file());
+    // The chart's data beside its pictures, for the page's interactive chart.
+    let chart = std::fs::read_to_string(results.join("retained_mass_vs_budget.json")).unwrap();
+    let chart: serde_json::Value = serde_json::from_str(&chart).unwrap();
+    assert_eq!(chart["mark"], "lines");
+    assert!(!chart["series"].as_array().unwrap().is_empty());
     assert_eq!(std::fs::read_dir(results.join("runs")).unwrap().count(), 6);
     let csv = std::fs::read_to_string(results.join("runs.csv")).unwrap();
     assert_eq!(csv.lines().count(), 7);

@@ -198,6 +198,21 @@ fn a_report_page_renders_its_tables_sorted_and_its_figures() {
     let at = |cell: &str| dom.find(cell).expect(cell);
     let (b, c, a) = (at("<td>b</td>"), at("<td>c</td>"), at("<td>a</td>"));
     assert!(b < c && c < a, "{dom}");
+    // A chart with its data beside it is drawn from the data: a group per series.
+    let data = r#"{"title": "t", "x_label": "budget", "y_label": "mass", "log_x": true, "mark": "lines",
+        "series": [{"name": "one", "points": [[64, 0.5], [128, 0.6]]}, {"name": "two", "points": [[64, 0.7], [128, null]]}]}"#;
+    std::fs::write(experiment.join("mass.json"), data).unwrap();
+    kvreplay(dir.path())
+        .args(["pages", "--results", "results"])
+        .assert()
+        .success();
+    let dom = browse(&format!("file://{}", page.display()), &["--dump-dom"]);
+    assert!(
+        dom.contains("data-charts=\"1\"") && !dom.contains("data-error"),
+        "{dom}"
+    );
+    assert!(dom.contains("data-series=\"one\"") && dom.contains("data-series=\"two\""));
+    assert_eq!(dom.matches("<polyline").count(), 2);
     let index = dir.path().join("results/index.html");
     let dom = browse(&format!("file://{}", index.display()), &["--dump-dom"]);
     assert!(dom.contains("href=\"quick/report.html\"") && dom.contains("Two policies."));

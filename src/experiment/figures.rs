@@ -106,6 +106,13 @@ pub(crate) fn line_chart(
     series: &[Series],
     log_x: bool,
 ) -> Result<Vec<PathBuf>, SweepError> {
+    let axes = Axes {
+        title,
+        x_label,
+        y_label,
+        log_x,
+    };
+    write_data(stem, &axes, series, Mark::Lines)?;
     draw_both!(
         stem,
         (PLOT_SIZE.0 + LEGEND_WIDTH, PLOT_SIZE.1),
@@ -121,11 +128,49 @@ pub(crate) fn scatter(
     y_label: &str,
     series: &[Series],
 ) -> Result<Vec<PathBuf>, SweepError> {
+    let axes = Axes {
+        title,
+        x_label,
+        y_label,
+        log_x: false,
+    };
+    write_data(stem, &axes, series, Mark::Dots)?;
     draw_both!(
         stem,
         (PLOT_SIZE.0 + LEGEND_WIDTH, PLOT_SIZE.1),
         draw(title, x_label, y_label, series, false, Mark::Dots)
     )
+}
+
+/// A chart's title, axis labels and x scale.
+struct Axes<'a> {
+    title: &'a str,
+    x_label: &'a str,
+    y_label: &'a str,
+    log_x: bool,
+}
+
+/// Writes a chart's data beside its pictures, `<stem>.json`, which a report page draws as an
+/// interactive chart (values on hover, series toggled from the legend).
+fn write_data(
+    stem: &Path,
+    axes: &Axes<'_>,
+    series: &[Series],
+    mark: Mark,
+) -> Result<(), SweepError> {
+    let data = serde_json::json!({
+        "title": axes.title,
+        "x_label": axes.x_label,
+        "y_label": axes.y_label,
+        "log_x": axes.log_x,
+        "mark": if mark == Mark::Dots { "dots" } else { "lines" },
+        "series": series
+            .iter()
+            .map(|(name, points)| serde_json::json!({"name": name, "points": points}))
+            .collect::<Vec<_>>(),
+    });
+    let path = stem.with_extension("json");
+    super::store::write_atomically(&path, data.to_string().as_bytes())
 }
 
 /// The smallest and largest x and y over every point (x widened where it is one value, y padded

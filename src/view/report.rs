@@ -16,9 +16,9 @@ pub fn report_page(markdown: &str, dir: &Path) -> String {
     let mut body = render(markdown);
     let figures = figures(markdown, dir);
     if !figures.is_empty() {
-        body += "<h2>Figures</h2>\n";
-        for (name, svg) in figures {
-            body += &format!("<figure>{svg}<figcaption>{name}</figcaption></figure>\n");
+        body += "<h2 id=\"figures\">Figures</h2>\n";
+        for figure in figures {
+            body += &figure;
         }
     }
     page(&title(markdown), &body)
@@ -80,16 +80,24 @@ fn render(markdown: &str) -> String {
     html
 }
 
-/// The SVG figures the report names (`` `name.svg` ``) that exist under `dir`, with their XML
-/// prologue dropped so they inline.
-fn figures(markdown: &str, dir: &Path) -> Vec<(String, String)> {
+/// The SVG figures the report names (`` `name.svg` ``) that exist under `dir`, inlined with
+/// their XML prologue dropped; a chart whose data lies beside it (`name.json`) is drawn from
+/// it by the page's script, interactive, with the static picture folded below.
+fn figures(markdown: &str, dir: &Path) -> Vec<String> {
     markdown
         .split('`')
         .filter(|name| name.ends_with(".svg") && !name.contains('/'))
         .filter_map(|name| {
             let svg = std::fs::read_to_string(dir.join(name)).ok()?;
-            let start = svg.find("<svg")?;
-            Some((name.to_owned(), svg[start..].to_owned()))
+            let svg = &svg[svg.find("<svg")?..];
+            let data = std::fs::read_to_string(dir.join(name).with_extension("json")).ok();
+            Some(match data {
+                Some(data) => format!(
+                    "<figure class=\"chart\"><script type=\"application/json\">{}</script><details><summary>{name} (static)</summary>{svg}</details></figure>\n",
+                    data.replace("</", "<\\/")
+                ),
+                None => format!("<figure>{svg}<figcaption>{name}</figcaption></figure>\n"),
+            })
         })
         .collect()
 }
@@ -144,6 +152,10 @@ mod tests {
         assert!(page.contains("<title>quick &lt;one&gt;</title>"));
         assert!(page.contains("<th>policy</th>") && page.contains("<td>0.5</td>"));
         assert!(page.contains("<figure><svg width=\"10\" height=\"10\"><rect/></svg>"));
+        // With its data beside it, the chart is drawn from the data, the picture folded below.
+        std::fs::write(dir.path().join("mass.json"), "{\"series\": []}").unwrap();
+        let page = report_page(markdown, dir.path());
+        assert!(page.contains("<figure class=\"chart\"><script type=\"application/json\">{\"series\": []}</script><details>"));
         assert!(!page.contains("<?xml") && !page.contains("absent.svg</figcaption>"));
     }
 
