@@ -35,6 +35,10 @@ READS_ATTENTIONS = {"ObservedAttentionPress"}
 # Presses that compress while decoding, every few generated tokens.
 DECODING_PRESSES = {"DecodingPress", "PrefillDecodingPress", "CAMPress"}
 
+# The presses a decoding press may wrap in a replay: kvreplay's own scorer runs under kvpress's
+# schedule, checked against kvpress's DecodingPress and CAMPress hooks (tests/parity.rs).
+DECODING_SCORERS = {"KnormPress": "knorm"}
+
 
 class PressScorer:
     """A kvpress press as a kvreplay scorer (one-shot: kvpress compresses at the end of the prompt)."""
@@ -177,12 +181,21 @@ def policy(press):
     - ``MergingPress(press, similarity_threshold, merge_fraction)``: the press's policy with the
       ``similarity`` merge, the values it evicts at the cut folded into the kept ones.
 
-    The decoding presses (``DecodingPress``, ``PrefillDecodingPress``, ``CAMPress``) raise
-    :class:`KvreplayError` naming kvreplay's own schedule for them (a press is scored from Python
-    at the prompt's end only); other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other
-    compositions) have no counterpart and raise it too.
+    - ``DecodingPress(KnormPress(), compression_interval, target_size)``: the ``knorm`` scorer
+      under ``timing="decoding"``, ``order="attend-first"``, ``interval`` the press's, nothing
+      protected, ``budget`` its ``target_size`` (so pass no other budget);
+    - ``CAMPress(KnormPress(), ...)``: the same with ``gqa="layer"``, ``merge="cam"`` and its
+      ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from ``merge_seed``, kvpress from
+      torch's global generator).
+
+    Over another press, and ``PrefillDecodingPress``, the decoding presses raise
+    :class:`KvreplayError` (a press is scored from Python at the prompt's end only); other
+    wrapping presses (``ChunkKVPress``, ``ChunkPress``, other compositions) have no counterpart
+    and raise it too.
     """
     kind = type(press).__name__
+    if kind in ("DecodingPress", "CAMPress"):
+        return _decoding(press, kind)
     if kind in DECODING_PRESSES:
         raise KvreplayError(
             f"kvpress:{kind} compresses while decoding, and a press is scored from Python at the prompt's end only: "
@@ -217,6 +230,30 @@ def policy(press):
             settings.update(gqa="layer")
         return settings
     raise KvreplayError(f"kvpress:{kind} has no kvreplay counterpart: wrap its inner press's scorer instead")
+
+
+def _decoding(press, kind):
+    """`DecodingPress` or `CAMPress` over a press with a kvreplay scorer: its schedule."""
+    inner = type(press.base_press).__name__
+    if inner not in DECODING_SCORERS:
+        raise KvreplayError(
+            f"kvpress:{kind} over {inner}: a press is scored from Python at the prompt's end only; a decoding press "
+            f"replays over {', '.join(sorted(DECODING_SCORERS))} (kvreplay's scorer under kvpress's schedule)"
+        )
+    interval = int(press.compression_interval)
+    settings = {
+        "scorer": DECODING_SCORERS[inner],
+        "timing": "decoding",
+        "order": "attend-first",
+        "interval": interval,
+        "trigger": "steps" if interval > 1 else "growth",
+        "sinks": 0,
+        "window": 0,
+        "budget": int(press.target_size),
+    }
+    if kind == "CAMPress":
+        settings.update(gqa="layer", merge="cam", merge_budget=int(press.merge_budget))
+    return settings
 
 
 class _RatioBudgets:

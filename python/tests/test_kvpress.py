@@ -168,15 +168,25 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
 
-    # The decoding presses name kvreplay's own schedule, which runs from Python as from the CLI.
+    # The decoding presses over Knorm map onto kvreplay's schedule, checked against kvpress's
+    # hooks in tests/parity.rs; over another press they say why not.
     cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
-    with pytest.raises(kvreplay.KvreplayError, match="kvpress:CAMPress compresses while decoding"):
-        policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96))
-    schedule = dict(scorer="knorm", timing="decoding", order="attend-first", interval=4, trigger="steps", gqa="layer")
-    decoding = kvreplay.replay(trace, budget=96, **schedule).runs.row(0, named=True)
-    cam = kvreplay.replay(trace, budget=96, merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
-    assert cam["kv_bytes"] == decoding["kv_bytes"] and cam["retained_mass"] == decoding["retained_mass"]
-    assert cam["output_error"] != decoding["output_error"]
+    decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
+    schedule = dict(scorer="knorm", timing="decoding", order="attend-first", interval=4, trigger="steps", sinks=0, window=0, budget=96)
+    decoding = kvreplay.replay(trace, **schedule).runs.row(0, named=True)
+    mapped = kvreplay.replay(trace, **policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96))).runs.row(0, named=True)
+    assert [mapped[m] for m in METRICS] == [decoding[m] for m in METRICS]
+    cam = kvreplay.replay(trace, gqa="layer", merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
+    mapped = policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96, merge_budget=4))
+    assert mapped == {**schedule, "gqa": "layer", "merge": "cam", "merge_budget": 4}
+    assert kvreplay.replay(trace, **mapped).runs.row(0, named=True)["output_error"] == cam["output_error"]
+    assert cam["kv_bytes"] == decoding["kv_bytes"] and cam["output_error"] != decoding["output_error"]
+    assert policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=1, target_size=96))["trigger"] == "growth"
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over SnapKVPress: a press is scored from Python at the prompt's end only"):
+        policy(decoding_press(base_press=PRESSES["SnapKVPress"](), compression_interval=4, target_size=96))
+    prefill_decoding = importlib.import_module("kvpress.presses.prefill_decoding_press").PrefillDecodingPress
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:PrefillDecodingPress compresses while decoding"):
+        policy(prefill_decoding(decoding_press=decoding_press(base_press=PRESSES["KnormPress"]())))
 
 
 def test_pruning_merging_and_quantizing_presses_run_live(recipe):
