@@ -58,6 +58,14 @@ impl Results {
         to_polars(py, layers_frame(&self.runs))
     }
 
+    /// The standard figures with matplotlib (`kvreplay.plots.standard`): retained mass against
+    /// budget per policy, and the budget per layer at the largest budget; a list of Figures.
+    fn plot<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {
+        let (runs, layers) = (self.runs(py)?, self.layers(py)?);
+        py.import("kvreplay.plots")?
+            .call_method1("standard", (runs, layers))
+    }
+
     /// One row per run, measured layer, query head and decode step: each metric's sample.
     #[getter]
     fn samples<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

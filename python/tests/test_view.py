@@ -47,3 +47,19 @@ def test_a_page_holds_what_kept_gives(trace, tmp_path):
 def test_a_page_of_a_policy_the_trace_cannot_run_is_an_error(trace):
     with pytest.raises(kvreplay.KvreplayError, match="unknown scorer `knorms`"):
         kvreplay.view(trace, scorer="knorms")
+
+
+def test_results_plot_draws_the_standard_figures(trace):
+    import matplotlib
+    matplotlib.use("Agg")
+    results = kvreplay.replay(trace, policies=[{"preset": p, "budget": b} for p in ("snapkv", "pyramidkv") for b in (32, 64)])
+    mass, schedule = results.plot()
+    lines = {line.get_label(): line for line in mass.axes[0].get_lines()}
+    runs = results.runs
+    for policy, line in lines.items():
+        mine = runs.filter(runs["policy"] == policy).sort("budget")
+        assert list(line.get_xdata()) == mine["budget"].to_list()
+        assert list(line.get_ydata()) == mine["retained_mass"].to_list()
+    assert len(lines) == 2
+    pyramid = [line for line in schedule.axes[0].get_lines() if "pyramid" in line.get_label()][0]
+    assert len(set(pyramid.get_ydata())) > 1, "PyramidKV's budgets fall with depth"
