@@ -196,7 +196,12 @@ function controls() {
   if (V.policies.length === 2) $("policy").add(new Option(`${V.policies[0].label} vs ${V.policies[1].label}`, "diff"));
   if (V.policies.length === 2) $("policy").value = "diff";
   $("cache").add(new Option("mean over caches", "-1"));
-  for (let c = 0; c < V.policies[0].caches; c++) $("cache").add(new Option(`cache ${c}`, String(c)));
+  const caches = Math.min(...V.policies.map((p) => p.caches));
+  for (let c = 0; c < caches; c++) $("cache").add(new Option(`cache ${c}`, String(c)));
+  // Each policy's caches are its own layout's: say so where two layouts differ.
+  $("cache-note").textContent = new Set(V.policies.map((p) => p.caches)).size > 1
+    ? `(each policy's own: ${V.policies.map((p) => `${p.label} ${p.caches} a layer, ${p.settings.gqa}`).join("; ")})`
+    : "";
   const steps = Math.max(...V.policies.map((p) => p.steps));
   $("step").max = String(steps - 1);
   $("step-box").hidden = steps <= 1;
