@@ -36,7 +36,7 @@ pub fn base64<S: Serializer>(bytes: &[u8], serializer: S) -> Result<S::Ok, S::Er
 }
 
 /// `text` safe inside HTML.
-fn escape(text: &str) -> String {
+pub(crate) fn escape(text: &str) -> String {
     text.replace('&', "&amp;")
         .replace('<', "&lt;")
         .replace('>', "&gt;")

@@ -3,6 +3,7 @@
 //! column, and every SVG figure the report lists inlined, so the page stands alone; and
 //! `index.html` over every experiment under a results directory.
 
+use super::page::escape;
 use pulldown_cmark::{html::push_html, Options, Parser};
 use std::io;
 use std::path::{Path, PathBuf};
@@ -128,14 +129,6 @@ fn page(title: &str, body: &str) -> String {
         .replace("{{style}}", STYLE)
         .replace("{{script}}", SCRIPT)
         .replace("{{body}}", body)
-}
-
-/// `text` safe inside HTML.
-fn escape(text: &str) -> String {
-    text.replace('&', "&amp;")
-        .replace('<', "&lt;")
-        .replace('>', "&gt;")
-        .replace('"', "&quot;")
 }
 
 #[cfg(test)]
