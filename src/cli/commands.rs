@@ -316,10 +316,14 @@ pub fn view(
         policies.push((name.to_owned(), other));
     }
     let texts = view::token_texts(trace, &Assets::from_env());
-    let page = view::page::html(
-        &view::build(trace, &policies, texts.as_deref(), &|| {})?,
-        &format!("{}: {}", trace.path().display(), policies[0].0),
+    let spinner = spinner("view: layer passes done");
+    spinner.set_style(
+        ProgressStyle::with_template("{spinner} {msg}: {pos}").expect("static template"),
     );
+    let built = view::build(trace, &policies, texts.as_deref(), &|| spinner.inc(1));
+    spinner.finish_and_clear();
+    let title = format!("{}: {}", trace.path().display(), policies[0].0);
+    let page = view::page::html(&built?, &title);
     kvreplay::atomic::write(out, page.as_bytes()).with_context(|| format!("{}", out.display()))?;
     Ok(page.len())
 }
