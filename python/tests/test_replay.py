@@ -3,6 +3,7 @@ with its messages."""
 
 import _thread
 import json
+import signal
 import threading
 import time
 
@@ -167,11 +168,17 @@ def test_ctrl_c_stops_a_replay(trace):
         time.sleep(0.05)
         return np.zeros(len(cache.positions), dtype=np.float32)
 
+    # The handler this relies on: a suite started with SIGINT ignored (a background job, nohup)
+    # has none, and interrupt_main would then do nothing.
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
     timer = threading.Timer(0.5, _thread.interrupt_main)
     timer.start()
-    with pytest.raises(KeyboardInterrupt):
-        kvreplay.replay(trace, scorer=slow, timing="per-step-prompt", budget=64)
-    timer.join()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kvreplay.replay(trace, scorer=slow, timing="per-step-prompt", budget=64)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
     assert len(calls) < 30 * 3 * 8 / 2, f"{len(calls)} scorer calls before it stopped"
     # The interpreter and the trace are fine afterwards.
     assert kvreplay.replay(trace, scorer="knorm", budget=64).runs.height == 1
