@@ -10,7 +10,7 @@ test's own venv with transformers 5.2.0 (python/tests/requirements-kvpress.txt) 
 package installed without its dependencies at $KVPRESS_PATH.
 
 Kept positions: kvpress gathers the kept keys (ScorerPress.compress, scorer_press.py lines
-92-97); each kept key row is matched to the prompt position whose key it is, from a prefill
+91-101); each kept key row is matched to the prompt position whose key it is, from a prefill
 without the press (prefill compresses after each layer's attention, so every layer sees the
 same inputs as without the press and the rows are bit-identical). Scores: the press's own
 `score()` output, recorded as it returns.
