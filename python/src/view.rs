@@ -48,13 +48,9 @@ pub fn view(
         policies.push((other.name, checked));
     }
     let reader = trace.get().reader();
-    let texts = kvreplay::view::token_texts(reader, &Assets::from_env());
-    let view = interruptible(py, |layer_done| {
-        kvreplay::view::build(reader, &policies, texts.as_deref(), layer_done)
+    let html = interruptible(py, |layer_done| {
+        kvreplay::view::page_of(reader, &policies, &Assets::from_env(), layer_done)
     })?
     .map_err(raised)?;
-    let title = format!("{}: {}", reader.path().display(), policies[0].0);
-    Ok(Page {
-        html: kvreplay::view::page::html(&view, &title),
-    })
+    Ok(Page { html })
 }

@@ -315,15 +315,13 @@ pub fn view(
         let other = presets::preset(name, params.budget)?.check()?;
         policies.push((name.to_owned(), other));
     }
-    let texts = view::token_texts(trace, &Assets::from_env());
     let spinner = spinner("view: layer passes done");
     spinner.set_style(
         ProgressStyle::with_template("{spinner} {msg}: {pos}").expect("static template"),
     );
-    let built = view::build(trace, &policies, texts.as_deref(), &|| spinner.inc(1));
+    let page = view::page_of(trace, &policies, &Assets::from_env(), &|| spinner.inc(1));
     spinner.finish_and_clear();
-    let title = format!("{}: {}", trace.path().display(), policies[0].0);
-    let page = view::page::html(&built?, &title);
+    let page = page?;
     kvreplay::atomic::write(out, page.as_bytes()).with_context(|| format!("{}", out.display()))?;
     Ok(page.len())
 }

@@ -734,7 +734,7 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
 }
 
 /// How many caches each layer of `meta`'s model holds under the layout `gqa`.
-fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
+pub(crate) fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
     match gqa {
         super::Granularity::QueryHead => meta.n_heads,
         super::Granularity::KvHead => meta.n_kv_heads,

@@ -15,10 +15,9 @@ pub mod page;
 pub mod report;
 
 use crate::assets::{Assets, MODELS};
-use crate::attention::decode_attention;
 use crate::replay::metrics::lost::LostShare;
 use crate::replay::{
-    compressed_layers, context, kept_masks, replay_many, Granularity, LayerDone, PolicyError,
+    caches_per_layer, compressed_layers, context, kept_masks, replay_many, LayerDone, PolicyError,
     ReplayReport, SpanReport, Timing, ValidPolicy, RETAINED_MASS,
 };
 use crate::trace::{TraceError, TraceReader};
@@ -234,6 +233,21 @@ pub fn build(
     })
 }
 
+/// The page of `policies` on `trace`, titled with the trace and the first policy, each position's
+/// text read where the model's GGUF is fetched under `assets`: what `kvreplay view` writes and
+/// `kvreplay.view` returns.
+pub fn page_of(
+    trace: &TraceReader,
+    policies: &[(String, ValidPolicy)],
+    assets: &Assets,
+    layer_done: LayerDone<'_>,
+) -> Result<String, ViewError> {
+    let texts = token_texts(trace, assets);
+    let view = build(trace, policies, texts.as_deref(), layer_done)?;
+    let title = format!("{}: {}", trace.path().display(), policies[0].0);
+    Ok(page::html(&view, &title))
+}
+
 /// Each position's text, when the model that made `trace` is a model kvreplay fetches and its
 /// GGUF is under `assets` (the tokenizer is read from it, not the weights); `None` otherwise.
 pub fn token_texts(trace: &TraceReader, assets: &Assets) -> Option<Vec<String>> {
@@ -258,12 +272,7 @@ fn cells_per_position(trace: &TraceReader, policy: &ValidPolicy) -> usize {
         Timing::Prefill => 1,
         _ => (trace.n_positions() - meta.prompt_len).max(1),
     };
-    let caches = match policy.params().gqa {
-        Granularity::KvHead => meta.n_kv_heads,
-        Granularity::QueryHead => meta.n_heads,
-        Granularity::Layer => 1,
-    };
-    snapshots * compressed_layers(meta, policy).len() * caches
+    snapshots * compressed_layers(meta, policy).len() * caches_per_layer(meta, policy.params().gqa)
 }
 
 /// One policy's kept sets, binned, and its report's numbers.
@@ -382,14 +391,7 @@ fn attention_mass(
             let mut per_position = vec![0f64; prompt_len];
             let mut samples = 0usize;
             for kv in 0..meta.n_kv_heads {
-                let weights = decode_attention(
-                    ctx.q.slice(s![kv * group..(kv + 1) * group, .., ..]),
-                    ctx.keys(kv),
-                    prompt_len,
-                    ctx.window,
-                    ctx.scale,
-                    ctx.softcap,
-                );
+                let weights = ctx.decode_attention(kv * group..(kv + 1) * group);
                 for row in weights.lanes(Axis(2)) {
                     samples += 1;
                     for (p, w) in row.iter().take(prompt_len).enumerate() {
