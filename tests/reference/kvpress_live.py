@@ -21,22 +21,15 @@ absent for presses that do not score through `score()`).
 """
 
 import importlib
-import os
 import sys
-import types
-from pathlib import Path
 
 import numpy as np
 import torch
+from transformers import AutoModelForCausalLM, DynamicCache
 
-KVPRESS = Path(os.environ["KVPRESS_PATH"])
-sys.path.insert(0, str(KVPRESS))
-for name, path in [("kvpress", KVPRESS / "kvpress"), ("kvpress.presses", KVPRESS / "kvpress" / "presses")]:
-    module = types.ModuleType(name)
-    module.__path__ = [str(path)]
-    sys.modules.setdefault(name, module)
+from kvpress_package import without_init
 
-from transformers import AutoModelForCausalLM, DynamicCache  # noqa: E402
+without_init()
 
 # Each press's module, and arguments beyond its defaults: a PyramidKVPress whose schedule is not
 # flat on a short prompt (kvpress's is flat unless the budget reaches beta * window_size).

@@ -49,7 +49,6 @@ Usage: kvpress_package.py TRACE METHOD [SETTING...] BUDGET...
 Prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head], "scores": [[...] per KV head]}]}}.
 """
 
-import importlib.util
 import os
 import sys
 import types
@@ -77,14 +76,20 @@ SETTINGS = {
 }
 
 
-def presses():
-    """kvpress's press modules, imported from `$KVPRESS_PATH` without the package's __init__."""
+def without_init():
+    """Makes kvpress's press modules importable from `$KVPRESS_PATH` without running the
+    package's __init__ (which pulls the pipeline's dependencies)."""
     sys.path.insert(0, os.environ["KVPRESS_PATH"])
-    root = os.path.dirname(importlib.util.find_spec("kvpress").origin)
+    root = os.path.join(os.environ["KVPRESS_PATH"], "kvpress")
     for name, path in [("kvpress", root), ("kvpress.presses", os.path.join(root, "presses"))]:
         module = types.ModuleType(name)
         module.__path__ = [path]
         sys.modules[name] = module
+
+
+def presses():
+    """kvpress's press modules, imported from `$KVPRESS_PATH` without the package's __init__."""
+    without_init()
     from kvpress.presses import chunkkv_press, expected_attention_press, keydiff_press, knorm_press, lagkv_press, qfilter_press
     from kvpress.presses import cam_press, decoding_press, dms_press, merging_press, observed_attention_press, think_press
 
