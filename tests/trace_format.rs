@@ -478,3 +478,124 @@ fn rule_layer_rope_thetas() {
         );
     }
 }
+
+/// The attention inputs of the one-layer case (d_model 3): `input` `[3, 3]`, the projections and
+/// a bias on `q_proj`, each element its flat index plus `offset`.
+fn attention_inputs(tensors: &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>) {
+    let counting = |offset: f32, shape: Vec<usize>| -> (Dtype, Vec<usize>, Vec<u8>) {
+        let count: usize = shape.iter().product();
+        let bytes = (0..count)
+            .flat_map(|i| (offset + i as f32).to_le_bytes())
+            .collect();
+        (Dtype::F32, shape, bytes)
+    };
+    for (name, offset, shape) in [
+        ("input", 0.0, vec![3, 3]),
+        ("q_proj.weight", 100.0, vec![4, 3]),
+        ("q_proj.bias", 200.0, vec![4]),
+        ("k_proj.weight", 300.0, vec![2, 3]),
+        ("v_proj.weight", 400.0, vec![2, 3]),
+        ("o_proj.weight", 500.0, vec![3, 4]),
+    ] {
+        let (dtype, shape, bytes) = counting(offset, shape);
+        tensors.push((format!("layers.0.{name}"), dtype, shape, bytes));
+    }
+}
+
+/// Replaces tensor `name` of the case's tensors.
+fn replace(
+    tensors: &mut [(String, Dtype, Vec<usize>, Vec<u8>)],
+    name: &str,
+    dtype: Dtype,
+    shape: Vec<usize>,
+) {
+    let count: usize = shape.iter().product();
+    let slot = tensors.iter_mut().find(|(n, ..)| n == name).unwrap();
+    *slot = (
+        name.into(),
+        dtype,
+        shape,
+        vec![0u8; count * dtype.bitsize() / 8],
+    );
+}
+
+#[test]
+fn attention_inputs_are_read_as_stored() {
+    let trace = case(|_, t| attention_inputs(t)).unwrap();
+    assert!(trace.has_inputs());
+    assert_eq!(trace.d_model(), Some(3));
+    let inputs = trace.layer(0).unwrap().inputs.unwrap();
+    assert_eq!(inputs.hidden[[1, 2]], 5.0);
+    let q = inputs.projection("q_proj");
+    assert_eq!((q.weight.dim(), q.weight[[3, 1]]), ((4, 3), 110.0));
+    assert_eq!(
+        q.bias.as_ref().unwrap().to_vec(),
+        vec![200.0, 201.0, 202.0, 203.0]
+    );
+    assert_eq!(inputs.projection("k_proj").weight[[1, 0]], 303.0);
+    assert!(inputs.projection("k_proj").bias.is_none());
+    assert_eq!(inputs.projection("o_proj").weight.dim(), (3, 4));
+    let plain = case(|_, _| {}).unwrap();
+    assert!(!plain.has_inputs() && plain.layer(0).unwrap().inputs.is_none());
+}
+
+#[test]
+fn rule_attention_inputs() {
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        t.retain(|(name, ..)| name != "layers.0.o_proj.weight");
+    }));
+    assert!(
+        text.contains("`layers.0.o_proj.weight` is missing"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        t.retain(|(name, ..)| name != "layers.0.input");
+    }));
+    assert!(
+        text.contains("`layers.0.q_proj.weight`") && text.contains("one group"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        replace(t, "layers.0.k_proj.weight", Dtype::F32, vec![4, 3]);
+    }));
+    assert!(
+        text.contains("`layers.0.k_proj.weight` has shape [4, 3], expected [2, 3]"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        replace(t, "layers.0.input", Dtype::F32, vec![4, 3]);
+    }));
+    assert!(
+        text.contains("`layers.0.input` has shape [4, 3], expected [3, 3]"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        replace(t, "layers.0.q_proj.bias", Dtype::F32, vec![3]);
+    }));
+    assert!(
+        text.contains("`layers.0.q_proj.bias` has shape [3], expected [4]"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        replace(t, "layers.0.v_proj.weight", Dtype::I32, vec![2, 3]);
+    }));
+    assert!(
+        text.contains("`layers.0.v_proj.weight` has dtype I32, expected F16, BF16 or F32"),
+        "{text}"
+    );
+    let text = message(case(|_, t| {
+        attention_inputs(t);
+        let slot = t.iter_mut().find(|(n, ..)| n == "layers.0.input").unwrap();
+        slot.3[..4].copy_from_slice(&f32::NAN.to_le_bytes());
+    }));
+    assert!(
+        text.contains("`layers.0.input` holds a non-finite value"),
+        "{text}"
+    );
+}

@@ -3,7 +3,7 @@
 
     python traces/capture_hf.py --model MODEL --recipe traces/niah-2k.toml --out trace.safetensors
         [--gguf-file FILE.gguf] [--dtype f16|bf16|f32] [--device cpu|cuda] [--layers 0,1,2]
-        [--generate N] [--chunk 512]
+        [--generate N] [--chunk 512] [--attention-inputs]
 
 MODEL is a hub id or a local directory; with --gguf-file the weights come from that GGUF inside it
 (e.g. --model ~/.cache/kvreplay/smollm2 --gguf-file SmolLM2-135M-Instruct.Q4_1.gguf). The recipe
@@ -12,7 +12,10 @@ it, in token space. Recording: a wrapping attention function is registered with 
 AttentionInterface (with the eager mask registered for it, so prefill stays causal); it stores
 each layer's post-rotary q, the new positions' k and v, then runs eager attention. Scoring in
 kvreplay is always f32; --dtype only sets the storage. The header carries the model's own heads,
-head_dim, scale and soft-cap.
+head_dim, scale and soft-cap. --attention-inputs also records each layer's attention input (the
+normed hidden states, `layers.{l}.input`, in the storage dtype) and its projections
+(`layers.{l}.{q,k,v,o}_proj.weight` and `.bias`, f32), for the methods that read them; models that
+normalise q and k per head (q_norm, k_norm) are refused, since the projections do not describe them.
 """
 import argparse
 import json
@@ -30,7 +33,7 @@ NIAH_SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep 
 NIAH_SUFFIX = " Don't give information outside the document or repeat your findings"
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
-RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...]}
+RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...], "input": [...]}
 WINDOWS = {}  # layer -> attention window (0 = global)
 SCALES = {}  # layer -> softmax scale
 LAYERS = None
@@ -62,6 +65,43 @@ def kvtrace_attention(module, query, key, value, attention_mask, **kwargs):
         slot["k"].append(key[0, :, -new:].detach().float().cpu())
         slot["v"].append(value[0, :, -new:].detach().float().cpu())
     return eager_attention_forward(module, query, key, value, attention_mask, **kwargs)
+
+
+def record_inputs(module, args, kwargs):
+    """A forward pre-hook on a self-attention module: keeps the hidden states entering it."""
+    if LAYERS is None or module.layer_idx in LAYERS:
+        hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
+        RECORD.setdefault(module.layer_idx, {"q": [], "k": [], "v": []}).setdefault("input", []).append(hidden[0].detach().float().cpu())
+
+
+def attention_modules(model):
+    """Each decoder layer's self-attention module, by layer index."""
+    return {module.layer_idx: module for module in model.modules() if hasattr(module, "layer_idx") and hasattr(module, "k_proj")}
+
+
+def projections(module):
+    """The layer's four projections as `name -> tensor` (weights and the biases it has), f32."""
+    if hasattr(module, "q_norm") or hasattr(module, "k_norm"):
+        refuse("per-head q/k norms (q_norm, k_norm) with --attention-inputs: the projections alone do not give its queries and keys")
+    found = {}
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        linear = getattr(module, name)
+        found[f"{name}.weight"] = linear.weight.detach().float().cpu().contiguous()
+        if linear.bias is not None:
+            found[f"{name}.bias"] = linear.bias.detach().float().cpu().contiguous()
+    return found
+
+
+def sizes(config, head_dim, n_layers, positions, element, inputs):
+    """What the trace will hold, in words, before the capture starts."""
+    vectors = n_layers * positions * (config.num_attention_heads + 2 * config.num_key_value_heads) * head_dim * element
+    line = f"capture_hf.py: up to {positions} positions x {n_layers} layers: q, k, v {vectors / 1e6:.1f} MB"
+    if inputs:
+        d, q, kv = config.hidden_size, config.num_attention_heads * head_dim, config.num_key_value_heads * head_dim
+        hidden = n_layers * positions * d * element
+        weights = n_layers * 4 * (2 * q * d + 2 * kv * d)
+        line += f", attention inputs {hidden / 1e6:.1f} MB, projections {weights / 1e6:.1f} MB"
+    return line
 
 
 def turn(role, content):
@@ -140,6 +180,7 @@ def main():
     p.add_argument("--layers", help="comma-separated layer subset (default: all)")
     p.add_argument("--generate", type=int, help="greedy tokens (default: the recipe's)")
     p.add_argument("--chunk", type=int, default=512)
+    p.add_argument("--attention-inputs", action="store_true", help="also record each layer's attention input and projection weights")
     p.add_argument("--essays", default=os.path.join(os.environ.get("KVREPLAY_HOME", os.path.expanduser("~/.cache/kvreplay")), "PaulGrahamEssays"))
     args = p.parse_args()
     AttentionInterface.register("kvtrace", kvtrace_attention)
@@ -155,6 +196,17 @@ def main():
         recipe = tomllib.load(f)
     ids, spans = build(recipe, os.path.dirname(args.recipe), tokenizer, args.essays)
     generate = args.generate if args.generate is not None else recipe["generate"]
+    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
+    modules = attention_modules(model)
+    n_layers = len(LAYERS) if LAYERS else len(modules)
+    element = {"f16": 2, "bf16": 2, "f32": 4}[args.dtype]
+    print(sizes(config, head_dim, n_layers, len(ids) + generate, element, args.attention_inputs), file=sys.stderr, flush=True)
+    weights = {}
+    if args.attention_inputs:
+        for layer, module in modules.items():
+            if LAYERS is None or layer in LAYERS:
+                weights[layer] = projections(module)
+                module.register_forward_pre_hook(record_inputs, with_kwargs=True)
     end_of_turn = tokenizer.eos_token_id if plain_template(tokenizer) else tokenizer.convert_tokens_to_ids("<|im_end|>")
     generated, past = [], None
     with torch.no_grad():
@@ -169,13 +221,15 @@ def main():
             generated.append(token)
             out = model(input_ids=torch.tensor([[token]], device=args.device), past_key_values=past, use_cache=True)
             past = out.past_key_values
-    head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
     layers = sorted(RECORD)
     storage = {"f16": torch.float16, "bf16": torch.bfloat16, "f32": torch.float32}[args.dtype]
     tensors = {"tokens": torch.tensor(ids + generated, dtype=torch.int64)}
     for index, layer in enumerate(layers):
         for kind in ("q", "k", "v"):
             tensors[f"layers.{index}.{kind}"] = torch.cat(RECORD[layer][kind], dim=1).to(storage).contiguous()
+        if args.attention_inputs:
+            tensors[f"layers.{index}.input"] = torch.cat(RECORD[layer]["input"], dim=0).to(storage).contiguous()
+            tensors.update({f"layers.{index}.{name}": weight for name, weight in weights[layer].items()})
     if len(set(SCALES[layer] for layer in layers)) > 1:
         refuse(f"different softmax scales per layer ({sorted(set(SCALES.values()))})")
     scale = SCALES[layers[0]]
@@ -191,7 +245,7 @@ def main():
         "scale": repr(float(scale)),
         "prompt_text": tokenizer.decode(ids),
         "generated_text": tokenizer.decode(generated),
-        "source": f"traces/capture_hf.py (transformers, attention hook); recipe {os.path.basename(args.recipe)}; chunk {args.chunk}; storage {args.dtype}; layers {layers if LAYERS else 'all'}",
+        "source": f"traces/capture_hf.py (transformers, attention hook); recipe {os.path.basename(args.recipe)}; chunk {args.chunk}; storage {args.dtype}; layers {layers if LAYERS else 'all'}{'; attention inputs' if args.attention_inputs else ''}",
     }
     if spans:
         meta["spans"] = json.dumps(spans)

@@ -15,6 +15,16 @@ Llama projection these are what ``q_proj(hidden_states)`` would give. ``position
 in the keyword arguments; ``attentions`` (the prompt's causal attention weights, as eager attention
 returns them) is given to the presses that read them (``ObservedAttentionPress``).
 
+A press that reads the layer's hidden states through its projections (``LeverageScorePress``,
+``CompactorPress``, ``CriticalKVPress``, which reads ``o_proj``) needs a trace that holds each
+layer's attention inputs (``docs/trace-format.md``, "Attention inputs"). It then scores a whole
+layer at once, as kvpress does: the module is the layer's own (its real ``q_proj``, ``k_proj``,
+``v_proj`` and ``o_proj`` with their biases, its heads and rotary), ``hidden_states`` the real
+normed hidden states, ``keys`` and ``values`` every KV head's. Such a press may draw random numbers
+(LeverageScorePress's Gaussian sketch): each layer runs on torch's global generator seeded with
+``seed`` before the first compressed layer and carried from layer to layer, as in a kvpress run
+after ``torch.manual_seed(seed)``; the caller's generator state is left as it was.
+
 A press runs as kvpress runs it: kvpress's ``ScorerPress`` keeps the top scores and nothing else,
 so a :class:`PressScorer` declares ``defaults = {"window": 0, "sinks": 0}``: a policy given it as
 ``scorer=`` protects no recent or first tokens beyond what the press's own scores keep (SnapKV's
@@ -25,12 +35,18 @@ component fetched from the hub, extra forward passes) fails on a small probe whe
 before any work, with a ``KvreplayError`` naming the press and what it tried to read.
 """
 
+import hashlib
+import threading
+
 import numpy as np
 
 from ._native import KvreplayError
 
 # Presses that read the attention weights they are given rather than computing their own.
 READS_ATTENTIONS = {"ObservedAttentionPress"}
+
+# Presses that read the layer's hidden states and projections: they score a whole layer at once.
+READS_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress"}
 
 # Presses that compress while decoding, every few generated tokens.
 DECODING_PRESSES = {"DecodingPress", "PrefillDecodingPress", "CAMPress"}
@@ -48,18 +64,64 @@ class PressScorer:
     # kvpress's ScorerPress protects nothing of its own: no recent window, no sinks.
     defaults = {"window": 0, "sinks": 0}
 
-    def __init__(self, press, name=None, probe=True):
+    def __init__(self, press, name=None, probe=True, seed=0):
         import torch  # noqa: F401  (the stand-in needs torch and transformers)
         from transformers import LlamaConfig  # noqa: F401
 
         self.press = press
         self.name = name or f"kvpress:{type(press).__name__}"
-        self.reads_attentions = type(press).__name__ in READS_ATTENTIONS
+        self.reads_attentions = _innermost(press) in READS_ATTENTIONS
+        self.needs_inputs = type(press).__name__ in READS_INPUTS
+        self.seed = seed
         self._modules = {}
+        self._layer = None  # (key, scores [kv_heads, n]) of the last whole layer scored
+        self._generator = None  # (last layer scored, torch's generator state after it)
+        self._lock = threading.Lock()
         if probe:
             self._probe()
 
     def score(self, cache):
+        if self.needs_inputs:
+            return self._layer_scores(cache)[cache.kv_head][cache.positions]
+        return self._cache_scores(cache)
+
+    def _layer_scores(self, cache):
+        """Every KV head's scores of the cache's layer, scored once per layer (the engine asks
+        for each cache of a layer, possibly from several threads)."""
+        if cache.hidden is None:
+            raise ValueError(f"{self.name} reads the layer's hidden states and projections, and the trace has none")
+        digest = hashlib.blake2b(np.ascontiguousarray(cache.hidden).tobytes(), digest_size=16).digest()
+        key = (cache.layer, cache.newest, digest)
+        with self._lock:
+            if self._layer is None or self._layer[0] != key:
+                self._layer = (key, self._run_layer(cache))
+            return self._layer[1]
+
+    def _run_layer(self, cache):
+        import torch
+
+        module = _Layer(cache)
+        hidden = torch.from_numpy(np.ascontiguousarray(cache.hidden))[None]
+        queries = torch.from_numpy(np.ascontiguousarray(cache.layer_queries))[None]
+        keys = torch.from_numpy(np.ascontiguousarray(cache.layer_keys))[None]
+        values = torch.from_numpy(np.ascontiguousarray(cache.layer_values))[None]
+        n = keys.shape[2]
+        cos, sin = module.rotary_emb(keys, torch.arange(n).unsqueeze(0))
+        attentions = _eager_attentions(queries, _repeat(keys, queries), cache.scale, cache.softcap) if self.reads_attentions else None
+        with torch.random.fork_rng(devices=[]), torch.no_grad():
+            fresh = self._generator is None or cache.layer <= self._generator[0]
+            if fresh:
+                torch.manual_seed(self.seed)
+            else:
+                torch.set_rng_state(self._generator[1])
+            scores = self.press.score(module, hidden, keys, values, attentions, {"position_embeddings": (cos, sin)})
+            self._generator = (cache.layer, torch.get_rng_state())
+        scores = scores[0].float().numpy()
+        if scores.shape != (cache.n_kv_heads, n):
+            raise ValueError(f"{self.name} scored {scores.shape} for {cache.n_kv_heads} KV heads of {n} positions")
+        return scores
+
+    def _cache_scores(self, cache):
         import torch
 
         if cache.rope_theta is None:
@@ -91,17 +153,33 @@ class PressScorer:
     def _probe(self):
         """Scores a small synthetic cache, so a press that cannot be replayed fails here, by name."""
         rng = np.random.default_rng(0)
-        n, d, g = 96, 64, 2
+        n, d, g, kv = 96, 64, 2, 2
+        normal = lambda *shape: rng.standard_normal(shape, dtype=np.float32)  # noqa: E731
+        width = g * kv * d
         probe = _Probe(
-            queries=rng.standard_normal((g, n, d), dtype=np.float32),
-            keys=rng.standard_normal((n, d), dtype=np.float32),
-            values=rng.standard_normal((n, d), dtype=np.float32),
+            queries=normal(g, n, d),
+            keys=normal(n, d),
+            values=normal(n, d),
             positions=np.arange(n),
+            newest=n - 1,
             layer=0,
+            kv_head=0,
             query_heads=(0, g),
+            n_heads=g * kv,
+            n_kv_heads=kv,
             rope_theta=10000.0,
             scale=d**-0.5,
             softcap=None,
+            hidden=normal(n, width),
+            projections={
+                "q_proj.weight": normal(width, width) / width**0.5,
+                "k_proj.weight": normal(kv * d, width) / width**0.5,
+                "v_proj.weight": normal(kv * d, width) / width**0.5,
+                "o_proj.weight": normal(width, width) / width**0.5,
+            },
+            layer_queries=normal(g * kv, n, d),
+            layer_keys=normal(kv, n, d),
+            layer_values=normal(kv, n, d),
         )
         try:
             scores = self.score(probe)
@@ -136,6 +214,53 @@ def _StandIn(layer, group, head_dim, rope_theta):
     module.rotary_emb = LlamaRotaryEmbedding(module.config)
     module.q_proj = nn.Identity()
     return module
+
+
+def _Layer(cache):
+    """The cache's attention layer as kvpress sees it: its real projections (with their biases),
+    heads, rotary and `layer_idx`."""
+    import torch
+    from torch import nn
+    from transformers import LlamaConfig
+    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
+
+    heads, kv_heads, head_dim = cache.n_heads, cache.n_kv_heads, cache.layer_keys.shape[-1]
+    d_model = cache.hidden.shape[-1]
+    module = nn.Module()
+    module.head_dim = head_dim
+    module.layer_idx = cache.layer
+    module.num_key_value_groups = heads // kv_heads
+    module.config = LlamaConfig(
+        hidden_size=d_model,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
+        head_dim=head_dim,
+        rope_theta=float(cache.rope_theta),
+        max_position_embeddings=1 << 16,
+    )
+    module.rotary_emb = LlamaRotaryEmbedding(module.config)
+    for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
+        weight = torch.from_numpy(np.ascontiguousarray(cache.projections[f"{name}.weight"]))
+        bias = cache.projections.get(f"{name}.bias")
+        linear = nn.Linear(weight.shape[1], weight.shape[0], bias=bias is not None)
+        with torch.no_grad():
+            linear.weight.copy_(weight)
+            if bias is not None:
+                linear.bias.copy_(torch.from_numpy(np.ascontiguousarray(bias)))
+        setattr(module, name, linear)
+    return module
+
+
+def _repeat(keys, queries):
+    """Each KV head's keys repeated for its query heads (`repeat_kv`)."""
+    return keys.repeat_interleave(queries.shape[1] // keys.shape[1], dim=1)
+
+
+def _innermost(press):
+    """The class name of the press that scores (a wrapper's inner press)."""
+    while hasattr(press, "press"):
+        press = press.press
+    return type(press).__name__
 
 
 def _prerotary(queries, cos, sin):
@@ -222,6 +347,8 @@ def policy(press):
         return {**policy(press.press), "merge": "similarity", **merge}
     if kind == "PerLayerCompressionPress":
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
+    if kind == "CriticalKVPress":
+        return {"scorer": PressScorer(press)}
     if hasattr(press, "score") and not hasattr(press, "press"):
         settings = {"scorer": PressScorer(press)}
         if kind == "PyramidKVPress":

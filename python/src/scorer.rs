@@ -5,7 +5,9 @@
 //! exactly as for a built-in scorer.
 //!
 //! Optional attributes: `name` (default: the class name), `timings` (default `("prefill",
-//! "per-step-prompt", "per-step")`), `needs_values` (default False) and `defaults` (a dict of
+//! "per-step-prompt", "per-step")`), `needs_values` (default False), `needs_inputs` (default
+//! False: the layer's hidden states and projection weights, which the trace must hold) and
+//! `defaults` (a dict of
 //! policy settings, such as `{"window": 0}`, that a policy given the object as `scorer=` runs
 //! under unless the call sets them: the semantics of the method it wraps). A Python scorer is
 //! stateless: it is asked for scores whenever the engine chooses, so the streaming timings, which
@@ -20,6 +22,7 @@ use crate::method::PyMethod;
 use crate::settings::settings_map;
 use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
 use kvreplay::replay::{LayerContext, Protection, Timing, Unit};
+use kvreplay::trace::{LayerInputs, PROJECTIONS};
 use ndarray::{s, Array1};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -37,6 +40,19 @@ pub struct Cache {
     keys: Py<PyAny>,
     /// Its values at `0..=newest`, `[newest + 1, d]` float32, or None (not stored or not asked).
     values: Py<PyAny>,
+    /// The layer's attention input (normed hidden states) at `0..=newest`, `[newest + 1,
+    /// d_model]` float32, or None (not stored or not asked: `needs_inputs`).
+    hidden: Py<PyAny>,
+    /// The layer's projections as `nn.Linear` stores them, float32: `q_proj.weight`
+    /// `[n_heads·d, d_model]`, `k_proj.weight`, `v_proj.weight` `[n_kv_heads·d, d_model]`,
+    /// `o_proj.weight` `[d_model, n_heads·d]`, and each `….bias` the model has; or None.
+    projections: Py<PyAny>,
+    /// With `needs_inputs`, the whole layer's queries `[n_heads, newest + 1, d]`, keys and
+    /// values `[n_kv_heads, newest + 1, d]` (None without values), for a method that scores a
+    /// layer at once; None otherwise.
+    layer_queries: Py<PyAny>,
+    layer_keys: Py<PyAny>,
+    layer_values: Py<PyAny>,
     /// The cached positions to score (int64), in the cache's order: one score each.
     positions: Py<PyAny>,
     /// The newest position (the current query's).
@@ -75,6 +91,7 @@ pub struct PyScorer {
     shared: Arc<PyMethod>,
     timings: Vec<Timing>,
     needs_values: bool,
+    needs_inputs: bool,
     defaults: Map<String, Value>,
 }
 
@@ -98,10 +115,13 @@ impl PyScorer {
                     .collect::<PyResult<_>>()?
             }
         };
-        let needs_values = match object.getattr_opt("needs_values")? {
-            Some(flag) => flag.extract()?,
-            None => false,
+        let flag = |name: &str| -> PyResult<bool> {
+            match object.getattr_opt(name)? {
+                Some(flag) => flag.extract(),
+                None => Ok(false),
+            }
         };
+        let (needs_values, needs_inputs) = (flag("needs_values")?, flag("needs_inputs")?);
         let defaults = match object.getattr_opt("defaults")? {
             Some(given) => {
                 let dict = given.cast::<PyDict>().map_err(|_| {
@@ -117,6 +137,7 @@ impl PyScorer {
             shared: Arc::new(method),
             timings,
             needs_values,
+            needs_inputs,
             defaults,
         })
     }
@@ -155,6 +176,10 @@ impl Scorer for PyScorer {
         self.needs_values
     }
 
+    fn needs_inputs(&self) -> bool {
+        self.needs_inputs
+    }
+
     fn supports(&self, timing: Timing) -> bool {
         self.timings.contains(&timing)
     }
@@ -165,6 +190,7 @@ impl Scorer for PyScorer {
             unit: unit.clone(),
             protect,
             needs_values: self.needs_values,
+            needs_inputs: self.needs_inputs,
         })
     }
 }
@@ -176,6 +202,7 @@ struct State {
     unit: Unit,
     protect: Protection,
     needs_values: bool,
+    needs_inputs: bool,
 }
 
 impl ScoreState for State {
@@ -235,11 +262,31 @@ impl State {
                 .unbind(),
             _ => py.None(),
         };
+        let (hidden, projections) = match (self.needs_inputs, layer.inputs) {
+            (true, Some(inputs)) => inputs_of(py, inputs, newest)?,
+            _ => (py.None(), py.None()),
+        };
+        let whole = |array: Option<ndarray::ArrayView3<'_, f32>>| match (self.needs_inputs, array) {
+            (true, Some(array)) => array
+                .slice(s![.., ..=newest, ..])
+                .to_owned()
+                .into_pyarray(py)
+                .into_any()
+                .unbind(),
+            _ => py.None(),
+        };
+        let (layer_queries, layer_keys, layer_values) =
+            (whole(Some(layer.q)), whole(Some(layer.k)), whole(layer.v));
         let positions: Array1<i64> = cache.iter().map(|&p| p as i64).collect();
         Ok(Cache {
             queries: queries.into_pyarray(py).into_any().unbind(),
             keys: keys.into_pyarray(py).into_any().unbind(),
             values,
+            hidden,
+            projections,
+            layer_queries,
+            layer_keys,
+            layer_values,
             positions: positions.into_pyarray(py).into_any().unbind(),
             newest,
             layer: layer.layer,
@@ -256,6 +303,27 @@ impl State {
             n_kv_heads: layer.k.shape()[0],
         })
     }
+}
+
+/// The hidden states at `0..=newest` and a dict of the projections' weights and biases.
+fn inputs_of(
+    py: Python<'_>,
+    inputs: &LayerInputs,
+    newest: usize,
+) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
+    let hidden = inputs.hidden.slice(s![..=newest, ..]).to_owned();
+    let projections = PyDict::new(py);
+    for (name, projection) in PROJECTIONS.iter().zip(&inputs.projections) {
+        let weight = projection.weight.clone().into_pyarray(py);
+        projections.set_item(format!("{name}.weight"), weight)?;
+        if let Some(bias) = &projection.bias {
+            projections.set_item(format!("{name}.bias"), bias.clone().into_pyarray(py))?;
+        }
+    }
+    Ok((
+        hidden.into_pyarray(py).into_any().unbind(),
+        projections.into_any().unbind(),
+    ))
 }
 
 /// The scores in `returned`: a one-dimensional float32 or float64 array of `len` finite values.

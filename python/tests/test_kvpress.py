@@ -39,9 +39,12 @@ EQUIVALENT = {
 # kvpress's ScorerPress protects nothing beyond what its scores keep (PressScorer's defaults).
 AS_KVPRESS = {"window": 0, "sinks": 0}
 
-# The other presses that replay from a trace, and those that cannot (the README's table).
+# The other presses that replay from a trace, those that replay from a trace holding attention
+# inputs (test_kvpress_live.py compares them with kvpress run live), and those that cannot (the
+# README's table; CriticalKVPress wraps a press, so it has no default build).
 ALSO_RUN = {"PyramidKVPress", "ObservedAttentionPress", "NonCausalAttnPress", "CURPress", "CapPress", "RandomPress"}
-CANNOT = {"QFilterPress", "KVzapPress", "LeverageScorePress", "CompactorPress", "CriticalKVPress"}
+READ_INPUTS = {"LeverageScorePress", "CompactorPress"}
+CANNOT = {"QFilterPress", "KVzapPress", "CriticalKVPress"}
 # Modules whose imports kvreplay does not install; of their presses only ExpectedAttentionStatsPress
 # is a ScorerPress, and it loads query statistics from the hub.
 NOT_IMPORTED = {"duo_attention_press", "expected_attention_with_stats", "lukv_press"}
@@ -75,7 +78,7 @@ PRESSES = scorer_presses() if KVPRESS.is_dir() else {}
 def test_the_press_list_is_complete():
     assert KVPRESS.is_dir(), f"{KVPRESS}: run cargo test first (the parity tests fetch kvpress)"
     names = {name for name, cls in PRESSES.items() if inspect.isclass(cls)}
-    assert names == set(EQUIVALENT) | ALSO_RUN | CANNOT, sorted(names)
+    assert names == set(EQUIVALENT) | ALSO_RUN | READ_INPUTS | CANNOT, sorted(names)
     assert {name for name, found in PRESSES.items() if not inspect.isclass(found)} == NOT_IMPORTED
 
 
@@ -108,10 +111,13 @@ def outcome(cls):
 
 def test_every_scorer_press_runs_or_says_why(trace):
     outcomes = {name: outcome(cls) for name, cls in PRESSES.items() if inspect.isclass(cls)}
-    assert {name for name, why in outcomes.items() if why == "runs"} == set(EQUIVALENT) | ALSO_RUN
+    assert {name for name, why in outcomes.items() if why == "runs"} == set(EQUIVALENT) | ALSO_RUN | READ_INPUTS
     for name in CANNOT:
         assert name in outcomes[name] or "cannot be built" in outcomes[name], (name, outcomes[name])
-    running = [name for name, why in outcomes.items() if why == "runs"]
+    for name in READ_INPUTS:  # this trace holds no attention inputs: the error names them and the option
+        with pytest.raises(kvreplay.KvreplayError, match=r"kvpress:%s` reads each layer's attention inputs.*--attention-inputs" % name):
+            kvreplay.kept(trace, budget=64, scorer=PressScorer(PRESSES[name]()))
+    running = [name for name, why in outcomes.items() if why == "runs" and name not in READ_INPUTS]
     results = kvreplay.replay(trace, budget=64, policies=[{"scorer": PressScorer(PRESSES[n]())} for n in running])
     mass = results.runs["retained_mass"].to_list()
     assert all(0.0 < m <= 1.0 for m in mass), dict(zip(running, mass))

@@ -1,7 +1,9 @@
 """The bridge as kvpress runs it: every press that replays, run live by kvpress 0.5.5 in
 transformers (its own forward hooks, one prefill, the compressed cache read back;
 tests/reference/kvpress_live.py), keeps what `kvreplay.kvpress.policy(press)` keeps replaying a
-trace of the same prompt captured through transformers (traces/capture_hf.py, f32). Positions
+trace of the same prompt captured through transformers (traces/capture_hf.py, f32, with each
+layer's attention inputs, which LeverageScorePress, CompactorPress and CriticalKVPress read;
+they run live after `torch.manual_seed(0)`, and the bridge seeds its layers alike). Positions
 may differ only at exact ties of the press's own live scores (torch.topk and kvreplay order
 equal scores differently).
 
@@ -20,7 +22,7 @@ import numpy as np
 import pytest
 
 import kvreplay
-from kvreplay.kvpress import policy
+from kvreplay.kvpress import PressScorer, policy
 
 from test_kvpress import HOME, KVPRESS
 
@@ -55,9 +57,10 @@ def kvpress_python():
 
 @pytest.fixture(scope="session")
 def hf_trace(recipe, trace_path, tmp_path_factory):
-    """The conftest's prompt captured through transformers in f32 (`trace_path` fetched the GGUF)."""
+    """The conftest's prompt captured through transformers in f32 with its attention inputs
+    (`trace_path` fetched the GGUF)."""
     out = tmp_path_factory.mktemp("hf") / "niah-600-hf.safetensors"
-    capture = [sys.executable, str(ROOT / "traces" / "capture_hf.py"), "--model", str(GGUF.parent), "--gguf-file", GGUF.name]
+    capture = [sys.executable, str(ROOT / "traces" / "capture_hf.py"), "--model", str(GGUF.parent), "--gguf-file", GGUF.name, "--attention-inputs"]
     subprocess.run([*capture, "--recipe", str(recipe), "--out", str(out), "--dtype", "f32", "--generate", "1"], check=True, capture_output=True)
     return kvreplay.Trace(out)
 
@@ -71,7 +74,8 @@ def live(kvpress_python, hf_trace, tmp_path_factory):
     out = work / "live.npz"
     script = ROOT / "tests" / "reference" / "kvpress_live.py"
     env = {**os.environ, "KVPRESS_PATH": str(KVPRESS), "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(tokens), str(BUDGET), str(out), *kvpress_live.PRESSES]
+    names = [*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES]
+    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(tokens), str(BUDGET), str(out), *names]
     subprocess.run(args, check=True, env=env, capture_output=True)
     return dict(np.load(out))
 
@@ -88,7 +92,7 @@ def untied(ours, theirs, scores):
     return found
 
 
-@pytest.mark.parametrize("name", sorted(kvpress_live.PRESSES))
+@pytest.mark.parametrize("name", sorted([*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES]))
 def test_the_bridge_keeps_what_kvpress_keeps_live(name, live, hf_trace):
     press = kvpress_live.build(name, BUDGET, hf_trace.prompt_len)
     ours = kvreplay.kept(hf_trace, budget=BUDGET, **policy(press))["mask"]
@@ -105,3 +109,12 @@ def test_a_protected_window_is_what_kvpress_does_not_do(live, hf_trace):
     press = kvpress_live.build("KnormPress", BUDGET, hf_trace.prompt_len)
     windowed = kvreplay.kept(hf_trace, budget=BUDGET, **{**policy(press), "window": 8})["mask"]
     assert untied(windowed.reshape(live["KnormPress.kept"].shape), live["KnormPress.kept"], live["KnormPress.scores"])
+
+
+def test_the_sketch_is_drawn_as_kvpress_draws_it(live, hf_trace):
+    # LeverageScorePress's Gaussian sketch from another seed leaves kvpress's sets: the seeding
+    # is what makes them equal.
+    press = kvpress_live.build("LeverageScorePress", BUDGET, hf_trace.prompt_len)
+    other = kvreplay.kept(hf_trace, budget=BUDGET, scorer=PressScorer(press, seed=kvpress_live.SEED + 1))["mask"]
+    theirs = live["LeverageScorePress.kept"]
+    assert untied(other.reshape(theirs.shape), theirs, live["LeverageScorePress.scores"])

@@ -239,6 +239,7 @@ impl LiveStreams<'_> {
             softcap: shape.softcap,
             rope_theta: self.rope_thetas[layer],
             window: self.windows[layer],
+            inputs: None,
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

@@ -794,6 +794,12 @@ fn layer_budgets_with_progress(
             params.scorer
         )));
     }
+    if policy.scorer.needs_inputs() && !trace.has_inputs() {
+        return Err(mismatch(format!(
+            "scorer `{}` reads each layer's attention inputs (hidden states and projection weights), and this trace has none (capture it with `traces/capture_hf.py --attention-inputs`)",
+            params.scorer
+        )));
+    }
     let compressed = compressed_layers(meta, policy);
     if policy.scorer.needs_rope()
         && compressed

@@ -1,6 +1,6 @@
 //! What a scorer may look at: one layer's vectors, the trace geometry, and the cache unit it scores.
 
-use crate::trace::{LayerTensors, TraceReader};
+use crate::trace::{LayerInputs, LayerTensors, TraceReader};
 use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
 use std::ops::Range;
 
@@ -27,6 +27,8 @@ pub struct LayerContext<'a> {
     /// `t + 1 - window..=t` (0: every key up to its own, a global layer). Only a policy that
     /// compresses sliding-window layers (`layers = all`) is replayed on a layer with a window.
     pub window: usize,
+    /// The layer's attention inputs (hidden states and projections), when the trace has them.
+    pub inputs: Option<&'a LayerInputs>,
 }
 
 impl<'a> LayerContext<'a> {
@@ -154,5 +156,6 @@ pub fn context<'a>(
         softcap: meta.softcap,
         rope_theta: meta.rope_theta_of(layer),
         window: meta.window(layer),
+        inputs: tensors.inputs.as_ref(),
     }
 }

@@ -201,6 +201,7 @@ mod tests {
             softcap: None,
             rope_theta: None,
             window: 0,
+            inputs: None,
         }
     }
 

@@ -8,6 +8,7 @@
 
 mod error;
 mod header;
+mod inputs;
 mod layers;
 mod meta;
 mod reader;
@@ -15,6 +16,7 @@ mod writer;
 
 pub use error::TraceError;
 pub(crate) use header::read_header;
+pub use inputs::{LayerInputs, Projection, PROJECTIONS};
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TensorLocation, TraceReader};

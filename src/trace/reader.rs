@@ -8,9 +8,10 @@
 //! process's resident memory; read this way, a layer costs its f32 arrays and nothing else,
 //! while the file stays in the page cache, shared and reclaimable.
 
+use super::inputs::{self, LayerInputs, Projection, PROJECTIONS};
 use super::{TraceError, TraceMeta};
 use memmap2::Mmap;
-use ndarray::{Array1, Array3};
+use ndarray::{Array1, Array2, Array3};
 use safetensors::tensor::{Dtype, Metadata, TensorInfo};
 use safetensors::SafeTensors;
 use std::fs::File;
@@ -26,6 +27,8 @@ pub struct LayerTensors {
     pub k: Array3<f32>,
     /// Values, `[n_kv_heads, T, head_dim]`, when the trace has them.
     pub v: Option<Array3<f32>>,
+    /// The layer's attention inputs, when the trace has them.
+    pub inputs: Option<LayerInputs>,
 }
 
 /// Where one tensor's data lies in a trace file ([`TraceReader::tensor_location`]).
@@ -50,6 +53,8 @@ pub struct TraceReader {
     n_positions: usize,
     storage: Dtype,
     has_values: bool,
+    /// `d_model`, when the trace holds attention inputs.
+    d_model: Option<usize>,
     /// Bytes a cache holds per element, when set apart from the file's dtype.
     cache_element_bytes: Option<usize>,
 }
@@ -109,6 +114,7 @@ impl TraceReader {
             n_positions: 0,
             storage: Dtype::F32,
             has_values: false,
+            d_model: None,
             cache_element_bytes: None,
         };
         reader.check_tensors()?;
@@ -132,7 +138,7 @@ impl TraceReader {
         let n_positions = tokens.shape[0];
         let meta = &self.meta;
         let storage = self.info("layers.0.q")?.dtype;
-        if !matches!(storage, Dtype::F16 | Dtype::BF16 | Dtype::F32) {
+        if !float_dtype(storage) {
             return Err(self.dtype_error("layers.0.q", storage, "F16, BF16 or F32"));
         }
         let has_values = self.header.info("layers.0.v").is_some();
@@ -173,6 +179,7 @@ impl TraceReader {
             }
         }
         self.meta.check_positions(&self.path, n_positions)?;
+        self.d_model = inputs::check(&self.path, &self.header, &self.meta, n_positions)?;
         self.n_positions = n_positions;
         self.storage = storage;
         self.has_values = has_values;
@@ -245,6 +252,7 @@ impl TraceReader {
             n_positions: self.n_positions,
             storage: self.storage,
             has_values: self.has_values,
+            d_model: self.d_model,
             cache_element_bytes: self.cache_element_bytes,
         })
     }
@@ -284,6 +292,16 @@ impl TraceReader {
     /// Whether the trace stores values (needed for the output-error metric).
     pub fn has_values(&self) -> bool {
         self.has_values
+    }
+
+    /// Whether the trace holds each layer's attention inputs (hidden states and projections).
+    pub fn has_inputs(&self) -> bool {
+        self.d_model.is_some()
+    }
+
+    /// The model width of its attention inputs, when it holds them.
+    pub fn d_model(&self) -> Option<usize> {
+        self.d_model
     }
 
     /// The storage dtype of q, k and v, as safetensors names it (`F16`, `BF16`, `F32`).
@@ -355,10 +373,59 @@ impl TraceReader {
         } else {
             None
         };
-        Ok(LayerTensors { q, k, v })
+        let inputs = self.layer_inputs(layer)?;
+        Ok(LayerTensors { q, k, v, inputs })
+    }
+
+    /// Reads one layer's attention inputs as f32, checking that every value is finite; `None`
+    /// when the trace holds none.
+    pub fn layer_inputs(&self, layer: usize) -> Result<Option<LayerInputs>, TraceError> {
+        if self.d_model.is_none() {
+            return Ok(None);
+        }
+        if layer >= self.meta.n_layers {
+            return Err(TraceError::NoSuchLayer {
+                path: self.path.clone(),
+                layer,
+                n_layers: self.meta.n_layers,
+            });
+        }
+        let matrix =
+            |name: String| -> Result<Array2<f32>, TraceError> {
+                let (values, shape) = self.floats(&name)?;
+                Ok(Array2::from_shape_vec((shape[0], shape[1]), values)
+                    .expect("shape checked at open"))
+            };
+        let projection = |name: &str| -> Result<Projection, TraceError> {
+            let bias = format!("layers.{layer}.{name}.bias");
+            let bias = match self.header.info(&bias) {
+                Some(_) => Some(Array1::from(self.floats(&bias)?.0)),
+                None => None,
+            };
+            Ok(Projection {
+                weight: matrix(format!("layers.{layer}.{name}.weight"))?,
+                bias,
+            })
+        };
+        Ok(Some(LayerInputs {
+            hidden: matrix(format!("layers.{layer}.input"))?,
+            projections: [
+                projection(PROJECTIONS[0])?,
+                projection(PROJECTIONS[1])?,
+                projection(PROJECTIONS[2])?,
+                projection(PROJECTIONS[3])?,
+            ],
+        }))
     }
 
     fn tensor(&self, name: &str) -> Result<Array3<f32>, TraceError> {
+        let (values, shape) = self.floats(name)?;
+        let shape = (shape[0], shape[1], shape[2]);
+        Ok(Array3::from_shape_vec(shape, values).expect("shape checked at open"))
+    }
+
+    /// A float tensor's values as f32 and its shape, every value checked finite.
+    fn floats(&self, name: &str) -> Result<(Vec<f32>, Vec<usize>), TraceError> {
         let info = self.info(name)?;
         let mut values = Vec::with_capacity(info.shape.iter().product());
         self.read_chunks(info, |bytes| extend_f32(&mut values, bytes, info.dtype))?;
@@ -370,9 +437,13 @@ impl TraceReader {
                 value: values[index].to_string(),
             });
         }
-        let shape = (info.shape[0], info.shape[1], info.shape[2]);
-        Ok(Array3::from_shape_vec(shape, values).expect("shape checked at open"))
+        Ok((values, info.shape.clone()))
     }
+}
+
+/// Whether `dtype` is one a trace stores vectors in.
+pub(super) fn float_dtype(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32)
 }
 
 /// Bytes per read: a multiple of every element size, small beside a layer.

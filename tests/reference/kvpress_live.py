@@ -15,6 +15,10 @@ without the press (prefill compresses after each layer's attention, so every lay
 same inputs as without the press and the rows are bit-identical). Scores: the press's own
 `score()` output, recorded as it returns.
 
+The presses of INPUT_PRESSES read the layer's hidden states through its projections and may draw
+random numbers (LeverageScorePress's Gaussian sketch): each prefill with a press runs after
+`torch.manual_seed(SEED)`, the seed the bridge's `PressScorer` starts its layers from.
+
 Usage: kvpress_live.py MODEL_DIR GGUF_FILE TOKENS.npy BUDGET OUT.npz PRESS...
 Writes `<press>.kept` (bool [layers, kv_heads, n]) and `<press>.scores` (float32, same shape;
 absent for presses that do not score through `score()`).
@@ -49,14 +53,32 @@ PRESSES = {
 }
 
 
+# Presses that read each layer's hidden states and projections (a trace with attention inputs);
+# CriticalKVPress over SnapKVPress, the inner press its paper pairs it with.
+INPUT_PRESSES = {
+    "LeverageScorePress": ("leverage_press", {}),
+    "CompactorPress": ("compactor_press", {}),
+    "CriticalKVPress": ("criticalkv_press", {"press": ("snapkv_press", "SnapKVPress")}),
+}
+
+# The torch seed every prefill with a press starts from.
+SEED = 0
+
+
 def build(name, budget, n):
     """Press `name` set to keep `budget` of `n` positions: ScorerPress keeps
     int(n * (1 - ratio)) (half a token above the budget), PyramidKVPress's schedule reads
     n * (1 - ratio) as the budget itself."""
-    module, arguments = PRESSES[name]
+    module, arguments = {**PRESSES, **INPUT_PRESSES}[name]
+    arguments = {key: inner(*value) if isinstance(value, tuple) else value for key, value in arguments.items()}
     press = getattr(importlib.import_module(f"kvpress.presses.{module}"), name)(**arguments)
     press.compression_ratio = 1 - (budget + (0 if name == "PyramidKVPress" else 0.5)) / n
     return press
+
+
+def inner(module, name):
+    """A press given to a wrapping press, with its defaults."""
+    return getattr(importlib.import_module(f"kvpress.presses.{module}"), name)()
 
 
 def prefill(model, ids, press=None):
@@ -65,6 +87,7 @@ def prefill(model, ids, press=None):
         if press is None:
             model(input_ids=ids, past_key_values=cache, use_cache=True)
         else:
+            torch.manual_seed(SEED)
             with press(model):
                 model(input_ids=ids, past_key_values=cache, use_cache=True)
     return [layer.keys[0].float() for layer in cache.layers]

@@ -76,6 +76,11 @@ pub trait Scorer: Send + Sync {
     fn needs_values(&self) -> bool {
         false
     }
+    /// Whether it reads each layer's attention inputs, the hidden states and projection weights
+    /// (the trace must hold them: `docs/trace-format.md`, "Attention inputs").
+    fn needs_inputs(&self) -> bool {
+        false
+    }
     /// Whether it rotates the queries back before the rotary (the trace must give `rope_theta`).
     fn needs_rope(&self) -> bool {
         false
@@ -416,6 +421,7 @@ pub(crate) mod testing {
             softcap: None,
             rope_theta: None,
             window: 0,
+            inputs: None,
         }
     }
 
