@@ -30,7 +30,7 @@ so a :class:`PressScorer` declares ``defaults = {"window": 0, "sinks": 0}``: a p
 ``scorer=`` protects no recent or first tokens beyond what the press's own scores keep (SnapKV's
 window, StreamingLLM's sinks), unless the call sets ``window`` or ``sinks`` itself.
 
-A press that reads what a trace does not hold (the real hidden states, a model's other weights, a
+A press that reads what a trace does not hold (a model's other weights, a
 component fetched from the hub, extra forward passes) fails on a small probe when it is wrapped,
 before any work, with a ``KvreplayError`` naming the press and what it tried to read.
 """

@@ -240,6 +240,12 @@ impl Trace {
         self.reader.has_values()
     }
 
+    /// Whether the trace holds each layer's attention inputs (hidden states and projections).
+    #[getter]
+    fn has_inputs(&self) -> bool {
+        self.reader.has_inputs()
+    }
+
     /// The token ids (int64).
     #[getter]
     fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -62,7 +62,9 @@ def hf_trace(recipe, trace_path, tmp_path_factory):
     out = tmp_path_factory.mktemp("hf") / "niah-600-hf.safetensors"
     capture = [sys.executable, str(ROOT / "traces" / "capture_hf.py"), "--model", str(GGUF.parent), "--gguf-file", GGUF.name, "--attention-inputs"]
     subprocess.run([*capture, "--recipe", str(recipe), "--out", str(out), "--dtype", "f32", "--generate", "1"], check=True, capture_output=True)
-    return kvreplay.Trace(out)
+    trace = kvreplay.Trace(out)
+    assert trace.has_inputs
+    return trace
 
 
 @pytest.fixture(scope="session")
@@ -118,3 +120,30 @@ def test_the_sketch_is_drawn_as_kvpress_draws_it(live, hf_trace):
     other = kvreplay.kept(hf_trace, budget=BUDGET, scorer=PressScorer(press, seed=kvpress_live.SEED + 1))["mask"]
     theirs = live["LeverageScorePress.kept"]
     assert untied(other.reshape(theirs.shape), theirs, live["LeverageScorePress.scores"])
+
+
+def test_a_scorer_that_needs_inputs_sees_the_layers_own(hf_trace):
+    from safetensors.numpy import load_file
+
+    stored = load_file(hf_trace.path)
+    seen = {}
+
+    class Recorder:
+        needs_inputs = True
+        needs_values = True
+
+        def score(self, cache):
+            seen[(cache.layer, cache.kv_head)] = cache
+            return np.zeros(len(cache.positions), dtype=np.float32)
+
+    kvreplay.kept(hf_trace, budget=BUDGET, scorer=Recorder())
+    assert len(seen) == hf_trace.n_layers * hf_trace.n_kv_heads
+    n = hf_trace.prompt_len
+    for layer in (0, hf_trace.n_layers - 1):
+        cache = seen[(layer, 1)]
+        assert np.array_equal(cache.hidden, stored[f"layers.{layer}.input"][:n])
+        assert sorted(cache.projections) == ["k_proj.weight", "o_proj.weight", "q_proj.weight", "v_proj.weight"]
+        assert np.array_equal(cache.projections["o_proj.weight"], stored[f"layers.{layer}.o_proj.weight"])
+        assert np.array_equal(cache.layer_keys, stored[f"layers.{layer}.k"][:, :n])
+        assert np.array_equal(cache.layer_values, stored[f"layers.{layer}.v"][:, :n])
+        assert np.array_equal(cache.keys, stored[f"layers.{layer}.k"][1, :n])
