@@ -40,11 +40,13 @@ EQUIVALENT = {
 AS_KVPRESS = {"window": 0, "sinks": 0}
 
 # The other presses that replay from a trace, those that replay from a trace holding attention
-# inputs (test_kvpress_live.py compares them with kvpress run live), and those that cannot (the
-# README's table; CriticalKVPress wraps a press, so it has no default build).
+# inputs (test_kvpress_live.py compares them with kvpress run live), and those that cannot: they
+# need a component fetched from the hub (the README's table).
 ALSO_RUN = {"PyramidKVPress", "ObservedAttentionPress", "NonCausalAttnPress", "CURPress", "CapPress", "RandomPress"}
-READ_INPUTS = {"LeverageScorePress", "CompactorPress"}
-CANNOT = {"QFilterPress", "KVzapPress", "CriticalKVPress"}
+READ_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress"}
+CANNOT = {"QFilterPress", "KVzapPress"}
+# Presses that wrap another, built over KnormPress.
+WRAPPERS = {"CriticalKVPress"}
 # Modules whose imports kvreplay does not install; of their presses only ExpectedAttentionStatsPress
 # is a ScorerPress, and it loads query statistics from the hub.
 NOT_IMPORTED = {"duo_attention_press", "expected_attention_with_stats", "lukv_press"}
@@ -97,9 +99,10 @@ def test_presses_keep_what_rust_keeps(trace, press_name, budget):
 
 
 def outcome(cls):
-    """`runs` or why not: each press built with default arguments and wrapped."""
+    """`runs` or why not: each press built with default arguments (a wrapper over KnormPress) and
+    wrapped."""
     try:
-        press = cls()
+        press = cls(PRESSES["KnormPress"]()) if cls.__name__ in WRAPPERS else cls()
     except Exception as err:
         return f"cannot be built with default arguments: {err}"
     try:
@@ -113,10 +116,11 @@ def test_every_scorer_press_runs_or_says_why(trace):
     outcomes = {name: outcome(cls) for name, cls in PRESSES.items() if inspect.isclass(cls)}
     assert {name for name, why in outcomes.items() if why == "runs"} == set(EQUIVALENT) | ALSO_RUN | READ_INPUTS
     for name in CANNOT:
-        assert name in outcomes[name] or "cannot be built" in outcomes[name], (name, outcomes[name])
+        assert name in outcomes[name], (name, outcomes[name])
     for name in READ_INPUTS:  # this trace holds no attention inputs: the error names them and the option
+        press = PRESSES[name](PRESSES["KnormPress"]()) if name in WRAPPERS else PRESSES[name]()
         with pytest.raises(kvreplay.KvreplayError, match=r"kvpress:%s` reads each layer's attention inputs.*--attention-inputs" % name):
-            kvreplay.kept(trace, budget=64, scorer=PressScorer(PRESSES[name]()))
+            kvreplay.kept(trace, budget=64, scorer=PressScorer(press))
     running = [name for name, why in outcomes.items() if why == "runs" and name not in READ_INPUTS]
     results = kvreplay.replay(trace, budget=64, policies=[{"scorer": PressScorer(PRESSES[n]())} for n in running])
     mass = results.runs["retained_mass"].to_list()
