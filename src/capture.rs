@@ -4,7 +4,9 @@
 use crate::assets::{model_asset, AssetError, Assets};
 use crate::model::{family, CausalLm, HfModel, KvCache, ModelError, Recorder};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
-use crate::trace::{write_trace, StorageDtype, TraceError, TraceMeta};
+use crate::trace::{
+    write_trace, InputsSource, LayerInputs, Projection, StorageDtype, TraceError, TraceMeta,
+};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -41,6 +43,9 @@ pub enum CaptureError {
     /// A model name no asset has.
     #[error("unknown model `{0}` (see `kvreplay fetch --help`)")]
     UnknownModel(String),
+    /// Attention inputs asked of a family whose projections do not give its queries and keys.
+    #[error("--attention-inputs: model family `{0}` normalises q and k per head after its projections, so a trace's projections would not give its queries and keys; its attention inputs are not recorded")]
+    NoAttentionInputs(&'static str),
     /// The lock that lets concurrent sweeps capture a recipe once could not be taken.
     #[error("{path}: cannot take the capture lock: {source}")]
     Lock {
@@ -202,12 +207,13 @@ pub fn capture_once(
 pub fn capture_recipe(
     recipe: &Path,
     out: &Path,
-    (storage, chunk): (StorageDtype, usize),
+    (storage, chunk, inputs): (StorageDtype, usize, bool),
     models: &mut ModelSlot,
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Vec<CaptureSummary>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
     let model = models.model(parsed.model())?;
+    let projections = inputs.then(|| input_projections(model)).transpose()?;
     let questions = build_questions(recipe, model)?;
     let options = recipe_options(recipe, (parsed.model(), model), (storage, chunk))?;
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
@@ -239,12 +245,92 @@ pub fn capture_recipe(
             &mut |_| tick(1),
         )?;
         let written = (&questions, index, generated.as_slice());
-        summaries.push(write_question(model, written, &recorder, (&options, out))?);
+        let recorded = (&recorder, projections.as_deref());
+        summaries.push(write_question(model, written, recorded, (&options, out))?);
         Ok::<(), CaptureError>(())
     };
-    prefill_questions(model, &questions, (chunk, spill_dir), &mut tick, &mut write)?;
+    let recording = (chunk, spill_dir, inputs);
+    prefill_questions(model, &questions, recording, &mut tick, &mut write)?;
     summaries.reverse();
     Ok(summaries)
+}
+
+/// What a capture of a recipe will write, at most (its generated tokens may stop early): the
+/// positions of its longest question, and the bytes of q, k and v, of the attention inputs and of
+/// the projections over every question's trace.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub struct PlannedSize {
+    /// The most positions one of its traces holds.
+    pub positions: usize,
+    /// Its traces.
+    pub traces: usize,
+    /// Bytes of q, k and v.
+    pub vectors: u64,
+    /// Bytes of the attention inputs' hidden states (0 when not recorded).
+    pub hidden: u64,
+    /// Bytes of the projections (0 when not recorded).
+    pub projections: u64,
+}
+
+impl std::fmt::Display for PlannedSize {
+    fn fmt(&self, f: &mut std::fmt::Formatter<'_>) -> std::fmt::Result {
+        let megabytes = |bytes: u64| bytes as f64 / 1e6;
+        write!(
+            f,
+            "up to {} positions in {} trace(s): q, k, v {:.1} MB",
+            self.positions,
+            self.traces,
+            megabytes(self.vectors)
+        )?;
+        if self.projections > 0 {
+            write!(
+                f,
+                ", attention inputs {:.1} MB, projections {:.1} MB",
+                megabytes(self.hidden),
+                megabytes(self.projections)
+            )?;
+        }
+        Ok(())
+    }
+}
+
+/// What capturing `recipe` with `(storage, chunk, inputs)` will write at most, before it starts.
+pub fn planned_size(
+    recipe: &Path,
+    models: &mut ModelSlot,
+    (storage, _, inputs): (StorageDtype, usize, bool),
+) -> Result<PlannedSize, CaptureError> {
+    let (parsed, _) = Recipe::load(recipe)?;
+    let model = models.model(parsed.model())?;
+    let questions = build_questions(recipe, model)?;
+    let spec = model.spec();
+    let positions: Vec<u64> = questions
+        .prompts
+        .iter()
+        .map(|prompt| (prompt.ids.len() + prompt.generate) as u64)
+        .collect();
+    let total: u64 = positions.iter().sum();
+    let (layers, element) = (spec.n_layers as u64, storage.element_bytes() as u64);
+    let heads = (spec.n_heads + 2 * spec.n_kv_heads) as u64 * spec.head_dim as u64;
+    let (q, kv) = (
+        (spec.n_heads * spec.head_dim) as u64,
+        (spec.n_kv_heads * spec.head_dim) as u64,
+    );
+    let d_model = match inputs {
+        true => match model.attention_projections(0)? {
+            Some(first) => first[0].weight.ncols() as u64,
+            None => return Err(CaptureError::NoAttentionInputs(spec.family)),
+        },
+        false => 0,
+    };
+    let traces = positions.len() as u64;
+    Ok(PlannedSize {
+        positions: positions.iter().copied().max().unwrap_or(0) as usize,
+        traces: traces as usize,
+        vectors: layers * total * heads * element,
+        hidden: layers * total * d_model * element,
+        projections: traces * layers * 4 * (2 * q * d_model + 2 * kv * d_model),
+    })
 }
 
 /// How a capture of recipe file `recipe` by `model` (the model the recipe names `name`) writes
@@ -272,13 +358,26 @@ pub fn recipe_options(
     })
 }
 
+/// Every layer's attention projections, for a trace that stores its attention inputs; an error
+/// for a family whose projections do not give its queries and keys.
+pub fn input_projections(model: &dyn CausalLm) -> Result<Vec<[Projection; 4]>, CaptureError> {
+    (0..model.spec().n_layers)
+        .map(|layer| {
+            model
+                .attention_projections(layer)?
+                .ok_or(CaptureError::NoAttentionInputs(model.spec().family))
+        })
+        .collect()
+}
+
 /// Writes the trace of question `index` of `questions` that a capture into `out` writes
-/// ([`question_trace`]): its run with the full cache as `recorder` recorded it, its prompt and
-/// then the `generated` tokens fed back.
+/// ([`question_trace`]): its run with the full cache as `recorder` recorded it (with its
+/// attention inputs and the model's `projections`, where given), its prompt and then the
+/// `generated` tokens fed back.
 pub fn write_question(
     model: &dyn CausalLm,
     (questions, index, generated): (&BuiltQuestions, usize, &[u32]),
-    recorder: &Recorder,
+    (recorder, projections): (&Recorder, Option<&[[Projection; 4]]>),
     (options, out): (&CaptureOptions, &Path),
 ) -> Result<CaptureSummary, CaptureError> {
     let prompt = &questions.prompts[index];
@@ -295,7 +394,8 @@ pub fn write_question(
     }
     let tokens = token_ids(prompt, generated);
     let path = question_trace(out, index, count);
-    write_layers(&path, &meta, options.storage, &tokens, recorder)?;
+    let recorded = (recorder, projections);
+    write_layers(&path, &meta, options.storage, &tokens, recorded)?;
     Ok(CaptureSummary {
         path,
         prompt_tokens: prompt.ids.len(),
@@ -339,12 +439,13 @@ pub type OnPromptRun<'a, E> =
 pub fn prefill_questions<E: From<ModelError>>(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
-    (chunk, spill_dir): (usize, &Path),
+    (chunk, spill_dir, inputs): (usize, &Path, bool),
     progress: &mut dyn FnMut(usize),
     then: &mut OnPromptRun<'_, E>,
 ) -> Result<(), E> {
     let shared = questions.shared;
-    let mut context = Recorder::spilling(spill_dir);
+    let recorder = || Recorder::spilling(spill_dir).keeping_inputs(inputs);
+    let mut context = recorder();
     let mut cache = KvCache::default();
     let first = &questions.prompts[0].ids[..shared];
     let logits = prefill_onto(model, first, chunk, &mut cache, &mut context, progress)?;
@@ -353,7 +454,7 @@ pub fn prefill_questions<E: From<ModelError>>(
         let mut run = PromptRun {
             cache: cache.clone(),
             logits: logits.clone(),
-            recorder: Recorder::spilling(spill_dir).continuing(context.clone()),
+            recorder: recorder().continuing(context.clone()),
         };
         let rest = &prompt.ids[shared..];
         if !rest.is_empty() {
@@ -397,6 +498,8 @@ pub struct Captured {
     pub generated_text: String,
     /// The recorder, for checks against the forward pass.
     pub recorder: Recorder,
+    /// Every layer's attention projections, where the recorder kept attention inputs.
+    projections: Option<Vec<[Projection; 4]>>,
     meta: TraceMeta,
     tokens: Vec<i64>,
     storage: StorageDtype,
@@ -405,7 +508,8 @@ pub struct Captured {
 impl Captured {
     /// Writes the trace atomically, one layer of it in memory at a time.
     pub fn write(&self, path: &Path) -> Result<(), TraceError> {
-        write_layers(path, &self.meta, self.storage, &self.tokens, &self.recorder)
+        let recorded = (&self.recorder, self.projections.as_deref());
+        write_layers(path, &self.meta, self.storage, &self.tokens, recorded)
     }
 }
 
@@ -425,16 +529,17 @@ pub fn write_recording(
         &meta,
         options.storage,
         &token_ids(prompt, generated),
-        recorder,
+        (recorder, None),
     )
 }
 
+/// Writes what `recorder` recorded, with its attention inputs where `projections` are given.
 fn write_layers(
     path: &Path,
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
-    recorder: &Recorder,
+    (recorder, projections): (&Recorder, Option<&[[Projection; 4]]>),
 ) -> Result<(), TraceError> {
     let layer = |layer: usize| {
         recorder
@@ -442,7 +547,23 @@ fn write_layers(
             .map(|(q, k, v)| (q, k, Some(v)))
             .map_err(|err| err.to_string())
     };
-    write_trace(path, meta, storage, tokens, true, &layer)
+    let inputs_of = |layer: usize| -> Result<LayerInputs, String> {
+        let projections = projections.expect("inputs are written with projections");
+        let hidden = recorder.layer_input(layer).map_err(|err| err.to_string())?;
+        Ok(LayerInputs {
+            hidden: hidden.ok_or("the recorder kept no attention inputs")?,
+            projections: projections[layer].clone(),
+        })
+    };
+    let inputs = projections.and_then(|projections| {
+        let first = projections.first()?;
+        Some(InputsSource {
+            d_model: first[0].weight.ncols(),
+            biases: std::array::from_fn(|index| first[index].bias.is_some()),
+            layer: &inputs_of,
+        })
+    });
+    write_trace(path, meta, storage, tokens, (true, &layer), inputs.as_ref())
 }
 
 /// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`
@@ -455,6 +576,11 @@ pub fn capture(
     progress: &mut dyn FnMut(usize, usize),
 ) -> Result<Captured, CaptureError> {
     let total = prompt.ids.len() + prompt.generate;
+    // Checked before the run: a family without them fails at once.
+    let projections = match recorder.keeps_inputs() {
+        true => Some(input_projections(model)?),
+        false => None,
+    };
     let generated = model.generate(
         &prompt.ids,
         prompt.generate,
@@ -462,18 +588,26 @@ pub fn capture(
         Some(&mut recorder),
         &mut |done| progress(done, total),
     )?;
-    Ok(captured(model, prompt, options, recorder, generated))
+    Ok(captured(
+        model,
+        prompt,
+        options,
+        (recorder, projections),
+        generated,
+    ))
 }
 
-/// The capture of `prompt` that generated `generated`, recorded by `recorder`.
+/// The capture of `prompt` that generated `generated`, recorded by `recorder` (with the model's
+/// `projections` where it kept attention inputs).
 fn captured(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     options: &CaptureOptions,
-    recorder: Recorder,
+    (recorder, projections): (Recorder, Option<Vec<[Projection; 4]>>),
     generated: Vec<u32>,
 ) -> Captured {
     Captured {
+        projections,
         meta: trace_meta(model, prompt, &generated, options),
         tokens: token_ids(prompt, &generated),
         storage: options.storage,

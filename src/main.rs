@@ -63,6 +63,10 @@ enum Command {
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
         chunk: usize,
+        /// Also record each layer's attention input (normed hidden states) and projection
+        /// weights, for the methods that read them (Llama and Qwen2 families).
+        #[arg(long)]
+        attention_inputs: bool,
     },
     /// Replay one policy on a trace and measure what it keeps.
     Replay {
@@ -234,9 +238,11 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             out,
             dtype,
             chunk,
+            attention_inputs,
         } => {
             let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
-            commands::capture_recipe(&recipe, &out, (dtype, chunk), &mut Default::default())?;
+            let storing = (dtype, chunk, attention_inputs);
+            commands::capture_recipe(&recipe, &out, storing, &mut Default::default())?;
         }
         Command::Replay { trace, output } => {
             let flags = matches

@@ -1,6 +1,8 @@
 //! The Python capture (`traces/capture_hf.py`, transformers with an attention hook) against the
 //! native capture, on the same GGUF and the same recipes: same token ids and spans, q/k/v within
-//! 1e-3 (observed ~3e-5: two f32 implementations), and kvreplay's metrics within 1e-3.
+//! 1e-3 (observed ~3e-5: two f32 implementations), and kvreplay's metrics within 1e-3. With
+//! `--attention-inputs` on both sides, the same attention inputs: hidden states within 1e-3 of
+//! their range and projections within 1e-6 (both dequantize the same GGUF blocks).
 //! The Python environment (torch, transformers, gguf; ~3 GB) is made once in
 //! `$KVREPLAY_HF_PYTHON`'s venv or `$KVREPLAY_HOME/hf-venv`; `.ci/run` keeps it in its cache.
 
@@ -16,7 +18,7 @@ use kvreplay::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
-fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], out: &Path) {
+fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], (out, inputs): (&Path, bool)) {
     let (parsed, base) = Recipe::load(recipe).unwrap();
     let prompt = parsed.build(model.tokenizer(), essays, &base).unwrap();
     let options = CaptureOptions {
@@ -29,7 +31,7 @@ fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], out: &Path) {
         model,
         &prompt,
         &options,
-        Recorder::default(),
+        Recorder::default().keeping_inputs(inputs),
         &mut |_, _| {},
     )
     .unwrap();
@@ -88,6 +90,30 @@ fn worst_difference(ours: &TraceReader, theirs: &TraceReader, relative: bool) ->
     worst
 }
 
+/// The largest differences between the two traces' attention inputs over every layer: of the
+/// hidden states relative to their largest magnitude, and of the projections' weights and
+/// biases, absolute.
+fn worst_input_difference(ours: &TraceReader, theirs: &TraceReader) -> (f32, f32) {
+    let largest = |values: ndarray::ArrayViewD<'_, f32>| -> f32 {
+        values.iter().fold(0.0f32, |m, v| m.max(v.abs()))
+    };
+    let (mut hidden, mut weights) = (0.0f32, 0.0f32);
+    for layer in 0..ours.meta().n_layers {
+        let a = ours.layer_inputs(layer).unwrap().expect("native inputs");
+        let b = theirs.layer_inputs(layer).unwrap().expect("Python inputs");
+        let scale = largest(b.hidden.view().into_dyn());
+        hidden = hidden.max(largest((&a.hidden - &b.hidden).view().into_dyn()) / scale);
+        for (x, y) in a.projections.iter().zip(&b.projections) {
+            weights = weights.max(largest((&x.weight - &y.weight).view().into_dyn()));
+            assert_eq!(x.bias.is_some(), y.bias.is_some(), "layer {layer}: biases");
+            if let (Some(p), Some(q)) = (&x.bias, &y.bias) {
+                weights = weights.max(largest((p - q).view().into_dyn()));
+            }
+        }
+    }
+    (hidden, weights)
+}
+
 /// Presets `names` at `budget` measure the same `metrics` on both traces, within 1e-3.
 fn assert_same_metrics(
     ours: &TraceReader,
@@ -127,8 +153,9 @@ fn python_capture_matches_native_capture() {
     for recipe in [chat.as_path(), niah.as_path()] {
         let native_path = dir.path().join("native.safetensors");
         let hf_path = dir.path().join("hf.safetensors");
-        native(&model, recipe, &essays, &native_path);
-        python_capture(&model_path, recipe, &hf_path, &["--dtype", "f32"]);
+        native(&model, recipe, &essays, (&native_path, true));
+        let options = ["--dtype", "f32", "--attention-inputs"];
+        python_capture(&model_path, recipe, &hf_path, &options);
         let (ours, theirs) = (
             TraceReader::open(&native_path).unwrap(),
             TraceReader::open(&hf_path).unwrap(),
@@ -154,6 +181,9 @@ fn python_capture_matches_native_capture() {
             "{}: q/k/v differ by {worst}",
             recipe.display()
         );
+        let (hidden, weights) = worst_input_difference(&ours, &theirs);
+        eprintln!("attention inputs: hidden {hidden:e} of their range, projections {weights:e}");
+        assert!(hidden < 1e-3 && weights < 1e-6, "{hidden}, {weights}");
         assert_same_metrics(
             &ours,
             &theirs,
@@ -173,14 +203,15 @@ fn needle_recipe(model: &str, (tokens, depth): (usize, f64), generate: usize) ->
 }
 
 /// The native capture of `recipe` (a recipe's text) by `model` and the Python capture of it from
-/// the GGUF `gguf`, in f32 with `extra` options; the folder holding both traces, then ours and
-/// theirs.
+/// the GGUF `gguf`, in f32 with `extra` options (both with attention inputs if `extra` asks for
+/// them); the folder holding both traces, then ours and theirs.
 fn both_captures(
     model: &dyn CausalLm,
     gguf: &Path,
     recipe: &str,
     extra: &[&str],
 ) -> (tempfile::TempDir, TraceReader, TraceReader) {
+    let inputs = extra.contains(&"--attention-inputs");
     let essays = common::real_assets().require_essays().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("needle.toml");
@@ -189,7 +220,7 @@ fn both_captures(
         dir.path().join("native.safetensors"),
         dir.path().join("hf.safetensors"),
     );
-    native(model, &path, &essays, &native_path);
+    native(model, &path, &essays, (&native_path, inputs));
     let options: Vec<&str> = ["--dtype", "f32"].iter().chain(extra).copied().collect();
     python_capture(gguf, &path, &hf_path, &options);
     let ours = TraceReader::open(&native_path).unwrap();
@@ -226,15 +257,21 @@ fn python_capture_of_gemma3_matches_native_capture() {
 }
 
 /// Qwen2 (q/k/v biases, unpermuted rows, its own pre-tokenizer and system message): the Python
-/// capture of the same GGUF writes the same tokens (prompt and greedy answer), spans and vectors.
+/// capture of the same GGUF writes the same tokens (prompt and greedy answer), spans, vectors
+/// and attention inputs (the q, k, v biases included).
 #[test]
 fn python_capture_of_qwen2_matches_native_capture() {
     let gguf = common::model_gguf("qwen2.5-coder-0.5b");
     let model = Qwen2::load(&gguf).unwrap();
     let recipe = needle_recipe("qwen2.5-coder-0.5b", (600, 35.0), 8);
-    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &[]);
+    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &["--attention-inputs"]);
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().prompt_len, theirs.meta().prompt_len);
+    let (hidden, weights) = worst_input_difference(&ours, &theirs);
+    eprintln!("Qwen2 attention inputs: hidden {hidden:e} of their range, projections {weights:e}");
+    assert!(hidden < 1e-3 && weights < 1e-6, "{hidden}, {weights}");
+    let q = ours.layer_inputs(0).unwrap().unwrap();
+    assert!(q.projection("k_proj").bias.is_some() && q.projection("o_proj").bias.is_none());
     assert_eq!(ours.meta().spans, theirs.meta().spans);
     assert_eq!(theirs.meta().rope_theta, Some(1_000_000.0));
     assert_eq!(ours.meta().rope_theta, theirs.meta().rope_theta);
@@ -284,4 +321,47 @@ fn python_capture_refuses_attention_it_cannot_replay() {
             "{feature}: {stderr}"
         );
     }
+}
+
+/// Gemma 3 normalises q and k per head after its projections, so neither capture records its
+/// attention inputs: the native one refuses before running, the Python one names `q_norm`.
+#[test]
+fn attention_inputs_are_refused_where_the_projections_do_not_give_q_and_k() {
+    let gguf = common::gemma_path();
+    let model = Gemma3::load(&gguf).unwrap();
+    let essays = common::real_assets().require_essays().unwrap();
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("needle.toml");
+    std::fs::write(&recipe, needle_recipe("gemma3-270m", (120, 50.0), 1)).unwrap();
+    let (parsed, base) = Recipe::load(&recipe).unwrap();
+    let prompt = parsed.build(model.tokenizer(), &essays, &base).unwrap();
+    let options = CaptureOptions {
+        storage: StorageDtype::F32,
+        chunk: 512,
+        recipe_name: "test".into(),
+        model_id: "native".into(),
+    };
+    let recorder = Recorder::default().keeping_inputs(true);
+    let refused = capture(&model, &prompt, &options, recorder, &mut |_, _| {});
+    let message = refused.err().expect("refused").to_string();
+    assert!(
+        message.contains("`gemma3` normalises q and k per head"),
+        "{message}"
+    );
+    let output = Command::new(common::torch_python())
+        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+        .args(["--model", gguf.parent().unwrap().to_str().unwrap()])
+        .args(["--gguf-file", gguf.file_name().unwrap().to_str().unwrap()])
+        .args(["--recipe", recipe.to_str().unwrap(), "--attention-inputs"])
+        .args(["--out", dir.path().join("hf.safetensors").to_str().unwrap()])
+        .arg("--essays")
+        .arg(Assets::from_env().essays_dir())
+        .output()
+        .unwrap();
+    let stderr = String::from_utf8_lossy(&output.stderr);
+    assert!(
+        !output.status.success() && stderr.contains("q_norm"),
+        "{stderr}"
+    );
+    assert!(!dir.path().join("hf.safetensors").exists());
 }

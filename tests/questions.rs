@@ -46,7 +46,7 @@ fn the_questions_share_one_captured_context() {
     let summaries = capture_recipe(
         &recipe,
         &out,
-        (StorageDtype::F32, 128),
+        (StorageDtype::F32, 128, false),
         &mut Default::default(),
         &mut |_, _| {},
     )
@@ -110,7 +110,7 @@ fn a_recipe_of_one_question_captures_as_before() {
     capture_recipe(
         recipe,
         &out,
-        (StorageDtype::F32, 16),
+        (StorageDtype::F32, 16, false),
         &mut Default::default(),
         &mut |_, _| {},
     )

@@ -599,3 +599,89 @@ fn rule_attention_inputs() {
         "{text}"
     );
 }
+
+/// The writer's attention inputs read back as written: the hidden states in the trace's dtype
+/// (f32 here: exact), the projections in F32 with the biases declared; a source whose shapes
+/// disagree with the header fails the write and leaves no file.
+#[test]
+fn attention_inputs_round_trip_through_the_writer() {
+    use kvreplay::trace::{write_trace, InputsSource, LayerInputs, Projection};
+    use ndarray::{Array1, Array2};
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let layers = tensors(shape, 3);
+    let t = shape.prompt_len + shape.generated;
+    let tokens: Vec<i64> = (0..t as i64).collect();
+    let (d_model, q, kv) = (
+        5,
+        shape.n_heads * shape.head_dim,
+        shape.n_kv_heads * shape.head_dim,
+    );
+    let inputs_of = |layer: usize, q_rows: usize| {
+        let counting = |rows: usize, columns: usize, offset: usize| {
+            Array2::from_shape_fn((rows, columns), |(r, c)| {
+                (offset + layer * 1000 + r * columns + c) as f32
+            })
+        };
+        let projection = |rows, columns, offset, bias: bool| Projection {
+            weight: counting(rows, columns, offset),
+            bias: bias.then(|| Array1::from_elem(rows, layer as f32 + 0.5)),
+        };
+        LayerInputs {
+            hidden: counting(t, d_model, 0),
+            projections: [
+                projection(q_rows, d_model, 100, true),
+                projection(kv, d_model, 200, true),
+                projection(kv, d_model, 300, false),
+                projection(d_model, q, 400, false),
+            ],
+        }
+    };
+    let layer = |l: usize| {
+        let (q, k, v) = layers[l].clone();
+        Ok((q, k, Some(v)))
+    };
+    let given = |l: usize| Ok(inputs_of(l, q));
+    let source = InputsSource {
+        d_model,
+        biases: [true, true, false, false],
+        layer: &given,
+    };
+    let path = dir.path().join("inputs.safetensors");
+    let meta = meta(shape);
+    write_trace(
+        &path,
+        &meta,
+        StorageDtype::F32,
+        &tokens,
+        (true, &layer),
+        Some(&source),
+    )
+    .unwrap();
+    let trace = TraceReader::open(&path).unwrap();
+    assert_eq!(trace.d_model(), Some(d_model));
+    for l in 0..shape.n_layers {
+        assert_eq!(trace.layer(l).unwrap().inputs, Some(inputs_of(l, q)));
+    }
+    let wrong = |l: usize| Ok(inputs_of(l, q + 1));
+    let source = InputsSource {
+        layer: &wrong,
+        ..source
+    };
+    let refused = dir.path().join("refused.safetensors");
+    let message = write_trace(
+        &refused,
+        &meta,
+        StorageDtype::F32,
+        &tokens,
+        (true, &layer),
+        Some(&source),
+    )
+    .unwrap_err()
+    .to_string();
+    assert!(
+        message.contains("layers.0.q_proj.weight has shape"),
+        "{message}"
+    );
+    assert!(!refused.exists());
+}

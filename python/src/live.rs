@@ -68,15 +68,17 @@ pub fn live(
 
 /// Captures a recipe with the native model into a kvtrace/1 file (default: the recipe's path
 /// with `.safetensors`) and opens it; a recipe of several questions into one file per question
-/// (`<stem>.q1.safetensors`…), opened as a list.
+/// (`<stem>.q1.safetensors`…), opened as a list. `attention_inputs=True` also records each
+/// layer's attention input and projections (Llama and Qwen2 families).
 #[pyfunction]
-#[pyo3(signature = (recipe, out=None, dtype="f16", chunk=512))]
+#[pyo3(signature = (recipe, out=None, dtype="f16", chunk=512, attention_inputs=false))]
 pub fn capture(
     py: Python<'_>,
     recipe: PathBuf,
     out: Option<PathBuf>,
     dtype: &str,
     chunk: usize,
+    attention_inputs: bool,
 ) -> PyResult<Py<PyAny>> {
     let storage = match dtype {
         "f16" => StorageDtype::F16,
@@ -88,7 +90,8 @@ pub fn capture(
     let summaries: Vec<CaptureSummary> = py
         .detach(|| {
             let mut models = Default::default();
-            capture_recipe(&recipe, &out, (storage, chunk), &mut models, &mut |_, _| {})
+            let storing = (storage, chunk, attention_inputs);
+            capture_recipe(&recipe, &out, storing, &mut models, &mut |_, _| {})
         })
         .map_err(raised)?;
     let mut traces = summaries

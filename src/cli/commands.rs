@@ -83,17 +83,18 @@ pub fn fetch() -> Result<()> {
 pub fn capture_recipe(
     recipe: &Path,
     out: &Path,
-    (dtype, chunk): (StorageDtype, usize),
+    storing: (StorageDtype, usize, bool),
     models: &mut ModelSlot,
 ) -> Result<(), capture::CaptureError> {
     let _tuned = sys::ModelMalloc::tune();
+    let size = capture::planned_size(recipe, models, storing)?;
+    eprintln!("{}: {size}", recipe.display());
     let bar = progress_bar(0, "capture");
     let started = std::time::Instant::now();
-    let summaries =
-        capture::capture_recipe(recipe, out, (dtype, chunk), models, &mut |done, total| {
-            bar.set_length(total as u64);
-            bar.set_position(done as u64);
-        })?;
+    let summaries = capture::capture_recipe(recipe, out, storing, models, &mut |done, total| {
+        bar.set_length(total as u64);
+        bar.set_position(done as u64);
+    })?;
     bar.finish_and_clear();
     for summary in &summaries {
         println!(
@@ -154,7 +155,7 @@ pub fn demo(budget: usize) -> Result<()> {
         capture_recipe(
             recipe,
             &trace,
-            (StorageDtype::F16, 512),
+            (StorageDtype::F16, 512, false),
             &mut ModelSlot::default(),
         )?;
     }
@@ -188,7 +189,7 @@ fn experiment_traces(
 ) -> Result<Vec<TraceFile>> {
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            capture_recipe(recipe, trace, (StorageDtype::F16, 512), models)
+            capture_recipe(recipe, trace, (StorageDtype::F16, 512, false), models)
         })
     };
     Ok(experiment.trace_files(may_capture.then_some(&mut capture_once as Capture<'_>))?)

@@ -128,7 +128,7 @@ fn trace_count(entries: &[TraceEntry]) -> Result<usize, SweepError> {
 /// its traces.
 fn capture_first(recipe: &Path, models: &mut ModelSlot) -> Result<TraceEntry, SweepError> {
     capture::capture_once(recipe, &captured_into(recipe), &mut |recipe, trace| {
-        let storage = (StorageDtype::F16, LIVE_CHUNK);
+        let storage = (StorageDtype::F16, LIVE_CHUNK, false);
         capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(drop)
     })?;
     Ok(TraceEntry::Captured(captured_traces(recipe)?))

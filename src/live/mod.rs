@@ -218,7 +218,13 @@ fn full_runs<E: From<ModelError>>(
         runs.push((run, recorder));
         Ok::<(), E>(())
     };
-    prefill_questions(model, questions, (chunk, scratch), &mut |_| {}, &mut decode)?;
+    prefill_questions(
+        model,
+        questions,
+        (chunk, scratch, false),
+        &mut |_| {},
+        &mut decode,
+    )?;
     // They came last question first.
     runs.reverse();
     Ok(runs)
@@ -833,7 +839,7 @@ impl<'m> LiveQuestions<'m> {
             (options.chunk, scratch),
             &mut |question, generated, recorder| {
                 let written = (questions, question, generated);
-                write_question(model, written, recorder, (options, out))?;
+                write_question(model, written, (recorder, None), (options, out))?;
                 Ok(())
             },
         )

@@ -136,6 +136,24 @@ pub(crate) fn take_below(rows: &mut [Row<'_, '_>], layer: usize) -> Result<(), M
     Ok(())
 }
 
+/// Each recorded row's attention input `h` of layer `layer` (stacked at `spans`), kept by the
+/// recorders that keep inputs.
+pub(crate) fn record_inputs(
+    rows: &mut [Row<'_, '_>],
+    layer: usize,
+    h: &Tensor,
+    spans: &[(usize, usize)],
+) -> Result<(), ModelError> {
+    for (row, &(first, n)) in rows.iter_mut().zip(spans) {
+        if let Some(recorder) = row.recorder.as_deref_mut() {
+            if recorder.keeps_inputs() {
+                recorder.record_input(layer, &h.narrow(0, first, n)?);
+            }
+        }
+    }
+    Ok(())
+}
+
 /// Each recorded row's hidden states in `x` (stacked at `spans`), kept by its recorder as those
 /// entering the model's residual layer.
 pub(crate) fn record_residuals(

@@ -136,6 +136,17 @@ pub trait CausalLm: Sync {
         false
     }
 
+    /// Layer `layer`'s attention projections as a trace stores them (`q_proj`, `k_proj`,
+    /// `v_proj`, `o_proj`, each `[out, in]` with its bias, the q and k rows in the half-split
+    /// rotary's order), for a family whose pre-rotary queries and keys they give; `None` for the
+    /// others (Gemma 3 normalises q and k per head after them).
+    fn attention_projections(
+        &self,
+        _layer: usize,
+    ) -> Result<Option<[crate::trace::Projection; 4]>, ModelError> {
+        Ok(None)
+    }
+
     /// The layer whose entering hidden states a recorded pass keeps
     /// ([`Recorder::residual`]) and where a row's pass may [enter](Row::entry): the first
     /// global layer of a family with sliding-window layers below it; `None` for the others.

@@ -4,8 +4,8 @@
 //! biases and unpermuted rows) run on it too.
 
 use super::batch::{
-    bytes, each_row_attends, elements, every_step_logits, last_logits, product_spans, spans,
-    stacked_ids, Feed, Rotated,
+    bytes, each_row_attends, elements, every_step_logits, last_logits, product_spans,
+    record_inputs, spans, stacked_ids, Feed, Rotated,
 };
 use super::cached_attention::LayerAttention;
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
@@ -15,7 +15,9 @@ use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_hea
 use super::prompt::TextTokenizer;
 use super::weight::{Embedding, Weight};
 use super::{ChatTokenizer, LlamaConfig, ModelError};
+use crate::trace::Projection;
 use candle_core::Tensor;
+use ndarray::Array1;
 use std::path::Path;
 
 /// What sets a family with Llama's block apart from Llama.
@@ -241,6 +243,28 @@ impl CausalLm for Llama {
     fn attends_over_prefixes(&self) -> bool {
         true
     }
+
+    fn attention_projections(&self, layer: usize) -> Result<Option<[Projection; 4]>, ModelError> {
+        let block = &self.blocks[layer];
+        let bias = |index: usize| -> Result<Option<Array1<f32>>, ModelError> {
+            match &block.biases {
+                Some(biases) => Ok(Some(Array1::from(biases[index].to_vec1::<f32>()?))),
+                None => Ok(None),
+            }
+        };
+        let projection = |weight: &Weight, bias: Option<Array1<f32>>| -> Result<_, ModelError> {
+            Ok(Projection {
+                weight: weight.linear()?,
+                bias,
+            })
+        };
+        Ok(Some([
+            projection(&block.wq, bias(0)?)?,
+            projection(&block.wk, bias(1)?)?,
+            projection(&block.wv, bias(2)?)?,
+            projection(&block.wo, None)?,
+        ]))
+    }
 }
 
 /// What a row's attention needs through every layer of one pass: what its cache held before the
@@ -270,6 +294,7 @@ impl Llama {
             .collect::<Result<Vec<_>, _>>()?;
         for (layer, block) in self.blocks.iter().enumerate() {
             let h = rms_norm(&x, &block.attn_norm, eps)?;
+            record_inputs(rows, layer, &h, &spans)?;
             let (q, k, v) = block.projected(&h, &sums)?;
             let attended = each_row_attends(
                 rows,

@@ -1,11 +1,12 @@
 //! What a capture keeps of a forward pass: per layer, the post-rotary q and k and the v of every
 //! position, chunk by chunk, in memory or spilled to files beside the trace (so a long capture
 //! holds the model and its cache, not the trace); optionally the attention output, to check a
-//! trace against the forward pass that produced it.
+//! trace against the forward pass that produced it, and each layer's attention input (the normed
+//! hidden states, held in memory), for a trace that stores them.
 
 use super::ModelError;
-use candle_core::Tensor;
-use ndarray::{s, Array3};
+use candle_core::{Device, Tensor};
+use ndarray::{s, Array2, Array3};
 use std::io::{Read, Write};
 use std::path::{Path, PathBuf};
 use std::sync::atomic::{AtomicUsize, Ordering};
@@ -23,6 +24,9 @@ pub struct Recorder {
     /// The chunks' hidden states entering the model's residual layer.
     residual: Vec<Tensor>,
     keep_attention: bool,
+    /// Each layer's attention input `[n, d_model]`, chunk by chunk, when asked for.
+    inputs: Vec<Vec<Tensor>>,
+    keep_inputs: bool,
     spill: Option<Spill>,
     /// What an earlier recorder recorded of the positions before this one's (a context several
     /// runs continue from).
@@ -80,6 +84,54 @@ impl Recorder {
             }),
             ..Self::default()
         }
+    }
+
+    /// The same recorder also keeping each layer's attention input (the normed hidden states
+    /// entering attention), in memory.
+    pub fn keeping_inputs(self, keep: bool) -> Self {
+        Self {
+            keep_inputs: keep,
+            ..self
+        }
+    }
+
+    /// Whether it keeps the layers' attention inputs.
+    pub(crate) fn keeps_inputs(&self) -> bool {
+        self.keep_inputs
+    }
+
+    /// Keeps layer `layer`'s attention input `[n, d_model]` of one chunk, if asked to.
+    pub(crate) fn record_input(&mut self, layer: usize, hidden: &Tensor) {
+        if self.keep_inputs {
+            Self::push(&mut self.inputs, layer, hidden);
+        }
+    }
+
+    /// Layer `layer`'s attention input `[T, d_model]`, its prefix's positions first; `None`
+    /// where it keeps none.
+    pub fn layer_input(&self, layer: usize) -> Result<Option<Array2<f32>>, ModelError> {
+        if !self.keep_inputs {
+            return Ok(None);
+        }
+        let mut parts: Vec<Tensor> = match &self.prefix {
+            Some(prefix) => prefix
+                .layer_input(layer)?
+                .map(|before| {
+                    let shape = before.dim();
+                    Tensor::from_vec(before.into_raw_vec_and_offset().0, shape, &Device::Cpu)
+                })
+                .transpose()?
+                .into_iter()
+                .collect(),
+            None => Vec::new(),
+        };
+        parts.extend(self.inputs.get(layer).into_iter().flatten().cloned());
+        let tensor = Tensor::cat(&parts, 0)?;
+        let (positions, width) = tensor.dims2()?;
+        let flat = tensor.flatten_all()?.to_vec1::<f32>()?;
+        Ok(Some(
+            Array2::from_shape_vec((positions, width), flat).expect("candle shape matches"),
+        ))
     }
 
     /// This recorder after `prefix`, which recorded the positions before the ones it will record:

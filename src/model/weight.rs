@@ -58,6 +58,18 @@ impl Weight {
         }
     }
 
+    /// The weight as PyTorch's `nn.Linear` holds it, `[out, in]` f32 (dequantized where it is
+    /// held quantized).
+    pub(crate) fn linear(&self) -> Result<ndarray::Array2<f32>, ModelError> {
+        let tensor = match self {
+            Self::F32 { tensor, .. } => tensor.t()?.contiguous()?,
+            Self::Quantized(weight) => weight.dequantize(&Device::Cpu)?,
+        };
+        let (rows, columns) = tensor.dims2()?;
+        let flat = tensor.flatten_all()?.to_vec1::<f32>()?;
+        Ok(ndarray::Array2::from_shape_vec((rows, columns), flat).expect("candle shape matches"))
+    }
+
     /// Its number of weights.
     pub(crate) fn elem_count(&self) -> usize {
         match self {

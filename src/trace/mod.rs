@@ -20,4 +20,4 @@ pub use inputs::{LayerInputs, Projection, PROJECTIONS};
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TensorLocation, TraceReader};
-pub use writer::{write_trace, LayerArrays, LayerSource, StorageDtype, TraceWriter};
+pub use writer::{write_trace, InputsSource, LayerArrays, LayerSource, StorageDtype, TraceWriter};

@@ -3,7 +3,7 @@
 //! from memory or from a source asked for one layer at a time while the file is written, so a
 //! long capture never holds more than a layer of the trace.
 
-use super::{TraceError, TraceMeta};
+use super::{LayerInputs, TraceError, TraceMeta, PROJECTIONS};
 use ndarray::Array3;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, View};
@@ -16,6 +16,25 @@ pub type LayerArrays = (Array3<f32>, Array3<f32>, Option<Array3<f32>>);
 
 /// Gives layer `l`'s arrays when the writer reaches it, or says why it cannot.
 pub type LayerSource<'a> = &'a dyn Fn(usize) -> Result<LayerArrays, String>;
+
+/// A trace's attention inputs for the writer (`docs/trace-format.md`, "Attention inputs"): their
+/// shape, and each layer's when the writer reaches it. The hidden states are stored in the
+/// trace's dtype, the projections in F32.
+pub struct InputsSource<'a> {
+    /// The model width.
+    pub d_model: usize,
+    /// Which of `q_proj`, `k_proj`, `v_proj`, `o_proj` have a bias.
+    pub biases: [bool; 4],
+    /// Layer `l`'s inputs, or why they cannot be given.
+    pub layer: &'a dyn Fn(usize) -> Result<LayerInputs, String>,
+}
+
+/// Slots of one layer's encoded tensors: q, k, v, the attention input, then each projection's
+/// weight and bias in [`PROJECTIONS`]' order.
+const INPUT: usize = 3;
+const WEIGHTS: usize = 4;
+const BIASES: usize = WEIGHTS + PROJECTIONS.len();
+const SLOTS: usize = BIASES + PROJECTIONS.len();
 
 /// How q, k and v are stored on disk. All arithmetic is f32 whatever the storage.
 #[derive(
@@ -56,7 +75,7 @@ impl StorageDtype {
 
     /// The values' little-endian bytes in this dtype, in the array's logical order, converted
     /// in blocks on worker threads.
-    fn encode(self, values: &Array3<f32>) -> Vec<u8> {
+    fn encode<D: ndarray::Dimension>(self, values: &ndarray::Array<f32, D>) -> Vec<u8> {
         let values: Cow<'_, [f32]> = match values.as_slice() {
             Some(values) => Cow::Borrowed(values),
             None => Cow::Owned(values.iter().copied().collect()),
@@ -138,22 +157,23 @@ impl TraceWriter {
             &self.meta,
             self.storage,
             &self.tokens,
-            values != 0,
-            &source,
+            (values != 0, &source),
+            None,
         )
     }
 }
 
 /// Writes a trace whose layers come from `source`, asked for one layer at a time as the file is
 /// written (each layer once, in the file's tensor order), checked against the contract; `values`
-/// says whether every layer has v. The file appears atomically.
+/// says whether every layer has v; `inputs`, where given, adds each layer's attention inputs.
+/// The file appears atomically.
 pub fn write_trace(
     path: &Path,
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
-    values: bool,
-    source: LayerSource<'_>,
+    (values, source): (bool, LayerSource<'_>),
+    inputs: Option<&InputsSource<'_>>,
 ) -> Result<(), TraceError> {
     let fail = |detail: String| TraceError::Write {
         path: path.to_owned(),
@@ -167,10 +187,10 @@ pub fn write_trace(
         n_positions,
         source,
         values,
+        inputs,
         current: RefCell::new(None),
         error: RefCell::new(None),
     };
-    let element = storage.dtype().bitsize() / 8;
     let mut tensors = vec![(
         "tokens".to_string(),
         Tensor::Tokens {
@@ -188,14 +208,23 @@ pub fn write_trace(
         } else {
             &[(0, "q", meta.n_heads), (1, "k", meta.n_kv_heads)]
         };
-        for &(kind, name, heads) in kinds {
-            let shape = vec![heads, n_positions, meta.head_dim];
+        let mut layer_tensors: Vec<(usize, String, Vec<usize>, StorageDtype)> = kinds
+            .iter()
+            .map(|&(kind, name, heads)| {
+                let shape = vec![heads, n_positions, meta.head_dim];
+                (kind, name.to_string(), shape, storage)
+            })
+            .collect();
+        if let Some(inputs) = inputs {
+            layer_tensors.extend(input_tensors(meta, n_positions, inputs, storage));
+        }
+        for (kind, name, shape, dtype) in layer_tensors {
             tensors.push((
                 format!("layers.{layer}.{name}"),
                 Tensor::Layer(Lazy {
                     loader: &loader,
-                    dtype: storage.dtype(),
-                    len: shape.iter().product::<usize>() * element,
+                    dtype: dtype.dtype(),
+                    len: shape.iter().product::<usize>() * dtype.element_bytes(),
                     shape,
                     layer,
                     kind,
@@ -218,6 +247,35 @@ pub fn write_trace(
         std::fs::set_permissions(partial, permissions)
     })
     .map_err(|err| fail(err.to_string()))
+}
+
+/// The attention-input tensors of one layer: slot, name, shape and dtype.
+fn input_tensors(
+    meta: &TraceMeta,
+    n_positions: usize,
+    inputs: &InputsSource<'_>,
+    storage: StorageDtype,
+) -> Vec<(usize, String, Vec<usize>, StorageDtype)> {
+    let d = inputs.d_model;
+    let (q, kv) = (
+        meta.n_heads * meta.head_dim,
+        meta.n_kv_heads * meta.head_dim,
+    );
+    let outs = [(q, d), (kv, d), (kv, d), (d, q)];
+    let mut found = vec![(INPUT, "input".to_string(), vec![n_positions, d], storage)];
+    for (index, (name, (out, input))) in PROJECTIONS.iter().zip(outs).enumerate() {
+        found.push((
+            WEIGHTS + index,
+            format!("{name}.weight"),
+            vec![out, input],
+            StorageDtype::F32,
+        ));
+        if inputs.biases[index] {
+            let bias = (BIASES + index, format!("{name}.bias"), vec![out]);
+            found.push((bias.0, bias.1, bias.2, StorageDtype::F32));
+        }
+    }
+    found
 }
 
 /// Rewrites the header of the safetensors file at `path` with its keys in sorted order, so that
@@ -251,7 +309,8 @@ struct LayerLoader<'a> {
     n_positions: usize,
     source: LayerSource<'a>,
     values: bool,
-    current: RefCell<Option<(usize, [Vec<u8>; 3])>>,
+    inputs: Option<&'a InputsSource<'a>>,
+    current: RefCell<Option<(usize, Vec<Vec<u8>>)>>,
     error: RefCell<Option<String>>,
 }
 
@@ -273,7 +332,7 @@ impl LayerLoader<'_> {
         }
     }
 
-    fn encoded(&self, layer: usize) -> Result<[Vec<u8>; 3], String> {
+    fn encoded(&self, layer: usize) -> Result<Vec<Vec<u8>>, String> {
         let meta = self.meta;
         let (q, k, v) = (self.source)(layer)?;
         if v.is_some() != self.values {
@@ -287,7 +346,7 @@ impl LayerLoader<'_> {
         if let Some(v) = v {
             tensors.push(("v", v, meta.n_kv_heads));
         }
-        let mut encoded: [Vec<u8>; 3] = Default::default();
+        let mut encoded: Vec<Vec<u8>> = vec![Vec::new(); SLOTS];
         for (slot, (kind, tensor, heads)) in encoded.iter_mut().zip(tensors) {
             let want = [heads, self.n_positions, meta.head_dim];
             if tensor.shape() != want {
@@ -298,7 +357,42 @@ impl LayerLoader<'_> {
             }
             *slot = self.storage.encode(&tensor);
         }
+        if let Some(inputs) = self.inputs {
+            self.encode_inputs(layer, inputs, &mut encoded)?;
+        }
         Ok(encoded)
+    }
+
+    /// Layer `layer`'s attention inputs into their slots, each checked against its declared
+    /// shape.
+    fn encode_inputs(
+        &self,
+        layer: usize,
+        inputs: &InputsSource<'_>,
+        encoded: &mut [Vec<u8>],
+    ) -> Result<(), String> {
+        let given = (inputs.layer)(layer)?;
+        let declared = input_tensors(self.meta, self.n_positions, inputs, self.storage);
+        for (slot, name, shape, dtype) in declared {
+            let (found, bytes) = match slot {
+                INPUT => (given.hidden.shape().to_vec(), dtype.encode(&given.hidden)),
+                _ if slot < BIASES => {
+                    let weight = &given.projections[slot - WEIGHTS].weight;
+                    (weight.shape().to_vec(), dtype.encode(weight))
+                }
+                _ => match &given.projections[slot - BIASES].bias {
+                    Some(bias) => (bias.shape().to_vec(), dtype.encode(bias)),
+                    None => return Err(format!("layers.{layer}.{name} is missing")),
+                },
+            };
+            if found != shape {
+                return Err(format!(
+                    "layers.{layer}.{name} has shape {found:?}, expected {shape:?}"
+                ));
+            }
+            encoded[slot] = bytes;
+        }
+        Ok(())
     }
 }
 
