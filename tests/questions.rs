@@ -284,3 +284,62 @@ fn a_closed_loop_sweep_stores_each_questions_runs() {
         assert_eq!(modified(dir.path().join(question)), written, "{question}");
     }
 }
+
+/// `kvreplay capture --attention-inputs` prints the sizes first and records every question's
+/// attention inputs, the shared context's the same bits in both (the questions' recorders
+/// continue the context's); q, k and v are the bytes a capture without them writes.
+#[test]
+fn a_capture_with_attention_inputs_records_them_for_every_question() {
+    let dir = tempfile::tempdir().unwrap();
+    recipe(dir.path());
+    let plain = dir.path().join("plain");
+    std::fs::create_dir(&plain).unwrap();
+    let run = |args: &[&str], cwd: &Path| {
+        let output = assert_cmd::Command::cargo_bin("kvreplay")
+            .unwrap()
+            .current_dir(cwd)
+            .args(["capture", "--recipe"])
+            .args(args)
+            .output()
+            .unwrap();
+        assert!(output.status.success(), "{output:?}");
+        String::from_utf8(output.stderr).unwrap()
+    };
+    let stderr = run(&["two.toml", "--attention-inputs"], dir.path());
+    assert!(
+        stderr.contains("in 2 trace(s): q, k, v")
+            && stderr.contains("attention inputs")
+            && stderr.contains("projections 212.3 MB"),
+        "{stderr}"
+    );
+    run(&["../two.toml", "--out", "two.safetensors"], &plain);
+    let traces: Vec<TraceReader> = ["two.q1.safetensors", "two.q2.safetensors"]
+        .iter()
+        .map(|name| TraceReader::open(dir.path().join(name)).unwrap())
+        .collect();
+    let shared: usize = traces[0].meta().extra["shared_context"].parse().unwrap();
+    for layer in [0, 29] {
+        let inputs: Vec<_> = traces
+            .iter()
+            .map(|trace| trace.layer_inputs(layer).unwrap().unwrap())
+            .collect();
+        assert_eq!(inputs[0].hidden.nrows(), traces[0].n_positions());
+        let context = ndarray::s![..shared, ..];
+        assert_eq!(
+            inputs[0].hidden.slice(context),
+            inputs[1].hidden.slice(context)
+        );
+        assert_ne!(inputs[0].hidden.row(shared), inputs[1].hidden.row(shared));
+        assert_eq!(inputs[0].projections, inputs[1].projections);
+        assert_eq!(inputs[0].projection("q_proj").weight.dim(), (576, 576));
+    }
+    let without = TraceReader::open(plain.join("two.q1.safetensors")).unwrap();
+    assert!(!without.has_inputs());
+    for layer in [0, 29] {
+        let (a, b) = (
+            traces[0].layer(layer).unwrap(),
+            without.layer(layer).unwrap(),
+        );
+        assert_eq!((a.q, a.k, a.v), (b.q, b.k, b.v));
+    }
+}

@@ -7,10 +7,9 @@
 //! They are one group: a trace has all of them in every layer or none. Every rule is checked
 //! when the trace is opened; the values are read (and checked finite) only when asked for.
 
-use super::reader::float_dtype;
 use super::{TraceError, TraceMeta};
 use ndarray::{Array1, Array2};
-use safetensors::tensor::Metadata;
+use safetensors::tensor::{Dtype, Metadata};
 use std::path::Path;
 
 /// The four projections, by the name their tensors carry.
@@ -138,4 +137,9 @@ fn names(layer: usize) -> Vec<String> {
         names.push(format!("layers.{layer}.{projection}.bias"));
     }
     names
+}
+
+/// Whether `dtype` is one a trace stores vectors and weights in.
+pub(super) fn float_dtype(dtype: Dtype) -> bool {
+    matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32)
 }

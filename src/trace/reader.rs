@@ -8,7 +8,7 @@
 //! process's resident memory; read this way, a layer costs its f32 arrays and nothing else,
 //! while the file stays in the page cache, shared and reclaimable.
 
-use super::inputs::{self, LayerInputs, Projection, PROJECTIONS};
+use super::inputs::{self, float_dtype, LayerInputs, Projection, PROJECTIONS};
 use super::{TraceError, TraceMeta};
 use memmap2::Mmap;
 use ndarray::{Array1, Array2, Array3};
@@ -439,11 +439,6 @@ impl TraceReader {
         }
         Ok((values, info.shape.clone()))
     }
-}
-
-/// Whether `dtype` is one a trace stores vectors in.
-pub(super) fn float_dtype(dtype: Dtype) -> bool {
-    matches!(dtype, Dtype::F16 | Dtype::BF16 | Dtype::F32)
 }
 
 /// Bytes per read: a multiple of every element size, small beside a layer.
