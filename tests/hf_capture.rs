@@ -332,7 +332,7 @@ fn attention_inputs_are_refused_where_the_projections_do_not_give_q_and_k() {
     let essays = common::real_assets().require_essays().unwrap();
     let dir = tempfile::tempdir().unwrap();
     let recipe = dir.path().join("needle.toml");
-    std::fs::write(&recipe, needle_recipe("gemma3-270m", (120, 50.0), 1)).unwrap();
+    std::fs::write(&recipe, needle_recipe("gemma3-270m", (200, 50.0), 1)).unwrap();
     let (parsed, base) = Recipe::load(&recipe).unwrap();
     let prompt = parsed.build(model.tokenizer(), &essays, &base).unwrap();
     let options = CaptureOptions {
