@@ -147,3 +147,24 @@ def test_a_scorer_that_needs_inputs_sees_the_layers_own(hf_trace):
         assert np.array_equal(cache.layer_keys, stored[f"layers.{layer}.k"][:, :n])
         assert np.array_equal(cache.layer_values, stored[f"layers.{layer}.v"][:, :n])
         assert np.array_equal(cache.keys, stored[f"layers.{layer}.k"][1, :n])
+
+
+@pytest.fixture(scope="session")
+def native_trace(recipe, tmp_path_factory):
+    """The same prompt captured natively in f32 with its attention inputs."""
+    out = tmp_path_factory.mktemp("native") / "niah-600-native.safetensors"
+    return kvreplay.capture(recipe, out=out, dtype="f32", attention_inputs=True)
+
+
+@pytest.mark.parametrize("name", sorted(kvpress_live.INPUT_PRESSES))
+def test_a_native_capture_with_attention_inputs_replays_them_too(name, live, hf_trace, native_trace):
+    # Its hidden states differ from transformers' by ~1e-5 of their range: only near-ties flip.
+    assert native_trace.has_inputs
+    n = hf_trace.prompt_len
+    assert (native_trace.tokens[:n] == hf_trace.tokens[:n]).all()
+    press = kvpress_live.build(name, BUDGET, n)
+    ours = kvreplay.kept(native_trace, budget=BUDGET, **policy(press))["mask"]
+    theirs = live[f"{name}.kept"]
+    shared = (ours.reshape(theirs.shape) & theirs).sum() / theirs.sum()
+    print(f"\n{name} on the native trace: {shared:.4%} of kvpress's kept positions")
+    assert shared >= 0.995, shared
