@@ -796,7 +796,7 @@ fn layer_budgets_with_progress(
     }
     if policy.scorer.needs_inputs() && !trace.has_inputs() {
         return Err(mismatch(format!(
-            "scorer `{}` reads each layer's attention inputs (hidden states and projection weights), and this trace has none (capture it with --attention-inputs)",
+            "scorer `{}` reads each layer's attention inputs (hidden states and projection weights), and this trace has none (capture it with --attention-inputs; live runs do not record them)",
             params.scorer
         )));
     }
