@@ -66,6 +66,10 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
     ]);
     header.push(["storage".into(), trace.storage_dtype()]);
     header.push(["values stored".into(), trace.has_values().to_string()]);
+    if let Some(d_model) = trace.d_model() {
+        let what = format!("hidden states (d_model {d_model}) and q/k/v/o projections");
+        header.push(["attention inputs".into(), what]);
+    }
     header.push([
         "file size".into(),
         format!("{:.1} MB", trace.file_len() as f64 / 1e6),
