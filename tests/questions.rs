@@ -334,6 +334,17 @@ fn a_capture_with_attention_inputs_records_them_for_every_question() {
         assert_eq!(inputs[0].projections, inputs[1].projections);
         assert_eq!(inputs[0].projection("q_proj").weight.dim(), (576, 576));
     }
+    let inspect = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .arg("inspect")
+        .arg(dir.path().join("two.q1.safetensors"))
+        .output()
+        .unwrap();
+    let shown = String::from_utf8(inspect.stdout).unwrap();
+    assert!(
+        shown.contains("| attention inputs") && shown.contains("hidden states (d_model 576)"),
+        "{shown}"
+    );
     let without = TraceReader::open(plain.join("two.q1.safetensors")).unwrap();
     assert!(!without.has_inputs());
     for layer in [0, 29] {
