@@ -3,6 +3,8 @@
 
 #[path = "cli/commands.rs"]
 mod commands;
+#[path = "cli/stop.rs"]
+mod stop;
 
 use anyhow::{Context, Result};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
@@ -377,6 +379,10 @@ fn main() -> ExitCode {
                 .is_some_and(|io| io.kind() == std::io::ErrorKind::BrokenPipe)
             {
                 return ExitCode::SUCCESS;
+            }
+            if stop::is_stop(&err) {
+                eprintln!("interrupted: stopped after the layer in progress; what was stored is kept (a sweep run again resumes)");
+                return ExitCode::from(130);
             }
             eprintln!("error: {}", kvreplay::error_text(err.as_ref()));
             ExitCode::from(2)

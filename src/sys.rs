@@ -3,7 +3,7 @@
 //! freed memory back between layers, both no-ops where the C library is not glibc; the thread
 //! count and spin limit of the model's thread pools. None changes a result.
 
-use crate::replay::LayerDone;
+use crate::replay::{LayerDone, Stopped};
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Layers are large, short-lived buffers: glibc hands blocks of this size and more back to the
@@ -142,7 +142,13 @@ pub fn return_free_memory() {
 /// closed-loop sweep, whose heap stays with the model that runs beside the replays.
 pub fn after_sweep_layer(closed_loop: bool) -> LayerDone<'static> {
     match closed_loop {
-        true => &|| {},
-        false => &return_free_memory,
+        true => &|| Ok(()),
+        false => &returning_free_memory,
     }
+}
+
+/// A [`LayerDone`] that hands the freed memory back after each layer and never stops the work.
+pub fn returning_free_memory() -> Result<(), Stopped> {
+    return_free_memory();
+    Ok(())
 }

@@ -767,3 +767,68 @@ fn ranking_rows(section: &str) -> Vec<Vec<&str>> {
         })
         .collect()
 }
+
+/// Ctrl-C during a sweep stops it after the layer in progress: exit 130 and a message, every run
+/// stored before it intact and none recorded as failed; running it again resumes. The sweep is
+/// long (hundreds of replays of a trace of 4,096 positions) and the interrupt is sent as soon as
+/// its first run is stored, so the test does not race its end.
+#[test]
+fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        prompt_len: 4096,
+        generated: 128,
+    };
+    write_fixture(&dir.path().join("fixture.safetensors"), shape, 9);
+    let budgets: Vec<String> = (1..=150).map(|b| (b * 16).to_string()).collect();
+    let experiment = format!(
+        "traces = [\"fixture.safetensors\"]\nbudgets = [{}]\n\n[[policy]]\nname = \"tq\"\nscorer = \"true-query\"\n\n[[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\n",
+        budgets.join(", ")
+    );
+    std::fs::write(dir.path().join("long.toml"), experiment).unwrap();
+    let total = 2 * budgets.len();
+    let runs = dir.path().join("results/long/runs");
+    let stored = || match std::fs::read_dir(&runs) {
+        Ok(entries) => entries
+            .filter_map(Result::ok)
+            .filter(|e| e.path().extension().is_some_and(|x| x == "json"))
+            .count(),
+        Err(_) => 0,
+    };
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
+        .current_dir(dir.path())
+        .args(["sweep", "long.toml"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    while stored() == 0 {
+        assert!(child.try_wait().unwrap().is_none(), "the sweep ended early");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let output = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted: stopped after the layer in progress"),
+        "{said}"
+    );
+    let kept = stored();
+    assert!(kept >= 1 && kept < total, "{kept} of {total} stored");
+    assert!(!dir.path().join("results/long/failed").exists());
+    let again = kvreplay(&dir)
+        .args(["sweep", "long.toml"])
+        .assert()
+        .success();
+    let said = String::from_utf8_lossy(&again.get_output().stderr).into_owned();
+    let resumed = format!("long: {} runs done, {kept} already there", total - kept);
+    assert!(said.contains(&resumed), "{said}");
+}

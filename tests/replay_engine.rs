@@ -1160,8 +1160,8 @@ fn kept_masks_are_the_kept_sets() {
     for (scorer, timing) in [("snapkv", Timing::Prefill), ("recency", Timing::Streaming)] {
         let policy = params(scorer, timing, 6).check().unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
-        let at_end = kept_masks(&trace, &policy, false, &|| {}).unwrap();
-        let per_step = kept_masks(&trace, &policy, true, &|| {}).unwrap();
+        let at_end = kept_masks(&trace, &policy, false, &|| Ok(())).unwrap();
+        let per_step = kept_masks(&trace, &policy, true, &|| Ok(())).unwrap();
         assert_eq!(at_end.layers, (0..shape.n_layers).collect::<Vec<_>>());
         assert_eq!(at_end.budgets, budgets);
         for layer in 0..shape.n_layers {
@@ -1248,7 +1248,7 @@ fn one_pass_over_a_grid_equals_each_policy_alone() {
         });
     }
     let policies: Vec<_> = grid.into_iter().map(|p| p.check().unwrap()).collect();
-    let together = replay_many(&trace, &policies, &|| {}).unwrap();
+    let together = replay_many(&trace, &policies, &|| Ok(())).unwrap();
     for (policy, report) in policies.iter().zip(&together) {
         assert_eq!(
             &replay(&trace, policy).unwrap(),

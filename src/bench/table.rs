@@ -5,7 +5,7 @@
 
 use super::BenchError;
 use crate::export::Table;
-use crate::sys::{return_free_memory, set_mmap_threshold, ModelMalloc, MMAP_THRESHOLD};
+use crate::sys::{returning_free_memory, set_mmap_threshold, ModelMalloc, MMAP_THRESHOLD};
 use crate::trace::TraceReader;
 use std::path::{Path, PathBuf};
 
@@ -109,11 +109,11 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     ]);
     progress("replay grid");
     let (grid, grid_resident) =
-        super::resident_growth(|| super::replay_grid(&trace, budgets, &return_free_memory));
+        super::resident_growth(|| super::replay_grid(&trace, budgets, &returning_free_memory));
     let (reports, replay_seconds) = grid?;
     // Counted in a second, untimed run: counting costs the timed one its allocations' speed.
     let (counted, grid_heap) =
-        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &return_free_memory));
+        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &returning_free_memory));
     counted?;
     table.push([
         format!(
@@ -154,7 +154,7 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
         progress("streaming cost");
-        let cost = super::streaming_cost(&reader, 256, &return_free_memory)?;
+        let cost = super::streaming_cost(&reader, 256, &returning_free_memory)?;
         table.push([
             format!(
                 "key-proxy streaming at budget 256, T = {}{label}",
@@ -192,7 +192,7 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
         let reader = TraceReader::open(path)?;
         progress("memory of one replay");
         let layer = super::layer_bytes(&reader);
-        for (name, growth) in super::replay_memory(&reader, 128, &return_free_memory)? {
+        for (name, growth) in super::replay_memory(&reader, 128, &returning_free_memory)? {
             table.push([
                 format!(
                     "peak resident memory of one replay: {name} at budget 128, T = {}{label}",
@@ -247,7 +247,7 @@ fn oneshot_rows(
     python: Option<&Path>,
 ) -> Result<(), BenchError> {
     let timing =
-        super::timed_against_essential(trace, budgets, super::TIMED_RUNS, &return_free_memory)?;
+        super::timed_against_essential(trace, budgets, super::TIMED_RUNS, &returning_free_memory)?;
     let (seconds, essential) = (timing.best_grid(), timing.best_essential());
     let policies = super::ONESHOT_POLICIES.len();
     table.push([
@@ -337,7 +337,7 @@ fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
             100.0 * scoring / peak
         ),
     ]);
-    for (name, seconds) in super::long_replays(trace, 128, &return_free_memory)? {
+    for (name, seconds) in super::long_replays(trace, 128, &returning_free_memory)? {
         table.push([
             format!("long: one replay of {name} at budget 128"),
             format!("{seconds:.2} s"),

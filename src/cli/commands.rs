@@ -34,11 +34,13 @@ pub fn replay_all(
         .map(|p| p.budget_passes() as u64)
         .sum::<u64>();
     let bar = progress_bar(layers * passes, "replay");
+    crate::stop::catch_interrupt();
     let reports = pool
         .install(|| {
             replay_many(trace, policies, &|| {
                 sys::return_free_memory();
-                bar.inc(1)
+                bar.inc(1);
+                crate::stop::check()
             })
         })
         .context("replaying")?;
@@ -254,6 +256,8 @@ fn run_missing_runs(
     };
     let bar = progress_bar(0, &label);
     let started = std::time::Instant::now();
+    let after_layer = sys::after_sweep_layer(experiment.closed_loop);
+    crate::stop::catch_interrupt();
     let swept = run_sweep(
         experiment,
         &entries,
@@ -264,7 +268,10 @@ fn run_missing_runs(
                 bar.set_length(total as u64);
                 bar.set_position(done as u64)
             },
-            sys::after_sweep_layer(experiment.closed_loop),
+            &|| {
+                after_layer()?;
+                crate::stop::check()
+            },
         ),
         models,
     )?;
@@ -320,7 +327,11 @@ pub fn view(
     spinner.set_style(
         ProgressStyle::with_template("{spinner} {msg}: {pos}").expect("static template"),
     );
-    let page = view::page_of(trace, &policies, &Assets::from_env(), &|| spinner.inc(1));
+    crate::stop::catch_interrupt();
+    let page = view::page_of(trace, &policies, &Assets::from_env(), &|| {
+        spinner.inc(1);
+        crate::stop::check()
+    });
     spinner.finish_and_clear();
     let page = page?;
     kvreplay::atomic::write(out, page.as_bytes()).with_context(|| format!("{}", out.display()))?;

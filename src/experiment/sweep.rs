@@ -8,7 +8,7 @@ use super::traces::{captured_into, captured_traces, recipe_traces};
 use super::SweepError;
 use super::{Experiment, PlannedRun, TraceEntry, TraceFile};
 use crate::capture::{self, ModelSlot};
-use crate::live::LiveQuestions;
+use crate::live::{LiveError, LiveQuestions};
 use crate::model::CausalLm;
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
@@ -177,7 +177,11 @@ impl<'a> Sweep<'a> {
         };
         for batch in batches(checked, most) {
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
-            let outcomes = run_alone_on_failure(&runner, &policies, self.layer_done);
+            let mut outcomes = run_alone_on_failure(&runner, &policies, self.layer_done);
+            // Asked to stop: what is stored stays, nothing of this batch is stored or failed.
+            if let Some(index) = outcomes.iter().position(|o| o.as_ref().is_err_and(stopped)) {
+                return Err(outcomes.swap_remove(index).err().expect("an error"));
+            }
             for (run, outcome) in runs.iter().zip(outcomes) {
                 for (index, of_trace) in of_unit.iter().enumerate() {
                     let same =
@@ -189,6 +193,8 @@ impl<'a> Sweep<'a> {
                 }
             }
             (self.progress)(self.done, self.total);
+            // A live batch calls no layer callback of its own: a stop is heard between batches.
+            (self.layer_done)().map_err(PolicyError::from)?;
         }
         Ok(())
     }
@@ -341,7 +347,7 @@ fn run_alone_on_failure(
 ) -> Vec<Result<Vec<Outcome>, SweepError>> {
     match runner.run(policies, layer_done) {
         Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
-        Err(error) if policies.len() == 1 => vec![Err(error)],
+        Err(error) if policies.len() == 1 || stopped(&error) => vec![Err(error)],
         Err(_) => policies
             .iter()
             .map(|policy| {
@@ -349,6 +355,15 @@ fn run_alone_on_failure(
                 Ok(outcome.pop().expect("one outcome per policy"))
             })
             .collect(),
+    }
+}
+
+/// Whether `error` is a stop the caller asked for (Ctrl-C), not a failure of the run.
+fn stopped(error: &SweepError) -> bool {
+    match error {
+        SweepError::Policy(PolicyError::Stopped(_)) => true,
+        SweepError::Live(live) => matches!(**live, LiveError::Policy(PolicyError::Stopped(_))),
+        _ => false,
     }
 }
 

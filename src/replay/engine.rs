@@ -100,13 +100,15 @@ impl ReplayReport {
 
 /// Replays `policy` on `trace`.
 pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport, PolicyError> {
-    let mut reports = replay_many(trace, std::slice::from_ref(policy), &|| {})?;
+    let mut reports = replay_many(trace, std::slice::from_ref(policy), &|| Ok(()))?;
     Ok(reports.pop().expect("one report per policy"))
 }
 
 /// Called after each layer of each pass over a trace, once that layer's memory is freed: a
-/// progress bar, or the binary handing freed memory back to the system.
-pub type LayerDone<'a> = &'a (dyn Fn() + Sync);
+/// progress bar, or the binary handing freed memory back to the system. It returns
+/// [`Stopped`](super::Stopped) to end the work there (Ctrl-C): the call then fails with
+/// [`PolicyError::Stopped`].
+pub type LayerDone<'a> = &'a (dyn Fn() -> Result<(), super::Stopped> + Sync);
 
 /// Replays several policies in one pass over the trace, calling `layer_done` after each layer of
 /// each pass (budget passes count once per policy that needs one).
@@ -125,7 +127,7 @@ pub fn replay_keeping(
     policies: &[ValidPolicy],
 ) -> Result<Vec<(ReplayReport, Vec<Kept>)>, PolicyError> {
     let mut kept: Vec<Vec<Kept>> = vec![Vec::new(); policies.len()];
-    let reports = replay_pass(trace, policies, &|| {}, &mut |index, layer_kept| {
+    let reports = replay_pass(trace, policies, &|| Ok(()), &mut |index, layer_kept| {
         kept[index].push(layer_kept)
     })?;
     Ok(reports.into_iter().zip(kept).collect())
@@ -263,7 +265,7 @@ fn measure_pass(
         }
         drop(tensors);
         external_failure()?;
-        layer_done();
+        layer_done()?;
     }
     Ok(policies
         .iter()
@@ -651,7 +653,7 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
     let (_, budgets) =
-        layer_budgets_with_progress(trace, policy, &|| {}, &mut Profiles::default())?;
+        layer_budgets_with_progress(trace, policy, &|| Ok(()), &mut Profiles::default())?;
     policy.check_external()?;
     Ok(budgets)
 }
@@ -678,7 +680,7 @@ fn for_each_layer<T: Send>(
         .map(|&layer| {
             let tensors = trace.layer(layer)?;
             let result = work(context(trace, layer, &tensors));
-            layer_done();
+            layer_done()?;
             Ok(result)
         })
         .collect()
@@ -758,7 +760,9 @@ impl Profiles {
     ) -> Result<Vec<LayerProfile>, PolicyError> {
         let key = (window, layers.to_vec());
         if let Some(profiles) = self.0.get(&key) {
-            layers.iter().for_each(|_| layer_done());
+            for _ in layers {
+                layer_done()?;
+            }
             return Ok(profiles.clone());
         }
         let profiles = for_each_layer(trace, layers, layer_done, &|layer| {

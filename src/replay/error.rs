@@ -93,4 +93,13 @@ pub enum PolicyError {
     /// Reading the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
+    /// The caller asked the work to stop (Ctrl-C), between two layers.
+    #[error(transparent)]
+    Stopped(#[from] Stopped),
 }
+
+/// The work was asked to stop: what a [`LayerDone`](super::LayerDone) callback returns to end
+/// it after the layer it has finished.
+#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
+#[error("stopped on request")]
+pub struct Stopped;

@@ -33,9 +33,9 @@ pub fn kept_masks(
     let kept = layers
         .iter()
         .map(|&layer| {
-            let kept = kept_sets(trace, policy, &all_budgets, layer);
-            layer_done();
-            kept
+            let kept = kept_sets(trace, policy, &all_budgets, layer)?;
+            layer_done()?;
+            Ok::<_, PolicyError>(kept)
         })
         .collect::<Result<Vec<_>, _>>()?;
     let view = protocol_view(trace, policy)?;

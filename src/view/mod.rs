@@ -399,7 +399,7 @@ fn attention_mass(
                     }
                 }
             }
-            layer_done();
+            layer_done().map_err(PolicyError::from)?;
             Ok((0..bins.count)
                 .map(|bin| {
                     let sum: f64 = bins
