@@ -3,7 +3,7 @@
 //! resumes); the command then exits with 130, as a shell reports an interrupt. A second Ctrl-C
 //! ends the process at once. Outside such work Ctrl-C keeps its default.
 
-use kvreplay::replay::{PolicyError, Stopped};
+use kvreplay::replay::Stopped;
 use std::sync::atomic::{AtomicBool, Ordering};
 
 /// Set by the first Ctrl-C.
@@ -36,11 +36,6 @@ pub fn check() -> Result<(), Stopped> {
 
 /// Whether `err` is the stop Ctrl-C asked for, anywhere in its chain of causes.
 pub fn is_stop(err: &anyhow::Error) -> bool {
-    err.chain().any(|cause| {
-        cause.downcast_ref::<Stopped>().is_some()
-            || matches!(
-                cause.downcast_ref::<PolicyError>(),
-                Some(PolicyError::Stopped(_))
-            )
-    })
+    err.chain()
+        .any(|cause| cause.downcast_ref::<Stopped>().is_some())
 }

@@ -93,8 +93,9 @@ pub enum PolicyError {
     /// Reading the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
-    /// The caller asked the work to stop (Ctrl-C), between two layers.
-    #[error(transparent)]
+    /// The caller asked the work to stop (Ctrl-C), between two layers. Not transparent: the
+    /// [`Stopped`] stays in the chain of causes, where a caller finds it through wrapping errors.
+    #[error("{0}")]
     Stopped(#[from] Stopped),
 }
 
