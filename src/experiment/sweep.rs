@@ -180,7 +180,7 @@ impl<'a> Sweep<'a> {
             let mut outcomes = run_alone_on_failure(&runner, &policies, self.layer_done);
             // Asked to stop: what is stored stays, nothing of this batch is stored or failed.
             if let Some(index) = outcomes.iter().position(|o| o.as_ref().is_err_and(stopped)) {
-                return Err(outcomes.swap_remove(index).err().expect("an error"));
+                return Err(outcomes.swap_remove(index).expect_err("a stop"));
             }
             for (run, outcome) in runs.iter().zip(outcomes) {
                 for (index, of_trace) in of_unit.iter().enumerate() {
