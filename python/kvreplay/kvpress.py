@@ -194,8 +194,9 @@ class _Probe:
         self.__dict__.update(fields)
 
 
-def _StandIn(layer, group, head_dim, rope_theta):
-    """What a press reads of a Llama attention layer, for one KV head and its `group` query heads."""
+def _attention_module(layer, heads, kv_heads, head_dim, d_model, rope_theta):
+    """A module with what a press reads of a Llama attention layer: `config`, `head_dim`,
+    `layer_idx`, `num_key_value_groups` and transformers' own rotary embedding."""
     from torch import nn
     from transformers import LlamaConfig
     from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
@@ -203,15 +204,24 @@ def _StandIn(layer, group, head_dim, rope_theta):
     module = nn.Module()
     module.head_dim = head_dim
     module.layer_idx = layer
+    module.num_key_value_groups = heads // kv_heads
     module.config = LlamaConfig(
-        hidden_size=group * head_dim,
-        num_attention_heads=group,
-        num_key_value_heads=1,
+        hidden_size=d_model,
+        num_attention_heads=heads,
+        num_key_value_heads=kv_heads,
         head_dim=head_dim,
         rope_theta=float(rope_theta),
         max_position_embeddings=1 << 16,
     )
     module.rotary_emb = LlamaRotaryEmbedding(module.config)
+    return module
+
+
+def _StandIn(layer, group, head_dim, rope_theta):
+    """One KV head and its `group` query heads, with an identity `q_proj`."""
+    from torch import nn
+
+    module = _attention_module(layer, group, 1, head_dim, group * head_dim, rope_theta)
     module.q_proj = nn.Identity()
     return module
 
@@ -221,24 +231,9 @@ def _Layer(cache):
     heads, rotary and `layer_idx`."""
     import torch
     from torch import nn
-    from transformers import LlamaConfig
-    from transformers.models.llama.modeling_llama import LlamaRotaryEmbedding
 
-    heads, kv_heads, head_dim = cache.n_heads, cache.n_kv_heads, cache.layer_keys.shape[-1]
-    d_model = cache.hidden.shape[-1]
-    module = nn.Module()
-    module.head_dim = head_dim
-    module.layer_idx = cache.layer
-    module.num_key_value_groups = heads // kv_heads
-    module.config = LlamaConfig(
-        hidden_size=d_model,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        head_dim=head_dim,
-        rope_theta=float(cache.rope_theta),
-        max_position_embeddings=1 << 16,
-    )
-    module.rotary_emb = LlamaRotaryEmbedding(module.config)
+    head_dim, d_model = cache.layer_keys.shape[-1], cache.hidden.shape[-1]
+    module = _attention_module(cache.layer, cache.n_heads, cache.n_kv_heads, head_dim, d_model, cache.rope_theta)
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         weight = torch.from_numpy(np.ascontiguousarray(cache.projections[f"{name}.weight"]))
         bias = cache.projections.get(f"{name}.bias")
