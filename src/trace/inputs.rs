@@ -69,37 +69,17 @@ pub(super) fn check(
         return Ok(None);
     };
     let d_model = first.shape.get(1).copied().unwrap_or(0);
-    let (q_width, kv_width) = (
-        meta.n_heads * meta.head_dim,
-        meta.n_kv_heads * meta.head_dim,
-    );
+    let shapes = projection_shapes(meta, d_model);
     for layer in 0..meta.n_layers {
-        let mut expected = vec![
-            (format!("layers.{layer}.input"), vec![n_positions, d_model]),
-            (
-                format!("layers.{layer}.q_proj.weight"),
-                vec![q_width, d_model],
-            ),
-            (
-                format!("layers.{layer}.k_proj.weight"),
-                vec![kv_width, d_model],
-            ),
-            (
-                format!("layers.{layer}.v_proj.weight"),
-                vec![kv_width, d_model],
-            ),
-            (
-                format!("layers.{layer}.o_proj.weight"),
-                vec![d_model, q_width],
-            ),
-        ];
-        for (projection, out) in PROJECTIONS
-            .iter()
-            .zip([q_width, kv_width, kv_width, d_model])
-        {
+        let mut expected = vec![(format!("layers.{layer}.input"), vec![n_positions, d_model])];
+        for (projection, shape) in PROJECTIONS.iter().zip(shapes) {
+            expected.push((
+                format!("layers.{layer}.{projection}.weight"),
+                shape.to_vec(),
+            ));
             let bias = format!("layers.{layer}.{projection}.bias");
             if named(&bias).is_some() {
-                expected.push((bias, vec![out]));
+                expected.push((bias, vec![shape[0]]));
             }
         }
         for (name, shape) in expected {
@@ -127,6 +107,15 @@ pub(super) fn check(
         }
     }
     Ok(Some(d_model))
+}
+
+/// Each projection's weight shape `[out, in]`, in [`PROJECTIONS`]' order (its bias is `[out]`).
+pub(super) fn projection_shapes(meta: &TraceMeta, d_model: usize) -> [[usize; 2]; 4] {
+    let (q, kv) = (
+        meta.n_heads * meta.head_dim,
+        meta.n_kv_heads * meta.head_dim,
+    );
+    [[q, d_model], [kv, d_model], [kv, d_model], [d_model, q]]
 }
 
 /// The names of layer `layer`'s attention-input tensors, biases included.

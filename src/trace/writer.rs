@@ -257,22 +257,14 @@ fn input_tensors(
     storage: StorageDtype,
 ) -> Vec<(usize, String, Vec<usize>, StorageDtype)> {
     let d = inputs.d_model;
-    let (q, kv) = (
-        meta.n_heads * meta.head_dim,
-        meta.n_kv_heads * meta.head_dim,
-    );
-    let outs = [(q, d), (kv, d), (kv, d), (d, q)];
+    let shapes = super::inputs::projection_shapes(meta, d);
     let mut found = vec![(INPUT, "input".to_string(), vec![n_positions, d], storage)];
-    for (index, (name, (out, input))) in PROJECTIONS.iter().zip(outs).enumerate() {
-        found.push((
-            WEIGHTS + index,
-            format!("{name}.weight"),
-            vec![out, input],
-            StorageDtype::F32,
-        ));
+    for (index, (name, shape)) in PROJECTIONS.iter().zip(shapes).enumerate() {
+        let weight = format!("{name}.weight");
+        found.push((WEIGHTS + index, weight, shape.to_vec(), StorageDtype::F32));
         if inputs.biases[index] {
-            let bias = (BIASES + index, format!("{name}.bias"), vec![out]);
-            found.push((bias.0, bias.1, bias.2, StorageDtype::F32));
+            let bias = format!("{name}.bias");
+            found.push((BIASES + index, bias, vec![shape[0]], StorageDtype::F32));
         }
     }
     found
