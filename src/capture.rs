@@ -3,10 +3,13 @@
 
 use crate::assets::{model_asset, AssetError, Assets};
 use crate::model::{family, CausalLm, HfModel, KvCache, ModelError, Recorder};
+use crate::recipe::reconstruction::{self as pass, PlannedPass};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
 use crate::trace::{
-    write_trace, InputsSource, LayerInputs, Projection, StorageDtype, TraceError, TraceMeta,
+    write_trace, Extras, InputsSource, LayerInputs, PassRows, Projection, ReconstructionSource,
+    StorageDtype, TraceError, TraceMeta,
 };
+use ndarray::{Array3, Axis};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::Arc;
@@ -46,6 +49,9 @@ pub enum CaptureError {
     /// Attention inputs asked of a family whose projections do not give its queries and keys.
     #[error("--attention-inputs: model family `{0}` normalises q and k per head after its projections, so a trace's projections would not give its queries and keys; its attention inputs are not recorded")]
     NoAttentionInputs(&'static str),
+    /// A recipe's reconstruction pass that cannot run on its prompt.
+    #[error("reconstruction = \"kvzip\": {0}")]
+    Reconstruction(String),
     /// The lock that lets concurrent sweeps capture a recipe once could not be taken.
     #[error("{path}: cannot take the capture lock: {source}")]
     Lock {
@@ -140,7 +146,9 @@ pub fn build_questions(
     model: &dyn CausalLm,
 ) -> Result<BuiltQuestions, CaptureError> {
     let (parsed, base, essays) = load_with_essays(recipe)?;
-    Ok(parsed.build_questions(model.tokenizer(), &essays, &base)?)
+    let mut questions = parsed.build_questions(model.tokenizer(), &essays, &base)?;
+    questions.reconstruction = pass::pass_chunk(recipe)?;
+    Ok(questions)
 }
 
 /// Recipe file `recipe`, the folder its paths are relative to, and the essays if it reads them.
@@ -216,6 +224,7 @@ pub fn capture_recipe(
     let projections = inputs.then(|| input_projections(model)).transpose()?;
     let questions = build_questions(recipe, model)?;
     let options = recipe_options(recipe, (parsed.model(), model), (storage, chunk))?;
+    let mut passes = Passes::default();
     let spill_dir = out.parent().filter(|p| !p.as_os_str().is_empty());
     let spill_dir = spill_dir.unwrap_or(Path::new("."));
     let total = questions.shared
@@ -236,6 +245,7 @@ pub fn capture_recipe(
             logits,
             mut recorder,
         } = run;
+        let recorded_pass = passes.of(model, (&questions, index), &cache, chunk)?;
         let generated = model.decode_greedy(
             &mut cache,
             &logits,
@@ -245,7 +255,7 @@ pub fn capture_recipe(
             &mut |_| tick(1),
         )?;
         let written = (&questions, index, generated.as_slice());
-        let recorded = (&recorder, projections.as_deref());
+        let recorded = (&recorder, projections.as_deref(), recorded_pass.as_deref());
         summaries.push(write_question(model, written, recorded, (&options, out))?);
         Ok::<(), CaptureError>(())
     };
@@ -372,12 +382,12 @@ pub fn input_projections(model: &dyn CausalLm) -> Result<Vec<[Projection; 4]>, C
 
 /// Writes the trace of question `index` of `questions` that a capture into `out` writes
 /// ([`question_trace`]): its run with the full cache as `recorder` recorded it (with its
-/// attention inputs and the model's `projections`, where given), its prompt and then the
-/// `generated` tokens fed back.
+/// attention inputs and the model's `projections`, and its reconstruction pass, where given),
+/// its prompt and then the `generated` tokens fed back.
 pub fn write_question(
     model: &dyn CausalLm,
     (questions, index, generated): (&BuiltQuestions, usize, &[u32]),
-    (recorder, projections): (&Recorder, Option<&[[Projection; 4]]>),
+    recorded: Recorded<'_>,
     (options, out): (&CaptureOptions, &Path),
 ) -> Result<CaptureSummary, CaptureError> {
     let prompt = &questions.prompts[index];
@@ -394,7 +404,6 @@ pub fn write_question(
     }
     let tokens = token_ids(prompt, generated);
     let path = question_trace(out, index, count);
-    let recorded = (recorder, projections);
     write_layers(&path, &meta, options.storage, &tokens, recorded)?;
     Ok(CaptureSummary {
         path,
@@ -508,18 +517,19 @@ pub struct Captured {
 impl Captured {
     /// Writes the trace atomically, one layer of it in memory at a time.
     pub fn write(&self, path: &Path) -> Result<(), TraceError> {
-        let recorded = (&self.recorder, self.projections.as_deref());
+        let recorded = (&self.recorder, self.projections.as_deref(), None);
         write_layers(path, &self.meta, self.storage, &self.tokens, recorded)
     }
 }
 
 /// Writes the trace of a run that `recorder` recorded (`prompt`, then the `generated` tokens fed
-/// back) atomically, one layer of it in memory at a time.
+/// back), with its reconstruction pass where given, atomically, one layer of it in memory at a
+/// time.
 pub fn write_recording(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     generated: &[u32],
-    recorder: &Recorder,
+    (recorder, recorded_pass): (&Recorder, Option<&RecordedPass>),
     options: &CaptureOptions,
     path: &Path,
 ) -> Result<(), TraceError> {
@@ -529,17 +539,26 @@ pub fn write_recording(
         &meta,
         options.storage,
         &token_ids(prompt, generated),
-        (recorder, None),
+        (recorder, None, recorded_pass),
     )
 }
 
-/// Writes what `recorder` recorded, with its attention inputs where `projections` are given.
+/// What a run recorded: its recorder, the model's projections where it kept attention inputs,
+/// and its reconstruction pass where the recipe asks for one.
+pub type Recorded<'a> = (
+    &'a Recorder,
+    Option<&'a [[Projection; 4]]>,
+    Option<&'a RecordedPass>,
+);
+
+/// Writes what `recorder` recorded, with its attention inputs where `projections` are given and
+/// its reconstruction pass where given.
 fn write_layers(
     path: &Path,
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
-    (recorder, projections): (&Recorder, Option<&[[Projection; 4]]>),
+    (recorder, projections, recorded_pass): Recorded<'_>,
 ) -> Result<(), TraceError> {
     let layer = |layer: usize| {
         recorder
@@ -563,7 +582,97 @@ fn write_layers(
             layer: &inputs_of,
         })
     });
-    write_trace(path, meta, storage, tokens, (true, &layer), inputs.as_ref())
+    let rows = |layer: usize| -> Result<PassRows, String> {
+        let recorded = recorded_pass.expect("rows are written with a pass");
+        Ok(recorded.layers[layer].clone())
+    };
+    let reconstruction = recorded_pass.map(|recorded| ReconstructionSource {
+        pass: recorded.planned.pass.clone(),
+        tokens: recorded.planned.token_ids(),
+        layer: &rows,
+    });
+    let extras = Extras {
+        inputs: inputs.as_ref(),
+        reconstruction: reconstruction.as_ref(),
+    };
+    write_trace(path, meta, storage, tokens, (true, &layer), extras)
+}
+
+/// KVzip's reconstruction passes of a recipe's questions, each cut's run once: the questions of
+/// one context all cut where their question starts, so they share one.
+#[derive(Default)]
+pub struct Passes(Vec<(usize, Arc<RecordedPass>)>);
+
+impl Passes {
+    /// The pass of question `index` of `questions` from `cache`, its prompt's full cache (none
+    /// when the recipe asks for none), prefilled in pieces of `prefill` tokens.
+    pub fn of(
+        &mut self,
+        model: &dyn CausalLm,
+        (questions, index): (&BuiltQuestions, usize),
+        cache: &KvCache,
+        prefill: usize,
+    ) -> Result<Option<Arc<RecordedPass>>, CaptureError> {
+        let Some(size) = questions.reconstruction else {
+            return Ok(None);
+        };
+        let prompt = &questions.prompts[index];
+        let cut = pass::cut_of(&prompt.ids, &prompt.spans);
+        if let Some((_, done)) = self.0.iter().find(|(at, _)| *at == cut) {
+            return Ok(Some(done.clone()));
+        }
+        let recorded = Arc::new(record_pass(model, prompt, cache, (size, prefill))?);
+        self.0.push((cut, recorded.clone()));
+        Ok(Some(recorded))
+    }
+}
+
+/// KVzip's reconstruction pass of one prompt, run and recorded.
+pub struct RecordedPass {
+    /// Its chunks and rows.
+    pub planned: PlannedPass,
+    /// Per layer, the rows' queries `[n_heads, rows, d]` and keys `[n_kv_heads, rows, d]`.
+    pub layers: Vec<PassRows>,
+}
+
+/// Runs KVzip's reconstruction pass of `prompt` ([`pass::plan`], chunks of `size` tokens) on
+/// `cache`, the prompt's full cache: each chunk's rows from the cache cut where the pass cuts,
+/// prefilled in pieces of `prefill` tokens, their queries and keys recorded.
+pub fn record_pass(
+    model: &dyn CausalLm,
+    prompt: &BuiltPrompt,
+    cache: &KvCache,
+    (size, prefill): (usize, usize),
+) -> Result<RecordedPass, CaptureError> {
+    let cut = pass::cut_of(&prompt.ids, &prompt.spans);
+    let planned = pass::plan(&prompt.ids, cut, model.tokenizer(), size)
+        .map_err(CaptureError::Reconstruction)?;
+    let n_layers = model.spec().n_layers;
+    let mut per_chunk: Vec<Vec<PassRows>> = Vec::new();
+    for rows in &planned.rows {
+        let mut branch = cache.truncated(cut);
+        let mut recorder = Recorder::default();
+        prefill_onto(
+            model,
+            rows,
+            prefill,
+            &mut branch,
+            &mut recorder,
+            &mut |_| {},
+        )?;
+        let layers = (0..n_layers)
+            .map(|layer| recorder.layer(layer).map(|(q, k, _)| (q, k)))
+            .collect::<Result<Vec<_>, _>>()?;
+        per_chunk.push(layers);
+    }
+    let joined = |layer: usize, pick: fn(&PassRows) -> &Array3<f32>| {
+        let views: Vec<_> = per_chunk.iter().map(|c| pick(&c[layer]).view()).collect();
+        ndarray::concatenate(Axis(1), &views).expect("one head count and head size")
+    };
+    let layers = (0..n_layers)
+        .map(|layer| (joined(layer, |p| &p.0), joined(layer, |p| &p.1)))
+        .collect();
+    Ok(RecordedPass { planned, layers })
 }
 
 /// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`

@@ -39,7 +39,10 @@ fn write(
     for (q, k, v) in layers {
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
-    writer.write(path).unwrap();
+    // The reconstruction pass a capture runs where the question starts, in both traces.
+    common::with_pass(writer, shape, 0, QUESTION.start)
+        .write(path)
+        .unwrap();
     TraceReader::open(path).unwrap()
 }
 

@@ -163,6 +163,7 @@ fn one_compression_serves_every_question_as_compressing_for_each_would() {
         let alone = BuiltQuestions {
             shared: questions.shared,
             prompts: vec![prompt.clone()],
+            reconstruction: None,
         };
         let alone = LiveQuestions::start(model(), &alone, 128, dir.path()).unwrap();
         let expected = alone.sessions()[0].run_many(&policies).unwrap();
@@ -354,4 +355,71 @@ fn a_capture_with_attention_inputs_records_them_for_every_question() {
         );
         assert_eq!((a.q, a.k, a.v), (b.q, b.k, b.v));
     }
+}
+
+/// KVzip's reconstruction pass (`reconstruction = "kvzip"`): a capture records it in every
+/// question's trace, run once where the questions start (the context, in chunks of 128 after the
+/// template's opening, each chunk's rows laid out as kvpress lays them out); the `kvzip` scorer
+/// replays it at that cut and refuses another; a live run records the same pass with its full
+/// run, so the policy runs live and its open-loop replay is the captured trace's, bit for bit.
+#[test]
+fn a_kvzip_pass_is_captured_once_for_the_questions_and_run_live() {
+    use kvreplay::model::CausalLm;
+    use kvreplay::recipe::reconstruction::plan;
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = recipe(dir.path());
+    let text = format!("{RECIPE}reconstruction = \"kvzip\"\nreconstruction_chunk = 128\n");
+    std::fs::write(&recipe, text).unwrap();
+    let out = dir.path().join("two.safetensors");
+    capture_recipe(
+        &recipe,
+        &out,
+        (StorageDtype::F32, 128, false),
+        &mut Default::default(),
+        &mut |_, _| {},
+    )
+    .unwrap();
+    let traces: Vec<TraceReader> = ["two.q1.safetensors", "two.q2.safetensors"]
+        .iter()
+        .map(|name| TraceReader::open(dir.path().join(name)).unwrap())
+        .collect();
+    let questions = build_questions(&recipe, model()).unwrap();
+    assert_eq!(questions.reconstruction, Some(128));
+    let prompt = &questions.prompts[0];
+    let planned = plan(&prompt.ids, questions.shared, model().tokenizer(), 128).unwrap();
+    assert!(planned.pass.chunks.len() >= 3, "{:?}", planned.pass);
+    assert_eq!(planned.pass.cut(), questions.shared);
+    for trace in &traces {
+        assert_eq!(trace.reconstruction(), Some(&planned.pass));
+        let ids = trace.reconstruction_tokens().unwrap().unwrap();
+        assert_eq!(ids.to_vec(), planned.token_ids());
+        let rows = trace.layer(29).unwrap().reconstruction.unwrap();
+        assert_eq!(rows, traces[0].layer(29).unwrap().reconstruction.unwrap());
+    }
+    // The last rows of chunk 0 are its context's own tokens, repeated: their keys are the keys
+    // the prompt had at those positions, rotated further.
+    let first = &planned.rows[0];
+    let tail = &prompt.ids[planned.pass.chunks[0].context.clone()];
+    assert_eq!(&first[first.len() - tail.len()..], tail);
+    let kvzip = policy("kvzip", Protocol::QuestionAgnostic);
+    let replayed = kvreplay::replay::replay(&traces[0], &kvzip).unwrap();
+    let elsewhere =
+        kvreplay::replay::replay(&traces[0], &policy("kvzip", Protocol::QuestionInPrompt));
+    assert!(elsewhere
+        .unwrap_err()
+        .to_string()
+        .contains("reconstruction pass repeats the context up to position"),);
+    let live = LiveQuestions::start(model(), &questions, 128, dir.path()).unwrap();
+    let reports = live.run_many(&[kvzip]).unwrap();
+    let open_loop = &reports[0][0].open_loop;
+    let layers = |report: &kvreplay::replay::ReplayReport| -> Vec<_> {
+        let layers = report.layers.iter();
+        layers
+            .map(|l| (l.metrics.clone(), l.kept_by_unit.clone()))
+            .collect()
+    };
+    assert_eq!(open_loop.metrics, replayed.metrics);
+    assert_eq!(layers(open_loop), layers(&replayed));
+    assert_eq!(open_loop.spans, replayed.spans);
+    assert!(reports[0][0].kl.is_finite());
 }

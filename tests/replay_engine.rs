@@ -92,7 +92,7 @@ fn stored_layer_agrees(
 fn fixture_layer<'a>(
     (q, k, v): (&'a Array3<f32>, &'a Array3<f32>, &'a Array3<f32>),
     shape: Shape,
-    index: usize,
+    (index, pass): (usize, &'a [kvreplay::trace::LayerReconstruction]),
 ) -> Layer<'a> {
     Layer {
         q,
@@ -102,6 +102,7 @@ fn fixture_layer<'a>(
         scale: common::meta(shape).scale as f64,
         index,
         rope_theta: common::ROPE_THETA as f64,
+        reconstruction: pass.get(index),
     }
 }
 
@@ -122,6 +123,7 @@ fn engine_matches_brute_force_reference() {
     for seed in 0..4u64 {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
+        let pass = common::fixture_pass(shape, seed, shape.prompt_len);
         let trace = TraceReader::open(&path).unwrap();
         for method in scorer::REGISTRY {
             let scorer = method.name;
@@ -173,7 +175,7 @@ fn engine_matches_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, index);
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
                         let reference_policy = reference::Policy {
                             rule: rule.as_ref(),
                             timing,
@@ -395,6 +397,7 @@ fn quantized_caches_match_brute_force_reference() {
     for seed in 0..3u64 {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
+        let pass = common::fixture_pass(shape, seed, shape.prompt_len);
         let trace = TraceReader::open(&path).unwrap();
         for method in quantizer::REGISTRY.iter().filter(|m| m.name != "none") {
             for (scorer, timing) in EVERY_TIMING {
@@ -416,7 +419,7 @@ fn quantized_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, index);
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
                         stored_layer_agrees(
@@ -476,6 +479,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
     for seed in 0..3u64 {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
+        let pass = common::fixture_pass(shape, seed, shape.prompt_len);
         let trace = TraceReader::open(&path).unwrap();
         for method in channels::REGISTRY.iter().filter(|m| m.name != "none") {
             for (scorer, timing) in EVERY_TIMING {
@@ -498,7 +502,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, index);
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
                         let (kept, histories) = stored_layer_agrees(
@@ -586,6 +590,7 @@ fn merged_caches_match_brute_force_reference() {
     for seed in 0..3u64 {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
+        let pass = common::fixture_pass(shape, seed, shape.prompt_len);
         let trace = TraceReader::open(&path).unwrap();
         let at_the_cut = |name: &str| name != "none" && !merges_while_decoding(name);
         for method in merge::REGISTRY.iter().filter(|m| at_the_cut(m.name)) {
@@ -609,7 +614,7 @@ fn merged_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, index);
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
                         let case = format!("{} {scorer} {gqa:?} seed {seed}", method.name);
                         stored_layer_agrees(
                             &trace,
@@ -681,6 +686,7 @@ fn decode_merges_match_brute_force_reference() {
     for seed in 0..3u64 {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
+        let pass = common::fixture_pass(shape, seed, shape.prompt_len);
         let trace = TraceReader::open(&path).unwrap();
         for method in merge::REGISTRY
             .iter()
@@ -736,7 +742,7 @@ fn decode_merges_match_brute_force_reference() {
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, index);
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);

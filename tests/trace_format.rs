@@ -16,7 +16,11 @@ fn f32_round_trip_is_exact() {
     let shape = Shape::default();
     let layers = write_fixture(&path, shape, 1);
     let trace = TraceReader::open(&path).unwrap();
-    assert_eq!(trace.meta(), &meta(shape));
+    let pass = common::fixture_pass(shape, 1, shape.prompt_len);
+    let mut written = meta(shape);
+    let chunks = r#"{"chunks":[[2,11,12],[11,20,12]]}"#;
+    written.extra.insert("reconstruction".into(), chunks.into());
+    assert_eq!(trace.meta(), &written);
     assert_eq!(trace.n_positions(), shape.prompt_len + shape.generated);
     assert!(trace.has_values());
     assert_eq!(
@@ -28,7 +32,10 @@ fn f32_round_trip_is_exact() {
         assert_eq!(&read.q, q);
         assert_eq!(&read.k, k);
         assert_eq!(read.v.as_ref(), Some(v));
+        assert_eq!(read.reconstruction.as_ref(), Some(&pass[index]));
     }
+    let ids = trace.reconstruction_tokens().unwrap().unwrap();
+    assert_eq!(ids.to_vec(), (0..24).collect::<Vec<i64>>());
 }
 
 /// A trace is shareable data: it gets the mode of any new file in its directory (safetensors'
@@ -502,6 +509,96 @@ fn attention_inputs(tensors: &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>) {
     }
 }
 
+/// KVzip's reconstruction pass on the case: one chunk repeating positions [0, 2) in 3 rows.
+fn reconstruction_pass(
+    meta: &mut HashMap<String, String>,
+    tensors: &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    meta.insert("reconstruction".into(), r#"{"chunks":[[0,2,3]]}"#.into());
+    let floats = |count: usize| (0..count).flat_map(|i| (i as f32).to_le_bytes()).collect();
+    tensors.push((
+        "reconstruction.tokens".into(),
+        Dtype::I64,
+        vec![3],
+        vec![0; 24],
+    ));
+    let q = ("layers.0.reconstruction.q", vec![2, 3, 2], floats(12));
+    let k = ("layers.0.reconstruction.k", vec![1, 3, 2], floats(6));
+    for (name, shape, bytes) in [q, k] {
+        tensors.push((name.into(), Dtype::F32, shape, bytes));
+    }
+}
+
+/// The reconstruction pass is one group, checked at open: its header key, its token ids and
+/// every layer's rows, shaped by the header's chunks, in the trace's dtype.
+#[test]
+fn rule_reconstruction_pass() {
+    let trace = case(reconstruction_pass).unwrap();
+    let pass = trace.reconstruction().unwrap();
+    assert_eq!((pass.start(), pass.cut(), pass.rows()), (0, 2, 3));
+    let rows = trace.layer(0).unwrap().reconstruction.unwrap();
+    assert_eq!((rows.q.dim(), rows.k[[0, 2, 1]]), ((2, 3, 2), 5.0));
+    assert_eq!(trace.reconstruction_tokens().unwrap().unwrap().len(), 3);
+    assert!(case(|_, _| {}).unwrap().reconstruction().is_none());
+    for (edit, expected) in [
+        (
+            (|_: &mut HashMap<String, String>, t: &mut Vec<_>| {
+                t.retain(|(name, ..): &(String, Dtype, Vec<usize>, Vec<u8>)| {
+                    name != "layers.0.reconstruction.k"
+                })
+            }) as fn(&mut HashMap<String, String>, &mut Vec<_>),
+            "`layers.0.reconstruction.k` is missing",
+        ),
+        (
+            |m, _| {
+                m.remove("reconstruction");
+            },
+            "`reconstruction.tokens` has shape [3], expected [] (rule: reconstruction pass",
+        ),
+        (
+            |m, _| {
+                m.insert("reconstruction".into(), r#"{"chunks":[[0,3,3]]}"#.into());
+            },
+            "repeats up to position 3, and the trace has 3",
+        ),
+        (
+            |m, _| {
+                m.insert("reconstruction".into(), r#"{"chunks":[[0,2,1]]}"#.into());
+            },
+            "runs at least as many rows as it repeats",
+        ),
+        (
+            |m, _| {
+                m.insert(
+                    "reconstruction".into(),
+                    r#"{"chunks":[[0,1,2],[0,2,1]]}"#.into(),
+                );
+            },
+            "starts where the one before ends",
+        ),
+        (
+            |m, _| {
+                m.insert("reconstruction".into(), "[0, 2, 3]".into());
+            },
+            "metadata `reconstruction`: `reconstruction` must be {\"chunks\"",
+        ),
+        (
+            |_, t| replace(t, "layers.0.reconstruction.q", Dtype::F16, vec![2, 3, 2]),
+            "`layers.0.reconstruction.q` has shape [2, 3, 2], expected [2, 3, 2]",
+        ),
+        (
+            |_, t| replace(t, "layers.0.reconstruction.q", Dtype::F32, vec![2, 4, 2]),
+            "`layers.0.reconstruction.q` has shape [2, 4, 2], expected [2, 3, 2]",
+        ),
+    ] {
+        let text = message(case(|m, t| {
+            reconstruction_pass(m, t);
+            edit(m, t);
+        }));
+        assert!(text.contains(expected), "{text}");
+    }
+}
+
 /// Replaces tensor `name` of the case's tensors.
 fn replace(
     tensors: &mut [(String, Dtype, Vec<usize>, Vec<u8>)],
@@ -605,7 +702,7 @@ fn rule_attention_inputs() {
 /// disagree with the header fails the write and leaves no file.
 #[test]
 fn attention_inputs_round_trip_through_the_writer() {
-    use kvreplay::trace::{write_trace, InputsSource, LayerInputs, Projection};
+    use kvreplay::trace::{write_trace, Extras, InputsSource, LayerInputs, Projection};
     use ndarray::{Array1, Array2};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape::default();
@@ -655,7 +752,10 @@ fn attention_inputs_round_trip_through_the_writer() {
         StorageDtype::F32,
         &tokens,
         (true, &layer),
-        Some(&source),
+        Extras {
+            inputs: Some(&source),
+            ..Extras::default()
+        },
     )
     .unwrap();
     let trace = TraceReader::open(&path).unwrap();
@@ -675,7 +775,10 @@ fn attention_inputs_round_trip_through_the_writer() {
         StorageDtype::F32,
         &tokens,
         (true, &layer),
-        Some(&source),
+        Extras {
+            inputs: Some(&source),
+            ..Extras::default()
+        },
     )
     .unwrap_err()
     .to_string();

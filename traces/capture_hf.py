@@ -16,8 +16,13 @@ head_dim, scale and soft-cap. --attention-inputs also records each layer's atten
 normed hidden states, `layers.{l}.input`, in the storage dtype) and its projections
 (`layers.{l}.{q,k,v,o}_proj.weight` and `.bias`, f32), for the methods that read them; models that
 normalise q and k per head (q_norm, k_norm) are refused, since the projections do not describe them.
+A recipe with `reconstruction = "kvzip"` also records KVzip's reconstruction pass as kvpress's
+KVzipPress lays it out (`reconstruction.tokens`, `layers.{l}.reconstruction.q`/`.k`, the header's
+`reconstruction`; docs/trace-format.md): each chunk of the context before the question, after the
+repeat instruction and the template's closing, run on a copy of the prompt's cache cut there.
 """
 import argparse
+import copy
 import json
 import os
 import sys
@@ -34,6 +39,8 @@ NIAH_SUFFIX = " Don't give information outside the document or repeat your findi
 DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...], "input": [...]}
+PASS = []  # the reconstruction pass's chunks: each layer -> {"q": [...], "k": [...]}
+RECORDING = [RECORD]  # where the attention hook records: RECORD, or the pass's current chunk
 WINDOWS = {}  # layer -> attention window (0 = global)
 SCALES = {}  # layer -> softmax scale
 LAYERS = None
@@ -60,7 +67,7 @@ def kvtrace_attention(module, query, key, value, attention_mask, **kwargs):
     SCALES.setdefault(layer, float(kwargs.get("scaling") or module.scaling))
     if LAYERS is None or layer in LAYERS:
         new = query.shape[2]
-        slot = RECORD.setdefault(layer, {"q": [], "k": [], "v": []})
+        slot = RECORDING[-1].setdefault(layer, {"q": [], "k": [], "v": []})
         slot["q"].append(query[0].detach().float().cpu())
         slot["k"].append(key[0, :, -new:].detach().float().cpu())
         slot["v"].append(value[0, :, -new:].detach().float().cpu())
@@ -71,7 +78,7 @@ def record_inputs(module, args, kwargs):
     """A forward pre-hook on a self-attention module: keeps the hidden states entering it."""
     if LAYERS is None or module.layer_idx in LAYERS:
         hidden = kwargs["hidden_states"] if "hidden_states" in kwargs else args[0]
-        RECORD.setdefault(module.layer_idx, {"q": [], "k": [], "v": []}).setdefault("input", []).append(hidden[0].detach().float().cpu())
+        RECORDING[-1].setdefault(module.layer_idx, {"q": [], "k": [], "v": []}).setdefault("input", []).append(hidden[0].detach().float().cpu())
 
 
 def attention_modules(model):
@@ -102,6 +109,34 @@ def sizes(config, head_dim, n_layers, positions, element, inputs):
         weights = n_layers * 4 * (2 * q * d + 2 * kv * d)
         line += f", attention inputs {hidden / 1e6:.1f} MB, projections {weights / 1e6:.1f} MB"
     return line
+
+
+def kvzip_rows(tokenizer, ids, cut, chunk):
+    """KVzip's reconstruction rows, as kvpress 0.5.5's KVzipPress builds them (`__call__` lines
+    95-114, `prepare` lines 185-226): the chat template's opening and closing from a dummy message,
+    the context `ids[prefix:cut]` in chunks of `chunk` tokens, each after its repeat instruction
+    (with the last 8 tokens of the chunk before, from the second on) and the template's closing.
+    Returns [(start, end, rows)]."""
+    if tokenizer.chat_template is None:
+        prefix_text, suffix_text = "", "\n"
+    else:
+        dummy = "dummy context"
+        separator = "\n" + "#" * len(dummy)
+        text = tokenizer.apply_chat_template([{"role": "user", "content": dummy + separator}], add_generation_prompt=True, tokenize=False, enable_thinking=False)
+        context, suffix_text = text.split(separator)
+        prefix_text = context.split(dummy)[0]
+    prefix, suffix = len(encode(tokenizer, prefix_text)), encode(tokenizer, suffix_text)
+    context = ids[prefix:cut]
+    pieces = [context[i : i + chunk] for i in range(0, len(context), chunk)]
+    chunks, start = [], prefix
+    for index, piece in enumerate(pieces):
+        if index == 0:
+            row = encode(tokenizer, "\n\nRepeat the previous context exactly.")
+        else:
+            row = encode(tokenizer, "\n\nRepeat the part of the previous context exactly, starting with") + pieces[index - 1][-8:]
+        chunks.append((start, start + len(piece), row + suffix + piece))
+        start += len(piece)
+    return chunks
 
 
 def turn(role, content):
@@ -201,6 +236,10 @@ def main():
     n_layers = len(LAYERS) if LAYERS else len(modules)
     element = {"f16": 2, "bf16": 2, "f32": 4}[args.dtype]
     print(sizes(config, head_dim, n_layers, len(ids) + generate, element, args.attention_inputs), file=sys.stderr, flush=True)
+    reconstruction = []
+    if recipe.get("reconstruction") == "kvzip":
+        cut = next((span["start"] for span in spans if span["name"] == "question"), len(ids))
+        reconstruction = kvzip_rows(tokenizer, ids, cut, int(recipe.get("reconstruction_chunk", 2048)))
     weights = {}
     if args.attention_inputs:
         for layer, module in modules.items():
@@ -214,6 +253,15 @@ def main():
             piece = torch.tensor([ids[start : start + args.chunk]], device=args.device)
             out = model(input_ids=piece, past_key_values=past, use_cache=True)
             past = out.past_key_values
+        for _, _, rows in reconstruction:
+            RECORDING.append({})
+            branch = copy.deepcopy(past)
+            if branch.get_seq_length() > cut:
+                branch.crop(cut - branch.get_seq_length())  # transformers 5: a negative count removes that many
+            for start in range(0, len(rows), args.chunk):
+                piece = torch.tensor([rows[start : start + args.chunk]], device=args.device)
+                branch = model(input_ids=piece, past_key_values=branch, use_cache=True).past_key_values
+            PASS.append(RECORDING.pop())
         while len(generated) < generate:
             token = int(out.logits[0, -1].argmax())
             if token == end_of_turn:
@@ -230,6 +278,11 @@ def main():
         if args.attention_inputs:
             tensors[f"layers.{index}.input"] = torch.cat(RECORD[layer]["input"], dim=0).to(storage).contiguous()
             tensors.update({f"layers.{index}.{name}": weight for name, weight in weights[layer].items()})
+    if reconstruction:
+        tensors["reconstruction.tokens"] = torch.tensor([t for _, _, rows in reconstruction for t in rows], dtype=torch.int64)
+        for index, layer in enumerate(layers):
+            for kind in ("q", "k"):
+                tensors[f"layers.{index}.reconstruction.{kind}"] = torch.cat([torch.cat(c[layer][kind], dim=1) for c in PASS], dim=1).to(storage).contiguous()
     if len(set(SCALES[layer] for layer in layers)) > 1:
         refuse(f"different softmax scales per layer ({sorted(set(SCALES.values()))})")
     scale = SCALES[layers[0]]
@@ -249,6 +302,8 @@ def main():
     }
     if spans:
         meta["spans"] = json.dumps(spans)
+    if reconstruction:
+        meta["reconstruction"] = json.dumps({"chunks": [[start, end, len(rows)] for start, end, rows in reconstruction]}, separators=(",", ":"))
     windows = [WINDOWS[layer] for layer in layers]
     if any(windows):
         meta["layer_windows"] = json.dumps(windows)

@@ -307,6 +307,13 @@ def policy(press):
     - ``CAMPress(KnormPress(), ...)``: the same with ``gqa="layer"``, ``merge="cam"`` and its
       ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from ``merge_seed``, kvpress from
       torch's global generator).
+    - ``KVzipPress(layerwise=True, n_sink)``: the ``kvzip`` scorer (its scores come from the
+      reconstruction pass a recipe with ``reconstruction = "kvzip"`` records, chunked as the
+      recipe's ``reconstruction_chunk``, kvpress's ``chunk_size``), one top-k per layer over its
+      heads (``heads="adakv"``, ``alpha=0``, no normalisation), the press's ``n_sink`` as
+      ``sinks``, no window. The pass runs where the question starts: replay with
+      ``protocol="question-agnostic"`` a prompt that has one. ``layerwise=False`` (one top-k over
+      every layer) and ``kvzip_plus_normalization`` raise :class:`KvreplayError`.
 
     Over another press, and ``PrefillDecodingPress``, the decoding presses raise
     :class:`KvreplayError` (a press is scored from Python at the prompt's end only); other
@@ -344,6 +351,8 @@ def policy(press):
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
     if kind == "CriticalKVPress":
         return {"scorer": PressScorer(press)}
+    if kind == "KVzipPress":
+        return _kvzip(press)
     if hasattr(press, "score") and not hasattr(press, "press"):
         settings = {"scorer": PressScorer(press)}
         if kind == "PyramidKVPress":
@@ -352,6 +361,22 @@ def policy(press):
             settings.update(gqa="layer")
         return settings
     raise KvreplayError(f"kvpress:{kind} has no kvreplay counterpart: wrap its inner press's scorer instead")
+
+
+def _kvzip(press):
+    """`KVzipPress` with one top-k per layer: the `kvzip` scorer under AdaKV's split without a
+    floor."""
+    if not press.layerwise:
+        raise KvreplayError(
+            "kvpress:KVzipPress with layerwise=False ranks every layer's keys in one top-k, which no kvreplay allocator does yet: "
+            "use layerwise=True (one top-k per layer over its heads)"
+        )
+    if press.kvzip_plus_normalization:
+        raise KvreplayError(
+            "kvpress:KVzipPress with kvzip_plus_normalization weighs the reconstruction pass by its hidden states and W_O V, which traces do not record: "
+            "use kvzip_plus_normalization=False"
+        )
+    return {"scorer": "kvzip", "heads": "adakv", "alpha": 0.0, "normalize": False, "sinks": int(press.n_sink), "window": 0}
 
 
 def _decoding(press, kind):

@@ -246,6 +246,19 @@ impl Trace {
         self.reader.has_inputs()
     }
 
+    /// KVzip's reconstruction pass, when the trace records one: each chunk's `(start, end, rows)`,
+    /// the context span it repeats and its rows (None without one).
+    #[getter]
+    fn reconstruction(&self) -> Option<Vec<(usize, usize, usize)>> {
+        let pass = self.reader.reconstruction()?;
+        let chunks = pass.chunks.iter();
+        Some(
+            chunks
+                .map(|c| (c.context.start, c.context.end, c.rows))
+                .collect(),
+        )
+    }
+
     /// The token ids (int64).
     #[getter]
     fn tokens<'py>(&self, py: Python<'py>) -> PyResult<Bound<'py, PyAny>> {

@@ -168,3 +168,96 @@ def test_a_native_capture_with_attention_inputs_replays_them_too(name, live, hf_
     shared = (ours.reshape(theirs.shape) & theirs).sum() / theirs.sum()
     print(f"\n{name} on the native trace: {shared:.4%} of kvpress's kept positions")
     assert shared >= 0.995, shared
+
+
+# KVzip: its reconstruction pass, chunked as the press chunks it, in 3 chunks of this prompt.
+KVZIP_CHUNK = kvpress_live.KVZIP["KVzipPress"][1]["chunk_size"]
+
+
+@pytest.fixture(scope="session")
+def kvzip_recipe(recipe, tmp_path_factory):
+    path = tmp_path_factory.mktemp("kvzip") / "niah-600-kvzip.toml"
+    path.write_text(recipe.read_text() + f'reconstruction = "kvzip"\nreconstruction_chunk = {KVZIP_CHUNK}\n')
+    return path
+
+
+@pytest.fixture(scope="session")
+def kvzip_trace(kvzip_recipe, trace_path, tmp_path_factory):
+    """The prompt and its reconstruction pass captured through transformers in f32."""
+    out = tmp_path_factory.mktemp("hf-kvzip") / "niah-600-kvzip-hf.safetensors"
+    capture = [sys.executable, str(ROOT / "traces" / "capture_hf.py"), "--model", str(GGUF.parent), "--gguf-file", GGUF.name]
+    subprocess.run([*capture, "--recipe", str(kvzip_recipe), "--out", str(out), "--dtype", "f32", "--generate", "1"], check=True, capture_output=True)
+    return kvreplay.Trace(out)
+
+
+@pytest.fixture(scope="session")
+def kvzip_live(kvpress_python, kvzip_trace, tmp_path_factory):
+    """KVzipPress run live on the context before the question: what it keeps, and its scores."""
+    work = tmp_path_factory.mktemp("kvzip-live")
+    cut = kvzip_trace.reconstruction[-1][1]
+    np.save(work / "tokens.npy", kvzip_trace.tokens[:cut])
+    script = ROOT / "tests" / "reference" / "kvpress_live.py"
+    env = {**os.environ, "KVPRESS_PATH": str(KVPRESS), "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
+    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(work / "tokens.npy"), str(BUDGET), str(work / "live.npz"), "KVzipPress"]
+    subprocess.run(args, check=True, env=env, capture_output=True)
+    return dict(np.load(work / "live.npz"))
+
+
+def kvzip_press(**settings):
+    module, arguments = kvpress_live.KVZIP["KVzipPress"]
+    return getattr(kvpress_live.importlib.import_module(f"kvpress.presses.{module}"), "KVzipPress")(**{**arguments, **settings})
+
+
+def test_kvzip_keeps_what_kvpress_keeps_live(kvzip_live, kvzip_trace):
+    chunks = kvzip_trace.reconstruction
+    assert len(chunks) == 3 and chunks[-1][1] == dict((n, s) for n, s, _ in kvzip_trace.spans)["question"]
+    ours = kvreplay.kept(kvzip_trace, budget=BUDGET, protocol="question-agnostic", **policy(kvzip_press()))["mask"]
+    theirs = kvzip_live["KVzipPress.kept"]
+    ours = ours.reshape(theirs.shape)
+    assert (ours.sum(axis=(1, 2)) == theirs.sum(axis=(1, 2))).all(), "per-layer budgets differ"
+    differ = untied_layerwise(ours, theirs, kvzip_live["KVzipPress.scores"])
+    caches = (ours == theirs).all(axis=-1).sum()
+    print(f"\nKVzipPress: {caches} of {theirs.shape[0] * theirs.shape[1]} caches identical, {(ours & theirs).sum() / theirs.sum():.4%} of kept positions; beyond ties: {differ}")
+    assert differ == []
+
+
+def untied_layerwise(ours, theirs, scores, tolerance=1e-6):
+    """KVzip's one top-k per layer over its heads: the positions where the kept sets differ and
+    the live score is not within `tolerance` (relative) of the layer's live boundary."""
+    found = []
+    for layer in np.nonzero((ours != theirs).any(axis=(1, 2)))[0]:
+        row = scores[layer]
+        boundary = row[theirs[layer]].min()
+        for head, position in zip(*np.nonzero(ours[layer] != theirs[layer])):
+            if abs(row[head, position] - boundary) > tolerance * boundary:
+                found.append((int(layer), int(head), int(position), float(row[head, position] - boundary)))
+    return found
+
+
+def test_kvzip_settings_it_cannot_replay_say_why():
+    with pytest.raises(kvreplay.KvreplayError, match="layerwise=True"):
+        policy(kvzip_press(layerwise=False))
+    with pytest.raises(kvreplay.KvreplayError, match="kvzip_plus_normalization=False"):
+        policy(kvzip_press(kvzip_plus_normalization=True))
+
+
+def test_kvzip_on_a_native_capture(kvzip_recipe, kvzip_live, kvzip_trace, tmp_path):
+    # The native pass repeats the same chunks with the same tokens; its rows differ from
+    # transformers' by ~1e-6 of their range, so only near-ties may flip.
+    native = kvreplay.capture(kvzip_recipe, out=tmp_path / "native.safetensors", dtype="f32")
+    native = kvreplay.Trace(native.path)
+    assert native.reconstruction == kvzip_trace.reconstruction
+    ours = kvreplay.kept(native, budget=BUDGET, protocol="question-agnostic", **policy(kvzip_press()))["mask"]
+    theirs = kvzip_live["KVzipPress.kept"]
+    shared = (ours.reshape(theirs.shape) & theirs).sum() / theirs.sum()
+    print(f"\nKVzipPress on the native trace: {shared:.4%} of kvpress's kept positions")
+    assert shared >= 0.995, shared
+
+
+def test_kvzip_refuses_a_trace_or_a_cut_without_its_pass(kvzip_trace, hf_trace):
+    settings = policy(kvzip_press())
+    with pytest.raises(kvreplay.KvreplayError, match=r'records none \(its recipe must ask for it with `reconstruction = "kvzip"`'):
+        kvreplay.kept(hf_trace, budget=BUDGET, protocol="question-agnostic", **settings)
+    cut, end = kvzip_trace.reconstruction[-1][1], kvzip_trace.prompt_len
+    with pytest.raises(kvreplay.KvreplayError, match=f"repeats the context up to position {cut}, and this replay cuts at {end}"):
+        kvreplay.kept(kvzip_trace, budget=BUDGET, **settings)

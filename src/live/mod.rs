@@ -58,7 +58,8 @@ mod stored;
 pub(crate) mod streams;
 
 use crate::capture::{
-    prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, PromptRun,
+    prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, Passes,
+    PromptRun, RecordedPass,
 };
 use crate::model::Recorder;
 use crate::model::{AttentionMask, CausalLm, ChunkVectors, Entry, Evicted, KvCache, ModelError};
@@ -175,20 +176,27 @@ struct FullRun {
     residual: Option<Tensor>,
 }
 
-/// Sees each question's full run as it is recorded: `(question, generated tokens, recording)`.
-type OnRecording<'a, E> = &'a mut dyn FnMut(usize, &[u32], &Recorder) -> Result<(), E>;
+/// A question's full run, its recording and its reconstruction pass (where the recipe asks for
+/// one).
+type FullRecording = (FullRun, Recorder, Option<Arc<RecordedPass>>);
+
+/// Sees each question's full run as it is recorded: `(question, generated tokens, recording,
+/// reconstruction pass)`.
+type OnRecording<'a, E> =
+    &'a mut dyn FnMut(usize, &[u32], &Recorder, Option<&RecordedPass>) -> Result<(), E>;
 
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
 /// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`), each then decoded
 /// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
 /// first. One question whose prompt is all context is the plain full run.
-fn full_runs<E: From<ModelError>>(
+fn full_runs<E: From<ModelError> + From<CaptureError>>(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
     (chunk, scratch): (usize, &Path),
     recorded: OnRecording<'_, E>,
-) -> Result<Vec<(FullRun, Recorder)>, E> {
+) -> Result<Vec<FullRecording>, E> {
     let mut runs = Vec::new();
+    let mut passes = Passes::default();
     let mut decode = |index: usize, run: PromptRun, _: &mut dyn FnMut(usize)| {
         let PromptRun {
             mut cache,
@@ -196,6 +204,7 @@ fn full_runs<E: From<ModelError>>(
             mut recorder,
         } = run;
         let prefilled = cache.clone();
+        let recorded_pass = passes.of(model, (questions, index), &prefilled, chunk)?;
         let mut logits = Vec::new();
         let tokens = model.decode_greedy(
             &mut cache,
@@ -205,7 +214,7 @@ fn full_runs<E: From<ModelError>>(
             None,
             &mut |step| logits.push(step.to_vec()),
         )?;
-        recorded(index, &tokens, &recorder)?;
+        recorded(index, &tokens, &recorder, recorded_pass.as_deref())?;
         let residual = recorder.residual()?;
         let run = FullRun {
             residual,
@@ -215,7 +224,7 @@ fn full_runs<E: From<ModelError>>(
             tokens,
             logits,
         };
-        runs.push((run, recorder));
+        runs.push((run, recorder, recorded_pass));
         Ok::<(), E>(())
     };
     prefill_questions(
@@ -315,7 +324,7 @@ impl<'m> LiveSession<'m> {
         prompt: &BuiltPrompt,
         chunk: usize,
         scratch: &Path,
-        (full, recorder): (FullRun, Recorder),
+        (full, recorder, recorded_pass): FullRecording,
     ) -> Result<Self, LiveError> {
         if full.tokens.len() < 2 {
             return Err(LiveError::Unsupported(
@@ -334,7 +343,8 @@ impl<'m> LiveSession<'m> {
             std::process::id(),
             SESSIONS.fetch_add(1, Ordering::Relaxed)
         ));
-        write_recording(model, prompt, &full.tokens, &recorder, &options, &path)
+        let recorded = (&recorder, recorded_pass.as_deref());
+        write_recording(model, prompt, &full.tokens, recorded, &options, &path)
             .map_err(CaptureError::from)?;
         drop(recorder);
         // Recorded at f32 for the kept sets' sake; bytes counted as a capture's default dtype
@@ -821,7 +831,7 @@ impl<'m> LiveQuestions<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
-        Self::recording(model, questions, (chunk, scratch), &mut |_, _, _| Ok(()))
+        Self::recording(model, questions, (chunk, scratch), &mut |_, _, _, _| Ok(()))
     }
 
     /// [`start`](Self::start), each question's full run also written as the trace that a
@@ -837,9 +847,14 @@ impl<'m> LiveQuestions<'m> {
             model,
             questions,
             (options.chunk, scratch),
-            &mut |question, generated, recorder| {
+            &mut |question, generated, recorder, recorded_pass| {
                 let written = (questions, question, generated);
-                write_question(model, written, (recorder, None), (options, out))?;
+                write_question(
+                    model,
+                    written,
+                    (recorder, None, recorded_pass),
+                    (options, out),
+                )?;
                 Ok(())
             },
         )

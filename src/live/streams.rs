@@ -240,6 +240,7 @@ impl LiveStreams<'_> {
             rope_theta: self.rope_thetas[layer],
             window: self.windows[layer],
             inputs: None,
+            reconstruction: None,
         };
         if live.streams.is_empty() {
             let units = units(&context, policy);

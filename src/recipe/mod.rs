@@ -4,6 +4,7 @@
 //! records and the strings a correct answer contains.
 
 pub mod niah;
+pub mod reconstruction;
 pub mod ruler;
 pub mod samples;
 
@@ -162,6 +163,9 @@ pub struct BuiltQuestions {
     pub shared: usize,
     /// Each question's prompt.
     pub prompts: Vec<BuiltPrompt>,
+    /// The chunk size of KVzip's reconstruction pass, when the recipe asks for one
+    /// ([`reconstruction`]): captures and live runs record it with each question's run.
+    pub reconstruction: Option<usize>,
 }
 
 impl BuiltQuestions {
@@ -170,6 +174,7 @@ impl BuiltQuestions {
         Self {
             shared: prompt.ids.len(),
             prompts: vec![prompt],
+            reconstruction: None,
         }
     }
 
@@ -203,7 +208,11 @@ impl BuiltQuestions {
                 });
             }
         }
-        Ok(Self { shared, prompts })
+        Ok(Self {
+            shared,
+            prompts,
+            reconstruction: None,
+        })
     }
 }
 
@@ -285,6 +294,7 @@ impl Recipe {
         let mut table = table_of(text, path)?;
         samples::samples_of(&table, path)?;
         table.remove("samples");
+        reconstruction::take_options(&mut table, path)?;
         let max_seq_length = max_seq_length(&mut table, path)?;
         let mut recipe = Recipe::deserialize(table).map_err(|err| RecipeError::Parse {
             path: path.to_owned(),

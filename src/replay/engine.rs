@@ -152,6 +152,12 @@ fn replay_pass(
         let view = protocol_view(trace, &policies[first])?;
         let reader = view.as_ref().unwrap_or(trace);
         let subset: Vec<&ValidPolicy> = indices.iter().map(|&index| &policies[index]).collect();
+        let unread = reader.reconstruction().is_some()
+            && !subset.iter().any(|p| p.scorer.needs_reconstruction());
+        let lighter = unread
+            .then(|| reader.without_reconstruction())
+            .transpose()?;
+        let reader = lighter.as_ref().unwrap_or(reader);
         let measured = measure_pass(reader, &subset, layer_done, &mut |at, kept| {
             keep(indices[at], kept)
         })?;

@@ -1,6 +1,6 @@
 //! What a scorer may look at: one layer's vectors, the trace geometry, and the cache unit it scores.
 
-use crate::trace::{LayerInputs, LayerTensors, TraceReader};
+use crate::trace::{LayerInputs, LayerReconstruction, LayerTensors, TraceReader};
 use ndarray::{s, Array3, ArrayView1, ArrayView2, ArrayView3, Axis};
 use std::ops::Range;
 
@@ -29,6 +29,8 @@ pub struct LayerContext<'a> {
     pub window: usize,
     /// The layer's attention inputs (hidden states and projections), when the trace has them.
     pub inputs: Option<&'a LayerInputs>,
+    /// The layer's rows of the reconstruction pass (KVzip's), when the trace has one.
+    pub reconstruction: Option<&'a LayerReconstruction>,
 }
 
 impl<'a> LayerContext<'a> {
@@ -157,5 +159,6 @@ pub fn context<'a>(
         rope_theta: meta.rope_theta_of(layer),
         window: meta.window(layer),
         inputs: tensors.inputs.as_ref(),
+        reconstruction: tensors.reconstruction.as_ref(),
     }
 }

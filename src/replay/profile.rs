@@ -202,6 +202,7 @@ mod tests {
             rope_theta: None,
             window: 0,
             inputs: None,
+            reconstruction: None,
         }
     }
 

@@ -79,6 +79,8 @@ pub struct Layer<'a> {
     pub index: usize,
     /// The rotary base (the scorers that turn queries back).
     pub rope_theta: f64,
+    /// The layer's rows of the reconstruction pass (`kvzip`).
+    pub reconstruction: Option<&'a crate::trace::LayerReconstruction>,
 }
 
 /// The policy's common settings, and its scorer's rule.

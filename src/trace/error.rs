@@ -119,6 +119,14 @@ pub enum TraceError {
         /// What is wrong.
         detail: String,
     },
+    /// The header's `reconstruction` key does not describe a reconstruction pass.
+    #[error("{path}: metadata `reconstruction`: {rule} (rule: reconstruction pass)")]
+    Reconstruction {
+        /// The trace file.
+        path: PathBuf,
+        /// What is wrong.
+        rule: String,
+    },
     /// A tensor holds NaN or an infinity.
     #[error("{path}: tensor `{tensor}` holds a non-finite value ({value}) at flat index {index} (rule: finite values)")]
     NonFinite {

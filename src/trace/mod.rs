@@ -12,6 +12,7 @@ mod inputs;
 mod layers;
 mod meta;
 mod reader;
+mod reconstruction;
 mod writer;
 
 pub use error::TraceError;
@@ -20,4 +21,8 @@ pub use inputs::{LayerInputs, Projection, PROJECTIONS};
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TensorLocation, TraceReader};
-pub use writer::{write_trace, InputsSource, LayerArrays, LayerSource, StorageDtype, TraceWriter};
+pub use reconstruction::{Chunk, LayerReconstruction, Reconstruction};
+pub use writer::{
+    write_trace, Extras, InputsSource, LayerArrays, LayerSource, PassRows, ReconstructionSource,
+    StorageDtype, TraceWriter,
+};

@@ -9,6 +9,7 @@
 //! while the file stays in the page cache, shared and reclaimable.
 
 use super::inputs::{self, float_dtype, LayerInputs, Projection, PROJECTIONS};
+use super::reconstruction::{self, LayerReconstruction, Reconstruction};
 use super::{TraceError, TraceMeta};
 use memmap2::Mmap;
 use ndarray::{Array1, Array2, Array3};
@@ -29,6 +30,8 @@ pub struct LayerTensors {
     pub v: Option<Array3<f32>>,
     /// The layer's attention inputs, when the trace has them.
     pub inputs: Option<LayerInputs>,
+    /// The layer's rows of the reconstruction pass, when the trace has one.
+    pub reconstruction: Option<LayerReconstruction>,
 }
 
 /// Where one tensor's data lies in a trace file ([`TraceReader::tensor_location`]).
@@ -55,6 +58,8 @@ pub struct TraceReader {
     has_values: bool,
     /// `d_model`, when the trace holds attention inputs.
     d_model: Option<usize>,
+    /// The reconstruction pass, when the trace records one.
+    reconstruction: Option<Reconstruction>,
     /// Bytes a cache holds per element, when set apart from the file's dtype.
     cache_element_bytes: Option<usize>,
 }
@@ -115,6 +120,7 @@ impl TraceReader {
             storage: Dtype::F32,
             has_values: false,
             d_model: None,
+            reconstruction: None,
             cache_element_bytes: None,
         };
         reader.check_tensors()?;
@@ -180,6 +186,8 @@ impl TraceReader {
         }
         self.meta.check_positions(&self.path, n_positions)?;
         self.d_model = inputs::check(&self.path, &self.header, &self.meta, n_positions)?;
+        self.reconstruction =
+            reconstruction::check(&self.path, &self.header, &self.meta, (n_positions, storage))?;
         self.n_positions = n_positions;
         self.storage = storage;
         self.has_values = has_values;
@@ -236,23 +244,38 @@ impl TraceReader {
             "a prompt of {prompt_len} positions in a trace of {}",
             self.n_positions
         );
+        let mut view = self.view()?;
+        view.meta.prompt_len = prompt_len;
+        Ok(view)
+    }
+
+    /// The same trace read without its reconstruction pass: its layers come without the pass's
+    /// rows, for a replay whose policies do not read them (they are as large as the prompt's q
+    /// and k).
+    pub fn without_reconstruction(&self) -> Result<Self, TraceError> {
+        let mut view = self.view()?;
+        view.reconstruction = None;
+        Ok(view)
+    }
+
+    /// Another reader of the same file, as validated.
+    fn view(&self) -> Result<Self, TraceError> {
         let file = self.file.try_clone().map_err(|source| TraceError::Io {
             path: self.path.clone(),
             source,
         })?;
-        let mut meta = self.meta.clone();
-        meta.prompt_len = prompt_len;
         Ok(Self {
             path: self.path.clone(),
             file,
             file_len: self.file_len,
             data_start: self.data_start,
             header: self.header.clone(),
-            meta,
+            meta: self.meta.clone(),
             n_positions: self.n_positions,
             storage: self.storage,
             has_values: self.has_values,
             d_model: self.d_model,
+            reconstruction: self.reconstruction.clone(),
             cache_element_bytes: self.cache_element_bytes,
         })
     }
@@ -299,6 +322,11 @@ impl TraceReader {
         self.d_model.is_some()
     }
 
+    /// The reconstruction pass it records, if any (KVzip's scores).
+    pub fn reconstruction(&self) -> Option<&Reconstruction> {
+        self.reconstruction.as_ref()
+    }
+
     /// The model width of its attention inputs, when it holds them.
     pub fn d_model(&self) -> Option<usize> {
         self.d_model
@@ -340,7 +368,12 @@ impl TraceReader {
 
     /// The token ids.
     pub fn tokens(&self) -> Result<Array1<i64>, TraceError> {
-        let info = self.info("tokens")?;
+        self.ids("tokens")
+    }
+
+    /// An integer tensor's values.
+    fn ids(&self, name: &str) -> Result<Array1<i64>, TraceError> {
+        let info = self.info(name)?;
         let mut ids: Vec<i64> = Vec::with_capacity(info.shape[0]);
         self.read_chunks(info, |bytes| match info.dtype {
             Dtype::I32 => ids.extend(
@@ -374,7 +407,33 @@ impl TraceReader {
             None
         };
         let inputs = self.layer_inputs(layer)?;
-        Ok(LayerTensors { q, k, v, inputs })
+        let reconstruction = match &self.reconstruction {
+            Some(pass) => {
+                let [q, k] = reconstruction::layer_names(layer);
+                Some(LayerReconstruction {
+                    pass: pass.clone(),
+                    q: self.tensor(&q)?,
+                    k: self.tensor(&k)?,
+                })
+            }
+            None => None,
+        };
+        Ok(LayerTensors {
+            q,
+            k,
+            v,
+            inputs,
+            reconstruction,
+        })
+    }
+
+    /// The token ids of the reconstruction pass, its chunks' rows one after another; `None` when
+    /// the trace records none.
+    pub fn reconstruction_tokens(&self) -> Result<Option<Array1<i64>>, TraceError> {
+        match self.reconstruction {
+            Some(_) => self.ids(reconstruction::TOKENS).map(Some),
+            None => Ok(None),
+        }
     }
 
     /// Reads one layer's attention inputs as f32, checking that every value is finite; `None`

@@ -3,7 +3,7 @@
 //! from memory or from a source asked for one layer at a time while the file is written, so a
 //! long capture never holds more than a layer of the trace.
 
-use super::{LayerInputs, TraceError, TraceMeta, PROJECTIONS};
+use super::{LayerInputs, Reconstruction, TraceError, TraceMeta, PROJECTIONS};
 use ndarray::Array3;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, View};
@@ -13,6 +13,9 @@ use std::path::Path;
 
 /// One layer's q `[n_heads, T, d]`, k and optional v `[n_kv_heads, T, d]`.
 pub type LayerArrays = (Array3<f32>, Array3<f32>, Option<Array3<f32>>);
+
+/// One layer's reconstruction rows: queries `[n_heads, rows, d]` and keys `[n_kv_heads, rows, d]`.
+pub type PassRows = (Array3<f32>, Array3<f32>);
 
 /// Gives layer `l`'s arrays when the writer reaches it, or says why it cannot.
 pub type LayerSource<'a> = &'a dyn Fn(usize) -> Result<LayerArrays, String>;
@@ -29,12 +32,35 @@ pub struct InputsSource<'a> {
     pub layer: &'a dyn Fn(usize) -> Result<LayerInputs, String>,
 }
 
+/// A trace's reconstruction pass for the writer (`docs/trace-format.md`, "Reconstruction pass"):
+/// its chunks (written into the header), its token ids, and each layer's queries
+/// `[n_heads, rows, d]` and keys `[n_kv_heads, rows, d]` when the writer reaches it, stored in the
+/// trace's dtype.
+pub struct ReconstructionSource<'a> {
+    /// The chunks.
+    pub pass: Reconstruction,
+    /// The token ids of every chunk's rows, one chunk after another.
+    pub tokens: Vec<i64>,
+    /// Layer `l`'s queries and keys, or why they cannot be given.
+    pub layer: &'a dyn Fn(usize) -> Result<PassRows, String>,
+}
+
+/// What a trace holds beyond its q, k and v, when asked.
+#[derive(Default, Clone, Copy)]
+pub struct Extras<'a> {
+    /// Each layer's attention inputs.
+    pub inputs: Option<&'a InputsSource<'a>>,
+    /// KVzip's reconstruction pass.
+    pub reconstruction: Option<&'a ReconstructionSource<'a>>,
+}
+
 /// Slots of one layer's encoded tensors: q, k, v, the attention input, then each projection's
-/// weight and bias in [`PROJECTIONS`]' order.
+/// weight and bias in [`PROJECTIONS`]' order, then the reconstruction pass's q and k.
 const INPUT: usize = 3;
 const WEIGHTS: usize = 4;
 const BIASES: usize = WEIGHTS + PROJECTIONS.len();
-const SLOTS: usize = BIASES + PROJECTIONS.len();
+const RECONSTRUCTION: usize = BIASES + PROJECTIONS.len();
+const SLOTS: usize = RECONSTRUCTION + 2;
 
 /// How q, k and v are stored on disk. All arithmetic is f32 whatever the storage.
 #[derive(
@@ -111,6 +137,8 @@ pub struct TraceWriter {
     storage: StorageDtype,
     tokens: Vec<i64>,
     layers: Vec<LayerArrays>,
+    /// The reconstruction pass, its token ids and each layer's queries and keys.
+    reconstruction: Option<(Reconstruction, Vec<i64>, Vec<PassRows>)>,
 }
 
 impl TraceWriter {
@@ -121,7 +149,20 @@ impl TraceWriter {
             storage,
             tokens,
             layers: Vec::new(),
+            reconstruction: None,
         }
+    }
+
+    /// Adds a reconstruction pass: its chunks, token ids, and per layer its queries
+    /// `[n_heads, rows, d]` and keys `[n_kv_heads, rows, d]`.
+    pub fn with_reconstruction(
+        mut self,
+        pass: Reconstruction,
+        tokens: Vec<i64>,
+        layers: Vec<PassRows>,
+    ) -> Self {
+        self.reconstruction = Some((pass, tokens, layers));
+        self
     }
 
     /// Adds the next layer's q `[n_heads, T, d]`, k and optional v `[n_kv_heads, T, d]`.
@@ -152,28 +193,46 @@ impl TraceWriter {
             });
         }
         let source = |layer: usize| Ok(self.layers[layer].clone());
+        let rows = |layer: usize| {
+            let (_, _, layers) = self.reconstruction.as_ref().expect("a pass");
+            layers
+                .get(layer)
+                .cloned()
+                .ok_or_else(|| format!("no reconstruction rows for layer {layer}"))
+        };
+        let reconstruction =
+            self.reconstruction
+                .as_ref()
+                .map(|(pass, tokens, _)| ReconstructionSource {
+                    pass: pass.clone(),
+                    tokens: tokens.clone(),
+                    layer: &rows,
+                });
         write_trace(
             path,
             &self.meta,
             self.storage,
             &self.tokens,
             (values != 0, &source),
-            None,
+            Extras {
+                inputs: None,
+                reconstruction: reconstruction.as_ref(),
+            },
         )
     }
 }
 
 /// Writes a trace whose layers come from `source`, asked for one layer at a time as the file is
 /// written (each layer once, in the file's tensor order), checked against the contract; `values`
-/// says whether every layer has v; `inputs`, where given, adds each layer's attention inputs.
-/// The file appears atomically.
+/// says whether every layer has v; `extras` adds each layer's attention inputs and the
+/// reconstruction pass, where given. The file appears atomically.
 pub fn write_trace(
     path: &Path,
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
     (values, source): (bool, LayerSource<'_>),
-    inputs: Option<&InputsSource<'_>>,
+    extras: Extras<'_>,
 ) -> Result<(), TraceError> {
     let fail = |detail: String| TraceError::Write {
         path: path.to_owned(),
@@ -181,6 +240,25 @@ pub fn write_trace(
     };
     let n_positions = tokens.len();
     meta.check_positions(path, n_positions)?;
+    let Extras {
+        inputs,
+        reconstruction,
+    } = extras;
+    let mut meta = meta.clone();
+    if let Some(source) = reconstruction {
+        if source.tokens.len() != source.pass.rows() {
+            return Err(fail(format!(
+                "the reconstruction pass has {} token ids for {} rows",
+                source.tokens.len(),
+                source.pass.rows()
+            )));
+        }
+        meta.extra.insert(
+            super::reconstruction::HEADER_KEY.into(),
+            source.pass.header_value(),
+        );
+    }
+    let meta = &meta;
     let loader = LayerLoader {
         meta,
         storage,
@@ -188,16 +266,19 @@ pub fn write_trace(
         source,
         values,
         inputs,
+        reconstruction,
         current: RefCell::new(None),
         error: RefCell::new(None),
     };
-    let mut tensors = vec![(
-        "tokens".to_string(),
-        Tensor::Tokens {
-            bytes: tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
-            shape: vec![n_positions],
-        },
-    )];
+    let ids = |tokens: &[i64]| Tensor::Tokens {
+        bytes: tokens.iter().flat_map(|t| t.to_le_bytes()).collect(),
+        shape: vec![tokens.len()],
+    };
+    let mut tensors = vec![("tokens".to_string(), ids(tokens))];
+    if let Some(source) = reconstruction {
+        let name = super::reconstruction::TOKENS.to_string();
+        tensors.push((name, ids(&source.tokens)));
+    }
     for layer in 0..meta.n_layers {
         let kinds: &[(usize, &str, usize)] = if values {
             &[
@@ -217,6 +298,9 @@ pub fn write_trace(
             .collect();
         if let Some(inputs) = inputs {
             layer_tensors.extend(input_tensors(meta, n_positions, inputs, storage));
+        }
+        if let Some(source) = reconstruction {
+            layer_tensors.extend(reconstruction_tensors(meta, source, storage));
         }
         for (kind, name, shape, dtype) in layer_tensors {
             tensors.push((
@@ -270,6 +354,30 @@ fn input_tensors(
     found
 }
 
+/// The reconstruction tensors of one layer: slot, name, shape and dtype.
+fn reconstruction_tensors(
+    meta: &TraceMeta,
+    source: &ReconstructionSource<'_>,
+    storage: StorageDtype,
+) -> [(usize, String, Vec<usize>, StorageDtype); 2] {
+    let rows = source.pass.rows();
+    let key = super::reconstruction::HEADER_KEY;
+    [
+        (
+            RECONSTRUCTION,
+            format!("{key}.q"),
+            vec![meta.n_heads, rows, meta.head_dim],
+            storage,
+        ),
+        (
+            RECONSTRUCTION + 1,
+            format!("{key}.k"),
+            vec![meta.n_kv_heads, rows, meta.head_dim],
+            storage,
+        ),
+    ]
+}
+
 /// Rewrites the header of the safetensors file at `path` with its keys in sorted order, so that
 /// one trace is always the same bytes: safetensors writes the metadata in the order of a
 /// randomly seeded hash map, different in every capture. The sorted header is as long as the
@@ -302,6 +410,7 @@ struct LayerLoader<'a> {
     source: LayerSource<'a>,
     values: bool,
     inputs: Option<&'a InputsSource<'a>>,
+    reconstruction: Option<&'a ReconstructionSource<'a>>,
     current: RefCell<Option<(usize, Vec<Vec<u8>>)>>,
     error: RefCell<Option<String>>,
 }
@@ -351,6 +460,19 @@ impl LayerLoader<'_> {
         }
         if let Some(inputs) = self.inputs {
             self.encode_inputs(layer, inputs, &mut encoded)?;
+        }
+        if let Some(source) = self.reconstruction {
+            let (q, k) = (source.layer)(layer)?;
+            let declared = reconstruction_tensors(meta, source, self.storage);
+            for ((slot, name, shape, dtype), tensor) in declared.into_iter().zip([q, k]) {
+                if tensor.shape() != shape {
+                    return Err(format!(
+                        "layers.{layer}.{name} has shape {:?}, expected {shape:?}",
+                        tensor.shape()
+                    ));
+                }
+                encoded[slot] = dtype.encode(&tensor);
+            }
         }
         Ok(encoded)
     }

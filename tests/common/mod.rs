@@ -7,7 +7,9 @@ use kvreplay::assets::Assets;
 use kvreplay::model::Llama;
 use kvreplay::replay::reference::ScorerRule;
 use kvreplay::replay::{scorer, settings, PolicyParams, Timing};
-use kvreplay::trace::{Span, StorageDtype, TraceMeta, TraceWriter};
+use kvreplay::trace::{
+    Chunk, LayerReconstruction, Reconstruction, Span, StorageDtype, TraceMeta, TraceWriter,
+};
 use ndarray::Array3;
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
@@ -183,8 +185,49 @@ pub fn write_fixture(
     for (q, k, v) in &layers {
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
-    writer.write(path).expect("fixture writes");
+    with_pass(writer, shape, seed, shape.prompt_len)
+        .write(path)
+        .expect("fixture writes");
     layers
+}
+
+/// A random reconstruction pass of a fixture of `shape` (the `kvzip` scorer's), run at `cut`:
+/// positions `[2, cut)` repeated in two chunks, each with 3 rows of instruction before its own.
+pub fn fixture_pass(shape: Shape, seed: u64, cut: usize) -> Vec<LayerReconstruction> {
+    let middle = (2 + cut) / 2;
+    let chunks = vec![
+        Chunk {
+            context: 2..middle,
+            rows: middle - 2 + 3,
+        },
+        Chunk {
+            context: middle..cut,
+            rows: cut - middle + 3,
+        },
+    ];
+    let pass = Reconstruction { chunks };
+    let rows = pass.rows();
+    let mut rng = Rng(seed ^ 0x6b767a6970);
+    (0..shape.n_layers)
+        .map(|_| LayerReconstruction {
+            pass: pass.clone(),
+            q: Array3::from_shape_simple_fn((shape.n_heads, rows, shape.head_dim), || {
+                rng.quarter()
+            }),
+            k: Array3::from_shape_simple_fn((shape.n_kv_heads, rows, shape.head_dim), || {
+                rng.quarter()
+            }),
+        })
+        .collect()
+}
+
+/// `writer` with [`fixture_pass`] added.
+pub fn with_pass(writer: TraceWriter, shape: Shape, seed: u64, cut: usize) -> TraceWriter {
+    let layers = fixture_pass(shape, seed, cut);
+    let pass = layers[0].pass.clone();
+    let tokens = (0..pass.rows() as i64).collect();
+    let rows = layers.into_iter().map(|layer| (layer.q, layer.k)).collect();
+    writer.with_reconstruction(pass, tokens, rows)
 }
 
 /// Writes `layers` (f32, values included) as a trace of `shape` whose layers have attention
@@ -202,7 +245,9 @@ pub fn write_windowed(
     for (q, k, v) in layers {
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
-    writer.write(path).expect("fixture writes");
+    with_pass(writer, shape, 0, shape.prompt_len)
+        .write(path)
+        .expect("fixture writes");
 }
 
 /// A Python with torch, transformers and gguf (`$KVREPLAY_HF_PYTHON`, or a venv made once in

@@ -19,6 +19,8 @@ The presses of INPUT_PRESSES read the layer's hidden states through its projecti
 random numbers (LeverageScorePress's Gaussian sketch): each prefill with a press runs after
 `torch.manual_seed(SEED)`, the seed the bridge's `PressScorer` starts its layers from.
 
+KVzipPress (KVZIP) runs its own way: see `kvzip`.
+
 Usage: kvpress_live.py MODEL_DIR GGUF_FILE TOKENS.npy BUDGET OUT.npz PRESS...
 Writes `<press>.kept` (bool [layers, kv_heads, n]) and `<press>.scores` (float32, same shape;
 absent for presses that do not score through `score()`).
@@ -29,7 +31,7 @@ import sys
 
 import numpy as np
 import torch
-from transformers import AutoModelForCausalLM, DynamicCache
+from transformers import AutoModelForCausalLM, AutoTokenizer, DynamicCache
 
 from kvpress_package import without_init
 
@@ -63,6 +65,12 @@ INPUT_PRESSES = {
 
 # The torch seed every prefill with a press starts from.
 SEED = 0
+
+# KVzipPress is no ScorerPress: after the prefill it scores by a reconstruction pass and masks
+# the keys it evicts instead of removing them (`compress_post`), one top-k per layer with
+# `layerwise`; its chunk size is the recipe's `reconstruction_chunk`
+# (python/tests/test_kvpress_live.py).
+KVZIP = {"KVzipPress": ("kvzip_press", {"layerwise": True, "chunk_size": 256})}
 
 
 def build(name, budget, n):
@@ -119,6 +127,50 @@ def recorded(press, scores):
     object.__setattr__(press, "score", score)
 
 
+class GivenTokenizer:
+    """Stands for `AutoTokenizer` in kvzip_press: the press loads the tokenizer from the model's
+    `name_or_path`, a directory that holds only the GGUF, so it is handed the GGUF's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+
+    def from_pretrained(self, *args, **kwargs):
+        return self.tokenizer
+
+
+def kvzip(model, tokenizer, ids, budget):
+    """KVzipPress run live on `ids` (the context, its cut), set to keep `budget` tokens per KV
+    head on average in every layer (`n_pruned = int(kv * n * ratio)` per layer, kvzip_press.py
+    lines 345-347): the kept mask [layers, kv_heads, n] read from the indices it masks, and its
+    scores before the sinks are raised (`score_val`, read just before `compress_post` uses it).
+    Every forward runs eager; `compress_post` asserts a non-eager implementation, for the
+    attention patch that later reads its masks, so it is shown `sdpa` while it runs."""
+    module_name, arguments = KVZIP["KVzipPress"]
+    module = importlib.import_module(f"kvpress.presses.{module_name}")
+    module.AutoTokenizer = GivenTokenizer(tokenizer)
+    kv, n = model.config.num_key_value_heads, ids.shape[1]
+    press = module.KVzipPress(compression_ratio=(kv * (n - budget) + 0.5) / (kv * n), **arguments)
+    seen = {}
+    own = press.compress_post
+
+    def compress_post(model):
+        seen["scores"] = press.score_val[:, 0].float().numpy().copy()
+        model.config._attn_implementation = "sdpa"
+        try:
+            own(model)
+        finally:
+            model.config._attn_implementation = "eager"
+
+    object.__setattr__(press, "compress_post", compress_post)
+    with torch.no_grad(), press(model):
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    kept = np.ones(seen["scores"].shape, dtype=bool)
+    for layer in model.model.layers:
+        _, heads, positions = layer.self_attn.masked_key_indices
+        kept[layer.self_attn.layer_idx, heads.numpy(), positions.numpy()] = False
+    return kept, seen["scores"]
+
+
 def main():
     model_dir, gguf, tokens, budget, out, *names = sys.argv[1:]
     ids = torch.from_numpy(np.load(tokens)).long()[None]
@@ -128,6 +180,10 @@ def main():
     ).eval()
     full = prefill(model, ids)
     found = {}
+    if "KVzipPress" in names:
+        names.remove("KVzipPress")
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+        found["KVzipPress.kept"], found["KVzipPress.scores"] = kvzip(model, tokenizer, ids, int(budget))
     for name in names:
         press = build(name, int(budget), n)
         scores = {}

@@ -21,6 +21,7 @@ mod expected_attention;
 mod key_proxy;
 mod keydiff;
 mod knorm;
+mod kvzip;
 mod lagkv;
 mod observed_attention;
 mod oracle_static;
@@ -47,6 +48,7 @@ crate::registry! {
     knorm::Knorm,
     keydiff::KeyDiff,
     lagkv::LagKv,
+    kvzip::Kvzip,
     expected_attention::ExpectedAttention,
     chunkkv::ChunkKv,
     value_aware::ValueAware,
@@ -79,6 +81,11 @@ pub trait Scorer: Send + Sync {
     /// Whether it reads each layer's attention inputs, the hidden states and projection weights
     /// (the trace must hold them: `docs/trace-format.md`, "Attention inputs").
     fn needs_inputs(&self) -> bool {
+        false
+    }
+    /// Whether it reads the trace's reconstruction pass (`kvzip`; its `check_trace` says what
+    /// the trace lacks): a replay of scorers that do not reads the layers without it.
+    fn needs_reconstruction(&self) -> bool {
         false
     }
     /// Whether it rotates the queries back before the rotary (the trace must give `rope_theta`).
@@ -422,6 +429,7 @@ pub(crate) mod testing {
             rope_theta: None,
             window: 0,
             inputs: None,
+            reconstruction: None,
         }
     }
 
