@@ -5,6 +5,7 @@ use crate::assets::{model_asset, AssetError, Assets};
 use crate::model::{family, CausalLm, HfModel, KvCache, ModelError, Recorder};
 use crate::recipe::reconstruction::{self as pass, PlannedPass};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
+use crate::stop::Stopped;
 use crate::trace::{
     write_trace, Extras, InputsSource, LayerInputs, PassRows, Projection, ReconstructionSource,
     StorageDtype, TraceError, TraceMeta,
@@ -217,7 +218,7 @@ pub fn capture_recipe(
     out: &Path,
     (storage, chunk, inputs): (StorageDtype, usize, bool),
     models: &mut ModelSlot,
-    progress: &mut dyn FnMut(usize, usize),
+    progress: &mut dyn FnMut(usize, usize) -> Result<(), Stopped>,
 ) -> Result<Vec<CaptureSummary>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
     let model = models.model(parsed.model())?;
@@ -239,7 +240,7 @@ pub fn capture_recipe(
         done += n;
         progress(done, total)
     };
-    let mut write = |index: usize, run: PromptRun, tick: &mut dyn FnMut(usize)| {
+    let mut write = |index: usize, run: PromptRun, tick: &mut Progress<'_>| {
         let PromptRun {
             mut cache,
             logits,
@@ -434,10 +435,13 @@ pub struct PromptRun {
     pub recorder: Recorder,
 }
 
+/// Called with the tokens run since the last call, after each chunk or token; one that returns
+/// [`Stopped`] ends the run there.
+pub type Progress<'a> = dyn FnMut(usize) -> Result<(), Stopped> + 'a;
+
 /// What a caller does with each question's run of a shared prompt: its index, the run, and a
 /// progress hook.
-pub type OnPromptRun<'a, E> =
-    dyn FnMut(usize, PromptRun, &mut dyn FnMut(usize)) -> Result<(), E> + 'a;
+pub type OnPromptRun<'a, E> = dyn FnMut(usize, PromptRun, &mut Progress<'_>) -> Result<(), E> + 'a;
 
 /// Runs the prompt of every question of `questions` with the full cache: their shared context
 /// prefilled once (in chunks of `chunk` tokens, recorded in files under `spill_dir`), then each
@@ -449,7 +453,7 @@ pub fn prefill_questions<E: From<ModelError>>(
     model: &dyn CausalLm,
     questions: &BuiltQuestions,
     (chunk, spill_dir, inputs): (usize, &Path, bool),
-    progress: &mut dyn FnMut(usize),
+    progress: &mut Progress<'_>,
     then: &mut OnPromptRun<'_, E>,
 ) -> Result<(), E> {
     let shared = questions.shared;
@@ -489,12 +493,12 @@ fn prefill_onto(
     chunk: usize,
     cache: &mut KvCache,
     recorder: &mut Recorder,
-    progress: &mut dyn FnMut(usize),
+    progress: &mut Progress<'_>,
 ) -> Result<Vec<f32>, ModelError> {
     let mut logits = Vec::new();
     for piece in ids.chunks(chunk.max(1)) {
         logits = model.forward(piece, cache, Some(recorder))?;
-        progress(piece.len());
+        progress(piece.len())?;
     }
     Ok(logits)
 }
@@ -658,7 +662,7 @@ pub fn record_pass(
             prefill,
             &mut branch,
             &mut recorder,
-            &mut |_| {},
+            &mut |_| Ok(()),
         )?;
         let layers = (0..n_layers)
             .map(|layer| recorder.layer(layer).map(|(q, k, _)| (q, k)))
@@ -676,13 +680,14 @@ pub fn record_pass(
 }
 
 /// Runs the prompt and the greedy continuation, recording every layer. `progress(done, total)`
-/// is called after each prefill chunk and each generated token.
+/// is called after each prefill chunk and each generated token; one that returns [`Stopped`]
+/// ends the capture there.
 pub fn capture(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     options: &CaptureOptions,
     mut recorder: Recorder,
-    progress: &mut dyn FnMut(usize, usize),
+    progress: &mut dyn FnMut(usize, usize) -> Result<(), Stopped>,
 ) -> Result<Captured, CaptureError> {
     let total = prompt.ids.len() + prompt.generate;
     // Checked before the run: a family without them fails at once.

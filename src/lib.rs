@@ -20,6 +20,7 @@ pub mod model;
 pub mod recipe;
 pub mod replay;
 pub mod splitmix;
+pub mod stop;
 pub mod sys;
 pub mod trace;
 pub mod view;

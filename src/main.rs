@@ -381,7 +381,7 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             if stop::is_stop(&err) {
-                eprintln!("interrupted: stopped after the layer in progress; what was stored is kept (a sweep run again resumes)");
+                eprintln!("interrupted: stopped after the layer, chunk or token in progress; what was written whole is kept, nothing half-written (a sweep run again resumes)");
                 return ExitCode::from(130);
             }
             eprintln!("error: {}", kvreplay::error_text(err.as_ref()));

@@ -818,7 +818,7 @@ fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
     let said = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{said}");
     assert!(
-        said.contains("interrupted: stopped after the layer in progress"),
+        said.contains("interrupted: stopped after the layer"),
         "{said}"
     );
     let kept = stored();

@@ -69,7 +69,9 @@ fn gemma3_matches_transformers() {
     let mut cache = KvCache::default();
     let ours = model.forward(&ids, &mut cache, None).unwrap();
     common::assert_logits_near(&ours, &theirs, 2e-3);
-    let generated = model.generate(&ids, 12, 512, None, &mut |_| {}).unwrap();
+    let generated = model
+        .generate(&ids, 12, 512, None, &mut |_| Ok(()))
+        .unwrap();
     let expected: Vec<u32> = serde_json::from_value(answers[3]["generated"].clone()).unwrap();
     eprintln!("greedy: {:?}", model.tokenizer().decode(&generated));
     assert_eq!(generated, expected);

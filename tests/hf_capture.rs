@@ -32,7 +32,7 @@ fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], (out, inputs)
         &prompt,
         &options,
         Recorder::default().keeping_inputs(inputs),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     captured.write(out).unwrap();
@@ -342,7 +342,7 @@ fn attention_inputs_are_refused_where_the_projections_do_not_give_q_and_k() {
         model_id: "native".into(),
     };
     let recorder = Recorder::default().keeping_inputs(true);
-    let refused = capture(&model, &prompt, &options, recorder, &mut |_, _| {});
+    let refused = capture(&model, &prompt, &options, recorder, &mut |_, _| Ok(()));
     let message = refused.err().expect("refused").to_string();
     assert!(
         message.contains("`gemma3` normalises q and k per head"),

@@ -54,7 +54,7 @@ fn recording(model: &dyn CausalLm, prompt: &BuiltPrompt, out: &Path) -> TraceRea
         model_id: "test".into(),
     };
     let recorder = Recorder::default();
-    let captured = capture(model, prompt, &options, recorder, &mut |_, _| {}).unwrap();
+    let captured = capture(model, prompt, &options, recorder, &mut |_, _| Ok(())).unwrap();
     captured.write(out).unwrap();
     TraceReader::open(out).unwrap()
 }

@@ -77,7 +77,7 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
         &prompt,
         &options,
         Recorder::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     let path = scratch.path().join("capital.safetensors");
@@ -997,7 +997,10 @@ fn stored_by_hand(prompt: &BuiltPrompt, kept: &[usize], by_hand: &ByHand) -> Vec
             prompt.generate,
             None,
             None,
-            &mut |l| logits.push(l.to_vec()),
+            &mut |l| {
+                logits.push(l.to_vec());
+                Ok(())
+            },
         )
         .unwrap();
     let gone: Vec<usize> = (0..prompt_len).filter(|j| !kept.contains(j)).collect();

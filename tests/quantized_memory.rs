@@ -241,7 +241,9 @@ fn an_8b_shaped_q4_k_model_runs_within_its_file_size() {
     let logits = model.forward(&prompt, &mut cache, None).unwrap();
     assert_eq!(logits.len(), VOCAB);
     assert!(logits.iter().all(|l| l.is_finite()), "finite logits");
-    let generated = model.generate(&prompt, 2, 64, None, &mut |_| {}).unwrap();
+    let generated = model
+        .generate(&prompt, 2, 64, None, &mut |_| Ok(()))
+        .unwrap();
     assert!(generated.len() <= 2);
     let cache_bytes = (LAYERS * 2 * KV * (prompt.len() + 2) * 4) as u64;
     let peak = peak_resident();

@@ -48,7 +48,7 @@ fn the_questions_share_one_captured_context() {
         &out,
         (StorageDtype::F32, 128, false),
         &mut Default::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     let paths: Vec<&PathBuf> = summaries.iter().map(|s| &s.path).collect();
@@ -112,7 +112,7 @@ fn a_recipe_of_one_question_captures_as_before() {
         &out,
         (StorageDtype::F32, 16, false),
         &mut Default::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     let prompt = build_questions(recipe, model()).unwrap().prompts.remove(0);
@@ -127,7 +127,7 @@ fn a_recipe_of_one_question_captures_as_before() {
         &prompt,
         &options,
         Recorder::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     let path = dir.path().join("alone.safetensors");
@@ -376,7 +376,7 @@ fn a_kvzip_pass_is_captured_once_for_the_questions_and_run_live() {
         &out,
         (StorageDtype::F32, 128, false),
         &mut Default::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     let traces: Vec<TraceReader> = ["two.q1.safetensors", "two.q2.safetensors"]
@@ -422,4 +422,46 @@ fn a_kvzip_pass_is_captured_once_for_the_questions_and_run_live() {
     assert_eq!(layers(open_loop), layers(&replayed));
     assert_eq!(open_loop.spans, replayed.spans);
     assert!(reports[0][0].kl.is_finite());
+}
+
+/// Ctrl-C during `kvreplay capture` stops it after the prefill chunk or token in progress: exit
+/// 130, no trace written, nothing half-written left beside it. The prompt is long and prefilled in
+/// small chunks, and the signal goes as soon as the capture has started (its planned size is
+/// printed), so the test does not race its end.
+#[test]
+fn ctrl_c_stops_a_capture_and_writes_nothing() {
+    use std::io::BufRead;
+    let dir = tempfile::tempdir().unwrap();
+    common::real_assets().require_essays().unwrap();
+    let recipe = "kind = \"niah\"\nprompt_tokens = 3000\ndepth_percent = 50.0\nneedle = \"The code is 1234.\"\nquestion = \"What is the code?\"\ngenerate = 8\n";
+    std::fs::write(dir.path().join("long.toml"), recipe).unwrap();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
+        .current_dir(dir.path())
+        .args(["capture", "--recipe", "long.toml", "--chunk", "16"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    let mut stderr = std::io::BufReader::new(child.stderr.take().unwrap());
+    let mut said = String::new();
+    while !said.contains("positions in") {
+        assert!(stderr.read_line(&mut said).unwrap() > 0, "{said}");
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    std::io::Read::read_to_string(&mut stderr, &mut said).unwrap();
+    let status = child.wait().unwrap();
+    assert_eq!(status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted: stopped after the layer, chunk or token"),
+        "{said}"
+    );
+    let left: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name != "long.toml")
+        .collect();
+    assert!(left.is_empty(), "{left:?}");
 }

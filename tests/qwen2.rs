@@ -64,7 +64,9 @@ fn qwen2_matches_transformers() {
     let theirs: Vec<f32> = serde_json::from_value(answers[4]["logits"].clone()).unwrap();
     let ours = model.forward(&ids, &mut KvCache::default(), None).unwrap();
     common::assert_logits_near(&ours, &theirs, 2e-3);
-    let generated = model.generate(&ids, 12, 512, None, &mut |_| {}).unwrap();
+    let generated = model
+        .generate(&ids, 12, 512, None, &mut |_| Ok(()))
+        .unwrap();
     let theirs: Vec<u32> = serde_json::from_value(answers[4]["generated"].clone()).unwrap();
     // Ours stops before `<|im_end|>`; transformers' generate writes it, then stops.
     let stop = model.tokenizer().stop_token();

@@ -83,7 +83,7 @@ fn answers_the_capital_of_france() {
         model().tokenizer().default_system(),
     ));
     let generated = model()
-        .generate(&prompt, 16, 512, None, &mut |_| {})
+        .generate(&prompt, 16, 512, None, &mut |_| Ok(()))
         .unwrap();
     assert_eq!(
         model().tokenizer().decode(&generated),
@@ -125,7 +125,9 @@ fn held_quantized_it_runs_as_on_the_f32_path() {
     eprintln!("quantized against f32: max |Δ logit| = {worst} over a range of {range}");
     assert!(worst < 0.05 * range, "logits differ by {worst}");
     for model in [model(), &quantized] {
-        let generated = model.generate(&prompt, 2, 512, None, &mut |_| {}).unwrap();
+        let generated = model
+            .generate(&prompt, 2, 512, None, &mut |_| Ok(()))
+            .unwrap();
         assert_eq!(model.tokenizer().decode(&generated), " Paris.");
     }
 }
@@ -169,7 +171,7 @@ fn stored_vectors_reproduce_the_forward_attention() {
             &prompt,
             &options(storage),
             Recorder::with_attention_output(),
-            &mut |_, _| {},
+            &mut |_, _| Ok(()),
         )
         .unwrap();
         let path = dir.path().join(format!("{storage:?}.safetensors"));
@@ -232,7 +234,7 @@ fn niah_2k_finds_the_needle_and_funnels() {
         &prompt,
         &options(StorageDtype::F16),
         Recorder::default(),
-        &mut |_, _| {},
+        &mut |_, _| Ok(()),
     )
     .unwrap();
     assert!(
@@ -282,7 +284,7 @@ fn a_spilled_capture_writes_the_same_trace() {
     };
     let write = |recorder: Recorder, name: &str| {
         let path = dir.path().join(name);
-        capture(model(), &prompt, &options, recorder, &mut |_, _| {})
+        capture(model(), &prompt, &options, recorder, &mut |_, _| Ok(()))
             .unwrap()
             .write(&path)
             .unwrap();

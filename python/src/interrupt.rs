@@ -1,8 +1,8 @@
 //! Ctrl-C during long work. The work runs on a thread of its own while the calling thread, with
 //! the GIL released, checks Python's signals every few milliseconds (Python runs its signal
 //! handlers only on the main thread). On KeyboardInterrupt it raises a flag; the work's
-//! `layer_done` callback, called after each layer of each pass, then returns
-//! [`Stopped`], and the work ends there with it. What the library had finished is kept (a
+//! `layer_done` callback, called after each layer of each pass (and each prefill chunk and token
+//! of a capture), then returns [`Stopped`], and the work ends there with it. What the library had finished is kept (a
 //! sweep's stored runs); the call raises the KeyboardInterrupt.
 
 use kvreplay::replay::Stopped;

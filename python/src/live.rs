@@ -1,6 +1,7 @@
 //! Runs of the native model from Python: `live` (closed loop) and `capture`.
 
 use crate::errors::{message, raised};
+use crate::interrupt::interruptible;
 use crate::results::Results;
 use crate::run::{stored_runs, Policy};
 use crate::trace::Trace;
@@ -87,13 +88,12 @@ pub fn capture(
         other => return Err(message(format!("dtype `{other}`: valid: f16, bf16, f32"))),
     };
     let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
-    let summaries: Vec<CaptureSummary> = py
-        .detach(|| {
-            let mut models = Default::default();
-            let storing = (storage, chunk, attention_inputs);
-            capture_recipe(&recipe, &out, storing, &mut models, &mut |_, _| {})
-        })
-        .map_err(raised)?;
+    let summaries: Vec<CaptureSummary> = interruptible(py, |stop| {
+        let mut models = Default::default();
+        let storing = (storage, chunk, attention_inputs);
+        capture_recipe(&recipe, &out, storing, &mut models, &mut |_, _| stop())
+    })?
+    .map_err(raised)?;
     let mut traces = summaries
         .into_iter()
         .map(|summary| Trace::open_path(summary.path))

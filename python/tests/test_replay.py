@@ -182,3 +182,20 @@ def test_ctrl_c_stops_a_replay(trace):
     assert len(calls) < 30 * 3 * 8 / 2, f"{len(calls)} scorer calls before it stopped"
     # The interpreter and the trace are fine afterwards.
     assert kvreplay.replay(trace, scorer="knorm", budget=64).runs.height == 1
+
+
+def test_ctrl_c_stops_a_capture(tmp_path):
+    # A ~3,000-token prompt prefilled 16 tokens at a time: many seconds if nothing stopped it.
+    recipe = tmp_path / "long.toml"
+    recipe.write_text('kind = "niah"\nprompt_tokens = 3000\ndepth_percent = 50.0\nneedle = "The code is 1234."\nquestion = "What is the code?"\ngenerate = 8\n')
+    out = tmp_path / "long.safetensors"
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kvreplay.capture(recipe, out=out, chunk=16)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["long.toml"]  # nothing written, nothing half-written

@@ -55,7 +55,7 @@ pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError
     let essential = 2.0 * multiply_adds(weights, model.spec(), (ids.len(), 0)).0 / peak / 1e9;
     let prefill = best_seconds(|| {
         let mut recorder = Recorder::default();
-        model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| {})?;
+        model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| Ok(()))?;
         Ok(None)
     })?;
     let mut cache = KvCache::default();

@@ -228,7 +228,7 @@ pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
     let (model, ids) = essay_prompt(tokens)?;
     let started = Instant::now();
     let mut recorder = Recorder::default();
-    model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| {})?;
+    model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| Ok(()))?;
     let seconds = started.elapsed().as_secs_f64();
     Ok((ids.len(), ids.len() as f64 / seconds))
 }

@@ -89,6 +89,7 @@ pub fn capture_recipe(
     models: &mut ModelSlot,
 ) -> Result<(), capture::CaptureError> {
     let _tuned = sys::ModelMalloc::tune();
+    crate::stop::catch_interrupt();
     let size = capture::planned_size(recipe, models, storing)?;
     eprintln!("{}: {size}", recipe.display());
     let bar = progress_bar(0, "capture");
@@ -96,6 +97,7 @@ pub fn capture_recipe(
     let summaries = capture::capture_recipe(recipe, out, storing, models, &mut |done, total| {
         bar.set_length(total as u64);
         bar.set_position(done as u64);
+        crate::stop::check()
     })?;
     bar.finish_and_clear();
     for summary in &summaries {

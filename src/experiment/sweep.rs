@@ -51,7 +51,9 @@ pub fn run_sweep(
     let mut units = Vec::with_capacity(entries.len());
     for entry in entries {
         units.push(match entry {
-            TraceEntry::Uncaptured(recipe) if !live_capture => capture_first(recipe, models)?,
+            TraceEntry::Uncaptured(recipe) if !live_capture => {
+                capture_first(recipe, models, layer_done)?
+            }
             entry => entry.clone(),
         });
     }
@@ -125,11 +127,15 @@ fn trace_count(entries: &[TraceEntry]) -> Result<usize, SweepError> {
 }
 
 /// Recipe `recipe` captured (in f16, chunks of [`LIVE_CHUNK`]) unless a concurrent sweep did, and
-/// its traces.
-fn capture_first(recipe: &Path, models: &mut ModelSlot) -> Result<TraceEntry, SweepError> {
+/// its traces; `stop` is asked after each chunk and token whether to stop there.
+fn capture_first(
+    recipe: &Path,
+    models: &mut ModelSlot,
+    stop: LayerDone<'_>,
+) -> Result<TraceEntry, SweepError> {
     capture::capture_once(recipe, &captured_into(recipe), &mut |recipe, trace| {
         let storage = (StorageDtype::F16, LIVE_CHUNK, false);
-        capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| {}).map(drop)
+        capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| stop()).map(drop)
     })?;
     Ok(TraceEntry::Captured(captured_traces(recipe)?))
 }

@@ -59,7 +59,7 @@ pub(crate) mod streams;
 
 use crate::capture::{
     prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, Passes,
-    PromptRun, RecordedPass,
+    Progress, PromptRun, RecordedPass,
 };
 use crate::model::Recorder;
 use crate::model::{AttentionMask, CausalLm, ChunkVectors, Entry, Evicted, KvCache, ModelError};
@@ -197,7 +197,7 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
 ) -> Result<Vec<FullRecording>, E> {
     let mut runs = Vec::new();
     let mut passes = Passes::default();
-    let mut decode = |index: usize, run: PromptRun, _: &mut dyn FnMut(usize)| {
+    let mut decode = |index: usize, run: PromptRun, _: &mut Progress<'_>| {
         let PromptRun {
             mut cache,
             logits: prefill_logits,
@@ -212,7 +212,10 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
             questions.prompts[index].generate,
             Some(&mut recorder),
             None,
-            &mut |step| logits.push(step.to_vec()),
+            &mut |step| {
+                logits.push(step.to_vec());
+                Ok(())
+            },
         )?;
         recorded(index, &tokens, &recorder, recorded_pass.as_deref())?;
         let residual = recorder.residual()?;
@@ -231,7 +234,7 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
         model,
         questions,
         (chunk, scratch, false),
-        &mut |_| {},
+        &mut |_| Ok(()),
         &mut decode,
     )?;
     // They came last question first.

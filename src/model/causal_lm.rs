@@ -7,6 +7,7 @@ use super::product::with_rows;
 use super::prompt::TextTokenizer;
 use super::recorder::Recorder;
 use super::ModelError;
+use crate::stop::Stopped;
 use candle_core::{Device, Tensor};
 use std::sync::Arc;
 
@@ -246,20 +247,21 @@ pub trait CausalLm: Sync {
     /// Greedy generation: feeds `prompt` in chunks of `chunk` tokens, then generates up to
     /// `max_new` tokens, stopping before the tokenizer's stop token. Every generated token is fed
     /// back, so the recorder sees positions `0..prompt.len() + generated.len()`. Returns the
-    /// generated ids and calls `progress(done)` after each chunk or token.
+    /// generated ids and calls `progress(done)` after each chunk or token; a progress that
+    /// returns [`Stopped`] ends the generation there ([`ModelError::Stopped`]).
     fn generate(
         &self,
         prompt: &[u32],
         max_new: usize,
         chunk: usize,
         mut recorder: Option<&mut Recorder>,
-        progress: &mut dyn FnMut(usize),
+        progress: &mut dyn FnMut(usize) -> Result<(), Stopped>,
     ) -> Result<Vec<u32>, ModelError> {
         let mut cache = KvCache::default();
         let mut logits = Vec::new();
         for piece in prompt.chunks(chunk.max(1)) {
             logits = self.forward(piece, &mut cache, recorder.as_deref_mut())?;
-            progress(cache.len());
+            progress(cache.len())?;
         }
         let mut done = cache.len();
         self.decode_greedy(&mut cache, &logits, max_new, recorder, None, &mut |_| {
@@ -270,7 +272,8 @@ pub trait CausalLm: Sync {
 
     /// Greedy decoding from `cache`, whose last logits are `logits`: up to `max_new` tokens,
     /// stopping before the stop token, each fed back (attending as `mask` decides, when given).
-    /// Calls `on_logits` with the logits after each fed token; returns the tokens.
+    /// Calls `on_logits` with the logits after each fed token (one that returns [`Stopped`] ends
+    /// the decoding there); returns the tokens.
     fn decode_greedy(
         &self,
         cache: &mut KvCache,
@@ -278,7 +281,7 @@ pub trait CausalLm: Sync {
         max_new: usize,
         mut recorder: Option<&mut Recorder>,
         mut mask: Option<&mut dyn AttentionMask>,
-        on_logits: &mut dyn FnMut(&[f32]),
+        on_logits: &mut dyn FnMut(&[f32]) -> Result<(), Stopped>,
     ) -> Result<Vec<u32>, ModelError> {
         let mut generated = Vec::new();
         let mut next = argmax(logits);
@@ -287,7 +290,7 @@ pub trait CausalLm: Sync {
             generated.push(next);
             let mask = mask.as_mut().map(|m| &mut **m as &mut dyn AttentionMask);
             let step = self.forward_masked(&[next], cache, recorder.as_deref_mut(), mask)?;
-            on_logits(&step);
+            on_logits(&step)?;
             next = argmax(&step);
         }
         Ok(generated)

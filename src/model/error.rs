@@ -79,6 +79,10 @@ pub enum ModelError {
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),
+    /// The caller asked the run to stop (Ctrl-C), between two chunks or tokens. Not transparent:
+    /// the [`Stopped`](crate::stop::Stopped) stays in the chain of causes.
+    #[error("{0}")]
+    Stopped(#[from] crate::stop::Stopped),
 }
 
 /// Bytes in GB, one decimal.

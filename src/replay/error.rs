@@ -101,6 +101,4 @@ pub enum PolicyError {
 
 /// The work was asked to stop: what a [`LayerDone`](super::LayerDone) callback returns to end
 /// it after the layer it has finished.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
-#[error("stopped on request")]
-pub struct Stopped;
+pub use crate::stop::Stopped;
