@@ -6,3 +6,13 @@
 #[derive(Debug, Clone, Copy, PartialEq, Eq, thiserror::Error)]
 #[error("stopped on request")]
 pub struct Stopped;
+
+/// Asked between steps of long work whether to go on: `Err(Stopped)` ends the work there.
+pub type Stop<'a> = &'a (dyn Fn() -> Result<(), Stopped> + Sync);
+
+/// The stop that never asks to stop.
+pub const NEVER: Stop<'static> = &go_on;
+
+fn go_on() -> Result<(), Stopped> {
+    Ok(())
+}

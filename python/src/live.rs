@@ -34,9 +34,10 @@ pub fn live(
     let (policies, checked): (Vec<Policy>, Vec<ValidPolicy>) =
         Policy::all(policies, settings)?.into_iter().unzip();
     let scratch = std::env::temp_dir();
-    let questions = py
-        .detach(|| kvreplay::live::run_recipe(&recipe, &checked, chunk, &scratch))
-        .map_err(raised)?;
+    let questions = interruptible(py, |stop| {
+        kvreplay::live::run_recipe(&recipe, &checked, (chunk, &scratch), stop)
+    })?
+    .map_err(raised)?;
     let identity = py.detach(|| TraceFile::identify(&recipe)).map_err(raised)?;
     let count = questions.len();
     let mut runs = Vec::new();

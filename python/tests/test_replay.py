@@ -199,3 +199,18 @@ def test_ctrl_c_stops_a_capture(tmp_path):
         timer.join()
         signal.signal(signal.SIGINT, previous)
     assert sorted(p.name for p in tmp_path.iterdir()) == ["long.toml"]  # nothing written, nothing half-written
+
+
+def test_ctrl_c_stops_a_live_run(tmp_path):
+    # The full run of a ~3,000-token prompt prefilled 16 tokens at a time, then the policy's.
+    recipe = tmp_path / "long.toml"
+    recipe.write_text('kind = "niah"\nprompt_tokens = 3000\ndepth_percent = 50.0\nneedle = "The code is 1234."\nquestion = "What is the code?"\ngenerate = 8\n')
+    previous = signal.signal(signal.SIGINT, signal.default_int_handler)
+    timer = threading.Timer(1.0, _thread.interrupt_main)
+    timer.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            kvreplay.live(recipe, chunk=16, scorer="knorm", budget=128)
+    finally:
+        timer.join()
+        signal.signal(signal.SIGINT, previous)

@@ -136,8 +136,14 @@ pub fn live(recipe: &Path, policy: &ValidPolicy, format: Format, chunk: usize) -
     let _tuned = sys::ModelMalloc::tune();
     let spinner = spinner("live: the full cache, then the policy");
     let scratch = std::env::temp_dir();
-    let questions =
-        kvreplay::live::run_recipe(recipe, std::slice::from_ref(policy), chunk, &scratch)?;
+    crate::stop::catch_interrupt();
+    let stop = crate::stop::check;
+    let questions = kvreplay::live::run_recipe(
+        recipe,
+        std::slice::from_ref(policy),
+        (chunk, &scratch),
+        &stop,
+    )?;
     spinner.finish_and_clear();
     let mut reports: Vec<LiveReport> = questions.into_iter().flatten().collect();
     Ok(match (format, reports.len()) {

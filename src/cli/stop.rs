@@ -1,5 +1,5 @@
-//! Ctrl-C on the command line. While a command that replays or captures runs, the first Ctrl-C
-//! asks its work to stop after the layer, prefill chunk or token in progress (a sweep keeps every
+//! Ctrl-C on the command line. While a command that replays, captures or runs live runs, the first
+//! Ctrl-C asks its work to stop after the layer, prefill chunk or token in progress (a sweep keeps every
 //! run it stored, so running it again resumes; a capture writes no trace of the question it was
 //! running); the command then exits with 130, as a shell reports an interrupt. A second Ctrl-C
 //! ends the process at once. Outside such work Ctrl-C keeps its default.

@@ -142,6 +142,8 @@ pub(super) struct Reference<'a> {
     /// from it on the global layers instead of from copies of their own (the batching asks for
     /// it and the model's family can).
     pub shared_prompt: bool,
+    /// Asked before each decoding step whether to stop there.
+    pub stop: crate::stop::Stop<'a>,
 }
 
 impl Reference<'_> {
@@ -573,6 +575,7 @@ fn step_by_step(
                     .over_prefix(teacher.prefix)
             })
             .collect();
+        (reference.stop)()?;
         let logits = reference.model.forward_rows(&mut rows)?;
         drop(rows);
         let next = reference.tokens.get(index + 1);
@@ -623,6 +626,7 @@ fn free_running<'s>(
                 Row::new(ids, &mut row.cache, Some(&mut row.mask)).over_prefix(row.prefix)
             })
             .collect();
+        (reference.stop)()?;
         let logits = reference.model.forward_rows(&mut batch)?;
         drop(batch);
         for (row, logits) in running.iter_mut().zip(&logits) {

@@ -68,6 +68,7 @@ use crate::replay::{
     compressed_layers, protocol_view, replay_keeping, Granularity, Kept, PolicyError, Protocol,
     ReplayReport, Storage, Timing, ValidPolicy,
 };
+use crate::stop::{Stop, NEVER};
 use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
 use candle_core::Tensor;
@@ -190,7 +191,7 @@ type OnRecording<'a, E> =
 /// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
 /// first. One question whose prompt is all context is the plain full run.
 fn full_runs<E: From<ModelError> + From<CaptureError>>(
-    model: &dyn CausalLm,
+    (model, stop): (&dyn CausalLm, Stop<'_>),
     questions: &BuiltQuestions,
     (chunk, scratch): (usize, &Path),
     recorded: OnRecording<'_, E>,
@@ -214,7 +215,7 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
             None,
             &mut |step| {
                 logits.push(step.to_vec());
-                Ok(())
+                stop()
             },
         )?;
         recorded(index, &tokens, &recorder, recorded_pass.as_deref())?;
@@ -234,7 +235,7 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
         model,
         questions,
         (chunk, scratch, false),
-        &mut |_| Ok(()),
+        &mut |_| stop(),
         &mut decode,
     )?;
     // They came last question first.
@@ -305,6 +306,8 @@ pub struct LiveSession<'m> {
     full: FullRun,
     trace: TraceReader,
     path: PathBuf,
+    /// Asked before each decoding step whether to stop there.
+    stop: Stop<'m>,
 }
 
 impl<'m> LiveSession<'m> {
@@ -323,7 +326,7 @@ impl<'m> LiveSession<'m> {
 
     /// The session of `prompt`'s full run, its recording written to a scratch file.
     fn recorded(
-        model: &'m dyn CausalLm,
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
         prompt: &BuiltPrompt,
         chunk: usize,
         scratch: &Path,
@@ -362,6 +365,7 @@ impl<'m> LiveSession<'m> {
             full,
             trace,
             path,
+            stop,
         })
     }
 
@@ -483,6 +487,7 @@ impl<'m> LiveSession<'m> {
             resumed_free_runs: batching.resumed_free_runs,
             windowed_copies: batching.windowed_copies,
             shared_prompt: self.shares_prompt(batching),
+            stop: self.stop,
         };
         Ok(batch::decode(&reference, started)?
             .into_iter()
@@ -834,7 +839,23 @@ impl<'m> LiveQuestions<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
-        Self::recording(model, questions, (chunk, scratch), &mut |_, _, _, _| Ok(()))
+        Self::start_stopping((model, NEVER), questions, (chunk, scratch))
+    }
+
+    /// [`start`](Self::start), `stop` asked after each chunk and token of the full runs and
+    /// before each step of the decoding of the policies: one that returns
+    /// [`Stopped`](crate::stop::Stopped) ends the work there with [`ModelError::Stopped`].
+    pub fn start_stopping(
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
+        questions: &BuiltQuestions,
+        (chunk, scratch): (usize, &Path),
+    ) -> Result<Self, LiveError> {
+        Self::recording(
+            (model, stop),
+            questions,
+            (chunk, scratch),
+            &mut |_, _, _, _| Ok(()),
+        )
     }
 
     /// [`start`](Self::start), each question's full run also written as the trace that a
@@ -847,7 +868,7 @@ impl<'m> LiveQuestions<'m> {
         (options, out): (&CaptureOptions, &Path),
     ) -> Result<Self, LiveError> {
         Self::recording(
-            model,
+            (model, NEVER),
             questions,
             (options.chunk, scratch),
             &mut |question, generated, recorder, recorded_pass| {
@@ -866,16 +887,16 @@ impl<'m> LiveQuestions<'m> {
     /// The sessions of `questions`' full runs, each run's recording seen by `recorded` first
     /// ([`full_runs`]).
     fn recording(
-        model: &'m dyn CausalLm,
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
         (chunk, scratch): (usize, &Path),
         recorded: OnRecording<'_, LiveError>,
     ) -> Result<Self, LiveError> {
-        let runs = full_runs(model, questions, (chunk, scratch), recorded)?;
+        let runs = full_runs((model, stop), questions, (chunk, scratch), recorded)?;
         let sessions = runs
             .into_iter()
             .zip(&questions.prompts)
-            .map(|(run, prompt)| LiveSession::recorded(model, prompt, chunk, scratch, run))
+            .map(|(run, prompt)| LiveSession::recorded((model, stop), prompt, chunk, scratch, run))
             .collect::<Result<_, _>>()?;
         Ok(Self { sessions })
     }
@@ -1077,12 +1098,14 @@ pub fn live(
 /// Runs `recipe` live under each of `policies` (checked for live mode first): its model loaded,
 /// the prompt of each question it asks built, the full-cache runs (the context prefilled once, in
 /// chunks of `chunk` tokens, recorded under `scratch`), then the policies decoded together
-/// ([`LiveQuestions::run_many`]). Returns each question's reports, in the order of `policies`.
+/// ([`LiveQuestions::run_many`]); `stop` is asked after each chunk and token whether to stop
+/// there ([`LiveQuestions::start_stopping`]). Returns each question's reports, in the order of
+/// `policies`.
 pub fn run_recipe(
     recipe: &Path,
     policies: &[ValidPolicy],
-    chunk: usize,
-    scratch: &Path,
+    (chunk, scratch): (usize, &Path),
+    stop: Stop<'_>,
 ) -> Result<Vec<Vec<LiveReport>>, LiveError> {
     if recipe.extension().is_none_or(|e| e != "toml") {
         return Err(LiveError::NotARecipe(recipe.to_owned()));
@@ -1092,7 +1115,8 @@ pub fn run_recipe(
     }
     let model = crate::capture::load_recipe_model(recipe)?;
     let questions = crate::capture::build_questions(recipe, model.as_ref())?;
-    let sessions = LiveQuestions::start(model.as_ref(), &questions, chunk, scratch)?;
+    let model = model.as_ref();
+    let sessions = LiveQuestions::start_stopping((model, stop), &questions, (chunk, scratch))?;
     let reports = sessions.run_many(policies);
     drop(sessions);
     reports
