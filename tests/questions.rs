@@ -396,8 +396,23 @@ fn a_kvzip_pass_is_captured_once_for_the_questions_and_run_live() {
         let rows = trace.layer(29).unwrap().reconstruction.unwrap();
         assert_eq!(rows, traces[0].layer(29).unwrap().reconstruction.unwrap());
     }
-    // The last rows of chunk 0 are its context's own tokens, repeated: their keys are the keys
-    // the prompt had at those positions, rotated further.
+    let inspect = assert_cmd::Command::cargo_bin("kvreplay")
+        .unwrap()
+        .arg("inspect")
+        .arg(dir.path().join("two.q1.safetensors"))
+        .output()
+        .unwrap();
+    let shown = String::from_utf8(inspect.stdout).unwrap();
+    let pass = &planned.pass;
+    let line = format!(
+        "KVzip's, positions {}..{} in {} chunk(s), {} rows",
+        pass.start(),
+        pass.cut(),
+        pass.chunks.len(),
+        pass.rows()
+    );
+    assert!(shown.contains(&line), "{shown}");
+    // The last rows of chunk 0 are its context's own tokens, repeated.
     let first = &planned.rows[0];
     let tail = &prompt.ids[planned.pass.chunks[0].context.clone()];
     assert_eq!(&first[first.len() - tail.len()..], tail);

@@ -70,6 +70,16 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
         let what = format!("hidden states (d_model {d_model}) and q/k/v/o projections");
         header.push(["attention inputs".into(), what]);
     }
+    if let Some(pass) = trace.reconstruction() {
+        let what = format!(
+            "KVzip's, positions {}..{} in {} chunk(s), {} rows",
+            pass.start(),
+            pass.cut(),
+            pass.chunks.len(),
+            pass.rows()
+        );
+        header.push(["reconstruction pass".into(), what]);
+    }
     header.push([
         "file size".into(),
         format!("{:.1} MB", trace.file_len() as f64 / 1e6),
