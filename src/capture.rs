@@ -625,7 +625,7 @@ impl Passes {
         if let Some((_, done)) = self.0.iter().find(|(at, _)| *at == cut) {
             return Ok(Some(done.clone()));
         }
-        let recorded = Arc::new(record_pass(model, prompt, cache, (size, prefill))?);
+        let recorded = Arc::new(record_pass(model, (prompt, cut), cache, (size, prefill))?);
         self.0.push((cut, recorded.clone()));
         Ok(Some(recorded))
     }
@@ -639,16 +639,15 @@ pub struct RecordedPass {
     pub layers: Vec<PassRows>,
 }
 
-/// Runs KVzip's reconstruction pass of `prompt` ([`pass::plan`], chunks of `size` tokens) on
-/// `cache`, the prompt's full cache: each chunk's rows from the cache cut where the pass cuts,
+/// Runs KVzip's reconstruction pass of `prompt` cut at `cut` ([`pass::plan`], chunks of `size`
+/// tokens) on `cache`, the prompt's full cache: each chunk's rows from the cache cut there,
 /// prefilled in pieces of `prefill` tokens, their queries and keys recorded.
-pub fn record_pass(
+fn record_pass(
     model: &dyn CausalLm,
-    prompt: &BuiltPrompt,
+    (prompt, cut): (&BuiltPrompt, usize),
     cache: &KvCache,
     (size, prefill): (usize, usize),
 ) -> Result<RecordedPass, CaptureError> {
-    let cut = pass::cut_of(&prompt.ids, &prompt.spans);
     let planned = pass::plan(&prompt.ids, cut, model.tokenizer(), size)
         .map_err(CaptureError::Reconstruction)?;
     let n_layers = model.spec().n_layers;
