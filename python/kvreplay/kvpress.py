@@ -30,6 +30,16 @@ so a :class:`PressScorer` declares ``defaults = {"window": 0, "sinks": 0}``: a p
 ``scorer=`` protects no recent or first tokens beyond what the press's own scores keep (SnapKV's
 window, StreamingLLM's sinks), unless the call sets ``window`` or ``sinks`` itself.
 
+While decoding (``DecodingPress``, ``PrefillDecodingPress``; :func:`policy` maps them), a press
+scores each compression as ``DecodingPress.forward_hook`` hands its base press the cache
+(decoding_press.py lines 123-178): the keys and values in the order kvpress's cache holds them
+(a compression gathers its kept entries in ``torch.topk``'s order, each step appends one at the
+end; a per-cache state of the :class:`PressScorer` follows it), as ``hidden_states`` the pre-rotary
+queries of the decode steps since the last compression (at most ``hidden_states_buffer_size +
+1``), as ``position_embeddings`` the current step's rotary only (which the press applies to every
+buffered query, as kvpress does), ``cache_position`` the step, and for ``ObservedAttentionPress``
+the current query's attention over the cache.
+
 A press that reads what a trace does not hold (a model's other weights, a
 component fetched from the hub, extra forward passes) fails on a small probe when it is wrapped,
 before any work, with a ``KvreplayError`` naming the press and what it tried to read.
@@ -48,27 +58,30 @@ READS_ATTENTIONS = {"ObservedAttentionPress"}
 # Presses that read the layer's hidden states and projections: they score a whole layer at once.
 READS_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress"}
 
-# Presses that compress while decoding, every few generated tokens.
-DECODING_PRESSES = {"DecodingPress", "PrefillDecodingPress", "CAMPress"}
-
-# The presses a decoding press may wrap in a replay: kvreplay's own scorer runs under kvpress's
-# schedule, checked against kvpress's DecodingPress and CAMPress hooks (tests/parity.rs).
+# The presses CAMPress may wrap: kvreplay's own scorer runs under kvpress's schedule with CaM's
+# merges (`merge="cam"`), checked against kvpress's CAMPress hook (tests/parity.rs).
 DECODING_SCORERS = {"KnormPress": "knorm"}
 
 
 class PressScorer:
-    """A kvpress press as a kvreplay scorer (one-shot: kvpress compresses at the end of the prompt)."""
+    """A kvpress press as a kvreplay scorer: at the prompt's end (``prefill``), and, as kvpress's
+    ``DecodingPress`` runs its base press, at each compression while decoding (``decoding``,
+    ``prefill-then-stream``; see the module's doc); ``decoding`` names another press to score
+    while decoding (``PrefillDecodingPress``'s), ``buffer_size`` is ``DecodingPress``'s
+    ``hidden_states_buffer_size``."""
 
-    timings = ("prefill",)
+    timings = ("prefill", "decoding", "prefill-then-stream")
     needs_values = True
     # kvpress's ScorerPress protects nothing of its own: no recent window, no sinks.
     defaults = {"window": 0, "sinks": 0}
 
-    def __init__(self, press, name=None, probe=True, seed=0):
+    def __init__(self, press, name=None, probe=True, seed=0, decoding=None, buffer_size=256):
         import torch  # noqa: F401  (the stand-in needs torch and transformers)
         from transformers import LlamaConfig  # noqa: F401
 
         self.press = press
+        self.decoding = press if decoding is None else decoding
+        self.buffer_size = int(buffer_size)
         self.name = name or f"kvpress:{type(press).__name__}"
         self.reads_attentions = _innermost(press) in READS_ATTENTIONS
         self.needs_inputs = type(press).__name__ in READS_INPUTS
@@ -79,6 +92,10 @@ class PressScorer:
         self._lock = threading.Lock()
         if probe:
             self._probe()
+
+    def start(self):
+        """One cache's state: the order kvpress's cache holds its entries in."""
+        return _CacheOrder(self)
 
     def score(self, cache):
         if self.needs_inputs:
@@ -144,6 +161,44 @@ class PressScorer:
             raise ValueError(f"{self.name} scored {scores.shape} for {n} positions")
         return scores[cache.positions]
 
+    def _decoding_scores(self, cache, order, first):
+        """The decoding press's scores of the cache at a compression while decoding, as
+        `DecodingPress.forward_hook` hands them to its base press: the keys and values in the order
+        kvpress's cache holds them (`order`), as `hidden_states` the queries of the decode steps
+        since the last compression (from position `first`, at most `buffer_size + 1` of them), and
+        the current step's rotary as `position_embeddings`; returned in `cache.positions`' order."""
+        import torch
+
+        if self.needs_inputs:
+            raise ValueError(
+                f"{self.name} scores a whole layer at once, and while decoding each KV head's cache holds other positions: "
+                "it replays at the prompt's end only"
+            )
+        if cache.rope_theta is None:
+            raise ValueError(f"{self.name} needs the trace's rope_theta to rebuild the pre-rotary queries")
+        module = self._module(cache)
+        index = np.asarray(order, dtype=np.int64)
+        keys = torch.from_numpy(np.ascontiguousarray(cache.keys[index]))[None, None]
+        values = torch.from_numpy(np.ascontiguousarray(cache.values[index]))[None, None]
+        newest = cache.newest
+        buffered = self.buffer_size + 1 if self.buffer_size > 0 else 1
+        rows = np.arange(max(first, newest + 1 - buffered), newest + 1)
+        queries = torch.from_numpy(np.ascontiguousarray(cache.queries[:, rows]))[None]  # [1, g, r, d]
+        cos, sin = module.rotary_emb(queries, torch.from_numpy(rows)[None])
+        hidden = _prerotary(queries, cos, sin).transpose(1, 2).reshape(1, len(rows), -1)
+        step = torch.tensor([[newest]])
+        kwargs = {"position_embeddings": module.rotary_emb(queries, step), "cache_position": step[0]}
+        attentions = None
+        if _innermost(self.decoding) in READS_ATTENTIONS:
+            attentions = _step_attentions(queries[:, :, -1:], keys, cache.scale, cache.softcap)
+        with torch.no_grad():
+            scores = self.decoding.score(module, hidden, keys, values, attentions, kwargs)
+        scores = scores[0, 0].float().numpy()
+        if scores.shape != (len(order),):
+            raise ValueError(f"{self.name} scored {scores.shape} for a cache of {len(order)} entries")
+        at = {int(p): i for i, p in enumerate(order)}
+        return scores[[at[int(p)] for p in cache.positions]]
+
     def _module(self, cache):
         key = (cache.layer, cache.query_heads[1] - cache.query_heads[0], cache.keys.shape[1], cache.rope_theta)
         if key not in self._modules:
@@ -187,6 +242,41 @@ class PressScorer:
             raise KvreplayError(f"{self.name} cannot be replayed from a trace: {type(err).__name__}: {err}") from err
         if not np.isfinite(scores).all():
             raise KvreplayError(f"{self.name} cannot be replayed from a trace: it scores a probe with non-finite values")
+
+
+class _CacheOrder:
+    """One cache's state under a :class:`PressScorer`: the order kvpress's cache holds its
+    entries in, which presses that read positions within the cache depend on (SnapKV's window
+    and the padding of its last ``window_size`` entries, StreamingLLM's sinks and recent
+    entries, LagKV's partitions). A prompt runs in position order; a compression gathers the
+    kept entries in ``torch.topk``'s order, by descending score (``ScorerPress.compress``,
+    scorer_press.py lines 94-101; equal scores keep their order here, where torch leaves theirs
+    unspecified), and each decode step appends its token at the end."""
+
+    def __init__(self, scorer):
+        self.scorer = scorer
+        self.ranked = []  # the entries of the last compression, by descending score
+        self.since = None  # the newest position at the last compression
+
+    def score(self, cache):
+        if cache.newest < cache.prompt_len:
+            scores = self.scorer.score(cache)
+        else:
+            first = cache.prompt_len if self.since is None else self.since + 1
+            scores = self.scorer._decoding_scores(cache, self._order(cache.positions), first)
+        order = self._order(cache.positions)
+        at = {int(p): i for i, p in enumerate(cache.positions)}
+        self.ranked = sorted(order, key=lambda p: -scores[at[p]])
+        self.since = cache.newest
+        return scores
+
+    def _order(self, positions):
+        """`positions` (the cache's, ascending) in kvpress's order: the last compression's
+        survivors by its ranking, then every entry appended since."""
+        held = {int(p) for p in positions}
+        survivors = [p for p in self.ranked if p in held]
+        ranked = set(self.ranked)
+        return survivors + [int(p) for p in positions if int(p) not in ranked]
 
 
 class _Probe:
@@ -264,6 +354,17 @@ def _prerotary(queries, cos, sin):
     return queries * cos.unsqueeze(1) - rotate_half(queries) * sin.unsqueeze(1)
 
 
+def _step_attentions(query, keys, scale, softcap):
+    """The current query's eager attention weights over the whole cache, `[1, g, 1, n]`: what
+    the attention layer's output holds when `DecodingPress.forward_hook` runs."""
+    import torch
+
+    logits = (query @ keys.transpose(-1, -2)).float() * scale
+    if softcap is not None:
+        logits = softcap * torch.tanh(logits / softcap)
+    return torch.softmax(logits, dim=-1)
+
+
 def _eager_attentions(queries, keys, scale, softcap):
     import torch
 
@@ -301,12 +402,20 @@ def policy(press):
     - ``MergingPress(press, similarity_threshold, merge_fraction)``: the press's policy with the
       ``similarity`` merge, the values it evicts at the cut folded into the kept ones.
 
-    - ``DecodingPress(KnormPress(), compression_interval, target_size)``: the ``knorm`` scorer
-      under ``timing="decoding"``, ``order="attend-first"``, ``interval`` the press's, nothing
-      protected, ``budget`` its ``target_size`` (so pass no other budget);
-    - ``CAMPress(KnormPress(), ...)``: the same with ``gqa="layer"``, ``merge="cam"`` and its
-      ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from ``merge_seed``, kvpress from
-      torch's global generator).
+    - ``DecodingPress(press, compression_interval, target_size, hidden_states_buffer_size)``: the
+      press through :class:`PressScorer` under ``timing="decoding"``, ``order="attend-first"``,
+      ``interval`` the press's (``trigger="steps"``), nothing protected, ``budget`` its
+      ``target_size`` (so pass no other budget): the prompt stays whole, and every
+      ``compression_interval`` decode steps the press scores the cache as ``DecodingPress``
+      hands it over (see :class:`PressScorer`);
+    - ``PrefillDecodingPress(prefilling_press, decoding_press)``: the prefilling press cuts the
+      prompt and the decoding press's press scores its compressions (``timing=
+      "prefill-then-stream"``, the schedule above). kvreplay has one budget per cache: the prompt
+      is cut to the decoding press's ``target_size``, not to the prefilling press's
+      ``compression_ratio``; with only one of the two presses, that press's mapping;
+    - ``CAMPress(KnormPress(), ...)``: the ``knorm`` scorer on that schedule with ``gqa="layer"``,
+      ``merge="cam"`` and its ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from
+      ``merge_seed``, kvpress from torch's global generator).
     - ``KVzipPress(layerwise=True, n_sink)``: the ``kvzip`` scorer (its scores come from the
       reconstruction pass a recipe with ``reconstruction = "kvzip"`` records, chunked as the
       recipe's ``reconstruction_chunk``, kvpress's ``chunk_size``), one top-k per layer over its
@@ -315,20 +424,17 @@ def policy(press):
       ``protocol="question-agnostic"`` a prompt that has one. ``layerwise=False`` (one top-k over
       every layer) and ``kvzip_plus_normalization`` raise :class:`KvreplayError`.
 
-    Over another press, and ``PrefillDecodingPress``, the decoding presses raise
-    :class:`KvreplayError` (a press is scored from Python at the prompt's end only); other
-    wrapping presses (``ChunkKVPress``, ``ChunkPress``, other compositions) have no counterpart
-    and raise it too.
+    A decoding press over ``AdaKVPress``, another wrapper or a press that scores a whole layer at
+    once (``LeverageScorePress``, ``CompactorPress``, ``CriticalKVPress``: while decoding each KV
+    head's cache holds other positions), and ``CAMPress`` over another press than Knorm, raise
+    :class:`KvreplayError`; other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other
+    compositions) have no counterpart and raise it too.
     """
     kind = type(press).__name__
     if kind in ("DecodingPress", "CAMPress"):
         return _decoding(press, kind)
-    if kind in DECODING_PRESSES:
-        raise KvreplayError(
-            f"kvpress:{kind} compresses while decoding, and a press is scored from Python at the prompt's end only: "
-            "use timing='decoding' (or 'prefill-then-stream'), order='attend-first', trigger='steps' with a registered "
-            "scorer (and merge='cam', gqa='layer' for CAMPress; docs/python.md)"
-        )
+    if kind == "PrefillDecodingPress":
+        return _prefill_decoding(press)
     if kind == "AdaKVPress":
         return {**policy(press.press), "heads": "adakv", "alpha": float(press.alpha_safeguard), "normalize": False}
     if kind == "DMSPress":
@@ -379,18 +485,11 @@ def _kvzip(press):
     return {"scorer": "kvzip", "heads": "adakv", "alpha": 0.0, "normalize": False, "sinks": int(press.n_sink), "window": 0}
 
 
-def _decoding(press, kind):
-    """`DecodingPress` or `CAMPress` over a press with a kvreplay scorer: its schedule."""
-    inner = type(press.base_press).__name__
-    if inner not in DECODING_SCORERS:
-        raise KvreplayError(
-            f"kvpress:{kind} over {inner}: a press is scored from Python at the prompt's end only; a decoding press "
-            f"replays over {', '.join(sorted(DECODING_SCORERS))} (kvreplay's scorer under kvpress's schedule)"
-        )
+def _schedule(press):
+    """`DecodingPress`'s schedule: a compression back to its `target_size` every
+    `compression_interval` decode steps, after the step's attention, nothing protected."""
     interval = int(press.compression_interval)
-    settings = {
-        "scorer": DECODING_SCORERS[inner],
-        "timing": "decoding",
+    return {
         "order": "attend-first",
         "interval": interval,
         "trigger": "steps" if interval > 1 else "growth",
@@ -398,9 +497,60 @@ def _decoding(press, kind):
         "window": 0,
         "budget": int(press.target_size),
     }
+
+
+def _decoding(press, kind):
+    """`DecodingPress` over a scorer press: the press scores each compression through
+    :class:`PressScorer`; `CAMPress` over a press with a kvreplay scorer, which merges in Rust."""
+    inner = type(press.base_press).__name__
     if kind == "CAMPress":
-        settings.update(gqa="layer", merge="cam", merge_budget=int(press.merge_budget))
-    return settings
+        if inner not in DECODING_SCORERS:
+            raise KvreplayError(
+                f"kvpress:CAMPress over {inner}: CaM's merges run in kvreplay (merge='cam'), over a press with a kvreplay scorer: "
+                f"{', '.join(sorted(DECODING_SCORERS))}"
+            )
+        settings = {"scorer": DECODING_SCORERS[inner], "timing": "decoding", **_schedule(press)}
+        return {**settings, "gqa": "layer", "merge": "cam", "merge_budget": int(press.merge_budget)}
+    _check_decoding(press.base_press, kind)
+    scorer = PressScorer(press.base_press, buffer_size=press.hidden_states_buffer_size)
+    return {"scorer": scorer, "timing": "decoding", **_schedule(press)}
+
+
+def _check_decoding(base, kind):
+    """Raises unless `base` can score while decoding through :class:`PressScorer`."""
+    inner = type(base).__name__
+    if inner == "AdaKVPress" or not hasattr(base, "score") or hasattr(base, "press"):
+        raise KvreplayError(
+            f"kvpress:{kind} over {inner}: a decoding press replays over a scorer press (its cache compressed per KV head); "
+            "AdaKVPress and other wrappers have no counterpart while decoding"
+        )
+    if inner in READS_INPUTS:
+        raise KvreplayError(
+            f"kvpress:{kind} over {inner}: the press scores a whole layer at once, and while decoding each KV head's cache "
+            "holds other positions; it replays at the prompt's end only"
+        )
+
+
+def _prefill_decoding(press):
+    """`PrefillDecodingPress`: its prefilling press cuts the prompt and its decoding press
+    compresses while decoding (`prefill-then-stream`), one budget for both: the decoding press's
+    `target_size`."""
+    prefilling, decoding = press.prefilling_press, press.decoding_press
+    if decoding is None:
+        if prefilling is None:
+            raise KvreplayError("kvpress:PrefillDecodingPress with neither press compresses nothing")
+        return policy(prefilling)
+    if prefilling is None or type(decoding).__name__ != "DecodingPress":
+        return policy(decoding)
+    settings = policy(prefilling)
+    if not isinstance(settings.get("scorer"), PressScorer) or "allocator" in settings or "heads" in settings:
+        raise KvreplayError(
+            f"kvpress:PrefillDecodingPress over {type(prefilling).__name__}: its prefilling press must be a scorer press "
+            "(kvreplay runs one scorer per cache through the prompt's cut and the decoding compressions)"
+        )
+    _check_decoding(decoding.base_press, "PrefillDecodingPress")
+    scorer = PressScorer(prefilling, decoding=decoding.base_press, buffer_size=decoding.hidden_states_buffer_size)
+    return {**settings, "scorer": scorer, "timing": "prefill-then-stream", **_schedule(decoding)}
 
 
 class _RatioBudgets:

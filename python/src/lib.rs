@@ -30,6 +30,7 @@ fn _native(m: &Bound<'_, PyModule>) -> PyResult<()> {
     m.add_class::<trace::Trace>()?;
     m.add_class::<results::Results>()?;
     m.add_class::<scorer::Cache>()?;
+    m.add_class::<scorer::Token>()?;
     m.add_class::<view::Page>()?;
     m.add_function(wrap_pyfunction!(run::replay, m)?)?;
     m.add_function(wrap_pyfunction!(run::compare, m)?)?;

@@ -2,19 +2,26 @@
 //! tokens of one cache: it receives a [`Cache`] (NumPy copies of what the Rust scorers see, up to
 //! the newest position, and the layer's context) and returns one score per cached position,
 //! higher kept. kvreplay then applies every allocator, head split, layout, protection and metric
-//! exactly as for a built-in scorer.
+//! exactly as for a built-in scorer, under every timing.
 //!
-//! Optional attributes: `name` (default: the class name), `timings` (default `("prefill",
-//! "per-step-prompt", "per-step")`), `needs_values` (default False), `needs_inputs` (default
-//! False: the layer's hidden states and projection weights, which the trace must hold) and
-//! `defaults` (a dict of
-//! policy settings, such as `{"window": 0}`, that a policy given the object as `scorer=` runs
-//! under unless the call sets them: the semantics of the method it wraps). A Python scorer is
-//! stateless: it is asked for scores whenever the engine chooses, so the streaming timings, which
-//! choose at every token, are refused (one Python call per token, cache and layer).
+//! Optional attributes: `name` (default: the class name), `timings` (default: every timing),
+//! `needs_values` (default False), `needs_inputs` (default False: the layer's hidden states and
+//! projection weights, which the trace must hold) and `defaults` (a dict of policy settings, such
+//! as `{"window": 0}`, that a policy given the object as `scorer=` runs under unless the call
+//! sets them: the semantics of the method it wraps).
 //!
-//! A scorer that raises or returns the wrong length, a non-finite score or a non-float dtype
-//! stops the work after the layer with a `KvreplayError` naming the scorer, layer and cache;
+//! The incremental protocol: an object with a `start()` method is asked for a fresh state object
+//! per cache (each layer's each KV head or query head), and the state, not the object, is then
+//! asked for `score(cache)` whenever the timing chooses; its optional `append(token)` sees each
+//! token as it enters the cache (a [`Token`]) and `evict(positions)` the positions that leave it
+//! (an eviction, a cut, or a slide out of a sliding-window layer's window), so a method that
+//! updates a running statistic per token need not recompute it. A stream forked in a live run
+//! (two continuations of one prompt) forks the state with `copy.deepcopy`. Without `start`, the
+//! object is stateless and is asked whenever the engine chooses (under `streaming`, at every
+//! token over budget).
+//!
+//! A scorer or state that raises, or returns the wrong length, a non-finite score or a non-float
+//! dtype stops the work after the layer with a `KvreplayError` naming the scorer, layer and cache;
 //! nothing of it is stored.
 
 use crate::errors::message;
@@ -83,8 +90,26 @@ pub struct Cache {
     n_kv_heads: usize,
 }
 
-/// The timings a stateless scorer can serve.
-const SERVED: [Timing; 3] = [Timing::Prefill, Timing::PerStepPrompt, Timing::PerStep];
+/// A token entering a cache, as a stateful Python scorer's `append(token)` sees it.
+#[pyclass(frozen, get_all, module = "kvreplay")]
+pub struct Token {
+    /// Its position.
+    position: usize,
+    /// The cache's query heads' queries at it, `[heads, d]` float32, post-rotary.
+    queries: Py<PyAny>,
+    /// Its key, `[d]` float32, post-rotary.
+    key: Py<PyAny>,
+    /// Its value, `[d]` float32, or None (not stored or not asked: `needs_values`).
+    value: Py<PyAny>,
+    /// Layer index.
+    layer: usize,
+    /// The KV head whose keys the cache holds.
+    kv_head: usize,
+    /// The softmax scale.
+    scale: f32,
+    /// The logit soft-cap, if any.
+    softcap: Option<f32>,
+}
 
 /// A Python object as a [`Scorer`].
 pub struct PyScorer {
@@ -100,13 +125,13 @@ impl PyScorer {
     pub fn new(object: &Bound<'_, PyAny>) -> PyResult<Self> {
         let method = PyMethod::new(object)?;
         let name = method.name.clone();
-        if !object.hasattr("score")? && !object.is_callable() {
+        if !object.hasattr("score")? && !object.hasattr("start")? && !object.is_callable() {
             return Err(message(format!(
-                "Python scorer `{name}`: needs a `score(cache)` method or must be callable"
+                "Python scorer `{name}`: needs a `score(cache)` or `start()` method, or must be callable"
             )));
         }
         let timings = match object.getattr_opt("timings")? {
-            None => SERVED.to_vec(),
+            None => Timing::ALL.to_vec(),
             Some(given) => {
                 let names: Vec<String> = given.extract()?;
                 names
@@ -153,18 +178,18 @@ impl PyScorer {
     }
 }
 
-/// Timing `name` if a Python scorer can serve it.
+/// Timing `name`, by its config spelling.
 fn served(scorer: &str, name: &str) -> PyResult<Timing> {
-    let timing = Timing::ALL.into_iter().find(|t| t.name() == name);
-    match timing {
-        Some(timing) if SERVED.contains(&timing) => Ok(timing),
-        Some(_) => Err(message(format!(
-            "Python scorer `{scorer}`: timing `{name}` chooses at every token (one Python call per token, cache and layer); a Python scorer serves prefill, per-step-prompt and per-step"
-        ))),
-        None => Err(message(format!(
-            "Python scorer `{scorer}`: unknown timing `{name}`; valid: prefill, per-step-prompt, per-step"
-        ))),
-    }
+    Timing::ALL
+        .into_iter()
+        .find(|t| t.name() == name)
+        .ok_or_else(|| {
+            let valid: Vec<&str> = Timing::ALL.iter().map(|t| t.name()).collect();
+            message(format!(
+                "Python scorer `{scorer}`: unknown timing `{name}`; valid: {}",
+                valid.join(", ")
+            ))
+        })
 }
 
 impl Scorer for PyScorer {
@@ -184,52 +209,219 @@ impl Scorer for PyScorer {
         self.timings.contains(&timing)
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
+    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
+        let mut state = State {
             shared: self.shared.clone(),
             unit: unit.clone(),
             protect,
             needs_values: self.needs_values,
             needs_inputs: self.needs_inputs,
-        })
+            layer: layer.layer,
+            own: None,
+            held: Vec::new(),
+        };
+        if let Err(err) = Python::attach(|py| state.start_own(py)) {
+            state.fail(&format!("start() raised {err}"));
+        }
+        Box::new(state)
     }
 }
 
-/// One cache's state: nothing but what it is (a Python scorer is stateless).
-#[derive(Clone)]
+/// One cache's state: what it is and, for an object with `start()`, the Python state it made.
 struct State {
     shared: Arc<PyMethod>,
     unit: Unit,
     protect: Protection,
     needs_values: bool,
     needs_inputs: bool,
+    /// The layer's index, naming where a call failed.
+    layer: usize,
+    own: Option<OwnState>,
+    /// The cache's positions in insertion order, kept for a state's `evict(positions)`.
+    held: Vec<usize>,
+}
+
+/// The Python state of one cache and which of the optional calls it answers.
+struct OwnState {
+    object: Py<PyAny>,
+    appends: bool,
+    evicts: bool,
+}
+
+impl Clone for State {
+    /// Forks the stream: the Python state is deep-copied (a failure to copy is recorded, and the
+    /// fork then scores nothing).
+    fn clone(&self) -> Self {
+        let own = self.own.as_ref().and_then(|own| {
+            Python::attach(|py| {
+                let copied = py
+                    .import("copy")
+                    .and_then(|copy| copy.call_method1("deepcopy", (own.object.bind(py),)));
+                match copied {
+                    Ok(object) => Some(OwnState {
+                        object: object.unbind(),
+                        ..*own
+                    }),
+                    Err(err) => {
+                        self.fail(&format!("could not be forked: copy.deepcopy raised {err}"));
+                        None
+                    }
+                }
+            })
+        });
+        Self {
+            shared: self.shared.clone(),
+            unit: self.unit.clone(),
+            protect: self.protect,
+            needs_values: self.needs_values,
+            needs_inputs: self.needs_inputs,
+            layer: self.layer,
+            own,
+            held: self.held.clone(),
+        }
+    }
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+        let Some(own) = &self.own else { return };
+        let position = *cache.last().expect("a token was appended");
+        if own.evicts {
+            self.held.push(position);
+        }
+        if !own.appends || self.failed() {
+            return;
+        }
+        let called = Python::attach(|py| {
+            let token = self.token(py, layer, position)?;
+            own.object.bind(py).call_method1("append", (token,))?;
+            PyResult::Ok(())
+        });
+        if let Err(err) = called {
+            self.fail(&format!("append() raised {err}"));
+        }
+    }
 
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
         out.clear();
-        let place = (layer.layer, self.unit.index);
-        if !self.shared.failed_by(place) {
+        if !self.failed() {
             match Python::attach(|py| self.call(py, layer, cache)) {
                 Ok(scores) => *out = scores,
-                Err(failure) => self.shared.record(
-                    place,
-                    format!(
-                        "Python scorer `{}` at layer {}, cache {}: {failure}",
-                        self.shared.name, layer.layer, self.unit.index
-                    ),
-                ),
+                Err(failure) => self.fail(&failure),
             }
         }
         // After a failure, zeros until the engine stops with it after the layer.
         out.resize(cache.len(), 0.0);
     }
+
+    fn on_evict(&mut self, index: usize) {
+        if self.own.as_ref().is_some_and(|own| own.evicts) {
+            let position = self.held.remove(index);
+            self.evict(&[position]);
+        }
+    }
+
+    fn on_cut(&mut self, kept: &[bool]) {
+        if self.own.as_ref().is_some_and(|own| own.evicts) {
+            let mut marks = kept.iter();
+            let (stay, gone): (Vec<usize>, Vec<usize>) = self
+                .held
+                .iter()
+                .partition(|_| *marks.next().expect("one mark per entry"));
+            self.held = stay;
+            self.evict(&gone);
+        }
+    }
 }
 
 impl State {
-    /// Calls the object on this cache and checks what it returns.
+    /// Asks an object with `start()` for this cache's own state.
+    fn start_own(&mut self, py: Python<'_>) -> PyResult<()> {
+        let object = self.shared.object.bind(py);
+        if object.getattr_opt("start")?.is_none() {
+            return Ok(());
+        }
+        let own = object.call_method0("start")?;
+        if own.getattr_opt("score")?.is_none() {
+            return Err(pyo3::exceptions::PyTypeError::new_err(
+                "it returned a state without a `score(cache)` method",
+            ));
+        }
+        self.own = Some(OwnState {
+            appends: own.getattr_opt("append")?.is_some(),
+            evicts: own.getattr_opt("evict")?.is_some(),
+            object: own.unbind(),
+        });
+        Ok(())
+    }
+
+    /// Whether a call here, or at an earlier place, has failed.
+    fn failed(&self) -> bool {
+        self.shared.failed_by((self.layer, self.unit.index))
+    }
+
+    /// Records a failure here, for the engine to stop with after the layer.
+    fn fail(&self, failure: &str) {
+        self.shared.record(
+            (self.layer, self.unit.index),
+            format!(
+                "Python scorer `{}` at layer {}, cache {}: {failure}",
+                self.shared.name, self.layer, self.unit.index
+            ),
+        );
+    }
+
+    /// Tells the Python state that `positions` left the cache.
+    fn evict(&self, positions: &[usize]) {
+        let Some(own) = self.own.as_ref().filter(|_| !self.failed()) else {
+            return;
+        };
+        let called = Python::attach(|py| {
+            let gone: Array1<i64> = positions.iter().map(|&p| p as i64).collect();
+            own.object
+                .bind(py)
+                .call_method1("evict", (gone.into_pyarray(py),))
+                .map(drop)
+        });
+        if let Err(err) = called {
+            self.fail(&format!("evict() raised {err}"));
+        }
+    }
+
+    /// The token at `position` as `append` sees it.
+    fn token(&self, py: Python<'_>, layer: &LayerContext<'_>, position: usize) -> PyResult<Token> {
+        let kv = self.unit.kv_head;
+        let queries = layer
+            .q
+            .slice(s![self.unit.query_heads.clone(), position, ..]);
+        let value = match (self.needs_values, layer.v) {
+            (true, Some(v)) => v
+                .slice(s![kv, position, ..])
+                .to_owned()
+                .into_pyarray(py)
+                .into_any()
+                .unbind(),
+            _ => py.None(),
+        };
+        Ok(Token {
+            position,
+            queries: queries.to_owned().into_pyarray(py).into_any().unbind(),
+            key: layer
+                .k
+                .slice(s![kv, position, ..])
+                .to_owned()
+                .into_pyarray(py)
+                .into_any()
+                .unbind(),
+            value,
+            layer: layer.layer,
+            kv_head: kv,
+            scale: layer.scale,
+            softcap: layer.softcap,
+        })
+    }
+
+    /// Calls the object (or its state) on this cache and checks what it returns.
     fn call(
         &self,
         py: Python<'_>,
@@ -237,7 +429,10 @@ impl State {
         cache: &[usize],
     ) -> Result<Vec<f32>, String> {
         let view = self.view(py, layer, cache).map_err(|e| e.to_string())?;
-        let object = self.shared.object.bind(py);
+        let object = match &self.own {
+            Some(own) => own.object.bind(py),
+            None => self.shared.object.bind(py),
+        };
         let returned = match object.getattr_opt("score").map_err(|e| e.to_string())? {
             Some(score) => score.call1((view,)),
             None => object.call1((view,)),

@@ -1,5 +1,6 @@
-"""Scorers written in Python: the examples keep what the Rust scorers keep, under every timing a
-Python scorer serves, in replay and live; bad scorers fail with a message naming them."""
+"""Scorers written in Python: the examples keep what the Rust scorers keep, under every timing, in
+replay and live, stateless or through the incremental protocol; bad scorers fail with a message
+naming them."""
 
 import pathlib
 import runpy
@@ -106,17 +107,133 @@ def test_bad_scorers_are_named(trace, score, message):
         kvreplay.replay(trace, scorer=score, budget=32, threads=1)
 
 
-def test_streaming_timings_are_refused(trace):
-    class Eager:
-        timings = ("streaming",)
+@pytest.mark.parametrize(
+    "settings",
+    [
+        {"timing": "streaming"},
+        {"timing": "streaming", "interval": 4},
+        {"timing": "prefill-then-stream", "order": "attend-first"},
+        {"timing": "decoding", "interval": 3, "trigger": "steps", "budget": 560},
+    ],
+)
+def test_a_stateless_scorer_runs_under_the_streaming_timings(trace, settings):
+    knorm = example("knorm", "Knorm")()
+    settings = {"budget": 64, **settings}
+    ours = kvreplay.kept(trace, scorer=knorm, steps=True, **settings)["mask"]
+    theirs = kvreplay.kept(trace, scorer="knorm", steps=True, **settings)["mask"]
+    assert np.array_equal(ours, theirs)
+    # The decoding budget is below the prompt plus the decode: its compressions evict.
+    assert not ours[:, :, -1].all()
+
+
+class Age:
+    """The incremental protocol's bookkeeping, checked as it runs: each state counts the tokens
+    that arrived after each entry it holds (from `append` and `evict` alone) and ranks the
+    youngest first, which is `recency`'s ranking."""
+
+    name = "age"
+    calls = {"append": 0, "evict": 0, "score": 0}
+
+    def start(self):
+        return Age.State()
+
+    class State:
+        def __init__(self):
+            self.age = {}
+
+        def append(self, token):
+            assert token.queries.shape == (3, 64) and token.key.shape == (64,) and token.value is None
+            Age.calls["append"] += 1
+            self.age = {p: a + 1 for p, a in self.age.items()}
+            self.age[token.position] = 0
+
+        def evict(self, positions):
+            Age.calls["evict"] += 1
+            for p in positions.tolist():
+                del self.age[p]
+
+        def score(self, cache):
+            Age.calls["score"] += 1
+            assert sorted(self.age) == cache.positions.tolist()
+            return np.array([-self.age[p] for p in cache.positions.tolist()], dtype=np.float32)
+
+
+@pytest.mark.parametrize("timing", ["streaming", "prefill-then-stream", "prefill", "per-step"])
+def test_the_incremental_protocol(trace, timing):
+    Age.calls.update(append=0, evict=0, score=0)
+    ours = kvreplay.kept(trace, scorer=Age(), budget=64, steps=True, timing=timing)["mask"]
+    theirs = kvreplay.kept(trace, scorer="recency", budget=64, steps=True, timing=timing)["mask"]
+    assert np.array_equal(ours, theirs)
+    caches = trace.n_layers * trace.n_kv_heads
+    # A one-shot cut streams the prompt only and evicts nothing its state sees again; the other
+    # timings stream every position.
+    positions = trace.prompt_len if timing == "prefill" else len(trace.tokens)
+    assert Age.calls["append"] == caches * positions
+    assert Age.calls["score"] > 0 and (Age.calls["evict"] > 0) == (timing in ("streaming", "prefill-then-stream"))
+
+
+def test_the_streaming_h2o_example_keeps_what_the_h2o_preset_keeps(trace):
+    h2o = example("h2o_streaming", "H2OStreaming")()
+    ours = kvreplay.kept(trace, scorer=h2o, preset="h2o", budget=48, steps=True)["mask"]
+    theirs = kvreplay.kept(trace, preset="h2o", budget=48, steps=True)["mask"]
+    assert np.array_equal(ours, theirs)
+
+
+def test_a_stateful_scorer_runs_live(recipe):
+    results = kvreplay.live(recipe, budget=64, timing="streaming", policies=[{"scorer": Age()}, {"scorer": "recency"}])
+    runs = results.runs
+    for column in ["kl", "top1", "live_retained_mass", "answer_score", "text", "retained_mass"]:
+        assert runs[column][0] == runs[column][1], column
+
+
+@pytest.mark.parametrize(
+    "method, message",
+    [
+        ("append", r"append\(\) raised ValueError: no"),
+        ("evict", r"evict\(\) raised ValueError: no"),
+        ("score", "raised ValueError: no"),
+    ],
+)
+def test_a_failing_state_is_named(trace, method, message):
+    class Failing(Age.State):
+        pass
+
+    def fail(self, *args):
+        raise ValueError("no")
+
+    setattr(Failing, method, fail)
+
+    class Scorer:
+        def start(self):
+            return Failing()
+
+    with pytest.raises(kvreplay.KvreplayError, match=f"Python scorer `Scorer` at layer 0, cache 0: {message}"):
+        kvreplay.replay(trace, scorer=Scorer(), budget=32, timing="streaming", threads=1)
+
+
+def test_bad_stateful_scorers_are_named(trace):
+    class Unknown:
+        timings = ("eventually",)
 
         def score(self, cache):
             return np.zeros(len(cache.positions))
 
-    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `Eager`: timing `streaming` chooses at every token"):
-        kvreplay.replay(trace, scorer=Eager())
-    with pytest.raises(kvreplay.KvreplayError, match="scorer `knorm-numpy` \\(timings: prefill, per-step, per-step-prompt\\)"):
-        kvreplay.replay(trace, scorer=example("knorm", "Knorm")(), timing="streaming")
+    with pytest.raises(kvreplay.KvreplayError, match="Python scorer `Unknown`: unknown timing `eventually`; valid: prefill, streaming"):
+        kvreplay.replay(trace, scorer=Unknown())
+
+    class Stateless:
+        def start(self):
+            return object()
+
+    with pytest.raises(kvreplay.KvreplayError, match=r"at layer 0, cache 0: start\(\) raised TypeError: it returned a state without a `score\(cache\)` method"):
+        kvreplay.replay(trace, scorer=Stateless(), budget=32, threads=1)
+    with pytest.raises(kvreplay.KvreplayError, match="scorer `knorm-numpy` \\(timings: prefill\\)"):
+        class OneShot:
+            name = "knorm-numpy"
+            timings = ("prefill",)
+            score = example("knorm", "Knorm").score
+
+        kvreplay.replay(trace, scorer=OneShot(), timing="streaming")
 
 
 def test_a_scorers_defaults_apply_unless_the_call_sets_them(trace):
