@@ -64,24 +64,22 @@ DECODING_SCORERS = {"KnormPress": "knorm"}
 
 
 class PressScorer:
-    """A kvpress press as a kvreplay scorer: at the prompt's end (``prefill``), and, as kvpress's
-    ``DecodingPress`` runs its base press, at each compression while decoding (``decoding``,
-    ``prefill-then-stream``; see the module's doc); ``decoding`` names another press to score
-    while decoding (``PrefillDecodingPress``'s), ``buffer_size`` is ``DecodingPress``'s
-    ``hidden_states_buffer_size``."""
+    """A kvpress press as a kvreplay scorer at the prompt's end (``prefill``); given ``decoding``,
+    a ``DecodingPress``, also at each of its compressions while decoding, as it runs its base
+    press (``decoding``, ``prefill-then-stream``; see the module's doc). :func:`policy` builds
+    them."""
 
-    timings = ("prefill", "decoding", "prefill-then-stream")
     needs_values = True
     # kvpress's ScorerPress protects nothing of its own: no recent window, no sinks.
     defaults = {"window": 0, "sinks": 0}
 
-    def __init__(self, press, name=None, probe=True, seed=0, decoding=None, buffer_size=256):
+    def __init__(self, press, name=None, probe=True, seed=0, decoding=None):
         import torch  # noqa: F401  (the stand-in needs torch and transformers)
         from transformers import LlamaConfig  # noqa: F401
 
         self.press = press
-        self.decoding = press if decoding is None else decoding
-        self.buffer_size = int(buffer_size)
+        self.decoding = decoding
+        self.timings = ("prefill",) if decoding is None else ("prefill", "decoding", "prefill-then-stream")
         self.name = name or f"kvpress:{type(press).__name__}"
         self.reads_attentions = _innermost(press) in READS_ATTENTIONS
         self.needs_inputs = type(press).__name__ in READS_INPUTS
@@ -162,11 +160,13 @@ class PressScorer:
         return scores[cache.positions]
 
     def _decoding_scores(self, cache, order, first):
-        """The decoding press's scores of the cache at a compression while decoding, as
-        `DecodingPress.forward_hook` hands them to its base press: the keys and values in the order
-        kvpress's cache holds them (`order`), as `hidden_states` the queries of the decode steps
-        since the last compression (from position `first`, at most `buffer_size + 1` of them), and
-        the current step's rotary as `position_embeddings`; returned in `cache.positions`' order."""
+        """The decoding press's base press's scores of the cache at a compression while decoding,
+        as `DecodingPress.forward_hook` and `compress` hand them over (decoding_press.py lines
+        102-110, 123-154): the keys and values in the order kvpress's cache holds them (`order`),
+        as `hidden_states` the queries of the decode steps since the last compression (from
+        position `first`, at most `hidden_states_buffer_size + 1` of them), the current step's
+        rotary as `position_embeddings`, and the base press's `compression_ratio` set to keep
+        `target_size`; in `order`."""
         import torch
 
         if self.needs_inputs:
@@ -176,28 +176,31 @@ class PressScorer:
             )
         if cache.rope_theta is None:
             raise ValueError(f"{self.name} needs the trace's rope_theta to rebuild the pre-rotary queries")
-        module = self._module(cache)
+        base, module = self.decoding.base_press, self._module(cache)
         index = np.asarray(order, dtype=np.int64)
         keys = torch.from_numpy(np.ascontiguousarray(cache.keys[index]))[None, None]
         values = torch.from_numpy(np.ascontiguousarray(cache.values[index]))[None, None]
-        newest = cache.newest
-        buffered = self.buffer_size + 1 if self.buffer_size > 0 else 1
-        rows = np.arange(max(first, newest + 1 - buffered), newest + 1)
+        newest, size = cache.newest, int(self.decoding.hidden_states_buffer_size)
+        rows = np.arange(max(first, newest - size), newest + 1)
         queries = torch.from_numpy(np.ascontiguousarray(cache.queries[:, rows]))[None]  # [1, g, r, d]
         cos, sin = module.rotary_emb(queries, torch.from_numpy(rows)[None])
         hidden = _prerotary(queries, cos, sin).transpose(1, 2).reshape(1, len(rows), -1)
         step = torch.tensor([[newest]])
         kwargs = {"position_embeddings": module.rotary_emb(queries, step), "cache_position": step[0]}
         attentions = None
-        if _innermost(self.decoding) in READS_ATTENTIONS:
+        if _innermost(base) in READS_ATTENTIONS:
             attentions = _step_attentions(queries[:, :, -1:], keys, cache.scale, cache.softcap)
-        with torch.no_grad():
-            scores = self.decoding.score(module, hidden, keys, values, attentions, kwargs)
+        ratio = self.decoding._find_target_compression_ratio(len(order), self.decoding.target_size)
+        own, base.compression_ratio = base.compression_ratio, ratio
+        try:
+            with torch.no_grad():
+                scores = base.score(module, hidden, keys, values, attentions, kwargs)
+        finally:
+            base.compression_ratio = own
         scores = scores[0, 0].float().numpy()
         if scores.shape != (len(order),):
             raise ValueError(f"{self.name} scored {scores.shape} for a cache of {len(order)} entries")
-        at = {int(p): i for i, p in enumerate(order)}
-        return scores[[at[int(p)] for p in cache.positions]]
+        return scores
 
     def _module(self, cache):
         key = (cache.layer, cache.query_heads[1] - cache.query_heads[0], cache.keys.shape[1], cache.rope_theta)
@@ -247,32 +250,46 @@ class PressScorer:
 class _CacheOrder:
     """One cache's state under a :class:`PressScorer`: the order kvpress's cache holds its
     entries in, which presses that read positions within the cache depend on (SnapKV's window
-    and the padding of its last ``window_size`` entries, StreamingLLM's sinks and recent
-    entries, LagKV's partitions). A prompt runs in position order; a compression gathers the
-    kept entries in ``torch.topk``'s order, by descending score (``ScorerPress.compress``,
-    scorer_press.py lines 94-101; equal scores keep their order here, where torch leaves theirs
-    unspecified), and each decode step appends its token at the end."""
+    and the padding of its last ``window_size`` entries, StreamingLLM's sinks, TOVA's last
+    entry). A prompt runs in position order; a compression gathers the kept entries in the order
+    ``torch.topk`` returns them (``ScorerPress.compress``, scorer_press.py lines 94-101: by
+    descending score, equal scores in torch's own order, so the state asks torch.topk itself),
+    and each decode step appends its token at the end."""
 
     def __init__(self, scorer):
         self.scorer = scorer
-        self.ranked = []  # the entries of the last compression, by descending score
+        self.ranked = []  # the entries kept by the last compression, in torch.topk's order
         self.since = None  # the newest position at the last compression
 
+    def __deepcopy__(self, memo):
+        """A fork of the stream (a live run's two continuations): its own order, the same press."""
+        fork = _CacheOrder(self.scorer)
+        fork.ranked, fork.since = list(self.ranked), self.since
+        return fork
+
     def score(self, cache):
+        order = self._order(cache.positions)
         if cache.newest < cache.prompt_len:
+            at = {int(p): i for i, p in enumerate(cache.positions)}
             scores = self.scorer.score(cache)
+            ordered = scores[[at[p] for p in order]]
         else:
             first = cache.prompt_len if self.since is None else self.since + 1
-            scores = self.scorer._decoding_scores(cache, self._order(cache.positions), first)
-        order = self._order(cache.positions)
-        at = {int(p): i for i, p in enumerate(cache.positions)}
-        self.ranked = sorted(order, key=lambda p: -scores[at[p]])
+            ordered = self.scorer._decoding_scores(cache, order, first)
+            at = {p: i for i, p in enumerate(order)}
+            scores = ordered[[at[int(p)] for p in cache.positions]]
+        if self.scorer.decoding is not None:
+            import torch
+
+            kept = min(int(self.scorer.decoding.target_size), len(order))
+            top = torch.topk(torch.from_numpy(np.ascontiguousarray(ordered)), kept).indices
+            self.ranked = [order[i] for i in top.tolist()]
         self.since = cache.newest
         return scores
 
     def _order(self, positions):
-        """`positions` (the cache's, ascending) in kvpress's order: the last compression's
-        survivors by its ranking, then every entry appended since."""
+        """`positions` (the cache's, ascending) in kvpress's order: the last compression's kept
+        entries in its order, then every entry appended since."""
         held = {int(p) for p in positions}
         survivors = [p for p in self.ranked if p in held]
         ranked = set(self.ranked)
@@ -511,9 +528,14 @@ def _decoding(press, kind):
             )
         settings = {"scorer": DECODING_SCORERS[inner], "timing": "decoding", **_schedule(press)}
         return {**settings, "gqa": "layer", "merge": "cam", "merge_budget": int(press.merge_budget)}
-    _check_decoding(press.base_press, kind)
-    scorer = PressScorer(press.base_press, buffer_size=press.hidden_states_buffer_size)
-    return {"scorer": scorer, "timing": "decoding", **_schedule(press)}
+    return {**_decoding_base(press.base_press, kind), "scorer": PressScorer(press.base_press, decoding=press), "timing": "decoding", **_schedule(press)}
+
+
+def _decoding_base(base, kind):
+    """The settings `base`'s own mapping adds to its scorer (TOVA's one kept set per layer), once
+    `base` is checked to score while decoding."""
+    _check_decoding(base, kind)
+    return {key: value for key, value in policy(base).items() if key == "gqa"}
 
 
 def _check_decoding(base, kind):
@@ -523,6 +545,12 @@ def _check_decoding(base, kind):
         raise KvreplayError(
             f"kvpress:{kind} over {inner}: a decoding press replays over a scorer press (its cache compressed per KV head); "
             "AdaKVPress and other wrappers have no counterpart while decoding"
+        )
+    scorer_press = next((cls for cls in type(base).__mro__ if cls.__name__ == "ScorerPress"), None)
+    if scorer_press is not None and type(base).compress is not scorer_press.compress:
+        raise KvreplayError(
+            f"kvpress:{kind} over {inner}: the press selects in its own `compress` (PyramidKV's per-layer budgets), "
+            "not by the top scores of each cache"
         )
     if inner in READS_INPUTS:
         raise KvreplayError(
@@ -548,8 +576,12 @@ def _prefill_decoding(press):
             f"kvpress:PrefillDecodingPress over {type(prefilling).__name__}: its prefilling press must be a scorer press "
             "(kvreplay runs one scorer per cache through the prompt's cut and the decoding compressions)"
         )
-    _check_decoding(decoding.base_press, "PrefillDecodingPress")
-    scorer = PressScorer(prefilling, decoding=decoding.base_press, buffer_size=decoding.hidden_states_buffer_size)
+    base = _decoding_base(decoding.base_press, "PrefillDecodingPress")
+    if base.get("gqa") != settings.get("gqa"):
+        raise KvreplayError(
+            "kvpress:PrefillDecodingPress: its two presses keep their caches alike (TOVA keeps one set per layer, the others one per KV head)"
+        )
+    scorer = PressScorer(prefilling, decoding=decoding)
     return {**settings, "scorer": scorer, "timing": "prefill-then-stream", **_schedule(decoding)}
 
 

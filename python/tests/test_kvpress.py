@@ -178,25 +178,119 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
 
-    # The decoding presses over Knorm map onto kvreplay's schedule, checked against kvpress's
-    # hooks in tests/parity.rs; over another press they say why not.
+    # DecodingPress runs its press through PressScorer on kvreplay's decoding schedule (checked
+    # against kvpress's hooks below); CAMPress over Knorm maps onto Rust's knorm with CaM's merges
+    # (its hooks in tests/parity.rs). Over what cannot score while decoding they say why not.
     cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
     decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
-    schedule = dict(scorer="knorm", timing="decoding", order="attend-first", interval=4, trigger="steps", sinks=0, window=0, budget=96)
-    decoding = kvreplay.replay(trace, **schedule).runs.row(0, named=True)
+    schedule = dict(timing="decoding", order="attend-first", interval=4, trigger="steps", sinks=0, window=0, budget=96)
+    decoding = kvreplay.replay(trace, scorer="knorm", **schedule).runs.row(0, named=True)
+    mapped = policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96))
+    assert isinstance(mapped.pop("scorer"), PressScorer) and mapped == {"timing": "decoding", **schedule}
     mapped = kvreplay.replay(trace, **policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96))).runs.row(0, named=True)
     assert [mapped[m] for m in METRICS] == [decoding[m] for m in METRICS]
-    cam = kvreplay.replay(trace, gqa="layer", merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
+    cam = kvreplay.replay(trace, scorer="knorm", gqa="layer", merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
     mapped = policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96, merge_budget=4))
-    assert mapped == {**schedule, "gqa": "layer", "merge": "cam", "merge_budget": 4}
+    assert mapped == {"scorer": "knorm", **schedule, "gqa": "layer", "merge": "cam", "merge_budget": 4}
     assert kvreplay.replay(trace, **mapped).runs.row(0, named=True)["output_error"] == cam["output_error"]
     assert cam["kv_bytes"] == decoding["kv_bytes"] and cam["output_error"] != decoding["output_error"]
     assert policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=1, target_size=96))["trigger"] == "growth"
-    with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over SnapKVPress: a press is scored from Python at the prompt's end only"):
-        policy(decoding_press(base_press=PRESSES["SnapKVPress"](), compression_interval=4, target_size=96))
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:CAMPress over SnapKVPress: CaM's merges run in kvreplay"):
+        policy(cam_press(base_press=PRESSES["SnapKVPress"](), compression_interval=4, target_size=96))
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over PyramidKVPress: the press selects in its own `compress`"):
+        policy(decoding_press(base_press=PRESSES["PyramidKVPress"](), compression_interval=4, target_size=96))
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over AdaKVPress: a decoding press replays over a scorer press"):
+        policy(decoding_press(base_press=wrapper(PRESSES["KnormPress"]()), compression_interval=4, target_size=96))
+    with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over LeverageScorePress: the press scores a whole layer at once"):
+        policy(decoding_press(base_press=PRESSES["LeverageScorePress"](), compression_interval=4, target_size=96))
     prefill_decoding = importlib.import_module("kvpress.presses.prefill_decoding_press").PrefillDecodingPress
-    with pytest.raises(kvreplay.KvreplayError, match="kvpress:PrefillDecodingPress compresses while decoding"):
-        policy(prefill_decoding(decoding_press=decoding_press(base_press=PRESSES["KnormPress"]())))
+    alone = decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96)
+    assert policy(prefill_decoding(decoding_press=alone))["timing"] == "decoding"
+    prefill_only = policy(prefill_decoding(prefilling_press=PRESSES["KnormPress"]()))
+    assert isinstance(prefill_only.pop("scorer"), PressScorer) and prefill_only == {}
+    with pytest.raises(kvreplay.KvreplayError, match="TOVA keeps one set per layer"):
+        policy(prefill_decoding(prefilling_press=PRESSES["TOVAPress"](), decoding_press=alone))
+
+
+# kvpress's presses compressing while decoding, against their own hooks on the same trace
+# (tests/reference/kvpress_decoding.py): a chat prompt whose answer runs 96 tokens, the cache
+# compressed back to 32 entries every 16 decode steps.
+DECODE_RECIPE = """\
+kind = "chat"
+message = "Write a long story about a lighthouse keeper who finds a message in a bottle."
+generate = 96
+"""
+INTERVAL, TARGET = 16, 32
+# Each press's arguments beyond its defaults: SnapKV's window must be shorter than the decode
+# steps DecodingPress buffers (it asserts so), LagKV's lag shorter than the cache.
+DECODING_ARGS = {"SnapKVPress": {"window_size": 8}, "LagKVPress": {"lag_size": 8}}
+# NonCausalAttnPress asserts it runs in prefill only; RandomPress draws per layer, the bridge per
+# cache.
+DECODES = sorted((set(EQUIVALENT) | ALSO_RUN) - {"NonCausalAttnPress", "RandomPress", "PyramidKVPress"})
+
+
+@pytest.fixture(scope="session")
+def decode_trace(tmp_path_factory):
+    recipe = tmp_path_factory.mktemp("decode") / "story.toml"
+    recipe.write_text(DECODE_RECIPE)
+    trace = kvreplay.Trace(kvreplay.capture(recipe).path)
+    assert len(trace.tokens) - trace.prompt_len >= 64 and trace.prompt_len > TARGET
+    return trace
+
+
+def held(trace, press, policy_of):
+    """What kvpress's own hooks hold at each decode step, and what the bridge keeps, both
+    [layer, KV head, step, position]."""
+    sys.path.insert(0, str(pathlib.Path(__file__).resolve().parents[2] / "tests" / "reference"))
+    import kvpress_decoding
+
+    steps = kvpress_decoding.held_steps(str(trace.path), press())
+    theirs = np.zeros((trace.n_layers, trace.n_kv_heads, len(steps[0]), len(trace.tokens)), dtype=bool)
+    for layer, layer_steps in enumerate(steps):
+        for step, heads in enumerate(layer_steps):
+            for head, positions in enumerate(heads):
+                theirs[layer, head, step, positions] = True
+    ours = kvreplay.kept(trace, steps=True, **policy_of(press()))["mask"]
+    return np.broadcast_to(ours, theirs.shape), theirs
+
+
+@pytest.mark.parametrize("name", DECODES)
+def test_decoding_press_keeps_what_kvpress_keeps(decode_trace, name):
+    from kvreplay.kvpress import policy
+
+    decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
+    press = lambda: decoding_press(PRESSES[name](**DECODING_ARGS.get(name, {})), compression_interval=INTERVAL, target_size=TARGET)  # noqa: E731
+    ours, theirs = held(decode_trace, press, policy)
+    assert np.array_equal(ours, theirs)
+    compressed = theirs.sum(axis=-1) < decode_trace.prompt_len + np.arange(1, theirs.shape[2] + 1)
+    assert compressed.any(axis=(0, 1)).sum() == theirs.shape[2] - INTERVAL, "every step after the first compression"
+
+
+def test_prefill_decoding_press_keeps_what_kvpress_keeps(decode_trace):
+    from kvreplay.kvpress import policy
+
+    module = lambda name: importlib.import_module(f"kvpress.presses.{name}")  # noqa: E731
+    n = decode_trace.prompt_len
+    press = lambda: module("prefill_decoding_press").PrefillDecodingPress(  # noqa: E731
+        prefilling_press=PRESSES["SnapKVPress"](window_size=8, compression_ratio=1 - (TARGET + 0.5) / n),
+        decoding_press=module("decoding_press").DecodingPress(PRESSES["StreamingLLMPress"](), compression_interval=INTERVAL, target_size=TARGET),
+    )
+    ours, theirs = held(decode_trace, press, policy)
+    assert np.array_equal(ours, theirs)
+    assert (theirs.sum(axis=-1) <= TARGET + INTERVAL).all(), "the prompt is cut"
+
+
+def test_the_cache_order_is_what_makes_them_equal(decode_trace, monkeypatch):
+    # SnapKV pads the last entries of kvpress's cache order and StreamingLLM keeps its first:
+    # taken in position order instead, their sets leave kvpress's.
+    from kvreplay import kvpress as bridge
+
+    monkeypatch.setattr(bridge._CacheOrder, "_order", lambda self, positions: [int(p) for p in positions])
+    decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
+    for name in ["SnapKVPress", "StreamingLLMPress"]:
+        press = lambda: decoding_press(PRESSES[name](**DECODING_ARGS.get(name, {})), compression_interval=INTERVAL, target_size=TARGET)  # noqa: E731
+        ours, theirs = held(decode_trace, press, bridge.policy)
+        assert not np.array_equal(ours, theirs), name
 
 
 def test_pruning_merging_and_quantizing_presses_run_live(recipe):
@@ -222,3 +316,19 @@ def test_pruning_merging_and_quantizing_presses_run_live(recipe):
     for row in runs.iter_rows(named=True):
         assert row["mean_kept"] == plain["mean_kept"]
     assert len(set(runs["kl"].to_list())) == 4, "each storage changes what the model does"
+
+
+def test_a_decoding_press_runs_live(tmp_path):
+    # The bridge's per-cache order forks with the live run's streams: in one batch with another
+    # policy or alone, the same closed loop, bit for bit.
+    from kvreplay.kvpress import policy
+
+    recipe = tmp_path / "story.toml"
+    recipe.write_text(DECODE_RECIPE.replace("generate = 96", "generate = 40"))
+    decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
+    press = lambda: decoding_press(PRESSES["SnapKVPress"](window_size=4), compression_interval=8, target_size=TARGET)  # noqa: E731
+    both = kvreplay.live(recipe, policies=[policy(press()), {"scorer": "knorm", "budget": TARGET}]).runs
+    alone = kvreplay.live(recipe, **policy(press())).runs
+    for column in ["kl", "top1", "live_retained_mass", "answer_score", "text", "retained_mass"]:
+        assert both[column][0] == alone[column][0], column
+    assert both["kl"][0] > 0 and both["kl"][0] != both["kl"][1]
