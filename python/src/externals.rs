@@ -35,12 +35,12 @@ impl PyExternals {
             let axis = if object.hasattr("allocate")? {
                 PyAllocator::new(&object)?;
                 Axis::Allocator
-            } else if object.hasattr("score")? || object.is_callable() {
+            } else if object.hasattr("score")? || object.hasattr("start")? || object.is_callable() {
                 PyScorer::new(&object)?;
                 Axis::Scorer
             } else {
                 return Err(message(format!(
-                    "method `{name}`: needs a `score(cache)` (a scorer) or `allocate(given)` (an allocator) method"
+                    "method `{name}`: needs a `score(cache)` or `start()` (a scorer) or `allocate(given)` (an allocator) method"
                 )));
             };
             methods.insert(

@@ -106,6 +106,30 @@ def test_sweeps_run_python_methods(tmp_path, trace_path):
     assert other.runs["retained_mass"][0] == runs["retained_mass"][0]
 
 
+def test_sweeps_run_stateful_python_scorers(tmp_path, trace_path):
+    # H2O through the incremental protocol, as its generation code runs it: the h2o preset's runs.
+    h2o = runpy.run_path(str(EXAMPLES / "h2o_streaming.py"))["H2OStreaming"]()
+    experiment = tmp_path / "stateful.toml"
+    experiment.write_text(
+        f"""
+traces = ["{trace_path}"]
+budgets = [48]
+
+[[policy]]
+name = "numpy"
+preset = "h2o"
+scorer = "my-h2o"
+
+[[policy]]
+name = "rust"
+preset = "h2o"
+"""
+    )
+    runs = kvreplay.sweep(experiment, results=tmp_path / "results", methods={"my-h2o": h2o}).runs
+    for metric in ["retained_mass", "topk_recall", "output_error", "kv_entries"]:
+        assert runs[metric][0] == runs[metric][1], metric
+
+
 def test_a_failing_python_method_fails_alone(tmp_path, trace_path):
     experiment = python_experiment(tmp_path, trace_path)
     broken = {"my-snapkv": lambda cache: 1 / 0, "my-flat": Flat()}
