@@ -378,6 +378,28 @@ fn rkv_keeps_what_its_code_keeps() {
     );
 }
 
+/// R-KV's `SnapKV` compression at the end of the prompt (SnapKV-D's first cut, `rkv.py
+/// --snapkv`): the `snapkv-d` preset's scorer, the `rkv` importance alone.
+#[test]
+fn snapkv_d_keeps_what_rkvs_snapkv_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace(&path, 14, 112);
+    check_kvpress(
+        &path,
+        "rkv.py",
+        &["--snapkv"],
+        |budget| PolicyParams {
+            timing: Timing::Prefill,
+            order: Order::EvictFirst,
+            interval: 1,
+            trigger: Trigger::Growth,
+            ..presets::preset("snapkv-d", budget).unwrap()
+        },
+        &[16, 32, 64],
+    );
+}
+
 /// R-KV's decode loop (its official code, transcribed in `rkv.py --decode`): the prompt cut at its
 /// end, then a compression whenever a position divisible by `divide_length` arrives, after the
 /// step's attention, the compressed cache in `topk`'s order. The `rkv` scorer under
@@ -387,9 +409,35 @@ fn rkv_keeps_what_its_code_keeps() {
 /// previous compression's `topk` order), not the positions'.
 #[test]
 fn rkv_decoding_keeps_what_its_code_keeps() {
+    check_rkv_decoding(13, &[], |budget, divide_length| PolicyParams {
+        scorer: "rkv".into(),
+        timing: Timing::PrefillThenStream,
+        order: Order::AttendFirst,
+        interval: divide_length,
+        trigger: Trigger::Position,
+        budget,
+        window: 8,
+        sinks: 0,
+        ..PolicyParams::default()
+    });
+}
+
+/// SnapKV-D: R-KV's `SnapKV` compression in its decode loop (`rkv.py --decode --snapkv`), the
+/// `snapkv-d` preset at divide lengths of 2 and 3 in place of its 128.
+#[test]
+fn snapkv_d_decoding_keeps_what_rkvs_snapkv_keeps() {
+    check_rkv_decoding(15, &["--snapkv"], |budget, divide_length| PolicyParams {
+        interval: divide_length,
+        ..presets::preset("snapkv-d", budget).unwrap()
+    });
+}
+
+/// Every decode query of every KV head's cache under `policy(budget, divide_length)` reads what
+/// R-KV's decode loop (`rkv.py --decode`, with `flags`) reads, on a random trace from `seed`.
+fn check_rkv_decoding(seed: u64, flags: &[&str], policy: impl Fn(usize, usize) -> PolicyParams) {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("parity.safetensors");
-    write_trace(&path, 13, PROMPT);
+    write_trace(&path, seed, PROMPT);
     let trace = TraceReader::open(&path).unwrap();
     let budgets = [16, 24];
     for divide_length in [2, 3] {
@@ -398,22 +446,11 @@ fn rkv_decoding_keeps_what_its_code_keeps() {
             divide_length.to_string(),
             path.display().to_string(),
         ];
+        args.extend(flags.iter().map(|f| f.to_string()));
         args.extend(budgets.iter().map(usize::to_string));
         let official = reference("rkv.py", &args);
         for budget in budgets {
-            let policy = PolicyParams {
-                scorer: "rkv".into(),
-                timing: Timing::PrefillThenStream,
-                order: Order::AttendFirst,
-                interval: divide_length,
-                trigger: Trigger::Position,
-                budget,
-                window: 8,
-                sinks: 0,
-                ..PolicyParams::default()
-            }
-            .check()
-            .unwrap();
+            let policy = policy(budget, divide_length).check().unwrap();
             let layer_budgets = layer_budgets(&trace, &policy).unwrap();
             for layer in 0..LAYERS {
                 let kept = kept_sets(&trace, &policy, &layer_budgets, layer).unwrap();

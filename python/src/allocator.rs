@@ -9,6 +9,7 @@
 //! One that raises or returns the wrong number of budgets, or anything but whole numbers, stops
 //! the run with a `KvreplayError` naming it.
 
+use crate::errors::python_failure;
 use crate::method::PyMethod;
 use kvreplay::replay::allocator::{AllocationInput, Allocator};
 use pyo3::prelude::*;
@@ -45,7 +46,7 @@ impl PyAllocator {
             Some(allocate) => allocate.call1((given,)),
             None => object.call1((given,)),
         }
-        .map_err(|err| format!("raised {err}"))?;
+        .map_err(|err| python_failure(&err))?;
         let budgets: Vec<usize> = returned.extract().map_err(|_| {
             "returned something other than a sequence of whole numbers of tokens".to_string()
         })?;

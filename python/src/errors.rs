@@ -20,3 +20,17 @@ pub fn raised(err: impl std::error::Error + 'static) -> PyErr {
 pub fn message(message: impl Into<String>) -> PyErr {
     KvreplayError::new_err(message.into())
 }
+
+/// What a Python method's failure says where kvreplay reports it: `raised` and the exception,
+/// then Python's traceback of where it was raised.
+pub fn python_failure(err: &PyErr) -> String {
+    use pyo3::types::PyTracebackMethods;
+    let traceback = pyo3::Python::attach(|py| {
+        err.traceback(py)
+            .and_then(|traceback| traceback.format().ok())
+    });
+    match traceback {
+        Some(traceback) => format!("raised {err}\n{}", traceback.trim_end()),
+        None => format!("raised {err}"),
+    }
+}

@@ -24,7 +24,7 @@
 //! dtype stops the work after the layer with a `KvreplayError` naming the scorer, layer and cache;
 //! nothing of it is stored.
 
-use crate::errors::message;
+use crate::errors::{message, python_failure};
 use crate::method::PyMethod;
 use crate::settings::settings_map;
 use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
@@ -221,7 +221,7 @@ impl Scorer for PyScorer {
             held: Vec::new(),
         };
         if let Err(err) = Python::attach(|py| state.start_own(py)) {
-            state.fail(&format!("start() raised {err}"));
+            state.fail(&format!("start() {}", python_failure(&err)));
         }
         Box::new(state)
     }
@@ -263,7 +263,10 @@ impl Clone for State {
                         ..*own
                     }),
                     Err(err) => {
-                        self.fail(&format!("could not be forked: copy.deepcopy raised {err}"));
+                        self.fail(&format!(
+                            "could not be forked: copy.deepcopy {}",
+                            python_failure(&err)
+                        ));
                         None
                     }
                 }
@@ -298,7 +301,7 @@ impl ScoreState for State {
             PyResult::Ok(())
         });
         if let Err(err) = called {
-            self.fail(&format!("append() raised {err}"));
+            self.fail(&format!("append() {}", python_failure(&err)));
         }
     }
 
@@ -384,7 +387,7 @@ impl State {
                 .map(drop)
         });
         if let Err(err) = called {
-            self.fail(&format!("evict() raised {err}"));
+            self.fail(&format!("evict() {}", python_failure(&err)));
         }
     }
 
@@ -437,7 +440,7 @@ impl State {
             Some(score) => score.call1((view,)),
             None => object.call1((view,)),
         }
-        .map_err(|err| format!("raised {err}"))?;
+        .map_err(|err| python_failure(&err))?;
         scores_of(&returned, cache.len())
     }
 

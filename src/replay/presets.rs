@@ -4,11 +4,11 @@
 //! lines, and the parity test that checks it). Where kvpress implements a method differently, that
 //! is its own preset (`snapkv-kvpress`). A preset fixes everything but the budget.
 
-use super::{Granularity, Order, PolicyError, PolicyParams, Timing, ValidPolicy};
+use super::{Granularity, Order, PolicyError, PolicyParams, Timing, Trigger, ValidPolicy};
 use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 14] = [
+pub const NAMES: [&str; 15] = [
     "snapkv",
     "pyramidkv",
     "adakv",
@@ -22,6 +22,7 @@ pub const NAMES: [&str; 14] = [
     "pyramidkv-adapted",
     "quest",
     "rkv",
+    "snapkv-d",
     "oracle",
 ];
 
@@ -142,6 +143,20 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             window: 8.min(budget),
             ..base
         },
+        // SnapKV-D, SnapKV applied while decoding as R-KV's code runs it (its `SnapKV`
+        // compression in its decode loop): the `rkv` importance alone (`mix_lambda` 1), window 8,
+        // kernel 7, the prompt cut at its end and the cache compressed back to the budget after
+        // the attention of every step whose position is a multiple of `divide_length` (128).
+        "snapkv-d" => PolicyParams {
+            scorer: "rkv".into(),
+            timing: Timing::PrefillThenStream,
+            order: Order::AttendFirst,
+            interval: 128,
+            trigger: Trigger::Position,
+            window: 8.min(budget),
+            ..base
+        }
+        .with("mix_lambda", 1.0),
         // The per-step oracle: the current query's attention, re-chosen from the whole cache at
         // every step; the bound no causal policy beats at this budget.
         "oracle" | "oracle-per-step" => PolicyParams {

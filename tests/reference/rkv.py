@@ -13,15 +13,19 @@ Source: github.com/Zefan-Cai/R-KV, commit d15c9767e67c2bd9807128fecc35223fa2484a
   - rkv/modeling.py, LlamaForCausalLM_forward, lines 560-563 and 598-610: the flag for the next
     step is `length % divide_length == 0` (`divide_method = "step_length"`), `length` the tokens
     run so far.
+With `--snapkv`, R-KV's `SnapKV` compression (SnapKV-D) in the same loop:
+  - rkv/compression/snapkv.py, SnapKV.update_kv, lines 35-61 and 131-142: the same importance,
+    its top `budget - window_size` entries by it alone, then the window.
 Deviations, marked `# deviation`: positions are returned instead of gathered K/V (a compressed
-cache keeps `topk`'s order, then its window, as the gathered tensors do); `topk` becomes
-`topk_stable` (kvtrace.py); float32 throughout (the code casts the mean attention to the model's
-dtype); the unused `retain_ratio` branches and the kept-index recording are left out.
+cache keeps `topk`'s order, then its window, as the gathered tensors do); `topk` keeps ties at
+the lower position and gathers equal scores in cache order (`topk_by_position`: torch leaves
+them unspecified); float32 throughout (the code casts the mean attention to the model's dtype);
+the unused `retain_ratio` branches and the kept-index recording are left out.
 
-Usage: rkv.py TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions] per KV head],
-"scores": [[score per position] per KV head]}]}} as JSON. rkv.py --decode DIVIDE_LENGTH TRACE
-BUDGET... prints {"BUDGET": {"layers": [{"steps": [[[positions a decode query attends over] per
-step] per KV head]}]}}.
+Usage: rkv.py [--snapkv] TRACE BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions]
+per KV head], "scores": [[score per position] per KV head]}]}} as JSON. rkv.py --decode
+DIVIDE_LENGTH TRACE BUDGET... prints {"BUDGET": {"layers": [{"steps": [[[positions a decode query
+attends over] per step] per KV head]}]}}. `--snapkv` may stand anywhere.
 """
 
 import sys
@@ -32,12 +36,15 @@ import torch
 import torch.nn as nn
 import torch.nn.functional as F
 
-from kvtrace import run_budgets, topk_stable
+from kvtrace import run_budgets
 
 WINDOW_SIZE = 8
 KERNEL_SIZE = 7
 MIX_LAMBDA = 0.07
 THRESHOLD = 0.5
+SNAPKV = "--snapkv" in sys.argv  # R-KV's SnapKV compression instead of R1KV's
+if SNAPKV:
+    sys.argv.remove("--snapkv")
 
 
 def compute_attention_scores(query_states, key_states, pooling="max"):
@@ -94,9 +101,22 @@ def cal_similarity(key_states, threshold=0.5, retain_ratio=0.2, retain_direction
     return similarity_cos.mean(dim=1).softmax(dim=-1)
 
 
-def update_kv(key_states, query_states, budget):
-    """R1KV.update_kv: per KV head the cache entries it keeps, in the order it gathers them
-    (`topk`'s, then the window), and the final scores."""
+def topk_by_position(scores, k, positions):
+    """Per KV head the indices `topk` keeps, ties to the lower position, as kvreplay's selection
+    breaks them, gathered by descending score with equal scores in their cache order (a stable
+    sort over the cache, as kvreplay's `topk_order`). `x.topk(k).indices` leaves ties unspecified;
+    SnapKV's max-pooled importance has many."""
+    kept = []
+    for head, row in enumerate(scores[0].tolist()):
+        chosen = sorted(range(len(row)), key=lambda i: (-row[i], positions[head][i]))[:k]
+        kept.append(sorted(sorted(chosen), key=lambda i: -row[i]))
+    return torch.tensor(kept)[None]
+
+
+def update_kv(key_states, query_states, budget, positions=None):
+    """R1KV.update_kv (SnapKV.update_kv with `--snapkv`): per KV head the cache entries it
+    keeps, in the order it gathers them (`topk`'s, then the window), and the final scores;
+    `positions` are each head's cache entries' positions (for ties)."""
     kv_cache_len = key_states.shape[-2]
     if kv_cache_len < budget:
         everything = list(range(kv_cache_len))
@@ -108,11 +128,16 @@ def update_kv(key_states, query_states, budget):
     attn_cache = F.max_pool1d(
         attn_weights_sum, kernel_size=KERNEL_SIZE, padding=KERNEL_SIZE // 2, stride=1
     )
-    similarity_cos = cal_similarity(key_states, threshold=THRESHOLD, retain_direction="last")[
-        :, :-WINDOW_SIZE
-    ]
-    final_score = attn_cache * MIX_LAMBDA - similarity_cos * (1 - MIX_LAMBDA)
-    indices = topk_stable(final_score, budget - WINDOW_SIZE)  # deviation: stable ties
+    if SNAPKV:  # SnapKV.update_kv: the importance alone
+        final_score = attn_cache
+    else:
+        similarity_cos = cal_similarity(key_states, threshold=THRESHOLD, retain_direction="last")[
+            :, :-WINDOW_SIZE
+        ]
+        final_score = attn_cache * MIX_LAMBDA - similarity_cos * (1 - MIX_LAMBDA)
+    if positions is None:  # the prompt: the cache in position order
+        positions = [list(range(kv_cache_len))] * key_states.shape[1]
+    indices = topk_by_position(final_score, budget - WINDOW_SIZE, positions)  # deviation: ties
     window = list(range(kv_cache_len - WINDOW_SIZE, kv_cache_len))
     kept = [head.tolist() + window for head in indices[0]]  # deviation: entries
     return kept, final_score[0].tolist()
@@ -147,7 +172,7 @@ def run_decoding(layers, prompt_len, budget, divide_length):
                 step.append(sorted(head))  # the step attends over the whole cache
             if compression:
                 key_states = torch.stack([k[0, h, cached[h], :] for h in range(kv_heads)])[None]
-                kept, _ = update_kv(key_states, query_cache, budget)
+                kept, _ = update_kv(key_states, query_cache, budget, cached)
                 cached = [[cached[h][i] for i in kept[h]] for h in range(kv_heads)]
             length += 1
             compression = length % divide_length == 0

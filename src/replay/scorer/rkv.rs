@@ -188,8 +188,12 @@ impl State {
             self.settings.kernel,
             Pooling::Max,
         );
-        let redundancy = self.redundancy(layer, along);
         let lambda = self.settings.mix_lambda as f32;
+        if lambda == 1.0 {
+            // The importance alone, as R-KV's `SnapKV` scores (`snapkv-d`): no redundancy to mix.
+            return importance;
+        }
+        let redundancy = self.redundancy(layer, along);
         importance
             .iter()
             .zip(&redundancy)
