@@ -5,7 +5,8 @@
 use crate::replay::metrics;
 use crate::replay::settings::{self, Method};
 use crate::replay::{
-    allocator, channels, common_keys, head_split, merge, presets, quantizer, scorer, Layers, Timing,
+    allocator, channels, common_keys, head_split, merge, presets, quantizer, scorer, Layers,
+    PolicyParams, Timing,
 };
 use std::fmt::Write;
 
@@ -82,11 +83,7 @@ pub fn methods_markdown() -> String {
             params.scorer,
             params.heads,
             params.timing.name(),
-            if params.timing.streams() {
-                format!(", order `{}`", params.order.name())
-            } else {
-                String::new()
-            },
+            schedule(&params),
             params.gqa.name(),
             params.sinks,
             params.window,
@@ -98,6 +95,24 @@ pub fn methods_markdown() -> String {
         );
     }
     out
+}
+
+/// A streaming preset's order, and its compression interval and trigger unless one token is
+/// evicted per token.
+fn schedule(params: &PolicyParams) -> String {
+    if !params.timing.streams() {
+        return String::new();
+    }
+    let mut schedule = format!(", order `{}`", params.order.name());
+    if params.interval > 1 {
+        let _ = write!(
+            schedule,
+            ", interval {}, trigger `{}`",
+            params.interval,
+            params.trigger.name()
+        );
+    }
+    schedule
 }
 
 fn layers_about(layers: Layers) -> &'static str {
