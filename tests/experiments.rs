@@ -768,6 +768,49 @@ fn ranking_rows(section: &str) -> Vec<Vec<&str>> {
         .collect()
 }
 
+/// Ctrl-C during a closed-loop sweep's full run (the model prefilling the recipe's prompt, which
+/// also writes its trace) stops it after the chunk in progress: exit 130, no trace written (the
+/// capture lock's file aside), no run stored. Before, the full run went on to its end, wrote the
+/// trace and ran the first batch of policies. The signal goes once the capture has taken its lock.
+#[test]
+fn ctrl_c_stops_a_closed_loop_sweep_in_its_full_run() {
+    let dir = tempfile::tempdir().unwrap();
+    common::real_assets().require_essays().unwrap();
+    let recipe = "kind = \"niah\"\nprompt_tokens = 1500\ndepth_percent = 50.0\nneedle = \"The code is 1234.\"\nquestion = \"What is the code?\"\ngenerate = 8\n";
+    std::fs::write(dir.path().join("long.toml"), recipe).unwrap();
+    let experiment = "traces = [\"long.toml\"]\nbudgets = [64]\nclosed_loop = true\n\n[[policy]]\nname = \"s\"\npreset = \"snapkv\"\n";
+    std::fs::write(dir.path().join("live.toml"), experiment).unwrap();
+    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
+        .current_dir(dir.path())
+        .args(["sweep", "live.toml"])
+        .stdout(std::process::Stdio::null())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    while !dir.path().join("long.safetensors.lock").exists() {
+        assert!(child.try_wait().unwrap().is_none(), "the sweep ended early");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let output = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted: stopped after the layer, chunk or token"),
+        "{said}"
+    );
+    let traces: Vec<_> = std::fs::read_dir(dir.path())
+        .unwrap()
+        .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
+        .filter(|name| name.ends_with(".safetensors"))
+        .collect();
+    assert!(traces.is_empty(), "{traces:?}");
+    assert!(!dir.path().join("results/live/runs").exists());
+}
+
 /// Ctrl-C during a sweep stops it after the layer in progress: exit 130 and a message, every run
 /// stored before it intact and none recorded as failed; running it again resumes. The sweep is
 /// long (hundreds of replays of a trace of 4,096 positions) and the interrupt is sent as soon as

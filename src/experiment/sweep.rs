@@ -9,9 +9,10 @@ use super::SweepError;
 use super::{Experiment, PlannedRun, TraceEntry, TraceFile};
 use crate::capture::{self, ModelSlot};
 use crate::live::{LiveError, LiveQuestions};
-use crate::model::CausalLm;
+use crate::model::{CausalLm, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe};
 use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
+use crate::stop::Stop;
 use crate::trace::StorageDtype;
 use crate::trace::TraceReader;
 use std::path::Path;
@@ -93,12 +94,15 @@ pub fn run_sweep(
         match entry {
             TraceEntry::Captured(files) => {
                 for unit in grouped(files, experiment.closed_loop) {
-                    sweep.unit(unit, plan(unit), || runner_of(unit, experiment, models))?;
+                    let stop = sweep.layer_done;
+                    sweep.unit(unit, plan(unit), || {
+                        runner_of(unit, experiment, (models, stop))
+                    })?;
                 }
                 traces.extend_from_slice(files);
             }
             TraceEntry::Uncaptured(recipe) => {
-                let (files, live) = capturing_runner(recipe, models)?;
+                let (files, live) = capturing_runner(recipe, (models, sweep.layer_done))?;
                 sweep.unit(&files, plan(&files), || Ok(live))?;
                 traces.extend(files);
             }
@@ -199,7 +203,8 @@ impl<'a> Sweep<'a> {
                 }
             }
             (self.progress)(self.done, self.total);
-            // A live batch calls no layer callback of its own: a stop is heard between batches.
+            // A replay hears a stop after each layer, a live batch after each token; between
+            // batches too.
             (self.layer_done)().map_err(PolicyError::from)?;
         }
         Ok(())
@@ -276,11 +281,11 @@ fn pending_in<'p>(
 const LIVE_CHUNK: usize = 512;
 
 /// What runs `unit`'s policies: its trace replayed, or in a closed loop the live sessions of its
-/// recipe's questions.
+/// recipe's questions, whose full runs and decoding ask `stop` after each chunk and token.
 fn runner_of<'m>(
     unit: &[TraceFile],
     experiment: &Experiment,
-    models: &'m mut ModelSlot,
+    (models, stop): (&'m mut ModelSlot, Stop<'m>),
 ) -> Result<Runner<'m>, SweepError> {
     if !experiment.closed_loop {
         return Ok(Runner::Replay(
@@ -293,16 +298,18 @@ fn runner_of<'m>(
         check_same_prompt(recipe, &name, prompt, &trace.path)?;
     }
     let scratch = std::env::temp_dir();
-    Ok(Runner::Live(LiveQuestions::start(
-        model, &questions, LIVE_CHUNK, &scratch,
+    Ok(Runner::Live(LiveQuestions::start_stopping(
+        (model, stop),
+        &questions,
+        (LIVE_CHUNK, &scratch),
     )?))
 }
 
 /// The live sessions of recipe `recipe`'s questions, which write its traces (unless a concurrent
-/// sweep did first, under the capture lock), and those traces.
+/// sweep did first, under the capture lock), and those traces; `stop` asked as in [`runner_of`].
 fn capturing_runner<'m>(
     recipe: &Path,
-    models: &'m mut ModelSlot,
+    (models, stop): (&'m mut ModelSlot, Stop<'m>),
 ) -> Result<(Vec<TraceFile>, Runner<'m>), SweepError> {
     let (name, model, questions) = recipe_questions(recipe, models)?;
     let storage = (StorageDtype::F16, LIVE_CHUNK);
@@ -310,18 +317,20 @@ fn capturing_runner<'m>(
     let scratch = std::env::temp_dir();
     let mut started = None;
     capture::capture_once(recipe, &captured_into(recipe), &mut |_, trace| {
-        let live = LiveQuestions::capturing(model, &questions, &scratch, (&options, trace));
+        let live = LiveQuestions::capturing((model, stop), &questions, &scratch, (&options, trace));
         started = Some(live);
         Ok(())
     })?;
+    // A full run that failed or was stopped wrote no trace: its error first.
+    let started = started.transpose()?;
     let traces = captured_traces(recipe)?;
     let live = match started {
-        Some(started) => started?,
+        Some(started) => started,
         None => {
             for (prompt, trace) in questions.prompts.iter().zip(&traces) {
                 check_same_prompt(recipe, &name, prompt, &trace.path)?;
             }
-            LiveQuestions::start(model, &questions, LIVE_CHUNK, &scratch)?
+            LiveQuestions::start_stopping((model, stop), &questions, (LIVE_CHUNK, &scratch))?
         }
     };
     Ok((traces, Runner::Live(live)))
@@ -368,7 +377,10 @@ fn run_alone_on_failure(
 fn stopped(error: &SweepError) -> bool {
     match error {
         SweepError::Policy(PolicyError::Stopped(_)) => true,
-        SweepError::Live(live) => matches!(**live, LiveError::Policy(PolicyError::Stopped(_))),
+        SweepError::Live(live) => matches!(
+            **live,
+            LiveError::Policy(PolicyError::Stopped(_)) | LiveError::Model(ModelError::Stopped(_))
+        ),
         _ => false,
     }
 }

@@ -858,17 +858,17 @@ impl<'m> LiveQuestions<'m> {
         )
     }
 
-    /// [`start`](Self::start), each question's full run also written as the trace that a
-    /// capture with `options` into `out` writes ([`write_question`]): the same runs, so the
-    /// same bytes, without running them twice.
+    /// [`start_stopping`](Self::start_stopping), each question's full run also written as the
+    /// trace that a capture with `options` into `out` writes ([`write_question`]): the same
+    /// runs, so the same bytes, without running them twice.
     pub fn capturing(
-        model: &'m dyn CausalLm,
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
         scratch: &Path,
         (options, out): (&CaptureOptions, &Path),
     ) -> Result<Self, LiveError> {
         Self::recording(
-            (model, NEVER),
+            (model, stop),
             questions,
             (options.chunk, scratch),
             &mut |question, generated, recorder, recorded_pass| {
