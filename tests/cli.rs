@@ -945,3 +945,47 @@ fn the_readme_demo_rows_are_docs_demo_rows() {
         }
     }
 }
+
+/// Ctrl-C stops `kvreplay bench` where it stands (between measurements, after a replay's layer or
+/// the model's chunk or token): exit 130 and a message, no table printed. Before, the signal
+/// killed it. The trace is long enough (4,096 positions) that the bench is under way when the
+/// signal comes a second in.
+#[test]
+fn ctrl_c_stops_a_bench() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape {
+        n_layers: 6,
+        n_heads: 4,
+        n_kv_heads: 2,
+        head_dim: 32,
+        prompt_len: 4096,
+        generated: 64,
+    };
+    write_fixture(&dir.path().join("long.safetensors"), shape, 3);
+    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
+        .current_dir(dir.path())
+        .args([
+            "bench",
+            "long.safetensors",
+            "--no-numpy",
+            "--capture-tokens",
+            "0",
+        ])
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .unwrap();
+    std::thread::sleep(std::time::Duration::from_secs(1));
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let output = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted: stopped after the layer"),
+        "{said}"
+    );
+    assert!(output.stdout.is_empty(), "no table");
+}

@@ -11,6 +11,7 @@ use crate::live::{prefills_on_its_own, Batching, LiveSession};
 use crate::model::{CausalLm, Evicted, KvCache, ModelSpec, Row, WeightProducts};
 use crate::recipe::Recipe;
 use crate::replay::{presets, PolicyError, ValidPolicy};
+use crate::stop::Stop;
 use crate::trace::TraceReader;
 use candle_core::{Device, Tensor};
 use std::path::{Path, PathBuf};
@@ -95,12 +96,13 @@ impl EssentialWork {
     }
 }
 
-/// Measures `recipe` (a needle recipe, captured or not: it runs live).
-pub fn closed_loop_speed(recipe: &Path) -> Result<ClosedLoopSpeed, BenchError> {
+/// Measures `recipe` (a needle recipe, captured or not: it runs live); `stop` is asked after each
+/// chunk and token of the live runs.
+pub fn closed_loop_speed(recipe: &Path, stop: Stop<'_>) -> Result<ClosedLoopSpeed, BenchError> {
     let model = load_model_of(recipe)?;
     let prompt = build_prompt(recipe, model.as_ref())?;
     let scratch = std::env::temp_dir();
-    let session = LiveSession::start(model.as_ref(), &prompt, 512, &scratch)?;
+    let session = LiveSession::start_stopping((model.as_ref(), stop), &prompt, 512, &scratch)?;
     let policies = PRESETS
         .iter()
         .map(|name| presets::preset(name, BUDGET)?.check())

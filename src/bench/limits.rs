@@ -11,6 +11,7 @@ use super::closed_loop::{multiply_adds, product_peak};
 use super::{essay_ids, BenchError};
 use crate::capture::load_model;
 use crate::model::{KvCache, ModelSpec, Recorder, Row};
+use crate::stop::Stop;
 use rayon::prelude::*;
 use std::time::Instant;
 
@@ -45,7 +46,8 @@ pub struct ModelLimits {
 
 /// Measures model `name` (a `kvreplay fetch --model` name or `gguf:PATH`) on the first `tokens`
 /// tokens of two haystack essays.
-pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError> {
+/// `stop` is asked after each chunk of the prefill and between timings.
+pub fn model_limits(name: &str, tokens: usize, stop: Stop<'_>) -> Result<ModelLimits, BenchError> {
     let model = load_model(name)?;
     let ids = essay_ids(model.as_ref(), tokens)?;
     let weights = model.weight_products_per_token().ok_or_else(|| {
@@ -55,9 +57,10 @@ pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError
     let essential = 2.0 * multiply_adds(weights, model.spec(), (ids.len(), 0)).0 / peak / 1e9;
     let prefill = best_seconds(|| {
         let mut recorder = Recorder::default();
-        model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| Ok(()))?;
+        model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| stop())?;
         Ok(None)
     })?;
+    stop()?;
     let mut cache = KvCache::default();
     let mut logits = Vec::new();
     for chunk in ids.chunks(512) {
@@ -68,6 +71,7 @@ pub fn model_limits(name: &str, tokens: usize) -> Result<ModelLimits, BenchError
         model.forward(&next, &mut cache.clone(), None)?;
         Ok(None)
     })?;
+    stop()?;
     let batched = best_seconds(|| {
         let mut caches: Vec<KvCache> = (0..BATCH_ROWS).map(|_| cache.clone()).collect();
         let started = Instant::now();

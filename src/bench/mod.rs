@@ -14,6 +14,7 @@ use crate::replay::{
     presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
     RETAINED_MASS,
 };
+use crate::stop::{Stop, Stopped};
 use crate::trace::{TraceError, TraceReader};
 use ndarray::{s, Array2};
 use std::path::{Path, PathBuf};
@@ -54,6 +55,9 @@ pub enum BenchError {
     /// A recipe could not be read or its model loaded.
     #[error(transparent)]
     Capture(#[from] CaptureError),
+    /// Asked to stop (Ctrl-C) between measurements, layers, chunks or tokens.
+    #[error("the bench was stopped")]
+    Stopped(#[from] Stopped),
     /// A live run failed (boxed: it is the largest error).
     #[error(transparent)]
     Live(Box<LiveError>),
@@ -224,11 +228,12 @@ fn essay_ids(model: &dyn CausalLm, tokens: usize) -> Result<Vec<u32>, BenchError
 
 /// Prefill tokens per second of the native model recording q/k/v, on the first `tokens` tokens of
 /// two haystack essays. Returns the tokens used and the speed.
-pub fn capture_speed(tokens: usize) -> Result<(usize, f64), BenchError> {
+/// `stop` is asked after each chunk.
+pub fn capture_speed(tokens: usize, stop: Stop<'_>) -> Result<(usize, f64), BenchError> {
     let (model, ids) = essay_prompt(tokens)?;
     let started = Instant::now();
     let mut recorder = Recorder::default();
-    model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| Ok(()))?;
+    model.generate(&ids, 0, 512, Some(&mut recorder), &mut |_| stop())?;
     let seconds = started.elapsed().as_secs_f64();
     Ok((ids.len(), ids.len() as f64 / seconds))
 }
@@ -249,7 +254,8 @@ pub struct LiveSpeed {
 /// and `streamingllm` presets at budget 128 holding the cache (a prompt chunk of 512 tokens runs
 /// as one masked prefill; `streamingllm` evicts from the first token over budget), each over the
 /// first `tokens` tokens of the essays and 16 greedy decode steps.
-pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
+/// `stop` is asked after each chunk and step.
+pub fn live_speed(tokens: usize, stop: Stop<'_>) -> Result<LiveSpeed, BenchError> {
     const STEPS: usize = 16;
     let (model, ids) = essay_prompt(tokens)?;
     let config = model.config();
@@ -272,6 +278,7 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
         for piece in ids.chunks(512) {
             let piece_mask = mask.as_mut().map(|m| &mut **m as &mut dyn AttentionMask);
             logits = model.forward_masked(piece, &mut cache, None, piece_mask)?;
+            stop()?;
         }
         let prefill = started.elapsed().as_secs_f64();
         let started = Instant::now();
@@ -282,6 +289,7 @@ pub fn live_speed(tokens: usize) -> Result<LiveSpeed, BenchError> {
             logits = model.forward_masked(&[next], &mut cache, None, step_mask)?;
             next = crate::model::argmax(&logits);
             steps += 1;
+            stop()?;
         }
         let decode = started.elapsed().as_secs_f64();
         Ok((
@@ -433,7 +441,12 @@ fn best_of(flops: f64, repeats: usize, mut product: impl FnMut() -> f32) -> f64 
 /// matmul peak is a best run: on a shared machine, other tenants otherwise decide the ratio (best
 /// of three read 51–78% of the peak across runs on one day). Only global layers are scored (a
 /// sliding-window layer is never compressed, so no prefix scorer walks it).
-pub fn scoring_throughput(trace: &TraceReader, repeats: usize) -> Result<(f64, f64), PolicyError> {
+/// `layer_done` is asked after each layer.
+pub fn scoring_throughput(
+    trace: &TraceReader,
+    repeats: usize,
+    layer_done: LayerDone<'_>,
+) -> Result<(f64, f64), PolicyError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
     let group = meta.group_size();
@@ -470,6 +483,7 @@ pub fn scoring_throughput(trace: &TraceReader, repeats: usize) -> Result<(f64, f
             fastest = fastest.min(started.elapsed().as_secs_f64());
         }
         seconds += fastest;
+        layer_done()?;
     }
     Ok((flops / seconds / 1e9, seconds))
 }

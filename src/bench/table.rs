@@ -5,6 +5,8 @@
 
 use super::BenchError;
 use crate::export::Table;
+use crate::replay::LayerDone;
+use crate::stop::{Stop, Stopped};
 use crate::sys::{returning_free_memory, set_mmap_threshold, ModelMalloc, MMAP_THRESHOLD};
 use crate::trace::TraceReader;
 use std::path::{Path, PathBuf};
@@ -58,13 +60,27 @@ pub struct BenchRun {
     pub model: Option<String>,
 }
 
-/// Runs every measurement of `run`, telling `progress` which one starts.
-pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+/// Runs every measurement of `run`, telling `progress` which one starts; `stop` is asked
+/// before each, after each layer of a replay and after each chunk and token of the model (one
+/// that returns [`Stopped`] ends the bench there with [`BenchError::Stopped`]).
+pub fn measure(
+    run: &BenchRun,
+    progress: &dyn Fn(&str),
+    stop: Stop<'_>,
+) -> Result<Table, BenchError> {
+    let step = |what: &str| -> Result<(), BenchError> {
+        progress(what);
+        Ok(stop()?)
+    };
+    let layer_done = || -> Result<(), Stopped> {
+        returning_free_memory()?;
+        stop()
+    };
     if !run.closed_loop.is_empty() {
-        return closed_loop_rows(&run.closed_loop, progress);
+        return closed_loop_rows(&run.closed_loop, &step, stop);
     }
     if let Some(model) = &run.model {
-        return limits_rows(model, run.capture_tokens, progress);
+        return limits_rows(model, run.capture_tokens, &step, stop);
     }
     let trace_path = run
         .trace
@@ -92,14 +108,15 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
         ),
     ]);
     table.push(["threads".into(), threads.to_string()]);
-    progress("matmul peak");
+    step("matmul peak")?;
     let (peak, peak_product) = peak_without_mapping(meta.head_dim);
     table.push([
         "matmul peak (f32, one thread, best of matrixmultiply and kvreplay's product)".into(),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
     ]);
-    progress("scoring kernel");
-    let (scoring, scoring_seconds) = super::scoring_throughput(&trace, super::SCORING_REPEATS)?;
+    step("scoring kernel")?;
+    let (scoring, scoring_seconds) =
+        super::scoring_throughput(&trace, super::SCORING_REPEATS, &layer_done)?;
     table.push([
         "attention scoring q·Kᵀ + softmax over the prompt (one thread)".into(),
         format!(
@@ -107,13 +124,13 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
             100.0 * scoring / peak
         ),
     ]);
-    progress("replay grid");
+    step("replay grid")?;
     let (grid, grid_resident) =
-        super::resident_growth(|| super::replay_grid(&trace, budgets, &returning_free_memory));
+        super::resident_growth(|| super::replay_grid(&trace, budgets, &layer_done));
     let (reports, replay_seconds) = grid?;
     // Counted in a second, untimed run: counting costs the timed one its allocations' speed.
     let (counted, grid_heap) =
-        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &returning_free_memory));
+        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &layer_done));
     counted?;
     table.push([
         format!(
@@ -124,8 +141,11 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
         format!("{replay_seconds:.2} s"),
     ]);
     if let Some(python) = &python {
-        progress("NumPy reference grid");
-        let numpy = super::numpy_grid(python, trace_path, budgets, &reports)?;
+        step("NumPy reference grid")?;
+        let numpy = unless_stopped(
+            super::numpy_grid(python, trace_path, budgets, &reports),
+            stop,
+        )?;
         table.push([
             "NumPy reference grid (same trace, same metric; H2O and key-proxy streamed token by token)".into(),
             format!("{:.2} s", numpy.seconds),
@@ -143,18 +163,18 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
             format!("{:.1}×", numpy.seconds / replay_seconds),
         ]);
     }
-    progress("one-shot grid against its essential work");
+    step("one-shot grid against its essential work")?;
     oneshot_rows(
         &mut table,
-        &trace,
-        trace_path,
+        (&trace, trace_path),
         oneshot_budgets,
         python.as_deref(),
+        &layer_done,
     )?;
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
-        progress("streaming cost");
-        let cost = super::streaming_cost(&reader, 256, &returning_free_memory)?;
+        step("streaming cost")?;
+        let cost = super::streaming_cost(&reader, 256, &layer_done)?;
         table.push([
             format!(
                 "key-proxy streaming at budget 256, T = {}{label}",
@@ -164,8 +184,8 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
         ]);
     }
     if let Some(long) = long {
-        progress("long trace");
-        long_rows(&mut table, &TraceReader::open(long)?)?;
+        step("long trace")?;
+        long_rows(&mut table, &TraceReader::open(long)?, &layer_done)?;
     }
     let megabytes = |bytes: usize| bytes as f64 / 1e6;
     let growth_cell = |(resident, heap): super::MemoryGrowth, layer: usize| {
@@ -190,9 +210,9 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     };
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
-        progress("memory of one replay");
+        step("memory of one replay")?;
         let layer = super::layer_bytes(&reader);
-        for (name, growth) in super::replay_memory(&reader, 128, &returning_free_memory)? {
+        for (name, growth) in super::replay_memory(&reader, 128, &layer_done)? {
             table.push([
                 format!(
                     "peak resident memory of one replay: {name} at budget 128, T = {}{label}",
@@ -212,13 +232,13 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     if run.capture_tokens > 0 {
         // The model's rows run as `kvreplay capture` and `kvreplay live` run it.
         let _tuned = ModelMalloc::tune();
-        progress("capture and closed-loop speed");
-        let (tokens, speed) = super::capture_speed(run.capture_tokens)?;
+        step("capture and closed-loop speed")?;
+        let (tokens, speed) = super::capture_speed(run.capture_tokens, stop)?;
         table.push([
             format!("capture prefill, {tokens} tokens, recording q/k/v"),
             format!("{speed:.0} tokens/s"),
         ]);
-        let live = super::live_speed(run.capture_tokens)?;
+        let live = super::live_speed(run.capture_tokens, stop)?;
         let (_, plain_prefill, plain_decode) = live.runs[0].clone();
         for (label, prefill, decode) in &live.runs {
             table.push([
@@ -237,17 +257,25 @@ pub fn measure(run: &BenchRun, progress: &dyn Fn(&str)) -> Result<Table, BenchEr
     Ok(table)
 }
 
+/// `result`, or the stop where it failed because Ctrl-C reached the NumPy reference's process
+/// too (the terminal signals the whole process group).
+fn unless_stopped<T>(result: Result<T, BenchError>, stop: Stop<'_>) -> Result<T, BenchError> {
+    result.or_else(|err| {
+        stop()?;
+        Err(err)
+    })
+}
+
 /// The one-shot grid's rows: its time beside its essential work, and beside the strong NumPy
 /// reference when there is a Python.
 fn oneshot_rows(
     table: &mut Table,
-    trace: &TraceReader,
-    trace_path: &Path,
+    (trace, trace_path): (&TraceReader, &Path),
     budgets: &[usize],
     python: Option<&Path>,
+    layer_done: LayerDone<'_>,
 ) -> Result<(), BenchError> {
-    let timing =
-        super::timed_against_essential(trace, budgets, super::TIMED_RUNS, &returning_free_memory)?;
+    let timing = super::timed_against_essential(trace, budgets, super::TIMED_RUNS, layer_done)?;
     let (seconds, essential) = (timing.best_grid(), timing.best_essential());
     let policies = super::ONESHOT_POLICIES.len();
     table.push([
@@ -282,7 +310,10 @@ fn oneshot_rows(
         format!("{:.2}×", timing.ratio()),
     ]);
     if let Some(python) = python {
-        let numpy = super::oneshot_numpy(python, trace_path, budgets, &timing.reports)?;
+        let numpy = unless_stopped(
+            super::oneshot_numpy(python, trace_path, budgets, &timing.reports),
+            layer_done,
+        )?;
         table.push([
             "strong NumPy reference, one-shot grid (scores shared across budgets, vectorised)"
                 .into(),
@@ -318,14 +349,18 @@ fn peak_without_mapping(head_dim: usize) -> (f64, String) {
 /// The long trace's rows: the matmul peak at its head size, its prefix pass against that peak
 /// (one timed run per global layer: at 32K a run takes tens of seconds, long enough to be steady)
 /// and one replay each of SnapKV, the H2O prompt-end cut and the per-step oracle.
-fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
+fn long_rows(
+    table: &mut Table,
+    trace: &TraceReader,
+    layer_done: LayerDone<'_>,
+) -> Result<(), BenchError> {
     let meta = trace.meta();
     let (peak, peak_product) = peak_without_mapping(meta.head_dim);
     table.push([
         format!("long: matmul peak at its head size, d = {}", meta.head_dim),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
     ]);
-    let (scoring, seconds) = super::scoring_throughput(trace, 1)?;
+    let (scoring, seconds) = super::scoring_throughput(trace, 1, layer_done)?;
     table.push([
         format!(
             "long: causal prefix pass q·Kᵀ + softmax over the prompt, T = {}, {} global layers (one thread)",
@@ -337,7 +372,7 @@ fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
             100.0 * scoring / peak
         ),
     ]);
-    for (name, seconds) in super::long_replays(trace, 128, &returning_free_memory)? {
+    for (name, seconds) in super::long_replays(trace, 128, layer_done)? {
         table.push([
             format!("long: one replay of {name} at budget 128"),
             format!("{seconds:.2} s"),
@@ -348,13 +383,17 @@ fn long_rows(table: &mut Table, trace: &TraceReader) -> Result<(), BenchError> {
 
 /// The closed loop's rows: each recipe's live runs one at a time and batched, their decode steps
 /// per row, and one step of many rows against one.
-fn closed_loop_rows(recipes: &[PathBuf], progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+fn closed_loop_rows(
+    recipes: &[PathBuf],
+    step: &dyn Fn(&str) -> Result<(), BenchError>,
+    stop: Stop<'_>,
+) -> Result<Table, BenchError> {
     let _tuned = ModelMalloc::tune();
     let mut table = Table::new(["measure", "value"]);
     table.push(["threads".into(), rayon::current_num_threads().to_string()]);
     for recipe in recipes {
-        progress(&format!("closed loop on {}", recipe.display()));
-        let speed = super::closed_loop::closed_loop_speed(recipe)?;
+        step(&format!("closed loop on {}", recipe.display()))?;
+        let speed = super::closed_loop::closed_loop_speed(recipe, stop)?;
         let what = format!(
             "closed loop, {} ({}, {} prompt tokens)",
             recipe.display(),
@@ -472,10 +511,15 @@ pub fn essential_rows(
 
 /// The rows of `kvreplay bench --model`: a model at this machine's limits
 /// ([`model_limits`](super::limits::model_limits)).
-fn limits_rows(model: &str, tokens: usize, progress: &dyn Fn(&str)) -> Result<Table, BenchError> {
+fn limits_rows(
+    model: &str,
+    tokens: usize,
+    step: &dyn Fn(&str) -> Result<(), BenchError>,
+    stop: Stop<'_>,
+) -> Result<Table, BenchError> {
     let _tuned = ModelMalloc::tune();
-    progress(&format!("{model} at this machine's limits"));
-    let limits = super::limits::model_limits(model, tokens)?;
+    step(&format!("{model} at this machine's limits"))?;
+    let limits = super::limits::model_limits(model, tokens, stop)?;
     let mut table = Table::new(["measure", "value"]);
     table.push(["threads".into(), rayon::current_num_threads().to_string()]);
     let (prefill, essential) = limits.prefill;

@@ -311,8 +311,10 @@ pub fn bench(run: &kvreplay::bench::BenchRun) -> Result<String> {
         spinner.finish_and_clear();
         return Ok(table.render(Format::Markdown));
     }
+    crate::stop::catch_interrupt();
     let spinner = spinner("bench");
-    let table = kvreplay::bench::measure(run, &|step| spinner.set_message(step.to_owned()))?;
+    let progress = |step: &str| spinner.set_message(step.to_owned());
+    let table = kvreplay::bench::measure(run, &progress, &crate::stop::check)?;
     spinner.finish_and_clear();
     Ok(table.render(Format::Markdown))
 }

@@ -319,8 +319,20 @@ impl<'m> LiveSession<'m> {
         chunk: usize,
         scratch: &Path,
     ) -> Result<Self, LiveError> {
+        Self::start_stopping((model, NEVER), prompt, chunk, scratch)
+    }
+
+    /// [`start`](Self::start), `stop` asked after each chunk and token of the full run and
+    /// before each decoding step of the policies.
+    pub fn start_stopping(
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
+        prompt: &BuiltPrompt,
+        chunk: usize,
+        scratch: &Path,
+    ) -> Result<Self, LiveError> {
         let questions = BuiltQuestions::one(prompt.clone());
-        let mut questions = LiveQuestions::start(model, &questions, chunk, scratch)?;
+        let mut questions =
+            LiveQuestions::start_stopping((model, stop), &questions, (chunk, scratch))?;
         Ok(questions.sessions.pop().expect("one question, one session"))
     }
 
