@@ -343,3 +343,15 @@ def test_several_questions_of_one_context(tmp_path):
     # Both traces hold the same context: their questions start at the same token.
     starts = [[start for name, start, _ in t.spans if name == "question"] for t in traces]
     assert starts[0] == starts[1] and starts[0][0] > 0
+
+
+@pytest.mark.parametrize("script", sorted(p.name for p in EXAMPLES.glob("*.py")))
+def test_each_example_runs_as_its_docstring_says(trace, script):
+    # `python examples/python/X.py TRACE BUDGET`: each reports that it keeps what kvreplay's own
+    # method keeps.
+    import subprocess
+    import sys
+
+    done = subprocess.run([sys.executable, str(EXAMPLES / script), str(trace.path), "48"], capture_output=True, text=True)
+    assert done.returncode == 0, done.stderr
+    assert "kept sets equal to the" in done.stdout and ": True" in done.stdout, done.stdout
