@@ -962,30 +962,15 @@ fn ctrl_c_stops_a_bench() {
         generated: 64,
     };
     write_fixture(&dir.path().join("long.safetensors"), shape, 3);
-    let child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
-        .current_dir(dir.path())
-        .args([
-            "bench",
-            "long.safetensors",
-            "--no-numpy",
-            "--capture-tokens",
-            "0",
-        ])
-        .stdout(std::process::Stdio::piped())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    std::thread::sleep(std::time::Duration::from_secs(1));
-    // SAFETY: sends SIGINT to the child this test spawned.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
-    }
-    let output = child.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{said}");
-    assert!(
-        said.contains("interrupted: stopped after the layer"),
-        "{said}"
-    );
+    let args = [
+        "bench",
+        "long.safetensors",
+        "--no-numpy",
+        "--capture-tokens",
+        "0",
+    ];
+    let child = common::spawn_kvreplay(dir.path(), &args);
+    let started = std::time::Instant::now();
+    let output = common::interrupt_when(child, || started.elapsed().as_secs() >= 1);
     assert!(output.stdout.is_empty(), "no table");
 }

@@ -780,28 +780,8 @@ fn ctrl_c_stops_a_closed_loop_sweep_in_its_full_run() {
     std::fs::write(dir.path().join("long.toml"), recipe).unwrap();
     let experiment = "traces = [\"long.toml\"]\nbudgets = [64]\nclosed_loop = true\n\n[[policy]]\nname = \"s\"\npreset = \"snapkv\"\n";
     std::fs::write(dir.path().join("live.toml"), experiment).unwrap();
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
-        .current_dir(dir.path())
-        .args(["sweep", "live.toml"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    while !dir.path().join("long.safetensors.lock").exists() {
-        assert!(child.try_wait().unwrap().is_none(), "the sweep ended early");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    // SAFETY: sends SIGINT to the child this test spawned.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
-    }
-    let output = child.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{said}");
-    assert!(
-        said.contains("interrupted: stopped after the layer, chunk or token"),
-        "{said}"
-    );
+    let child = common::spawn_kvreplay(dir.path(), &["sweep", "live.toml"]);
+    common::interrupt_when(child, || dir.path().join("long.safetensors.lock").exists());
     let traces: Vec<_> = std::fs::read_dir(dir.path())
         .unwrap()
         .map(|entry| entry.unwrap().file_name().to_string_lossy().into_owned())
@@ -842,28 +822,8 @@ fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
             .count(),
         Err(_) => 0,
     };
-    let mut child = std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
-        .current_dir(dir.path())
-        .args(["sweep", "long.toml"])
-        .stdout(std::process::Stdio::null())
-        .stderr(std::process::Stdio::piped())
-        .spawn()
-        .unwrap();
-    while stored() == 0 {
-        assert!(child.try_wait().unwrap().is_none(), "the sweep ended early");
-        std::thread::sleep(std::time::Duration::from_millis(20));
-    }
-    // SAFETY: sends SIGINT to the child this test spawned.
-    unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
-    }
-    let output = child.wait_with_output().unwrap();
-    let said = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{said}");
-    assert!(
-        said.contains("interrupted: stopped after the layer"),
-        "{said}"
-    );
+    let child = common::spawn_kvreplay(dir.path(), &["sweep", "long.toml"]);
+    common::interrupt_when(child, || stored() > 0);
     let kept = stored();
     assert!(kept >= 1 && kept < total, "{kept} of {total} stored");
     assert!(!dir.path().join("results/long/failed").exists());

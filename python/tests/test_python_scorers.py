@@ -142,7 +142,8 @@ class Age:
             self.age = {}
 
         def append(self, token):
-            assert token.queries.shape == (3, 64) and token.key.shape == (64,) and token.value is None
+            assert isinstance(token, kvreplay.Token) and token.value is None
+            assert token.queries.shape == (3, 64) and token.key.shape == (64,)
             Age.calls["append"] += 1
             self.age = {p: a + 1 for p, a in self.age.items()}
             self.age[token.position] = 0

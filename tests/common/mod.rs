@@ -336,3 +336,39 @@ pub fn fixture_policy(scorer: &str, timing: Timing, budget: usize, seed: u64) ->
         .into_iter()
         .fold(base, |params, (key, value)| params.with(key, value))
 }
+
+/// `kvreplay` run with `args` in `dir`, its output piped, for a test that interrupts it.
+pub fn spawn_kvreplay(dir: &Path, args: &[&str]) -> std::process::Child {
+    std::process::Command::new(assert_cmd::cargo::cargo_bin("kvreplay"))
+        .current_dir(dir)
+        .args(args)
+        .stdout(std::process::Stdio::piped())
+        .stderr(std::process::Stdio::piped())
+        .spawn()
+        .expect("kvreplay starts")
+}
+
+/// Sends `child` (a `kvreplay` the test spawned) SIGINT, as Ctrl-C does, once `ready()` holds,
+/// and checks that it stopped as the command line says: exit 130 and its message. Returns what
+/// it wrote.
+pub fn interrupt_when(
+    mut child: std::process::Child,
+    ready: impl Fn() -> bool,
+) -> std::process::Output {
+    while !ready() {
+        assert!(child.try_wait().unwrap().is_none(), "it ended early");
+        std::thread::sleep(std::time::Duration::from_millis(20));
+    }
+    // SAFETY: sends SIGINT to the child this test spawned.
+    unsafe {
+        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+    }
+    let output = child.wait_with_output().unwrap();
+    let said = String::from_utf8_lossy(&output.stderr);
+    assert_eq!(output.status.code(), Some(130), "{said}");
+    assert!(
+        said.contains("interrupted: stopped after the layer, chunk or token"),
+        "{said}"
+    );
+    output
+}
