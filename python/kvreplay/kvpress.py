@@ -58,10 +58,6 @@ READS_ATTENTIONS = {"ObservedAttentionPress"}
 # Presses that read the layer's hidden states and projections: they score a whole layer at once.
 READS_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress"}
 
-# The presses CAMPress may wrap: kvreplay's own scorer runs under kvpress's schedule with CaM's
-# merges (`merge="cam"`), checked against kvpress's CAMPress hook (tests/parity.rs).
-DECODING_SCORERS = {"KnormPress": "knorm"}
-
 
 class PressScorer:
     """A kvpress press as a kvreplay scorer at the prompt's end (``prefill``); given ``decoding``,
@@ -80,6 +76,9 @@ class PressScorer:
         self.press = press
         self.decoding = decoding
         self.timings = ("prefill",) if decoding is None else ("prefill", "decoding", "prefill-then-stream")
+        # CAMPress keeps its kept entries in sequence order and hands its base press no
+        # attention weights (cam_press.py: `kept_indices` sorted, `score(..., None, kwargs)`).
+        self.keeps_order = type(decoding).__name__ == "CAMPress"
         self.name = name or f"kvpress:{type(press).__name__}"
         self.reads_attentions = _innermost(press) in READS_ATTENTIONS
         self.needs_inputs = type(press).__name__ in READS_INPUTS
@@ -188,7 +187,7 @@ class PressScorer:
         step = torch.tensor([[newest]])
         kwargs = {"position_embeddings": module.rotary_emb(queries, step), "cache_position": step[0]}
         attentions = None
-        if _innermost(base) in READS_ATTENTIONS:
+        if _innermost(base) in READS_ATTENTIONS and not self.keeps_order:
             attentions = _step_attentions(queries[:, :, -1:], keys, cache.scale, cache.softcap)
         ratio = self.decoding._find_target_compression_ratio(len(order), self.decoding.target_size)
         own, base.compression_ratio = base.compression_ratio, ratio
@@ -253,8 +252,8 @@ class _CacheOrder:
     and the padding of its last ``window_size`` entries, StreamingLLM's sinks, TOVA's last
     entry). A prompt runs in position order; a compression gathers the kept entries in the order
     ``torch.topk`` returns them (``ScorerPress.compress``, scorer_press.py lines 94-101: by
-    descending score, equal scores in torch's own order, so the state asks torch.topk itself),
-    and each decode step appends its token at the end."""
+    descending score, equal scores in torch's own order, so the state asks torch.topk itself), or,
+    under ``CAMPress``, keeps them in their order; each decode step appends its token at the end."""
 
     def __init__(self, scorer):
         self.scorer = scorer
@@ -278,7 +277,9 @@ class _CacheOrder:
             ordered = self.scorer._decoding_scores(cache, order, first)
             at = {p: i for i, p in enumerate(order)}
             scores = ordered[[at[int(p)] for p in cache.positions]]
-        if self.scorer.decoding is not None:
+        if self.scorer.keeps_order:
+            self.ranked = order
+        elif self.scorer.decoding is not None:
             import torch
 
             kept = min(int(self.scorer.decoding.target_size), len(order))
@@ -430,9 +431,12 @@ def policy(press):
       "prefill-then-stream"``, the schedule above). kvreplay has one budget per cache: the prompt
       is cut to the decoding press's ``target_size``, not to the prefilling press's
       ``compression_ratio``; with only one of the two presses, that press's mapping;
-    - ``CAMPress(KnormPress(), ...)``: the ``knorm`` scorer on that schedule with ``gqa="layer"``,
+    - ``CAMPress(press, compression_interval, target_size, merge_budget)``: the ``DecodingPress``
+      mapping with ``gqa="layer"`` (CaM evicts by the mean of the KV heads' scores), its kept
+      entries in their order, no attention weights for the press (as CaM hands it none),
       ``merge="cam"`` and its ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from
-      ``merge_seed``, kvpress from torch's global generator).
+      ``merge_seed``, kvpress from torch's global generator; a press that reads values scores the
+      values as captured, not as CaM's merges left them).
     - ``KVzipPress(layerwise=True, n_sink)``: the ``kvzip`` scorer (its scores come from the
       reconstruction pass a recipe with ``reconstruction = "kvzip"`` records, chunked as the
       recipe's ``reconstruction_chunk``, kvpress's ``chunk_size``), one top-k per layer over its
@@ -441,11 +445,11 @@ def policy(press):
       ``protocol="question-agnostic"`` a prompt that has one. ``layerwise=False`` (one top-k over
       every layer) and ``kvzip_plus_normalization`` raise :class:`KvreplayError`.
 
-    A decoding press over ``AdaKVPress``, another wrapper or a press that scores a whole layer at
-    once (``LeverageScorePress``, ``CompactorPress``, ``CriticalKVPress``: while decoding each KV
-    head's cache holds other positions), and ``CAMPress`` over another press than Knorm, raise
-    :class:`KvreplayError`; other wrapping presses (``ChunkKVPress``, ``ChunkPress``, other
-    compositions) have no counterpart and raise it too.
+    A decoding press over ``AdaKVPress``, another wrapper, a press that selects in its own
+    ``compress`` (``PyramidKVPress``) or a press that scores a whole layer at once
+    (``LeverageScorePress``, ``CompactorPress``, ``CriticalKVPress``: while decoding each KV head's
+    cache holds other positions) raises :class:`KvreplayError`; other wrapping presses
+    (``ChunkKVPress``, ``ChunkPress``, other compositions) have no counterpart and raise it too.
     """
     kind = type(press).__name__
     if kind in ("DecodingPress", "CAMPress"):
@@ -517,18 +521,14 @@ def _schedule(press):
 
 
 def _decoding(press, kind):
-    """`DecodingPress` over a scorer press: the press scores each compression through
-    :class:`PressScorer`; `CAMPress` over a press with a kvreplay scorer, which merges in Rust."""
-    inner = type(press.base_press).__name__
+    """`DecodingPress` or `CAMPress` over a scorer press: the press scores each compression through
+    :class:`PressScorer`; CaM's merges are kvreplay's `cam` merge, one kept set per layer (CaM
+    evicts by the mean of the KV heads' scores)."""
+    settings = {**_decoding_base(press.base_press, kind), "scorer": PressScorer(press.base_press, decoding=press)}
+    settings.update(timing="decoding", **_schedule(press))
     if kind == "CAMPress":
-        if inner not in DECODING_SCORERS:
-            raise KvreplayError(
-                f"kvpress:CAMPress over {inner}: CaM's merges run in kvreplay (merge='cam'), over a press with a kvreplay scorer: "
-                f"{', '.join(sorted(DECODING_SCORERS))}"
-            )
-        settings = {"scorer": DECODING_SCORERS[inner], "timing": "decoding", **_schedule(press)}
-        return {**settings, "gqa": "layer", "merge": "cam", "merge_budget": int(press.merge_budget)}
-    return {**_decoding_base(press.base_press, kind), "scorer": PressScorer(press.base_press, decoding=press), "timing": "decoding", **_schedule(press)}
+        settings.update(gqa="layer", merge="cam", merge_budget=int(press.merge_budget))
+    return settings
 
 
 def _decoding_base(base, kind):

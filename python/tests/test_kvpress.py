@@ -178,9 +178,10 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:ChunkPress has no kvreplay counterpart"):
         policy(chunked(PRESSES["KnormPress"]()))
 
-    # DecodingPress runs its press through PressScorer on kvreplay's decoding schedule (checked
-    # against kvpress's hooks below); CAMPress over Knorm maps onto Rust's knorm with CaM's merges
-    # (its hooks in tests/parity.rs). Over what cannot score while decoding they say why not.
+    # DecodingPress and CAMPress run their press through PressScorer on kvreplay's decoding
+    # schedule (checked against kvpress's hooks below; CaM's merges are Rust's `cam`, checked
+    # against CAMPress's hooks in tests/parity.rs). Over what cannot score while decoding they say
+    # why not.
     cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
     decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress
     schedule = dict(timing="decoding", order="attend-first", interval=4, trigger="steps", sinks=0, window=0, budget=96)
@@ -191,12 +192,12 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
     assert [mapped[m] for m in METRICS] == [decoding[m] for m in METRICS]
     cam = kvreplay.replay(trace, scorer="knorm", gqa="layer", merge="cam", merge_budget=4, **schedule).runs.row(0, named=True)
     mapped = policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96, merge_budget=4))
-    assert mapped == {"scorer": "knorm", **schedule, "gqa": "layer", "merge": "cam", "merge_budget": 4}
+    assert isinstance(mapped.pop("scorer"), PressScorer)
+    assert mapped == {"timing": "decoding", **schedule, "gqa": "layer", "merge": "cam", "merge_budget": 4}
+    mapped = policy(cam_press(base_press=PRESSES["KnormPress"](), compression_interval=4, target_size=96, merge_budget=4))
     assert kvreplay.replay(trace, **mapped).runs.row(0, named=True)["output_error"] == cam["output_error"]
     assert cam["kv_bytes"] == decoding["kv_bytes"] and cam["output_error"] != decoding["output_error"]
     assert policy(decoding_press(base_press=PRESSES["KnormPress"](), compression_interval=1, target_size=96))["trigger"] == "growth"
-    with pytest.raises(kvreplay.KvreplayError, match="kvpress:CAMPress over SnapKVPress: CaM's merges run in kvreplay"):
-        policy(cam_press(base_press=PRESSES["SnapKVPress"](), compression_interval=4, target_size=96))
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over PyramidKVPress: the press selects in its own `compress`"):
         policy(decoding_press(base_press=PRESSES["PyramidKVPress"](), compression_interval=4, target_size=96))
     with pytest.raises(kvreplay.KvreplayError, match="kvpress:DecodingPress over AdaKVPress: a decoding press replays over a scorer press"):
@@ -278,6 +279,41 @@ def test_prefill_decoding_press_keeps_what_kvpress_keeps(decode_trace):
     ours, theirs = held(decode_trace, press, policy)
     assert np.array_equal(ours, theirs)
     assert (theirs.sum(axis=-1) <= TARGET + INTERVAL).all(), "the prompt is cut"
+
+
+# CAMPress's kept sets: a press that reads keys only (CaM's merges change the values, which the
+# bridge's press sees as captured).
+CAM_DECODES = ["KeyDiffPress", "KnormPress", "SnapKVPress", "StreamingLLMPress", "TOVAPress"]
+
+
+@pytest.mark.parametrize("name", CAM_DECODES)
+def test_cam_press_keeps_what_kvpress_keeps(decode_trace, name):
+    from kvreplay.kvpress import policy
+
+    cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
+    press = lambda: cam_press(PRESSES[name](**DECODING_ARGS.get(name, {})), compression_interval=INTERVAL, target_size=TARGET, merge_budget=4)  # noqa: E731
+    ours, theirs = held(decode_trace, press, policy)
+    assert np.array_equal(ours, theirs)
+    # One kept set per layer, as CaM's mean over the KV heads chooses.
+    assert (theirs == theirs[:, :1]).all()
+
+
+def test_cam_keeps_its_entries_in_their_order(decode_trace, monkeypatch):
+    # CaM keeps its kept entries in sequence order: gathered in topk's order as DecodingPress does,
+    # StreamingLLM's sinks leave kvpress's sets.
+    from kvreplay import kvpress as bridge
+
+    original = bridge.PressScorer.__init__
+
+    def topk_ordered(self, *args, **kwargs):
+        original(self, *args, **kwargs)
+        self.keeps_order = False
+
+    monkeypatch.setattr(bridge.PressScorer, "__init__", topk_ordered)
+    cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
+    press = lambda: cam_press(PRESSES["StreamingLLMPress"](), compression_interval=INTERVAL, target_size=TARGET, merge_budget=4)  # noqa: E731
+    ours, theirs = held(decode_trace, press, bridge.policy)
+    assert not np.array_equal(ours, theirs)
 
 
 def test_the_cache_order_is_what_makes_them_equal(decode_trace, monkeypatch):
