@@ -296,7 +296,7 @@ impl ScoreState for State {
             return;
         }
         let called = Python::attach(|py| {
-            let token = self.token(py, layer, position)?;
+            let token = self.token(py, layer, position);
             own.object.bind(py).call_method1("append", (token,))?;
             PyResult::Ok(())
         });
@@ -392,7 +392,7 @@ impl State {
     }
 
     /// The token at `position` as `append` sees it.
-    fn token(&self, py: Python<'_>, layer: &LayerContext<'_>, position: usize) -> PyResult<Token> {
+    fn token(&self, py: Python<'_>, layer: &LayerContext<'_>, position: usize) -> Token {
         let kv = self.unit.kv_head;
         let queries = layer
             .q
@@ -406,7 +406,7 @@ impl State {
                 .unbind(),
             _ => py.None(),
         };
-        Ok(Token {
+        Token {
             position,
             queries: queries.to_owned().into_pyarray(py).into_any().unbind(),
             key: layer
@@ -421,7 +421,7 @@ impl State {
             kv_head: kv,
             scale: layer.scale,
             softcap: layer.softcap,
-        })
+        }
     }
 
     /// Calls the object (or its state) on this cache and checks what it returns.
