@@ -40,7 +40,7 @@ fn write(
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
     // The reconstruction pass a capture runs where the question starts, in both traces.
-    common::with_pass(writer, shape, 0, QUESTION.start)
+    common::with_extras(writer, shape, 0, QUESTION.start)
         .write(path)
         .unwrap();
     TraceReader::open(path).unwrap()

@@ -92,7 +92,11 @@ fn stored_layer_agrees(
 fn fixture_layer<'a>(
     (q, k, v): (&'a Array3<f32>, &'a Array3<f32>, &'a Array3<f32>),
     shape: Shape,
-    (index, pass): (usize, &'a [kvreplay::trace::LayerReconstruction]),
+    (index, pass, inputs): (
+        usize,
+        &'a [kvreplay::trace::LayerReconstruction],
+        &'a [kvreplay::trace::LayerInputs],
+    ),
 ) -> Layer<'a> {
     Layer {
         q,
@@ -103,6 +107,7 @@ fn fixture_layer<'a>(
         index,
         rope_theta: common::ROPE_THETA as f64,
         reconstruction: pass.get(index),
+        inputs: inputs.get(index),
     }
 }
 
@@ -124,6 +129,7 @@ fn engine_matches_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let pass = common::fixture_pass(shape, seed, shape.prompt_len);
+        let inputs = common::fixture_inputs(shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in scorer::REGISTRY {
             let scorer = method.name;
@@ -175,7 +181,7 @@ fn engine_matches_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass, &inputs));
                         let reference_policy = reference::Policy {
                             rule: rule.as_ref(),
                             timing,
@@ -398,6 +404,7 @@ fn quantized_caches_match_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let pass = common::fixture_pass(shape, seed, shape.prompt_len);
+        let inputs = common::fixture_inputs(shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in quantizer::REGISTRY.iter().filter(|m| m.name != "none") {
             for (scorer, timing) in EVERY_TIMING {
@@ -419,7 +426,7 @@ fn quantized_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass, &inputs));
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
                         stored_layer_agrees(
@@ -480,6 +487,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let pass = common::fixture_pass(shape, seed, shape.prompt_len);
+        let inputs = common::fixture_inputs(shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in channels::REGISTRY.iter().filter(|m| m.name != "none") {
             for (scorer, timing) in EVERY_TIMING {
@@ -502,7 +510,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass, &inputs));
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);
                         let (kept, histories) = stored_layer_agrees(
@@ -591,6 +599,7 @@ fn merged_caches_match_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let pass = common::fixture_pass(shape, seed, shape.prompt_len);
+        let inputs = common::fixture_inputs(shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         let at_the_cut = |name: &str| name != "none" && !merges_while_decoding(name);
         for method in merge::REGISTRY.iter().filter(|m| at_the_cut(m.name)) {
@@ -614,7 +623,7 @@ fn merged_caches_match_brute_force_reference() {
                     let report = replay(&trace, &policy).unwrap();
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass, &inputs));
                         let case = format!("{} {scorer} {gqa:?} seed {seed}", method.name);
                         stored_layer_agrees(
                             &trace,
@@ -687,6 +696,7 @@ fn decode_merges_match_brute_force_reference() {
         let path = dir.path().join(format!("fixture-{seed}.safetensors"));
         let layers = write_fixture(&path, shape, seed);
         let pass = common::fixture_pass(shape, seed, shape.prompt_len);
+        let inputs = common::fixture_inputs(shape, seed);
         let trace = TraceReader::open(&path).unwrap();
         for method in merge::REGISTRY
             .iter()
@@ -742,7 +752,7 @@ fn decode_merges_match_brute_force_reference() {
                     let plain = replay(&trace, &base.clone().check().unwrap()).unwrap();
                     let budgets = layer_budgets(&trace, &policy).unwrap();
                     for (index, (q, k, v)) in layers.iter().enumerate() {
-                        let layer = fixture_layer((q, k, v), shape, (index, &pass));
+                        let layer = fixture_layer((q, k, v), shape, (index, &pass, &inputs));
                         let kept = kept_sets(&trace, &policy, &budgets, index).unwrap();
                         let case =
                             format!("{} {scorer} {timing:?} {gqa:?} seed {seed}", method.name);

@@ -8,7 +8,7 @@ use super::{Granularity, Order, PolicyError, PolicyParams, Timing, Trigger, Vali
 use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 15] = [
+pub const NAMES: [&str; 16] = [
     "snapkv",
     "pyramidkv",
     "adakv",
@@ -23,6 +23,7 @@ pub const NAMES: [&str; 15] = [
     "quest",
     "rkv",
     "snapkv-d",
+    "defensivekv",
     "oracle",
 ];
 
@@ -157,6 +158,19 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
             ..base
         }
         .with("mix_lambda", 1.0),
+        // DefensiveKV (FFY0/DefensiveKV `EfficientDefensiveKVPress`): window 32, average pooling
+        // with kernel 5, stage 1 capped by this budget, then one top-k over the layer's KV heads
+        // (`EfficientAdaScorerPress.compress`: AdaKV's flat top-k, no floor, no normalisation).
+        "defensivekv" => PolicyParams {
+            scorer: "defensivekv".into(),
+            heads: "adakv".into(),
+            window: 32.min(budget),
+            sinks: 0,
+            ..base
+        }
+        .with("alpha", 0.0)
+        .with("normalize", false)
+        .with("stage1_budget", budget),
         // The per-step oracle: the current query's attention, re-chosen from the whole cache at
         // every step; the bound no causal policy beats at this budget.
         "oracle" | "oracle-per-step" => PolicyParams {

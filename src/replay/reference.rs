@@ -81,6 +81,8 @@ pub struct Layer<'a> {
     pub rope_theta: f64,
     /// The layer's rows of the reconstruction pass (`kvzip`).
     pub reconstruction: Option<&'a crate::trace::LayerReconstruction>,
+    /// The layer's attention inputs (`defensivekv` reads `o_proj`).
+    pub inputs: Option<&'a crate::trace::LayerInputs>,
 }
 
 /// The policy's common settings, and its scorer's rule.

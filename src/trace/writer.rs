@@ -139,6 +139,8 @@ pub struct TraceWriter {
     layers: Vec<LayerArrays>,
     /// The reconstruction pass, its token ids and each layer's queries and keys.
     reconstruction: Option<(Reconstruction, Vec<i64>, Vec<PassRows>)>,
+    /// Each layer's attention inputs.
+    inputs: Vec<LayerInputs>,
 }
 
 impl TraceWriter {
@@ -150,7 +152,15 @@ impl TraceWriter {
             tokens,
             layers: Vec::new(),
             reconstruction: None,
+            inputs: Vec::new(),
         }
+    }
+
+    /// Adds every layer's attention inputs (hidden states `[T, d_model]` and the four
+    /// projections, biases as the first layer has them).
+    pub fn with_inputs(mut self, layers: Vec<LayerInputs>) -> Self {
+        self.inputs = layers;
+        self
     }
 
     /// Adds a reconstruction pass: its chunks, token ids, and per layer its queries
@@ -208,6 +218,17 @@ impl TraceWriter {
                     tokens: tokens.clone(),
                     layer: &rows,
                 });
+        let given = |layer: usize| {
+            self.inputs
+                .get(layer)
+                .cloned()
+                .ok_or_else(|| format!("no attention inputs for layer {layer}"))
+        };
+        let inputs = self.inputs.first().map(|first| InputsSource {
+            d_model: first.hidden.ncols(),
+            biases: first.projections.each_ref().map(|p| p.bias.is_some()),
+            layer: &given,
+        });
         write_trace(
             path,
             &self.meta,
@@ -215,7 +236,7 @@ impl TraceWriter {
             &self.tokens,
             (values != 0, &source),
             Extras {
-                inputs: None,
+                inputs: inputs.as_ref(),
                 reconstruction: reconstruction.as_ref(),
             },
         )

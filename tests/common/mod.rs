@@ -8,9 +8,10 @@ use kvreplay::model::Llama;
 use kvreplay::replay::reference::ScorerRule;
 use kvreplay::replay::{scorer, settings, PolicyParams, Timing};
 use kvreplay::trace::{
-    Chunk, LayerReconstruction, Reconstruction, Span, StorageDtype, TraceMeta, TraceWriter,
+    Chunk, LayerInputs, LayerReconstruction, Projection, Reconstruction, Span, StorageDtype,
+    TraceMeta, TraceWriter,
 };
-use ndarray::Array3;
+use ndarray::{Array1, Array2, Array3};
 use std::collections::BTreeMap;
 use std::path::{Path, PathBuf};
 use std::sync::OnceLock;
@@ -185,7 +186,7 @@ pub fn write_fixture(
     for (q, k, v) in &layers {
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
-    with_pass(writer, shape, seed, shape.prompt_len)
+    with_extras(writer, shape, seed, shape.prompt_len)
         .write(path)
         .expect("fixture writes");
     layers
@@ -221,13 +222,50 @@ pub fn fixture_pass(shape: Shape, seed: u64, cut: usize) -> Vec<LayerReconstruct
         .collect()
 }
 
-/// `writer` with [`fixture_pass`] added.
-pub fn with_pass(writer: TraceWriter, shape: Shape, seed: u64, cut: usize) -> TraceWriter {
+/// Random attention inputs of a fixture of `shape` (`defensivekv` reads `o_proj`): hidden states
+/// of width [`D_MODEL`] and the four projections, `q_proj` and `k_proj` with biases.
+pub fn fixture_inputs(shape: Shape, seed: u64) -> Vec<LayerInputs> {
+    let mut rng = Rng(seed ^ 0x696e70757473);
+    let t = shape.prompt_len + shape.generated;
+    let (q, kv) = (
+        shape.n_heads * shape.head_dim,
+        shape.n_kv_heads * shape.head_dim,
+    );
+    let mut matrix = |rows: usize, columns: usize| {
+        Array2::from_shape_simple_fn((rows, columns), || rng.quarter())
+    };
+    (0..shape.n_layers)
+        .map(|_| {
+            let hidden = matrix(t, D_MODEL);
+            let mut projection = |rows: usize, columns: usize, bias: bool| Projection {
+                weight: matrix(rows, columns),
+                bias: bias.then(|| Array1::from_elem(rows, 0.25)),
+            };
+            LayerInputs {
+                hidden,
+                projections: [
+                    projection(q, D_MODEL, true),
+                    projection(kv, D_MODEL, true),
+                    projection(kv, D_MODEL, false),
+                    projection(D_MODEL, q, false),
+                ],
+            }
+        })
+        .collect()
+}
+
+/// The model width of the fixtures' attention inputs.
+pub const D_MODEL: usize = 6;
+
+/// `writer` with [`fixture_pass`] and [`fixture_inputs`] added.
+pub fn with_extras(writer: TraceWriter, shape: Shape, seed: u64, cut: usize) -> TraceWriter {
     let layers = fixture_pass(shape, seed, cut);
     let pass = layers[0].pass.clone();
     let tokens = (0..pass.rows() as i64).collect();
     let rows = layers.into_iter().map(|layer| (layer.q, layer.k)).collect();
-    writer.with_reconstruction(pass, tokens, rows)
+    writer
+        .with_reconstruction(pass, tokens, rows)
+        .with_inputs(fixture_inputs(shape, seed))
 }
 
 /// Writes `layers` (f32, values included) as a trace of `shape` whose layers have attention
@@ -245,7 +283,7 @@ pub fn write_windowed(
     for (q, k, v) in layers {
         writer.push_layer(q.clone(), k.clone(), Some(v.clone()));
     }
-    with_pass(writer, shape, 0, shape.prompt_len)
+    with_extras(writer, shape, 0, shape.prompt_len)
         .write(path)
         .expect("fixture writes");
 }

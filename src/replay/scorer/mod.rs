@@ -17,6 +17,7 @@ use crate::attention::{softmax_in_place, softmax_into, sparse_logits, CausalLogi
 
 mod cake;
 mod chunkkv;
+mod defensivekv;
 mod expected_attention;
 mod key_proxy;
 mod keydiff;
@@ -55,6 +56,7 @@ crate::registry! {
     qfilter::QFilter,
     quest::Quest,
     rkv::RKv,
+    defensivekv::DefensiveKv,
     observed_attention::ObservedAttention,
     random::Random,
     oracle_static::OracleStatic,
