@@ -99,7 +99,8 @@ enum Command {
         /// Nominal budget per cache.
         #[arg(long, default_value_t = 128)]
         budget: usize,
-        /// Comma-separated preset names (default: every preset, in `kvreplay methods` order).
+        /// Comma-separated preset names (default: every preset the trace can run, in `kvreplay
+        /// methods` order; each one left out is named on stderr).
         #[arg(long, value_delimiter = ',')]
         presets: Option<Vec<String>>,
         /// A budget in bytes for every preset, in place of `--budget`: a fraction of the full
@@ -280,8 +281,6 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             residual,
             output,
         } => {
-            let names =
-                names.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
             let settings: serde_json::Map<String, serde_json::Value> = [
                 ("bytes", bytes.map(serde_json::Value::from)),
                 ("quantizer", quantizer.map(serde_json::Value::from)),
@@ -294,7 +293,7 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
             .collect();
             let reader = TraceReader::open(&trace)?;
             let run = (budget, &settings);
-            print!("{}", commands::compare(&reader, run, &names, &output)?);
+            print!("{}", commands::compare(&reader, run, names, &output)?);
         }
         Command::Demo { budget } => commands::demo(budget)?,
         Command::Sweep {

@@ -94,6 +94,74 @@ fn compare_presets_table() {
     insta::assert_snapshot!(out);
 }
 
+/// A preset that reads tensors the trace lacks: left out of `compare`'s default list and named on
+/// stderr with the capture option that records them; asked for by name, an error (exit 2) saying
+/// the same; on a trace that has them, it runs.
+#[test]
+fn compare_leaves_out_a_preset_the_trace_cannot_run() {
+    let dir = fixture();
+    let shape = Shape::default();
+    let t = shape.prompt_len + shape.generated;
+    let mut writer = kvreplay::trace::TraceWriter::new(
+        common::meta(shape),
+        kvreplay::trace::StorageDtype::F32,
+        (0..t as i64).collect(),
+    );
+    for (q, k, v) in common::tensors(shape, 42) {
+        writer.push_layer(q, k, Some(v));
+    }
+    writer.write(&dir.path().join("bare.safetensors")).unwrap();
+    let output = kvreplay(&dir)
+        .args([
+            "compare",
+            "bare.safetensors",
+            "--budget",
+            "12",
+            "--no-layers",
+        ])
+        .assert()
+        .success()
+        .get_output()
+        .clone();
+    let (out, err) = (
+        String::from_utf8(output.stdout).unwrap(),
+        String::from_utf8(output.stderr).unwrap(),
+    );
+    assert!(
+        err.contains("left out `defensivekv`") && err.contains("--attention-inputs"),
+        "{err}"
+    );
+    assert!(
+        out.contains("| snapkv-d (") && !out.contains("defensivekv"),
+        "{out}"
+    );
+    let refused = kvreplay(&dir)
+        .args(["compare", "bare.safetensors", "--presets", "defensivekv"])
+        .assert()
+        .code(2)
+        .get_output()
+        .stderr
+        .clone();
+    let refused = String::from_utf8(refused).unwrap();
+    assert!(
+        refused.contains("scorer `defensivekv`") && refused.contains("--attention-inputs"),
+        "{refused}"
+    );
+    let ran = stdout(kvreplay(&dir).args([
+        "compare",
+        "fixture.safetensors",
+        "--budget",
+        "12",
+        "--presets",
+        "defensivekv",
+        "--no-layers",
+    ]));
+    assert!(
+        ran.contains("| defensivekv (flat/adakv+defensivekv@prefill)"),
+        "{ran}"
+    );
+}
+
 #[test]
 fn inspect_report() {
     let dir = fixture();

@@ -18,7 +18,7 @@ use kvreplay::replay::{
     context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, Order,
     PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
 };
-use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
+use kvreplay::trace::{LayerInputs, Projection, StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -38,6 +38,47 @@ fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
 
 /// [`write_trace`], with values (drawn from their own stream, so q and k are the same) when asked.
 fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
+    trace_writer(seed, prompt_len, values).write(path).unwrap();
+}
+
+/// [`write_trace_values`] with values and attention inputs (hidden states of width 32 and the
+/// four projections, drawn from a third stream).
+fn write_trace_inputs(path: &Path, seed: u64, prompt_len: usize) {
+    const D_MODEL: usize = 32;
+    let mut rng = Rng(seed ^ 0x1);
+    let mut matrix = |rows: usize, columns: usize| {
+        ndarray::Array2::from_shape_simple_fn((rows, columns), || {
+            (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+        })
+    };
+    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
+    let t = prompt_len + GENERATED;
+    let inputs = (0..LAYERS)
+        .map(|_| {
+            let hidden = matrix(t, D_MODEL);
+            let mut projection = |rows, columns| Projection {
+                weight: matrix(rows, columns),
+                bias: None,
+            };
+            LayerInputs {
+                hidden,
+                projections: [
+                    projection(q, D_MODEL),
+                    projection(kv, D_MODEL),
+                    projection(kv, D_MODEL),
+                    projection(D_MODEL, q),
+                ],
+            }
+        })
+        .collect();
+    trace_writer(seed, prompt_len, true)
+        .with_inputs(inputs)
+        .write(path)
+        .unwrap();
+}
+
+/// The writer of [`write_trace_values`]' trace.
+fn trace_writer(seed: u64, prompt_len: usize, values: bool) -> TraceWriter {
     let meta = TraceMeta {
         model: "parity".into(),
         n_layers: LAYERS,
@@ -68,7 +109,7 @@ fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
         });
         writer.push_layer(q, k, v);
     }
-    writer.write(path).unwrap();
+    writer
 }
 
 fn reference(script: &str, args: &[String]) -> Value {
@@ -353,6 +394,27 @@ fn keydiff_keeps_what_kvpress_keeps() {
             ..PolicyParams::default()
         },
         &[8, 16, 30],
+    );
+}
+
+/// DefensiveKV's press (its official code, transcribed in `defensivekv.py`): the `defensivekv`
+/// preset with an observation window of 8 on a 128-token prompt, at budgets whose compression
+/// ratios (0.75, 0.5, 0.25) are exact, so the press's per-layer total and stage-1 cap (22, 52 and
+/// 82 entries) are the preset's; its values weighed through the trace's `o_proj`.
+#[test]
+fn defensivekv_keeps_what_its_code_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    write_trace_inputs(&path, 16, 128);
+    check_kvpress(
+        &path,
+        "defensivekv.py",
+        &["8"],
+        |budget| PolicyParams {
+            window: 8,
+            ..presets::preset("defensivekv", budget).unwrap()
+        },
+        &[32, 64, 96],
     );
 }
 

@@ -15,6 +15,7 @@ use kvreplay::replay::{
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
 use pyo3::types::{PyDict, PyString};
+use std::ffi::CString;
 
 /// One policy from Python: its display name and parameters, and the code of its Python methods
 /// (for run ids, as a sweep names them); the checked policy goes beside it.
@@ -170,9 +171,9 @@ pub fn replay(
     replay_policies(py, &trace, policies.into_iter().unzip(), threads)
 }
 
-/// Replays named presets of the classic methods at one budget (default: every preset), labelled
-/// as `kvreplay compare` labels them; keyword settings (`quantizer`, `bits`, `bytes`...) are set
-/// over every preset.
+/// Replays named presets of the classic methods at one budget (default: every preset the trace
+/// can run, each one left out named in a warning), labelled as `kvreplay compare` labels them;
+/// keyword settings (`quantizer`, `bits`, `bytes`...) are set over every preset.
 #[pyfunction]
 #[pyo3(signature = (trace, budget=128, presets=None, threads=None, **settings))]
 pub fn compare(
@@ -184,8 +185,24 @@ pub fn compare(
     settings: Option<&Bound<'_, PyDict>>,
 ) -> PyResult<Results> {
     let trace = Trace::from_arg(trace)?.into_bound(py);
-    let names = presets.unwrap_or_else(|| presets::NAMES.iter().map(|n| n.to_string()).collect());
     let settings = settings_map(settings, &[])?;
+    let names = match presets {
+        Some(names) => names,
+        None => {
+            let (runnable, left_out) =
+                presets::runnable_on(trace.get().reader(), budget, &settings).map_err(raised)?;
+            for (name, why) in left_out {
+                let warning = py.get_type::<pyo3::exceptions::PyUserWarning>();
+                PyErr::warn(
+                    py,
+                    &warning,
+                    &CString::new(format!("left out `{name}`: {why}"))?,
+                    1,
+                )?;
+            }
+            runnable
+        }
+    };
     let policies = presets::labelled(&names, budget, &settings)
         .map_err(raised)?
         .into_iter()

@@ -113,13 +113,25 @@ pub fn capture_recipe(
     Ok(())
 }
 
+/// The table of presets `names` on `reader` (every preset that runs on it when `None`, those left
+/// out named on stderr).
 pub fn compare(
     reader: &TraceReader,
     (budget, settings): (usize, &serde_json::Map<String, serde_json::Value>),
-    names: &[String],
+    names: Option<Vec<String>>,
     output: &OutputArgs,
 ) -> Result<String> {
-    let (labels, policies): (Vec<String>, Vec<_>) = presets::labelled(names, budget, settings)?
+    let names = match names {
+        Some(names) => names,
+        None => {
+            let (runnable, left_out) = presets::runnable_on(reader, budget, settings)?;
+            for (name, why) in left_out {
+                eprintln!("left out `{name}`: {why}");
+            }
+            runnable
+        }
+    };
+    let (labels, policies): (Vec<String>, Vec<_>) = presets::labelled(&names, budget, settings)?
         .into_iter()
         .unzip();
     let reports = replay_all(reader, &policies, output.threads)?;
@@ -181,12 +193,8 @@ pub fn demo(budget: usize) -> Result<()> {
         no_layers: true,
         threads: None,
     };
-    let names: Vec<String> = presets::NAMES.iter().map(|n| n.to_string()).collect();
     let settings = serde_json::Map::new();
-    print!(
-        "{}",
-        compare(&reader, (budget, &settings), &names, &output)?
-    );
+    print!("{}", compare(&reader, (budget, &settings), None, &output)?);
     Ok(())
 }
 

@@ -779,13 +779,10 @@ impl Profiles {
     }
 }
 
-/// The policy's nominal budget on `trace` ([`nominal_budget`]) and every layer's budget.
-fn layer_budgets_with_progress(
-    trace: &TraceReader,
-    policy: &ValidPolicy,
-    layer_done: LayerDone<'_>,
-    profiles: &mut Profiles,
-) -> Result<(usize, Vec<usize>), PolicyError> {
+/// Whether `policy` can run on `trace`: the first rule of the pair it breaks (no generated
+/// tokens, tensors a method reads that the trace lacks, no global layer, protection longer than
+/// the prompt), or the layers it compresses.
+pub fn check_fit(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
@@ -845,6 +842,20 @@ fn layer_budgets_with_progress(
             params.window, params.sinks
         )));
     }
+    Ok(compressed)
+}
+
+/// The policy's nominal budget on `trace` ([`nominal_budget`]) and every layer's budget.
+fn layer_budgets_with_progress(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    layer_done: LayerDone<'_>,
+    profiles: &mut Profiles,
+) -> Result<(usize, Vec<usize>), PolicyError> {
+    let params = policy.params();
+    let meta = trace.meta();
+    let prompt_len = meta.prompt_len;
+    let compressed = check_fit(trace, policy)?;
     let profiles = if policy.allocator.needs_profile() {
         profiles.of(trace, (params.window.max(1), &compressed), layer_done)?
     } else {

@@ -41,7 +41,7 @@ mod timing;
 pub use allocator::Rounding;
 pub(crate) use engine::{caches_per_layer, units};
 pub use engine::{
-    compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
+    check_fit, compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
     replay_keeping, replay_many, LayerDone, ReplayReport,
 };
 pub use error::{PolicyError, Stopped};

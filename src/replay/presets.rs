@@ -206,6 +206,28 @@ pub fn labelled(
         .collect()
 }
 
+/// The presets of [`NAMES`] that run on `trace` at `budget` with `settings` (as [`labelled`]
+/// takes them), in that order, and each one left out with the rule of the pair it breaks (a
+/// method that reads tensors the trace lacks): what a command that runs "every preset" runs.
+pub fn runnable_on(
+    trace: &crate::trace::TraceReader,
+    budget: usize,
+    settings: &Map<String, Value>,
+) -> Result<(Vec<String>, Vec<(String, PolicyError)>), PolicyError> {
+    let mut runnable = Vec::new();
+    let mut left_out = Vec::new();
+    for name in NAMES {
+        let labelled = labelled(&[name.to_string()], budget, settings)?;
+        let (_, policy) = labelled.first().expect("one preset");
+        match super::check_fit(trace, policy) {
+            Ok(_) => runnable.push(name.to_string()),
+            Err(err @ PolicyError::TraceMismatch { .. }) => left_out.push((name.to_string(), err)),
+            Err(other) => return Err(other),
+        }
+    }
+    Ok((runnable, left_out))
+}
+
 /// A policy from settings by key, as an experiment's policy table or Python's keyword arguments
 /// give them: the base is `preset` at `budget` when a preset is named (the defaults otherwise),
 /// and every other key overrides the base's value; the result is read by serde, so a value of the

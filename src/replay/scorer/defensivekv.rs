@@ -1,7 +1,7 @@
 //! `defensivekv`: DefensiveKV's defensive aggregation (Feng et al., ICLR 2026, "Taming the
 //! Fragility of KV Cache Eviction in LLM Inference"), as the official code computes it
 //! (github.com/FFY0/DefensiveKV, commit 9251b95: `kvpress/presses/efficient_defensivekv_press.py`,
-//! `compute_window_attention` lines 111-145, `score` lines 147-209, `vwl1norm` lines 34-72). For a
+//! `compute_window_attention` lines 116-156, `score` lines 158-227, `vwl1norm` lines 32-75). For a
 //! cache of n entries whose last W are the observation window (the policy's protected `window`,
 //! the code's `window_size`, 32) and the m = n − W entries before it:
 //!
