@@ -33,6 +33,18 @@ def test_compare_equals_the_command_line(cli, trace, trace_path):
     assert runs["kv_entries"].to_list() == [r["kv_entries"] for r in expected]
 
 
+def test_compare_leaves_out_and_names_what_the_trace_cannot_run(trace):
+    # The session's trace has no attention inputs, which DefensiveKV reads: every other preset
+    # runs, and a warning says which one was left out and how to capture what it needs.
+    with pytest.warns(UserWarning, match=r"left out `defensivekv`.*--attention-inputs"):
+        runs = kvreplay.compare(trace, budget=64).runs
+    names = [name.split(" (")[0] for name in runs["policy"].to_list()]
+    assert names[0] == "snapkv" and "snapkv-d" in names and names[-1] == "oracle", names
+    assert "defensivekv" not in names
+    with pytest.raises(kvreplay.KvreplayError, match="scorer `defensivekv`.*--attention-inputs"):
+        kvreplay.compare(trace, budget=64, presets=["defensivekv"])
+
+
 def test_settings_by_the_command_lines_names(cli, trace, trace_path):
     ours = kvreplay.replay(trace, scorer="snapkv", budget=48, window=4, kernel=5, pool="max", gqa="query-head")
     code, out, err = run_cli(
