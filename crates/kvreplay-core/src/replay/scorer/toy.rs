@@ -144,6 +144,8 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("oracle-static, toy"), "{err}");
+        // Its declared rule version reaches the policy's (run ids name it).
+        assert_eq!(policy().method_versions()["scorer"], 2);
         let described = crate::replay::all_methods();
         let toy = described
             .iter()
