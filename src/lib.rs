@@ -8,9 +8,9 @@
 
 #![warn(missing_docs)]
 
+pub use kvreplay_core::{atomic, attention, splitmix, stop, trace};
+
 pub mod assets;
-pub mod atomic;
-pub mod attention;
 pub mod bench;
 pub mod capture;
 pub mod experiment;
@@ -18,12 +18,15 @@ pub mod export;
 pub mod live;
 pub mod model;
 pub mod recipe;
-pub mod replay;
-pub mod splitmix;
-pub mod stop;
 pub mod sys;
-pub mod trace;
 pub mod view;
+
+/// The replay engine and its methods ([`kvreplay_core::replay`]), and the command line's policy
+/// flags built from their registries.
+pub mod replay {
+    pub use kvreplay_core::replay::*;
+    pub mod flags;
+}
 
 /// An error and its causes as one line, each cause once (typed errors often say their cause
 /// already): what the command line prints after `error: ` and what the Python package raises.

@@ -7,6 +7,7 @@ mod commands;
 mod stop;
 
 use anyhow::{Context, Result};
+use clap::builder::{PossibleValue, TypedValueParser};
 use clap::{CommandFactory, FromArgMatches, Parser, Subcommand};
 use commands::SweepRuns;
 use kvreplay::assets::Assets;
@@ -60,7 +61,7 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
         /// Storage dtype of q, k, v.
-        #[arg(long, value_enum, default_value_t = StorageDtype::F16)]
+        #[arg(long, default_value = "f16", value_parser = storage_dtypes())]
         dtype: StorageDtype,
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
@@ -357,6 +358,18 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
         }
     }
     Ok(())
+}
+
+/// `--dtype`'s values: each storage by its name, with what it is.
+fn storage_dtypes() -> impl clap::builder::TypedValueParser<Value = StorageDtype> {
+    let values = StorageDtype::ALL.map(|(_, name, about)| PossibleValue::new(name).help(about));
+    clap::builder::PossibleValuesParser::new(values).map(|name| {
+        let (dtype, _, _) = StorageDtype::ALL
+            .into_iter()
+            .find(|(_, listed, _)| *listed == name)
+            .expect("clap accepts only the listed names");
+        dtype
+    })
 }
 
 fn main() -> ExitCode {

@@ -250,19 +250,88 @@ fn circles(graph: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
     walk.found
 }
 
+/// The workspace's crates, lowest first, with their directories: a crate may depend only on the
+/// crates before it.
+const CRATES: [(&str, &str); 3] = [
+    ("kvreplay-core", "crates/kvreplay-core"),
+    ("kvreplay", "."),
+    ("kvreplay-python", "python"),
+];
+
+/// What the pure core must not depend on: the command line, the models, data frames, plots,
+/// progress bars.
+const NOT_IN_THE_CORE: [&str; 7] = [
+    "clap",
+    "candle-core",
+    "polars",
+    "plotters",
+    "tokenizers",
+    "indicatif",
+    "pyo3",
+];
+
 #[test]
 fn no_import_circles_between_sibling_modules() {
-    let src = Path::new(env!("CARGO_MANIFEST_DIR")).join("src");
-    let graph = edges(&src);
-    assert!(graph.len() > 10, "the module graph was not read: {graph:?}");
-    let found: Vec<String> = circles(&graph)
-        .iter()
-        .map(|component| {
-            let names: Vec<String> = component.iter().map(|m| m.join("::")).collect();
-            names.join(" <-> ")
-        })
-        .collect();
-    assert!(found.is_empty(), "import circles: {}", found.join("; "));
+    for (name, dir) in CRATES {
+        let src = Path::new(env!("CARGO_MANIFEST_DIR")).join(dir).join("src");
+        let graph = edges(&src);
+        assert!(
+            graph.len() > 3,
+            "{name}: the module graph was not read: {graph:?}"
+        );
+        let found: Vec<String> = circles(&graph)
+            .iter()
+            .map(|component| {
+                let names: Vec<String> = component.iter().map(|m| m.join("::")).collect();
+                names.join(" <-> ")
+            })
+            .collect();
+        assert!(
+            found.is_empty(),
+            "{name}: import circles: {}",
+            found.join("; ")
+        );
+    }
+}
+
+/// The names in a Cargo.toml's `[dependencies]` table.
+fn dependencies(dir: &str) -> Vec<String> {
+    let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+        .join(dir)
+        .join("Cargo.toml");
+    let manifest: toml::Table = std::fs::read_to_string(&path).unwrap().parse().unwrap();
+    manifest
+        .get("dependencies")
+        .and_then(|d| d.as_table())
+        .map(|table| table.keys().cloned().collect())
+        .unwrap_or_default()
+}
+
+#[test]
+fn no_crate_depends_on_one_above_it_and_the_core_stays_pure() {
+    for (index, (name, dir)) in CRATES.iter().enumerate() {
+        let dependencies = dependencies(dir);
+        for (above, _) in &CRATES[index..] {
+            assert!(
+                !dependencies.contains(&above.to_string()),
+                "{name} depends on {above}, a crate at or above it"
+            );
+        }
+        if index > 0 {
+            let (below, _) = CRATES[index - 1];
+            assert!(
+                dependencies.contains(&below.to_string()),
+                "{name} builds on {below}"
+            );
+        }
+    }
+    let core = dependencies(CRATES[0].1);
+    for heavy in NOT_IN_THE_CORE {
+        assert!(
+            !core.contains(&heavy.to_string()),
+            "the core depends on {heavy}"
+        );
+    }
 }
 
 #[test]

@@ -2,10 +2,7 @@
 //! Run: `cd fuzz && RUSTC_BOOTSTRAP=1 cargo fuzz run trace_reader corpus/trace_reader seeds/trace_reader -- -max_total_time=300`.
 #![no_main]
 
-#[path = "../../src/trace/mod.rs"]
-#[allow(dead_code, missing_docs)]
-mod trace;
-
+use kvreplay_core::trace;
 use libfuzzer_sys::fuzz_target;
 
 fuzz_target!(|data: &[u8]| {

@@ -608,12 +608,24 @@ pub fn run_id(
     closed_loop: bool,
     external: Option<&str>,
 ) -> String {
+    let versions = params.method_versions();
+    versioned_run_id(name, trace, (params, &versions), closed_loop, external)
+}
+
+/// [`run_id`] with the versions of the policy's methods' rules given.
+fn versioned_run_id(
+    name: &str,
+    trace: &TraceFile,
+    (params, versions): (&PolicyParams, &BTreeMap<String, u32>),
+    closed_loop: bool,
+    external: Option<&str>,
+) -> String {
     let mut settings: BTreeMap<String, serde_json::Value> =
         serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
             .expect("object");
     // A method whose rule changed (version above 1) names other runs than before; every run of
     // a method still at its first rule keeps its id.
-    for (axis, version) in params.method_versions() {
+    for (axis, &version) in versions {
         if version > 1 {
             settings.insert(format!("{axis}_version"), version.into());
         }
@@ -687,15 +699,11 @@ mod tests {
             unversioned_id(&first_rule),
             "a method still at its first rule keeps the ids of runs stored before versions"
         );
-        // The test scorer `toy` declares version 2.
-        let bumped = PolicyParams {
-            scorer: "toy".into(),
-            ..PolicyParams::default()
-        };
-        assert_eq!(bumped.method_versions()["scorer"], 2);
-        assert_ne!(
-            run_id("p", &trace(), &bumped, false, None),
-            unversioned_id(&bumped)
-        );
+        // The same policy had its scorer's rule been bumped to version 2 (the core's test scorer
+        // `toy` declares one; `method_versions` reads it from the registry).
+        let mut bumped = first_rule.method_versions();
+        bumped.insert("scorer".into(), 2);
+        let id = versioned_run_id("p", &trace(), (&first_rule, &bumped), false, None);
+        assert_ne!(id, unversioned_id(&first_rule));
     }
 }

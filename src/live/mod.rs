@@ -261,7 +261,7 @@ pub fn check_live(policy: &ValidPolicy) -> Result<(), LiveError> {
              which is replayed only (`kvreplay replay` or an open-loop sweep)"
         )));
     }
-    if timing != Timing::Prefill && policy.scorer.reads_future() {
+    if timing != Timing::Prefill && policy.scorer().reads_future() {
         return Err(LiveError::Unsupported(format!(
             "scorer `{}` reads future queries, which live mode takes from the full run under \
              the `prefill` timing only, not `{}`",

@@ -206,7 +206,7 @@ MASK64 = (1 << 64) - 1
 
 
 def splitmix_hash(x):
-    """kvreplay's SplitMix64 hash (src/splitmix.rs): the generator's first output seeded with x."""
+    """kvreplay's SplitMix64 hash (crates/kvreplay-core/src/splitmix.rs): the generator's first output seeded with x."""
     x = (x + 0x9E3779B97F4A7C15) & MASK64
     x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & MASK64
     x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & MASK64

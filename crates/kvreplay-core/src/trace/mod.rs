@@ -16,7 +16,7 @@ mod reconstruction;
 mod writer;
 
 pub use error::TraceError;
-pub(crate) use header::read_header;
+pub use header::read_header;
 pub use inputs::{LayerInputs, Projection, PROJECTIONS};
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};

@@ -7,7 +7,7 @@
 use serde::{Deserialize, Serialize};
 
 /// When the kept set is chosen.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Timing {
     /// One-shot at the end of the prompt; generated tokens are appended and never evicted
@@ -30,6 +30,10 @@ pub enum Timing {
     /// Re-chosen at every decode step among the prompt tokens; generated tokens are all kept, and
     /// the budget counts prompt tokens as under `prefill`.
     PerStepPrompt,
+}
+
+impl crate::replay::settings::Choices for Timing {
+    const ALL: &'static [Self] = &Timing::ALL;
 }
 
 impl Timing {
@@ -93,7 +97,7 @@ impl Timing {
 }
 
 /// In a cache that evicts as tokens arrive, what a step's query attends over.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Order {
     /// The cache is cut back to the budget before the new query attends: it sees `budget`
@@ -103,6 +107,10 @@ pub enum Order {
     /// The new query attends over the `budget` kept tokens and itself, then one token is
     /// evicted (H2O's `H2OKVCache_LayerWise`, TOVA's `TOVACache.reduce`).
     AttendFirst,
+}
+
+impl crate::replay::settings::Choices for Order {
+    const ALL: &'static [Self] = &[Self::EvictFirst, Self::AttendFirst];
 }
 
 impl Order {
@@ -121,7 +129,7 @@ impl Order {
 }
 
 /// Under an `interval` above 1 (or the `decoding` timing), what makes a streaming cache compress.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Trigger {
     /// The cache has grown `interval` tokens past its budget: in a cache cut to its budget at the
@@ -137,6 +145,10 @@ pub enum Trigger {
     /// token the timing compresses at (kvpress's `DecodingPress`, whose `layer_step_counts`
     /// count the decoding steps and restart at each compression, whatever it removes).
     Steps,
+}
+
+impl crate::replay::settings::Choices for Trigger {
+    const ALL: &'static [Self] = &[Self::Growth, Self::Position, Self::Steps];
 }
 
 impl Trigger {
@@ -172,7 +184,7 @@ impl Trigger {
 }
 
 /// Where the compression cut falls relative to the question of a prompt that has one.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Protocol {
     /// The question is part of the prompt the policy compresses: the cut falls at the prompt's
@@ -183,6 +195,10 @@ pub enum Protocol {
     /// cut falls where the trace's `question` span starts, and the question, what follows it
     /// and the answer are appended uncompressed, their queries counted as decode queries.
     QuestionAgnostic,
+}
+
+impl crate::replay::settings::Choices for Protocol {
+    const ALL: &'static [Self] = &[Self::QuestionInPrompt, Self::QuestionAgnostic];
 }
 
 impl Protocol {

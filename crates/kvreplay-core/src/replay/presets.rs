@@ -206,6 +206,9 @@ pub fn labelled(
         .collect()
 }
 
+/// Presets left out, each with the rule of the pair it breaks.
+pub type LeftOut = Vec<(String, PolicyError)>;
+
 /// The presets of [`NAMES`] that run on `trace` at `budget` with `settings` (as [`labelled`]
 /// takes them), in that order, and each one left out with the rule of the pair it breaks (a
 /// method that reads tensors the trace lacks): what a command that runs "every preset" runs.
@@ -213,7 +216,7 @@ pub fn runnable_on(
     trace: &crate::trace::TraceReader,
     budget: usize,
     settings: &Map<String, Value>,
-) -> Result<(Vec<String>, Vec<(String, PolicyError)>), PolicyError> {
+) -> Result<(Vec<String>, LeftOut), PolicyError> {
     let mut runnable = Vec::new();
     let mut left_out = Vec::new();
     for name in NAMES {

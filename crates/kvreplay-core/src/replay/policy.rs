@@ -163,13 +163,9 @@ pub struct Common {
     pub whole: bool,
 }
 
-/// The names of a clap value enum.
-fn variants<T: clap::ValueEnum>() -> Vec<String> {
-    T::value_variants()
-        .iter()
-        .filter_map(|v| v.to_possible_value())
-        .map(|v| v.get_name().to_owned())
-        .collect()
+/// The names of a setting's fixed values.
+fn variants<T: super::settings::Choices>() -> Vec<String> {
+    super::settings::choice_names::<T>()
 }
 
 /// The names registered on an axis.
@@ -861,6 +857,11 @@ impl ValidPolicy {
         self.params.protection()
     }
 
+    /// Its scorer.
+    pub fn scorer(&self) -> &dyn Scorer {
+        self.scorer.as_ref()
+    }
+
     /// Whether any of its methods reads queries beyond the current position (an oracle).
     pub fn reads_future(&self) -> bool {
         self.scorer.reads_future() || self.allocator.reads_future()
@@ -869,7 +870,7 @@ impl ValidPolicy {
     /// Everything a one-shot selection's prompt scores depend on: the scorer and its settings, the
     /// protection and the cache layout — not the budget, the allocator or the head split. Policies
     /// with equal keys share one scoring pass over a layer.
-    pub(crate) fn score_key(&self) -> &str {
+    pub fn score_key(&self) -> &str {
         &self.score_key
     }
 

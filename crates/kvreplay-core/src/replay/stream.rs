@@ -10,7 +10,7 @@ use super::{LayerContext, Order, Protection, Storage, Timing, Trigger, Unit, Val
 
 /// What the query at one position attends over.
 #[derive(Debug, Clone, PartialEq, Eq)]
-pub(crate) enum Attended {
+pub enum Attended {
     /// Every position up to its own (no eviction has touched the cache yet, or the timing keeps
     /// the whole prompt while it runs).
     Prefix,
@@ -139,7 +139,7 @@ pub(crate) fn start_group(
 /// is inside the window: entries leave as they slide out ([`slide_out`]), whatever the timing.
 /// Cloning forks the stream.
 #[derive(Clone)]
-pub(crate) struct CacheStream {
+pub struct CacheStream {
     state: Started,
     cache: Vec<usize>,
     scores: Vec<f32>,

@@ -273,8 +273,10 @@ fn stage1_cap(m: usize, n: usize, window: usize, budget: usize) -> usize {
 
 /// The entries stage 1 forces in: by descending `attention` (normalised to sum 1; ties to the
 /// lower entry), those before the cumulative mass first reaches `threshold` (none if it never
-/// does), at most `cap`.
+/// does), at most `cap`. The f32 cumulative sum is compared with the threshold rounded to f32, as
+/// torch compares a float32 tensor with a Python float.
 fn forced(attention: &[f32], threshold: f64, cap: usize) -> Vec<usize> {
+    let threshold = threshold as f32;
     let total: f32 = attention.iter().sum();
     let normalised: Vec<f32> = attention.iter().map(|a| a / total).collect();
     let mut order: Vec<usize> = (0..attention.len()).collect();
@@ -284,7 +286,7 @@ fn forced(attention: &[f32], threshold: f64, cap: usize) -> Vec<usize> {
         .iter()
         .position(|&i| {
             mass += normalised[i];
-            mass as f64 >= threshold
+            mass >= threshold
         })
         .unwrap_or(0);
     order.truncate(count.min(cap));

@@ -249,6 +249,26 @@ macro_rules! registry {
     };
 }
 
+/// A setting whose values are a fixed set of names (a timing, an order, a layout): every value,
+/// spelled as its serde form spells it, for flags, listings and errors.
+pub trait Choices: serde::Serialize + Copy + 'static {
+    /// Every value, in listing order.
+    const ALL: &'static [Self];
+}
+
+/// The names of `T`'s values, in listing order.
+pub fn choice_names<T: Choices>() -> Vec<String> {
+    T::ALL.iter().map(|value| choice_name(*value)).collect()
+}
+
+/// The name of one value of a [`Choices`] setting.
+pub fn choice_name<T: Choices>(value: T) -> String {
+    match serde_json::to_value(value) {
+        Ok(serde_json::Value::String(name)) => name,
+        other => panic!("a choice serialises to its name, not {other:?}"),
+    }
+}
+
 /// A registered method of any axis, as listings and flags see it.
 #[derive(Clone, Copy)]
 pub struct Described {

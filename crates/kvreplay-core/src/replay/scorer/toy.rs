@@ -134,7 +134,8 @@ mod tests {
         // A setting it does not take names it and what it takes.
         let err = policy().with("kernel", 3).check().unwrap_err().to_string();
         assert!(err.contains("scorer `toy` (weight)"), "{err}");
-        // Unknown names list it among the valid ones; `kvreplay methods` lists it.
+        // Unknown names list it among the valid ones; the listing `kvreplay methods` prints from
+        // the registries has it, with its setting and default.
         let err = PolicyParams {
             scorer: "toys".into(),
             ..policy()
@@ -143,7 +144,14 @@ mod tests {
         .unwrap_err()
         .to_string();
         assert!(err.contains("oracle-static, toy"), "{err}");
-        let listing = crate::export::methods_markdown();
-        assert!(listing.contains("### `toy`") && listing.contains("- `weight` (default `1.0`)"));
+        // Its declared rule version reaches the policy's (run ids name it).
+        assert_eq!(policy().method_versions()["scorer"], 2);
+        let described = crate::replay::all_methods();
+        let toy = described
+            .iter()
+            .find(|m| m.name == "toy")
+            .expect("described");
+        assert!(toy.takes("weight"));
+        assert_eq!((toy.defaults)()["weight"], 1.0);
     }
 }

@@ -9,7 +9,7 @@ const MAX_HEADER_BYTES: u64 = 100_000_000;
 /// The header of the safetensors file `reader` is at the start of: its length in bytes and its
 /// JSON. Objects come out with their keys sorted (serde_json's maps are ordered by key), so
 /// `serde_json::to_vec` of it is the header's canonical form.
-pub(crate) fn read_header(reader: &mut impl Read) -> std::io::Result<(usize, serde_json::Value)> {
+pub fn read_header(reader: &mut impl Read) -> std::io::Result<(usize, serde_json::Value)> {
     let mut length = [0u8; 8];
     reader.read_exact(&mut length)?;
     let length = u64::from_le_bytes(length);

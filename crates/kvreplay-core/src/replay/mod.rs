@@ -15,7 +15,6 @@ pub mod allocator;
 pub mod channels;
 mod engine;
 mod error;
-pub mod flags;
 pub mod head_split;
 mod kept;
 mod layer;
@@ -39,13 +38,13 @@ mod stream;
 mod timing;
 
 pub use allocator::Rounding;
-pub(crate) use engine::{caches_per_layer, units};
+pub use engine::{caches_per_layer, units};
 pub use engine::{
     check_fit, compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
     replay_keeping, replay_many, LayerDone, ReplayReport,
 };
 pub use error::{PolicyError, Stopped};
-pub(crate) use kept::selection_groups;
+pub use kept::selection_groups;
 pub use layer::{context, LayerContext, Unit};
 pub use layout::{Aggregation, Granularity, Layers};
 pub use masks::{kept_masks, KeptMasks};
@@ -59,5 +58,5 @@ pub use protection::Protection;
 pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
 pub use storage::{HeldCache, Storage};
-pub(crate) use stream::{Attended, CacheStream};
+pub use stream::{Attended, CacheStream};
 pub use timing::{Order, Protocol, Timing, Trigger};

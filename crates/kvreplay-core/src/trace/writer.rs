@@ -63,17 +63,7 @@ const RECONSTRUCTION: usize = BIASES + PROJECTIONS.len();
 const SLOTS: usize = RECONSTRUCTION + 2;
 
 /// How q, k and v are stored on disk. All arithmetic is f32 whatever the storage.
-#[derive(
-    Debug,
-    Clone,
-    Copy,
-    PartialEq,
-    Eq,
-    Default,
-    serde::Serialize,
-    serde::Deserialize,
-    clap::ValueEnum,
-)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Default, serde::Serialize, serde::Deserialize)]
 #[serde(rename_all = "lowercase")]
 pub enum StorageDtype {
     /// IEEE half precision (default: half the size; the captured model's |q|, |k| stay far below 65504).
@@ -83,6 +73,19 @@ pub enum StorageDtype {
     Bf16,
     /// Single precision: bit-exact round trip.
     F32,
+}
+
+impl StorageDtype {
+    /// Every storage, in listing order, with what it is: the command line's `--dtype` values.
+    pub const ALL: [(StorageDtype, &'static str, &'static str); 3] = [
+        (
+            Self::F16,
+            "f16",
+            "IEEE half precision (default: half the size; the captured model's |q|, |k| stay far below 65504)",
+        ),
+        (Self::Bf16, "bf16", "bfloat16"),
+        (Self::F32, "f32", "Single precision: bit-exact round trip"),
+    ];
 }
 
 impl StorageDtype {

@@ -665,7 +665,7 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
 }
 
 /// The caches of one layer under a policy's layout.
-pub(crate) fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
+pub fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
     Unit::all(
         layer.q.shape()[0],
         layer.k.shape()[0],
@@ -742,7 +742,7 @@ pub fn nominal_budget(trace: &TraceReader, policy: &ValidPolicy) -> Result<usize
 }
 
 /// How many caches each layer of `meta`'s model holds under the layout `gqa`.
-pub(crate) fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
+pub fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
     match gqa {
         super::Granularity::QueryHead => meta.n_heads,
         super::Granularity::KvHead => meta.n_kv_heads,

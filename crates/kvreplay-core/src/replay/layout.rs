@@ -7,7 +7,7 @@ use serde::{Deserialize, Serialize};
 
 /// The layers a policy's budget compresses, on a model with sliding-window layers (elsewhere
 /// every layer is global and the two are the same).
-#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, Default, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Layers {
     /// The global layers only; a sliding-window layer keeps its window whatever the policy and
@@ -18,6 +18,10 @@ pub enum Layers {
     /// its scorer sees the window's attention, kept tokens leave when they slide out, and its
     /// reference "full cache" is the window.
     All,
+}
+
+impl crate::replay::settings::Choices for Layers {
+    const ALL: &'static [Self] = &[Self::Global, Self::All];
 }
 
 impl Layers {
@@ -36,7 +40,7 @@ impl Layers {
 }
 
 /// The unit that owns a cache.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize, clap::ValueEnum)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
 #[serde(rename_all = "kebab-case")]
 pub enum Granularity {
     /// One cache per KV head; the group's query-head scores are aggregated (kvpress, AdaKV).
@@ -48,6 +52,10 @@ pub enum Granularity {
     /// the mean over its KV groups of each group's aggregated score (with `agg = mean`, the mean
     /// over all query heads).
     Layer,
+}
+
+impl crate::replay::settings::Choices for Granularity {
+    const ALL: &'static [Self] = &[Self::KvHead, Self::QueryHead, Self::Layer];
 }
 
 impl Granularity {

@@ -25,7 +25,7 @@ pub(crate) fn is_whole_layer(policy: &ValidPolicy) -> bool {
 
 /// The caches that choose one kept set together: each cache alone, or under `gqa = layer` all of
 /// the layer's (KV-head) caches as one.
-pub(crate) fn selection_groups<'u>(units: &'u [Unit], policy: &ValidPolicy) -> Vec<&'u [Unit]> {
+pub fn selection_groups<'u>(units: &'u [Unit], policy: &ValidPolicy) -> Vec<&'u [Unit]> {
     if policy.params().gqa == Granularity::Layer {
         vec![units]
     } else {
