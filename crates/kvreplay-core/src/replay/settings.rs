@@ -40,6 +40,25 @@ pub struct Broken {
     pub rule: std::borrow::Cow<'static, str>,
 }
 
+impl Broken {
+    /// The rule of a setting that is a share: `value` must lie in [0, 1]; `meaning`, when given,
+    /// says of what (`"a cosine similarity"`).
+    pub fn unless_share(
+        key: &'static str,
+        value: f64,
+        meaning: Option<&'static str>,
+    ) -> Result<(), Broken> {
+        if (0.0..=1.0).contains(&value) {
+            return Ok(());
+        }
+        let rule = match meaning {
+            Some(meaning) => format!("must be in [0, 1]: {meaning}").into(),
+            None => "must be in [0, 1]".into(),
+        };
+        Err(Broken { key, rule })
+    }
+}
+
 /// Why settings could not become a method.
 #[derive(Debug, Clone, PartialEq, Eq)]
 pub struct SettingError {

@@ -27,14 +27,7 @@ crate::settings! {
 
 impl HeadSplit for AdaKv {
     fn check(&self) -> Result<(), Broken> {
-        if (0.0..=1.0).contains(&self.alpha) {
-            Ok(())
-        } else {
-            Err(Broken {
-                key: "alpha",
-                rule: "must be in [0, 1]".into(),
-            })
-        }
+        Broken::unless_share("alpha", self.alpha, None)
     }
 
     fn needs_scores(&self) -> bool {

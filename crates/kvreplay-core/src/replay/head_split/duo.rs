@@ -83,12 +83,11 @@ impl HeadSplit for Duo {
     /// The settings' own rules; the calibration traces are read when the first trace is checked
     /// ([`check_trace`](HeadSplit::check_trace)), so an experiment that captures them loads first.
     fn check(&self) -> Result<(), Broken> {
-        if !(0.0..=1.0).contains(&self.head_compression_ratio) {
-            return Err(Broken {
-                key: "head_compression_ratio",
-                rule: "must be in [0, 1]: the share of the KV heads made streaming heads".into(),
-            });
-        }
+        Broken::unless_share(
+            "head_compression_ratio",
+            self.head_compression_ratio,
+            Some("the share of the KV heads made streaming heads"),
+        )?;
         if !SCORES.contains(&self.scores.as_str()) {
             return Err(Broken {
                 key: "scores",

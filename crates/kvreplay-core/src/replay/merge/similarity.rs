@@ -24,12 +24,11 @@ crate::settings! {
 
 impl Merge for Similarity {
     fn check(&self) -> Result<(), Broken> {
-        if !(0.0..=1.0).contains(&self.similarity_threshold) {
-            return Err(Broken {
-                key: "similarity_threshold",
-                rule: "must be in [0, 1]: a cosine similarity".into(),
-            });
-        }
+        Broken::unless_share(
+            "similarity_threshold",
+            self.similarity_threshold,
+            Some("a cosine similarity"),
+        )?;
         if !(self.merge_fraction > 0.0 && self.merge_fraction <= 1.0) {
             return Err(Broken {
                 key: "merge_fraction",

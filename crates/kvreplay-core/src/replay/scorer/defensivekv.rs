@@ -76,13 +76,7 @@ impl Scorer for DefensiveKv {
 
     fn check(&self) -> Result<(), Broken> {
         check_kernel(self.kernel)?;
-        if !(0.0..=1.0).contains(&self.stage1_mass) {
-            return Err(Broken {
-                key: "stage1_mass",
-                rule: "must lie in [0, 1]".into(),
-            });
-        }
-        Ok(())
+        Broken::unless_share("stage1_mass", self.stage1_mass, None)
     }
 
     fn needs_values(&self) -> bool {

@@ -88,13 +88,7 @@ impl Scorer for RKv {
 
     fn check(&self) -> Result<(), Broken> {
         check_kernel(self.kernel)?;
-        if !(0.0..=1.0).contains(&self.mix_lambda) {
-            return Err(Broken {
-                key: "mix_lambda",
-                rule: "must lie in [0, 1]".into(),
-            });
-        }
-        Ok(())
+        Broken::unless_share("mix_lambda", self.mix_lambda, None)
     }
 
     fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
