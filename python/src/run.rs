@@ -186,8 +186,8 @@ pub fn compare(
 ) -> PyResult<Results> {
     let trace = Trace::from_arg(trace)?.into_bound(py);
     let settings = settings_map(settings, &[])?;
-    let names = match presets {
-        Some(names) => names,
+    let labelled = match presets {
+        Some(names) => presets::labelled(&names, budget, &settings).map_err(raised)?,
         None => {
             let (runnable, left_out) =
                 presets::runnable_on(trace.get().reader(), budget, &settings).map_err(raised)?;
@@ -203,8 +203,7 @@ pub fn compare(
             runnable
         }
     };
-    let policies = presets::labelled(&names, budget, &settings)
-        .map_err(raised)?
+    let policies = labelled
         .into_iter()
         .map(|(name, checked)| {
             let params = checked.params().clone();

@@ -121,8 +121,8 @@ pub fn compare(
     names: Option<Vec<String>>,
     output: &OutputArgs,
 ) -> Result<String> {
-    let names = match names {
-        Some(names) => names,
+    let labelled = match names {
+        Some(names) => presets::labelled(&names, budget, settings)?,
         None => {
             let (runnable, left_out) = presets::runnable_on(reader, budget, settings)?;
             for (name, why) in left_out {
@@ -131,9 +131,7 @@ pub fn compare(
             runnable
         }
     };
-    let (labels, policies): (Vec<String>, Vec<_>) = presets::labelled(&names, budget, settings)?
-        .into_iter()
-        .unzip();
+    let (labels, policies): (Vec<String>, Vec<_>) = labelled.into_iter().unzip();
     let reports = replay_all(reader, &policies, output.threads)?;
     let labelled: Vec<ReplayReport> = reports
         .into_iter()

@@ -209,22 +209,22 @@ pub fn labelled(
 /// Presets left out, each with the rule of the pair it breaks.
 pub type LeftOut = Vec<(String, PolicyError)>;
 
-/// The presets of [`NAMES`] that run on `trace` at `budget` with `settings` (as [`labelled`]
-/// takes them), in that order, and each one left out with the rule of the pair it breaks (a
-/// method that reads tensors the trace lacks): what a command that runs "every preset" runs.
+/// The presets of [`NAMES`] that run on `trace` at `budget` with `settings`, labelled and checked
+/// as [`labelled`] gives them, in that order, and each one left out with the rule of the pair it
+/// breaks (a method that reads tensors the trace lacks): what a command that runs "every preset"
+/// runs.
 pub fn runnable_on(
     trace: &crate::trace::TraceReader,
     budget: usize,
     settings: &Map<String, Value>,
-) -> Result<(Vec<String>, LeftOut), PolicyError> {
+) -> Result<(Vec<(String, ValidPolicy)>, LeftOut), PolicyError> {
+    let names: Vec<String> = NAMES.iter().map(|name| name.to_string()).collect();
     let mut runnable = Vec::new();
     let mut left_out = Vec::new();
-    for name in NAMES {
-        let labelled = labelled(&[name.to_string()], budget, settings)?;
-        let (_, policy) = labelled.first().expect("one preset");
-        match super::check_fit(trace, policy) {
-            Ok(_) => runnable.push(name.to_string()),
-            Err(err @ PolicyError::TraceMismatch { .. }) => left_out.push((name.to_string(), err)),
+    for (name, (label, policy)) in names.iter().zip(labelled(&names, budget, settings)?) {
+        match super::check_fit(trace, &policy) {
+            Ok(_) => runnable.push((label, policy)),
+            Err(err @ PolicyError::TraceMismatch { .. }) => left_out.push((name.clone(), err)),
             Err(other) => return Err(other),
         }
     }
