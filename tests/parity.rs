@@ -18,7 +18,7 @@ use kvreplay::replay::{
     context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, Order,
     PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
 };
-use kvreplay::trace::{LayerInputs, Projection, StorageDtype, TraceMeta, TraceReader, TraceWriter};
+use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
 use serde_json::Value;
 use std::path::{Path, PathBuf};
@@ -44,33 +44,18 @@ fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
 /// [`write_trace_values`] with values and attention inputs (hidden states of width 32 and the
 /// four projections, drawn from a third stream).
 fn write_trace_inputs(path: &Path, seed: u64, prompt_len: usize) {
-    const D_MODEL: usize = 32;
-    let mut rng = Rng(seed ^ 0x1);
-    let mut matrix = |rows: usize, columns: usize| {
-        ndarray::Array2::from_shape_simple_fn((rows, columns), || {
-            (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0
-        })
+    let shape = common::Shape {
+        n_layers: LAYERS,
+        n_heads: HEADS,
+        n_kv_heads: KV_HEADS,
+        head_dim: HEAD_DIM,
+        prompt_len,
+        generated: GENERATED,
     };
-    let (q, kv) = (HEADS * HEAD_DIM, KV_HEADS * HEAD_DIM);
-    let t = prompt_len + GENERATED;
-    let inputs = (0..LAYERS)
-        .map(|_| {
-            let hidden = matrix(t, D_MODEL);
-            let mut projection = |rows, columns| Projection {
-                weight: matrix(rows, columns),
-                bias: None,
-            };
-            LayerInputs {
-                hidden,
-                projections: [
-                    projection(q, D_MODEL),
-                    projection(kv, D_MODEL),
-                    projection(kv, D_MODEL),
-                    projection(D_MODEL, q),
-                ],
-            }
-        })
-        .collect();
+    let mut rng = Rng(seed ^ 0x1);
+    let inputs = common::random_inputs(shape, 32, || {
+        (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0
+    });
     trace_writer(seed, prompt_len, true)
         .with_inputs(inputs)
         .write(path)

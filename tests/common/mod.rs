@@ -226,17 +226,26 @@ pub fn fixture_pass(shape: Shape, seed: u64, cut: usize) -> Vec<LayerReconstruct
 /// of width [`D_MODEL`] and the four projections, `q_proj` and `k_proj` with biases.
 pub fn fixture_inputs(shape: Shape, seed: u64) -> Vec<LayerInputs> {
     let mut rng = Rng(seed ^ 0x696e70757473);
+    random_inputs(shape, D_MODEL, || rng.quarter())
+}
+
+/// Attention inputs of a trace of `shape` with model width `d_model`, every element drawn from
+/// `value`: hidden states and the four projections, `q_proj` and `k_proj` with biases of 0.25.
+pub fn random_inputs(
+    shape: Shape,
+    d_model: usize,
+    mut value: impl FnMut() -> f32,
+) -> Vec<LayerInputs> {
     let t = shape.prompt_len + shape.generated;
     let (q, kv) = (
         shape.n_heads * shape.head_dim,
         shape.n_kv_heads * shape.head_dim,
     );
-    let mut matrix = |rows: usize, columns: usize| {
-        Array2::from_shape_simple_fn((rows, columns), || rng.quarter())
-    };
+    let mut matrix =
+        |rows: usize, columns: usize| Array2::from_shape_simple_fn((rows, columns), &mut value);
     (0..shape.n_layers)
         .map(|_| {
-            let hidden = matrix(t, D_MODEL);
+            let hidden = matrix(t, d_model);
             let mut projection = |rows: usize, columns: usize, bias: bool| Projection {
                 weight: matrix(rows, columns),
                 bias: bias.then(|| Array1::from_elem(rows, 0.25)),
@@ -244,10 +253,10 @@ pub fn fixture_inputs(shape: Shape, seed: u64) -> Vec<LayerInputs> {
             LayerInputs {
                 hidden,
                 projections: [
-                    projection(q, D_MODEL, true),
-                    projection(kv, D_MODEL, true),
-                    projection(kv, D_MODEL, false),
-                    projection(D_MODEL, q, false),
+                    projection(q, d_model, true),
+                    projection(kv, d_model, true),
+                    projection(kv, d_model, false),
+                    projection(d_model, q, false),
                 ],
             }
         })
