@@ -112,14 +112,13 @@ impl ScoreState for State {
         }
         let m = n - self.window;
         let rows = WindowRows::of(layer, cache, self.window);
-        let heads = self.unit.query_heads.clone();
-        let worst = self.defensive(&rows, heads.clone(), m);
+        let worst = self.defensive(&rows, m);
         let factor = value_factor(layer, &cache[..m], self.unit.kv_head);
         for ((score, w), f) in out.iter_mut().zip(&worst).zip(&factor) {
             *score = w * f;
         }
         let cap = stage1_cap(m, n, self.window, self.settings.stage1_budget);
-        let mean = rows.mean_attention(heads, m);
+        let mean = rows.mean_attention(self.unit.query_heads.clone(), m);
         let threshold = self.settings.stage1_mass - rows.bias(m);
         for index in forced(&mean, threshold, cap) {
             out[index] = f32::INFINITY;
@@ -130,9 +129,9 @@ impl ScoreState for State {
 impl State {
     /// Per entry before the window, the largest pooled and rescaled weight over the cache's query
     /// heads and the window's rows, clamped from below at its mean.
-    fn defensive(&self, rows: &WindowRows, heads: std::ops::Range<usize>, m: usize) -> Vec<f32> {
+    fn defensive(&self, rows: &WindowRows, m: usize) -> Vec<f32> {
         let mut worst = vec![f32::NEG_INFINITY; m];
-        for head in heads {
+        for head in self.unit.query_heads.clone() {
             for row in &rows.weights[head] {
                 let before = &row[..m];
                 let total: f32 = before.iter().sum();
