@@ -835,3 +835,50 @@ fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
     let resumed = format!("long: {} runs done, {kept} already there", total - kept);
     assert!(said.contains(&resumed), "{said}");
 }
+
+/// The run id of every policy of every shipped experiment, for one stand-in trace, is the one
+/// `tests/fixtures/run_ids.tsv` records. That file was written by the code before policies' method
+/// settings were routed per axis (typed settings); an id hashes the trace only through its file
+/// name, content hash and recipe hash, beside the policy's canonical form, so equal ids on the
+/// stand-in mean equal ids on every trace: the committed results' stored runs keep their ids.
+#[test]
+fn every_shipped_runs_id_is_unchanged() {
+    let stand_in = kvreplay::experiment::TraceFile {
+        path: "trace.safetensors".into(),
+        sha256: "0".repeat(64),
+        recipe: None,
+        question: None,
+        recipe_sha256: Some("1".repeat(64)),
+        heads: None,
+        prompt_len: None,
+        model: None,
+        global_layers: None,
+    };
+    let mut paths: Vec<PathBuf> = std::fs::read_dir("experiments")
+        .unwrap()
+        .map(|entry| entry.unwrap().path())
+        .filter(|path| path.extension().is_some_and(|e| e == "toml"))
+        .collect();
+    paths.sort();
+    let mut rows = String::new();
+    for path in &paths {
+        let experiment = Experiment::load(path).unwrap_or_else(|e| panic!("{e}"));
+        for run in experiment.plan(std::slice::from_ref(&stand_in)) {
+            rows.push_str(&format!(
+                "{}\t{}\t{}\t{}\n",
+                experiment.name, run.name, run.params.budget, run.id
+            ));
+        }
+    }
+    let recorded = std::fs::read_to_string("tests/fixtures/run_ids.tsv").unwrap();
+    let changed: Vec<(&str, &str)> = recorded
+        .lines()
+        .zip(rows.lines())
+        .filter(|(was, now)| was != now)
+        .take(5)
+        .collect();
+    assert!(
+        changed.is_empty() && recorded.lines().count() == rows.lines().count(),
+        "run ids changed (recorded vs now): {changed:#?}"
+    );
+}
