@@ -587,6 +587,46 @@ fn every_shipped_experiment_loads() {
     assert!(shipped >= 10, "{shipped} experiments");
 }
 
+/// A method given as a table (its name and its settings) or a setting qualified by its axis
+/// reaches that method alone; a bare key two chosen methods declare is refused, naming both.
+#[test]
+fn a_method_table_gives_settings_to_its_method_alone() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("apart.toml");
+    let write = |policy: &str| {
+        let file = format!("traces = [\"t.safetensors\"]\nbudgets = [16]\n\n[[policy]]\n{policy}");
+        std::fs::write(&path, file).unwrap();
+    };
+    write(
+        "name = \"apart\"\nscorer = { name = \"rkv\", threshold = [0.5, 0.7] }\nheads.name = \"threshold\"\nheads.threshold = -1.0\n",
+    );
+    let experiment = Experiment::load(&path).unwrap_or_else(|e| panic!("{e}"));
+    let labels: Vec<&str> = experiment
+        .policies
+        .iter()
+        .map(|(n, _)| n.as_str())
+        .collect();
+    assert_eq!(
+        labels,
+        ["apart scorer.threshold=0.5", "apart scorer.threshold=0.7"]
+    );
+    let settings = experiment
+        .check(&experiment.policies[1].1)
+        .unwrap()
+        .settings();
+    assert_eq!(settings["scorer.threshold"], "0.7");
+    assert_eq!(settings["heads.threshold"], "-1.0");
+    write("name = \"bare\"\nscorer = \"rkv\"\nheads = \"threshold\"\nthreshold = 0.7\n");
+    let err = Experiment::load(&path).unwrap_err().to_string();
+    assert!(
+        err.contains("write `scorer.threshold` or `heads.threshold`"),
+        "{err}"
+    );
+    write("name = \"odd\"\nwindow = { size = 4 }\n");
+    let err = Experiment::load(&path).unwrap_err().to_string();
+    assert!(err.contains("`window` is a table"), "{err}");
+}
+
 /// An experiment that extends another inherits every key it does not set and replaces the ones
 /// it does (its `[[policy]]` tables replace the base's whole list).
 #[test]

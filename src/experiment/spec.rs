@@ -9,8 +9,8 @@ use super::traces::{self, Capture, NeedleCell, TraceEntry, TraceFile};
 use super::Budget;
 use super::SweepError;
 use crate::replay::{
-    all_methods, common_keys, parse_fraction, presets, ExternalMethods, PolicyError, PolicyParams,
-    ValidPolicy,
+    all_methods, common_keys, parse_fraction, presets, routing, ExternalMethods, PolicyError,
+    PolicyParams, ValidPolicy,
 };
 use serde::Deserialize;
 use sha2::{Digest, Sha256};
@@ -276,7 +276,7 @@ fn policy_axes(
     table: &toml::Table,
 ) -> Result<Vec<(String, Vec<toml::Value>)>, ExperimentError> {
     let mut axes = Vec::new();
-    for (key, value) in table {
+    for (key, value) in method_tables(path, name, table)? {
         if key == "name" || key == "preset" {
             continue;
         }
@@ -287,13 +287,13 @@ fn policy_axes(
                 detail: "`bytes` in a [[policy]]: an experiment's budgets in bytes are its top-level `bytes` list (`bytes = [\"1/4\", \"1/8\"]`), in place of `budgets`".into(),
             });
         }
-        if !is_policy_key(key) {
+        if !is_policy_key(&key) {
             return Err(ExperimentError::UnknownKey {
                 path: path.to_owned(),
                 policy: name.to_owned(),
                 key: key.clone(),
                 valid: format!(
-                    "{}, or a method's own setting (`kvreplay methods` lists them)",
+                    "{}, or a method's own setting, bare or qualified by its axis (`scorer.kernel`; `kvreplay methods` lists them)",
                     common_keys()
                         .filter(|k| !matches!(*k, "budget" | "bytes"))
                         .collect::<Vec<_>>()
@@ -301,7 +301,7 @@ fn policy_axes(
                 ),
             });
         }
-        let values = as_list(value);
+        let values = as_list(&value);
         if let Some(repeat) = first_repeat(&values) {
             return Err(ExperimentError::Policy {
                 path: path.to_owned(),
@@ -309,9 +309,43 @@ fn policy_axes(
                 detail: format!("`{key}` lists {} twice", text(repeat)),
             });
         }
-        axes.push((key.clone(), values));
+        axes.push((key, values));
     }
     Ok(axes)
+}
+
+/// A policy table's entries with each method given as a table (`scorer = { name = "rkv",
+/// threshold = 0.7 }`, or `scorer.threshold = 0.7` beside a preset's scorer) written out as its
+/// name and its qualified settings (`scorer = "rkv"`, `scorer.threshold = 0.7`).
+fn method_tables(
+    path: &Path,
+    policy: &str,
+    table: &toml::Table,
+) -> Result<Vec<(String, toml::Value)>, ExperimentError> {
+    let mut entries = Vec::new();
+    for (key, value) in table {
+        let toml::Value::Table(method) = value else {
+            entries.push((key.clone(), value.clone()));
+            continue;
+        };
+        if !routing::AXES.contains(&key.as_str()) {
+            return Err(ExperimentError::Policy {
+                path: path.to_owned(),
+                policy: policy.to_owned(),
+                detail: format!(
+                    "`{key}` is a table, but only a method's axis ({}) may be one: its `name` and its settings",
+                    routing::AXES.join(", ")
+                ),
+            });
+        }
+        for (setting, value) in method {
+            match setting.as_str() {
+                "name" => entries.push((key.clone(), value.clone())),
+                _ => entries.push((format!("{key}.{setting}"), value.clone())),
+            }
+        }
+    }
+    Ok(entries)
 }
 
 /// The cartesian product of the axes' values, the first axis outermost.
@@ -592,8 +626,11 @@ fn first_repeat<T: PartialEq>(values: &[T]) -> Option<&T> {
 /// `bytes` (the top-level `budgets` list sets the budget), or a setting some registered method
 /// declares.
 fn is_policy_key(key: &str) -> bool {
-    (!matches!(key, "budget" | "bytes") && common_keys().any(|common| common == key))
-        || all_methods().iter().any(|method| method.takes(key))
+    let (axis, bare) = routing::split(key);
+    let method_key = all_methods()
+        .iter()
+        .any(|method| method.takes(bare) && axis.is_none_or(|axis| method.axis_key() == axis));
+    (!matches!(key, "budget" | "bytes") && common_keys().any(|common| common == key)) || method_key
 }
 
 /// `slug-hash`: the slug is readable, the hash (of the normalised settings, the display name, the
@@ -620,9 +657,7 @@ fn versioned_run_id(
     closed_loop: bool,
     external: Option<&str>,
 ) -> String {
-    let mut settings: BTreeMap<String, serde_json::Value> =
-        serde_json::from_value(serde_json::to_value(params).expect("params serialise"))
-            .expect("object");
+    let mut settings = params.canonical();
     // A method whose rule changed (version above 1) names other runs than before; every run of
     // a method still at its first rule keeps its id.
     for (axis, &version) in versions {
@@ -676,8 +711,7 @@ mod tests {
 
     /// The id a run had before rule versions existed: its settings alone.
     fn unversioned_id(params: &PolicyParams) -> String {
-        let settings: BTreeMap<String, serde_json::Value> =
-            serde_json::from_value(serde_json::to_value(params).unwrap()).unwrap();
+        let settings = params.canonical();
         let normalised = serde_json::to_string(&(
             "p",
             "t.safetensors",

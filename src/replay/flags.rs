@@ -74,19 +74,77 @@ pub fn method_flags() -> Vec<clap::Arg> {
             }
         }
     }
-    keys.into_iter()
+    let mut flags: Vec<clap::Arg> = keys
+        .into_iter()
         .map(|(key, meanings)| {
             let help: Vec<String> = meanings
                 .into_iter()
                 .map(|(meaning, methods)| format!("{}: {meaning}", methods.join(", ")))
                 .collect();
+            let axes = axes_declaring(key);
+            let qualified = match axes.len() {
+                1 => String::new(),
+                _ => {
+                    let spellings: Vec<String> = axes
+                        .iter()
+                        .map(|axis| format!("--{axis}.{}", key.replace('_', "-")))
+                        .collect();
+                    format!(
+                        " (where two chosen methods take it: {})",
+                        spellings.join(", ")
+                    )
+                }
+            };
             clap::Arg::new(key)
                 .long(key.replace('_', "-"))
                 .value_name("VALUE")
-                .help(help.join("; "))
+                .allow_negative_numbers(true)
+                .help(format!("{}{qualified}", help.join("; ")))
                 .help_heading("Method settings")
         })
-        .collect()
+        .collect();
+    flags.extend(qualified_flags());
+    flags
+}
+
+/// The axes whose methods declare `key`, in listing order.
+fn axes_declaring(key: &str) -> Vec<&'static str> {
+    let mut axes: Vec<&'static str> = Vec::new();
+    for method in all_methods().iter().filter(|method| method.takes(key)) {
+        if !axes.contains(&method.axis_key()) {
+            axes.push(method.axis_key());
+        }
+    }
+    axes
+}
+
+/// One flag per method setting qualified by its axis (`--scorer.kernel`, the experiment files'
+/// `scorer.kernel`): shown in the help where two axes declare the key, hidden elsewhere.
+fn qualified_flags() -> Vec<clap::Arg> {
+    let mut flags: Vec<clap::Arg> = Vec::new();
+    for method in all_methods() {
+        for param in method.params {
+            let id = format!("{}.{}", method.axis_key(), param.key);
+            if flags.iter().any(|flag| flag.get_id() == id.as_str()) {
+                continue;
+            }
+            let shown = axes_declaring(param.key).len() > 1;
+            flags.push(
+                clap::Arg::new(id.clone())
+                    .long(format!(
+                        "{}.{}",
+                        method.axis_key(),
+                        param.key.replace('_', "-")
+                    ))
+                    .value_name("VALUE")
+                    .allow_negative_numbers(true)
+                    .help(format!("`{}` of the chosen {}", param.key, method.axis))
+                    .help_heading("Method settings")
+                    .hide(!shown),
+            );
+        }
+    }
+    flags
 }
 
 /// The policy the flags of [`policy_flags`] in `matches` give, read as an experiment file's
@@ -165,5 +223,39 @@ mod tests {
         assert_eq!(parsed(&[]).unwrap(), PolicyParams::default());
         let err = parsed(&["--preset", "snapk"]).unwrap_err();
         assert!(err.contains("snapkv"), "{err}");
+    }
+
+    #[test]
+    fn a_setting_qualified_by_its_axis_is_a_flag() {
+        let both = ["--scorer", "rkv", "--heads", "threshold"];
+        let apart = parsed(
+            &[
+                &both[..],
+                &["--scorer.threshold", "0.7", "--heads.threshold", "-1"],
+            ]
+            .concat(),
+        )
+        .unwrap();
+        let settings = apart.check().unwrap().settings();
+        assert_eq!(settings["scorer.threshold"], "0.7");
+        assert_eq!(settings["heads.threshold"], "-1");
+        let bare = parsed(&[&both[..], &["--threshold", "0.7"]].concat()).unwrap();
+        let err = bare.check().unwrap_err().to_string();
+        assert!(
+            err.contains("write `scorer.threshold` or `heads.threshold`"),
+            "{err}"
+        );
+        // Every setting has its qualified flag; only those two axes declare are in the help.
+        let qualified = parsed(&["--scorer.kernel", "5"]).unwrap();
+        assert_eq!(
+            qualified.canonical(),
+            parsed(&["--kernel", "5"]).unwrap().canonical()
+        );
+        let help = clap::Command::new("replay")
+            .args(policy_flags())
+            .render_help()
+            .to_string();
+        assert!(help.contains("--heads.threshold"), "{help}");
+        assert!(!help.contains("--scorer.kernel"), "{help}");
     }
 }

@@ -34,6 +34,34 @@ pub enum PolicyError {
         /// Which methods do take it.
         owners: String,
     },
+    /// A bare method setting that two chosen methods declare.
+    #[error("setting `{key}` is declared by {owners}: write {spellings}")]
+    AmbiguousSetting {
+        /// The key given.
+        key: String,
+        /// The chosen methods that declare it.
+        owners: String,
+        /// Its qualified spellings.
+        spellings: String,
+    },
+    /// A qualified method setting whose axis does not exist.
+    #[error("setting `{key}`: `{axis}` is not an axis ({valid})")]
+    UnknownAxis {
+        /// The key given.
+        key: String,
+        /// Its axis part.
+        axis: String,
+        /// The axes.
+        valid: String,
+    },
+    /// A method setting given both bare and qualified.
+    #[error("setting `{key}` of {method} is given twice (bare and qualified)")]
+    SettingTwice {
+        /// The bare key.
+        key: String,
+        /// The method it is for.
+        method: String,
+    },
     /// A method setting of the wrong type or out of range.
     #[error("{method}: setting `{key}` = {value}: {rule}")]
     Setting {

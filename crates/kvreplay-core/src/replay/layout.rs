@@ -25,11 +25,6 @@ impl crate::replay::settings::Choices for Layers {
 }
 
 impl Layers {
-    /// Whether it is the default, `global`.
-    pub fn is_global(&self) -> bool {
-        *self == Layers::Global
-    }
-
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {

@@ -30,6 +30,7 @@ mod protection;
 pub mod quantizer;
 pub mod reference;
 mod rotary;
+pub mod routing;
 pub mod scorer;
 mod select;
 pub mod settings;

@@ -6,6 +6,7 @@ use super::channels::{self, KeyChannels};
 use super::head_split::{self, HeadSplit};
 use super::merge::{self, Merge};
 use super::quantizer::{self, Quantizer, Scheme};
+use super::routing::{self, Owner};
 use super::scorer::{self, Scorer};
 use super::settings::{self, Described, Method, SettingError};
 use super::storage::Storage;
@@ -15,7 +16,8 @@ use serde_json::{Map, Value};
 use std::collections::BTreeMap;
 
 /// A policy as given on the command line or in an experiment file: the methods of each axis by
-/// name, the settings every policy has, and the chosen methods' own settings by key.
+/// name, the settings every policy has, and the chosen methods' own settings by key. Its run-id
+/// form is [`PolicyParams::canonical`].
 #[derive(Debug, Clone, PartialEq, Serialize, Deserialize)]
 #[serde(default)]
 pub struct PolicyParams {
@@ -28,30 +30,19 @@ pub struct PolicyParams {
     /// When the kept set is chosen.
     pub timing: Timing,
     /// Under a streaming timing, whether a step's query attends before or after its eviction.
-    /// Left out of the serialised form when it is the default, so that run ids computed before
-    /// it existed still name the same runs.
-    #[serde(skip_serializing_if = "Order::is_evict_first")]
     pub order: Order,
     /// Under a streaming timing, how many tokens the cache grows past its budget before it is cut
-    /// back to it in one compression (1: one token evicted per token arriving). Left out of the
-    /// serialised form when it is the default, so that run ids computed before it existed still
-    /// name the same runs.
-    #[serde(skip_serializing_if = "is_every_token")]
+    /// back to it in one compression (1: one token evicted per token arriving).
     pub interval: usize,
     /// Under an `interval` above 1, what makes the cache compress: its growth past the budget,
-    /// or the arriving token's position. Left out of the serialised form when it is the default,
-    /// so that run ids computed before it existed still name the same runs.
-    #[serde(skip_serializing_if = "Trigger::is_growth")]
+    /// or the arriving token's position.
     pub trigger: Trigger,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
     /// A budget in bytes, in place of `budget`: a fraction of the full prompt cache's bytes (0.125
     /// or "1/8"), resolved on each trace to the most tokens whose cache, as the quantizer stores
-    /// it, fits in it at the prompt's end. Left out of the serialised form when not given.
-    #[serde(
-        skip_serializing_if = "Option::is_none",
-        deserialize_with = "fraction::deserialize"
-    )]
+    /// it, fits in it at the prompt's end.
+    #[serde(deserialize_with = "fraction::deserialize")]
     pub bytes: Option<f64>,
     /// First positions always kept (attention sinks).
     pub sinks: usize,
@@ -59,36 +50,38 @@ pub struct PolicyParams {
     pub window: usize,
     /// Cache granularity under grouped-query attention.
     pub gqa: Granularity,
-    /// The layers the budget compresses on a model with sliding-window layers. Left out of the
-    /// serialised form when it is the default, so that run ids computed before it existed still
-    /// name the same runs.
-    #[serde(skip_serializing_if = "Layers::is_global")]
+    /// The layers the budget compresses on a model with sliding-window layers.
     pub layers: Layers,
-    /// Where the cut falls relative to the question. Left out of the serialised form when it is
-    /// the default, so that run ids computed before it existed still name the same runs.
-    #[serde(skip_serializing_if = "Protocol::is_question_in_prompt")]
+    /// Where the cut falls relative to the question.
     pub protocol: Protocol,
     /// k of the top-k recall metric.
     pub top_k: usize,
-    /// Quantizer name (registry key): how the kept keys and values are stored. Left out of the
-    /// serialised form when it is the default (`none`), so that run ids computed before it
-    /// existed still name the same runs.
-    #[serde(skip_serializing_if = "is_unquantized")]
+    /// Quantizer name (registry key): how the kept keys and values are stored.
     pub quantizer: String,
-    /// Key-channel rule name (registry key): which channels of the kept keys are stored. Left
-    /// out of the serialised form when it is the default (`none`), so that run ids computed before
-    /// it existed still name the same runs.
-    #[serde(skip_serializing_if = "keeps_every_channel")]
+    /// Key-channel rule name (registry key): which channels of the kept keys are stored.
     pub channels: String,
-    /// Merge rule name (registry key): what becomes of the values evicted at the cut. Left out
-    /// of the serialised form when it is the default (`none`), so that run ids computed before it
-    /// existed still name the same runs.
-    #[serde(skip_serializing_if = "drops_evicted")]
+    /// Merge rule name (registry key): what becomes of the values evicted at the cut.
     pub merge: String,
-    /// The chosen methods' own settings (each method's declared parameters), by key.
+    /// The chosen methods' own settings, by key as given: bare (`kernel`, for the one chosen
+    /// method that declares it) or qualified by its axis (`scorer.threshold`); see
+    /// [`routing`](super::routing).
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
 }
+
+/// The common settings added after runs were first stored, which a policy's canonical form leaves
+/// out at their defaults so that the runs stored before each existed keep their ids.
+const ADDED_LATER: [&str; 9] = [
+    "order",
+    "interval",
+    "trigger",
+    "bytes",
+    "layers",
+    "protocol",
+    "quantizer",
+    "channels",
+    "merge",
+];
 
 /// A fraction given as a number or as `"a/b"`.
 mod fraction {
@@ -122,11 +115,6 @@ pub fn parse_fraction(text: &str) -> Option<f64> {
         Some((a, b)) => Some(a.trim().parse::<f64>().ok()? / b.trim().parse::<f64>().ok()?),
         None => text.trim().parse().ok(),
     }
-}
-
-/// Whether `interval` is the default, one eviction per arriving token.
-fn is_every_token(interval: &usize) -> bool {
-    *interval == 1
 }
 
 /// Whether `quantizer` names the default, the cache as captured.
@@ -499,21 +487,29 @@ pub trait ExternalMethods: std::fmt::Debug + Send + Sync {
     fn identity(&self, params: &PolicyParams) -> Option<String>;
 }
 
-/// A chosen method with its settings for an error message, or, for one defined outside the
-/// registries, its name.
-fn described<T: ?Sized>(chosen: Option<&Chosen<'_, T>>, axis: &str, name: &str) -> String {
-    match chosen {
-        Some(chosen) => format!("{} ({})", chosen.label(), chosen.method.keys()),
-        None => format!("{axis} `{name}` (no settings)"),
-    }
-}
-
 /// Every value a chosen method runs with (none for a method defined outside the registries).
 fn resolved<T: ?Sized>(
     chosen: Option<&Chosen<'_, T>>,
     given: &Map<String, Value>,
 ) -> Map<String, Value> {
     chosen.map(|c| c.method.resolve(given)).unwrap_or_default()
+}
+
+/// The method chosen on `axis` as routing sees it (one defined outside the registries declares
+/// no settings).
+fn owner<T: ?Sized>(axis: &'static str, chosen: Option<&Chosen<'_, T>>, name: &str) -> Owner {
+    match chosen {
+        Some(chosen) => Owner {
+            axis,
+            label: chosen.label(),
+            params: chosen.method.params,
+        },
+        None => Owner {
+            axis,
+            label: format!("{axis} `{name}`"),
+            params: &[],
+        },
+    }
 }
 
 /// A checked policy: the only thing the engine runs.
@@ -600,46 +596,26 @@ impl PolicyParams {
         let quantizer = lookup("quantizer", quantizer::REGISTRY, &self.quantizer)?;
         let key_channels = lookup("channels", channels::REGISTRY, &self.channels)?;
         let merge_rule = lookup("merge", merge::REGISTRY, &self.merge)?;
-        let given: Map<String, Value> = self.settings.clone().into_iter().collect();
-        let scorer_takes = |key: &str| registered.as_ref().is_some_and(|s| s.method.takes(key));
-        let allocator_takes = |key: &str| {
-            registered_allocator
-                .as_ref()
-                .is_some_and(|a| a.method.takes(key))
+        let owners = [
+            owner("allocator", registered_allocator.as_ref(), &self.allocator),
+            owner("scorer", registered.as_ref(), &self.scorer),
+            owner("heads", Some(&heads), &self.heads),
+            owner("quantizer", Some(&quantizer), &self.quantizer),
+            owner("channels", Some(&key_channels), &self.channels),
+            owner("merge", Some(&merge_rule), &self.merge),
+        ];
+        let chosen = self.chosen_methods(&owners);
+        let routed = routing::route(&self.settings, &owners, |key| PolicyError::UnknownSetting {
+            key: key.to_owned(),
+            chosen: chosen.clone(),
+            owners: owners_of(routing::split(key).1),
+        })?;
+        let [allocator_given, scorer_given, heads_given, quantizer_given, channels_given, merge_given] =
+            &routed[..]
+        else {
+            unreachable!("one map per axis")
         };
-        for key in given.keys() {
-            let taken = allocator_takes(key)
-                || scorer_takes(key)
-                || heads.method.takes(key)
-                || quantizer.method.takes(key)
-                || key_channels.method.takes(key)
-                || merge_rule.method.takes(key);
-            if !taken {
-                return Err(PolicyError::UnknownSetting {
-                    key: key.clone(),
-                    chosen: {
-                        let mut chosen = vec![
-                            described(registered_allocator.as_ref(), "allocator", &self.allocator),
-                            described(registered.as_ref(), "scorer", &self.scorer),
-                            described(Some(&heads), "head split", &self.heads),
-                        ];
-                        if !is_unquantized(&self.quantizer) {
-                            chosen.push(described(Some(&quantizer), "quantizer", &self.quantizer));
-                        }
-                        if !keeps_every_channel(&self.channels) {
-                            chosen.push(described(Some(&key_channels), "channels", &self.channels));
-                        }
-                        if !drops_evicted(&self.merge) {
-                            chosen.push(described(Some(&merge_rule), "merge", &self.merge));
-                        }
-                        let last = chosen.pop().expect("three to six methods");
-                        format!("{} or {last}", chosen.join(", "))
-                    },
-                    owners: owners(key),
-                });
-            }
-        }
-        let scorer_settings = resolved(registered.as_ref(), &given);
+        let scorer_settings = resolved(registered.as_ref(), scorer_given);
         let identity = external
             .scorer
             .as_ref()
@@ -652,34 +628,38 @@ impl PolicyParams {
             self.gqa
         );
         let mut settings = self.common_settings();
-        for resolved in [
-            resolved(registered_allocator.as_ref(), &given),
+        let every_resolved = [
+            resolved(registered_allocator.as_ref(), allocator_given),
             scorer_settings,
-            heads.method.resolve(&given),
-            quantizer.method.resolve(&given),
-            key_channels.method.resolve(&given),
-            merge_rule.method.resolve(&given),
-        ] {
-            settings.extend(resolved.iter().map(|(k, v)| (k.clone(), settings::text(v))));
+            heads.method.resolve(heads_given),
+            quantizer.method.resolve(quantizer_given),
+            key_channels.method.resolve(channels_given),
+            merge_rule.method.resolve(merge_given),
+        ];
+        for (resolved, owner) in every_resolved.iter().zip(&owners) {
+            settings.extend(resolved.iter().map(|(bare, value)| {
+                let key = routing::canonical_key(bare, owner, &owners);
+                (key, settings::text(value))
+            }));
         }
         let scorer = match external.scorer {
             Some((scorer, _)) => scorer,
-            None => build(registered.as_ref().expect("looked up above"), &given)?,
+            None => build(registered.as_ref().expect("looked up above"), scorer_given)?,
         };
         let allocator = match external.allocator {
             Some(allocator) => allocator,
             None => build(
                 registered_allocator.as_ref().expect("looked up above"),
-                &given,
+                allocator_given,
             )?,
         };
         let policy = ValidPolicy {
             allocator,
             scorer,
-            heads: build(&heads, &given)?,
-            quantizer: build(&quantizer, &given)?,
-            channels: build(&key_channels, &given)?,
-            merge: build(&merge_rule, &given)?,
+            heads: build(&heads, heads_given)?,
+            quantizer: build(&quantizer, quantizer_given)?,
+            channels: build(&key_channels, channels_given)?,
+            merge: build(&merge_rule, merge_given)?,
             settings,
             score_key,
             params: self,
@@ -687,18 +667,82 @@ impl PolicyParams {
         policy.check_combination()
     }
 
-    /// The common settings as text.
-    fn common_settings(&self) -> BTreeMap<String, String> {
-        let value = serde_json::to_value(self).expect("params serialise");
-        let mut common: BTreeMap<String, String> = value
-            .as_object()
-            .expect("params are an object")
+    /// The chosen methods with the settings each declares, for the error naming a setting none
+    /// of them takes: the allocator, scorer and head split, and the storage methods chosen.
+    fn chosen_methods(&self, owners: &[Owner; 6]) -> String {
+        let shown = [
+            true,
+            true,
+            true,
+            !is_unquantized(&self.quantizer),
+            !keeps_every_channel(&self.channels),
+            !drops_evicted(&self.merge),
+        ];
+        let mut chosen: Vec<String> = owners
             .iter()
+            .zip(shown)
+            .filter(|(_, shown)| *shown)
+            .map(|(owner, _)| owner.described())
+            .collect();
+        let last = chosen.pop().expect("three to six methods");
+        format!("{} or {last}", chosen.join(", "))
+    }
+
+    /// The common settings as text, as the canonical form gives them (and `order`).
+    fn common_settings(&self) -> BTreeMap<String, String> {
+        let mut common: BTreeMap<String, String> = self
+            .canonical()
+            .into_iter()
             .filter(|(key, _)| common_keys().any(|common| common == key.as_str()))
-            .map(|(key, value)| (key.clone(), settings::text(value)))
+            .map(|(key, value)| (key, settings::text(&value)))
             .collect();
         common.insert("order".into(), self.order.name().into());
         common
+    }
+
+    /// The policy as its run id hashes it: every common setting, less those [`ADDED_LATER`] at
+    /// their defaults, and each given method setting under its canonical key (bare unless two
+    /// chosen methods declare it, then `axis.key`), so two spellings of one policy, `kernel` and
+    /// `scorer.kernel`, are one policy.
+    pub fn canonical(&self) -> BTreeMap<String, Value> {
+        let serialised = |params: &PolicyParams| match serde_json::to_value(params) {
+            Ok(Value::Object(fields)) => fields,
+            other => unreachable!("params serialise to an object, not {other:?}"),
+        };
+        let defaults = serialised(&PolicyParams::default());
+        let mut form: BTreeMap<String, Value> = serialised(self)
+            .into_iter()
+            .filter(|(key, value)| {
+                let at_later_default =
+                    ADDED_LATER.contains(&key.as_str()) && defaults.get(key) == Some(value);
+                common_keys().any(|common| common == key) && !at_later_default
+            })
+            .collect();
+        let owners = self.registered_owners();
+        for (key, value) in &self.settings {
+            form.insert(routing::canonical_given(key, &owners), value.clone());
+        }
+        form
+    }
+
+    /// The chosen methods as routing sees them, looked up by name (a name no registry knows, a
+    /// method defined outside them, declares no settings).
+    fn registered_owners(&self) -> [Owner; 6] {
+        fn on<T: ?Sized>(axis: &'static str, registry: &[Method<T>], name: &str) -> Owner {
+            Owner {
+                axis,
+                label: format!("{axis} `{name}`"),
+                params: settings::find(registry, name).map_or(&[], |method| method.params),
+            }
+        }
+        [
+            on("allocator", allocator::REGISTRY, &self.allocator),
+            on("scorer", scorer::REGISTRY, &self.scorer),
+            on("heads", head_split::REGISTRY, &self.heads),
+            on("quantizer", quantizer::REGISTRY, &self.quantizer),
+            on("channels", channels::REGISTRY, &self.channels),
+            on("merge", merge::REGISTRY, &self.merge),
+        ]
     }
 }
 
@@ -715,7 +759,7 @@ pub fn all_methods() -> Vec<Described> {
 }
 
 /// Which methods of any axis take `key`, for the error that names a setting nobody chosen takes.
-fn owners(key: &str) -> String {
+fn owners_of(key: &str) -> String {
     let owners: Vec<String> = all_methods()
         .iter()
         .filter(|method| method.takes(key))
@@ -952,6 +996,76 @@ impl ValidPolicy {
 #[cfg(test)]
 mod tests {
     use super::*;
+
+    /// A head split and a scorer that both declare `threshold` each get their own: qualified
+    /// keys route to their axis, a bare key is refused naming both spellings, and the settings
+    /// the reports print keep them apart.
+    #[test]
+    fn a_key_two_chosen_methods_declare_is_theirs_apart() {
+        let both = PolicyParams {
+            scorer: "rkv".into(),
+            heads: "threshold".into(),
+            ..PolicyParams::default()
+        };
+        let err = both.clone().with("threshold", 0.25).check().unwrap_err();
+        assert_eq!(
+            err.to_string(),
+            "setting `threshold` is declared by scorer `rkv` and head split `threshold`: write `scorer.threshold` or `heads.threshold`"
+        );
+        let apart = both
+            .with("scorer.threshold", 0.75)
+            .with("heads.threshold", -2.0);
+        let settings = apart.clone().check().unwrap().settings();
+        assert_eq!(settings["scorer.threshold"], "0.75");
+        assert_eq!(settings["heads.threshold"], "-2.0");
+        assert!(!settings.contains_key("threshold"));
+        // Each method is built from its own value: qfilter reads its calibration file when it is
+        // checked, duo when it meets a trace, so only a bad path given to qfilter fails here.
+        let calibrated = PolicyParams {
+            scorer: "qfilter".into(),
+            heads: "duo".into(),
+            ..PolicyParams::default()
+        };
+        let missing = "/no/such/calibration.safetensors";
+        calibrated
+            .clone()
+            .with("scorer.calibration", "prompt")
+            .with("heads.calibration", missing)
+            .check()
+            .unwrap();
+        let err = calibrated
+            .with("scorer.calibration", missing)
+            .with("heads.calibration", "prompt")
+            .check()
+            .unwrap_err()
+            .to_string();
+        assert!(
+            err.starts_with("scorer `qfilter`: setting `calibration` = /no/such"),
+            "{err}"
+        );
+        let canonical = apart.canonical();
+        assert_eq!(canonical["scorer.threshold"], 0.75);
+        assert_eq!(canonical["heads.threshold"], -2.0);
+    }
+
+    /// `scorer.kernel` and `kernel` spell one policy where one chosen method declares `kernel`:
+    /// one canonical form, so one run id.
+    #[test]
+    fn two_spellings_of_one_policy_have_one_canonical_form() {
+        let bare = PolicyParams::default().with("kernel", 5);
+        let qualified = PolicyParams::default().with("scorer.kernel", 5);
+        assert_eq!(bare.canonical(), qualified.canonical());
+        assert_eq!(
+            bare.check().unwrap().settings(),
+            qualified.check().unwrap().settings()
+        );
+        let added_later = PolicyParams {
+            interval: 4,
+            ..PolicyParams::default()
+        };
+        assert!(!PolicyParams::default().canonical().contains_key("interval"));
+        assert_eq!(added_later.canonical()["interval"], 4);
+    }
 
     /// [`COMMON`] lists exactly the fields of [`PolicyParams`] beside the methods' settings, so
     /// the flags, the experiment keys and the struct cannot drift apart.

@@ -95,15 +95,6 @@ impl<T: ?Sized> Method<T> {
         self.params.iter().any(|param| param.key == key)
     }
 
-    /// Its parameter keys, comma-separated, or `no settings`.
-    pub fn keys(&self) -> String {
-        if self.params.is_empty() {
-            return "no settings".into();
-        }
-        let keys: Vec<&str> = self.params.iter().map(|param| param.key).collect();
-        keys.join(", ")
-    }
-
     /// Its defaults overlaid with the given settings it declares: every value it will run with.
     pub fn resolve(&self, given: &Map<String, Value>) -> Map<String, Value> {
         let mut settings = (self.defaults)();
@@ -307,6 +298,15 @@ impl Described {
     /// Whether it declares `key`.
     pub fn takes(&self, key: &str) -> bool {
         self.params.iter().any(|param| param.key == key)
+    }
+
+    /// The config key of its axis, which qualifies its settings (`heads.threshold`): the axis,
+    /// but `heads` for a head split.
+    pub fn axis_key(&self) -> &'static str {
+        match self.axis {
+            "head split" => "heads",
+            axis => axis,
+        }
     }
 
     /// `axis `name``, for messages.

@@ -114,11 +114,6 @@ impl crate::replay::settings::Choices for Order {
 }
 
 impl Order {
-    /// Whether it is the default, `evict-first`.
-    pub fn is_evict_first(&self) -> bool {
-        *self == Order::EvictFirst
-    }
-
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {
@@ -152,11 +147,6 @@ impl crate::replay::settings::Choices for Trigger {
 }
 
 impl Trigger {
-    /// Whether it is the default, `growth`.
-    pub fn is_growth(&self) -> bool {
-        *self == Trigger::Growth
-    }
-
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {
@@ -202,11 +192,6 @@ impl crate::replay::settings::Choices for Protocol {
 }
 
 impl Protocol {
-    /// Whether it is the default, `question-in-prompt`.
-    pub fn is_question_in_prompt(&self) -> bool {
-        *self == Protocol::QuestionInPrompt
-    }
-
     /// The config spelling.
     pub fn name(self) -> &'static str {
         match self {
