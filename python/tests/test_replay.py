@@ -60,6 +60,22 @@ def test_settings_by_the_command_lines_names(cli, trace, trace_path):
         assert row[metric] == expected[metric], metric
 
 
+def test_a_setting_qualified_by_its_axis_is_a_keyword(cli, trace, trace_path):
+    # Two chosen methods declare `threshold`: each gets its own, spelled `axis.key`.
+    apart = {"scorer.threshold": 0.7, "heads.threshold": -1.0}
+    ours = kvreplay.replay(trace, scorer="rkv", heads="threshold", budget=48, **apart)
+    code, out, err = run_cli(
+        cli, "replay", trace_path, "--scorer", "rkv", "--heads", "threshold", "--budget", 48,
+        "--scorer.threshold", 0.7, "--heads.threshold", -1.0, "--format", "json", "--no-layers",
+    )
+    assert code == 0, err
+    expected = json.loads(out)
+    expected = expected[0] if isinstance(expected, list) else expected
+    row = ours.runs.row(0, named=True)
+    for metric in METRICS:
+        assert row[metric] == expected[metric], metric
+
+
 def test_a_quantized_cache_equals_the_command_line_and_reports_its_bytes(cli, trace, trace_path):
     settings = dict(scorer="snapkv", budget=64, quantizer="kivi", bits=4, residual=32, interval=1)
     ours = kvreplay.replay(trace, **settings).runs.row(0, named=True)
@@ -143,6 +159,10 @@ def test_kept_masks(trace):
         ({"budget": 4, "window": 8}, ["--budget", "4", "--window", "8"]),
         ({"scorer": "snapkv", "timing": "streaming"}, ["--scorer", "snapkv", "--timing", "streaming"]),
         ({"scorer": "snapkv", "kernel": 4}, ["--scorer", "snapkv", "--kernel", "4"]),
+        (
+            {"scorer": "rkv", "heads": "threshold", "threshold": 0.7},
+            ["--scorer", "rkv", "--heads", "threshold", "--threshold", "0.7"],
+        ),
     ],
 )
 def test_errors_carry_the_command_lines_message(cli, trace, trace_path, settings, flags):

@@ -15,8 +15,11 @@ pub fn methods_markdown() -> String {
     let common: Vec<String> = common_keys().map(|key| format!("`{key}`")).collect();
     let mut out = format!(
         "# Methods\n\nEvery policy has the common settings {}; each chosen method adds its own, \
-         listed below with their defaults. A setting that none of the chosen methods takes is an \
-         error.\n",
+         listed below with their defaults. A setting is given bare (`kernel`) or qualified by \
+         the axis of the method it is for (`scorer.kernel`, `heads.threshold`; in an experiment \
+         file also `scorer = {{ name = \"rkv\", threshold = 0.7 }}`); each method is built from its \
+         own. A setting that none of the chosen methods takes is an error, and so is a bare one \
+         that two of them declare.\n",
         common.join(", ")
     );
     axis(
