@@ -86,7 +86,7 @@ impl Gemma3 {
         if gguf.architecture() != "gemma3" {
             return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
         }
-        gguf.check_fits(false)?;
+        gguf.check_fits(false, false)?;
         let key = |name: &str| format!("gemma3.{name}");
         let n_layers = gguf.usize_value(&key("block_count"))?;
         let n_heads = gguf.usize_value(&key("attention.head_count"))?;

@@ -52,6 +52,34 @@ pub struct GgufFile {
     file: Mmap,
 }
 
+/// Bytes a model's weights take held as f32: every tensor as f32; where the file ties the output
+/// to the token embedding (no `output.weight`) and the family multiplies by a copy of it
+/// (`ties_a_copy`), that copy; and, where the batched decode sums in strips (`in_strips`), a copy
+/// in strips of every matrix a product reads (the 2-D weights but the token embedding, and that
+/// output copy), made on its first batched decode.
+fn f32_held_bytes<'a>(
+    tensors: impl Iterator<Item = (&'a String, &'a TensorInfo)>,
+    ties_a_copy: bool,
+    in_strips: bool,
+) -> usize {
+    let (mut all, mut products, mut embedding, mut tied) = (0, 0, 0, true);
+    for (name, info) in tensors {
+        let bytes = info.shape.elem_count() * 4;
+        all += bytes;
+        match name.as_str() {
+            "token_embd.weight" => embedding = bytes,
+            "output.weight" => tied = false,
+            _ => {}
+        }
+        if info.shape.rank() == 2 && name != "token_embd.weight" {
+            products += bytes;
+        }
+    }
+    let output_copy = if tied && ties_a_copy { embedding } else { 0 };
+    let strips = if in_strips { products + output_copy } else { 0 };
+    all + output_copy + strips
+}
+
 impl GgufFile {
     /// Opens a GGUF file and parses its header.
     pub fn open(path: &Path) -> Result<Self, ModelError> {
@@ -178,18 +206,25 @@ impl GgufFile {
     }
 
     /// Refuses, before any weight is read, weights that would not fit the memory the system
-    /// reports available, held as f32 or (`quantized`) as stored.
-    pub(crate) fn check_fits(&self, quantized: bool) -> Result<(), ModelError> {
+    /// reports available, held as f32 (with the copies [`f32_held_bytes`] counts; `ties_a_copy`:
+    /// whether the family multiplies by a copy of a tied embedding, Llama's, or by the embedding
+    /// itself, Gemma 3's) or (`quantized`) as stored.
+    pub(crate) fn check_fits(&self, quantized: bool, ties_a_copy: bool) -> Result<(), ModelError> {
+        let in_strips = super::product::strip_columns().is_some();
         let needs = match quantized {
             true => self.stored_bytes(),
-            false => self.f32_bytes(),
+            false => f32_held_bytes(self.content.tensor_infos.iter(), ties_a_copy, in_strips),
         };
         match crate::sys::memory_available() {
             Some(available) if needs > available => Err(ModelError::Memory {
                 path: self.path.clone(),
                 needs,
                 available,
-                held: if quantized { "as stored" } else { "as f32" },
+                held: match (quantized, in_strips) {
+                    (true, _) => "as stored",
+                    (false, false) => "as f32",
+                    (false, true) => "as f32 with the batched decode's strips",
+                },
             }),
             _ => Ok(()),
         }
@@ -281,6 +316,36 @@ mod tests {
     use super::*;
     use crate::model::product::tests::wave;
     use candle_core::quantized::GgmlDType;
+
+    /// A tied model of an embedding `[4, 8]`, one norm `[8]` and one matrix `[8, 8]`: f32 bytes
+    /// 4 × (32 + 8 + 64) = 416; Llama's tied output copies the embedding (+128); strips copy the
+    /// matrix and that output (+256 + 128).
+    #[test]
+    fn f32_weights_count_the_tied_output_and_the_strips() {
+        let info = |dims: &[usize]| TensorInfo {
+            ggml_dtype: candle_core::quantized::GgmlDType::F32,
+            shape: candle_core::Shape::from(dims.to_vec()),
+            offset: 0,
+        };
+        let mut tensors = std::collections::HashMap::new();
+        tensors.insert("token_embd.weight".to_owned(), info(&[4, 8]));
+        tensors.insert("blk.0.attn_norm.weight".to_owned(), info(&[8]));
+        tensors.insert("blk.0.attn_q.weight".to_owned(), info(&[8, 8]));
+        assert_eq!(f32_held_bytes(tensors.iter(), true, false), 416 + 128);
+        assert_eq!(
+            f32_held_bytes(tensors.iter(), true, true),
+            416 + 128 + 256 + 128
+        );
+        // Gemma 3 multiplies by the embedding itself: no copy, no strips of it.
+        assert_eq!(f32_held_bytes(tensors.iter(), false, true), 416 + 256);
+        // Untied: its own output matrix [4, 8] is a product's, in strips too; no copy.
+        tensors.insert("output.weight".to_owned(), info(&[4, 8]));
+        assert_eq!(f32_held_bytes(tensors.iter(), true, false), 416 + 128);
+        assert_eq!(
+            f32_held_bytes(tensors.iter(), true, true),
+            416 + 128 + 256 + 128
+        );
+    }
 
     #[test]
     fn quantized_rows_are_unpermuted_as_the_f32_rows_are() {

@@ -127,7 +127,7 @@ impl Llama {
         variant: &Variant,
         quantized: bool,
     ) -> Result<Self, ModelError> {
-        gguf.check_fits(quantized)?;
+        gguf.check_fits(quantized, true)?;
         let tokenizer = ChatTokenizer::from_gguf(&gguf)?;
         let config = gguf.llama_config(variant.architecture)?;
         let linear = |name: &str, heads: Option<usize>| -> Result<Weight, ModelError> {
