@@ -7,8 +7,8 @@ use crate::recipe::reconstruction::{self as pass, PlannedPass};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
 use crate::stop::Stopped;
 use crate::trace::{
-    write_trace, Extras, InputsSource, LayerInputs, PassRows, Projection, ReconstructionSource,
-    StorageDtype, TraceError, TraceMeta,
+    trace_bytes, write_trace, Extras, InputsSource, LayerInputs, LayerSource, PassRows, Projection,
+    ReconstructionSource, StorageDtype, TraceError, TraceMeta,
 };
 use ndarray::{Array3, Axis};
 use std::collections::BTreeMap;
@@ -526,25 +526,21 @@ impl Captured {
     }
 }
 
-/// Writes the trace of a run that `recorder` recorded (`prompt`, then the `generated` tokens fed
-/// back), with its reconstruction pass where given, atomically, one layer of it in memory at a
-/// time.
-pub fn write_recording(
+/// The trace of a live run's recording ([`trace_meta`] with `options`), its bytes in memory:
+/// the bytes [`write_question`] would write to a file; `label` names it in errors.
+pub fn recording_bytes(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     generated: &[u32],
     (recorder, recorded_pass): (&Recorder, Option<&RecordedPass>),
     options: &CaptureOptions,
-    path: &Path,
-) -> Result<(), TraceError> {
+    label: &Path,
+) -> Result<Vec<u8>, TraceError> {
     let meta = trace_meta(model, prompt, generated, options);
-    write_layers(
-        path,
-        &meta,
-        options.storage,
-        &token_ids(prompt, generated),
-        (recorder, None, recorded_pass),
-    )
+    let tokens = token_ids(prompt, generated);
+    with_layers((recorder, None, recorded_pass), |layers, extras| {
+        trace_bytes(label, &meta, options.storage, &tokens, layers, extras)
+    })
 }
 
 /// What a run recorded: its recorder, the model's projections where it kept attention inputs,
@@ -562,8 +558,19 @@ fn write_layers(
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
-    (recorder, projections, recorded_pass): Recorded<'_>,
+    recorded: Recorded<'_>,
 ) -> Result<(), TraceError> {
+    with_layers(recorded, |layers, extras| {
+        write_trace(path, meta, storage, tokens, layers, extras)
+    })
+}
+
+/// What `recorder` recorded as a trace writer reads it, with its attention inputs where
+/// `projections` are given and its reconstruction pass where given, handed to `then`.
+fn with_layers<R>(
+    (recorder, projections, recorded_pass): Recorded<'_>,
+    then: impl FnOnce((bool, LayerSource<'_>), Extras<'_>) -> R,
+) -> R {
     let layer = |layer: usize| {
         recorder
             .layer(layer)
@@ -599,7 +606,7 @@ fn write_layers(
         inputs: inputs.as_ref(),
         reconstruction: reconstruction.as_ref(),
     };
-    write_trace(path, meta, storage, tokens, (true, &layer), extras)
+    then((true, &layer), extras)
 }
 
 /// KVzip's reconstruction passes of a recipe's questions, each cut's run once: the questions of

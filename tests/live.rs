@@ -49,7 +49,8 @@ fn keeping_everything_reproduces_the_full_run_exactly() {
     assert_eq!(report.full_text, "The capital of France is Paris.");
     assert!(report.answer_ok && report.full_answer_ok);
     assert!((report.open_loop.metric("retained_mass").unwrap() - 1.0).abs() < 1e-6);
-    // The scratch recording is gone.
+    // Nothing is left in the scratch folder: the recording is held in memory and the prefill's
+    // spill files are removed.
     let left: Vec<_> = std::fs::read_dir(scratch.path())
         .unwrap()
         .map(|e| e.unwrap().file_name())

@@ -4,7 +4,9 @@
 mod common;
 
 use common::{meta, tensors, write_fixture, Shape};
-use kvreplay::trace::{StorageDtype, TraceError, TraceReader, TraceWriter};
+use kvreplay::trace::{
+    trace_bytes, write_trace, Extras, StorageDtype, TraceError, TraceReader, TraceWriter,
+};
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
@@ -787,4 +789,61 @@ fn attention_inputs_round_trip_through_the_writer() {
         "{message}"
     );
     assert!(!refused.exists());
+}
+
+/// A trace built in memory is the bytes a file of it holds, and reads as that file does: a live
+/// run's recording is held this way instead of in a scratch file.
+#[test]
+fn a_trace_in_memory_is_its_files_bytes_and_reads_alike() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let fixture_path = dir.path().join("fixture.safetensors");
+    write_fixture(&fixture_path, shape, 1);
+    let fixture = TraceReader::open(&fixture_path).unwrap();
+    let layer = |index: usize| {
+        let read = fixture.layer(index).map_err(|err| err.to_string())?;
+        Ok((read.q, read.k, read.v))
+    };
+    let written = meta(shape);
+    let tokens = fixture.tokens().unwrap().to_vec();
+    let no_extras = || Extras {
+        inputs: None,
+        reconstruction: None,
+    };
+    let path = dir.path().join("t.safetensors");
+    let storage = StorageDtype::F16;
+    write_trace(
+        &path,
+        &written,
+        storage,
+        &tokens,
+        (true, &layer),
+        no_extras(),
+    )
+    .unwrap();
+    let label = Path::new("a recording");
+    let bytes = trace_bytes(
+        label,
+        &written,
+        storage,
+        &tokens,
+        (true, &layer),
+        no_extras(),
+    )
+    .unwrap();
+    assert_eq!(bytes, std::fs::read(&path).unwrap());
+    let file = TraceReader::open(&path).unwrap();
+    let memory = TraceReader::from_bytes(label, bytes.clone().into()).unwrap();
+    assert_eq!(memory.meta(), file.meta());
+    assert_eq!(memory.path(), label);
+    assert_eq!(memory.tokens().unwrap(), file.tokens().unwrap());
+    for index in 0..written.n_layers {
+        let (from_file, from_memory) = (file.layer(index).unwrap(), memory.layer(index).unwrap());
+        assert_eq!(from_memory.q, from_file.q);
+        assert_eq!(from_memory.k, from_file.k);
+        assert_eq!(from_memory.v, from_file.v);
+    }
+    let cut = &bytes[..bytes.len() - 16];
+    let err = TraceReader::from_bytes(label, cut.into()).unwrap_err();
+    assert!(err.to_string().starts_with("a recording"), "{err}");
 }

@@ -5,8 +5,8 @@
 //! 1. **Full run.** The prompt is prefilled and `generate` tokens are decoded greedily with the
 //!    full cache, recording every layer's q, k, v (as a capture does) and the next-token
 //!    distribution of every step.
-//! 2. **Kept sets.** The run's recording, written as an f32 kvtrace/1 file in a scratch directory,
-//!    goes through the same engine code as an open-loop replay (`replay_keeping`: its layer
+//! 2. **Kept sets.** The run's recording, an f32 kvtrace/1 trace held in memory (the bytes a
+//!    capture's file would hold), goes through the same engine code as an open-loop replay (`replay_keeping`: its layer
 //!    budgets and kept sets), so a live run chooses exactly what a replay of that trace chooses.
 //!    Under the `prefill` timing the choice reads only the prompt's vectors, which the full run
 //!    and the live run share (the eviction happens after the prefill); oracles that need future
@@ -58,7 +58,7 @@ mod stored;
 pub(crate) mod streams;
 
 use crate::capture::{
-    prefill_questions, write_question, write_recording, CaptureError, CaptureOptions, Passes,
+    prefill_questions, recording_bytes, write_question, CaptureError, CaptureOptions, Passes,
     Progress, PromptRun, RecordedPass,
 };
 use crate::model::Recorder;
@@ -80,7 +80,6 @@ use rayon::prelude::*;
 use serde::Serialize;
 use std::borrow::Cow;
 use std::path::{Path, PathBuf};
-use std::sync::atomic::{AtomicUsize, Ordering};
 use std::sync::{Arc, Mutex};
 use stored::{Store, Stored};
 use streams::{AttentionShape, LiveStreams};
@@ -88,6 +87,10 @@ use streams::{AttentionShape, LiveStreams};
 /// Positions a probe's streams take at a time: it steps fewer than this many past the first
 /// query that loses sight of a position.
 const PROBE_PIECE: usize = 32;
+
+/// What a live session's recording is called where a trace's file would be named: it is held in
+/// memory, never written.
+const RECORDING: &str = "the full-cache run's f32 recording";
 
 /// Errors of a live run.
 #[derive(Debug, thiserror::Error)]
@@ -297,7 +300,7 @@ fn evicted_positions(kept: &[Kept], n_heads: usize, prompt_len: usize) -> Evicte
 
 /// A recipe's full-cache run, shared by every policy run live on it: the cache after the
 /// prefill, the full continuation with its next-token logits, and its recording as an f32 trace
-/// in a scratch file (removed when the session is dropped).
+/// held in memory ([`TraceReader::from_bytes`]).
 pub struct LiveSession<'m> {
     model: &'m dyn CausalLm,
     prompt: BuiltPrompt,
@@ -305,14 +308,13 @@ pub struct LiveSession<'m> {
     chunk: usize,
     full: FullRun,
     trace: TraceReader,
-    path: PathBuf,
     /// Asked before each decoding step whether to stop there.
     stop: Stop<'m>,
 }
 
 impl<'m> LiveSession<'m> {
-    /// Runs `prompt` with the full cache (prefill in chunks of `chunk` tokens) and records it in
-    /// a scratch file under `scratch`.
+    /// Runs `prompt` with the full cache (prefill in chunks of `chunk` tokens, the recording
+    /// spilled to files under `scratch` while it runs) and holds its recording in memory.
     pub fn start(
         model: &'m dyn CausalLm,
         prompt: &BuiltPrompt,
@@ -336,12 +338,11 @@ impl<'m> LiveSession<'m> {
         Ok(questions.sessions.pop().expect("one question, one session"))
     }
 
-    /// The session of `prompt`'s full run, its recording written to a scratch file.
+    /// The session of `prompt`'s full run, its recording held in memory as an f32 trace.
     fn recorded(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         prompt: &BuiltPrompt,
         chunk: usize,
-        scratch: &Path,
         (full, recorder, recorded_pass): FullRecording,
     ) -> Result<Self, LiveError> {
         if full.tokens.len() < 2 {
@@ -355,19 +356,14 @@ impl<'m> LiveSession<'m> {
             recipe_name: "live".into(),
             model_id: model.spec().name.clone(),
         };
-        static SESSIONS: AtomicUsize = AtomicUsize::new(0);
-        let path = scratch.join(format!(
-            "live-{}-{}.safetensors",
-            std::process::id(),
-            SESSIONS.fetch_add(1, Ordering::Relaxed)
-        ));
         let recorded = (&recorder, recorded_pass.as_deref());
-        write_recording(model, prompt, &full.tokens, recorded, &options, &path)
+        let label = Path::new(RECORDING);
+        let bytes = recording_bytes(model, prompt, &full.tokens, recorded, &options, label)
             .map_err(CaptureError::from)?;
         drop(recorder);
         // Recorded at f32 for the kept sets' sake; bytes counted as a capture's default dtype
         // stores them, so a budget in bytes keeps what it keeps on a capture of the same run.
-        let trace = TraceReader::open(&path)
+        let trace = TraceReader::from_bytes(label, bytes.into())
             .map_err(PolicyError::from)?
             .counting_elements_at(StorageDtype::default().element_bytes());
         Ok(Self {
@@ -376,7 +372,6 @@ impl<'m> LiveSession<'m> {
             chunk,
             full,
             trace,
-            path,
             stop,
         })
     }
@@ -482,8 +477,7 @@ impl<'m> LiveSession<'m> {
         let started = group
             .into_par_iter()
             .map(|((mut open_loop, kept), policy)| {
-                // The scratch file is gone after the session: name what it was.
-                open_loop.trace = "the full-cache run's f32 recording".into();
+                open_loop.trace = RECORDING.into();
                 self.prompt_end(policy, &kept, open_loop, (batching, &recorded))
             })
             .collect::<Result<Vec<_>, LiveError>>()?;
@@ -908,7 +902,7 @@ impl<'m> LiveQuestions<'m> {
         let sessions = runs
             .into_iter()
             .zip(&questions.prompts)
-            .map(|(run, prompt)| LiveSession::recorded((model, stop), prompt, chunk, scratch, run))
+            .map(|(run, prompt)| LiveSession::recorded((model, stop), prompt, chunk, run))
             .collect::<Result<_, _>>()?;
         Ok(Self { sessions })
     }
@@ -1086,12 +1080,6 @@ fn prefill_is_shareable(meta: &TraceMeta, policy: &ValidPolicy) -> bool {
         && compressed_layers(meta, policy)
             .iter()
             .all(|&layer| meta.window(layer) == 0)
-}
-
-impl Drop for LiveSession<'_> {
-    fn drop(&mut self) {
-        let _ = std::fs::remove_file(&self.path);
-    }
 }
 
 /// Runs `prompt` live under `policy` and measures it against the full cache: a [`LiveSession`]

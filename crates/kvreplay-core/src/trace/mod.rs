@@ -23,6 +23,6 @@ pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TensorLocation, TraceReader};
 pub use reconstruction::{Chunk, LayerReconstruction, Reconstruction};
 pub use writer::{
-    write_trace, Extras, InputsSource, LayerArrays, LayerSource, PassRows, ReconstructionSource,
-    StorageDtype, TraceWriter,
+    trace_bytes, write_trace, Extras, InputsSource, LayerArrays, LayerSource, PassRows,
+    ReconstructionSource, StorageDtype, TraceWriter,
 };

@@ -18,6 +18,7 @@ use safetensors::SafeTensors;
 use std::fs::File;
 use std::os::unix::fs::FileExt;
 use std::path::{Path, PathBuf};
+use std::sync::Arc;
 
 /// One layer's vectors, converted to f32.
 #[derive(Debug, Clone)]
@@ -45,10 +46,43 @@ pub struct TensorLocation {
     pub bytes: std::ops::Range<usize>,
 }
 
+/// Where a trace's bytes are: a file read a chunk at a time, or bytes in memory (a live run's
+/// recording, written there instead of to a scratch file).
+enum Source {
+    File(File),
+    Memory(Arc<[u8]>),
+}
+
+impl Source {
+    /// Another handle on the same bytes.
+    fn share(&self) -> std::io::Result<Self> {
+        Ok(match self {
+            Source::File(file) => Source::File(file.try_clone()?),
+            Source::Memory(bytes) => Source::Memory(bytes.clone()),
+        })
+    }
+
+    /// Fills `buffer` from byte `offset` on.
+    fn read_at(&self, buffer: &mut [u8], offset: usize) -> std::io::Result<()> {
+        match self {
+            Source::File(file) => file.read_exact_at(buffer, offset as u64),
+            Source::Memory(bytes) => {
+                let end = offset + buffer.len();
+                let found = bytes.get(offset..end).ok_or_else(|| {
+                    std::io::Error::new(std::io::ErrorKind::UnexpectedEof, "past the trace's end")
+                })?;
+                buffer.copy_from_slice(found);
+                Ok(())
+            }
+        }
+    }
+}
+
 /// An open, validated trace.
 pub struct TraceReader {
+    /// The file, or for a trace in memory the label its errors name.
     path: PathBuf,
-    file: File,
+    source: Source,
     file_len: usize,
     data_start: usize,
     header: Metadata,
@@ -97,7 +131,21 @@ impl TraceReader {
             path: path.clone(),
             source,
         })?;
-        let (header_len, header) = SafeTensors::read_metadata(&map).map_err(|err| match err {
+        let found = Self::validated(path, &map, Source::File(file));
+        drop(map);
+        found
+    }
+
+    /// A trace held in memory (the bytes a file of it would hold), validated as [`open`](Self::open)
+    /// validates a file; `label` stands for a path in its errors and [`path`](Self::path).
+    pub fn from_bytes(label: impl Into<PathBuf>, bytes: Arc<[u8]>) -> Result<Self, TraceError> {
+        let whole = bytes.clone();
+        Self::validated(label.into(), &whole, Source::Memory(bytes))
+    }
+
+    /// Reads the header of `bytes`, the whole trace, and checks it and its tensors.
+    fn validated(path: PathBuf, bytes: &[u8], source: Source) -> Result<Self, TraceError> {
+        let (header_len, header) = SafeTensors::read_metadata(bytes).map_err(|err| match err {
             safetensors::SafeTensorError::MetadataIncompleteBuffer => {
                 TraceError::Truncated { path: path.clone() }
             }
@@ -107,12 +155,10 @@ impl TraceReader {
             },
         })?;
         let meta = TraceMeta::from_header(&path, header.metadata().as_ref())?;
-        let file_len = map.len();
-        drop(map);
         let mut reader = Self {
             path,
-            file,
-            file_len,
+            source,
+            file_len: bytes.len(),
             data_start: 8 + header_len,
             header,
             meta,
@@ -223,8 +269,8 @@ impl TraceReader {
         let mut offset = start;
         while offset < end {
             let chunk = &mut buffer[..CHUNK.min(end - offset)];
-            self.file
-                .read_exact_at(chunk, (self.data_start + offset) as u64)
+            self.source
+                .read_at(chunk, self.data_start + offset)
                 .map_err(|source| TraceError::Io {
                     path: self.path.clone(),
                     source,
@@ -258,15 +304,15 @@ impl TraceReader {
         Ok(view)
     }
 
-    /// Another reader of the same file, as validated.
+    /// Another reader of the same file or bytes, as validated.
     fn view(&self) -> Result<Self, TraceError> {
-        let file = self.file.try_clone().map_err(|source| TraceError::Io {
+        let source = self.source.share().map_err(|source| TraceError::Io {
             path: self.path.clone(),
             source,
         })?;
         Ok(Self {
             path: self.path.clone(),
-            file,
+            source,
             file_len: self.file_len,
             data_start: self.data_start,
             header: self.header.clone(),

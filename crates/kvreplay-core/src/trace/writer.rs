@@ -255,9 +255,61 @@ pub fn write_trace(
     meta: &TraceMeta,
     storage: StorageDtype,
     tokens: &[i64],
-    (values, source): (bool, LayerSource<'_>),
+    layers: (bool, LayerSource<'_>),
     extras: Extras<'_>,
 ) -> Result<(), TraceError> {
+    let written = build_trace(
+        Destination::File(path),
+        meta,
+        storage,
+        tokens,
+        layers,
+        extras,
+    )?;
+    debug_assert!(written.is_none(), "a file was written");
+    Ok(())
+}
+
+/// The bytes of the trace [`write_trace`] would write (the same bytes), kept in memory, where
+/// `label` names it in errors: for a [`TraceReader::from_bytes`](super::TraceReader::from_bytes).
+pub fn trace_bytes(
+    label: &Path,
+    meta: &TraceMeta,
+    storage: StorageDtype,
+    tokens: &[i64],
+    layers: (bool, LayerSource<'_>),
+    extras: Extras<'_>,
+) -> Result<Vec<u8>, TraceError> {
+    let built = build_trace(
+        Destination::Memory(label),
+        meta,
+        storage,
+        tokens,
+        layers,
+        extras,
+    )?;
+    Ok(built.expect("bytes in memory"))
+}
+
+/// Where a trace goes: a file, or bytes in memory named by a label.
+enum Destination<'p> {
+    File(&'p Path),
+    Memory(&'p Path),
+}
+
+/// Checks a trace against the contract and writes it to `destination`: the file (`None`), or
+/// its bytes.
+fn build_trace(
+    destination: Destination<'_>,
+    meta: &TraceMeta,
+    storage: StorageDtype,
+    tokens: &[i64],
+    (values, source): (bool, LayerSource<'_>),
+    extras: Extras<'_>,
+) -> Result<Option<Vec<u8>>, TraceError> {
+    let path = match destination {
+        Destination::File(path) | Destination::Memory(path) => path,
+    };
     let fail = |detail: String| TraceError::Write {
         path: path.to_owned(),
         detail,
@@ -340,21 +392,33 @@ pub fn write_trace(
             ));
         }
     }
-    crate::atomic::write_with(path, |partial| {
-        // safetensors writes through a temporary file of its own, created with mode 0600:
-        // the trace gets the mode any new file gets here (0644 under the usual umask), like
-        // the tool's other outputs, so it can be shared.
-        let permissions = std::fs::File::create(partial)?.metadata()?.permissions();
-        let views = tensors.iter().map(|(name, tensor)| (name.clone(), tensor));
-        safetensors::serialize_to_file(views, Some(meta.to_header()), partial)
-            .map_err(std::io::Error::other)?;
-        if let Some(detail) = loader.error.borrow().clone() {
-            return Err(std::io::Error::other(detail));
-        }
-        sort_header(partial)?;
-        std::fs::set_permissions(partial, permissions)
-    })
-    .map_err(|err| fail(err.to_string()))
+    let views = || tensors.iter().map(|(name, tensor)| (name.clone(), tensor));
+    let loaded = || match loader.error.borrow().clone() {
+        Some(detail) => Err(std::io::Error::other(detail)),
+        None => Ok(()),
+    };
+    match destination {
+        Destination::File(path) => crate::atomic::write_with(path, |partial| {
+            // safetensors writes through a temporary file of its own, created with mode 0600:
+            // the trace gets the mode any new file gets here (0644 under the usual umask), like
+            // the tool's other outputs, so it can be shared.
+            let permissions = std::fs::File::create(partial)?.metadata()?.permissions();
+            safetensors::serialize_to_file(views(), Some(meta.to_header()), partial)
+                .map_err(std::io::Error::other)?;
+            loaded()?;
+            sort_header(partial)?;
+            std::fs::set_permissions(partial, permissions)
+        })
+        .map(|()| None),
+        Destination::Memory(_) => (|| {
+            let mut bytes = safetensors::serialize(views(), Some(meta.to_header()))
+                .map_err(std::io::Error::other)?;
+            loaded()?;
+            sort_header_of(&mut bytes)?;
+            Ok(Some(bytes))
+        })(),
+    }
+    .map_err(|err: std::io::Error| fail(err.to_string()))
 }
 
 /// The attention-input tensors of one layer: slot, name, shape and dtype.
@@ -414,15 +478,29 @@ fn sort_header(path: &Path) -> std::io::Result<()> {
         .write(true)
         .open(path)?;
     let (length, header) = super::read_header(&mut file)?;
-    let mut sorted = serde_json::to_vec(&header).map_err(std::io::Error::other)?;
+    let sorted = sorted_header(length, &header)?;
+    file.seek(SeekFrom::Start(8))?;
+    file.write_all(&sorted)
+}
+
+/// [`sort_header`] of a trace's bytes in memory.
+fn sort_header_of(bytes: &mut [u8]) -> std::io::Result<()> {
+    let (length, header) = super::read_header(&mut &bytes[..])?;
+    let sorted = sorted_header(length, &header)?;
+    bytes[8..8 + length].copy_from_slice(&sorted);
+    Ok(())
+}
+
+/// `header` written with its keys in sorted order, padded with spaces to `length` bytes.
+fn sorted_header(length: usize, header: &serde_json::Value) -> std::io::Result<Vec<u8>> {
+    let mut sorted = serde_json::to_vec(header).map_err(std::io::Error::other)?;
     if sorted.len() > length {
         return Err(std::io::Error::other(
             "the sorted trace header is longer than the written one",
         ));
     }
     sorted.resize(length, b' ');
-    file.seek(SeekFrom::Start(8))?;
-    file.write_all(&sorted)
+    Ok(sorted)
 }
 
 /// Asks the source for each layer once, keeps it encoded while its tensors are written, and
