@@ -843,6 +843,11 @@ fn a_trace_in_memory_is_its_files_bytes_and_reads_alike() {
         assert_eq!(from_memory.k, from_file.k);
         assert_eq!(from_memory.v, from_file.v);
     }
+    // A sweep identifies the bytes as it identifies the file.
+    let identified = kvreplay::experiment::TraceFile::of_bytes(label, &bytes);
+    let file_identity = kvreplay::experiment::TraceFile::identify(&path).unwrap();
+    assert_eq!(identified.sha256, file_identity.sha256);
+    assert_eq!(identified.heads, file_identity.heads);
     let cut = &bytes[..bytes.len() - 16];
     let err = TraceReader::from_bytes(label, cut.into()).unwrap_err();
     assert!(err.to_string().starts_with("a recording"), "{err}");

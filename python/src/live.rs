@@ -82,12 +82,7 @@ pub fn capture(
     chunk: usize,
     attention_inputs: bool,
 ) -> PyResult<Py<PyAny>> {
-    let storage = match dtype {
-        "f16" => StorageDtype::F16,
-        "bf16" => StorageDtype::Bf16,
-        "f32" => StorageDtype::F32,
-        other => return Err(message(format!("dtype `{other}`: valid: f16, bf16, f32"))),
-    };
+    let storage = StorageDtype::parse(dtype).map_err(message)?;
     let out = out.unwrap_or_else(|| recipe.with_extension("safetensors"));
     let summaries: Vec<CaptureSummary> = interruptible(py, |stop| {
         let mut models = Default::default();

@@ -1,27 +1,47 @@
 //! `kvreplay.Trace`: an open trace, its header, and each layer's q, k and v as NumPy arrays that
 //! view the mapped file (no copy: F16 and F32 stay as stored; BF16, which NumPy has no type for,
-//! is widened to a float32 copy).
+//! is widened to a float32 copy); or a trace built from NumPy arrays, held in memory
+//! (`Trace.from_arrays`), which every function takes as it takes a file.
 
 use crate::errors::{message, raised};
 use kvreplay::experiment::TraceFile;
-use kvreplay::trace::{TensorLocation, TraceReader};
+use kvreplay::trace::{StorageDtype, TensorLocation, TraceMeta, TraceReader, TraceWriter};
 use memmap2::Mmap;
 use ndarray::{ArrayView, IxDyn};
-use numpy::{IntoPyArray, PyArrayDyn};
+use numpy::{IntoPyArray, PyArrayDyn, PyReadonlyArray3};
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
-use std::path::PathBuf;
-use std::sync::OnceLock;
+use std::path::{Path, PathBuf};
+use std::sync::{Arc, OnceLock};
 
-/// An open, validated kvtrace/1 file.
+/// An open, validated kvtrace/1 trace: a file, or bytes in memory.
 #[pyclass(frozen, module = "kvreplay")]
 pub struct Trace {
     reader: TraceReader,
-    /// The whole file, mapped read-only: pages are read only when an array's elements are.
-    map: Mmap,
-    /// The file's identity (content sha256), computed once when a result needs run ids.
+    /// The trace's bytes, which its arrays view.
+    held: Held,
+    /// The trace's identity (content sha256), computed once when a result needs run ids.
     identity: OnceLock<TraceFile>,
 }
+
+/// A trace's bytes: a file mapped read-only (pages are read only when an array's elements are),
+/// or bytes in memory.
+enum Held {
+    Map(Mmap),
+    Memory(Arc<[u8]>),
+}
+
+impl Held {
+    fn bytes(&self) -> &[u8] {
+        match self {
+            Held::Map(map) => map,
+            Held::Memory(bytes) => bytes,
+        }
+    }
+}
+
+/// What a trace built from arrays is called where a file's path would be.
+const FROM_ARRAYS: &str = "<arrays>";
 
 impl Trace {
     pub fn reader(&self) -> &TraceReader {
@@ -34,7 +54,10 @@ impl Trace {
             return Ok(identity);
         }
         let path = self.reader.path().to_owned();
-        let identity = py.detach(|| TraceFile::identify(&path)).map_err(raised)?;
+        let identity = match &self.held {
+            Held::Map(_) => py.detach(|| TraceFile::identify(&path)).map_err(raised)?,
+            Held::Memory(bytes) => py.detach(|| TraceFile::of_bytes(&path, bytes)),
+        };
         Ok(self.identity.get_or_init(|| identity))
     }
 
@@ -59,7 +82,7 @@ impl Trace {
             .map_err(|e| message(format!("{}: cannot map: {e}", path.display())))?;
         Ok(Self {
             reader,
-            map,
+            held: Held::Map(map),
             identity: OnceLock::new(),
         })
     }
@@ -81,9 +104,31 @@ impl Trace {
     }
 }
 
-/// The array at `location` of `this`'s map: a view for F16 and F32, a float32 copy for BF16.
+/// Each array of `given` (argument `name`, one per layer) as float32 `[heads, T, head_dim]`.
+fn f32_arrays(name: &str, given: &[Bound<'_, PyAny>]) -> PyResult<Vec<ndarray::Array3<f32>>> {
+    let numpy = given
+        .first()
+        .map(|first| first.py().import("numpy"))
+        .transpose()?;
+    given
+        .iter()
+        .enumerate()
+        .map(|(layer, array)| {
+            let numpy = numpy.as_ref().expect("a first array");
+            let converted = numpy.call_method1("asarray", (array, "float32"))?;
+            let array: PyReadonlyArray3<f32> = converted.extract().map_err(|_| {
+                message(format!(
+                    "{name}[{layer}]: must be a 3-D array [heads, T, head_dim]"
+                ))
+            })?;
+            Ok(array.as_array().to_owned())
+        })
+        .collect()
+}
+
+/// The array at `location` of `this`'s bytes: a view for F16 and F32, a float32 copy for BF16.
 fn view<'py>(this: &Bound<'py, Trace>, location: &TensorLocation) -> PyResult<Bound<'py, PyAny>> {
-    let bytes = &this.get().map[location.bytes.clone()];
+    let bytes = &this.get().held.bytes()[location.bytes.clone()];
     let shape = IxDyn(&location.shape);
     let py = this.py();
     macro_rules! borrowed {
@@ -131,7 +176,67 @@ impl Trace {
         Self::open_path(path)
     }
 
-    /// The file.
+    /// A trace of NumPy arrays, held in memory: per layer queries `q[l]` `[n_heads, T, head_dim]`,
+    /// post-rotary keys `k[l]` and values `v[l]` `[n_kv_heads, T, head_dim]` (any float dtype),
+    /// positions `[0, prompt_len)` the prompt. Stored as `dtype` (`f16`, `bf16` or `f32`) and
+    /// checked as a file is; `tokens` (zeros when not given) and the header's other keys as
+    /// `kvreplay capture` writes them.
+    #[staticmethod]
+    #[pyo3(signature = (q, k, v=None, *, prompt_len, tokens=None, model="arrays", scale=None, softcap=None, rope_theta=None, layer_windows=None, dtype="f32"))]
+    #[allow(clippy::too_many_arguments)]
+    fn from_arrays(
+        py: Python<'_>,
+        q: Vec<Bound<'_, PyAny>>,
+        k: Vec<Bound<'_, PyAny>>,
+        v: Option<Vec<Bound<'_, PyAny>>>,
+        prompt_len: usize,
+        tokens: Option<Vec<i64>>,
+        model: &str,
+        scale: Option<f32>,
+        softcap: Option<f32>,
+        rope_theta: Option<f32>,
+        layer_windows: Option<Vec<usize>>,
+        dtype: &str,
+    ) -> PyResult<Self> {
+        let storage = StorageDtype::parse(dtype).map_err(message)?;
+        let (q, k) = (f32_arrays("q", &q)?, f32_arrays("k", &k)?);
+        let v = v.map(|v| f32_arrays("v", &v)).transpose()?;
+        let (Some(first_q), Some(first_k)) = (q.first(), k.first()) else {
+            return Err(message("q and k: give at least one layer"));
+        };
+        let (n_heads, n_positions, head_dim) = first_q.dim();
+        let meta = TraceMeta {
+            model: model.to_owned(),
+            n_layers: q.len(),
+            n_heads,
+            n_kv_heads: first_k.dim().0,
+            head_dim,
+            prompt_len,
+            scale: scale.unwrap_or(1.0 / (head_dim as f32).sqrt()),
+            softcap,
+            rope_theta,
+            rope_thetas: Vec::new(),
+            windows: layer_windows.unwrap_or_default(),
+            spans: Vec::new(),
+            extra: Default::default(),
+        };
+        let tokens = tokens.unwrap_or_else(|| vec![0; n_positions]);
+        let mut writer = TraceWriter::new(meta, storage, tokens);
+        let mut values = v.map(Vec::into_iter);
+        for (q, k) in q.into_iter().zip(k) {
+            writer.push_layer(q, k, values.as_mut().and_then(Iterator::next));
+        }
+        let label = Path::new(FROM_ARRAYS);
+        let bytes: Arc<[u8]> = py.detach(|| writer.to_bytes(label)).map_err(raised)?.into();
+        let reader = TraceReader::from_bytes(label, bytes.clone()).map_err(raised)?;
+        Ok(Self {
+            reader,
+            held: Held::Memory(bytes),
+            identity: OnceLock::new(),
+        })
+    }
+
+    /// The file (`<arrays>` for a trace built from arrays).
     #[getter]
     fn path(&self) -> PathBuf {
         self.reader.path().to_owned()

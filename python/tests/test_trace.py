@@ -62,3 +62,39 @@ def test_bad_trace_and_layer(tmp_path, trace):
         kvreplay.Trace(bad)
     with pytest.raises(kvreplay.KvreplayError, match="layer 30"):
         trace.k(30)
+
+
+def test_a_trace_of_arrays_replays_as_its_file(trace):
+    layers = range(trace.n_layers)
+    arrays = kvreplay.Trace.from_arrays(
+        [trace.q(layer) for layer in layers],
+        [trace.k(layer) for layer in layers],
+        [trace.v(layer) for layer in layers],
+        prompt_len=trace.prompt_len,
+        tokens=trace.tokens.tolist(),
+        model=trace.model,
+        scale=trace.scale,
+        rope_theta=trace.rope_thetas[0],
+        dtype=trace.dtype.lower(),
+    )
+    assert str(arrays.path) == "<arrays>"
+    assert (arrays.n_layers, arrays.n_positions, arrays.prompt_len) == (
+        trace.n_layers,
+        trace.n_positions,
+        trace.prompt_len,
+    )
+    assert np.array_equal(arrays.k(3), trace.k(3))
+    ours = kvreplay.replay(arrays, scorer="snapkv", budget=48).runs.row(0, named=True)
+    theirs = kvreplay.replay(trace, scorer="snapkv", budget=48).runs.row(0, named=True)
+    for metric in ["retained_mass", "topk_recall", "output_error", "value_weighted_mass"]:
+        assert ours[metric] == theirs[metric], metric
+
+
+def test_arrays_that_are_not_a_trace_say_which(trace):
+    q, k = [trace.q(0), trace.q(1)], [trace.k(0), trace.k(1)[:, :5]]
+    with pytest.raises(kvreplay.KvreplayError, match=r"<arrays>: .*layers\.1\.k has shape"):
+        kvreplay.Trace.from_arrays(q, k, prompt_len=trace.prompt_len)
+    with pytest.raises(kvreplay.KvreplayError, match=r"k\[0\]: must be a 3-D array"):
+        kvreplay.Trace.from_arrays(q, [trace.k(0)[0]], prompt_len=trace.prompt_len)
+    with pytest.raises(kvreplay.KvreplayError, match="dtype `f64`: valid: f16, bf16, f32"):
+        kvreplay.Trace.from_arrays(q, k, prompt_len=trace.prompt_len, dtype="f64")

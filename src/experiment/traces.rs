@@ -51,13 +51,34 @@ impl TraceFile {
             return Err(fail("is a directory, not a trace file".into()));
         }
         let (sha256, header) = content_sha256(path).map_err(|err| fail(err.to_string()))?;
+        Ok(Self::identified(path, sha256, header))
+    }
+
+    /// A trace held in memory (`bytes`, as a file of it would hold them), identified as
+    /// [`identify`](Self::identify) identifies that file; `label` stands for its path.
+    pub fn of_bytes(label: &Path, bytes: &[u8]) -> Self {
+        let mut hasher = Sha256::new();
+        let mut rest = bytes;
+        let header = read_header(&mut rest).ok().map(|(_, json)| json);
+        match &header {
+            Some(json) => {
+                hasher.update(json.to_string().as_bytes());
+                hasher.update(rest);
+            }
+            None => hasher.update(bytes),
+        }
+        Self::identified(label, format!("{:x}", hasher.finalize()), header)
+    }
+
+    /// The trace at `path` of content hash `sha256`, its header's counts read from `header`.
+    fn identified(path: &Path, sha256: String, header: Option<serde_json::Value>) -> Self {
         let count = |key: &str| {
             header.as_ref()?["__metadata__"][key]
                 .as_str()?
                 .parse::<usize>()
                 .ok()
         };
-        Ok(Self {
+        Self {
             path: path.to_owned(),
             sha256,
             recipe: None,
@@ -79,7 +100,7 @@ impl TraceFile {
                         .global_layers(),
                 )
             }),
-        })
+        }
     }
 }
 

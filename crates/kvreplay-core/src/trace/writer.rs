@@ -86,6 +86,18 @@ impl StorageDtype {
         (Self::Bf16, "bf16", "bfloat16"),
         (Self::F32, "f32", "Single precision: bit-exact round trip"),
     ];
+
+    /// The storage called `name` (`f16`, `bf16`, `f32`), or an error listing them.
+    pub fn parse(name: &str) -> Result<Self, String> {
+        Self::ALL
+            .iter()
+            .find(|(_, known, _)| *known == name)
+            .map(|(storage, _, _)| *storage)
+            .ok_or_else(|| {
+                let known: Vec<&str> = Self::ALL.iter().map(|(_, known, _)| *known).collect();
+                format!("dtype `{name}`: valid: {}", known.join(", "))
+            })
+    }
 }
 
 impl StorageDtype {
@@ -185,6 +197,22 @@ impl TraceWriter {
 
     /// Checks the collected data against the contract and writes the file atomically.
     pub fn write(&self, path: &Path) -> Result<(), TraceError> {
+        let written = self.build(Destination::File(path))?;
+        debug_assert!(written.is_none(), "a file was written");
+        Ok(())
+    }
+
+    /// Checks the collected data against the contract and gives the bytes [`write`](Self::write)
+    /// would write, `label` naming them in errors: for a
+    /// [`TraceReader::from_bytes`](super::TraceReader::from_bytes).
+    pub fn to_bytes(&self, label: &Path) -> Result<Vec<u8>, TraceError> {
+        let built = self.build(Destination::Memory(label))?;
+        Ok(built.expect("bytes in memory"))
+    }
+
+    /// Checks the collected data and builds the trace at `destination`.
+    fn build(&self, destination: Destination<'_>) -> Result<Option<Vec<u8>>, TraceError> {
+        let path = destination.path();
         if self.layers.len() != self.meta.n_layers {
             return Err(TraceError::Write {
                 path: path.to_owned(),
@@ -232,8 +260,8 @@ impl TraceWriter {
             biases: first.projections.each_ref().map(|p| p.bias.is_some()),
             layer: &given,
         });
-        write_trace(
-            path,
+        build_trace(
+            destination,
             &self.meta,
             self.storage,
             &self.tokens,
@@ -292,9 +320,19 @@ pub fn trace_bytes(
 }
 
 /// Where a trace goes: a file, or bytes in memory named by a label.
+#[derive(Clone, Copy)]
 enum Destination<'p> {
     File(&'p Path),
     Memory(&'p Path),
+}
+
+impl Destination<'_> {
+    /// The file, or the label: what errors name.
+    fn path(&self) -> &Path {
+        match self {
+            Destination::File(path) | Destination::Memory(path) => path,
+        }
+    }
 }
 
 /// Checks a trace against the contract and writes it to `destination`: the file (`None`), or
@@ -307,9 +345,7 @@ fn build_trace(
     (values, source): (bool, LayerSource<'_>),
     extras: Extras<'_>,
 ) -> Result<Option<Vec<u8>>, TraceError> {
-    let path = match destination {
-        Destination::File(path) | Destination::Memory(path) => path,
-    };
+    let path = destination.path();
     let fail = |detail: String| TraceError::Write {
         path: path.to_owned(),
         detail,
