@@ -526,19 +526,20 @@ impl Captured {
     }
 }
 
-/// The trace of a live run's recording ([`trace_meta`] with `options`), its bytes in memory:
-/// the bytes [`write_question`] would write to a file; `label` names it in errors.
+/// The trace of a live run's recording ([`trace_meta`] with `options`; its attention inputs
+/// where projections are given), its bytes in memory: the bytes [`write_question`] would write
+/// to a file; `label` names it in errors.
 pub fn recording_bytes(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     generated: &[u32],
-    (recorder, recorded_pass): (&Recorder, Option<&RecordedPass>),
+    recorded: Recorded<'_>,
     options: &CaptureOptions,
     label: &Path,
 ) -> Result<Vec<u8>, TraceError> {
     let meta = trace_meta(model, prompt, generated, options);
     let tokens = token_ids(prompt, generated);
-    with_layers((recorder, None, recorded_pass), |layers, extras| {
+    with_layers(recorded, |layers, extras| {
         trace_bytes(label, &meta, options.storage, &tokens, layers, extras)
     })
 }

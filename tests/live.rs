@@ -1278,3 +1278,40 @@ fn question_agnostic_streams_run_live_the_same_shared_or_alone() {
     // Re-running is bit for bit.
     assert_eq!(session.run_many(&policies).unwrap(), together);
 }
+
+/// DefensiveKV reads each layer's attention inputs: run live, the session records them with the
+/// model's projections, and keeps what a replay of an f32 capture with `--attention-inputs`
+/// keeps.
+#[test]
+fn a_policy_reading_attention_inputs_runs_live_as_it_replays() {
+    model();
+    let dir = tempfile::tempdir().unwrap();
+    let recipe = dir.path().join("n.toml");
+    std::fs::write(
+        &recipe,
+        "kind = \"ruler-niah\"\nprompt_tokens = 300\ntype_haystack = \"noise\"\ngenerate = 8\n",
+    )
+    .unwrap();
+    let policy = kvreplay::replay::presets::preset("defensivekv", 64)
+        .unwrap()
+        .check()
+        .unwrap();
+    let policies = std::slice::from_ref(&policy);
+    let recording = (512, dir.path());
+    let reports =
+        kvreplay::live::run_recipe(&recipe, policies, recording, kvreplay::stop::NEVER).unwrap();
+    let live_report = &reports[0][0];
+    assert!(
+        live_report.kl > 0.0,
+        "64 tokens of ~300 change what the model does"
+    );
+    let out = dir.path().join("n.safetensors");
+    let storing = (StorageDtype::F32, 512, true);
+    let mut models = Default::default();
+    kvreplay::capture::capture_recipe(&recipe, &out, storing, &mut models, &mut |_, _| Ok(()))
+        .unwrap();
+    let trace = TraceReader::open(&out).unwrap().counting_elements_at(2);
+    let mut open_loop = replay(&trace, &policy).unwrap();
+    open_loop.trace = live_report.open_loop.trace.clone();
+    assert_eq!(open_loop, live_report.open_loop);
+}

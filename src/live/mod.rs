@@ -58,8 +58,8 @@ mod stored;
 pub(crate) mod streams;
 
 use crate::capture::{
-    prefill_questions, recording_bytes, write_question, CaptureError, CaptureOptions, Passes,
-    Progress, PromptRun, RecordedPass,
+    input_projections, prefill_questions, recording_bytes, write_question, CaptureError,
+    CaptureOptions, Passes, Progress, PromptRun, RecordedPass,
 };
 use crate::model::Recorder;
 use crate::model::{AttentionMask, CausalLm, ChunkVectors, Entry, Evicted, KvCache, ModelError};
@@ -69,7 +69,7 @@ use crate::replay::{
     ReplayReport, Storage, Timing, ValidPolicy,
 };
 use crate::stop::{Stop, NEVER};
-use crate::trace::{LayerTensors, StorageDtype, TraceMeta, TraceReader};
+use crate::trace::{LayerTensors, Projection, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
 use candle_core::Tensor;
 pub use compare::compare_step;
@@ -190,13 +190,14 @@ type OnRecording<'a, E> =
     &'a mut dyn FnMut(usize, &[u32], &Recorder, Option<&RecordedPass>) -> Result<(), E>;
 
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
-/// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`), each then decoded
+/// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`, with the attention
+/// inputs where `inputs`), each then decoded
 /// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
 /// first. One question whose prompt is all context is the plain full run.
 fn full_runs<E: From<ModelError> + From<CaptureError>>(
     (model, stop): (&dyn CausalLm, Stop<'_>),
     questions: &BuiltQuestions,
-    (chunk, scratch): (usize, &Path),
+    (chunk, scratch, inputs): (usize, &Path, bool),
     recorded: OnRecording<'_, E>,
 ) -> Result<Vec<FullRecording>, E> {
     let mut runs = Vec::new();
@@ -237,7 +238,7 @@ fn full_runs<E: From<ModelError> + From<CaptureError>>(
     prefill_questions(
         model,
         questions,
-        (chunk, scratch, false),
+        (chunk, scratch, inputs),
         &mut |_| stop(),
         &mut decode,
     )?;
@@ -342,7 +343,7 @@ impl<'m> LiveSession<'m> {
     fn recorded(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         prompt: &BuiltPrompt,
-        chunk: usize,
+        (chunk, projections): (usize, Option<&[[Projection; 4]]>),
         (full, recorder, recorded_pass): FullRecording,
     ) -> Result<Self, LiveError> {
         if full.tokens.len() < 2 {
@@ -356,7 +357,7 @@ impl<'m> LiveSession<'m> {
             recipe_name: "live".into(),
             model_id: model.spec().name.clone(),
         };
-        let recorded = (&recorder, recorded_pass.as_deref());
+        let recorded = (&recorder, projections, recorded_pass.as_deref());
         let label = Path::new(RECORDING);
         let bytes = recording_bytes(model, prompt, &full.tokens, recorded, &options, label)
             .map_err(CaptureError::from)?;
@@ -856,10 +857,23 @@ impl<'m> LiveQuestions<'m> {
         questions: &BuiltQuestions,
         (chunk, scratch): (usize, &Path),
     ) -> Result<Self, LiveError> {
+        Self::start_for((model, stop), questions, (chunk, scratch), &[])
+    }
+
+    /// [`start_stopping`](Self::start_stopping) for `policies`: where one reads the attention
+    /// inputs (DefensiveKV, a press reading hidden states), the recordings keep them, with the
+    /// model's projections, as a capture with `--attention-inputs` does.
+    pub fn start_for(
+        (model, stop): (&'m dyn CausalLm, Stop<'m>),
+        questions: &BuiltQuestions,
+        (chunk, scratch): (usize, &Path),
+        policies: &[ValidPolicy],
+    ) -> Result<Self, LiveError> {
+        let inputs = policies.iter().any(|policy| policy.scorer().needs_inputs());
         Self::recording(
             (model, stop),
             questions,
-            (chunk, scratch),
+            (chunk, scratch, inputs),
             &mut |_, _, _, _| Ok(()),
         )
     }
@@ -876,7 +890,7 @@ impl<'m> LiveQuestions<'m> {
         Self::recording(
             (model, stop),
             questions,
-            (options.chunk, scratch),
+            (options.chunk, scratch, false),
             &mut |question, generated, recorder, recorded_pass| {
                 let written = (questions, question, generated);
                 write_question(
@@ -895,14 +909,18 @@ impl<'m> LiveQuestions<'m> {
     fn recording(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
-        (chunk, scratch): (usize, &Path),
+        (chunk, scratch, inputs): (usize, &Path, bool),
         recorded: OnRecording<'_, LiveError>,
     ) -> Result<Self, LiveError> {
-        let runs = full_runs((model, stop), questions, (chunk, scratch), recorded)?;
+        let projections = inputs.then(|| input_projections(model)).transpose()?;
+        let runs = full_runs((model, stop), questions, (chunk, scratch, inputs), recorded)?;
         let sessions = runs
             .into_iter()
             .zip(&questions.prompts)
-            .map(|(run, prompt)| LiveSession::recorded((model, stop), prompt, chunk, run))
+            .map(|(run, prompt)| {
+                let recording = (chunk, projections.as_deref());
+                LiveSession::recorded((model, stop), prompt, recording, run)
+            })
             .collect::<Result<_, _>>()?;
         Ok(Self { sessions })
     }
@@ -1116,7 +1134,8 @@ pub fn run_recipe(
     let model = crate::capture::load_recipe_model(recipe)?;
     let questions = crate::capture::build_questions(recipe, model.as_ref())?;
     let model = model.as_ref();
-    let sessions = LiveQuestions::start_stopping((model, stop), &questions, (chunk, scratch))?;
+    let recording = (chunk, scratch);
+    let sessions = LiveQuestions::start_for((model, stop), &questions, recording, policies)?;
     let reports = sessions.run_many(policies);
     drop(sessions);
     reports
