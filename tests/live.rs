@@ -1315,3 +1315,44 @@ fn a_policy_reading_attention_inputs_runs_live_as_it_replays() {
     open_loop.trace = live_report.open_loop.trace.clone();
     assert_eq!(open_loop, live_report.open_loop);
 }
+
+/// An experiment with a policy that reads the attention inputs captures its recipes with them,
+/// open loop (the trace captured first) and closed loop (the trace written from the live runs):
+/// DefensiveKV runs beside SnapKV, and each trace holds the inputs.
+#[test]
+fn an_experiment_reading_attention_inputs_captures_them() {
+    model();
+    for closed_loop in [false, true] {
+        let dir = tempfile::tempdir().unwrap();
+        std::fs::write(
+            dir.path().join("n.toml"),
+            "kind = \"ruler-niah\"\nprompt_tokens = 300\ntype_haystack = \"noise\"\ngenerate = 8\n",
+        )
+        .unwrap();
+        std::fs::write(
+            dir.path().join("e.toml"),
+            format!(
+                "traces = [\"n.toml\"]\nbudgets = [64]\nclosed_loop = {closed_loop}\n\
+                 [[policy]]\nname = \"defensivekv\"\npreset = \"defensivekv\"\n\
+                 [[policy]]\nname = \"snapkv\"\npreset = \"snapkv\"\n"
+            ),
+        )
+        .unwrap();
+        let assert = assert_cmd::Command::cargo_bin("kvreplay")
+            .unwrap()
+            .current_dir(dir.path())
+            .args(["sweep", "e.toml"])
+            .assert();
+        let output = assert.get_output();
+        let report = String::from_utf8_lossy(&output.stdout).into_owned();
+        let errors = String::from_utf8_lossy(&output.stderr).into_owned();
+        assert!(
+            output.status.success(),
+            "closed loop {closed_loop}: {errors}"
+        );
+        let trace = TraceReader::open(dir.path().join("n.safetensors")).unwrap();
+        assert!(trace.has_inputs(), "closed loop {closed_loop}");
+        let runs = std::fs::read_dir(dir.path().join("results/e/runs")).unwrap();
+        assert_eq!(runs.count(), 2, "{report}");
+    }
+}

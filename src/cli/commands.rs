@@ -197,15 +197,17 @@ pub fn demo(budget: usize) -> Result<()> {
 }
 
 /// The experiment's traces, capturing missing recipes when `may_capture` is set, each once
-/// ([`capture::capture_once`]), with their models from `models`.
+/// ([`capture::capture_once`]; with their attention inputs where a policy reads them), with
+/// their models from `models`.
 fn experiment_traces(
     experiment: &Experiment,
     may_capture: bool,
     models: &mut ModelSlot,
 ) -> Result<Vec<TraceFile>> {
+    let inputs = experiment.reads_inputs();
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
-            capture_recipe(recipe, trace, (StorageDtype::F16, 512, false), models)
+            capture_recipe(recipe, trace, (StorageDtype::F16, 512, inputs), models)
         })
     };
     Ok(experiment.trace_files(may_capture.then_some(&mut capture_once as Capture<'_>))?)

@@ -542,6 +542,15 @@ impl Experiment {
         })
     }
 
+    /// Whether one of its policies reads the attention inputs (DefensiveKV): its recipes are
+    /// then captured with them, as `kvreplay capture --attention-inputs` captures.
+    pub fn reads_inputs(&self) -> bool {
+        self.policies.iter().any(|(_, params)| {
+            self.check(params)
+                .is_ok_and(|policy| policy.scorer().needs_inputs())
+        })
+    }
+
     /// Checks `params`, one of its policies, with its external methods.
     pub fn check(&self, params: &PolicyParams) -> Result<ValidPolicy, PolicyError> {
         params.clone().check_in(self.externals.as_deref())

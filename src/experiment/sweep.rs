@@ -53,7 +53,7 @@ pub fn run_sweep(
     for entry in entries {
         units.push(match entry {
             TraceEntry::Uncaptured(recipe) if !live_capture => {
-                capture_first(recipe, models, layer_done)?
+                capture_first(recipe, experiment.reads_inputs(), models, layer_done)?
             }
             entry => entry.clone(),
         });
@@ -102,7 +102,8 @@ pub fn run_sweep(
                 traces.extend_from_slice(files);
             }
             TraceEntry::Uncaptured(recipe) => {
-                let (files, live) = capturing_runner(recipe, (models, sweep.layer_done))?;
+                let (files, live) =
+                    capturing_runner(recipe, experiment, (models, sweep.layer_done))?;
                 sweep.unit(&files, plan(&files), || Ok(live))?;
                 traces.extend(files);
             }
@@ -130,15 +131,17 @@ fn trace_count(entries: &[TraceEntry]) -> Result<usize, SweepError> {
         .sum()
 }
 
-/// Recipe `recipe` captured (in f16, chunks of [`LIVE_CHUNK`]) unless a concurrent sweep did, and
-/// its traces; `stop` is asked after each chunk and token whether to stop there.
+/// Recipe `recipe` captured (in f16, chunks of [`LIVE_CHUNK`], with its attention inputs where
+/// `inputs`) unless a concurrent sweep did, and its traces; `stop` is asked after each chunk and
+/// token whether to stop there.
 fn capture_first(
     recipe: &Path,
+    inputs: bool,
     models: &mut ModelSlot,
     stop: LayerDone<'_>,
 ) -> Result<TraceEntry, SweepError> {
     capture::capture_once(recipe, &captured_into(recipe), &mut |recipe, trace| {
-        let storage = (StorageDtype::F16, LIVE_CHUNK, false);
+        let storage = (StorageDtype::F16, LIVE_CHUNK, inputs);
         capture::capture_recipe(recipe, trace, storage, models, &mut |_, _| stop()).map(drop)
     })?;
     Ok(TraceEntry::Captured(captured_traces(recipe)?))
@@ -298,10 +301,11 @@ fn runner_of<'m>(
         check_same_prompt(recipe, &name, prompt, &trace.path)?;
     }
     let scratch = std::env::temp_dir();
-    Ok(Runner::Live(LiveQuestions::start_stopping(
+    Ok(Runner::Live(LiveQuestions::start_with(
         (model, stop),
         &questions,
         (LIVE_CHUNK, &scratch),
+        experiment.reads_inputs(),
     )?))
 }
 
@@ -309,6 +313,7 @@ fn runner_of<'m>(
 /// sweep did first, under the capture lock), and those traces; `stop` asked as in [`runner_of`].
 fn capturing_runner<'m>(
     recipe: &Path,
+    experiment: &Experiment,
     (models, stop): (&'m mut ModelSlot, Stop<'m>),
 ) -> Result<(Vec<TraceFile>, Runner<'m>), SweepError> {
     let (name, model, questions) = recipe_questions(recipe, models)?;
@@ -317,7 +322,8 @@ fn capturing_runner<'m>(
     let scratch = std::env::temp_dir();
     let mut started = None;
     capture::capture_once(recipe, &captured_into(recipe), &mut |_, trace| {
-        let live = LiveQuestions::capturing((model, stop), &questions, &scratch, (&options, trace));
+        let written = (&options, trace, experiment.reads_inputs());
+        let live = LiveQuestions::capturing((model, stop), &questions, &scratch, written);
         started = Some(live);
         Ok(())
     })?;
@@ -330,7 +336,13 @@ fn capturing_runner<'m>(
             for (prompt, trace) in questions.prompts.iter().zip(&traces) {
                 check_same_prompt(recipe, &name, prompt, &trace.path)?;
             }
-            LiveQuestions::start_stopping((model, stop), &questions, (LIVE_CHUNK, &scratch))?
+            let recording = (LIVE_CHUNK, scratch.as_path());
+            LiveQuestions::start_with(
+                (model, stop),
+                &questions,
+                recording,
+                experiment.reads_inputs(),
+            )?
         }
     };
     Ok((traces, Runner::Live(live)))

@@ -57,17 +57,8 @@ impl TraceFile {
     /// A trace held in memory (`bytes`, as a file of it would hold them), identified as
     /// [`identify`](Self::identify) identifies that file; `label` stands for its path.
     pub fn of_bytes(label: &Path, bytes: &[u8]) -> Self {
-        let mut hasher = Sha256::new();
-        let mut rest = bytes;
-        let header = read_header(&mut rest).ok().map(|(_, json)| json);
-        match &header {
-            Some(json) => {
-                hasher.update(json.to_string().as_bytes());
-                hasher.update(rest);
-            }
-            None => hasher.update(bytes),
-        }
-        Self::identified(label, format!("{:x}", hasher.finalize()), header)
+        let (sha256, header) = content_sha256_of(|| Ok(bytes)).expect("bytes in memory read");
+        Self::identified(label, sha256, header)
     }
 
     /// The trace at `path` of content hash `sha256`, its header's counts read from `header`.
@@ -109,17 +100,23 @@ impl TraceFile {
 /// in each write), then its data bytes. Not a safetensors header: the file's bytes as they are.
 /// Returns the digest and the parsed header.
 fn content_sha256(path: &Path) -> std::io::Result<(String, Option<serde_json::Value>)> {
-    let mut file = std::io::BufReader::new(std::fs::File::open(path)?);
+    content_sha256_of(|| Ok(std::io::BufReader::new(std::fs::File::open(path)?)))
+}
+
+/// [`content_sha256`] of the bytes `open` reads from their start (called again to hash them
+/// whole when they have no safetensors header).
+fn content_sha256_of<R: std::io::Read>(
+    open: impl Fn() -> std::io::Result<R>,
+) -> std::io::Result<(String, Option<serde_json::Value>)> {
+    let mut reader = open()?;
     let mut hasher = Sha256::new();
-    let header = read_header(&mut file).ok().map(|(_, json)| json);
+    let header = read_header(&mut reader).ok().map(|(_, json)| json);
     match &header {
         // Its keys are sorted: the canonical header.
         Some(json) => hasher.update(json.to_string().as_bytes()),
-        None => {
-            file = std::io::BufReader::new(std::fs::File::open(path)?);
-        }
+        None => reader = open()?,
     }
-    std::io::copy(&mut file, &mut HashWriter(&mut hasher))?;
+    std::io::copy(&mut reader, &mut HashWriter(&mut hasher))?;
     Ok((format!("{:x}", hasher.finalize()), header))
 }
 

@@ -857,69 +857,67 @@ impl<'m> LiveQuestions<'m> {
         questions: &BuiltQuestions,
         (chunk, scratch): (usize, &Path),
     ) -> Result<Self, LiveError> {
-        Self::start_for((model, stop), questions, (chunk, scratch), &[])
+        Self::start_with((model, stop), questions, (chunk, scratch), false)
     }
 
-    /// [`start_stopping`](Self::start_stopping) for `policies`: where one reads the attention
-    /// inputs (DefensiveKV, a press reading hidden states), the recordings keep them, with the
-    /// model's projections, as a capture with `--attention-inputs` does.
-    pub fn start_for(
+    /// [`start_stopping`](Self::start_stopping), the recordings keeping each layer's attention
+    /// inputs with the model's projections where `inputs`, as a capture with
+    /// `--attention-inputs` does: for policies that read them (DefensiveKV, a press reading
+    /// hidden states).
+    pub fn start_with(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
         (chunk, scratch): (usize, &Path),
-        policies: &[ValidPolicy],
+        inputs: bool,
     ) -> Result<Self, LiveError> {
-        let inputs = policies.iter().any(|policy| policy.scorer().needs_inputs());
+        let projections = inputs.then(|| input_projections(model)).transpose()?;
         Self::recording(
             (model, stop),
             questions,
-            (chunk, scratch, inputs),
+            (chunk, scratch, projections.as_deref()),
             &mut |_, _, _, _| Ok(()),
         )
     }
 
-    /// [`start_stopping`](Self::start_stopping), each question's full run also written as the
-    /// trace that a capture with `options` into `out` writes ([`write_question`]): the same
-    /// runs, so the same bytes, without running them twice.
+    /// [`start_with`](Self::start_with), each question's full run also written as the trace
+    /// that a capture with `options` (and, where `inputs`, `--attention-inputs`) into `out`
+    /// writes ([`write_question`]): the same runs, so the same bytes, without running them twice.
     pub fn capturing(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
         scratch: &Path,
-        (options, out): (&CaptureOptions, &Path),
+        (options, out, inputs): (&CaptureOptions, &Path, bool),
     ) -> Result<Self, LiveError> {
+        let projections = inputs.then(|| input_projections(model)).transpose()?;
+        let projections = projections.as_deref();
         Self::recording(
             (model, stop),
             questions,
-            (options.chunk, scratch, false),
+            (options.chunk, scratch, projections),
             &mut |question, generated, recorder, recorded_pass| {
                 let written = (questions, question, generated);
-                write_question(
-                    model,
-                    written,
-                    (recorder, None, recorded_pass),
-                    (options, out),
-                )?;
+                let recorded = (recorder, projections, recorded_pass);
+                write_question(model, written, recorded, (options, out))?;
                 Ok(())
             },
         )
     }
 
     /// The sessions of `questions`' full runs, each run's recording seen by `recorded` first
-    /// ([`full_runs`]).
+    /// ([`full_runs`]); the recordings keep the attention inputs where `projections` are given.
     fn recording(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
-        (chunk, scratch, inputs): (usize, &Path, bool),
+        (chunk, scratch, projections): (usize, &Path, Option<&[[Projection; 4]]>),
         recorded: OnRecording<'_, LiveError>,
     ) -> Result<Self, LiveError> {
-        let projections = inputs.then(|| input_projections(model)).transpose()?;
+        let inputs = projections.is_some();
         let runs = full_runs((model, stop), questions, (chunk, scratch, inputs), recorded)?;
         let sessions = runs
             .into_iter()
             .zip(&questions.prompts)
             .map(|(run, prompt)| {
-                let recording = (chunk, projections.as_deref());
-                LiveSession::recorded((model, stop), prompt, recording, run)
+                LiveSession::recorded((model, stop), prompt, (chunk, projections), run)
             })
             .collect::<Result<_, _>>()?;
         Ok(Self { sessions })
@@ -1134,8 +1132,9 @@ pub fn run_recipe(
     let model = crate::capture::load_recipe_model(recipe)?;
     let questions = crate::capture::build_questions(recipe, model.as_ref())?;
     let model = model.as_ref();
+    let inputs = policies.iter().any(|policy| policy.scorer().needs_inputs());
     let recording = (chunk, scratch);
-    let sessions = LiveQuestions::start_for((model, stop), &questions, recording, policies)?;
+    let sessions = LiveQuestions::start_with((model, stop), &questions, recording, inputs)?;
     let reports = sessions.run_many(policies);
     drop(sessions);
     reports
