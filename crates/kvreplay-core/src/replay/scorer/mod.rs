@@ -501,6 +501,27 @@ mod tests {
     use super::testing::{global_layer, group_unit, hashed_group};
     use super::*;
 
+    /// Every registered scorer lives in the file its name names (`expected-attention` in
+    /// `expected_attention.rs`) and carries unit tests there (its hand-computed cases), beside the
+    /// brute-force rule the conformance tests compare it with.
+    #[test]
+    fn every_scorer_is_its_own_file_with_its_own_unit_tests() {
+        let dir = std::path::Path::new(env!("CARGO_MANIFEST_DIR")).join("src/replay/scorer");
+        for method in REGISTRY {
+            let file = dir.join(format!("{}.rs", method.name.replace('-', "_")));
+            let source = std::fs::read_to_string(&file).unwrap_or_else(|err| {
+                panic!("scorer `{}`: {}: {err}", method.name, file.display())
+            });
+            let tests = source.split_once("#[cfg(test)]").map(|(_, tests)| tests);
+            assert!(
+                tests.is_some_and(|tests| tests.contains("#[test]")),
+                "scorer `{}`: {} has no unit test",
+                method.name,
+                file.display()
+            );
+        }
+    }
+
     #[test]
     fn accumulating_the_aggregate_adds_what_aggregated_into_gives() {
         // Three query heads on one KV head, 150 positions (two blocks of 64 and a remainder),
