@@ -6,8 +6,9 @@
 //!    full cache, recording every layer's q, k, v (as a capture does) and the next-token
 //!    distribution of every step.
 //! 2. **Kept sets.** The run's recording, an f32 kvtrace/1 trace held in memory (the bytes a
-//!    capture's file would hold), goes through the same engine code as an open-loop replay (`replay_keeping`: its layer
-//!    budgets and kept sets), so a live run chooses exactly what a replay of that trace chooses.
+//!    capture's file would hold), goes through the same engine code as an open-loop replay
+//!    (`replay_keeping`: its layer budgets and kept sets), so a live run chooses exactly what a
+//!    replay of that trace chooses.
 //!    Under the `prefill` timing the choice reads only the prompt's vectors, which the full run
 //!    and the live run share (the eviction happens after the prefill); oracles that need future
 //!    queries read them from the full run, and the report says so.
@@ -191,9 +192,9 @@ type OnRecording<'a, E> =
 
 /// The full-cache runs of the questions of `questions` ([`prefill_questions`]: the shared context
 /// prefilled once, in chunks of `chunk` tokens, recorded under `scratch`, with the attention
-/// inputs where `inputs`), each then decoded
-/// greedily, with its recording, which `recorded(question, generated tokens, recording)` sees
-/// first. One question whose prompt is all context is the plain full run.
+/// inputs where `inputs`), each then decoded greedily, with its recording, which
+/// `recorded(question, generated tokens, recording)` sees first. One question whose prompt is
+/// all context is the plain full run.
 fn full_runs<E: From<ModelError> + From<CaptureError>>(
     (model, stop): (&dyn CausalLm, Stop<'_>),
     questions: &BuiltQuestions,
