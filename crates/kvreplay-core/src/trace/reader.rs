@@ -136,8 +136,9 @@ impl TraceReader {
         found
     }
 
-    /// A trace held in memory (the bytes a file of it would hold), validated as [`open`](Self::open)
-    /// validates a file; `label` stands for a path in its errors and [`path`](Self::path).
+    /// A trace held in memory (the bytes a file of it would hold), validated as
+    /// [`open`](Self::open) validates a file; `label` stands for a path in its errors and
+    /// [`path`](Self::path).
     pub fn from_bytes(label: impl Into<PathBuf>, bytes: Arc<[u8]>) -> Result<Self, TraceError> {
         let whole = bytes.clone();
         Self::validated(label.into(), &whole, Source::Memory(bytes))
