@@ -10,6 +10,7 @@ use kvreplay::trace::{
 use safetensors::tensor::{Dtype, TensorView};
 use std::collections::HashMap;
 use std::path::Path;
+use std::sync::Arc;
 
 #[test]
 fn f32_round_trip_is_exact() {
@@ -833,7 +834,7 @@ fn a_trace_in_memory_is_its_files_bytes_and_reads_alike() {
     .unwrap();
     assert_eq!(bytes, std::fs::read(&path).unwrap());
     let file = TraceReader::open(&path).unwrap();
-    let memory = TraceReader::from_bytes(label, bytes.clone().into()).unwrap();
+    let memory = TraceReader::from_bytes(label, Arc::new(bytes.clone())).unwrap();
     assert_eq!(memory.meta(), file.meta());
     assert_eq!(memory.path(), label);
     assert_eq!(memory.tokens().unwrap(), file.tokens().unwrap());
@@ -849,6 +850,6 @@ fn a_trace_in_memory_is_its_files_bytes_and_reads_alike() {
     assert_eq!(identified.sha256, file_identity.sha256);
     assert_eq!(identified.heads, file_identity.heads);
     let cut = &bytes[..bytes.len() - 16];
-    let err = TraceReader::from_bytes(label, cut.into()).unwrap_err();
+    let err = TraceReader::from_bytes(label, Arc::new(cut.to_vec())).unwrap_err();
     assert!(err.to_string().starts_with("a recording"), "{err}");
 }

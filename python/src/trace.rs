@@ -28,7 +28,7 @@ pub struct Trace {
 /// or bytes in memory.
 enum Held {
     Map(Mmap),
-    Memory(Arc<[u8]>),
+    Memory(Arc<Vec<u8>>),
 }
 
 impl Held {
@@ -227,7 +227,7 @@ impl Trace {
             writer.push_layer(q, k, values.as_mut().and_then(Iterator::next));
         }
         let label = Path::new(FROM_ARRAYS);
-        let bytes: Arc<[u8]> = py.detach(|| writer.to_bytes(label)).map_err(raised)?.into();
+        let bytes = Arc::new(py.detach(|| writer.to_bytes(label)).map_err(raised)?);
         let reader = TraceReader::from_bytes(label, bytes.clone()).map_err(raised)?;
         Ok(Self {
             reader,

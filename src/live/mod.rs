@@ -365,7 +365,7 @@ impl<'m> LiveSession<'m> {
         drop(recorder);
         // Recorded at f32 for the kept sets' sake; bytes counted as a capture's default dtype
         // stores them, so a budget in bytes keeps what it keeps on a capture of the same run.
-        let trace = TraceReader::from_bytes(label, bytes.into())
+        let trace = TraceReader::from_bytes(label, Arc::new(bytes))
             .map_err(PolicyError::from)?
             .counting_elements_at(StorageDtype::default().element_bytes());
         Ok(Self {

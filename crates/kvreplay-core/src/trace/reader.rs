@@ -50,7 +50,7 @@ pub struct TensorLocation {
 /// recording, written there instead of to a scratch file).
 enum Source {
     File(File),
-    Memory(Arc<[u8]>),
+    Memory(Arc<Vec<u8>>),
 }
 
 impl Source {
@@ -139,7 +139,7 @@ impl TraceReader {
     /// A trace held in memory (the bytes a file of it would hold), validated as
     /// [`open`](Self::open) validates a file; `label` stands for a path in its errors and
     /// [`path`](Self::path).
-    pub fn from_bytes(label: impl Into<PathBuf>, bytes: Arc<[u8]>) -> Result<Self, TraceError> {
+    pub fn from_bytes(label: impl Into<PathBuf>, bytes: Arc<Vec<u8>>) -> Result<Self, TraceError> {
         let whole = bytes.clone();
         Self::validated(label.into(), &whole, Source::Memory(bytes))
     }
