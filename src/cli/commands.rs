@@ -204,7 +204,7 @@ fn experiment_traces(
     may_capture: bool,
     models: &mut ModelSlot,
 ) -> Result<Vec<TraceFile>> {
-    let inputs = experiment.reads_inputs();
+    let inputs = experiment.reads_inputs;
     let mut capture_once = |recipe: &Path, trace: &Path| {
         capture::capture_once(recipe, trace, &mut |recipe, trace| {
             capture_recipe(recipe, trace, (StorageDtype::F16, 512, inputs), models)

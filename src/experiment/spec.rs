@@ -126,6 +126,9 @@ pub struct Experiment {
     pub ceiling: Option<String>,
     /// Methods defined outside the library that its policies may name (the Python package's).
     pub externals: Option<Arc<dyn ExternalMethods>>,
+    /// Whether one of its policies reads the attention inputs (DefensiveKV): its recipes are
+    /// then captured with them, as `kvreplay capture --attention-inputs` captures.
+    pub reads_inputs: bool,
 }
 
 /// One run: a policy at a budget on a trace.
@@ -199,14 +202,15 @@ fn check_budgets(file: &ExperimentFile) -> Result<Vec<Budget>, String> {
 }
 
 /// Every `[[policy]]` table expanded over its listed values and the budgets, each checked: the
-/// labelled policies in file order.
+/// labelled policies in file order, and whether one of them reads the attention inputs.
 fn expand_policies(
     path: &Path,
     file: &ExperimentFile,
     budgets: &[Budget],
     externals: Option<&dyn ExternalMethods>,
-) -> Result<Vec<(String, PolicyParams)>, ExperimentError> {
+) -> Result<(Vec<(String, PolicyParams)>, bool), ExperimentError> {
     let mut policies = Vec::new();
+    let mut reads_inputs = false;
     let mut table_names: Vec<String> = Vec::new();
     for table in &file.policy {
         let name = table
@@ -258,14 +262,15 @@ fn expand_policies(
                     .collect();
                 let params = presets::overlay(&base, settings.iter().map(|(k, v)| (k, v)))
                     .map_err(|err| policy_error(err.to_string()))?;
-                params.clone().check_in(externals).map_err(|err| {
+                let checked = params.clone().check_in(externals).map_err(|err| {
                     policy_error(format!("{label} at {}: {err}", column.header()))
                 })?;
+                reads_inputs |= checked.scorer().needs_inputs();
                 policies.push((label, params));
             }
         }
     }
-    Ok(policies)
+    Ok((policies, reads_inputs))
 }
 
 /// A policy table's settings, each as the list of values it takes (a single value is a list of
@@ -516,7 +521,8 @@ impl Experiment {
             .try_into()
             .map_err(|err: toml::de::Error| parse_error(err.message().to_owned()))?;
         let budgets = check_budgets(&file).map_err(parse_error)?;
-        let policies = expand_policies(path, &file, &budgets, externals.as_deref())?;
+        let (policies, reads_inputs) =
+            expand_policies(path, &file, &budgets, externals.as_deref())?;
         let names: Vec<String> = policies.iter().map(|(n, _)| n.clone()).collect();
         check_named(&file, &names).map_err(parse_error)?;
         check_ranking(&file, &names).map_err(parse_error)?;
@@ -539,15 +545,7 @@ impl Experiment {
             ranking: file.ranking,
             ceiling: file.ceiling,
             externals,
-        })
-    }
-
-    /// Whether one of its policies reads the attention inputs (DefensiveKV): its recipes are
-    /// then captured with them, as `kvreplay capture --attention-inputs` captures.
-    pub fn reads_inputs(&self) -> bool {
-        self.policies.iter().any(|(_, params)| {
-            self.check(params)
-                .is_ok_and(|policy| policy.scorer().needs_inputs())
+            reads_inputs,
         })
     }
 

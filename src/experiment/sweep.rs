@@ -53,7 +53,7 @@ pub fn run_sweep(
     for entry in entries {
         units.push(match entry {
             TraceEntry::Uncaptured(recipe) if !live_capture => {
-                capture_first(recipe, experiment.reads_inputs(), models, layer_done)?
+                capture_first(recipe, experiment.reads_inputs, models, layer_done)?
             }
             entry => entry.clone(),
         });
@@ -305,7 +305,7 @@ fn runner_of<'m>(
         (model, stop),
         &questions,
         (LIVE_CHUNK, &scratch),
-        experiment.reads_inputs(),
+        experiment.reads_inputs,
     )?))
 }
 
@@ -322,7 +322,7 @@ fn capturing_runner<'m>(
     let scratch = std::env::temp_dir();
     let mut started = None;
     capture::capture_once(recipe, &captured_into(recipe), &mut |_, trace| {
-        let written = (&options, trace, experiment.reads_inputs());
+        let written = (&options, trace, experiment.reads_inputs);
         let live = LiveQuestions::capturing((model, stop), &questions, &scratch, written);
         started = Some(live);
         Ok(())
@@ -341,7 +341,7 @@ fn capturing_runner<'m>(
                 (model, stop),
                 &questions,
                 recording,
-                experiment.reads_inputs(),
+                experiment.reads_inputs,
             )?
         }
     };
