@@ -63,7 +63,15 @@ pub fn route(
 ) -> Result<Vec<Map<String, Value>>, PolicyError> {
     let mut routed = vec![Map::new(); owners.len()];
     for (key, value) in given {
-        let index = owner_of(key, owners, &unknown)?;
+        let index = owner_of(key, owners).map_err(|unrouted| match unrouted {
+            Unrouted::NoTaker => unknown(key),
+            Unrouted::NoAxis(axis) => PolicyError::UnknownAxis {
+                key: key.to_owned(),
+                axis: axis.to_owned(),
+                valid: AXES.join(", "),
+            },
+            Unrouted::Several(takers) => ambiguous(key, &takers, owners),
+        })?;
         let (_, bare) = split(key);
         if routed[index]
             .insert(bare.to_owned(), value.clone())
@@ -78,45 +86,44 @@ pub fn route(
     Ok(routed)
 }
 
-/// The index of the owner `key` is for.
-fn owner_of(
-    key: &str,
-    owners: &[Owner],
-    unknown: &impl Fn(&str) -> PolicyError,
-) -> Result<usize, PolicyError> {
+/// Why a key is for none of the chosen methods.
+enum Unrouted<'k> {
+    /// No chosen method (on its axis, if qualified) declares it.
+    NoTaker,
+    /// It is qualified by this, which is not an axis.
+    NoAxis(&'k str),
+    /// It is bare and these owners declare it.
+    Several(Vec<usize>),
+}
+
+/// The index of the owner `key` is for: the one chosen method on its axis that declares it, or,
+/// for a bare key, the one chosen method that does.
+fn owner_of<'k>(key: &'k str, owners: &[Owner]) -> Result<usize, Unrouted<'k>> {
     let (axis, bare) = split(key);
-    if let Some(axis) = axis {
-        if !AXES.contains(&axis) {
-            return Err(PolicyError::UnknownAxis {
-                key: key.to_owned(),
-                axis: axis.to_owned(),
-                valid: AXES.join(", "),
-            });
-        }
-        return owners
-            .iter()
-            .position(|owner| owner.axis == axis && owner.takes(bare))
-            .ok_or_else(|| unknown(key));
+    if let Some(axis) = axis.filter(|axis| !AXES.contains(axis)) {
+        return Err(Unrouted::NoAxis(axis));
     }
     let takers: Vec<usize> = (0..owners.len())
         .filter(|&index| owners[index].takes(bare))
+        .filter(|&index| axis.is_none_or(|axis| owners[index].axis == axis))
         .collect();
     match takers[..] {
-        [] => Err(unknown(key)),
+        [] => Err(Unrouted::NoTaker),
         [one] => Ok(one),
-        _ => Err(PolicyError::AmbiguousSetting {
-            key: key.to_owned(),
-            owners: takers
-                .iter()
-                .map(|&index| owners[index].label.clone())
-                .collect::<Vec<_>>()
-                .join(" and "),
-            spellings: takers
-                .iter()
-                .map(|&index| format!("`{}.{key}`", owners[index].axis))
-                .collect::<Vec<_>>()
-                .join(" or "),
-        }),
+        _ => Err(Unrouted::Several(takers)),
+    }
+}
+
+/// The error for bare `key`, which the owners `takers` all declare.
+fn ambiguous(key: &str, takers: &[usize], owners: &[Owner]) -> PolicyError {
+    let listed = |item: &dyn Fn(&Owner) -> String, separator: &str| {
+        let items: Vec<String> = takers.iter().map(|&index| item(&owners[index])).collect();
+        items.join(separator)
+    };
+    PolicyError::AmbiguousSetting {
+        key: key.to_owned(),
+        owners: listed(&|owner| owner.label.clone(), " and "),
+        spellings: listed(&|owner| format!("`{}.{key}`", owner.axis), " or "),
     }
 }
 
@@ -134,13 +141,9 @@ pub fn canonical_key(bare: &str, owner: &Owner, owners: &[Owner]) -> String {
 /// How a given setting's key is written in a policy's canonical form: [`canonical_key`] of the
 /// method it is for, or the key as given when no chosen method is (the policy does not check).
 pub fn canonical_given(key: &str, owners: &[Owner]) -> String {
-    let (axis, bare) = split(key);
-    let mut takers = owners
-        .iter()
-        .filter(|owner| owner.takes(bare) && axis.is_none_or(|axis| owner.axis == axis));
-    match (takers.next(), takers.next()) {
-        (Some(owner), None) => canonical_key(bare, owner, owners),
-        _ => key.to_owned(),
+    match owner_of(key, owners) {
+        Ok(index) => canonical_key(split(key).1, &owners[index], owners),
+        Err(_) => key.to_owned(),
     }
 }
 
