@@ -495,23 +495,6 @@ fn resolved<T: ?Sized>(
     chosen.map(|c| c.method.resolve(given)).unwrap_or_default()
 }
 
-/// The method chosen on `axis` as routing sees it (one defined outside the registries declares
-/// no settings).
-fn owner<T: ?Sized>(axis: &'static str, chosen: Option<&Chosen<'_, T>>, name: &str) -> Owner {
-    match chosen {
-        Some(chosen) => Owner {
-            axis,
-            label: chosen.label(),
-            params: chosen.method.params,
-        },
-        None => Owner {
-            axis,
-            label: format!("{axis} `{name}`"),
-            params: &[],
-        },
-    }
-}
-
 /// A checked policy: the only thing the engine runs.
 pub struct ValidPolicy {
     params: PolicyParams,
@@ -596,14 +579,14 @@ impl PolicyParams {
         let quantizer = lookup("quantizer", quantizer::REGISTRY, &self.quantizer)?;
         let key_channels = lookup("channels", channels::REGISTRY, &self.channels)?;
         let merge_rule = lookup("merge", merge::REGISTRY, &self.merge)?;
-        let owners = [
-            owner("allocator", registered_allocator.as_ref(), &self.allocator),
-            owner("scorer", registered.as_ref(), &self.scorer),
-            owner("heads", Some(&heads), &self.heads),
-            owner("quantizer", Some(&quantizer), &self.quantizer),
-            owner("channels", Some(&key_channels), &self.channels),
-            owner("merge", Some(&merge_rule), &self.merge),
-        ];
+        let mut owners = self.registered_owners();
+        // A method defined outside the registries declares no settings, whatever its name.
+        if registered_allocator.is_none() {
+            owners[0].params = &[];
+        }
+        if registered.is_none() {
+            owners[1].params = &[];
+        }
         let chosen = self.chosen_methods(&owners);
         let routed = routing::route(&self.settings, &owners, |key| PolicyError::UnknownSetting {
             key: key.to_owned(),
@@ -726,22 +709,34 @@ impl PolicyParams {
     }
 
     /// The chosen methods as routing sees them, looked up by name (a name no registry knows, a
-    /// method defined outside them, declares no settings).
+    /// method defined outside them, declares no settings), labelled as messages name them.
     fn registered_owners(&self) -> [Owner; 6] {
-        fn on<T: ?Sized>(axis: &'static str, registry: &[Method<T>], name: &str) -> Owner {
+        fn on<T: ?Sized>(
+            (axis, kind): (&'static str, &str),
+            registry: &[Method<T>],
+            name: &str,
+        ) -> Owner {
             Owner {
                 axis,
-                label: format!("{axis} `{name}`"),
+                label: format!("{kind} `{name}`"),
                 params: settings::find(registry, name).map_or(&[], |method| method.params),
             }
         }
         [
-            on("allocator", allocator::REGISTRY, &self.allocator),
-            on("scorer", scorer::REGISTRY, &self.scorer),
-            on("heads", head_split::REGISTRY, &self.heads),
-            on("quantizer", quantizer::REGISTRY, &self.quantizer),
-            on("channels", channels::REGISTRY, &self.channels),
-            on("merge", merge::REGISTRY, &self.merge),
+            on(
+                ("allocator", "allocator"),
+                allocator::REGISTRY,
+                &self.allocator,
+            ),
+            on(("scorer", "scorer"), scorer::REGISTRY, &self.scorer),
+            on(("heads", "head split"), head_split::REGISTRY, &self.heads),
+            on(
+                ("quantizer", "quantizer"),
+                quantizer::REGISTRY,
+                &self.quantizer,
+            ),
+            on(("channels", "channels"), channels::REGISTRY, &self.channels),
+            on(("merge", "merge"), merge::REGISTRY, &self.merge),
         ]
     }
 }
