@@ -6,8 +6,9 @@ use common::{write_fixture, Shape};
 use kvreplay::replay::metrics;
 use kvreplay::replay::reference::{self, Layer};
 use kvreplay::replay::{
-    kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept, Order,
-    PolicyError, PolicyParams, ReplayReport, Timing, Trigger, Unit, UnitKept, ValidPolicy,
+    kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept,
+    MethodFailed, Order, PolicyError, PolicyParams, ReplayReport, Timing, Trigger, Unit, UnitKept,
+    ValidPolicy,
 };
 use kvreplay::trace::TraceReader;
 use ndarray::Array3;
@@ -1644,4 +1645,163 @@ fn per_layer_rotary_bases_reach_the_scorers() {
         .unwrap_err()
         .to_string()
         .contains("layer_rope_thetas"));
+}
+
+/// What a [`FailingAt`] state was asked, in order: (layer, cache, call).
+type CallLog = std::sync::Arc<std::sync::Mutex<Vec<(usize, usize, &'static str)>>>;
+
+/// A scorer (recency's ranking) whose state of cache `cache` of layer `layer` fails at its
+/// `nth` call of `scores`, logging every call made of every state.
+#[derive(Clone)]
+struct FailingAt {
+    place: (usize, usize),
+    nth: usize,
+    log: CallLog,
+}
+
+struct FailingState {
+    scorer: FailingAt,
+    here: (usize, usize),
+    scored: usize,
+}
+
+impl Clone for FailingState {
+    fn clone(&self) -> Self {
+        Self {
+            scorer: self.scorer.clone(),
+            ..*self
+        }
+    }
+}
+
+impl FailingState {
+    fn log(&self, call: &'static str) {
+        let (layer, cache) = self.here;
+        self.scorer.log.lock().unwrap().push((layer, cache, call));
+    }
+}
+
+impl scorer::Scorer for FailingAt {
+    fn start(
+        &self,
+        layer: &kvreplay::replay::LayerContext<'_>,
+        unit: &Unit,
+        _: kvreplay::replay::Protection,
+    ) -> Result<scorer::Started, MethodFailed> {
+        Ok(Box::new(FailingState {
+            scorer: self.clone(),
+            here: (layer.layer, unit.index),
+            scored: 0,
+        }))
+    }
+}
+
+impl scorer::ScoreState for FailingState {
+    fn on_append(&mut self, _: &kvreplay::replay::LayerContext<'_>, _: &[usize]) -> scorer::Scored {
+        self.log("append");
+        Ok(())
+    }
+
+    fn scores(
+        &mut self,
+        _: &kvreplay::replay::LayerContext<'_>,
+        cache: &[usize],
+        out: &mut Vec<f32>,
+    ) -> scorer::Scored {
+        self.log("scores");
+        self.scored += 1;
+        if self.here == self.scorer.place && self.scored == self.scorer.nth {
+            return Err(MethodFailed(format!("failed at {:?}", self.here)));
+        }
+        *out = cache.iter().map(|&position| position as f32).collect();
+        Ok(())
+    }
+
+    fn on_evict(&mut self, _: usize) -> scorer::Scored {
+        self.log("evict");
+        Ok(())
+    }
+}
+
+/// A scorer call that fails ends the replay there with its failure: the failing state is asked
+/// nothing more, and no later layer is read. Before scorer calls returned results, a failure was
+/// recorded and the engine went on with the layer (the state was called again with zeros for
+/// scores) and stopped after it.
+#[test]
+fn a_failing_scorer_call_stops_the_replay_at_that_call() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    let shape = Shape {
+        n_layers: 3,
+        ..Shape::default()
+    };
+    write_fixture(&path, shape, 11);
+    let trace = TraceReader::open(&path).unwrap();
+    let log = CallLog::default();
+    let failing = FailingAt {
+        place: (1, 0),
+        nth: 3,
+        log: log.clone(),
+    };
+    let external = kvreplay::replay::External {
+        scorer: Some((Box::new(failing), "failing".into())),
+        allocator: None,
+    };
+    let policy = PolicyParams {
+        scorer: "failing".into(),
+        ..params("tova", Timing::Streaming, 8)
+    }
+    .check_with(external)
+    .unwrap();
+    let failed = replay(&trace, &policy).unwrap_err();
+    assert!(
+        matches!(&failed, PolicyError::Failed(MethodFailed(message)) if message == "failed at (1, 0)"),
+        "{failed:?}"
+    );
+    let log = log.lock().unwrap();
+    let of_failing: Vec<&str> = log
+        .iter()
+        .filter(|(layer, cache, _)| (*layer, *cache) == (1, 0))
+        .map(|(_, _, call)| *call)
+        .collect();
+    assert_eq!(
+        of_failing.iter().filter(|&&call| call == "scores").count(),
+        3
+    );
+    assert_eq!(of_failing.last(), Some(&"scores"), "{of_failing:?}");
+    assert!(
+        log.iter().all(|(layer, _, _)| *layer <= 1),
+        "layer 2 was read"
+    );
+    assert!(log.iter().any(|(layer, _, _)| *layer == 0), "layer 0 ran");
+}
+
+/// An allocator that fails stops the replay before any layer is scored, with its failure.
+#[test]
+fn a_failing_allocator_stops_the_replay_with_its_failure() {
+    struct Refusing;
+    impl kvreplay::replay::allocator::Allocator for Refusing {
+        fn allocate(
+            &self,
+            _: &kvreplay::replay::allocator::AllocationInput<'_>,
+        ) -> Result<Vec<usize>, MethodFailed> {
+            Err(MethodFailed("no budgets today".into()))
+        }
+    }
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    write_fixture(&path, Shape::default(), 12);
+    let trace = TraceReader::open(&path).unwrap();
+    let external = kvreplay::replay::External {
+        scorer: None,
+        allocator: Some(Box::new(Refusing)),
+    };
+    let policy = PolicyParams {
+        allocator: "refusing".into(),
+        ..params("snapkv", Timing::Prefill, 8)
+    }
+    .check_with(external)
+    .unwrap();
+    let failed = replay(&trace, &policy).unwrap_err();
+    assert_eq!(failed.to_string(), "no budgets today");
 }

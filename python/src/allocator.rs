@@ -12,6 +12,7 @@
 use crate::errors::python_failure;
 use crate::method::PyMethod;
 use kvreplay::replay::allocator::{AllocationInput, Allocator};
+use kvreplay::replay::MethodFailed;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::sync::Arc;
@@ -94,25 +95,16 @@ impl PyAllocator {
 }
 
 impl Allocator for PyAllocator {
-    fn failure(&self) -> Option<String> {
-        self.shared.failure()
-    }
-
     fn needs_profile(&self) -> bool {
         self.needs_profile
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        if !self.shared.failed_by((0, 0)) {
-            match Python::attach(|py| self.call(py, input)) {
-                Ok(budgets) => return budgets,
-                Err(failure) => self.shared.record(
-                    (0, 0),
-                    format!("Python allocator `{}`: {failure}", self.shared.name),
-                ),
-            }
-        }
-        // After a failure, flat budgets until the engine stops with it.
-        vec![input.budget; input.n_layers]
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
+        Python::attach(|py| self.call(py, input)).map_err(|failure| {
+            MethodFailed(format!(
+                "Python allocator `{}`: {failure}",
+                self.shared.name
+            ))
+        })
     }
 }

@@ -21,14 +21,15 @@
 //! token over budget).
 //!
 //! A scorer or state that raises, or returns the wrong length, a non-finite score or a non-float
-//! dtype stops the work after the layer with a `KvreplayError` naming the scorer, layer and cache;
-//! nothing of it is stored.
+//! dtype stops the work at that call (its caller returns the failure at once; caches scored in
+//! parallel finish the call they are in) with a `KvreplayError` naming the scorer, layer and
+//! cache; nothing of it is stored.
 
 use crate::errors::{message, python_failure};
 use crate::method::PyMethod;
 use crate::settings::settings_map;
-use kvreplay::replay::scorer::{ScoreState, Scorer, Started};
-use kvreplay::replay::{LayerContext, Protection, Timing, Unit};
+use kvreplay::replay::scorer::{ScoreState, Scored, Scorer, Started};
+use kvreplay::replay::{LayerContext, MethodFailed, Protection, Timing, Unit};
 use kvreplay::trace::{LayerInputs, PROJECTIONS};
 use ndarray::{s, Array1};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
@@ -193,10 +194,6 @@ fn served(scorer: &str, name: &str) -> PyResult<Timing> {
 }
 
 impl Scorer for PyScorer {
-    fn failure(&self) -> Option<String> {
-        self.shared.failure()
-    }
-
     fn needs_values(&self) -> bool {
         self.needs_values
     }
@@ -209,7 +206,12 @@ impl Scorer for PyScorer {
         self.timings.contains(&timing)
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
         let mut state = State {
             shared: self.shared.clone(),
             unit: unit.clone(),
@@ -219,11 +221,11 @@ impl Scorer for PyScorer {
             layer: layer.layer,
             own: None,
             held: Vec::new(),
+            unforked: None,
         };
-        if let Err(err) = Python::attach(|py| state.start_own(py)) {
-            state.fail(&format!("start() {}", python_failure(&err)));
-        }
-        Box::new(state)
+        Python::attach(|py| state.start_own(py))
+            .map_err(|err| state.failed(&format!("start() {}", python_failure(&err))))?;
+        Ok(Box::new(state))
     }
 }
 
@@ -239,6 +241,8 @@ struct State {
     own: Option<OwnState>,
     /// The cache's positions in insertion order, kept for a state's `evict(positions)`.
     held: Vec<usize>,
+    /// Why this fork of a stream could not copy its Python state: every call returns it.
+    unforked: Option<MethodFailed>,
 }
 
 /// The Python state of one cache and which of the optional calls it answers.
@@ -249,9 +253,10 @@ struct OwnState {
 }
 
 impl Clone for State {
-    /// Forks the stream: the Python state is deep-copied (a failure to copy is recorded, and the
-    /// fork then scores nothing).
+    /// Forks the stream: the Python state is deep-copied (a failure to copy is the fork's, which
+    /// every call of it then returns).
     fn clone(&self) -> Self {
+        let mut unforked = self.unforked.clone();
         let own = self.own.as_ref().and_then(|own| {
             Python::attach(|py| {
                 let copied = py
@@ -263,10 +268,10 @@ impl Clone for State {
                         ..*own
                     }),
                     Err(err) => {
-                        self.fail(&format!(
+                        unforked = Some(self.failed(&format!(
                             "could not be forked: copy.deepcopy {}",
                             python_failure(&err)
-                        ));
+                        )));
                         None
                     }
                 }
@@ -281,50 +286,50 @@ impl Clone for State {
             layer: self.layer,
             own,
             held: self.held.clone(),
+            unforked,
         }
     }
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
-        let Some(own) = &self.own else { return };
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
+        self.forked()?;
+        let Some(own) = &self.own else {
+            return Ok(());
+        };
         let position = *cache.last().expect("a token was appended");
         if own.evicts {
             self.held.push(position);
         }
-        if !own.appends || self.failed() {
-            return;
+        if !own.appends {
+            return Ok(());
         }
-        let called = Python::attach(|py| {
+        Python::attach(|py| {
             let token = self.token(py, layer, position);
             own.object.bind(py).call_method1("append", (token,))?;
             PyResult::Ok(())
-        });
-        if let Err(err) = called {
-            self.fail(&format!("append() {}", python_failure(&err)));
-        }
+        })
+        .map_err(|err| self.failed(&format!("append() {}", python_failure(&err))))
     }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        out.clear();
-        if !self.failed() {
-            match Python::attach(|py| self.call(py, layer, cache)) {
-                Ok(scores) => *out = scores,
-                Err(failure) => self.fail(&failure),
-            }
-        }
-        // After a failure, zeros until the engine stops with it after the layer.
-        out.resize(cache.len(), 0.0);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
+        self.forked()?;
+        *out = Python::attach(|py| self.call(py, layer, cache))
+            .map_err(|failure| self.failed(&failure))?;
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
+    fn on_evict(&mut self, index: usize) -> Scored {
+        self.forked()?;
         if self.own.as_ref().is_some_and(|own| own.evicts) {
             let position = self.held.remove(index);
-            self.evict(&[position]);
+            self.evict(&[position])?;
         }
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
+        self.forked()?;
         if self.own.as_ref().is_some_and(|own| own.evicts) {
             let mut marks = kept.iter();
             let (stay, gone): (Vec<usize>, Vec<usize>) = self
@@ -332,8 +337,9 @@ impl ScoreState for State {
                 .iter()
                 .partition(|_| *marks.next().expect("one mark per entry"));
             self.held = stay;
-            self.evict(&gone);
+            self.evict(&gone)?;
         }
+        Ok(())
     }
 }
 
@@ -358,37 +364,32 @@ impl State {
         Ok(())
     }
 
-    /// Whether a call here, or at an earlier place, has failed.
-    fn failed(&self) -> bool {
-        self.shared.failed_by((self.layer, self.unit.index))
+    /// The failure of a call of this cache's, naming the scorer and the cache.
+    fn failed(&self, failure: &str) -> MethodFailed {
+        MethodFailed(format!(
+            "Python scorer `{}` at layer {}, cache {}: {failure}",
+            self.shared.name, self.layer, self.unit.index
+        ))
     }
 
-    /// Records a failure here, for the engine to stop with after the layer.
-    fn fail(&self, failure: &str) {
-        self.shared.record(
-            (self.layer, self.unit.index),
-            format!(
-                "Python scorer `{}` at layer {}, cache {}: {failure}",
-                self.shared.name, self.layer, self.unit.index
-            ),
-        );
+    /// Whether this state could be forked: a fork that could not copy its Python state fails.
+    fn forked(&self) -> Scored {
+        self.unforked.clone().map_or(Ok(()), Err)
     }
 
     /// Tells the Python state that `positions` left the cache.
-    fn evict(&self, positions: &[usize]) {
-        let Some(own) = self.own.as_ref().filter(|_| !self.failed()) else {
-            return;
+    fn evict(&self, positions: &[usize]) -> Scored {
+        let Some(own) = self.own.as_ref() else {
+            return Ok(());
         };
-        let called = Python::attach(|py| {
+        Python::attach(|py| {
             let gone: Array1<i64> = positions.iter().map(|&p| p as i64).collect();
             own.object
                 .bind(py)
                 .call_method1("evict", (gone.into_pyarray(py),))
                 .map(drop)
-        });
-        if let Err(err) = called {
-            self.fail(&format!("evict() {}", python_failure(&err)));
-        }
+        })
+        .map_err(|err| self.failed(&format!("evict() {}", python_failure(&err))))
     }
 
     /// The token at `position` as `append` sees it.

@@ -412,21 +412,20 @@ impl<'m> LiveSession<'m> {
         runs: Vec<OpenLoopRun<'_>>,
         batching: Batching,
     ) -> Result<Vec<LiveReport>, LiveError> {
-        let policies: Vec<&ValidPolicy> = runs.iter().map(|(_, policy)| *policy).collect();
         let groups = self.batches(runs, batching);
-        let reports: Vec<Vec<LiveReport>> = match batching.rows {
+        // Collected before the first failure is taken, so that it is the first group's in order
+        // whichever thread met it first.
+        let outcomes: Vec<Result<Vec<LiveReport>, LiveError>> = match batching.rows {
             Some(1) => groups
                 .into_par_iter()
                 .map(|group| self.run_group(group, batching))
-                .collect::<Result<_, _>>()?,
+                .collect(),
             _ => groups
                 .into_iter()
                 .map(|group| self.run_group(group, batching))
-                .collect::<Result<_, _>>()?,
+                .collect(),
         };
-        for policy in policies {
-            policy.check_external()?;
-        }
+        let reports = outcomes.into_iter().collect::<Result<Vec<_>, _>>()?;
         Ok(reports.into_iter().flatten().collect())
     }
 

@@ -9,7 +9,7 @@
 use crate::model::{AttentionMask, ChunkVectors, ModelError};
 use crate::replay::merge::Eviction;
 use crate::replay::{
-    selection_groups, units, Attended, CacheStream, LayerContext, Unit, ValidPolicy,
+    selection_groups, units, Attended, CacheStream, LayerContext, MethodFailed, Unit, ValidPolicy,
 };
 use ndarray::{s, Array3};
 use rayon::prelude::*;
@@ -247,27 +247,26 @@ impl LiveStreams<'_> {
             live.streams = selection_groups(&units, policy)
                 .into_iter()
                 .map(|group| {
-                    let stream = CacheStream::start(&context, group, budget, policy);
-                    (group.to_vec(), stream)
+                    let stream = CacheStream::start(&context, group, budget, policy)?;
+                    Ok((group.to_vec(), stream))
                 })
-                .collect();
+                .collect::<Result<_, MethodFailed>>()?;
         }
         let positions = chunk.past..end;
-        let attended: Vec<Vec<Attended>> = live
+        let attended: Vec<Result<Vec<Attended>, MethodFailed>> = live
             .streams
             .par_iter_mut()
             .map(|(_, stream)| {
                 positions
                     .clone()
                     .map(|position| {
-                        stream
-                            .push(&context, position, true)
-                            .expect("every step is reported when asked")
+                        let attended = stream.push(&context, position, true)?;
+                        Ok(attended.expect("every step is reported when asked"))
                     })
                     .collect()
             })
             .collect();
-        Ok(attended)
+        Ok(attended.into_iter().collect::<Result<_, _>>()?)
     }
 }
 

@@ -79,6 +79,9 @@ pub enum ModelError {
     /// A tensor operation failed during the forward pass.
     #[error("forward pass failed: {0}")]
     Compute(#[from] candle_core::Error),
+    /// A policy's method failed while the model ran (a scorer written in Python raised).
+    #[error(transparent)]
+    Method(#[from] kvreplay_core::replay::MethodFailed),
     /// The caller asked the run to stop (Ctrl-C), between two chunks or tokens. Not transparent:
     /// the [`Stopped`](crate::stop::Stopped) stays in the chain of causes.
     #[error("{0}")]

@@ -37,8 +37,8 @@ use super::plan::Plan;
 use super::select::ranking;
 use super::Layers;
 use super::{
-    context, Kept, LayerContext, LayerProfile, PolicyError, Protocol, Storage, Unit, UnitKept,
-    ValidPolicy,
+    context, Kept, LayerContext, LayerProfile, MethodFailed, PolicyError, Protocol, Storage, Unit,
+    UnitKept, ValidPolicy,
 };
 use crate::trace::{Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
@@ -217,12 +217,6 @@ fn measure_pass(
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .unzip();
-    let external_failure = || {
-        policies
-            .iter()
-            .try_for_each(|policy| policy.check_external())
-    };
-    external_failure()?;
     let meta = trace.meta();
     let mut per_policy: Vec<Vec<LayerReport>> =
         vec![Vec::with_capacity(meta.n_layers); policies.len()];
@@ -260,7 +254,7 @@ fn measure_pass(
             &layer_budgets,
             &meta.spans,
             trace.element_bytes(),
-        );
+        )?;
         for (&index, report) in here.iter().zip(reports) {
             per_policy[index].push(report);
         }
@@ -270,7 +264,6 @@ fn measure_pass(
             }
         }
         drop(tensors);
-        external_failure()?;
         layer_done()?;
     }
     Ok(policies
@@ -296,10 +289,10 @@ fn measure_layer(
     budgets: &[usize],
     spans: &[Span],
     width: usize,
-) -> (Vec<LayerReport>, Vec<Option<Kept>>) {
+) -> Result<(Vec<LayerReport>, Vec<Option<Kept>>), MethodFailed> {
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
-    let scores = score_prompts(layer, plan, policies, &units);
-    let whole_layer = whole_layer_kept(layer, plan, policies, budgets, &units, &scores);
+    let scores = score_prompts(layer, plan, policies, &units)?;
+    let whole_layer = whole_layer_kept(layer, plan, policies, budgets, &units, &scores)?;
     drop(scores);
     let pass = LayerPass {
         layer,
@@ -312,15 +305,15 @@ fn measure_layer(
         width,
     };
     let accumulators = match plan.single {
-        true => pass.measure_alone(),
-        false => pass.measure_together(),
+        true => pass.measure_alone()?,
+        false => pass.measure_together()?,
     };
     let reports = accumulators
         .into_iter()
         .zip(budgets)
         .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
         .collect();
-    (reports, whole_layer)
+    Ok((reports, whole_layer))
 }
 
 /// Each score key's prompt scores, per selection group: one task per (score key, selection
@@ -331,7 +324,7 @@ fn score_prompts<'p>(
     plan: &Plan<'p>,
     policies: &[&ValidPolicy],
     units: &[Vec<Unit>],
-) -> BTreeMap<&'p str, Vec<Vec<f32>>> {
+) -> Result<BTreeMap<&'p str, Vec<Vec<f32>>>, MethodFailed> {
     let tasks: Vec<(&str, usize, usize)> = plan
         .scorers
         .iter()
@@ -340,7 +333,7 @@ fn score_prompts<'p>(
             (0..groups).map(move |group| (key, index, group))
         })
         .collect();
-    let scored: Vec<Vec<f32>> = tasks
+    let scored: Vec<Result<Vec<f32>, MethodFailed>> = tasks
         .par_iter()
         .map(|&(_, index, group)| {
             let policy = &policies[index];
@@ -355,9 +348,9 @@ fn score_prompts<'p>(
         .collect();
     let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
     for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
-        scores.entry(key).or_default().push(group_scores);
+        scores.entry(key).or_default().push(group_scores?);
     }
-    scores
+    Ok(scores)
 }
 
 /// The kept sets chosen for the whole layer at once: every one-shot policy's (from its score
@@ -370,21 +363,23 @@ fn whole_layer_kept(
     budgets: &[usize],
     units: &[Vec<Unit>],
     scores: &BTreeMap<&str, Vec<Vec<f32>>>,
-) -> Vec<Option<Kept>> {
-    policies
+) -> Result<Vec<Option<Kept>>, MethodFailed> {
+    let kept: Vec<Result<Option<Kept>, MethodFailed>> = policies
         .par_iter()
         .zip(budgets)
         .zip(units)
         .map(|((policy, &budget), units)| {
             if is_one_shot(policy) {
                 let scored = &scores[policy.score_key()];
-                Some(one_shot_kept(layer, units, budget, policy, scored))
+                Ok(Some(one_shot_kept(layer, units, budget, policy, scored)))
             } else {
                 is_whole_layer(policy)
                     .then(|| per_step_layer_kept(layer, units, budget, policy, plan.single))
+                    .transpose()
             }
         })
-        .collect()
+        .collect();
+    kept.into_iter().collect()
 }
 
 /// One layer's caches, kept sets and policies, measured KV group by KV group.
@@ -418,24 +413,24 @@ impl LayerPass<'_, '_> {
     }
 
     /// Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
-    fn group_kept(&self, index: usize, kv_head: usize) -> GroupKept<'_> {
+    fn group_kept(&self, index: usize, kv_head: usize) -> Result<GroupKept<'_>, MethodFailed> {
         match &self.whole_layer[index] {
-            Some(kept) => kept
+            Some(kept) => Ok(kept
                 .units
                 .iter()
                 .zip(&kept.kept)
                 .zip(&kept.budgets)
                 .filter(|((unit, _), _)| unit.kv_head == kv_head)
                 .map(|((unit, unit_kept), &budget)| (unit, Cow::Borrowed(unit_kept), budget))
-                .collect(),
+                .collect()),
             None => self.units[index]
                 .iter()
                 .filter(|unit| unit.kv_head == kv_head)
                 .map(|unit| {
                     let group = std::slice::from_ref(unit);
                     let budget = self.budgets[index];
-                    let unit_kept = per_step_kept(self.layer, group, budget, self.policies[index]);
-                    (unit, Cow::Owned(unit_kept), budget)
+                    let unit_kept = per_step_kept(self.layer, group, budget, self.policies[index])?;
+                    Ok((unit, Cow::Owned(unit_kept), budget))
                 })
                 .collect(),
         }
@@ -469,25 +464,28 @@ impl LayerPass<'_, '_> {
     }
 
     /// A single policy: its KV groups in parallel.
-    fn measure_alone(&self) -> Vec<LayerAccumulator> {
+    fn measure_alone(&self) -> Result<Vec<LayerAccumulator>, MethodFailed> {
         let n_kv_heads = self.layer.k.shape()[0];
-        let per_group: Vec<Vec<UnitMeasure>> = (0..n_kv_heads)
+        let per_group: Vec<Result<Vec<UnitMeasure>, MethodFailed>> = (0..n_kv_heads)
             .into_par_iter()
             .map(|kv_head| {
-                let kept = self.group_kept(0, kv_head);
-                self.measure_group(0, &kept, &self.reference(kv_head), &NestedShares::new())
+                let kept = self.group_kept(0, kv_head)?;
+                let reference = self.reference(kv_head);
+                Ok(self.measure_group(0, &kept, &reference, &NestedShares::new()))
             })
             .collect();
         let mut accumulator = LayerAccumulator::new(self.layer, self.spans.len());
-        for measure in per_group.iter().flatten() {
-            accumulator.add(measure);
+        for measures in per_group {
+            for measure in &measures? {
+                accumulator.add(measure);
+            }
         }
-        vec![accumulator]
+        Ok(vec![accumulator])
     }
 
     /// Several policies: the KV groups one after another, each group's reference shared by the
     /// policies, which run in parallel.
-    fn measure_together(&self) -> Vec<LayerAccumulator> {
+    fn measure_together(&self) -> Result<Vec<LayerAccumulator>, MethodFailed> {
         let (layer, policies, budgets) = (self.layer, self.policies, self.budgets);
         let mut accumulators: Vec<LayerAccumulator> = policies
             .iter()
@@ -501,6 +499,7 @@ impl LayerPass<'_, '_> {
                     reselect_families(layer, policies, budgets, self.units, kv_head, families)
                 },
             );
+            let reselected = reselected?;
             let nested = nest_shares(
                 layer,
                 policies,
@@ -510,10 +509,10 @@ impl LayerPass<'_, '_> {
                 &current,
                 self.spans,
             );
-            accumulators
+            let measured: Vec<Result<(), MethodFailed>> = accumulators
                 .par_iter_mut()
                 .enumerate()
-                .for_each(|(index, accumulator)| {
+                .map(|(index, accumulator)| {
                     let kept = match reselected.get(&index) {
                         Some(kept) => kept
                             .iter()
@@ -521,14 +520,17 @@ impl LayerPass<'_, '_> {
                                 (*unit, Cow::Borrowed(unit_kept), budgets[index])
                             })
                             .collect(),
-                        None => self.group_kept(index, kv_head),
+                        None => self.group_kept(index, kv_head)?,
                     };
                     for measure in self.measure_group(index, &kept, &current, &nested) {
                         accumulator.add(&measure);
                     }
-                });
+                    Ok(())
+                })
+                .collect();
+            measured.into_iter().collect::<Result<(), _>>()?;
         }
-        accumulators
+        Ok(accumulators)
     }
 }
 
@@ -610,8 +612,8 @@ fn reselect_families<'u>(
     units: &'u [Vec<Unit>],
     kv_head: usize,
     families: &[Vec<usize>],
-) -> BTreeMap<usize, CachesKept<'u>> {
-    let per_family: Vec<Vec<(usize, CachesKept)>> = families
+) -> Result<BTreeMap<usize, CachesKept<'u>>, MethodFailed> {
+    let per_family: Vec<Result<Vec<(usize, CachesKept)>, MethodFailed>> = families
         .par_iter()
         .map(|members| {
             let first = members[0];
@@ -619,15 +621,19 @@ fn reselect_families<'u>(
             let mut kept: Vec<Vec<(&Unit, UnitKept)>> = vec![Vec::new(); members.len()];
             for unit in units[first].iter().filter(|unit| unit.kv_head == kv_head) {
                 let group = std::slice::from_ref(unit);
-                let sets = reselected_kept(layer, group, &member_budgets, policies[first]);
+                let sets = reselected_kept(layer, group, &member_budgets, policies[first])?;
                 for (slot, set) in kept.iter_mut().zip(sets) {
                     slot.push((unit, set));
                 }
             }
-            members.iter().copied().zip(kept).collect()
+            Ok(members.iter().copied().zip(kept).collect())
         })
         .collect();
-    per_family.into_iter().flatten().collect()
+    let mut by_policy = BTreeMap::new();
+    for family in per_family {
+        by_policy.extend(family?);
+    }
+    Ok(by_policy)
 }
 
 /// The kept sets of every cache of one layer, with the budgets of [`layer_budgets`].
@@ -643,14 +649,12 @@ pub fn kept_sets(
     let context = context(trace, layer, &tensors);
     let units = units(&context, policy);
     let budget = budgets[layer];
-    let kept = if is_one_shot(policy) {
-        let scored = one_shot_scores(&context, &units, policy, true);
+    Ok(if is_one_shot(policy) {
+        let scored = one_shot_scores(&context, &units, policy, true)?;
         one_shot_kept(&context, &units, budget, policy, &scored)
     } else {
-        per_step_layer_kept(&context, &units, budget, policy, true)
-    };
-    policy.check_external()?;
-    Ok(kept)
+        per_step_layer_kept(&context, &units, budget, policy, true)?
+    })
 }
 
 /// Per-layer budgets of `policy` on `trace`, after checking that the two fit together; a
@@ -660,7 +664,6 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
     let trace = view.as_ref().unwrap_or(trace);
     let (_, budgets) =
         layer_budgets_with_progress(trace, policy, &|| Ok(()), &mut Profiles::default())?;
-    policy.check_external()?;
     Ok(budgets)
 }
 
@@ -679,13 +682,13 @@ fn for_each_layer<T: Send>(
     trace: &TraceReader,
     layers: &[usize],
     layer_done: LayerDone<'_>,
-    work: &(dyn Fn(LayerContext<'_>) -> T + Sync),
+    work: &(dyn Fn(LayerContext<'_>) -> Result<T, MethodFailed> + Sync),
 ) -> Result<Vec<T>, PolicyError> {
     layers
         .iter()
         .map(|&layer| {
             let tensors = trace.layer(layer)?;
-            let result = work(context(trace, layer, &tensors));
+            let result = work(context(trace, layer, &tensors))?;
             layer_done()?;
             Ok(result)
         })
@@ -772,7 +775,7 @@ impl Profiles {
             return Ok(profiles.clone());
         }
         let profiles = for_each_layer(trace, layers, layer_done, &|layer| {
-            LayerProfile::measure_windowed(&layer, window, layer.window)
+            Ok(LayerProfile::measure_windowed(&layer, window, layer.window))
         })?;
         self.0.insert(key, profiles.clone());
         Ok(profiles)
@@ -876,7 +879,7 @@ fn layer_budgets_with_progress(
         protect: params.protection(),
         profiles: &profiles,
         mass_curves: &mass_curves,
-    });
+    })?;
     let mut budgets: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
     for (&layer, budget) in compressed.iter().zip(allocated) {
         if budget < params.protection().tokens() || budget == 0 {
@@ -995,7 +998,7 @@ fn window_entries(trace: &TraceReader, window: usize) -> f64 {
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt
 /// tokens kept in the scorer's order, index b = b tokens; generated tokens are left out (they are
 /// the same for every budget). Caches that choose together (`gqa = layer`) share one order.
-fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
+fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Result<Vec<f64>, MethodFailed> {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_heads = layer.q.shape()[0];
@@ -1005,7 +1008,7 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let mut curve = vec![0.0f64; prompt_len + 1];
     let units = units(layer, policy);
     for group in selection_groups(&units, policy) {
-        let scores = score_prompt(policy.scorer.as_ref(), layer, group, protect);
+        let scores = score_prompt(policy.scorer.as_ref(), layer, group, protect)?;
         let order = ranking(&prompt, &scores, |position| {
             protect.covers(position, prompt_len)
         });
@@ -1034,5 +1037,5 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<f64> {
     let held = prompt.len();
     let whole_window = curve[held];
     curve[held + 1..].fill(whole_window);
-    curve
+    Ok(curve)
 }

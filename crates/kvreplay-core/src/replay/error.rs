@@ -115,9 +115,10 @@ pub enum PolicyError {
         /// The rule.
         rule: String,
     },
-    /// A method defined outside the library (a Python object) failed where the engine called it.
-    #[error("{0}")]
-    External(String),
+    /// A method's call failed where the engine made it (a method defined outside the library:
+    /// a Python object raised).
+    #[error(transparent)]
+    Failed(#[from] MethodFailed),
     /// Reading the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
@@ -126,6 +127,13 @@ pub enum PolicyError {
     #[error("{0}")]
     Stopped(#[from] Stopped),
 }
+
+/// A call of a scorer, scorer state or allocator failed: what those calls return instead of a
+/// result. The library's own methods never fail; a method written outside it (Python) says
+/// where and why, and the engine stops with the first failure in the order of layers and caches.
+#[derive(Debug, Clone, PartialEq, Eq, thiserror::Error)]
+#[error("{0}")]
+pub struct MethodFailed(pub String);
 
 /// The work was asked to stop: what a [`LayerDone`](super::LayerDone) callback returns to end
 /// it after the layer it has finished.

@@ -7,7 +7,7 @@ use super::scorer::Scorer;
 use super::select::{ranked_head, select_top};
 use super::stream::{slide_out, start_group, CacheStream};
 use super::{Granularity, Kept, LayerContext, Unit, UnitKept, ValidPolicy};
-use super::{Protection, Timing};
+use super::{MethodFailed, Protection, Timing};
 use rayon::prelude::*;
 
 /// Whether `policy` keeps one set per cache for the whole decode (prefill timing). Those sets are chosen for the whole layer at once (AdaKV shares a budget
@@ -43,35 +43,37 @@ pub(crate) fn score_prompt(
     layer: &LayerContext<'_>,
     group: &[Unit],
     protect: Protection,
-) -> Vec<f32> {
+) -> Result<Vec<f32>, MethodFailed> {
     let layer = if scorer.reads_future() {
         *layer
     } else {
         layer.through(layer.prompt_len)
     };
-    let mut state = start_group(scorer, &layer, group, protect);
+    let mut state = start_group(scorer, &layer, group, protect)?;
     let mut cache = Vec::with_capacity(layer.prompt_len);
     for position in 0..layer.prompt_len {
-        slide_out(&layer, position, &mut cache, state.as_mut());
+        slide_out(&layer, position, &mut cache, state.as_mut())?;
         cache.push(position);
-        state.on_append(&layer, &cache);
+        state.on_append(&layer, &cache)?;
     }
     let mut scores = Vec::new();
-    state.scores(&layer, &cache, &mut scores);
-    scores
+    state.scores(&layer, &cache, &mut scores)?;
+    Ok(scores)
 }
 
-/// Maps over groups of caches that choose together, in parallel or not.
+/// Maps over groups of caches that choose together, in parallel or not; a failure is the first
+/// group's in order, whichever thread met it first.
 fn map_groups<T: Send>(
     groups: &[&[Unit]],
     parallel: bool,
-    work: impl Fn(&[Unit]) -> T + Sync + Send,
-) -> Vec<T> {
-    if parallel {
+    work: impl Fn(&[Unit]) -> Result<T, MethodFailed> + Sync + Send,
+) -> Result<Vec<T>, MethodFailed> {
+    let results: Vec<_> = if parallel {
         groups.par_iter().map(|group| work(group)).collect()
     } else {
         groups.iter().map(|group| work(group)).collect()
-    }
+    };
+    results.into_iter().collect()
 }
 
 /// The prompt scores of a one-shot policy's selection groups ([`selection_groups`]), one vector
@@ -82,7 +84,7 @@ pub(crate) fn one_shot_scores(
     units: &[Unit],
     policy: &ValidPolicy,
     parallel_units: bool,
-) -> Vec<Vec<f32>> {
+) -> Result<Vec<Vec<f32>>, MethodFailed> {
     let protect = policy.protection();
     let groups = selection_groups(units, policy);
     map_groups(&groups, parallel_units, |group| {
@@ -133,22 +135,22 @@ pub(crate) fn per_step_layer_kept(
     budget: usize,
     policy: &ValidPolicy,
     parallel: bool,
-) -> Kept {
+) -> Result<Kept, MethodFailed> {
     let groups = selection_groups(units, policy);
     let per_group = map_groups(&groups, parallel, |group| {
         per_step_kept(layer, group, budget, policy)
-    });
+    })?;
     let kept = groups
         .iter()
         .zip(per_group)
         .flat_map(|(group, kept)| std::iter::repeat_n(kept, group.len()))
         .collect();
-    Kept {
+    Ok(Kept {
         layer_budget: budget,
         units: units.to_vec(),
         budgets: vec![budget; units.len()],
         kept,
-    }
+    })
 }
 
 /// The kept sets, step by step, of one cache (or of a group of caches that choose together)
@@ -158,24 +160,23 @@ pub(crate) fn per_step_kept(
     group: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
-) -> UnitKept {
+) -> Result<UnitKept, MethodFailed> {
     if policy.params().timing.reselects() {
-        let kept = reselected_kept(layer, group, &[budget], policy);
-        return kept.into_iter().next().expect("one budget");
+        let kept = reselected_kept(layer, group, &[budget], policy)?;
+        return Ok(kept.into_iter().next().expect("one budget"));
     }
     let prompt_len = layer.prompt_len;
-    let mut stream = CacheStream::start(layer, group, budget, policy);
-    let steps = (0..layer.n_positions())
-        .filter_map(|position| {
-            stream
-                .push(layer, position, position >= prompt_len)
-                .map(|attended| attended.positions(position))
-        })
-        .collect();
-    match stream.take_evictions() {
+    let mut stream = CacheStream::start(layer, group, budget, policy)?;
+    let mut steps = Vec::with_capacity(layer.n_positions() - prompt_len);
+    for position in 0..layer.n_positions() {
+        if let Some(attended) = stream.push(layer, position, position >= prompt_len)? {
+            steps.push(attended.positions(position));
+        }
+    }
+    Ok(match stream.take_evictions() {
         Some(evictions) => UnitKept::Compressing(steps, evictions),
         None => UnitKept::PerStep(steps),
-    }
+    })
 }
 
 /// The step-by-step kept sets of one cache (or group of caches that choose together) under a
@@ -187,23 +188,23 @@ pub(crate) fn reselected_kept(
     group: &[Unit],
     budgets: &[usize],
     policy: &ValidPolicy,
-) -> Vec<UnitKept> {
+) -> Result<Vec<UnitKept>, MethodFailed> {
     let prompt_len = layer.prompt_len;
     let protect = policy.protection();
     let timing = policy.params().timing;
-    let mut state = start_group(policy.scorer.as_ref(), layer, group, protect);
+    let mut state = start_group(policy.scorer.as_ref(), layer, group, protect)?;
     let mut cache = Vec::with_capacity(layer.n_positions());
     let mut scores = Vec::new();
     let mut per_budget: Vec<Vec<Vec<usize>>> = vec![Vec::new(); budgets.len()];
     let largest = budgets.iter().copied().max().unwrap_or(0);
     for position in 0..layer.n_positions() {
-        slide_out(layer, position, &mut cache, state.as_mut());
+        slide_out(layer, position, &mut cache, state.as_mut())?;
         cache.push(position);
-        state.on_append(layer, &cache);
+        state.on_append(layer, &cache)?;
         if position < prompt_len {
             continue;
         }
-        state.scores(layer, &cache, &mut scores);
+        state.scores(layer, &cache, &mut scores)?;
         let limit = match timing {
             Timing::PerStepPrompt => prompt_len,
             _ => position + 1,
@@ -222,7 +223,7 @@ pub(crate) fn reselected_kept(
             steps.push(kept);
         }
     }
-    per_budget.into_iter().map(UnitKept::PerStep).collect()
+    Ok(per_budget.into_iter().map(UnitKept::PerStep).collect())
 }
 
 #[cfg(test)]
@@ -234,11 +235,12 @@ mod tests {
 
     /// A step-by-step stream per budget, as live mode runs one: the reference for the shared pass.
     fn streamed(layer: &LayerContext<'_>, budget: usize, policy: &ValidPolicy) -> UnitKept {
-        let mut stream = CacheStream::start(layer, &[unit()], budget, policy);
+        let mut stream = CacheStream::start(layer, &[unit()], budget, policy).unwrap();
         let steps = (0..layer.n_positions())
             .filter_map(|position| {
                 stream
                     .push(layer, position, position >= layer.prompt_len)
+                    .unwrap()
                     .map(|attended| attended.positions(position))
             })
             .collect();
@@ -272,7 +274,7 @@ mod tests {
             }
             .check()
             .unwrap();
-            let shared = reselected_kept(&layer, &[unit()], &budgets, &policy);
+            let shared = reselected_kept(&layer, &[unit()], &budgets, &policy).unwrap();
             for (kept, &budget) in shared.iter().zip(&budgets) {
                 assert_eq!(
                     kept,

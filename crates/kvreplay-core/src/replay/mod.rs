@@ -44,7 +44,7 @@ pub use engine::{
     check_fit, compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
     replay_keeping, replay_many, LayerDone, ReplayReport,
 };
-pub use error::{PolicyError, Stopped};
+pub use error::{MethodFailed, PolicyError, Stopped};
 pub use kept::selection_groups;
 pub use layer::{context, LayerContext, Unit};
 pub use layout::{Aggregation, Granularity, Layers};

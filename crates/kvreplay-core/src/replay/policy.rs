@@ -878,14 +878,6 @@ impl ValidPolicy {
         Ok(self)
     }
 
-    /// Stops with the first failure of a method defined outside the library, if one failed.
-    pub fn check_external(&self) -> Result<(), PolicyError> {
-        match self.scorer.failure().or_else(|| self.allocator.failure()) {
-            Some(failure) => Err(PolicyError::External(failure)),
-            None => Ok(()),
-        }
-    }
-
     /// The checked parameters.
     pub fn params(&self) -> &PolicyParams {
         &self.params

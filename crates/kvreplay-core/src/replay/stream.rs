@@ -4,8 +4,9 @@
 //! group of caches chooses one kept set together.
 
 use super::merge::Eviction;
-use super::scorer::{ScoreState, Scorer, Started};
+use super::scorer::{ScoreState, Scored, Scorer, Started};
 use super::select::{select_top, victim};
+use super::MethodFailed;
 use super::{LayerContext, Order, Protection, Storage, Timing, Trigger, Unit, ValidPolicy};
 
 /// What the query at one position attends over.
@@ -45,17 +46,18 @@ struct Shared {
 }
 
 impl ScoreState for Shared {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         for state in &mut self.states {
-            state.on_append(layer, cache);
+            state.on_append(layer, cache)?;
         }
+        Ok(())
     }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.resize(cache.len(), 0.0);
         for state in &mut self.states {
-            state.scores(layer, cache, &mut self.buffer);
+            state.scores(layer, cache, &mut self.buffer)?;
             for (total, score) in out.iter_mut().zip(&self.buffer) {
                 *total += score;
             }
@@ -64,24 +66,25 @@ impl ScoreState for Shared {
         for total in out.iter_mut() {
             *total /= n;
         }
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
-        for state in &mut self.states {
-            state.on_evict(index);
-        }
+    fn on_evict(&mut self, index: usize) -> Scored {
+        self.states
+            .iter_mut()
+            .try_for_each(|state| state.on_evict(index))
     }
 
-    fn on_slide_out(&mut self, index: usize) {
-        for state in &mut self.states {
-            state.on_slide_out(index);
-        }
+    fn on_slide_out(&mut self, index: usize) -> Scored {
+        self.states
+            .iter_mut()
+            .try_for_each(|state| state.on_slide_out(index))
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
-        for state in &mut self.states {
-            state.on_cut(kept);
-        }
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
+        self.states
+            .iter_mut()
+            .try_for_each(|state| state.on_cut(kept))
     }
 }
 
@@ -93,13 +96,14 @@ pub(crate) fn slide_out(
     position: usize,
     cache: &mut Vec<usize>,
     state: &mut dyn ScoreState,
-) {
+) -> Scored {
     let first = layer.first_visible(position);
     let gone = cache.partition_point(|&cached| cached < first);
     for _ in 0..gone {
         cache.remove(0);
-        state.on_slide_out(0);
+        state.on_slide_out(0)?;
     }
+    Ok(())
 }
 
 /// A fresh scorer state for a group of caches that choose together.
@@ -108,16 +112,16 @@ pub(crate) fn start_group(
     layer: &LayerContext<'_>,
     group: &[Unit],
     protect: Protection,
-) -> Started {
+) -> Result<Started, MethodFailed> {
     match group {
         [unit] => scorer.start(layer, unit, protect),
-        _ => Box::new(Shared {
+        _ => Ok(Box::new(Shared {
             states: group
                 .iter()
                 .map(|unit| scorer.start(layer, unit, protect))
-                .collect(),
+                .collect::<Result<_, _>>()?,
             buffer: Vec::new(),
-        }),
+        })),
     }
 }
 
@@ -165,12 +169,12 @@ impl CacheStream {
         group: &[Unit],
         budget: usize,
         policy: &ValidPolicy,
-    ) -> Self {
+    ) -> Result<Self, MethodFailed> {
         let params = policy.params();
         let protect = policy.protection();
         let holds_prompt = params.timing != Timing::Streaming;
-        Self {
-            state: start_group(policy.scorer.as_ref(), layer, group, protect),
+        Ok(Self {
+            state: start_group(policy.scorer.as_ref(), layer, group, protect)?,
             cache: Vec::with_capacity(if holds_prompt {
                 layer.prompt_len
             } else {
@@ -187,7 +191,7 @@ impl CacheStream {
             evictions: matches!(policy.storage(), Storage::MergedWhileDecoding(_)).then(Vec::new),
             since_eviction: 0,
             protect,
-        }
+        })
     }
 
     /// Appends `position` (the next one; `layer` holds it) and returns what its query attends
@@ -197,10 +201,10 @@ impl CacheStream {
         layer: &LayerContext<'_>,
         position: usize,
         report: bool,
-    ) -> Option<Attended> {
-        slide_out(layer, position, &mut self.cache, self.state.as_mut());
+    ) -> Result<Option<Attended>, MethodFailed> {
+        slide_out(layer, position, &mut self.cache, self.state.as_mut())?;
         self.cache.push(position);
-        self.state.on_append(layer, &self.cache);
+        self.state.on_append(layer, &self.cache)?;
         if self.timing.reselects() {
             self.reselect(layer, position, report)
         } else {
@@ -221,7 +225,7 @@ impl CacheStream {
         layer: &LayerContext<'_>,
         position: usize,
         report: bool,
-    ) -> Option<Attended> {
+    ) -> Result<Option<Attended>, MethodFailed> {
         let decoding = position >= self.prompt_len;
         let cut_at_prompt_end = self.timing == Timing::PrefillThenStream;
         let attends_first = self.order == Order::AttendFirst || (cut_at_prompt_end && !decoding);
@@ -231,7 +235,7 @@ impl CacheStream {
         self.since_eviction += usize::from(decoding);
         if cut_at_prompt_end && position + 1 == self.prompt_len {
             let (protect, prompt_len) = (self.protect, self.prompt_len);
-            self.cut(layer, position, move |j| protect.covers(j, prompt_len));
+            self.cut(layer, position, move |j| protect.covers(j, prompt_len))?;
         } else if streams_now && (self.interval > 1 || self.timing.compresses_to_budget()) {
             let due = (self.cache.len(), position, self.arrived);
             if self.trigger.due(due, self.budget, self.interval) {
@@ -240,17 +244,17 @@ impl CacheStream {
                 let recent = self.cache.len().saturating_sub(self.protect.window);
                 let first_recent = self.cache.get(recent).copied().unwrap_or(usize::MAX);
                 let sinks = self.protect.sinks;
-                self.cut(layer, position, move |j| j < sinks || j >= first_recent);
+                self.cut(layer, position, move |j| j < sinks || j >= first_recent)?;
             }
         } else if streams_now && self.cache.len() > self.budget {
-            self.state.scores(layer, &self.cache, &mut self.scores);
+            self.state.scores(layer, &self.cache, &mut self.scores)?;
             if let Some(index) = victim(&self.cache, &self.scores, self.protect) {
                 self.record(position, &[index]);
                 self.cache.remove(index);
-                self.state.on_evict(index);
+                self.state.on_evict(index)?;
             }
         }
-        before.or_else(|| report.then(|| self.whole_cache(position)))
+        Ok(before.or_else(|| report.then(|| self.whole_cache(position))))
     }
 
     /// Cuts the cache to its `budget` best entries at once (the one-shot selection of
@@ -261,11 +265,11 @@ impl CacheStream {
         layer: &LayerContext<'_>,
         position: usize,
         protected: impl Fn(usize) -> bool,
-    ) {
+    ) -> Scored {
         if self.cache.len() <= self.budget {
-            return;
+            return Ok(());
         }
-        self.state.scores(layer, &self.cache, &mut self.scores);
+        self.state.scores(layer, &self.cache, &mut self.scores)?;
         let kept = select_top(&self.cache, &self.scores, self.budget, protected);
         let marks: Vec<bool> = self
             .cache
@@ -275,7 +279,7 @@ impl CacheStream {
         let evicted: Vec<usize> = (0..marks.len()).filter(|&i| !marks[i]).collect();
         self.record(position, &evicted);
         self.cache = kept;
-        self.state.on_cut(&marks);
+        self.state.on_cut(&marks)
     }
 
     /// Notes, for a merge that folds them, the entries (indices into the cache, whose scores
@@ -314,11 +318,11 @@ impl CacheStream {
         layer: &LayerContext<'_>,
         position: usize,
         report: bool,
-    ) -> Option<Attended> {
+    ) -> Result<Option<Attended>, MethodFailed> {
         if position < self.prompt_len || !report {
-            return report.then(|| self.whole_cache(position));
+            return Ok(report.then(|| self.whole_cache(position)));
         }
-        self.state.scores(layer, &self.cache, &mut self.scores);
+        self.state.scores(layer, &self.cache, &mut self.scores)?;
         let limit = match self.timing {
             Timing::PerStepPrompt => self.prompt_len,
             _ => position + 1,
@@ -334,7 +338,7 @@ impl CacheStream {
         );
         kept.extend_from_slice(&self.cache[split..]);
         kept.shrink_to_fit();
-        Some(Attended::Entries(kept))
+        Ok(Some(Attended::Entries(kept)))
     }
 }
 

@@ -13,6 +13,7 @@
 
 use super::{positive_finite, AllocationInput, Allocator};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// CAKE's layer preference, dispersion x variance of the window attention (Qin et al., ICLR
@@ -36,11 +37,11 @@ impl Allocator for Cake {
         true
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let protected = input.protect.tokens();
         let window = input.protect.window;
         if input.prompt_len <= input.budget + window {
-            return vec![input.budget; input.n_layers];
+            return Ok(vec![input.budget; input.n_layers]);
         }
         let preferences: Vec<f64> = input
             .profiles
@@ -54,10 +55,10 @@ impl Allocator for Cake {
             .map(|pref| pref / sum * total as f64)
             .collect();
         let cap = input.prompt_len - protected;
-        adjust_budgets(&shares, total, cap)
+        Ok(adjust_budgets(&shares, total, cap)
             .into_iter()
             .map(|budget| budget.min(cap) + protected)
-            .collect()
+            .collect())
     }
 }
 
@@ -134,13 +135,13 @@ mod tests {
             tau1: 1.0,
             tau2: 1.0,
         };
-        assert_eq!(cake.allocate(&input), vec![131, 69]);
+        assert_eq!(cake.allocate(&input), Ok(vec![131, 69]));
         // A prompt no longer than budget + window: every layer gets the budget.
         let short = AllocationInput {
             prompt_len: 108,
             ..input
         };
-        assert_eq!(cake.allocate(&short), vec![100, 100]);
+        assert_eq!(cake.allocate(&short), Ok(vec![100, 100]));
     }
 
     #[test]

@@ -7,6 +7,7 @@
 //! the nominal budget whenever the prompt can hold it ([`AllocationInput::share_by_weight`]).
 
 use super::{AllocationInput, Allocator};
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// Budgets proportional to each layer's attention perplexity exp(H) over the observation
@@ -19,9 +20,9 @@ impl Allocator for Entropy {
         true
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let weights: Vec<f64> = input.profiles.iter().map(|p| p.entropy.exp()).collect();
-        input.share_by_weight(&weights)
+        Ok(input.share_by_weight(&weights))
     }
 }
 
@@ -60,6 +61,6 @@ mod tests {
             profiles: &profiles,
             mass_curves: &[],
         };
-        assert_eq!(Entropy {}.allocate(&input), vec![146, 54]);
+        assert_eq!(Entropy {}.allocate(&input), Ok(vec![146, 54]));
     }
 }

@@ -1,6 +1,7 @@
 //! `flat`: every layer the same budget (SnapKV, H2O, StreamingLLM as published).
 
 use super::{AllocationInput, Allocator};
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// Every layer the same budget (SnapKV, H2O, StreamingLLM as published).
@@ -8,7 +9,7 @@ crate::settings! {
 }
 
 impl Allocator for Flat {
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
-        vec![input.budget; input.n_layers]
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
+        Ok(vec![input.budget; input.n_layers])
     }
 }

@@ -9,7 +9,7 @@
 //! number of tokens kept.
 
 use super::settings::Broken;
-use super::{LayerProfile, Protection};
+use super::{LayerProfile, MethodFailed, Protection};
 
 mod cake;
 mod entropy;
@@ -85,13 +85,8 @@ pub trait Allocator: Send + Sync {
     fn needs_mass_curves(&self) -> bool {
         false
     }
-    /// Per-layer budgets.
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize>;
-    /// The first failure of an allocator defined outside the library (a Python object, which
-    /// cannot return an error where the engine calls it): the engine stops with it.
-    fn failure(&self) -> Option<String> {
-        None
-    }
+    /// Per-layer budgets; only an allocator written outside the library (Python) fails.
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed>;
 }
 
 /// `value` must be a positive finite number.

@@ -10,6 +10,7 @@
 //! future decode queries, so no real policy can implement it. Prefill timing only.
 
 use super::{AllocationInput, Allocator};
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// The allocation across layers that maximises retained mass for the chosen scorer at the
@@ -45,7 +46,7 @@ impl Allocator for Oracle {
         true
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let curves = input.mass_curves;
         let start = input.protect.tokens().min(input.prompt_len);
         let mut budgets = vec![start; curves.len()];
@@ -66,7 +67,7 @@ impl Allocator for Oracle {
             budgets[layer] += given;
             left -= given;
         }
-        budgets
+        Ok(budgets)
     }
 }
 
@@ -92,7 +93,7 @@ mod tests {
             profiles: &[],
             mass_curves: &curves,
         };
-        assert_eq!(Oracle {}.allocate(&input), vec![4, 2]);
+        assert_eq!(Oracle {}.allocate(&input), Ok(vec![4, 2]));
     }
 
     #[test]
@@ -115,7 +116,7 @@ mod tests {
             profiles: &[],
             mass_curves: &curves,
         };
-        assert_eq!(Oracle {}.allocate(&input), vec![2, 2]);
+        assert_eq!(Oracle {}.allocate(&input), Ok(vec![2, 2]));
         assert_eq!(
             upper_envelope(&curves[1], 0),
             vec![(0, 0.0), (2, 0.5), (10, 0.5)]

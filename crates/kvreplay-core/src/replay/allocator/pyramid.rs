@@ -13,6 +13,7 @@
 
 use super::{positive_finite, AllocationInput, Allocator};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// PyramidKV's linear per-layer schedule, as the official code computes it (Cai et al., 2024,
@@ -42,7 +43,7 @@ impl Allocator for Pyramid {
         positive_finite("beta", self.beta)
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let (cap, window, n, layers) = (
             input.budget,
             input.protect.window,
@@ -51,7 +52,7 @@ impl Allocator for Pyramid {
         );
         let selected = cap.saturating_sub(window);
         if n < cap || n < 2 * selected || layers < 2 {
-            return vec![cap; layers];
+            return Ok(vec![cap; layers]);
         }
         let mut min = (selected as f64 / self.beta).floor() as usize;
         let mut max = 2 * selected - min;
@@ -61,7 +62,7 @@ impl Allocator for Pyramid {
         }
         if self.rounding == Rounding::Official {
             let steps = (max - min) / (layers - 1);
-            return (0..layers).map(|l| max - l * steps + window).collect();
+            return Ok((0..layers).map(|l| max - l * steps + window).collect());
         }
         let line: Vec<f64> = (0..layers)
             .map(|l| max as f64 - l as f64 * (max - min) as f64 / (layers - 1) as f64)
@@ -77,7 +78,7 @@ impl Allocator for Pyramid {
         for &l in order.iter().take(missing) {
             kept[l] += 1;
         }
-        kept.into_iter().map(|k| k + window).collect()
+        Ok(kept.into_iter().map(|k| k + window).collect())
     }
 }
 
@@ -106,6 +107,7 @@ mod tests {
             },
         }
         .allocate(&input)
+        .expect("the library's allocators do not fail")
     }
 
     #[test]

@@ -16,6 +16,7 @@
 
 use super::{positive_finite, AllocationInput, Allocator};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// kvpress's PyramidKV schedule (`PyramidKVPress.get_layer_budget`, kvpress 0.5.5
@@ -32,7 +33,7 @@ impl Allocator for PyramidKvpress {
         positive_finite("beta", self.beta)
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let budget = input.budget as f64;
         let window = input.protect.window as f64;
         let n = input.prompt_len as f64;
@@ -44,16 +45,16 @@ impl Allocator for PyramidKvpress {
             min = 2.0 * budget - max;
         }
         if !(n >= max && max >= min && min >= window) {
-            return vec![input.budget.max(1); layers];
+            return Ok(vec![input.budget.max(1); layers]);
         }
         let steps = if layers > 1 {
             (max - min) / (layers - 1) as f64
         } else {
             0.0
         };
-        (0..layers)
+        Ok((0..layers)
             .map(|l| (max - l as f64 * steps).round_ties_even() as usize)
-            .collect()
+            .collect())
     }
 }
 
@@ -74,7 +75,9 @@ mod tests {
             profiles: &[],
             mass_curves: &[],
         };
-        PyramidKvpress { beta }.allocate(&input)
+        PyramidKvpress { beta }
+            .allocate(&input)
+            .expect("the library's allocators do not fail")
     }
 
     #[test]

@@ -15,6 +15,7 @@
 
 use super::{AllocationInput, Allocator};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 
 crate::settings! {
     /// The VeloxQuant-MLX library's "PyramidKV-adapted" schedule: a tapered line around the mean
@@ -36,9 +37,9 @@ impl Allocator for PyramidTaper {
         Ok(())
     }
 
-    fn allocate(&self, input: &AllocationInput<'_>) -> Vec<usize> {
+    fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed> {
         let floor = (input.protect.sinks + 1).max(input.protect.tokens());
-        taper(input.n_layers, input.budget as f64, floor, self.beta)
+        Ok(taper(input.n_layers, input.budget as f64, floor, self.beta))
     }
 }
 

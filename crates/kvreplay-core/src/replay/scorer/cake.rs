@@ -15,9 +15,11 @@
 //! Defined for the `prefill` and `prefill-then-stream` timings.
 
 use super::snapkv::{check_kernel, pool1d};
+use super::Scored;
 use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
 
 crate::settings! {
@@ -76,10 +78,15 @@ impl Scorer for Cake {
         false
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
         let window = protect.window.clamp(1, layer.prompt_len);
         let before_window = layer.prompt_len - window;
-        Box::new(State {
+        Ok(Box::new(State {
             queries: GroupQueries::new(layer, unit),
             prompt_len: layer.prompt_len,
             window,
@@ -91,7 +98,7 @@ impl Scorer for Cake {
             order: Vec::new(),
             last_pooled: Vec::new(),
             prompt_end: Vec::new(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -159,7 +166,7 @@ impl State {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         if newest == self.prompt_len {
             self.order = self.order_after_cut();
@@ -172,7 +179,7 @@ impl ScoreState for State {
         debug_assert_eq!(self.cache.len(), cache.len());
         let before_window = self.prompt_len - self.window;
         if newest < before_window || newest >= self.prompt_len {
-            return;
+            return Ok(());
         }
         let per_head = self.queries.per_head(layer, newest, cache);
         for (sums, weights) in self.sums.iter_mut().zip(per_head) {
@@ -184,9 +191,10 @@ impl ScoreState for State {
                 }
             }
         }
+        Ok(())
     }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         out.clear();
         if newest < self.prompt_len {
@@ -196,7 +204,7 @@ impl ScoreState for State {
                     .iter()
                     .map(|&position| scores.get(position).copied().unwrap_or(f32::INFINITY)),
             );
-            return;
+            return Ok(());
         }
         // The newest query's weights, laid out in the official order, pooled outside the window.
         let outside = self.order.len().saturating_sub(self.window);
@@ -216,26 +224,29 @@ impl ScoreState for State {
         for (position, &score) in self.order[..outside].iter().zip(&self.last_pooled) {
             out[cache.binary_search(position).expect("cached")] = score;
         }
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
         // The order is made when decoding starts.
         let mut marks = kept.iter();
         self.cache
             .retain(|_| *marks.next().expect("one mark per entry"));
+        Ok(())
     }
 
-    fn on_slide_out(&mut self, index: usize) {
+    fn on_slide_out(&mut self, index: usize) -> Scored {
         // Not a choice of CAKE's: the entry leaves its place in the order, the others keep theirs.
         let position = self.cache.remove(index);
         self.order.retain(|&ordered| ordered != position);
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
+    fn on_evict(&mut self, index: usize) -> Scored {
         let position = self.cache.remove(index);
         if self.order.is_empty() {
             // Before decoding: the order is made when decoding starts.
-            return;
+            return Ok(());
         }
         // A decode eviction (never of the window): the survivors outside the window are gathered
         // in `topk` order.
@@ -248,6 +259,7 @@ impl ScoreState for State {
             .collect();
         self.order = super::topk_order(survivors, &self.order[outside..]);
         self.last_pooled.clear();
+        Ok(())
     }
 }
 
@@ -381,7 +393,7 @@ mod tests {
             sinks: 0,
             window: 2,
         };
-        let mut state = scorer.start(&layer, &unit(), protect);
+        let mut state = scorer.start(&layer, &unit(), protect).unwrap();
         let scores = scores_after(state.as_mut(), &layer, 4);
         assert_abs_diff_eq!(scores[0], 0.466_235, epsilon = 1e-5);
         assert_abs_diff_eq!(scores[1], 0.231_695, epsilon = 1e-5);

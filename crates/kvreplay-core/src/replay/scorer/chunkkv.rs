@@ -12,9 +12,11 @@
 //! of the next (equal scores go to the lower position). With a budget that is a multiple of
 //! `chunk_length` and no shorter chunk among the best, the two keep the same tokens.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 
 crate::settings! {
@@ -87,11 +89,16 @@ impl Scorer for ChunkKv {
         self.inner_or_panic().check_trace(meta)
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
-            inner: self.inner_or_panic().start(layer, unit, protect),
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
+            inner: self.inner_or_panic().start(layer, unit, protect)?,
             chunk_length: self.chunk_length,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -106,13 +113,15 @@ impl Scorer for ChunkKv {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
-        self.inner.on_append(layer, cache);
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
+        self.inner.on_append(layer, cache)?;
+        Ok(())
     }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        self.inner.scores(layer, cache, out);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
+        self.inner.scores(layer, cache, out)?;
         average_chunks(out, self.chunk_length);
+        Ok(())
     }
 }
 
@@ -193,7 +202,9 @@ mod tests {
             inner: "knorm".into(),
         };
         scorer.check().unwrap();
-        let mut state = scorer.start(&layer, &unit(), Protection::default());
+        let mut state = scorer
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         assert_eq!(
             scores_after(state.as_mut(), &layer, 5),
             vec![-2.0, -2.0, -2.0, -2.0, -4.0]

@@ -35,10 +35,12 @@
 //! code asserts one compression). Needs the trace's values and attention inputs (`o_proj`).
 
 use super::snapkv::{check_kernel, pool1d, Pooling};
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::attention::{softmax_in_place, sparse_logits};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array2};
 
@@ -87,12 +89,17 @@ impl Scorer for DefensiveKv {
         true
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             unit: unit.clone(),
             window: protect.window.max(1),
             settings: self.clone(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -101,14 +108,16 @@ impl Scorer for DefensiveKv {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.resize(cache.len(), f32::INFINITY);
         let n = cache.len();
         if n <= self.window {
-            return;
+            return Ok(());
         }
         let m = n - self.window;
         let rows = WindowRows::of(layer, cache, self.window);
@@ -123,6 +132,7 @@ impl ScoreState for State {
         for index in forced(&mean, threshold, cap) {
             out[index] = f32::INFINITY;
         }
+        Ok(())
     }
 }
 

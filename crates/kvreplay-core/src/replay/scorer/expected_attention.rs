@@ -18,10 +18,12 @@
 //! another cache's best token above a sink. Statistics are accumulated in f64. A prompt of at
 //! most `n_sink` tokens, which kvpress refuses, scores all tokens alike.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::rotary::{rotate, Rotary};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{Array1, Array2, ArrayView1};
 use std::ops::Range;
@@ -74,12 +76,17 @@ impl Scorer for ExpectedAttention {
         timing == Timing::Prefill
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
             query_heads: unit.query_heads.clone(),
             settings: self.clone(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -88,15 +95,17 @@ impl Scorer for ExpectedAttention {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let settings = &self.settings;
         let sinks = settings.n_sink.min(cache.len());
         out.clear();
         if cache.len() <= settings.n_sink {
             out.resize(cache.len(), 1.0);
-            return;
+            return Ok(());
         }
         let rotary = Rotary::new(
             layer
@@ -153,6 +162,7 @@ impl ScoreState for State {
         let max = scores.iter().copied().fold(f32::NEG_INFINITY, f32::max);
         out.extend(std::iter::repeat_n(max + 1.0, sinks));
         out.extend(scores);
+        Ok(())
     }
 }
 

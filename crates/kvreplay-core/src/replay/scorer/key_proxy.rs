@@ -9,9 +9,11 @@
 //! since the measured quantity is the full model's attention. Softcap is not applied (the library
 //! has none).
 
+use super::Scored;
 use super::{AlignedScores, ScoreState, Scorer, Started};
 use crate::attention::{attend_positions, softmax, CausalLogits};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Axis;
 
@@ -30,12 +32,17 @@ struct State {
 }
 
 impl Scorer for KeyProxy {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
             rows: CausalLogits::new(1, layer.k.shape()[2], layer.scale, None),
             scores: AlignedScores::default(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -44,13 +51,13 @@ impl Scorer for KeyProxy {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         let (&newest, stored) = cache
             .split_last()
             .expect("on_append sees a non-empty cache");
         if stored.is_empty() {
             self.scores.0.push(1.0);
-            return;
+            return Ok(());
         }
         let keys = layer.keys(self.kv_head);
         let attention = if stored.len() == newest {
@@ -61,18 +68,27 @@ impl ScoreState for State {
         };
         self.scores.accumulate(attention);
         self.scores.0.push(0.0);
+        Ok(())
     }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(
+        &mut self,
+        _layer: &LayerContext<'_>,
+        _cache: &[usize],
+        out: &mut Vec<f32>,
+    ) -> Scored {
         self.scores.copy_to(out);
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
+    fn on_evict(&mut self, index: usize) -> Scored {
         self.scores.remove(index);
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
         self.scores.retain(kept);
+        Ok(())
     }
 }
 
@@ -124,7 +140,9 @@ mod tests {
         // token 2: logits k0·k2 = 1, k1·k2 = 1 -> [0.5, 0.5] -> scores [2.5, 0.5, 0].
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[1.0, 0.0], [0.0, 1.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
-        let mut state = KeyProxy {}.start(&layer, &unit(), Protection::default());
+        let mut state = KeyProxy {}
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], 2.5, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.5, epsilon = 1e-6);

@@ -6,8 +6,10 @@
 //! the streaming timings (the paper's block-wise iterative eviction, one token at a time). Keys
 //! only: under `gqa = "query-head"` every head of a group gets its KV head's scores.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 use ndarray::Array1;
 
@@ -24,10 +26,15 @@ struct State {
 }
 
 impl Scorer for KeyDiff {
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -41,9 +48,11 @@ fn norm(key: ndarray::ArrayView1<'_, f32>) -> f32 {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let keys = layer.keys(self.kv_head);
         let mut anchor = Array1::<f32>::zeros(keys.ncols());
         for &position in cache {
@@ -59,6 +68,7 @@ impl ScoreState for State {
             let denominator = (key.dot(&key).sqrt() * anchor_norm).max(1e-8);
             -key.dot(&anchor) / denominator
         }));
+        Ok(())
     }
 }
 
@@ -96,7 +106,9 @@ mod tests {
         // (0.569036, 0.569036), along (1, 1). Cosines: 0.707107, 0.707107, 1.
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[3.0, 0.0], [0.0, 2.0], [1.0, 1.0]], 3);
         let layer = context(&q, &k, n);
-        let mut state = KeyDiff {}.start(&layer, &unit(), Protection::default());
+        let mut state = KeyDiff {}
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], -std::f32::consts::FRAC_1_SQRT_2, epsilon = 1e-6);

@@ -1,8 +1,10 @@
 //! `knorm`: keep the keys of *smallest* L2 norm (Devoto et al., 2024, arXiv:2406.11430; kvpress's
 //! `KnormPress` scores `-keys.norm(dim=-1)`). Uses keys only, so it needs no queries at all.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -18,10 +20,15 @@ struct State {
 }
 
 impl Scorer for Knorm {
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -30,15 +37,18 @@ impl Scorer for Knorm {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let keys = layer.keys(self.kv_head);
         out.clear();
         out.extend(cache.iter().map(|&position| {
             let key = keys.row(position);
             -key.dot(&key).sqrt()
         }));
+        Ok(())
     }
 }
 
@@ -71,7 +81,9 @@ mod tests {
     fn negative_norm() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 2], &[[3.0, 4.0], [0.0, 1.0]], 2);
         let layer = context(&q, &k, n);
-        let mut state = Knorm {}.start(&layer, &unit(), Protection::default());
+        let mut state = Knorm {}
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         assert_eq!(scores_after(state.as_mut(), &layer, 2), vec![-5.0, -1.0]);
     }
 }

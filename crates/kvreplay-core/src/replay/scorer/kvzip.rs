@@ -17,8 +17,10 @@
 //! (`layerwise = False`, one top-k over all layers) has no allocator yet: `layerwise = True`
 //! is `flat` with `heads = adakv`, `alpha = 0`, `normalize = false` (docs/policies.md).
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use crate::trace::{LayerReconstruction, Reconstruction, TraceMeta};
 use ndarray::{s, Array2, ArrayView2, Axis};
@@ -60,12 +62,17 @@ impl Scorer for Kvzip {
         Ok(())
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             unit: unit.clone(),
             sinks: protect.sinks,
             scores: None,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -74,9 +81,11 @@ impl Scorer for Kvzip {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let scores = self.scores.get_or_insert_with(|| {
             let rows = layer
                 .reconstruction
@@ -89,6 +98,7 @@ impl ScoreState for State {
                 .iter()
                 .map(|&position| scores.get(position).copied().unwrap_or(0.0)),
         );
+        Ok(())
     }
 }
 

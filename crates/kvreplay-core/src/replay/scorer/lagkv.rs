@@ -9,9 +9,11 @@
 //! any rank; a prompt shorter than `n_sink + 2 lag_size` is scored by recency. One-shot, as
 //! kvpress presses are. Needs the trace's values.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::ArrayView2;
 
@@ -54,11 +56,16 @@ impl Scorer for LagKv {
         timing == Timing::Prefill
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
             settings: self.clone(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -67,15 +74,18 @@ impl Scorer for LagKv {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let values = layer
             .v
             .expect("the engine checks that lagkv's trace has values");
         let keys = layer.keys(self.kv_head);
         let values = values.index_axis_move(ndarray::Axis(0), self.kv_head);
         *out = lag_scores(keys, values, cache, &self.settings);
+        Ok(())
     }
 }
 

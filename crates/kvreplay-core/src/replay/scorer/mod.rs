@@ -11,7 +11,7 @@
 //! reads the future.
 
 use super::settings::Broken;
-use super::{Aggregation, Protection, Timing};
+use super::{Aggregation, MethodFailed, Protection, Timing};
 use super::{LayerContext, Unit};
 use crate::attention::{softmax_in_place, softmax_into, sparse_logits, CausalLogits};
 
@@ -110,18 +110,19 @@ pub trait Scorer: Send + Sync {
     }
     /// A fresh state for one cache of one layer; `protect` is the policy's protection (SnapKV's
     /// observation window is its window). `layer` gives the layer's shape and prompt length; only
-    /// a scorer that reads the future may read its vectors here.
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started;
+    /// a scorer that reads the future may read its vectors here. It and every call of the state
+    /// return a result: only a scorer written outside the library (Python) fails.
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed>;
     /// Its brute-force rule ([`super::reference`]), written from the method's description in
     /// its own file, and the settings it runs with on the test fixtures: the conformance tests
     /// compare the engine with it under every timing and layout the scorer supports. A scorer
     /// without one fails them, naming it.
     fn reference(&self) -> Option<Box<dyn super::reference::ScorerRule>> {
-        None
-    }
-    /// The first failure of a scorer defined outside the library (a Python object, which cannot
-    /// return an error where the engine calls it): the engine stops with it after the layer.
-    fn failure(&self) -> Option<String> {
         None
     }
 }
@@ -139,6 +140,9 @@ pub(crate) fn inner_scorer(name: &str, outer: &str) -> Result<Box<dyn Scorer>, B
         .ok_or_else(|| broken.clone())?;
     (method.build)(&(method.defaults)()).map_err(|_| broken)
 }
+
+/// What a call of a scorer or its state returns.
+pub type Scored = Result<(), MethodFailed>;
 
 /// A scorer's state for one cache, as `start` returns it.
 pub type Started = Box<dyn ScoreState>;
@@ -159,24 +163,27 @@ pub(crate) fn topk_order(mut stays: Vec<(usize, f32)>, window: &[usize]) -> Vec<
 /// cloning a state forks the stream (a live run decodes two continuations of one prompt).
 pub trait ScoreState: dyn_clone::DynClone + Send {
     /// The last entry of `cache` (positions in insertion order) has just been appended.
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]);
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored;
     /// Writes one score per entry of `cache` into `out` (cleared first); higher is kept.
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored;
     /// Entry `index` of the cache has been evicted.
-    fn on_evict(&mut self, _index: usize) {}
+    fn on_evict(&mut self, _index: usize) -> Scored {
+        Ok(())
+    }
     /// Entry `index` (the oldest) has slid out of a sliding-window layer's attention window, before
     /// the next token is appended: not the policy's choice, and no scores were asked for it.
-    fn on_slide_out(&mut self, index: usize) {
-        self.on_evict(index);
+    fn on_slide_out(&mut self, index: usize) -> Scored {
+        self.on_evict(index)
     }
     /// Every entry `i` with `kept[i] == false` has been evicted at once (the cut at the end of the
     /// prompt); states that keep one value per entry override it to drop them in one pass.
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
         for index in (0..kept.len()).rev() {
             if !kept[index] {
-                self.on_evict(index);
+                self.on_evict(index)?;
             }
         }
+        Ok(())
     }
 }
 
@@ -360,12 +367,15 @@ impl CurrentQuery {
 }
 
 impl ScoreState for CurrentQuery {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         self.queries
             .aggregated_into(layer, newest, cache, self.agg, out);
+        Ok(())
     }
 }
 
@@ -488,10 +498,14 @@ pub(crate) mod testing {
         let mut cache = Vec::new();
         for position in 0..n {
             cache.push(position);
-            state.on_append(layer, &cache);
+            state
+                .on_append(layer, &cache)
+                .expect("the library's scorers do not fail");
         }
         let mut out = Vec::new();
-        state.scores(layer, &cache, &mut out);
+        state
+            .scores(layer, &cache, &mut out)
+            .expect("the library's scorers do not fail");
         out
     }
 }

@@ -13,8 +13,10 @@
 //! re-selecting timings, each token's count being the queries that read it while it was cached.
 
 use super::true_query::TrueQuery;
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -35,10 +37,15 @@ const CUMULATIVE: TrueQuery = TrueQuery {
 };
 
 impl Scorer for ObservedAttention {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
-            cumulative: CUMULATIVE.start(layer, unit, protect),
-        })
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
+            cumulative: CUMULATIVE.start(layer, unit, protect)?,
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -47,26 +54,30 @@ impl Scorer for ObservedAttention {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
-        self.cumulative.on_append(layer, cache);
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
+        self.cumulative.on_append(layer, cache)?;
+        Ok(())
     }
 
     /// A cached entry has been read by every query from its own position to the newest: an
     /// evicted entry never comes back, so one still cached was there all along.
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        self.cumulative.scores(layer, cache, out);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
+        self.cumulative.scores(layer, cache, out)?;
         let newest = cache.last().copied().unwrap_or_default();
         for (score, &position) in out.iter_mut().zip(cache) {
             *score /= (newest - position + 1) as f32;
         }
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
-        self.cumulative.on_evict(index);
+    fn on_evict(&mut self, index: usize) -> Scored {
+        self.cumulative.on_evict(index)?;
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
-        self.cumulative.on_cut(kept);
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
+        self.cumulative.on_cut(kept)?;
+        Ok(())
     }
 }
 
@@ -113,7 +124,9 @@ mod tests {
         // counts [2, 1]: [0.865529, 0.268941] (kvpress: attentions.sum(2) / arange(2, 0, -1)).
         let (q, k, n) = layer_with(&[[0.0, 0.0], [1.0, 0.0]], &[[1.0, 0.0], [0.0, 0.0]], 2);
         let layer = context(&q, &k, n);
-        let mut state = ObservedAttention {}.start(&layer, &unit(), Protection::default());
+        let mut state = ObservedAttention {}
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 0.865_529, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.268_941, epsilon = 1e-6);

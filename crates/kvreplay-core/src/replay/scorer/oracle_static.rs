@@ -3,8 +3,10 @@
 //! this is the best single kept set for the whole decode ranked by total mass: an upper
 //! reference for one-shot scorers. It sees the future, so no real policy can implement it.
 
+use super::Scored;
 use super::{GroupQueries, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -27,7 +29,12 @@ impl Scorer for OracleStatic {
         true
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
         let n_positions = layer.n_positions();
         let mut future = vec![0.0f32; n_positions];
         let mut queries = GroupQueries::new(layer, unit);
@@ -39,7 +46,7 @@ impl Scorer for OracleStatic {
                 *total += weight;
             }
         }
-        Box::new(State { future })
+        Ok(Box::new(State { future }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -48,11 +55,14 @@ impl Scorer for OracleStatic {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.extend(cache.iter().map(|&position| self.future[position]));
+        Ok(())
     }
 }
 
@@ -101,7 +111,8 @@ mod tests {
         let mut state = OracleStatic {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit(), Protection::default());
+        .start(&layer, &unit(), Protection::default())
+        .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);

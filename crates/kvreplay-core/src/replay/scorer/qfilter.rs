@@ -17,9 +17,11 @@
 //! iteration in f64 (to 1e-12), not LAPACK's SVD. Keys only: under `gqa = "query-head"` every
 //! head of a group gets its KV head's scores.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use crate::trace::{TraceMeta, TraceReader};
 use ndarray::{Array2, ArrayView2, Axis};
@@ -98,7 +100,12 @@ impl Scorer for QFilter {
         Ok(())
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
         let filters = match self.calibrated.get() {
             Some(calibrated) => calibrated.filters[layer.layer][unit.kv_head].clone(),
             None => {
@@ -106,10 +113,10 @@ impl Scorer for QFilter {
                 Arc::new(kv_head_filter(prompt, unit.kv_head, layer.group_size()))
             }
         };
-        Box::new(State {
+        Ok(Box::new(State {
             kv_head: unit.kv_head,
             filter: filters,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -192,9 +199,11 @@ fn calibrate(path: &str) -> Result<Calibrated, crate::trace::TraceError> {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let keys = layer.keys(self.kv_head);
         out.clear();
         out.extend(cache.iter().map(|&position| {
@@ -205,6 +214,7 @@ impl ScoreState for State {
                 .map(|(k, f)| k * f)
                 .sum::<f32>()
         }));
+        Ok(())
     }
 }
 
@@ -305,7 +315,9 @@ mod tests {
         assert_abs_diff_eq!(filter[0] as f64, -x / norm, epsilon = 1e-7);
         assert_abs_diff_eq!(filter[1] as f64, -y / norm, epsilon = 1e-7);
         // Scores: minus key · filter, so keys along the queries' direction score highest.
-        let mut state = QFilter::default().start(&layer, &unit(), Protection::default());
+        let mut state = QFilter::default()
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 4);
         assert_abs_diff_eq!(scores[0] as f64, x / norm, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1] as f64, -x / norm, epsilon = 1e-6);

@@ -14,9 +14,11 @@
 //! to the lower position). With a budget that is a multiple of `page_size`, at least three pages,
 //! and the shorter last page not among the best, the two read the same tokens.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 use std::ops::Range;
 
@@ -57,14 +59,19 @@ impl Scorer for Quest {
         Ok(())
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             heads: unit.query_heads.clone(),
             kv_head: unit.kv_head,
             page_size: self.page_size,
             agg: self.agg,
             extremes: Vec::new(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -73,9 +80,11 @@ impl Scorer for Quest {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         let keys = layer.keys(self.kv_head);
         let d = keys.ncols();
@@ -133,6 +142,7 @@ impl ScoreState for State {
         for (page, &bound) in pages.iter().zip(&bounds) {
             out.extend(std::iter::repeat_n(bound, page.len()));
         }
+        Ok(())
     }
 }
 
@@ -198,14 +208,15 @@ mod tests {
             page_size: 2,
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit(), Protection::default());
+        .start(&layer, &unit(), Protection::default())
+        .unwrap();
         assert_eq!(
             scores_after(state.as_mut(), &layer, 5),
             vec![5.0, 5.0, -2.0, -2.0, 4.0]
         );
         // A sparse cache: pages hold only their cached entries.
         let mut out = Vec::new();
-        state.scores(&layer, &[1, 2, 4], &mut out);
+        state.scores(&layer, &[1, 2, 4], &mut out).unwrap();
         // Page 0 = {(3, 2)}: 3 - 4 = -1; page 1 = {(0, 5)}: 0 - 10 = -10; page 2: 4.
         assert_eq!(out, vec![-1.0, -10.0, 4.0]);
     }

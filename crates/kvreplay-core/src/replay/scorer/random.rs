@@ -2,8 +2,10 @@
 //! must clear. The score is a SplitMix64 hash of those and `--seed`, so it does not depend on
 //! evaluation order or thread count.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 use crate::splitmix::hash;
 
@@ -21,9 +23,14 @@ struct State {
 }
 
 impl Scorer for Random {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
         let stream = hash(hash(self.seed ^ (layer.layer as u64) << 32) ^ unit.index as u64);
-        Box::new(State { stream })
+        Ok(Box::new(State { stream }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -32,13 +39,16 @@ impl Scorer for Random {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.extend(cache.iter().map(|&position| {
             (hash(self.stream ^ position as u64) >> 40) as f32 / (1u64 << 24) as f32
         }));
+        Ok(())
     }
 }
 
@@ -79,6 +89,7 @@ mod tests {
         let first = scores_after(
             Random { seed: 7 }
                 .start(&layer, &unit(), Protection::default())
+                .unwrap()
                 .as_mut(),
             &layer,
             64,
@@ -86,6 +97,7 @@ mod tests {
         let again = scores_after(
             Random { seed: 7 }
                 .start(&layer, &unit(), Protection::default())
+                .unwrap()
                 .as_mut(),
             &layer,
             64,
@@ -93,6 +105,7 @@ mod tests {
         let other = scores_after(
             Random { seed: 8 }
                 .start(&layer, &unit(), Protection::default())
+                .unwrap()
                 .as_mut(),
             &layer,
             64,

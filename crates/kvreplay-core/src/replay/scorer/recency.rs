@@ -2,8 +2,10 @@
 //! with `--sinks`; the paper uses 4) and the most recent tokens. The score is the position, so the
 //! oldest unprotected token goes first.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -16,8 +18,13 @@ crate::settings! {
 struct State;
 
 impl Scorer for Recency {
-    fn start(&self, _layer: &LayerContext<'_>, _unit: &Unit, _: Protection) -> Started {
-        Box::new(State)
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        _unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -26,11 +33,14 @@ impl Scorer for Recency {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.extend(cache.iter().map(|&position| position as f32));
+        Ok(())
     }
 }
 
@@ -57,7 +67,9 @@ mod tests {
     fn score_is_position() {
         let (q, k, n) = layer_with(&[[0.0, 0.0]; 3], &[[0.0, 0.0]; 3], 3);
         let layer = context(&q, &k, n);
-        let mut state = Recency {}.start(&layer, &unit(), Protection::default());
+        let mut state = Recency {}
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         assert_eq!(scores_after(state.as_mut(), &layer, 3), vec![0.0, 1.0, 2.0]);
     }
 }

@@ -28,10 +28,12 @@
 //! the code does not.
 
 use super::snapkv::{check_kernel, pool1d, Pooling};
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::attention::{softmax_in_place, sparse_logits};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array2};
 use std::collections::VecDeque;
@@ -91,8 +93,13 @@ impl Scorer for RKv {
         Broken::unless_share("mix_lambda", self.mix_lambda, None)
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             unit: unit.clone(),
             window: protect.window.max(1),
             settings: self.clone(),
@@ -100,7 +107,7 @@ impl Scorer for RKv {
             cache: Vec::new(),
             order: Vec::new(),
             last: Vec::new(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -109,7 +116,7 @@ impl Scorer for RKv {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, _layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         self.recent.push_back(newest);
         if self.recent.len() > self.window {
@@ -119,11 +126,12 @@ impl ScoreState for State {
         if !self.order.is_empty() {
             self.order.push(newest);
         }
+        Ok(())
     }
 
     /// Along R-KV's own order once the prompt has been cut (its pooling and its last redundant
     /// key follow the order), laid back out in the engine's.
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         let along = match self.order.is_empty() {
             true => cache,
@@ -136,9 +144,10 @@ impl ScoreState for State {
         for &(position, score) in &self.last {
             out[cache.binary_search(&position).expect("cached")] = score;
         }
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
         let mut marks = kept.iter();
         let dropped: Vec<usize> = self
             .cache
@@ -153,19 +162,22 @@ impl ScoreState for State {
             self.order = self.cache.clone();
         }
         self.regather(|position| dropped.binary_search(&position).is_err());
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
+    fn on_evict(&mut self, index: usize) -> Scored {
         let evicted = self.cache.remove(index);
         if !self.order.is_empty() {
             self.regather(|position| position != evicted);
         }
+        Ok(())
     }
 
-    fn on_slide_out(&mut self, index: usize) {
+    fn on_slide_out(&mut self, index: usize) -> Scored {
         // Not a compression: the entry leaves its place in the order, the others keep theirs.
         let position = self.cache.remove(index);
         self.order.retain(|&ordered| ordered != position);
+        Ok(())
     }
 }
 
@@ -430,7 +442,7 @@ mod tests {
             sinks: 0,
             window: 1,
         };
-        let mut state = scorer.start(&layer, &unit(), protect);
+        let mut state = scorer.start(&layer, &unit(), protect).unwrap();
         let scores = scores_after(state.as_mut(), &layer, 4);
         for score in &scores[..3] {
             assert_abs_diff_eq!(*score, 0.5 / 3.0 - 0.5 / 4.0, epsilon = 1e-6);
@@ -464,7 +476,7 @@ mod tests {
             threshold: 0.9,
             retain: Retain::Last,
         };
-        let mut state = only_redundancy.start(&layer, &unit(), protect);
+        let mut state = only_redundancy.start(&layer, &unit(), protect).unwrap();
         let scores = scores_after(state.as_mut(), &layer, 3);
         let exp = [0.0f32.exp(), (1.4f32 / 3.0).exp(), (0.8f32 / 3.0).exp()];
         let total: f32 = exp.iter().sum();
@@ -474,7 +486,7 @@ mod tests {
             mix_lambda: 1.0,
             ..only_redundancy
         };
-        let mut state = only_importance.start(&layer, &unit(), protect);
+        let mut state = only_importance.start(&layer, &unit(), protect).unwrap();
         let scores = scores_after(state.as_mut(), &layer, 3);
         let logits = [ln2 / 2f32.sqrt(), ln2 * 0.6 / 2f32.sqrt()];
         let e = [logits[0].exp(), logits[1].exp()];

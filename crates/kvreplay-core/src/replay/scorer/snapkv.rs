@@ -10,9 +10,11 @@
 //! the kernel including the zero padding (torch's `count_include_pad`), `max` ignores padding.
 //! One-shot: defined for `--timing prefill` only.
 
+use super::Scored;
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Timing, Unit};
 
 crate::settings! {
@@ -63,9 +65,14 @@ impl Scorer for SnapKv {
         check_kernel(self.kernel)
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
         let prompt_len = layer.prompt_len;
-        Box::new(State {
+        Ok(Box::new(State {
             queries: GroupQueries::new(layer, unit),
             prompt_len,
             window_start: prompt_len.saturating_sub(protect.window.max(1)),
@@ -74,7 +81,7 @@ impl Scorer for SnapKv {
             agg: self.agg,
             sums: vec![vec![0.0; prompt_len]; unit.query_heads.len()],
             cached: AlignedScores::default(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -110,10 +117,10 @@ pub(crate) fn pool1d(values: &[f32], kernel: usize, pool: Pooling) -> Vec<f32> {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         if newest < self.window_start || newest >= self.prompt_len {
-            return;
+            return Ok(());
         }
         for (sums, weights) in self
             .sums
@@ -125,9 +132,10 @@ impl ScoreState for State {
             }
         }
         self.cached.0.clear();
+        Ok(())
     }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         if self.cached.0.is_empty() {
             let pooled: Vec<Vec<f32>> = self
                 .sums
@@ -152,6 +160,7 @@ impl ScoreState for State {
                 .copied()
                 .unwrap_or(f32::INFINITY)
         }));
+        Ok(())
     }
 }
 
@@ -255,7 +264,7 @@ mod tests {
             sinks: 0,
             window: 1,
         };
-        let mut state = scorer.start(&layer, &unit(), protect);
+        let mut state = scorer.start(&layer, &unit(), protect).unwrap();
         let scores = scores_after(state.as_mut(), &layer, 3);
         assert_abs_diff_eq!(scores[0], 0.576_117, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.211_942, epsilon = 1e-6);

@@ -7,6 +7,7 @@
 
 use super::{CurrentQuery, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -20,8 +21,13 @@ crate::settings! {
 }
 
 impl Scorer for Tova {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(CurrentQuery::new(layer, unit, self.agg))
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(CurrentQuery::new(layer, unit, self.agg)))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -68,7 +74,8 @@ mod tests {
         let mut state = Tova {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit(), Protection::default());
+        .start(&layer, &unit(), Protection::default())
+        .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 0.268_941, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.731_059, epsilon = 1e-6);

@@ -3,9 +3,11 @@
 //! replayed, named in errors, takes its settings from its declaration and is listed by
 //! `kvreplay methods`. Its rule: even positions score `weight`, odd positions 0.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -34,10 +36,15 @@ impl Scorer for Toy {
         }
     }
 
-    fn start(&self, _layer: &LayerContext<'_>, _unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        _layer: &LayerContext<'_>,
+        _unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             weight: self.weight as f32,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -46,15 +53,18 @@ impl Scorer for Toy {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) {}
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.extend(
             cache
                 .iter()
                 .map(|p| if p % 2 == 0 { self.weight } else { 0.0 }),
         );
+        Ok(())
     }
 }
 

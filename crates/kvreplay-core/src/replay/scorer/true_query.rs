@@ -6,8 +6,10 @@
 //! its own self-attention. Unlike the 2025-01 H2O code, whose prefill scores let rows before the
 //! last window see future keys, attention here is always causal.
 
+use super::Scored;
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
+use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
 
 crate::settings! {
@@ -28,12 +30,17 @@ struct State {
 }
 
 impl Scorer for TrueQuery {
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, _: Protection) -> Started {
-        Box::new(State {
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        _: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
             queries: GroupQueries::new(layer, unit),
             agg: self.agg,
             scores: AlignedScores::default(),
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -42,23 +49,32 @@ impl Scorer for TrueQuery {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         self.scores.0.push(0.0);
         self.queries
             .accumulate_aggregated(layer, newest, cache, self.agg, &mut self.scores.0);
+        Ok(())
     }
 
-    fn scores(&mut self, _layer: &LayerContext<'_>, _cache: &[usize], out: &mut Vec<f32>) {
+    fn scores(
+        &mut self,
+        _layer: &LayerContext<'_>,
+        _cache: &[usize],
+        out: &mut Vec<f32>,
+    ) -> Scored {
         self.scores.copy_to(out);
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
+    fn on_evict(&mut self, index: usize) -> Scored {
         self.scores.remove(index);
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
         self.scores.retain(kept);
+        Ok(())
     }
 }
 
@@ -108,7 +124,8 @@ mod tests {
         let mut state = TrueQuery {
             agg: Aggregation::Mean,
         }
-        .start(&layer, &unit(), Protection::default());
+        .start(&layer, &unit(), Protection::default())
+        .unwrap();
         let scores = scores_after(state.as_mut(), &layer, 2);
         assert_abs_diff_eq!(scores[0], 1.731_059, epsilon = 1e-6);
         assert_abs_diff_eq!(scores[1], 0.268_941, epsilon = 1e-6);

@@ -6,9 +6,11 @@
 //! scores can be negative (`knorm`, `keydiff`) reverses its order there, so the modifier is meant
 //! for the attention scorers (`true-query`, `snapkv`, `tova`, `cake`). Needs the trace's values.
 
+use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
+use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 
 crate::settings! {
@@ -64,11 +66,16 @@ impl Scorer for ValueAware {
         self.inner_or_panic().check_trace(meta)
     }
 
-    fn start(&self, layer: &LayerContext<'_>, unit: &Unit, protect: Protection) -> Started {
-        Box::new(State {
-            inner: self.inner_or_panic().start(layer, unit, protect),
+    fn start(
+        &self,
+        layer: &LayerContext<'_>,
+        unit: &Unit,
+        protect: Protection,
+    ) -> Result<Started, MethodFailed> {
+        Ok(Box::new(State {
+            inner: self.inner_or_panic().start(layer, unit, protect)?,
             kv_head: unit.kv_head,
-        })
+        }))
     }
 
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
@@ -80,26 +87,30 @@ impl Scorer for ValueAware {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) {
-        self.inner.on_append(layer, cache);
+    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored {
+        self.inner.on_append(layer, cache)?;
+        Ok(())
     }
 
-    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) {
-        self.inner.scores(layer, cache, out);
+    fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
+        self.inner.scores(layer, cache, out)?;
         let values = layer
             .values(self.kv_head)
             .expect("the engine checks that value-aware's trace has values");
         for (score, &position) in out.iter_mut().zip(cache) {
             *score *= values.row(position).iter().map(|v| v.abs()).sum::<f32>();
         }
+        Ok(())
     }
 
-    fn on_evict(&mut self, index: usize) {
-        self.inner.on_evict(index);
+    fn on_evict(&mut self, index: usize) -> Scored {
+        self.inner.on_evict(index)?;
+        Ok(())
     }
 
-    fn on_cut(&mut self, kept: &[bool]) {
-        self.inner.on_cut(kept);
+    fn on_cut(&mut self, kept: &[bool]) -> Scored {
+        self.inner.on_cut(kept)?;
+        Ok(())
     }
 }
 
@@ -162,7 +173,9 @@ mod tests {
             inner: "recency".into(),
         };
         scorer.check().unwrap();
-        let mut state = scorer.start(&layer, &unit(), Protection::default());
+        let mut state = scorer
+            .start(&layer, &unit(), Protection::default())
+            .unwrap();
         assert_eq!(scores_after(state.as_mut(), &layer, 3), vec![0.0, 0.5, 2.0]);
     }
 
