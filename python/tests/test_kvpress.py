@@ -180,7 +180,7 @@ def test_wrapping_presses_map_onto_kvreplays_axes(trace):
 
     # DecodingPress and CAMPress run their press through PressScorer on kvreplay's decoding
     # schedule (checked against kvpress's hooks below; CaM's merges are Rust's `cam`, checked
-    # against CAMPress's hooks in tests/parity.rs). Over what cannot score while decoding they say
+    # against CAMPress's hooks in tests/integration/parity.rs). Over what cannot score while decoding they say
     # why not.
     cam_press = importlib.import_module("kvpress.presses.cam_press").CAMPress
     decoding_press = importlib.import_module("kvpress.presses.decoding_press").DecodingPress

@@ -4,7 +4,7 @@
 //! attention is the one it gets in a pass of its own (alone, on worker threads, or together with
 //! the rows that continue the same prefix, `prefix_attention.rs`). A stacked product
 //! sums each row as the product of that row alone does (`product.rs`), so a sequence's logits do
-//! not depend on what it was batched with (`tests/live.rs` checks it bit for bit).
+//! not depend on what it was batched with (`tests/integration/live.rs` checks it bit for bit).
 
 pub(crate) use super::cached_attention::Feed;
 use super::cached_attention::{finish, prepare_cached, LayerAttention};

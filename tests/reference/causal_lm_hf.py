@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A GGUF through Hugging Face transformers, as the independent side of the native families' tests
-(tests/gemma3.rs, tests/qwen2.rs).
+(tests/integration/gemma3.rs, tests/integration/qwen2.rs).
 
     python causal_lm_hf.py MODEL_DIR GGUF_FILE < requests.json > answers.json
 

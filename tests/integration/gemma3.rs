@@ -7,7 +7,7 @@
 //! its 512-token window, also live under a policy that keeps everything (exactly the full run),
 //! while a policy that compresses the global layers changes what it does.
 
-mod common;
+use crate::common;
 
 use kvreplay::live::{Batching, LiveSession};
 use kvreplay::model::{CausalLm, Gemma3, KvCache, Recorder};

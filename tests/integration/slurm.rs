@@ -2,7 +2,7 @@
 //! report byte for byte; a real one-node Slurm cluster (`ci/slurm-local.sh`) runs a job array
 //! with a task that fails, and resubmitting what `--status` says is missing completes it.
 
-mod common;
+use crate::common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};

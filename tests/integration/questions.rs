@@ -3,7 +3,7 @@
 //! a live run compresses it once and asks every question of that cache (the same reports as
 //! compressing it for each question), and a closed-loop sweep stores each question's runs.
 
-mod common;
+use crate::common;
 
 use common::real_model as model;
 use kvreplay::capture::{build_questions, capture, capture_recipe, CaptureOptions};

@@ -3,7 +3,7 @@
 //! scores, one-shot and streaming, against a brute-force f64 reimplementation of windowed
 //! attention.
 
-mod common;
+use crate::common;
 
 use common::{Rng, Shape};
 use kvreplay::replay::{

@@ -3,7 +3,7 @@
 //! error, and the kept cells it decodes from its own data equal the library's kept masks, for a
 //! one-shot policy and a streaming one compared with it.
 
-mod common;
+use crate::common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};

@@ -1,7 +1,7 @@
 //! kvtrace/1: round trips, and one test per validation rule of docs/trace-format.md, on
 //! small files built here.
 
-mod common;
+use crate::common;
 
 use common::{meta, tensors, write_fixture, Shape};
 use kvreplay::trace::{

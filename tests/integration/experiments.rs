@@ -1,6 +1,6 @@
 //! Experiment files: parsing rules, a sweep on a fixture trace, resuming, and the report.
 
-mod common;
+use crate::common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};

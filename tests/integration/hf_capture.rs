@@ -6,7 +6,7 @@
 //! The Python environment (torch, transformers, gguf; ~3 GB) is made once in
 //! `$KVREPLAY_HF_PYTHON`'s venv or `$KVREPLAY_HOME/hf-venv`; `.ci/run` keeps it in its cache.
 
-mod common;
+use crate::common;
 
 use kvreplay::assets::Assets;
 

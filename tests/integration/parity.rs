@@ -11,7 +11,7 @@
 //! decode-time evictions of `h2o` and `tova` must match exactly. The fixture's values are
 //! continuous, so such near-ties are rare; the test reports how many sets matched exactly.
 
-mod common;
+use crate::common;
 
 use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{

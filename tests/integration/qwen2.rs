@@ -4,9 +4,9 @@
 //! digits, contractions, newlines, Unicode and added tokens); the last-position logits agree
 //! within 2e-3 relative to their range (two f32 implementations of 24 layers; observed below);
 //! greedy tokens are equal. The q/k/v of a capture are checked against transformers' in
-//! `tests/hf_capture.rs`.
+//! `tests/integration/hf_capture.rs`.
 
-mod common;
+use crate::common;
 
 use kvreplay::model::{CausalLm, ChatMessage, ChatTokenizer, KvCache, Llama, Qwen2};
 use std::path::PathBuf;

@@ -3,9 +3,9 @@
 //! same prompt, the same kept sets on the two recordings, and closed-loop numbers within the
 //! stated tolerances (KL per step within 1e-3, the same greedy texts and top-1 agreement, live
 //! mass within 1e-3) for six presets, streaming ones included. The Python environment is the one
-//! `tests/hf_capture.rs` uses.
+//! `tests/integration/hf_capture.rs` uses.
 
-mod common;
+use crate::common;
 
 use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{LiveReport, LiveSession};

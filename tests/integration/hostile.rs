@@ -2,7 +2,7 @@
 //! with exit code 2 and a message naming the file, and a failed write never replaces a finished
 //! file.
 
-mod common;
+use crate::common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};

@@ -2,7 +2,7 @@
 //! compressed before the question, which is appended uncompressed) against the default
 //! question-in-prompt protocol, on fixture traces with a `question` span.
 
-mod common;
+use crate::common;
 
 use common::{Shape, ROPE_THETA};
 use kvreplay::replay::{replay, PolicyError, PolicyParams, Protocol, Timing};

@@ -1,7 +1,7 @@
 //! The command line, end to end on fixture traces: tables (insta snapshots), JSON, and errors
 //! that name what is wrong and exit with code 2.
 
-mod common;
+use crate::common;
 
 use assert_cmd::Command;
 use common::{write_fixture, Shape};

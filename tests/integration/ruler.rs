@@ -2,7 +2,7 @@
 //! (1,000, 2,000 and 4,000 tokens) on its model, its prompt states its answers (each build checks this with the task's own
 //! solver) and marks its question, and settings that cannot fit their length are refused.
 
-mod common;
+use crate::common;
 
 use kvreplay::model::{CausalLm, Gemma3, TextTokenizer};
 use kvreplay::recipe::Recipe;

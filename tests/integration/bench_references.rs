@@ -3,7 +3,7 @@
 //! retained mass differs from its reference's by more than its tolerance). The NumPy is the
 //! test environment's (`KVREPLAY_HF_PYTHON`, which `.ci/run` makes) or the bench's own venv.
 
-mod common;
+use crate::common;
 
 use common::{write_fixture, Shape};
 use kvreplay::bench;

@@ -3,7 +3,7 @@
 //! bit-identical (on any number of threads), and masking evicted keys equals physically removing
 //! them from the cache.
 
-mod common;
+use crate::common;
 
 use common::real_model as model;
 use kvreplay::capture::{capture, CaptureOptions};

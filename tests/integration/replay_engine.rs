@@ -1,6 +1,6 @@
 //! The replay engine against a brute-force reference, hand-built cases and invariants.
 
-mod common;
+use crate::common;
 
 use common::{write_fixture, Shape};
 use kvreplay::replay::metrics;
