@@ -28,6 +28,7 @@ pub mod presets;
 mod profile;
 mod protection;
 pub mod quantizer;
+#[cfg(any(test, feature = "reference"))]
 pub mod reference;
 mod rotary;
 pub mod routing;

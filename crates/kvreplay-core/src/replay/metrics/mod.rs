@@ -19,6 +19,7 @@
 //! the grand mean).
 
 use super::merge::{DecodeMergedValues, MergedValues};
+#[cfg(any(test, feature = "reference"))]
 use super::reference;
 use super::select::ranked_head;
 use super::storage::{HeldCache, Storage};
@@ -67,6 +68,7 @@ metrics! {
 /// metric's brute-force definition ([`Metric::reference`]); `held`, for a cache that stores its entries otherwise than captured, is what
 /// each cache holds at each step ([`reference::held_by_step`]). A metric without a definition is
 /// an error naming it.
+#[cfg(any(test, feature = "reference"))]
 pub fn reference_means(
     layer: &reference::Layer,
     kept: &[Vec<Vec<usize>>],
@@ -126,6 +128,7 @@ pub trait Metric: Send + Sync {
     /// Its value on one sample by its definition, in f64 over every position the query sees
     /// ([`crate::replay::reference`]): the conformance tests compare the engine with it. A metric
     /// without one fails them, naming it.
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self, _sample: &crate::replay::reference::Sample<'_>) -> Option<f64> {
         None
     }

@@ -7,6 +7,7 @@
 //! quantization moves the kept weights.
 
 use super::{Metric, Sample};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference;
 
 /// The full-attention mass kept.
@@ -25,6 +26,7 @@ impl Metric for RetainedMass {
         "The full causal attention's probability mass on the kept positions, `Σ_kept p_j`: 1 when nothing the query attends to was evicted (attention recall; CateKV, arXiv:2504.15864). Over a quantized cache, `Σ_kept min(p_j, m·p̂_j)` with `p̂` its own attention and `m` the kept mass: one minus their total-variation distance when every position is kept."
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
         Some(sample.shared_mass())
     }

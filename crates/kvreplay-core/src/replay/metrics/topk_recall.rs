@@ -3,6 +3,7 @@
 //! page selection).
 
 use super::{Metric, Sample};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference;
 
 /// The share of the top-k positions kept.
@@ -21,6 +22,7 @@ impl Metric for TopkRecall {
         "The share of the query's k most attended positions (k = the policy's `top_k`, default 10; ties to the lower position) that the cache keeps."
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
         Some({
             let p = sample.weights();

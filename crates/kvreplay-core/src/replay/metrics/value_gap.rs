@@ -17,6 +17,7 @@
 //! is lost. Traces without values leave it out.
 
 use super::{Metric, Sample};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference;
 
 /// Discarded mass below which nothing counts as discarded.
@@ -42,6 +43,7 @@ impl Metric for ValueGap {
         true
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
         if !sample.is_captured() {
             let lost = 1.0 - sample.shared_mass();

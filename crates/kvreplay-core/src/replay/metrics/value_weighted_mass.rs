@@ -7,6 +7,7 @@
 //! out.
 
 use super::{Metric, Sample};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference;
 
 /// The value-weighted full-attention mass kept.
@@ -29,6 +30,7 @@ impl Metric for ValueWeightedMass {
         true
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self, sample: &reference::Sample<'_>) -> Option<f64> {
         Some({
             let p = sample.weights();

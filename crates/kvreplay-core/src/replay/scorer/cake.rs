@@ -17,6 +17,7 @@
 use super::snapkv::{check_kernel, pool1d};
 use super::Scored;
 use super::{GroupQueries, Pooling, ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -101,6 +102,7 @@ impl Scorer for Cake {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -270,6 +272,7 @@ impl ScoreState for State {
 /// them, new tokens last; each step, the newest query's attention laid out in that order,
 /// average-pooled in it, the group combined; after an eviction the survivors outside the window
 /// are gathered by descending pooled score.
+#[cfg(any(test, feature = "reference"))]
 impl Cake {
     fn window_scores(
         &self,
@@ -296,6 +299,7 @@ impl Cake {
     }
 }
 
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Cake {
     fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         vec![("kernel", 3.into())]

@@ -14,6 +14,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -101,6 +102,7 @@ impl Scorer for ChunkKv {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         let inner = super::inner_scorer(&self.inner, "chunkkv")
             .ok()?
@@ -136,11 +138,13 @@ fn average_chunks(scores: &mut [f32], chunk: usize) {
 
 /// The brute-force rule: the `inner` rule's scores averaged over each chunk of `chunk_length`
 /// cached tokens. The fixtures use `knorm` inside, whose scores need no window.
+#[cfg(any(test, feature = "reference"))]
 struct Rule {
     chunk_length: usize,
     inner: Box<dyn ScorerRule>,
 }
 
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Rule {
     fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         vec![("inner", "knorm".into()), ("chunk_length", 3.into())]

@@ -38,6 +38,7 @@ use super::snapkv::{check_kernel, pool1d, Pooling};
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::attention::{softmax_in_place, sparse_logits};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -102,6 +103,7 @@ impl Scorer for DefensiveKv {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -301,6 +303,7 @@ fn forced(attention: &[f32], threshold: f64, cap: usize) -> Vec<usize> {
 /// (`kernel`, padding counted) and rescaled to its sum; the maximum over the cache's heads and
 /// the rows, raised to its mean; times the KV head's share of the group-mean `‖v W_o,h‖₁`; stage
 /// 1's entries and the window +inf.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for DefensiveKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         // Stage 1 off, capped by the budget's share, or stopped by a lower mass than the cap.
@@ -334,6 +337,7 @@ impl ScorerRule for DefensiveKv {
     }
 }
 
+#[cfg(any(test, feature = "reference"))]
 impl DefensiveKv {
     fn rule(
         &self,

@@ -20,6 +20,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::rotary::{rotate, Rotary};
 use crate::replay::settings::Broken;
@@ -89,6 +90,7 @@ impl Scorer for ExpectedAttention {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -216,6 +218,7 @@ fn query_statistics(
 /// the rotary matrices of the next `n_future_positions` positions, built as full d × d matrices;
 /// logits μ·k / √d + kᵀ S k / (2d) over the keys after the sinks, softmaxed per head, averaged
 /// over heads, times ‖v‖; the sinks score the maximum + 1.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for ExpectedAttention {
     fn scores(
         &self,

@@ -12,6 +12,7 @@
 use super::Scored;
 use super::{AlignedScores, ScoreState, Scorer, Started};
 use crate::attention::{attend_positions, softmax, CausalLogits};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
@@ -45,6 +46,7 @@ impl Scorer for KeyProxy {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -94,6 +96,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: the first token starts at 1, every later one at 0, and each new key's
 /// attention over the keys before it (the key as the query) adds to their scores.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for KeyProxy {
     fn step(
         &self,

@@ -8,6 +8,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
@@ -37,6 +38,7 @@ impl Scorer for KeyDiff {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -74,6 +76,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: minus the cosine of each key to the mean of the cached keys, each
 /// normalised.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for KeyDiff {
     fn scores(
         &self,

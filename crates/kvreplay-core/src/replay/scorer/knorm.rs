@@ -3,6 +3,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
@@ -31,6 +32,7 @@ impl Scorer for Knorm {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -53,6 +55,7 @@ impl ScoreState for State {
 }
 
 /// The brute-force rule: minus each key's L2 norm.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Knorm {
     fn scores(
         &self,

@@ -19,6 +19,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
@@ -75,6 +76,7 @@ impl Scorer for Kvzip {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -166,6 +168,7 @@ fn row_weights(
 /// The brute-force rule: per chunk, per query head of the cache, per row of the repetition, the
 /// softmax over the sinks before the chunk, the chunk's keys and the repetition's keys up to the
 /// row; a key's score is its largest weight; positions before the pass score 0.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Kvzip {
     fn prompt_scores(
         &self,

@@ -11,6 +11,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -68,6 +69,7 @@ impl Scorer for LagKv {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -187,6 +189,7 @@ fn ranks(values: &[f32]) -> Vec<usize> {
 /// partition, keys and values averaged, and the token scores its rank in its partition /
 /// `lag_size`. Sinks and everything from the last full partition on score 1; a short cache
 /// scores by recency after the sinks. (`cross_scoring` false, the default, only.)
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for LagKv {
     fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         vec![("lag_size", 3.into())]
@@ -234,6 +237,7 @@ impl ScorerRule for LagKv {
 
 /// The reference's softmax over `part` of each token's sample standard deviation of its
 /// channels, scaled by `next`'s per-channel min and max.
+#[cfg(any(test, feature = "reference"))]
 fn spread_softmax(part: &[usize], next: &[usize], row: &dyn Fn(usize) -> Vec<f64>) -> Vec<f64> {
     let next_rows: Vec<Vec<f64>> = next.iter().map(|&j| row(j)).collect();
     let d = next_rows[0].len();

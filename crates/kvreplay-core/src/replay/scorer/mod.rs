@@ -122,6 +122,7 @@ pub trait Scorer: Send + Sync {
     /// its own file, and the settings it runs with on the test fixtures: the conformance tests
     /// compare the engine with it under every timing and layout the scorer supports. A scorer
     /// without one fails them, naming it.
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn super::reference::ScorerRule>> {
         None
     }

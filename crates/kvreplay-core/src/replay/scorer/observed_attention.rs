@@ -15,6 +15,7 @@
 use super::true_query::TrueQuery;
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
@@ -48,6 +49,7 @@ impl Scorer for ObservedAttention {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -83,6 +85,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: per entry, the group-averaged attention of every query that read it,
 /// summed, over the number of those queries (the positions from its own to the newest).
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for ObservedAttention {
     fn step(
         &self,

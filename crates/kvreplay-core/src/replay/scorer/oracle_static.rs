@@ -5,6 +5,7 @@
 
 use super::Scored;
 use super::{GroupQueries, ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
@@ -49,6 +50,7 @@ impl Scorer for OracleStatic {
         Ok(Box::new(State { future }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -68,6 +70,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: each position's attention from every decode query that sees it (the
 /// group combined by `agg`), summed.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for OracleStatic {
     fn scores(
         &self,

@@ -19,6 +19,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -119,6 +120,7 @@ impl Scorer for QFilter {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         (self.calibration == PROMPT).then(|| Box::new(self.clone()) as Box<dyn ScorerRule>)
     }
@@ -223,6 +225,7 @@ impl ScoreState for State {
 /// G⁴, … normalised; the column of largest norm of G^(2^40) spans the dominant eigenspace), its
 /// largest entry made positive, then signed by the majority sign of the projections; the KV
 /// head's filter is minus their mean, and a key scores minus its dot product with it.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for QFilter {
     fn scores(
         &self,
@@ -241,6 +244,7 @@ impl ScorerRule for QFilter {
 }
 
 /// The reference's filter of KV head `kv` from its heads' prompt queries.
+#[cfg(any(test, feature = "reference"))]
 fn prompt_filter(layer: &reference::Layer, kv: usize) -> Vec<f64> {
     let n = layer.prompt_len;
     let d = layer.head_dim();

@@ -16,6 +16,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -74,6 +75,7 @@ impl Scorer for Quest {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -149,6 +151,7 @@ impl ScoreState for State {
 /// The brute-force rule: per page of cached positions (position / `page_size`) and query head,
 /// the sum over channels of the largest `q_c k_c` among the page's keys, the heads combined by
 /// `agg`; every position scores its page's bound.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Quest {
     fn fixture(&self, _seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         vec![("page_size", 3.into())]

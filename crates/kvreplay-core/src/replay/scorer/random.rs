@@ -4,6 +4,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
@@ -33,6 +34,7 @@ impl Scorer for Random {
         Ok(Box::new(State { stream }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -54,6 +56,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: SplitMix64 of (seed, layer, cache, position), its top 24 bits as a
 /// fraction.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Random {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         vec![("seed", seed.into())]

@@ -4,6 +4,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Unit};
@@ -27,6 +28,7 @@ impl Scorer for Recency {
         Ok(Box::new(State))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -45,6 +47,7 @@ impl ScoreState for State {
 }
 
 /// The brute-force rule: a position scores itself (the newest kept).
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Recency {
     fn scores(
         &self,

@@ -31,6 +31,7 @@ use super::snapkv::{check_kernel, pool1d, Pooling};
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
 use crate::attention::{softmax_in_place, sparse_logits};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -110,6 +111,7 @@ impl Scorer for RKv {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -295,6 +297,7 @@ const SIMILARITY_ROWS: usize = 256;
 /// importance − (1 − `mix_lambda`) × redundancy, and the window scores +inf. Once the prompt is
 /// cut, along R-KV's own cache order: the kept entries outside the window by descending score,
 /// the window, then the new tokens; after each eviction the survivors are gathered again.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for RKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         let retain = if seed.is_multiple_of(2) {

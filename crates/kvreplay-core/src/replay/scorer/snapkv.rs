@@ -12,6 +12,7 @@
 
 use super::Scored;
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -84,6 +85,7 @@ impl Scorer for SnapKv {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -167,6 +169,7 @@ impl ScoreState for State {
 /// The brute-force rule: per query head, the attention of the last W prompt queries on each key
 /// before the window, summed and pooled (`kernel`, `pool`), the group combined by `agg`; the
 /// window's keys score +inf.
+#[cfg(any(test, feature = "reference"))]
 impl SnapKv {
     fn window_vote(
         &self,
@@ -196,6 +199,7 @@ impl SnapKv {
     }
 }
 
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for SnapKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
         let pool = if seed.is_multiple_of(2) { "avg" } else { "max" };

@@ -6,6 +6,7 @@
 //! token's.
 
 use super::{CurrentQuery, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
@@ -30,12 +31,14 @@ impl Scorer for Tova {
         Ok(Box::new(CurrentQuery::new(layer, unit, self.agg)))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
 }
 
 /// The brute-force rule: the newest query's attention (its group combined by `agg`) alone.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Tova {
     fn step(
         &self,

@@ -5,6 +5,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -47,6 +48,7 @@ impl Scorer for Toy {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -69,6 +71,7 @@ impl ScoreState for State {
 }
 
 /// The brute-force rule: even positions score `weight`, odd ones 0.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Toy {
     fn scores(
         &self,

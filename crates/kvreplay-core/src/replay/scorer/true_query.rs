@@ -8,6 +8,7 @@
 
 use super::Scored;
 use super::{AlignedScores, GroupQueries, ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::MethodFailed;
 use crate::replay::{Aggregation, LayerContext, Protection, Unit};
@@ -43,6 +44,7 @@ impl Scorer for TrueQuery {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
     }
@@ -80,6 +82,7 @@ impl ScoreState for State {
 
 /// The brute-force rule: every query's attention (its group combined by `agg`) over the cache it
 /// reads adds to the scores; a new token starts at 0.
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for TrueQuery {
     fn step(
         &self,

@@ -8,6 +8,7 @@
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
+#[cfg(any(test, feature = "reference"))]
 use crate::replay::reference::{self, Member, ScorerRule};
 use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
@@ -78,6 +79,7 @@ impl Scorer for ValueAware {
         }))
     }
 
+    #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         let inner = super::inner_scorer(&self.inner, "value-aware")
             .ok()?
@@ -115,10 +117,12 @@ impl ScoreState for State {
 }
 
 /// The brute-force rule: the `inner` rule's scores times each value's L1 norm.
+#[cfg(any(test, feature = "reference"))]
 struct Rule {
     inner: Box<dyn ScorerRule>,
 }
 
+#[cfg(any(test, feature = "reference"))]
 impl ScorerRule for Rule {
     fn step(
         &self,
