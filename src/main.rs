@@ -393,7 +393,7 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             if stop::is_stop(&err) {
-                eprintln!("interrupted: stopped after the layer, chunk or token in progress; what was written whole is kept, nothing half-written (a sweep run again resumes)");
+                eprintln!("interrupted: stopped where the work stood (within a replay's layer, after a prefill chunk or a token); what was written whole is kept, nothing half-written (a sweep run again resumes)");
                 return ExitCode::from(130);
             }
             eprintln!("error: {}", kvreplay::error_text(err.as_ref()));

@@ -3,7 +3,8 @@
 //! freed memory back between layers, both no-ops where the C library is not glibc; the thread
 //! count and spin limit of the model's thread pools. None changes a result.
 
-use crate::replay::{LayerDone, Stopped};
+use crate::replay::Stopped;
+use crate::stop::Stop;
 use std::sync::atomic::{AtomicUsize, Ordering};
 
 /// Layers are large, short-lived buffers: glibc hands blocks of this size and more back to the
@@ -140,14 +141,14 @@ pub fn return_free_memory() {
 
 /// What a sweep does after each layer of a replay: hands the freed memory back, except in a
 /// closed-loop sweep, whose heap stays with the model that runs beside the replays.
-pub fn after_sweep_layer(closed_loop: bool) -> LayerDone<'static> {
+pub fn after_sweep_layer(closed_loop: bool) -> Stop<'static> {
     match closed_loop {
         true => &|| Ok(()),
         false => &returning_free_memory,
     }
 }
 
-/// A [`LayerDone`] that hands the freed memory back after each layer and never stops the work.
+/// What hands the freed memory back after each layer and never stops the work.
 pub fn returning_free_memory() -> Result<(), Stopped> {
     return_free_memory();
     Ok(())

@@ -138,7 +138,8 @@ fn a_replay_holds_about_one_layer_whatever_the_depth() {
         for path in [&shallow, &deep] {
             let trace = TraceReader::open(path).expect("fixture opens");
             let all: Vec<ValidPolicy> = policies.iter().map(|(_, p)| checked(p)).collect();
-            let (reports, growth) = working_heap(|| replay_many(&trace, &all, &|| Ok(())));
+            let (reports, growth) =
+                working_heap(|| replay_many(&trace, &all, kvreplay::replay::Checkpoints::NONE));
             reports.expect("replay runs");
             let ratio = growth as f64 / layer_bytes as f64;
             assert!(ratio <= 1.5, "all policies: {ratio:.2}× one layer");

@@ -10,6 +10,7 @@ use kvreplay::experiment::{
     claim_results, report as build_report, run_sweep, stored_runs, Experiment, SweepError,
     SweepProgress,
 };
+use kvreplay::replay::Checkpoints;
 use kvreplay::replay::ExternalMethods;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
@@ -58,7 +59,7 @@ fn run_experiment(
         .detach(|| Experiment::load_with(path, externals))
         .map_err(raised)?;
     let results = results_root.join(&experiment.name);
-    let (runs, kv_entries, text) = interruptible(py, |layer_done| -> Result<_, SweepError> {
+    let (runs, kv_entries, text) = interruptible(py, |stop| -> Result<_, SweepError> {
         if run_missing {
             claim_results(&results, path)?;
         }
@@ -70,7 +71,7 @@ fn run_experiment(
                     &experiment.trace_entries()?,
                     &results,
                     None,
-                    (progress, layer_done),
+                    (progress, Checkpoints::stopping(stop)),
                     &mut ModelSlot::default(),
                 )?;
                 swept.traces

@@ -10,7 +10,8 @@ use crate::settings::settings_map;
 use crate::trace::Trace;
 use kvreplay::experiment::{run_id, ClosedLoop, StoredRun, TraceFile};
 use kvreplay::replay::{
-    kept_masks, presets, replay_many, External, PolicyParams, ReplayReport, ValidPolicy,
+    kept_masks, presets, replay_many, Checkpoints, External, PolicyParams, ReplayReport,
+    ValidPolicy,
 };
 use numpy::IntoPyArray;
 use pyo3::prelude::*;
@@ -105,13 +106,13 @@ fn replay_policies(
     threads: Option<usize>,
 ) -> PyResult<Results> {
     let reader = trace.get().reader();
-    let reports = interruptible(py, |layer_done| {
+    let reports = interruptible(py, |stop| {
         let mut builder = rayon::ThreadPoolBuilder::new();
         if let Some(threads) = threads {
             builder = builder.num_threads(threads);
         }
         let pool = builder.build().map_err(|e| e.to_string())?;
-        pool.install(|| replay_many(reader, &checked, layer_done))
+        pool.install(|| replay_many(reader, &checked, Checkpoints::stopping(stop)))
             .map_err(|e| kvreplay::error_text(&e))
     })?;
     let reports = reports.map_err(message)?;
@@ -236,8 +237,8 @@ pub fn kept<'py>(
     let trace = Trace::from_arg(trace)?.into_bound(py);
     let (policy, checked) = Policy::from_settings(None, settings)?;
     let reader = trace.get().reader();
-    let kept = interruptible(py, |layer_done| {
-        kept_masks(reader, &checked, steps, layer_done)
+    let kept = interruptible(py, |stop| {
+        kept_masks(reader, &checked, steps, Checkpoints::stopping(stop))
     })?
     .map_err(raised)?;
     let result = PyDict::new(py);

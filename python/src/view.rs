@@ -5,6 +5,7 @@ use crate::interrupt::interruptible;
 use crate::run::Policy;
 use crate::trace::Trace;
 use kvreplay::assets::Assets;
+use kvreplay::replay::Checkpoints;
 use pyo3::prelude::*;
 use pyo3::types::PyDict;
 use std::path::PathBuf;
@@ -48,8 +49,13 @@ pub fn view(
         policies.push((other.name, checked));
     }
     let reader = trace.get().reader();
-    let html = interruptible(py, |layer_done| {
-        kvreplay::view::page_of(reader, &policies, &Assets::from_env(), layer_done)
+    let html = interruptible(py, |stop| {
+        kvreplay::view::page_of(
+            reader,
+            &policies,
+            &Assets::from_env(),
+            Checkpoints::stopping(stop),
+        )
     })?
     .map_err(raised)?;
     Ok(Page { html })

@@ -11,8 +11,8 @@ use crate::live::streams::{AttentionShape, LiveStreams};
 use crate::live::LiveError;
 use crate::model::{AttentionMask, CausalLm, KvCache, Llama, ModelError, Recorder};
 use crate::replay::{
-    presets, replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport, Timing, ValidPolicy,
-    RETAINED_MASS,
+    presets, replay_many, Checkpoints, PolicyError, PolicyParams, ReplayReport, Timing,
+    ValidPolicy, RETAINED_MASS,
 };
 use crate::stop::{Stop, Stopped};
 use crate::trace::{TraceError, TraceReader};
@@ -441,11 +441,11 @@ fn best_of(flops: f64, repeats: usize, mut product: impl FnMut() -> f32) -> f64 
 /// matmul peak is a best run: on a shared machine, other tenants otherwise decide the ratio (best
 /// of three read 51–78% of the peak across runs on one day). Only global layers are scored (a
 /// sliding-window layer is never compressed, so no prefix scorer walks it).
-/// `layer_done` is asked after each layer.
+/// `checkpoints` is asked after each layer.
 pub fn scoring_throughput(
     trace: &TraceReader,
     repeats: usize,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<(f64, f64), PolicyError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
@@ -483,7 +483,7 @@ pub fn scoring_throughput(
             fastest = fastest.min(started.elapsed().as_secs_f64());
         }
         seconds += fastest;
-        layer_done()?;
+        (checkpoints.after_layer)()?;
     }
     Ok((flops / seconds / 1e9, seconds))
 }
@@ -495,7 +495,7 @@ pub const SCORING_REPEATS: usize = 5;
 pub fn replay_grid(
     trace: &TraceReader,
     budgets: &[usize],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<(Vec<ReplayReport>, f64), PolicyError> {
     let policies = GRID_POLICIES
         .iter()
@@ -503,7 +503,7 @@ pub fn replay_grid(
         .map(|params| params.and_then(|p| p.check()))
         .collect::<Result<Vec<_>, _>>()?;
     let started = Instant::now();
-    let reports = replay_many(trace, &policies, layer_done)?;
+    let reports = replay_many(trace, &policies, checkpoints)?;
     Ok((reports, started.elapsed().as_secs_f64()))
 }
 
@@ -516,14 +516,14 @@ pub const LONG_POLICIES: [&str; 3] = ["snapkv-kv-head", "h2o-oneshot", "oracle"]
 pub fn long_replays(
     trace: &TraceReader,
     budget: usize,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<Vec<(&'static str, f64)>, PolicyError> {
     LONG_POLICIES
         .iter()
         .map(|name| {
             let policy = oneshot_policy(name, budget)?.check()?;
             let started = Instant::now();
-            replay_many(trace, std::slice::from_ref(&policy), layer_done)?;
+            replay_many(trace, std::slice::from_ref(&policy), checkpoints)?;
             Ok((*name, started.elapsed().as_secs_f64()))
         })
         .collect()
@@ -533,7 +533,7 @@ pub fn long_replays(
 pub fn streaming_cost(
     trace: &TraceReader,
     budget: usize,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<f64, PolicyError> {
     let policy = PolicyParams {
         timing: Timing::Streaming,
@@ -541,7 +541,7 @@ pub fn streaming_cost(
     }
     .check()?;
     let started = Instant::now();
-    replay_many(trace, std::slice::from_ref(&policy), layer_done)?;
+    replay_many(trace, std::slice::from_ref(&policy), checkpoints)?;
     let meta = trace.meta();
     let tokens = (trace.n_positions() * meta.n_kv_heads * meta.global_layers().len()) as f64;
     Ok(started.elapsed().as_secs_f64() / tokens * 1e6)
@@ -621,14 +621,14 @@ pub type MemoryGrowth = (Option<Growth>, Option<Growth>);
 pub fn replay_memory(
     trace: &TraceReader,
     budget: usize,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<Vec<(&'static str, MemoryGrowth)>, PolicyError> {
     let policies = GRID_POLICIES
         .iter()
         .map(|name| Ok((*name, grid_policy(name, budget)?.check()?)))
         .collect::<Result<Vec<_>, PolicyError>>()?;
     let replay =
-        |policy: &ValidPolicy| replay_many(trace, std::slice::from_ref(policy), layer_done);
+        |policy: &ValidPolicy| replay_many(trace, std::slice::from_ref(policy), checkpoints);
     for (_, policy) in &policies {
         replay(policy)?;
     }

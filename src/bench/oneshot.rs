@@ -11,7 +11,7 @@ use super::{numpy_reference, BenchError, NumpyGrid};
 use crate::attention::{decode_attention, softmax_into, CausalLogits};
 #[cfg(test)]
 use crate::replay::Timing;
-use crate::replay::{replay_many, LayerDone, PolicyError, PolicyParams, ReplayReport};
+use crate::replay::{replay_many, Checkpoints, PolicyError, PolicyParams, ReplayReport};
 use crate::trace::TraceReader;
 use ndarray::s;
 use rayon::prelude::*;
@@ -54,7 +54,7 @@ pub fn oneshot_policy(name: &str, budget: usize) -> Result<PolicyParams, PolicyE
 pub fn oneshot_grid(
     trace: &TraceReader,
     budgets: &[usize],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<(Vec<ReplayReport>, f64), PolicyError> {
     let policies = ONESHOT_POLICIES
         .iter()
@@ -62,7 +62,7 @@ pub fn oneshot_grid(
         .map(|params| params.and_then(|p| p.check()))
         .collect::<Result<Vec<_>, _>>()?;
     let started = Instant::now();
-    let reports = replay_many(trace, &policies, layer_done)?;
+    let reports = replay_many(trace, &policies, checkpoints)?;
     Ok((reports, started.elapsed().as_secs_f64()))
 }
 
@@ -116,7 +116,7 @@ pub fn timed_against_essential(
     trace: &TraceReader,
     budgets: &[usize],
     runs: usize,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<GridTiming, PolicyError> {
     let mut timing = GridTiming {
         reports: Vec::new(),
@@ -124,7 +124,7 @@ pub fn timed_against_essential(
         essential: Vec::with_capacity(runs),
     };
     for run in 0..runs.max(1) {
-        let (reports, seconds) = oneshot_grid(trace, budgets, layer_done)?;
+        let (reports, seconds) = oneshot_grid(trace, budgets, checkpoints)?;
         if run == 0 {
             timing.reports = reports;
         }

@@ -5,7 +5,7 @@
 
 use super::BenchError;
 use crate::export::Table;
-use crate::replay::LayerDone;
+use crate::replay::Checkpoints;
 use crate::stop::{Stop, Stopped};
 use crate::sys::{returning_free_memory, set_mmap_threshold, ModelMalloc, MMAP_THRESHOLD};
 use crate::trace::TraceReader;
@@ -72,9 +72,13 @@ pub fn measure(
         progress(what);
         Ok(stop()?)
     };
-    let layer_done = || -> Result<(), Stopped> {
+    let after_layer = || -> Result<(), Stopped> {
         returning_free_memory()?;
         stop()
+    };
+    let checkpoints = Checkpoints {
+        after_layer: &after_layer,
+        stop,
     };
     if !run.closed_loop.is_empty() {
         return closed_loop_rows(&run.closed_loop, &step, stop);
@@ -116,7 +120,7 @@ pub fn measure(
     ]);
     step("scoring kernel")?;
     let (scoring, scoring_seconds) =
-        super::scoring_throughput(&trace, super::SCORING_REPEATS, &layer_done)?;
+        super::scoring_throughput(&trace, super::SCORING_REPEATS, checkpoints)?;
     table.push([
         "attention scoring q·Kᵀ + softmax over the prompt (one thread)".into(),
         format!(
@@ -126,11 +130,11 @@ pub fn measure(
     ]);
     step("replay grid")?;
     let (grid, grid_resident) =
-        super::resident_growth(|| super::replay_grid(&trace, budgets, &layer_done));
+        super::resident_growth(|| super::replay_grid(&trace, budgets, checkpoints));
     let (reports, replay_seconds) = grid?;
     // Counted in a second, untimed run: counting costs the timed one its allocations' speed.
     let (counted, grid_heap) =
-        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, &layer_done));
+        super::heap::heap_growth(|| super::replay_grid(&trace, budgets, checkpoints));
     counted?;
     table.push([
         format!(
@@ -169,12 +173,12 @@ pub fn measure(
         (&trace, trace_path),
         oneshot_budgets,
         python.as_deref(),
-        &layer_done,
+        checkpoints,
     )?;
     for (label, path) in std::iter::once(("", trace_path)).chain(long.map(|l| (" (long)", l))) {
         let reader = TraceReader::open(path)?;
         step("streaming cost")?;
-        let cost = super::streaming_cost(&reader, 256, &layer_done)?;
+        let cost = super::streaming_cost(&reader, 256, checkpoints)?;
         table.push([
             format!(
                 "key-proxy streaming at budget 256, T = {}{label}",
@@ -185,7 +189,7 @@ pub fn measure(
     }
     if let Some(long) = long {
         step("long trace")?;
-        long_rows(&mut table, &TraceReader::open(long)?, &layer_done)?;
+        long_rows(&mut table, &TraceReader::open(long)?, checkpoints)?;
     }
     let megabytes = |bytes: usize| bytes as f64 / 1e6;
     let growth_cell = |(resident, heap): super::MemoryGrowth, layer: usize| {
@@ -212,7 +216,7 @@ pub fn measure(
         let reader = TraceReader::open(path)?;
         step("memory of one replay")?;
         let layer = super::layer_bytes(&reader);
-        for (name, growth) in super::replay_memory(&reader, 128, &layer_done)? {
+        for (name, growth) in super::replay_memory(&reader, 128, checkpoints)? {
             table.push([
                 format!(
                     "peak resident memory of one replay: {name} at budget 128, T = {}{label}",
@@ -273,9 +277,9 @@ fn oneshot_rows(
     (trace, trace_path): (&TraceReader, &Path),
     budgets: &[usize],
     python: Option<&Path>,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<(), BenchError> {
-    let timing = super::timed_against_essential(trace, budgets, super::TIMED_RUNS, layer_done)?;
+    let timing = super::timed_against_essential(trace, budgets, super::TIMED_RUNS, checkpoints)?;
     let (seconds, essential) = (timing.best_grid(), timing.best_essential());
     let policies = super::ONESHOT_POLICIES.len();
     table.push([
@@ -312,7 +316,7 @@ fn oneshot_rows(
     if let Some(python) = python {
         let numpy = unless_stopped(
             super::oneshot_numpy(python, trace_path, budgets, &timing.reports),
-            layer_done,
+            checkpoints.stop,
         )?;
         table.push([
             "strong NumPy reference, one-shot grid (scores shared across budgets, vectorised)"
@@ -352,7 +356,7 @@ fn peak_without_mapping(head_dim: usize) -> (f64, String) {
 fn long_rows(
     table: &mut Table,
     trace: &TraceReader,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<(), BenchError> {
     let meta = trace.meta();
     let (peak, peak_product) = peak_without_mapping(meta.head_dim);
@@ -360,7 +364,7 @@ fn long_rows(
         format!("long: matmul peak at its head size, d = {}", meta.head_dim),
         format!("{peak:.1} GFLOP/s ({peak_product})"),
     ]);
-    let (scoring, seconds) = super::scoring_throughput(trace, 1, layer_done)?;
+    let (scoring, seconds) = super::scoring_throughput(trace, 1, checkpoints)?;
     table.push([
         format!(
             "long: causal prefix pass q·Kᵀ + softmax over the prompt, T = {}, {} global layers (one thread)",
@@ -372,7 +376,7 @@ fn long_rows(
             100.0 * scoring / peak
         ),
     ]);
-    for (name, seconds) in super::long_replays(trace, 128, layer_done)? {
+    for (name, seconds) in super::long_replays(trace, 128, checkpoints)? {
         table.push([
             format!("long: one replay of {name} at budget 128"),
             format!("{seconds:.2} s"),

@@ -12,7 +12,10 @@ use kvreplay::experiment::{
 };
 use kvreplay::export::{exporter, Format};
 use kvreplay::live::LiveReport;
-use kvreplay::replay::{presets, replay_many, PolicyParams, ReplayReport, ValidPolicy};
+use kvreplay::replay::{
+    presets, replay_many, Checkpoints, PolicyParams, ReplayReport, ValidPolicy,
+};
+use kvreplay::stop::Stop;
 use kvreplay::sys;
 use kvreplay::trace::{StorageDtype, TraceReader};
 use kvreplay::view;
@@ -37,11 +40,12 @@ pub fn replay_all(
     crate::stop::catch_interrupt();
     let reports = pool
         .install(|| {
-            replay_many(trace, policies, &|| {
+            let after_layer = || {
                 sys::return_free_memory();
                 bar.inc(1);
                 crate::stop::check()
-            })
+            };
+            replay_many(trace, policies, stopping_after(&after_layer))
         })
         .context("replaying")?;
     bar.finish_and_clear();
@@ -284,10 +288,10 @@ fn run_missing_runs(
                 bar.set_length(total as u64);
                 bar.set_position(done as u64)
             },
-            &|| {
+            stopping_after(&|| {
                 after_layer()?;
                 crate::stop::check()
-            },
+            }),
         ),
         models,
     )?;
@@ -346,14 +350,27 @@ pub fn view(
         ProgressStyle::with_template("{spinner} {msg}: {pos}").expect("static template"),
     );
     crate::stop::catch_interrupt();
-    let page = view::page_of(trace, &policies, &Assets::from_env(), &|| {
-        spinner.inc(1);
-        crate::stop::check()
-    });
+    let page = view::page_of(
+        trace,
+        &policies,
+        &Assets::from_env(),
+        stopping_after(&|| {
+            spinner.inc(1);
+            crate::stop::check()
+        }),
+    );
     spinner.finish_and_clear();
     let page = page?;
     kvreplay::atomic::write(out, page.as_bytes()).with_context(|| format!("{}", out.display()))?;
     Ok(page.len())
+}
+
+/// Checkpoints that call `after_layer` after each layer and ask Ctrl-C's stop within layers.
+fn stopping_after(after_layer: Stop<'_>) -> Checkpoints<'_> {
+    Checkpoints {
+        after_layer,
+        stop: &crate::stop::check,
+    }
 }
 
 #[cfg(test)]

@@ -1,8 +1,10 @@
 //! Ctrl-C on the command line. While a command that replays, captures or runs live runs, the first
-//! Ctrl-C asks its work to stop after the layer, prefill chunk or token in progress (a sweep keeps every
-//! run it stored, so running it again resumes; a capture writes no trace of the question it was
-//! running); the command then exits with 130, as a shell reports an interrupt. A second Ctrl-C
-//! ends the process at once. Outside such work Ctrl-C keeps its default.
+//! Ctrl-C asks its work to stop where it stands: within a replay's layer (before the next KV
+//! group, or within a few hundred positions of a cache's stream), after the prefill chunk or
+//! token in progress of a model (a sweep keeps every run it stored, so running it again resumes;
+//! a capture writes no trace of the question it was running); the command then exits with 130,
+//! as a shell reports an interrupt. A second Ctrl-C ends the process at once. Outside such work
+//! Ctrl-C keeps its default.
 
 use kvreplay::replay::Stopped;
 use std::sync::atomic::{AtomicBool, Ordering};
@@ -27,7 +29,7 @@ pub fn catch_interrupt() {
     }
 }
 
-/// `Stopped` once Ctrl-C was pressed: what a `LayerDone` returns to end the work.
+/// `Stopped` once Ctrl-C was pressed: what a `Checkpoints` returns to end the work.
 pub fn check() -> Result<(), Stopped> {
     match ASKED.load(Ordering::Relaxed) {
         true => Err(Stopped),

@@ -11,7 +11,7 @@ use crate::capture::{self, ModelSlot};
 use crate::live::{LiveError, LiveQuestions};
 use crate::model::{CausalLm, ModelError};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe};
-use crate::replay::{replay_many, LayerDone, PolicyError, ReplayReport, ValidPolicy};
+use crate::replay::{replay_many, Checkpoints, PolicyError, ReplayReport, ValidPolicy};
 use crate::stop::Stop;
 use crate::trace::StorageDtype;
 use crate::trace::TraceReader;
@@ -32,7 +32,7 @@ pub struct Swept {
 }
 
 /// Runs every planned run (of `shard` only, when given) of the experiment's traces `entries` not
-/// stored yet under `results`, storing each as it finishes; `layer_done` is called after each
+/// stored yet under `results`, storing each as it finishes; `checkpoints` is called after each
 /// layer of each pass. A trace's policies run in batches ([`batches`]) that share each layer's
 /// reading and decode attention, and whose policies with the same scores share one scoring pass.
 /// A recipe not captured yet is captured first (in f16, chunks of 512 tokens); in a closed loop
@@ -45,7 +45,7 @@ pub fn run_sweep(
     entries: &[TraceEntry],
     results: &Path,
     shard: Option<Shard>,
-    (progress, layer_done): (SweepProgress<'_>, LayerDone<'_>),
+    (progress, checkpoints): (SweepProgress<'_>, Checkpoints<'_>),
     models: &mut ModelSlot,
 ) -> Result<Swept, SweepError> {
     let live_capture = experiment.closed_loop && shard.is_none();
@@ -53,7 +53,7 @@ pub fn run_sweep(
     for entry in entries {
         units.push(match entry {
             TraceEntry::Uncaptured(recipe) if !live_capture => {
-                capture_first(recipe, experiment.reads_inputs, models, layer_done)?
+                capture_first(recipe, experiment.reads_inputs, models, checkpoints.stop)?
             }
             entry => entry.clone(),
         });
@@ -78,7 +78,7 @@ pub fn run_sweep(
         skipped: 0,
         failed: Vec::new(),
         progress,
-        layer_done,
+        checkpoints,
     };
     progress(0, total);
     let mut traces = Vec::new();
@@ -94,7 +94,7 @@ pub fn run_sweep(
         match entry {
             TraceEntry::Captured(files) => {
                 for unit in grouped(files, experiment.closed_loop) {
-                    let stop = sweep.layer_done;
+                    let stop = sweep.checkpoints.stop;
                     sweep.unit(unit, plan(unit), || {
                         runner_of(unit, experiment, (models, stop))
                     })?;
@@ -103,7 +103,7 @@ pub fn run_sweep(
             }
             TraceEntry::Uncaptured(recipe) => {
                 let (files, live) =
-                    capturing_runner(recipe, experiment, (models, sweep.layer_done))?;
+                    capturing_runner(recipe, experiment, (models, sweep.checkpoints.stop))?;
                 sweep.unit(&files, plan(&files), || Ok(live))?;
                 traces.extend(files);
             }
@@ -138,7 +138,7 @@ fn capture_first(
     recipe: &Path,
     inputs: bool,
     models: &mut ModelSlot,
-    stop: LayerDone<'_>,
+    stop: Stop<'_>,
 ) -> Result<TraceEntry, SweepError> {
     capture::capture_once(recipe, &captured_into(recipe), &mut |recipe, trace| {
         let storage = (StorageDtype::F16, LIVE_CHUNK, inputs);
@@ -156,7 +156,7 @@ struct Sweep<'a> {
     skipped: usize,
     failed: Vec<(PlannedRun, String)>,
     progress: SweepProgress<'a>,
-    layer_done: LayerDone<'a>,
+    checkpoints: Checkpoints<'a>,
 }
 
 impl<'a> Sweep<'a> {
@@ -190,7 +190,7 @@ impl<'a> Sweep<'a> {
         };
         for batch in batches(checked, most) {
             let (runs, policies): (Vec<&PlannedRun>, Vec<ValidPolicy>) = batch.into_iter().unzip();
-            let mut outcomes = run_alone_on_failure(&runner, &policies, self.layer_done);
+            let mut outcomes = run_alone_on_failure(&runner, &policies, self.checkpoints);
             // Asked to stop: what is stored stays, nothing of this batch is stored or failed.
             if let Some(index) = outcomes.iter().position(|o| o.as_ref().is_err_and(stopped)) {
                 return Err(outcomes.swap_remove(index).expect_err("a stop"));
@@ -208,7 +208,7 @@ impl<'a> Sweep<'a> {
             (self.progress)(self.done, self.total);
             // A replay hears a stop after each layer, a live batch after each token; between
             // batches too.
-            (self.layer_done)().map_err(PolicyError::from)?;
+            (self.checkpoints.stop)().map_err(PolicyError::from)?;
         }
         Ok(())
     }
@@ -370,15 +370,15 @@ fn recipe_questions<'m>(
 fn run_alone_on_failure(
     runner: &Runner<'_>,
     policies: &[ValidPolicy],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Vec<Result<Vec<Outcome>, SweepError>> {
-    match runner.run(policies, layer_done) {
+    match runner.run(policies, checkpoints) {
         Ok(outcomes) => outcomes.into_iter().map(Ok).collect(),
         Err(error) if policies.len() == 1 || stopped(&error) => vec![Err(error)],
         Err(_) => policies
             .iter()
             .map(|policy| {
-                let mut outcome = runner.run(std::slice::from_ref(policy), layer_done)?;
+                let mut outcome = runner.run(std::slice::from_ref(policy), checkpoints)?;
                 Ok(outcome.pop().expect("one outcome per policy"))
             })
             .collect(),
@@ -483,10 +483,10 @@ impl Runner<'_> {
     fn run(
         &self,
         policies: &[ValidPolicy],
-        layer_done: LayerDone<'_>,
+        checkpoints: Checkpoints<'_>,
     ) -> Result<Vec<Vec<Outcome>>, SweepError> {
         Ok(match self {
-            Runner::Replay(reader) => replay_many(reader, policies, layer_done)?
+            Runner::Replay(reader) => replay_many(reader, policies, checkpoints)?
                 .into_iter()
                 .map(|report| vec![(report, None)])
                 .collect(),

@@ -17,8 +17,8 @@ pub mod report;
 use crate::assets::{Assets, MODELS};
 use crate::replay::metrics::lost::LostShare;
 use crate::replay::{
-    caches_per_layer, compressed_layers, context, kept_masks, replay_many, LayerDone, PolicyError,
-    ReplayReport, SpanReport, Timing, ValidPolicy, RETAINED_MASS,
+    caches_per_layer, compressed_layers, context, kept_masks, replay_many, Checkpoints,
+    PolicyError, ReplayReport, SpanReport, Timing, ValidPolicy, RETAINED_MASS,
 };
 use crate::trace::{TraceError, TraceReader};
 use ndarray::{s, ArrayD, Axis};
@@ -186,12 +186,12 @@ pub struct LayerView {
 }
 
 /// The view of `policies` (label, checked policy) on `trace`, each position's text from `texts`
-/// (one per trace position) where given; `layer_done` is called after each layer of each pass.
+/// (one per trace position) where given; `checkpoints` is called after each layer of each pass.
 pub fn build(
     trace: &TraceReader,
     policies: &[(String, ValidPolicy)],
     texts: Option<&[String]>,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<View, ViewError> {
     if policies.is_empty() {
         return Err(ViewError::Empty("a view needs at least one policy".into()));
@@ -205,7 +205,7 @@ pub fn build(
     let bins = Bins::for_positions(prompt_len, cells_per_bin);
     let views = policies
         .iter()
-        .map(|(label, policy)| policy_view(trace, (label, policy), bins, layer_done))
+        .map(|(label, policy)| policy_view(trace, (label, policy), bins, checkpoints))
         .collect::<Result<Vec<_>, _>>()?;
     Ok(View {
         trace: TraceSummary {
@@ -228,7 +228,7 @@ pub fn build(
             })
             .collect(),
         texts: texts.map(|texts| bin_texts(texts, bins, prompt_len)),
-        mass: attention_mass(trace, bins, layer_done)?,
+        mass: attention_mass(trace, bins, checkpoints)?,
         policies: views,
     })
 }
@@ -240,10 +240,10 @@ pub fn page_of(
     trace: &TraceReader,
     policies: &[(String, ValidPolicy)],
     assets: &Assets,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<String, ViewError> {
     let texts = token_texts(trace, assets);
-    let view = build(trace, policies, texts.as_deref(), layer_done)?;
+    let view = build(trace, policies, texts.as_deref(), checkpoints)?;
     let title = format!("{}: {}", trace.path().display(), policies[0].0);
     Ok(page::html(&view, &title))
 }
@@ -280,11 +280,11 @@ fn policy_view(
     trace: &TraceReader,
     (label, policy): (&str, &ValidPolicy),
     bins: Bins,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<PolicyView, ViewError> {
     let per_step = policy.params().timing != Timing::Prefill;
-    let masks = kept_masks(trace, policy, per_step, layer_done)?;
-    let mut reports = replay_many(trace, std::slice::from_ref(policy), layer_done)?;
+    let masks = kept_masks(trace, policy, per_step, checkpoints)?;
+    let mut reports = replay_many(trace, std::slice::from_ref(policy), checkpoints)?;
     let report = reports.pop().expect("one report per policy");
     let cells = binned_kept(&masks.mask, per_step, bins, trace.meta().prompt_len);
     let packed = bins.size == 1;
@@ -379,7 +379,7 @@ fn mean_over_heads(heads: &[Vec<f64>]) -> Vec<f64> {
 fn attention_mass(
     trace: &TraceReader,
     bins: Bins,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<Vec<Vec<f32>>, ViewError> {
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
@@ -399,7 +399,7 @@ fn attention_mass(
                     }
                 }
             }
-            layer_done().map_err(PolicyError::from)?;
+            (checkpoints.after_layer)().map_err(PolicyError::from)?;
             Ok((0..bins.count)
                 .map(|bin| {
                     let sum: f64 = bins

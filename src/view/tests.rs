@@ -107,12 +107,18 @@ fn the_cells_at_one_position_a_bin_are_the_libraries_masks() {
     let trace = trace(dir.path(), 3, 12, 3);
     for (timing, steps) in [(Timing::Prefill, 1), (Timing::PerStep, 3)] {
         let per_step = timing != Timing::Prefill;
-        let masks = kept_masks(&trace, &policy("knorm", timing, 5), per_step, &|| Ok(())).unwrap();
+        let masks = kept_masks(
+            &trace,
+            &policy("knorm", timing, 5),
+            per_step,
+            Checkpoints::NONE,
+        )
+        .unwrap();
         let view = build(
             &trace,
             &[("p".into(), policy("knorm", timing, 5))],
             None,
-            &|| Ok(()),
+            Checkpoints::NONE,
         )
         .unwrap();
         let p = &view.policies[0];
@@ -143,7 +149,7 @@ fn the_mass_is_the_mean_decode_attention_by_brute_force() {
         &trace,
         &[("p".into(), policy("knorm", Timing::Prefill, 3))],
         None,
-        &|| Ok(()),
+        Checkpoints::NONE,
     )
     .unwrap();
     for layer in 0..2 {
@@ -206,7 +212,7 @@ fn a_long_trace_stays_under_the_page_bound() {
             policy("knorm", Timing::Prefill, 512),
         ),
     ];
-    let view = build(&trace, &policies, None, &|| Ok(())).unwrap();
+    let view = build(&trace, &policies, None, Checkpoints::NONE).unwrap();
     assert_eq!(view.bins, bins(16, 2048));
     assert_eq!(view.policies[0].kept.len(), 16 * 2 * 2048);
     assert_eq!(view.mass.len(), 2);

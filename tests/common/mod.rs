@@ -414,7 +414,7 @@ pub fn interrupt_when(
     let said = String::from_utf8_lossy(&output.stderr);
     assert_eq!(output.status.code(), Some(130), "{said}");
     assert!(
-        said.contains("interrupted: stopped after the layer, chunk or token"),
+        said.contains("interrupted: stopped where the work stood"),
         "{said}"
     );
     output

@@ -22,11 +22,13 @@ fn the_bench_grids_agree_with_their_numpy_references() {
     let trace = TraceReader::open(&path).unwrap();
     let python = python();
     let budgets = [13, 17];
-    let (reports, _) = bench::replay_grid(&trace, &budgets, &|| Ok(())).unwrap();
+    let (reports, _) =
+        bench::replay_grid(&trace, &budgets, kvreplay::replay::Checkpoints::NONE).unwrap();
     assert_eq!(reports.len(), bench::GRID_POLICIES.len() * budgets.len());
     let grid = bench::numpy_grid(&python, &path, &budgets, &reports).unwrap();
     assert!(grid.worst_difference <= bench::NUMPY_TOLERANCE, "{grid:?}");
-    let (reports, _) = bench::oneshot_grid(&trace, &budgets, &|| Ok(())).unwrap();
+    let (reports, _) =
+        bench::oneshot_grid(&trace, &budgets, kvreplay::replay::Checkpoints::NONE).unwrap();
     assert_eq!(reports.len(), bench::ONESHOT_POLICIES.len() * budgets.len());
     let oneshot = bench::oneshot_numpy(&python, &path, &budgets, &reports).unwrap();
     assert!(

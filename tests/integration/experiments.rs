@@ -831,7 +831,7 @@ fn ctrl_c_stops_a_closed_loop_sweep_in_its_full_run() {
     assert!(!dir.path().join("results/live/runs").exists());
 }
 
-/// Ctrl-C during a sweep stops it after the layer in progress: exit 130 and a message, every run
+/// Ctrl-C during a sweep stops it within the layer in progress: exit 130 and a message, every run
 /// stored before it intact and none recorded as failed; running it again resumes. The sweep is
 /// long (hundreds of replays of a trace of 4,096 positions) and the interrupt is sent as soon as
 /// its first run is stored, so the test does not race its end.

@@ -111,7 +111,11 @@ fn check_family(native: &dyn CausalLm, gguf: &Path, recipe: &str) {
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     let policies = policies();
     for policy in &policies {
-        let kept = |trace: &TraceReader| kept_masks(trace, policy, false, &|| Ok(())).unwrap().mask;
+        let kept = |trace: &TraceReader| {
+            kept_masks(trace, policy, false, kvreplay::replay::Checkpoints::NONE)
+                .unwrap()
+                .mask
+        };
         assert_eq!(kept(&ours), kept(&theirs), "{}: kept sets", policy.label());
     }
     let native_runs = LiveSession::start(native, &built, 512, dir.path())

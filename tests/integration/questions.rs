@@ -470,7 +470,7 @@ fn ctrl_c_stops_a_capture_and_writes_nothing() {
     let status = child.wait().unwrap();
     assert_eq!(status.code(), Some(130), "{said}");
     assert!(
-        said.contains("interrupted: stopped after the layer, chunk or token"),
+        said.contains("interrupted: stopped where the work stood"),
         "{said}"
     );
     let left: Vec<_> = std::fs::read_dir(dir.path())

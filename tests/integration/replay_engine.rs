@@ -1185,8 +1185,10 @@ fn kept_masks_are_the_kept_sets() {
     for (scorer, timing) in [("snapkv", Timing::Prefill), ("recency", Timing::Streaming)] {
         let policy = params(scorer, timing, 6).check().unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
-        let at_end = kept_masks(&trace, &policy, false, &|| Ok(())).unwrap();
-        let per_step = kept_masks(&trace, &policy, true, &|| Ok(())).unwrap();
+        let at_end =
+            kept_masks(&trace, &policy, false, kvreplay::replay::Checkpoints::NONE).unwrap();
+        let per_step =
+            kept_masks(&trace, &policy, true, kvreplay::replay::Checkpoints::NONE).unwrap();
         assert_eq!(at_end.layers, (0..shape.n_layers).collect::<Vec<_>>());
         assert_eq!(at_end.budgets, budgets);
         for layer in 0..shape.n_layers {
@@ -1273,7 +1275,7 @@ fn one_pass_over_a_grid_equals_each_policy_alone() {
         });
     }
     let policies: Vec<_> = grid.into_iter().map(|p| p.check().unwrap()).collect();
-    let together = replay_many(&trace, &policies, &|| Ok(())).unwrap();
+    let together = replay_many(&trace, &policies, kvreplay::replay::Checkpoints::NONE).unwrap();
     for (policy, report) in policies.iter().zip(&together) {
         assert_eq!(
             &replay(&trace, policy).unwrap(),
@@ -1804,4 +1806,43 @@ fn a_failing_allocator_stops_the_replay_with_its_failure() {
     .unwrap();
     let failed = replay(&trace, &policy).unwrap_err();
     assert_eq!(failed.to_string(), "no budgets today");
+}
+
+/// The replay asks `stop` within a layer (before each KV group and every few hundred positions
+/// of a cache's stream), not only after it: a stop asked for in the first layer ends the replay
+/// there, before that layer is reported done.
+#[test]
+fn a_stop_within_a_layer_ends_the_replay_before_the_layer_is_done() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("t.safetensors");
+    write_fixture(&path, Shape::default(), 13);
+    let trace = TraceReader::open(&path).unwrap();
+    let policies = [
+        params("tova", Timing::Streaming, 8).check().unwrap(),
+        params("snapkv", Timing::Prefill, 8).check().unwrap(),
+    ];
+    let (asked, layers_done) = (AtomicUsize::new(0), AtomicUsize::new(0));
+    let stop = || match asked.fetch_add(1, Ordering::Relaxed) {
+        0..=2 => Ok(()),
+        _ => Err(kvreplay::replay::Stopped),
+    };
+    let after_layer = || {
+        layers_done.fetch_add(1, Ordering::Relaxed);
+        Ok(())
+    };
+    let checkpoints = kvreplay::replay::Checkpoints {
+        after_layer: &after_layer,
+        stop: &stop,
+    };
+    let stopped = replay_many(&trace, &policies, checkpoints).unwrap_err();
+    assert!(matches!(stopped, PolicyError::Stopped(_)), "{stopped:?}");
+    assert_eq!(layers_done.load(Ordering::Relaxed), 0);
+    // Never asked to stop, the same after-layer call sees every layer done.
+    let go_on = kvreplay::replay::Checkpoints {
+        after_layer: &after_layer,
+        stop: &|| Ok(()),
+    };
+    replay_many(&trace, &policies, go_on).unwrap();
+    assert_eq!(layers_done.load(Ordering::Relaxed), 2);
 }

@@ -110,7 +110,13 @@ fn the_page_renders_the_librarys_kept_sets() {
     let shown = readback(&dom);
     assert_eq!(shown.len(), 2);
     for ((params, per_step), page) in [(knorm, false), (h2o, true)].into_iter().zip(&shown) {
-        let masks = kept_masks(&trace, &params.check().unwrap(), per_step, &|| Ok(())).unwrap();
+        let masks = kept_masks(
+            &trace,
+            &params.check().unwrap(),
+            per_step,
+            kvreplay::replay::Checkpoints::NONE,
+        )
+        .unwrap();
         let (layers, caches) = (masks.mask.shape()[0], masks.mask.shape()[1]);
         let steps = if per_step { shape.generated } else { 1 };
         assert_eq!(page["steps"], steps);

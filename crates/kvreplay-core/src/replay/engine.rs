@@ -37,9 +37,10 @@ use super::plan::Plan;
 use super::select::ranking;
 use super::Layers;
 use super::{
-    context, Kept, LayerContext, LayerProfile, MethodFailed, PolicyError, Protocol, Storage, Unit,
-    UnitKept, ValidPolicy,
+    context, Kept, LayerContext, LayerProfile, PolicyError, Protocol, Storage, Unit, UnitKept,
+    ValidPolicy,
 };
+use crate::stop::{Stop, NEVER};
 use crate::trace::{Span, TraceMeta, TraceReader};
 use rayon::prelude::*;
 use serde::Serialize;
@@ -100,24 +101,47 @@ impl ReplayReport {
 
 /// Replays `policy` on `trace`.
 pub fn replay(trace: &TraceReader, policy: &ValidPolicy) -> Result<ReplayReport, PolicyError> {
-    let mut reports = replay_many(trace, std::slice::from_ref(policy), &|| Ok(()))?;
+    let mut reports = replay_many(trace, std::slice::from_ref(policy), Checkpoints::NONE)?;
     Ok(reports.pop().expect("one report per policy"))
 }
 
-/// Called after each layer of each pass over a trace, once that layer's memory is freed: a
-/// progress bar, or the binary handing freed memory back to the system. It returns
-/// [`Stopped`](super::Stopped) to end the work there (Ctrl-C): the call then fails with
-/// [`PolicyError::Stopped`].
-pub type LayerDone<'a> = &'a (dyn Fn() -> Result<(), super::Stopped> + Sync);
+/// Where long work over a trace reports and asks whether to go on: `after_layer` once each layer
+/// of each pass is done and its memory freed (a progress bar, or the binary handing freed memory
+/// back), `stop` between the smaller steps within a layer (each KV group, every few hundred
+/// positions of a cache's stream). Either returns [`Stopped`](super::Stopped) to end the work
+/// there (Ctrl-C): the call then fails with [`PolicyError::Stopped`].
+#[derive(Clone, Copy)]
+pub struct Checkpoints<'a> {
+    /// Called after each layer of each pass.
+    pub after_layer: Stop<'a>,
+    /// Asked within a layer; cheap (an atomic load), since it is asked often.
+    pub stop: Stop<'a>,
+}
 
-/// Replays several policies in one pass over the trace, calling `layer_done` after each layer of
+impl<'a> Checkpoints<'a> {
+    /// Checkpoints that report nothing and never stop.
+    pub const NONE: Checkpoints<'static> = Checkpoints {
+        after_layer: NEVER,
+        stop: NEVER,
+    };
+
+    /// Checkpoints that only ask `stop`, after each layer and within it.
+    pub fn stopping(stop: Stop<'a>) -> Self {
+        Self {
+            after_layer: stop,
+            stop,
+        }
+    }
+}
+
+/// Replays several policies in one pass over the trace, calling `checkpoints` after each layer of
 /// each pass (budget passes count once per policy that needs one).
 pub fn replay_many(
     trace: &TraceReader,
     policies: &[ValidPolicy],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<Vec<ReplayReport>, PolicyError> {
-    replay_pass(trace, policies, layer_done, &mut |_, _| {})
+    replay_pass(trace, policies, checkpoints, &mut |_, _| {})
 }
 
 /// [`replay_many`] for one-shot (prefill-timing) policies, also returning each policy's kept sets
@@ -127,9 +151,12 @@ pub fn replay_keeping(
     policies: &[ValidPolicy],
 ) -> Result<Vec<(ReplayReport, Vec<Kept>)>, PolicyError> {
     let mut kept: Vec<Vec<Kept>> = vec![Vec::new(); policies.len()];
-    let reports = replay_pass(trace, policies, &|| Ok(()), &mut |index, layer_kept| {
-        kept[index].push(layer_kept)
-    })?;
+    let reports = replay_pass(
+        trace,
+        policies,
+        Checkpoints::NONE,
+        &mut |index, layer_kept| kept[index].push(layer_kept),
+    )?;
     Ok(reports.into_iter().zip(kept).collect())
 }
 
@@ -139,7 +166,7 @@ pub fn replay_keeping(
 fn replay_pass(
     trace: &TraceReader,
     policies: &[ValidPolicy],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
     let (agnostic, in_prompt): (Vec<usize>, Vec<usize>) = (0..policies.len())
@@ -158,7 +185,7 @@ fn replay_pass(
             .then(|| reader.without_reconstruction())
             .transpose()?;
         let reader = lighter.as_ref().unwrap_or(reader);
-        let measured = measure_pass(reader, &subset, layer_done, &mut |at, kept| {
+        let measured = measure_pass(reader, &subset, checkpoints, &mut |at, kept| {
             keep(indices[at], kept)
         })?;
         for (&index, report) in indices.iter().zip(measured) {
@@ -207,13 +234,13 @@ pub fn protocol_view(
 fn measure_pass(
     trace: &TraceReader,
     policies: &[&ValidPolicy],
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
     let mut profiles = Profiles::default();
     let (nominal, budgets): (Vec<usize>, Vec<Vec<usize>>) = policies
         .iter()
-        .map(|policy| layer_budgets_with_progress(trace, policy, layer_done, &mut profiles))
+        .map(|policy| layer_budgets_with_progress(trace, policy, checkpoints, &mut profiles))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .unzip();
@@ -254,6 +281,7 @@ fn measure_pass(
             &layer_budgets,
             &meta.spans,
             trace.element_bytes(),
+            checkpoints.stop,
         )?;
         for (&index, report) in here.iter().zip(reports) {
             per_policy[index].push(report);
@@ -264,7 +292,7 @@ fn measure_pass(
             }
         }
         drop(tensors);
-        layer_done()?;
+        (checkpoints.after_layer)()?;
     }
     Ok(policies
         .iter()
@@ -289,10 +317,11 @@ fn measure_layer(
     budgets: &[usize],
     spans: &[Span],
     width: usize,
-) -> Result<(Vec<LayerReport>, Vec<Option<Kept>>), MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<(Vec<LayerReport>, Vec<Option<Kept>>), PolicyError> {
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
-    let scores = score_prompts(layer, plan, policies, &units)?;
-    let whole_layer = whole_layer_kept(layer, plan, policies, budgets, &units, &scores)?;
+    let scores = score_prompts(layer, plan, policies, &units, stop)?;
+    let whole_layer = whole_layer_kept(layer, (plan, stop), policies, budgets, &units, &scores)?;
     drop(scores);
     let pass = LayerPass {
         layer,
@@ -303,6 +332,7 @@ fn measure_layer(
         units: &units,
         whole_layer: &whole_layer,
         width,
+        stop,
     };
     let accumulators = match plan.single {
         true => pass.measure_alone()?,
@@ -324,7 +354,8 @@ fn score_prompts<'p>(
     plan: &Plan<'p>,
     policies: &[&ValidPolicy],
     units: &[Vec<Unit>],
-) -> Result<BTreeMap<&'p str, Vec<Vec<f32>>>, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<BTreeMap<&'p str, Vec<Vec<f32>>>, PolicyError> {
     let tasks: Vec<(&str, usize, usize)> = plan
         .scorers
         .iter()
@@ -333,7 +364,7 @@ fn score_prompts<'p>(
             (0..groups).map(move |group| (key, index, group))
         })
         .collect();
-    let scored: Vec<Result<Vec<f32>, MethodFailed>> = tasks
+    let scored: Vec<Result<Vec<f32>, PolicyError>> = tasks
         .par_iter()
         .map(|&(_, index, group)| {
             let policy = &policies[index];
@@ -343,6 +374,7 @@ fn score_prompts<'p>(
                 layer,
                 groups[group],
                 policy.protection(),
+                stop,
             )
         })
         .collect();
@@ -358,13 +390,13 @@ fn score_prompts<'p>(
 /// cache by cache.
 fn whole_layer_kept(
     layer: &LayerContext<'_>,
-    plan: &Plan<'_>,
+    (plan, stop): (&Plan<'_>, Stop<'_>),
     policies: &[&ValidPolicy],
     budgets: &[usize],
     units: &[Vec<Unit>],
     scores: &BTreeMap<&str, Vec<Vec<f32>>>,
-) -> Result<Vec<Option<Kept>>, MethodFailed> {
-    let kept: Vec<Result<Option<Kept>, MethodFailed>> = policies
+) -> Result<Vec<Option<Kept>>, PolicyError> {
+    let kept: Vec<Result<Option<Kept>, PolicyError>> = policies
         .par_iter()
         .zip(budgets)
         .zip(units)
@@ -374,7 +406,7 @@ fn whole_layer_kept(
                 Ok(Some(one_shot_kept(layer, units, budget, policy, scored)))
             } else {
                 is_whole_layer(policy)
-                    .then(|| per_step_layer_kept(layer, units, budget, policy, plan.single))
+                    .then(|| per_step_layer_kept(layer, units, budget, policy, plan.single, stop))
                     .transpose()
             }
         })
@@ -393,6 +425,8 @@ struct LayerPass<'a, 'l> {
     whole_layer: &'a [Option<Kept>],
     /// Bytes of one element at the trace's width.
     width: usize,
+    /// Asked before each KV group and within each cache's stream.
+    stop: Stop<'a>,
 }
 
 /// Caches of one KV group with their kept sets and budgets.
@@ -413,7 +447,7 @@ impl LayerPass<'_, '_> {
     }
 
     /// Policy `index`'s caches of KV head `kv_head`: unit, kept sets, budget.
-    fn group_kept(&self, index: usize, kv_head: usize) -> Result<GroupKept<'_>, MethodFailed> {
+    fn group_kept(&self, index: usize, kv_head: usize) -> Result<GroupKept<'_>, PolicyError> {
         match &self.whole_layer[index] {
             Some(kept) => Ok(kept
                 .units
@@ -429,7 +463,8 @@ impl LayerPass<'_, '_> {
                 .map(|unit| {
                     let group = std::slice::from_ref(unit);
                     let budget = self.budgets[index];
-                    let unit_kept = per_step_kept(self.layer, group, budget, self.policies[index])?;
+                    let policy = self.policies[index];
+                    let unit_kept = per_step_kept(self.layer, group, budget, policy, self.stop)?;
                     Ok((unit, Cow::Owned(unit_kept), budget))
                 })
                 .collect(),
@@ -464,11 +499,12 @@ impl LayerPass<'_, '_> {
     }
 
     /// A single policy: its KV groups in parallel.
-    fn measure_alone(&self) -> Result<Vec<LayerAccumulator>, MethodFailed> {
+    fn measure_alone(&self) -> Result<Vec<LayerAccumulator>, PolicyError> {
         let n_kv_heads = self.layer.k.shape()[0];
-        let per_group: Vec<Result<Vec<UnitMeasure>, MethodFailed>> = (0..n_kv_heads)
+        let per_group: Vec<Result<Vec<UnitMeasure>, PolicyError>> = (0..n_kv_heads)
             .into_par_iter()
             .map(|kv_head| {
+                (self.stop)()?;
                 let kept = self.group_kept(0, kv_head)?;
                 let reference = self.reference(kv_head);
                 Ok(self.measure_group(0, &kept, &reference, &NestedShares::new()))
@@ -485,18 +521,26 @@ impl LayerPass<'_, '_> {
 
     /// Several policies: the KV groups one after another, each group's reference shared by the
     /// policies, which run in parallel.
-    fn measure_together(&self) -> Result<Vec<LayerAccumulator>, MethodFailed> {
+    fn measure_together(&self) -> Result<Vec<LayerAccumulator>, PolicyError> {
         let (layer, policies, budgets) = (self.layer, self.policies, self.budgets);
         let mut accumulators: Vec<LayerAccumulator> = policies
             .iter()
             .map(|_| LayerAccumulator::new(layer, self.spans.len()))
             .collect();
         for kv_head in 0..layer.k.shape()[0] {
+            (self.stop)()?;
             let (current, reselected) = rayon::join(
                 || self.reference(kv_head),
                 || {
                     let families = &self.plan.reselecting;
-                    reselect_families(layer, policies, budgets, self.units, kv_head, families)
+                    let stop = self.stop;
+                    reselect_families(
+                        layer,
+                        (policies, budgets, stop),
+                        self.units,
+                        kv_head,
+                        families,
+                    )
                 },
             );
             let reselected = reselected?;
@@ -509,7 +553,7 @@ impl LayerPass<'_, '_> {
                 &current,
                 self.spans,
             );
-            let measured: Vec<Result<(), MethodFailed>> = accumulators
+            let measured: Vec<Result<(), PolicyError>> = accumulators
                 .par_iter_mut()
                 .enumerate()
                 .map(|(index, accumulator)| {
@@ -607,13 +651,12 @@ type CachesKept<'u> = Vec<(&'u Unit, UnitKept)>;
 /// per family and cache, one pass of the scorer serves every member's budget.
 fn reselect_families<'u>(
     layer: &LayerContext<'_>,
-    policies: &[&ValidPolicy],
-    budgets: &[usize],
+    (policies, budgets, stop): (&[&ValidPolicy], &[usize], Stop<'_>),
     units: &'u [Vec<Unit>],
     kv_head: usize,
     families: &[Vec<usize>],
-) -> Result<BTreeMap<usize, CachesKept<'u>>, MethodFailed> {
-    let per_family: Vec<Result<Vec<(usize, CachesKept)>, MethodFailed>> = families
+) -> Result<BTreeMap<usize, CachesKept<'u>>, PolicyError> {
+    let per_family: Vec<Result<Vec<(usize, CachesKept)>, PolicyError>> = families
         .par_iter()
         .map(|members| {
             let first = members[0];
@@ -621,7 +664,7 @@ fn reselect_families<'u>(
             let mut kept: Vec<Vec<(&Unit, UnitKept)>> = vec![Vec::new(); members.len()];
             for unit in units[first].iter().filter(|unit| unit.kv_head == kv_head) {
                 let group = std::slice::from_ref(unit);
-                let sets = reselected_kept(layer, group, &member_budgets, policies[first])?;
+                let sets = reselected_kept(layer, group, &member_budgets, policies[first], stop)?;
                 for (slot, set) in kept.iter_mut().zip(sets) {
                     slot.push((unit, set));
                 }
@@ -643,6 +686,17 @@ pub fn kept_sets(
     budgets: &[usize],
     layer: usize,
 ) -> Result<Kept, PolicyError> {
+    stopping_kept_sets(trace, policy, budgets, layer, NEVER)
+}
+
+/// [`kept_sets`], asking `stop` within the layer.
+pub(crate) fn stopping_kept_sets(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    budgets: &[usize],
+    layer: usize,
+    stop: Stop<'_>,
+) -> Result<Kept, PolicyError> {
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
     let tensors = trace.layer(layer)?;
@@ -650,10 +704,10 @@ pub fn kept_sets(
     let units = units(&context, policy);
     let budget = budgets[layer];
     Ok(if is_one_shot(policy) {
-        let scored = one_shot_scores(&context, &units, policy, true)?;
+        let scored = one_shot_scores(&context, &units, policy, true, stop)?;
         one_shot_kept(&context, &units, budget, policy, &scored)
     } else {
-        per_step_layer_kept(&context, &units, budget, policy, true)?
+        per_step_layer_kept(&context, &units, budget, policy, true, stop)?
     })
 }
 
@@ -663,7 +717,7 @@ pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<us
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
     let (_, budgets) =
-        layer_budgets_with_progress(trace, policy, &|| Ok(()), &mut Profiles::default())?;
+        layer_budgets_with_progress(trace, policy, Checkpoints::NONE, &mut Profiles::default())?;
     Ok(budgets)
 }
 
@@ -681,15 +735,15 @@ pub fn units(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Vec<Unit> {
 fn for_each_layer<T: Send>(
     trace: &TraceReader,
     layers: &[usize],
-    layer_done: LayerDone<'_>,
-    work: &(dyn Fn(LayerContext<'_>) -> Result<T, MethodFailed> + Sync),
+    checkpoints: Checkpoints<'_>,
+    work: &(dyn Fn(LayerContext<'_>) -> Result<T, PolicyError> + Sync),
 ) -> Result<Vec<T>, PolicyError> {
     layers
         .iter()
         .map(|&layer| {
             let tensors = trace.layer(layer)?;
             let result = work(context(trace, layer, &tensors))?;
-            layer_done()?;
+            (checkpoints.after_layer)()?;
             Ok(result)
         })
         .collect()
@@ -765,16 +819,16 @@ impl Profiles {
         &mut self,
         trace: &TraceReader,
         (window, layers): (usize, &[usize]),
-        layer_done: LayerDone<'_>,
+        checkpoints: Checkpoints<'_>,
     ) -> Result<Vec<LayerProfile>, PolicyError> {
         let key = (window, layers.to_vec());
         if let Some(profiles) = self.0.get(&key) {
             for _ in layers {
-                layer_done()?;
+                (checkpoints.after_layer)()?;
             }
             return Ok(profiles.clone());
         }
-        let profiles = for_each_layer(trace, layers, layer_done, &|layer| {
+        let profiles = for_each_layer(trace, layers, checkpoints, &|layer| {
             Ok(LayerProfile::measure_windowed(&layer, window, layer.window))
         })?;
         self.0.insert(key, profiles.clone());
@@ -852,7 +906,7 @@ pub fn check_fit(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>
 fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
     profiles: &mut Profiles,
 ) -> Result<(usize, Vec<usize>), PolicyError> {
     let params = policy.params();
@@ -860,13 +914,13 @@ fn layer_budgets_with_progress(
     let prompt_len = meta.prompt_len;
     let compressed = check_fit(trace, policy)?;
     let profiles = if policy.allocator.needs_profile() {
-        profiles.of(trace, (params.window.max(1), &compressed), layer_done)?
+        profiles.of(trace, (params.window.max(1), &compressed), checkpoints)?
     } else {
         Vec::new()
     };
     let mass_curves = if policy.allocator.needs_mass_curves() {
-        for_each_layer(trace, &compressed, layer_done, &|layer| {
-            mass_curve(&layer, policy)
+        for_each_layer(trace, &compressed, checkpoints, &|layer| {
+            mass_curve(&layer, policy, checkpoints.stop)
         })?
     } else {
         Vec::new()
@@ -998,7 +1052,11 @@ fn window_entries(trace: &TraceReader, window: usize) -> f64 {
 /// Retained mass of a layer (mean over query heads and decode steps) against the number of prompt
 /// tokens kept in the scorer's order, index b = b tokens; generated tokens are left out (they are
 /// the same for every budget). Caches that choose together (`gqa = layer`) share one order.
-fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Result<Vec<f64>, MethodFailed> {
+fn mass_curve(
+    layer: &LayerContext<'_>,
+    policy: &ValidPolicy,
+    stop: Stop<'_>,
+) -> Result<Vec<f64>, PolicyError> {
     let protect = policy.protection();
     let prompt_len = layer.prompt_len;
     let n_heads = layer.q.shape()[0];
@@ -1008,7 +1066,7 @@ fn mass_curve(layer: &LayerContext<'_>, policy: &ValidPolicy) -> Result<Vec<f64>
     let mut curve = vec![0.0f64; prompt_len + 1];
     let units = units(layer, policy);
     for group in selection_groups(&units, policy) {
-        let scores = score_prompt(policy.scorer.as_ref(), layer, group, protect)?;
+        let scores = score_prompt(policy.scorer.as_ref(), layer, group, protect, stop)?;
         let order = ranking(&prompt, &scores, |position| {
             protect.covers(position, prompt_len)
         });

@@ -122,8 +122,9 @@ pub enum PolicyError {
     /// Reading the trace failed.
     #[error(transparent)]
     Trace(#[from] TraceError),
-    /// The caller asked the work to stop (Ctrl-C), between two layers. Not transparent: the
-    /// [`Stopped`] stays in the chain of causes, where a caller finds it through wrapping errors.
+    /// The caller asked the work to stop (Ctrl-C), at one of its
+    /// [`Checkpoints`](super::Checkpoints). Not transparent: the [`Stopped`] stays in the chain of
+    /// causes, where a caller finds it through wrapping errors.
     #[error("{0}")]
     Stopped(#[from] Stopped),
 }
@@ -135,6 +136,6 @@ pub enum PolicyError {
 #[error("{0}")]
 pub struct MethodFailed(pub String);
 
-/// The work was asked to stop: what a [`LayerDone`](super::LayerDone) callback returns to end
-/// it after the layer it has finished.
+/// The work was asked to stop: what a [`Checkpoints`](super::Checkpoints) callback returns to end
+/// it where it stands.
 pub use crate::stop::Stopped;

@@ -7,7 +7,8 @@ use super::scorer::Scorer;
 use super::select::{ranked_head, select_top};
 use super::stream::{slide_out, start_group, CacheStream};
 use super::{Granularity, Kept, LayerContext, Unit, UnitKept, ValidPolicy};
-use super::{MethodFailed, Protection, Timing};
+use super::{PolicyError, Protection, Stopped, Timing};
+use crate::stop::Stop;
 use rayon::prelude::*;
 
 /// Whether `policy` keeps one set per cache for the whole decode (prefill timing). Those sets are chosen for the whole layer at once (AdaKV shares a budget
@@ -43,7 +44,8 @@ pub(crate) fn score_prompt(
     layer: &LayerContext<'_>,
     group: &[Unit],
     protect: Protection,
-) -> Result<Vec<f32>, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<Vec<f32>, PolicyError> {
     let layer = if scorer.reads_future() {
         *layer
     } else {
@@ -52,6 +54,7 @@ pub(crate) fn score_prompt(
     let mut state = start_group(scorer, &layer, group, protect)?;
     let mut cache = Vec::with_capacity(layer.prompt_len);
     for position in 0..layer.prompt_len {
+        asked_at(position, stop)?;
         slide_out(&layer, position, &mut cache, state.as_mut())?;
         cache.push(position);
         state.on_append(&layer, &cache)?;
@@ -61,13 +64,25 @@ pub(crate) fn score_prompt(
     Ok(scores)
 }
 
+/// Positions a cache's stream takes between two questions whether to stop: a few tenths of a
+/// second on a 32K prompt's heaviest scorer, little against the work between them.
+const STOP_EVERY: usize = 256;
+
+/// Asks `stop` at every [`STOP_EVERY`]th position.
+fn asked_at(position: usize, stop: Stop<'_>) -> Result<(), Stopped> {
+    match position % STOP_EVERY {
+        0 => stop(),
+        _ => Ok(()),
+    }
+}
+
 /// Maps over groups of caches that choose together, in parallel or not; a failure is the first
 /// group's in order, whichever thread met it first.
 fn map_groups<T: Send>(
     groups: &[&[Unit]],
     parallel: bool,
-    work: impl Fn(&[Unit]) -> Result<T, MethodFailed> + Sync + Send,
-) -> Result<Vec<T>, MethodFailed> {
+    work: impl Fn(&[Unit]) -> Result<T, PolicyError> + Sync + Send,
+) -> Result<Vec<T>, PolicyError> {
     let results: Vec<_> = if parallel {
         groups.par_iter().map(|group| work(group)).collect()
     } else {
@@ -84,11 +99,12 @@ pub(crate) fn one_shot_scores(
     units: &[Unit],
     policy: &ValidPolicy,
     parallel_units: bool,
-) -> Result<Vec<Vec<f32>>, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<Vec<Vec<f32>>, PolicyError> {
     let protect = policy.protection();
     let groups = selection_groups(units, policy);
     map_groups(&groups, parallel_units, |group| {
-        score_prompt(policy.scorer.as_ref(), layer, group, protect)
+        score_prompt(policy.scorer.as_ref(), layer, group, protect, stop)
     })
 }
 
@@ -135,10 +151,11 @@ pub(crate) fn per_step_layer_kept(
     budget: usize,
     policy: &ValidPolicy,
     parallel: bool,
-) -> Result<Kept, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<Kept, PolicyError> {
     let groups = selection_groups(units, policy);
     let per_group = map_groups(&groups, parallel, |group| {
-        per_step_kept(layer, group, budget, policy)
+        per_step_kept(layer, group, budget, policy, stop)
     })?;
     let kept = groups
         .iter()
@@ -160,15 +177,17 @@ pub(crate) fn per_step_kept(
     group: &[Unit],
     budget: usize,
     policy: &ValidPolicy,
-) -> Result<UnitKept, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<UnitKept, PolicyError> {
     if policy.params().timing.reselects() {
-        let kept = reselected_kept(layer, group, &[budget], policy)?;
+        let kept = reselected_kept(layer, group, &[budget], policy, stop)?;
         return Ok(kept.into_iter().next().expect("one budget"));
     }
     let prompt_len = layer.prompt_len;
     let mut stream = CacheStream::start(layer, group, budget, policy)?;
     let mut steps = Vec::with_capacity(layer.n_positions() - prompt_len);
     for position in 0..layer.n_positions() {
+        asked_at(position, stop)?;
         if let Some(attended) = stream.push(layer, position, position >= prompt_len)? {
             steps.push(attended.positions(position));
         }
@@ -188,7 +207,8 @@ pub(crate) fn reselected_kept(
     group: &[Unit],
     budgets: &[usize],
     policy: &ValidPolicy,
-) -> Result<Vec<UnitKept>, MethodFailed> {
+    stop: Stop<'_>,
+) -> Result<Vec<UnitKept>, PolicyError> {
     let prompt_len = layer.prompt_len;
     let protect = policy.protection();
     let timing = policy.params().timing;
@@ -198,6 +218,7 @@ pub(crate) fn reselected_kept(
     let mut per_budget: Vec<Vec<Vec<usize>>> = vec![Vec::new(); budgets.len()];
     let largest = budgets.iter().copied().max().unwrap_or(0);
     for position in 0..layer.n_positions() {
+        asked_at(position, stop)?;
         slide_out(layer, position, &mut cache, state.as_mut())?;
         cache.push(position);
         state.on_append(layer, &cache)?;
@@ -231,6 +252,7 @@ mod tests {
     use super::super::scorer::testing::{context, unit};
     use super::*;
     use crate::replay::{PolicyParams, Timing};
+    use crate::stop::NEVER;
     use ndarray::Array3;
 
     /// A step-by-step stream per budget, as live mode runs one: the reference for the shared pass.
@@ -274,7 +296,7 @@ mod tests {
             }
             .check()
             .unwrap();
-            let shared = reselected_kept(&layer, &[unit()], &budgets, &policy).unwrap();
+            let shared = reselected_kept(&layer, &[unit()], &budgets, &policy, NEVER).unwrap();
             for (kept, &budget) in shared.iter().zip(&budgets) {
                 assert_eq!(
                     kept,

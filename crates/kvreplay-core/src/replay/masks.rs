@@ -2,7 +2,9 @@
 //! (the Python package's `kept`): one mask per compressed layer and cache, over the prompt at its
 //! end, or over every position at each decode step.
 
-use super::engine::{compressed_layers, kept_sets, layer_budgets, protocol_view, LayerDone};
+use super::engine::{
+    compressed_layers, layer_budgets, protocol_view, stopping_kept_sets, Checkpoints,
+};
 use super::{PolicyError, UnitKept, ValidPolicy};
 use crate::trace::TraceReader;
 use ndarray::{ArrayD, IxDyn};
@@ -21,20 +23,20 @@ pub struct KeptMasks {
 }
 
 /// The kept sets of `policy` on `trace`, at the prompt's end or, with `per_step`, at every decode
-/// step; `layer_done` is called after each layer.
+/// step; `checkpoints` is called after each layer.
 pub fn kept_masks(
     trace: &TraceReader,
     policy: &ValidPolicy,
     per_step: bool,
-    layer_done: LayerDone<'_>,
+    checkpoints: Checkpoints<'_>,
 ) -> Result<KeptMasks, PolicyError> {
     let all_budgets = layer_budgets(trace, policy)?;
     let layers = compressed_layers(trace.meta(), policy);
     let kept = layers
         .iter()
         .map(|&layer| {
-            let kept = kept_sets(trace, policy, &all_budgets, layer)?;
-            layer_done()?;
+            let kept = stopping_kept_sets(trace, policy, &all_budgets, layer, checkpoints.stop)?;
+            (checkpoints.after_layer)()?;
             Ok::<_, PolicyError>(kept)
         })
         .collect::<Result<Vec<_>, _>>()?;

@@ -43,7 +43,7 @@ pub use allocator::Rounding;
 pub use engine::{caches_per_layer, units};
 pub use engine::{
     check_fit, compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,
-    replay_keeping, replay_many, LayerDone, ReplayReport,
+    replay_keeping, replay_many, Checkpoints, ReplayReport,
 };
 pub use error::{MethodFailed, PolicyError, Stopped};
 pub use kept::selection_groups;
