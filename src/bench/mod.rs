@@ -441,7 +441,7 @@ fn best_of(flops: f64, repeats: usize, mut product: impl FnMut() -> f32) -> f64 
 /// matmul peak is a best run: on a shared machine, other tenants otherwise decide the ratio (best
 /// of three read 51–78% of the peak across runs on one day). Only global layers are scored (a
 /// sliding-window layer is never compressed, so no prefix scorer walks it).
-/// `checkpoints` is asked after each layer.
+/// `checkpoints` is called after each layer and asked within it.
 pub fn scoring_throughput(
     trace: &TraceReader,
     repeats: usize,

@@ -33,8 +33,9 @@ pub struct Swept {
 
 /// Runs every planned run (of `shard` only, when given) of the experiment's traces `entries` not
 /// stored yet under `results`, storing each as it finishes; `checkpoints` is called after each
-/// layer of each pass. A trace's policies run in batches ([`batches`]) that share each layer's
-/// reading and decode attention, and whose policies with the same scores share one scoring pass.
+/// layer of each pass and asked within it. A trace's policies run in batches ([`batches`]) that
+/// share each layer's reading and decode attention, and whose policies with the same scores share
+/// one scoring pass.
 /// A recipe not captured yet is captured first (in f16, chunks of 512 tokens); in a closed loop
 /// (not a shard), right before its runs, by the live session that runs them: its full runs are
 /// the capture's, so they are written as the trace ([`LiveQuestions::capturing`]) instead of

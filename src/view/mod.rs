@@ -186,7 +186,8 @@ pub struct LayerView {
 }
 
 /// The view of `policies` (label, checked policy) on `trace`, each position's text from `texts`
-/// (one per trace position) where given; `checkpoints` is called after each layer of each pass.
+/// (one per trace position) where given; `checkpoints` is called after each layer of each pass
+/// and asked within it.
 pub fn build(
     trace: &TraceReader,
     policies: &[(String, ValidPolicy)],

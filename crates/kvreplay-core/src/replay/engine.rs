@@ -134,8 +134,9 @@ impl<'a> Checkpoints<'a> {
     }
 }
 
-/// Replays several policies in one pass over the trace, calling `checkpoints` after each layer of
-/// each pass (budget passes count once per policy that needs one).
+/// Replays several policies in one pass over the trace, calling `checkpoints.after_layer` after
+/// each layer of each pass (budget passes count once per policy that needs one) and asking
+/// `checkpoints.stop` within the layers.
 pub fn replay_many(
     trace: &TraceReader,
     policies: &[ValidPolicy],

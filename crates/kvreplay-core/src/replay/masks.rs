@@ -23,7 +23,7 @@ pub struct KeptMasks {
 }
 
 /// The kept sets of `policy` on `trace`, at the prompt's end or, with `per_step`, at every decode
-/// step; `checkpoints` is called after each layer.
+/// step; `checkpoints` is called after each layer and asked within it.
 pub fn kept_masks(
     trace: &TraceReader,
     policy: &ValidPolicy,
