@@ -212,23 +212,6 @@ def test_a_failing_state_is_named(trace, method, message):
         kvreplay.replay(trace, scorer=Scorer(), budget=32, timing="streaming", threads=1)
 
 
-def test_a_state_that_cannot_be_forked_is_named(recipe):
-    """A live run forks each cache's state where its continuations part (`copy.deepcopy`): a state
-    that cannot be copied fails its fork's first call, naming the scorer and where."""
-
-    class Unforkable(Age.State):
-        def __deepcopy__(self, memo):
-            raise RuntimeError("one of a kind")
-
-    class Scorer:
-        def start(self):
-            return Unforkable()
-
-    message = r"Python scorer `Scorer` at layer \d+, cache \d+: could not be forked: copy.deepcopy raised RuntimeError: one of a kind"
-    with pytest.raises(kvreplay.KvreplayError, match=message):
-        kvreplay.live(recipe, budget=64, timing="streaming", policies=[{"scorer": Scorer()}])
-
-
 def test_bad_stateful_scorers_are_named(trace):
     class Unknown:
         timings = ("eventually",)
