@@ -4,8 +4,12 @@ tests/reference/kvpress_live.py), keeps what `kvreplay.kvpress.policy(press)` ke
 trace of the same prompt captured through transformers (traces/capture_hf.py, f32, with each
 layer's attention inputs, which LeverageScorePress, CompactorPress and CriticalKVPress read;
 they run live after `torch.manual_seed(0)`, and the bridge seeds its layers alike). Positions
-may differ only at exact ties of the press's own live scores (torch.topk and kvreplay order
-equal scores differently).
+may differ only at ties of the press's own live scores: exact ones (torch.topk and kvreplay order
+equal scores differently) and near ones, a live score within `NEAR` (relative) of the cache's
+lowest kept score, where the trace's f32 vectors and the live pass's round differently (seen on
+one Intel Xeon: CompactorPress, one position of 90 caches, 0.8298916 against the boundary's
+0.8299141, 2.7e-5 apart; none on the Zen 4 EPYC before it). The test names every near tie it
+lets through.
 
 kvpress 0.5.5 declares transformers<5.3 and its hooks read keyword arguments that later
 versions no longer pass, so the live side runs in a venv of its own with transformers 5.2.0
@@ -82,16 +86,36 @@ def live(kvpress_python, hf_trace, tmp_path_factory):
     return dict(np.load(out))
 
 
-def untied(ours, theirs, scores):
-    """The positions where the kept sets differ and the press's live score is not exactly the
-    live boundary's (the lowest kept score of the cache)."""
+# How far (relative to the boundary score) a live score may lie from the cache's lowest kept
+# score and still count as a tie: f32 rounding of one score computed from the trace and live.
+NEAR = 1e-4
+
+
+def differing(ours, theirs, scores):
+    """The positions where the kept sets differ: (layer, head, position, its live score less the
+    live boundary, the lowest kept score of the cache, relative to the boundary)."""
     found = []
     for layer, head in zip(*np.nonzero((ours != theirs).any(axis=-1))):
         row = scores[layer, head]
         boundary = row[theirs[layer, head]].min()
         differ = np.nonzero(ours[layer, head] != theirs[layer, head])[0]
-        found += [(int(layer), int(head), int(p), float(row[p] - boundary)) for p in differ if row[p] != boundary]
+        scale = max(abs(float(boundary)), np.finfo(np.float32).tiny)
+        found += [(int(layer), int(head), int(p), float(row[p] - boundary) / scale) for p in differ]
     return found
+
+
+def untied(ours, theirs, scores):
+    """The differing positions whose live score is no tie of the boundary's (farther than NEAR)."""
+    return [d for d in differing(ours, theirs, scores) if abs(d[3]) > NEAR]
+
+
+def test_a_near_tie_is_told_apart_from_a_difference():
+    theirs = np.array([[[True, True, False, False]]])
+    scores = np.array([[[3.0, 1.0, 0.99999, 0.5]]], dtype=np.float32)
+    swapped_near = np.array([[[True, False, True, False]]])
+    swapped_far = np.array([[[True, False, False, True]]])
+    assert untied(swapped_near, theirs, scores) == []
+    assert [(d[2], round(d[3], 6)) for d in untied(swapped_far, theirs, scores)] == [(3, -0.5)]
 
 
 @pytest.mark.parametrize("name", sorted([*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES]))
@@ -103,7 +127,8 @@ def test_the_bridge_keeps_what_kvpress_keeps_live(name, live, hf_trace):
     assert (ours.sum(axis=-1) == theirs.sum(axis=-1)).all(), f"{name}: budgets differ"
     assert untied(ours, theirs, live[f"{name}.scores"]) == [], f"{name}: kept sets differ beyond ties"
     caches = (ours == theirs).all(axis=-1).sum()
-    print(f"\n{name}: {caches} of {ours.shape[0] * ours.shape[1]} caches identical, {(ours & theirs).sum() / theirs.sum():.4%} of kept positions")
+    near = [d for d in differing(ours, theirs, live[f"{name}.scores"]) if d[3] != 0]
+    print(f"\n{name}: {caches} of {ours.shape[0] * ours.shape[1]} caches identical, {(ours & theirs).sum() / theirs.sum():.4%} of kept positions; near ties (layer, head, position, relative gap): {near}")
 
 
 def test_a_protected_window_is_what_kvpress_does_not_do(live, hf_trace):
