@@ -110,10 +110,6 @@ impl Scorer for DefensiveKv {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.resize(cache.len(), f32::INFINITY);

@@ -97,10 +97,6 @@ impl Scorer for ExpectedAttention {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let settings = &self.settings;
         let sinks = settings.n_sink.min(cache.len());

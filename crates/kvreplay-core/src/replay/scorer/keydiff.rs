@@ -50,10 +50,6 @@ fn norm(key: ndarray::ArrayView1<'_, f32>) -> f32 {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let keys = layer.keys(self.kv_head);
         let mut anchor = Array1::<f32>::zeros(keys.ncols());

@@ -83,10 +83,6 @@ impl Scorer for Kvzip {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let scores = self.scores.get_or_insert_with(|| {
             let rows = layer

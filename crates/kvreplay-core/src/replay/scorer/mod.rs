@@ -163,8 +163,11 @@ pub(crate) fn topk_order(mut stays: Vec<(usize, f32)>, window: &[usize]) -> Vec<
 /// The running state of a scorer for one cache. `layer` holds at least the positions of `cache`;
 /// cloning a state forks the stream (a live run decodes two continuations of one prompt).
 pub trait ScoreState: dyn_clone::DynClone + Send {
-    /// The last entry of `cache` (positions in insertion order) has just been appended.
-    fn on_append(&mut self, layer: &LayerContext<'_>, cache: &[usize]) -> Scored;
+    /// The last entry of `cache` (positions in insertion order) has just been appended; a state
+    /// that keeps nothing per entry has nothing to do.
+    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
+        Ok(())
+    }
     /// Writes one score per entry of `cache` into `out` (cleared first); higher is kept.
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored;
     /// Entry `index` of the cache has been evicted.
@@ -368,10 +371,6 @@ impl CurrentQuery {
 }
 
 impl ScoreState for CurrentQuery {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         self.queries

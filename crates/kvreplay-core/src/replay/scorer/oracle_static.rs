@@ -57,10 +57,6 @@ impl Scorer for OracleStatic {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, _layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         out.clear();
         out.extend(cache.iter().map(|&position| self.future[position]));

@@ -201,10 +201,6 @@ fn calibrate(path: &str) -> Result<Calibrated, crate::trace::TraceError> {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let keys = layer.keys(self.kv_head);
         out.clear();

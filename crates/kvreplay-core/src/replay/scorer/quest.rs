@@ -82,10 +82,6 @@ impl Scorer for Quest {
 }
 
 impl ScoreState for State {
-    fn on_append(&mut self, _layer: &LayerContext<'_>, _cache: &[usize]) -> Scored {
-        Ok(())
-    }
-
     fn scores(&mut self, layer: &LayerContext<'_>, cache: &[usize], out: &mut Vec<f32>) -> Scored {
         let newest = *cache.last().expect("non-empty cache");
         let keys = layer.keys(self.kv_head);
