@@ -21,9 +21,9 @@
 //! token over budget).
 //!
 //! A scorer or state that raises, or returns the wrong length, a non-finite score or a non-float
-//! dtype stops the work at that call (its caller returns the failure at once; caches scored in
-//! parallel finish the call they are in) with a `KvreplayError` naming the scorer, layer and
-//! cache; nothing of it is stored.
+//! dtype ends its cache's work at that call (caches scored in parallel with it run to their end,
+//! then the first failure in layer and cache order is returned) with a `KvreplayError` naming
+//! the scorer, layer and cache; nothing of it is stored.
 
 use crate::errors::{message, python_failure};
 use crate::method::PyMethod;
