@@ -1661,19 +1661,11 @@ struct FailingAt {
     log: CallLog,
 }
 
+#[derive(Clone)]
 struct FailingState {
     scorer: FailingAt,
     here: (usize, usize),
     scored: usize,
-}
-
-impl Clone for FailingState {
-    fn clone(&self) -> Self {
-        Self {
-            scorer: self.scorer.clone(),
-            ..*self
-        }
-    }
 }
 
 impl FailingState {
