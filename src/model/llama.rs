@@ -174,6 +174,7 @@ impl Llama {
             false => embedding.tied_output()?,
         };
         let head_dim = config.head_dim();
+        let (inv_freq, rope_theta) = rotary(&gguf, &config, head_dim)?;
         let spec = ModelSpec {
             family: variant.architecture,
             name: config.name.clone(),
@@ -182,7 +183,7 @@ impl Llama {
             n_kv_heads: config.n_kv_heads,
             head_dim,
             scale: 1.0 / (head_dim as f32).sqrt(),
-            rope_theta: Some(config.rope_theta),
+            rope_theta,
             rope_thetas: Vec::new(),
             windows: vec![0; config.n_layers],
         };
@@ -192,7 +193,7 @@ impl Llama {
             embedding,
             blocks,
             tokenizer,
-            inv_freq: inverse_frequencies(config.rope_theta, head_dim),
+            inv_freq,
             config,
             spec,
         })
@@ -202,6 +203,45 @@ impl Llama {
     pub fn config(&self) -> &LlamaConfig {
         &self.config
     }
+}
+
+/// The rotary's inverse frequencies, and the one base a trace may state for them. Where the file
+/// has `rope_freqs.weight` (Llama 3.1's and 3.2's long-context scaling, as llama.cpp's converter
+/// writes it and its `ggml_rope_ext` reads it), each pair's frequency is divided by its factor;
+/// such a rotary has no single base, so none is stated (as a transformers capture of a model with
+/// `rope_scaling` states none) and the methods that turn keys back refuse its traces. Any other
+/// scaling (`rope.scaling.type`) is refused.
+fn rotary(
+    gguf: &GgufFile,
+    config: &LlamaConfig,
+    head_dim: usize,
+) -> Result<(Vec<f32>, Option<f32>), ModelError> {
+    let scaling = format!("{}.rope.scaling.type", config.architecture);
+    if gguf.str_value(&scaling).is_some_and(|kind| kind != "none") {
+        return Err(gguf.metadata_error(
+            &scaling,
+            "`none` (kvreplay's rotary scales only by Llama 3's `rope_freqs`)",
+        ));
+    }
+    let inv_freq = inverse_frequencies(config.rope_theta, head_dim);
+    if !gguf.has_tensor(ROPE_FREQS) {
+        return Ok((inv_freq, Some(config.rope_theta)));
+    }
+    let factors: Vec<f32> = gguf.tensor(ROPE_FREQS)?.to_vec1()?;
+    let scaled = scaled_frequencies(&inv_freq, &factors)
+        .map_err(|_| gguf.metadata_error(ROPE_FREQS, "one factor per rotary pair"))?;
+    Ok((scaled, None))
+}
+
+/// The tensor of Llama 3's per-pair rotary factors.
+const ROPE_FREQS: &str = "rope_freqs.weight";
+
+/// `inv_freq` divided pair by pair by `factors`; an error unless there is one factor a pair.
+fn scaled_frequencies(inv_freq: &[f32], factors: &[f32]) -> Result<Vec<f32>, ()> {
+    if factors.len() != inv_freq.len() {
+        return Err(());
+    }
+    Ok(inv_freq.iter().zip(factors).map(|(f, k)| f / k).collect())
 }
 
 impl CausalLm for Llama {
@@ -352,5 +392,22 @@ impl Llama {
             feed: sequence.feed,
         };
         Ok((geometry, sequence.past, (q, k, v)))
+    }
+}
+
+#[cfg(test)]
+mod tests {
+    use super::scaled_frequencies;
+
+    #[test]
+    fn rope_freqs_divide_each_pairs_frequency() {
+        // Base 10,000, head size 4: pairs at 1 and 10,000^(-1/2) = 0.01; factors 1 and 8.
+        let inv_freq = super::inverse_frequencies(10_000.0, 4);
+        assert_eq!(inv_freq, [1.0, 0.01]);
+        assert_eq!(
+            scaled_frequencies(&inv_freq, &[1.0, 8.0]).unwrap(),
+            [1.0, 0.00125]
+        );
+        assert!(scaled_frequencies(&inv_freq, &[1.0]).is_err());
     }
 }

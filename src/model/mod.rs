@@ -22,6 +22,7 @@
 mod batch;
 mod cached_attention;
 mod causal_lm;
+mod chat_template;
 mod error;
 mod expf;
 pub mod family;
@@ -49,6 +50,7 @@ mod weight;
 
 pub(crate) use causal_lm::argmax;
 pub use causal_lm::{CausalLm, Entry, KvCache, ModelSpec, Row, WeightProducts};
+pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;
 pub use hf::HfModel;
@@ -56,7 +58,7 @@ pub use mask::{causal_mask, AttentionMask, ChunkVectors, Evicted, Rewrite};
 pub use prompt::{Template, TextTokenizer};
 pub use recorder::Recorder;
 pub use spm::SpmTokenizer;
-pub use tokenizer::{default_system, ChatMessage, ChatTokenizer};
+pub use tokenizer::ChatTokenizer;
 
 crate::families! {
     llama::Llama = "llama",

@@ -1,11 +1,13 @@
 //! What recipes and generation need of a tokenizer, whatever the model family: ids of text, text
 //! of ids, the token that ends a generation, the BOS token, and the prompt template.
 
+use super::chat_template::ChatTemplate;
+
 /// How a model's prompts are laid out.
-#[derive(Debug, Clone, Copy, PartialEq, Eq)]
-pub enum Template {
-    /// ChatML turns (`<|im_start|>role\n…<|im_end|>\n`), for instruction-tuned models.
-    ChatMl,
+#[derive(Debug, Clone, Copy)]
+pub enum Template<'t> {
+    /// The model's own chat template (ChatML, Llama 3, …), for instruction-tuned models.
+    Chat(&'t ChatTemplate),
     /// Plain text for a base model: the context, then `Question: …\nAnswer:`.
     Plain,
 }
@@ -25,9 +27,5 @@ pub trait TextTokenizer: Send + Sync {
     /// The token every prompt starts with, if the model has one.
     fn bos(&self) -> Option<u32>;
     /// The prompt layout recipes build.
-    fn template(&self) -> Template;
-    /// The system message a ChatML template inserts when a conversation has none.
-    fn default_system(&self) -> Option<&str> {
-        None
-    }
+    fn template(&self) -> Template<'_>;
 }

@@ -285,7 +285,7 @@ impl TextTokenizer for SpmTokenizer {
         self.bos
     }
 
-    fn template(&self) -> Template {
+    fn template(&self) -> Template<'_> {
         Template::Plain
     }
 }

@@ -1,17 +1,23 @@
-//! The byte-level BPE tokenizer, rebuilt from the GGUF's own vocabulary and merges, and the
-//! ChatML template.
+//! The byte-level BPE tokenizer, rebuilt from the GGUF's own vocabulary and merges, with the
+//! GGUF's own chat template.
 //!
 //! The pre-tokenizer is the one `tokenizer.ggml.pre` names, as llama.cpp's `llama-vocab.cpp` and
-//! transformers' GGUF converter build it: `smollm` splits individual digits, then GPT-2
-//! byte-level splitting without a prefix space; `qwen2` splits with Qwen2's regular expression
-//! (letters with one leading non-letter, single digits, punctuation runs, newlines), then maps
-//! bytes without a further split. Control tokens (token_type 3) are special, user-defined ones (4)
-//! are added tokens; no BOS token. (candle's GGUF tokenizer helper adds a prefix space and gets
-//! these models wrong.)
+//! transformers' GGUF converter (`integrations/gguf/gguf_tokenizer_mapping.py`,
+//! `GGUF_PRE_TOKENIZER_SPLITS`) build it: `smollm` splits individual digits, then GPT-2
+//! byte-level splitting without a prefix space; `qwen2` (and `deepseek-r1-qwen`) split with
+//! Qwen2's regular expression (letters with one leading non-letter, single digits, punctuation
+//! runs, newlines), `llama-bpe` (and `llama3`, `llama-v3`) with Llama 3's (the same, but digits
+//! in runs of up to three), then map bytes without a further split. Control tokens (token_type 3)
+//! are special, user-defined ones (4) are added tokens. A BOS token starts a prompt without a
+//! chat template where `tokenizer.ggml.add_bos_token` says so; a chat template writes its own.
+//! (candle's GGUF tokenizer helper adds a prefix space and gets these models wrong.)
 //!
-//! The ChatML template's default system message, which the model's template inserts when a
-//! conversation has none, is read from the GGUF's `tokenizer.chat_template` ([`default_system`]).
+//! The chat template is `tokenizer.chat_template`, rendered as transformers renders it
+//! ([`ChatTemplate`]); a GGUF without one is prompted as a base model (plain text). Generation
+//! stops at the control token the template writes right after an assistant's answer
+//! (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), or else at `tokenizer.ggml.eos_token_id`.
 
+use super::chat_template::ChatTemplate;
 use super::gguf::GgufFile;
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
@@ -25,26 +31,34 @@ use tokenizers::{
     AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
 
-/// One message of a chat.
-#[derive(Debug, Clone, PartialEq, Eq, serde::Serialize, serde::Deserialize)]
-pub struct ChatMessage {
-    /// `system`, `user` or `assistant`.
-    pub role: String,
-    /// The text.
-    pub content: String,
-}
+/// The metadata keys of the chat template and the BOS and EOS tokens.
+const CHAT_KEY: &str = "tokenizer.chat_template";
+const BOS_KEY: &str = "tokenizer.ggml.bos_token_id";
+const EOS_KEY: &str = "tokenizer.ggml.eos_token_id";
 
 /// The pre-tokenizers kvreplay builds, by their `tokenizer.ggml.pre` name.
-const PRE_TOKENIZERS: &[&str] = &["smollm", "qwen2"];
+const PRE_TOKENIZERS: &[&str] = &[
+    "smollm",
+    "qwen2",
+    "deepseek-r1-qwen",
+    "llama-bpe",
+    "llama3",
+    "llama-v3",
+];
 
 /// Qwen2's split (transformers' GGUF converter, `Qwen2Converter`; llama.cpp's `LLAMA_VOCAB_PRE_TYPE_QWEN2`).
 const QWEN2_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
 
-/// A tokenizer plus the ChatML chat template.
+/// Llama 3's split (transformers' GGUF converter, `_LLAMA3_SPLIT`; llama.cpp's
+/// `LLAMA_VOCAB_PRE_TYPE_LLAMA3`): Qwen2's, with digits in runs of up to three.
+const LLAMA3_SPLIT: &str = r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}{1,3}| ?[^\s\p{L}\p{N}]+[\r\n]*|\s*[\r\n]+|\s+(?!\S)|\s+";
+
+/// A byte-level BPE tokenizer plus the model's chat template.
 pub struct ChatTokenizer {
     tokenizer: Tokenizer,
-    end_of_turn: u32,
-    default_system: Option<String>,
+    stop: u32,
+    bos: Option<u32>,
+    chat: Option<ChatTemplate>,
 }
 
 /// The pre-tokenizer called `name`, if kvreplay builds it.
@@ -54,31 +68,25 @@ fn pre_tokenizer(name: &str) -> Option<PreTokenizerWrapper> {
             PreTokenizerWrapper::Digits(Digits::new(true)),
             PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, true)),
         ],
-        "qwen2" => vec![
-            PreTokenizerWrapper::Split(
-                Split::new(
-                    SplitPattern::Regex(QWEN2_SPLIT.into()),
-                    SplitDelimiterBehavior::Isolated,
-                    false,
-                )
-                .expect("a valid expression"),
-            ),
-            PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
-        ],
+        "qwen2" | "deepseek-r1-qwen" => split_then_bytes(QWEN2_SPLIT),
+        "llama-bpe" | "llama3" | "llama-v3" => split_then_bytes(LLAMA3_SPLIT),
         _ => return None,
     };
     Some(PreTokenizerWrapper::Sequence(Sequence::new(parts)))
 }
 
-/// The default system message of a ChatML chat template: the text of the first literal
-/// `<|im_start|>system` turn written out whole in it (`'<|im_start|>system\nYou are…<|im_end|>'`),
-/// as SmolLM2's and Qwen2.5's templates insert it when the conversation has no system message.
-/// `None` where the template inserts none (a turn built from a message's content is skipped).
-pub fn default_system(template: &str) -> Option<String> {
-    let turn = regex::Regex::new(r"<\|im_start\|>system(?:\n|\\n)([^'\x22<{}]+)<\|im_end\|>")
-        .expect("a valid expression");
-    let system = turn.captures(template)?.get(1)?.as_str();
-    Some(system.replace("\\n", "\n"))
+/// A split by `expression`, its matches kept apart, then bytes mapped without a further split.
+fn split_then_bytes(expression: &str) -> Vec<PreTokenizerWrapper> {
+    let split = Split::new(
+        SplitPattern::Regex(expression.into()),
+        SplitDelimiterBehavior::Isolated,
+        false,
+    )
+    .expect("a valid expression");
+    vec![
+        PreTokenizerWrapper::Split(split),
+        PreTokenizerWrapper::ByteLevel(ByteLevel::new(false, true, false)),
+    ]
 }
 
 impl ChatTokenizer {
@@ -139,36 +147,55 @@ impl ChatTokenizer {
             .add_special_tokens(added(3, true))
             .and_then(|_| tokenizer.add_tokens(added(4, false)))
             .map_err(|err| fail(err.to_string()))?;
-        let end_of_turn = tokenizer
-            .token_to_id("<|im_end|>")
-            .ok_or_else(|| fail("no <|im_end|> token: not a ChatML model".into()))?;
-        let template = gguf.str_value("tokenizer.chat_template");
+        let token_text = |key: &str| {
+            let id = gguf.value(key).and_then(|v| v.to_u32().ok())?;
+            tokens.get(id as usize).cloned()
+        };
+        let chat = gguf
+            .str_value("tokenizer.chat_template")
+            .map(|source| {
+                let (bos, eos) = (token_text(BOS_KEY), token_text(EOS_KEY));
+                ChatTemplate::new(source, bos, eos)
+                    .map_err(|err| fail(format!("{CHAT_KEY}: {err}")))
+            })
+            .transpose()?;
+        let is_control = |id: u32| token_types.get(id as usize) == Some(&3);
+        let id_of = |key: &str| gguf.value(key).and_then(|v| v.to_u32().ok());
+        let end_of_answer = match &chat {
+            Some(chat) => {
+                let after = chat
+                    .after_answer()
+                    .map_err(|err| fail(format!("{CHAT_KEY}: {err}")))?;
+                let ids = tokenizer
+                    .encode(after, false)
+                    .map_err(|err| fail(err.to_string()))?;
+                ids.get_ids().first().copied().filter(|&id| is_control(id))
+            }
+            None => None,
+        };
+        let stop = end_of_answer.or_else(|| id_of(EOS_KEY)).ok_or_else(|| {
+            fail(format!(
+                "no token ends a generation: the chat template writes no control token after an answer, and {EOS_KEY} is missing"
+            ))
+        })?;
+        let adds_bos = gguf
+            .value("tokenizer.ggml.add_bos_token")
+            .and_then(|v| v.to_bool().ok());
+        let bos = if adds_bos == Some(true) {
+            Some(id_of(BOS_KEY).ok_or_else(|| {
+                fail(format!(
+                    "tokenizer.ggml.add_bos_token is set but {BOS_KEY} is missing"
+                ))
+            })?)
+        } else {
+            None
+        };
         Ok(Self {
             tokenizer,
-            end_of_turn,
-            default_system: template.and_then(default_system),
+            stop,
+            bos,
+            chat,
         })
-    }
-
-    /// ChatML text of one message: `<|im_start|>role\ncontent<|im_end|>\n`.
-    pub fn chat_turn(role: &str, content: &str) -> String {
-        format!("<|im_start|>{role}\n{content}<|im_end|>\n")
-    }
-
-    /// The ChatML prompt for a conversation, ending with the assistant's turn opened. Without a
-    /// system message the template's default one (`default_system`), if any, is inserted, as
-    /// SmolLM2's and Qwen2.5's templates do.
-    pub fn chat_prompt(messages: &[ChatMessage], default_system: Option<&str>) -> String {
-        let mut text = String::new();
-        if messages.first().map(|m| m.role.as_str()) != Some("system") {
-            if let Some(system) = default_system {
-                text += &Self::chat_turn("system", system);
-            }
-        }
-        for message in messages {
-            text += &Self::chat_turn(&message.role, &message.content);
-        }
-        text + "<|im_start|>assistant\n"
     }
 }
 
@@ -184,44 +211,52 @@ impl TextTokenizer for ChatTokenizer {
         self.tokenizer.decode(ids, false).unwrap_or_default()
     }
 
-    /// `<|im_end|>`: the assistant's turn is over.
     fn stop_token(&self) -> u32 {
-        self.end_of_turn
+        self.stop
     }
 
     fn bos(&self) -> Option<u32> {
-        None
+        self.bos
     }
 
-    fn template(&self) -> Template {
-        Template::ChatMl
-    }
-
-    fn default_system(&self) -> Option<&str> {
-        self.default_system.as_deref()
+    fn template(&self) -> Template<'_> {
+        match &self.chat {
+            Some(chat) => Template::Chat(chat),
+            None => Template::Plain,
+        }
     }
 }
 
 #[cfg(test)]
 mod tests {
-    use super::default_system;
+    use super::pre_tokenizer;
+    use tokenizers::{OffsetReferential, OffsetType, PreTokenizedString, PreTokenizer};
+
+    fn pieces(name: &str, text: &str) -> Vec<String> {
+        let mut split = PreTokenizedString::from(text);
+        pre_tokenizer(name)
+            .unwrap()
+            .pre_tokenize(&mut split)
+            .unwrap();
+        split
+            .get_splits(OffsetReferential::Original, OffsetType::Byte)
+            .into_iter()
+            .map(|(piece, _, _)| piece.to_owned())
+            .collect()
+    }
 
     #[test]
-    fn the_default_system_message_is_the_whole_literal_system_turn() {
-        // SmolLM2-135M-Instruct's template (a newline in the literal) and the system branch of
-        // Qwen2.5's (an escaped one; the turn built from the message's content is skipped).
-        let smollm = "{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}";
+    fn llama3_splits_digits_in_threes_where_qwen2_splits_each() {
+        // Byte-level spelling: a space is `Ġ`. Hand-split by each expression's alternatives.
         assert_eq!(
-            default_system(smollm).as_deref(),
-            Some("You are a helpful AI assistant named SmolLM, trained by Hugging Face")
+            pieces("llama-bpe", "In 2024, 12345 apples"),
+            ["In", "Ġ", "202", "4", ",", "Ġ", "123", "45", "Ġapples"]
         );
-        let qwen = r"{{- '<|im_start|>system\n' + messages[0]['content'] + '<|im_end|>\n' }} {%- else %} {{- '<|im_start|>system\nYou are Qwen, created by Alibaba Cloud. You are a helpful assistant.<|im_end|>\n' }}";
         assert_eq!(
-            default_system(qwen).as_deref(),
-            Some("You are Qwen, created by Alibaba Cloud. You are a helpful assistant.")
+            pieces("qwen2", "In 2024, 12345"),
+            ["In", "Ġ", "2", "0", "2", "4", ",", "Ġ", "1", "2", "3", "4", "5"]
         );
-        // A template that inserts no system turn of its own.
-        let none = "{%- for message in messages %}{{- '<|im_start|>' + message.role + '\\n' + message.content + '<|im_end|>\\n' }}{%- endfor %}";
-        assert_eq!(default_system(none), None);
+        assert_eq!(pieces("llama3", "it's"), pieces("llama-bpe", "it's"));
+        assert_eq!(pieces("deepseek-r1-qwen", "a 12"), pieces("qwen2", "a 12"));
     }
 }

@@ -10,7 +10,7 @@ pub mod samples;
 
 pub use niah::{NiahRecipe, NIAH_QUESTION_SUFFIX, NIAH_SYSTEM};
 
-use crate::model::{ChatMessage, ChatTokenizer, Template, TextTokenizer};
+use crate::model::{ChatMessage, Template, TextTokenizer};
 use crate::trace::Span;
 use serde::Deserialize;
 use std::path::{Path, PathBuf};
@@ -65,6 +65,9 @@ pub enum RecipeError {
         /// The rule broken.
         rule: String,
     },
+    /// The model's chat template cannot lay out the recipe's conversation.
+    #[error("the model's chat template cannot lay out this recipe: {0}")]
+    Template(String),
     /// A task's parameters cannot fit its length, or its prompt does not hold its answer.
     #[error("{task}: {rule}")]
     Task {
@@ -81,7 +84,7 @@ pub enum RecipeError {
 pub enum Recipe {
     /// Needle in a haystack: essays up to `prompt_tokens`, a needle at `depth_percent`, a question.
     Niah(NiahRecipe),
-    /// One chat message, ChatML template.
+    /// One chat message, in the model's chat template.
     Chat(ChatRecipe),
     /// A text file, fed raw (no chat template).
     Text(TextRecipe),
@@ -119,6 +122,43 @@ pub struct ChatRecipe {
     /// What a correct generation contains (closed-loop task success), if the chat has an answer.
     #[serde(default)]
     pub answer: Option<String>,
+}
+
+impl ChatRecipe {
+    /// The message in the model's chat template (its system message where the recipe has none,
+    /// the assistant's turn opened), or as plain text after BOS for a base model.
+    fn build(&self, tokenizer: &dyn TextTokenizer) -> Result<BuiltPrompt, RecipeError> {
+        let ids = match tokenizer.template() {
+            Template::Plain => {
+                let text = match &self.system {
+                    Some(system) => format!("{system}\n\n{}", self.message),
+                    None => self.message.clone(),
+                };
+                with_bos(tokenizer, tokenizer.encode(&text))
+            }
+            Template::Chat(template) => {
+                let system = self.system.iter().map(|system| ChatMessage {
+                    role: "system".into(),
+                    content: system.clone(),
+                });
+                let user = ChatMessage {
+                    role: "user".into(),
+                    content: self.message.clone(),
+                };
+                let messages: Vec<ChatMessage> = system.chain([user]).collect();
+                let text = template
+                    .render(&messages, true)
+                    .map_err(RecipeError::Template)?;
+                tokenizer.encode(&text)
+            }
+        };
+        Ok(BuiltPrompt {
+            ids,
+            spans: Vec::new(),
+            generate: self.generate,
+            answers: self.answer.iter().cloned().collect(),
+        })
+    }
 }
 
 /// The text-file recipe.
@@ -469,40 +509,7 @@ impl Recipe {
                 }
                 Ok(questions.remove(0))
             }
-            Recipe::Chat(chat) if tokenizer.template() == Template::Plain => {
-                let text = match &chat.system {
-                    Some(system) => format!("{system}\n\n{}", chat.message),
-                    None => chat.message.clone(),
-                };
-                Ok(BuiltPrompt {
-                    ids: with_bos(tokenizer, tokenizer.encode(&text)),
-                    spans: Vec::new(),
-                    generate: chat.generate,
-                    answers: chat.answer.iter().cloned().collect(),
-                })
-            }
-            Recipe::Chat(chat) => {
-                let mut messages = Vec::new();
-                if let Some(system) = &chat.system {
-                    messages.push(ChatMessage {
-                        role: "system".into(),
-                        content: system.clone(),
-                    });
-                }
-                messages.push(ChatMessage {
-                    role: "user".into(),
-                    content: chat.message.clone(),
-                });
-                Ok(BuiltPrompt {
-                    ids: tokenizer.encode(&ChatTokenizer::chat_prompt(
-                        &messages,
-                        tokenizer.default_system(),
-                    )),
-                    spans: Vec::new(),
-                    generate: chat.generate,
-                    answers: chat.answer.iter().cloned().collect(),
-                })
-            }
+            Recipe::Chat(chat) => chat.build(tokenizer),
             Recipe::RulerJsonl(file) => file.build(tokenizer, base),
             Recipe::Text(text) => {
                 let path = base.join(&text.file);

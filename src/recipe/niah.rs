@@ -2,7 +2,7 @@
 //! token space so the needle's span is exact.
 
 use super::{essay_tokens, sentence_break_before, with_bos, BuiltPrompt, RecipeError};
-use crate::model::{ChatTokenizer, Template, TextTokenizer};
+use crate::model::{Template, TextTokenizer};
 use crate::trace::Span;
 use serde::Deserialize;
 use std::path::PathBuf;
@@ -53,16 +53,20 @@ pub(super) fn build(
 ) -> Result<BuiltPrompt, RecipeError> {
     let answer_prefix = niah.answer_prefix.as_deref().unwrap_or_default();
     let (prefix, between, closing) = match tokenizer.template() {
-        Template::ChatMl => (
-            tokenizer.encode(&format!(
-                "{}<|im_start|>user\n",
-                ChatTokenizer::chat_turn("system", NIAH_SYSTEM)
-            )),
-            tokenizer.encode("<|im_end|>\n<|im_start|>user\n"),
-            tokenizer.encode(&format!(
-                "{NIAH_QUESTION_SUFFIX}<|im_end|>\n<|im_start|>assistant\n{answer_prefix}"
-            )),
-        ),
+        Template::Chat(chat) => {
+            // The system message, then the context and the question as two user messages.
+            let pieces = chat
+                .around(Some(NIAH_SYSTEM), 2)
+                .map_err(RecipeError::Template)?;
+            (
+                tokenizer.encode(&pieces[0]),
+                tokenizer.encode(&pieces[1]),
+                tokenizer.encode(&format!(
+                    "{NIAH_QUESTION_SUFFIX}{}{answer_prefix}",
+                    pieces[2]
+                )),
+            )
+        }
         Template::Plain => (
             with_bos(tokenizer, Vec::new()),
             tokenizer.encode("\n\nQuestion: "),

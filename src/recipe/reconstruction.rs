@@ -11,11 +11,11 @@
 //! - it is split into chunks of `reconstruction_chunk` tokens; chunk 0's rows are
 //!   `"\n\nRepeat the previous context exactly."`, chunk i's are `"\n\nRepeat the part of the
 //!   previous context exactly, starting with"` and the last 8 tokens of chunk i − 1; then the
-//!   template's closing of the user turn (`<|im_end|>\n<|im_start|>assistant\n`, or `"\n"` without
-//!   a template), then the chunk's own tokens.
+//!   template's closing of the user turn (ChatML's `<|im_end|>\n<|im_start|>assistant\n`, or
+//!   `"\n"` without a template), then the chunk's own tokens.
 
 use super::RecipeError;
-use crate::model::{ChatTokenizer, Template, TextTokenizer};
+use crate::model::{Template, TextTokenizer};
 use crate::trace::{Chunk, Reconstruction};
 use std::path::Path;
 
@@ -100,12 +100,9 @@ pub fn plan(
     chunk: usize,
 ) -> Result<PlannedPass, String> {
     let (prefix, closing) = match tokenizer.template() {
-        Template::ChatMl => {
-            let system = tokenizer.default_system();
-            let system = system.map(|system| ChatTokenizer::chat_turn("system", system));
-            let opening = format!("{}<|im_start|>user\n", system.unwrap_or_default());
-            let closing = tokenizer.encode("<|im_end|>\n<|im_start|>assistant\n");
-            (tokenizer.encode(&opening).len(), closing)
+        Template::Chat(chat) => {
+            let (opening, closing) = chat.user_turn();
+            (tokenizer.encode(opening).len(), tokenizer.encode(closing))
         }
         Template::Plain => (0, tokenizer.encode("\n")),
     };

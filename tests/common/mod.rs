@@ -87,6 +87,18 @@ pub fn transformers_reference(path: &Path, requests: serde_json::Value) -> serde
     serde_json::from_slice(&output.stdout).unwrap()
 }
 
+/// `user`'s one message in the tokenizer's chat template, the assistant's turn opened.
+pub fn chat_text(tokenizer: &dyn kvreplay::model::TextTokenizer, user: &str) -> String {
+    let kvreplay::model::Template::Chat(template) = tokenizer.template() else {
+        panic!("the model has no chat template");
+    };
+    let message = kvreplay::model::ChatMessage {
+        role: "user".into(),
+        content: user.into(),
+    };
+    template.render(&[message], true).unwrap()
+}
+
 /// SplitMix64: a tiny seeded generator, so fixtures need no RNG crate.
 pub struct Rng(pub u64);
 

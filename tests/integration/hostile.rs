@@ -191,11 +191,11 @@ fn gguf_models_from_disk_name_what_is_wrong() {
     // A tokenizer the family does not build, named by its key and value.
     let tokenizer = [
         ("tokenizer.ggml.model", "gpt2"),
-        ("tokenizer.ggml.pre", "llama-bpe"),
+        ("tokenizer.ggml.pre", "gpt-4o"),
     ];
-    write_gguf(&dir.path().join("llama3.gguf"), "qwen2", &tokenizer, 8);
-    recipe("llama3.gguf");
-    capture().stderr(contains("llama3.gguf").and(contains("`llama-bpe`")));
+    write_gguf(&dir.path().join("gpt4o.gguf"), "qwen2", &tokenizer, 8);
+    recipe("gpt4o.gguf");
+    capture().stderr(contains("gpt4o.gguf").and(contains("`gpt-4o`")));
     let spm = [("tokenizer.ggml.model", "llama")];
     write_gguf(&dir.path().join("spm.gguf"), "qwen2", &spm, 8);
     recipe("spm.gguf");

@@ -8,6 +8,7 @@
 mod common;
 
 mod bench_references;
+mod chat_template;
 mod cli;
 mod experiments;
 mod gemma3;

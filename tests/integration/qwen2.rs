@@ -8,7 +8,7 @@
 
 use crate::common;
 
-use kvreplay::model::{CausalLm, ChatMessage, ChatTokenizer, KvCache, Llama, Qwen2};
+use kvreplay::model::{CausalLm, KvCache, Llama, Qwen2};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
@@ -34,12 +34,9 @@ fn qwen2_matches_transformers() {
         "<tool_call>{\"name\": \"f\"}</tool_call><|im_start|>user\nhi<|im_end|>".into(),
         essay[..6000].to_string(),
     ];
-    let question = ChatTokenizer::chat_prompt(
-        &[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France? Answer in one sentence.".into(),
-        }],
-        model.tokenizer().default_system(),
+    let question = common::chat_text(
+        model.tokenizer(),
+        "What is the capital of France? Answer in one sentence.",
     );
     let ids = model.tokenizer().encode(&question);
     let mut requests: Vec<serde_json::Value> = texts
@@ -79,7 +76,11 @@ fn qwen2_matches_transformers() {
 fn the_chat_template_and_geometry_are_the_ggufs() {
     let (model, _) = qwen();
     let system = "You are Qwen, created by Alibaba Cloud. You are a helpful assistant.";
-    assert_eq!(model.tokenizer().default_system(), Some(system));
+    let text = common::chat_text(model.tokenizer(), "hi");
+    assert_eq!(
+        text,
+        format!("<|im_start|>system\n{system}<|im_end|>\n<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+    );
     let spec = model.spec();
     assert_eq!(spec.family, "qwen2");
     assert_eq!(

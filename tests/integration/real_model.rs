@@ -7,7 +7,7 @@ use crate::common;
 use common::{real_assets as assets, real_model as model};
 use kvreplay::attention::attend;
 use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{CausalLm, ChatMessage, ChatTokenizer, KvCache, Llama, Recorder};
+use kvreplay::model::{CausalLm, KvCache, Llama, Recorder};
 use kvreplay::recipe::Recipe;
 use kvreplay::replay::entropy_profile;
 use kvreplay::trace::{StorageDtype, TraceReader};
@@ -73,14 +73,74 @@ fn logits_match_the_independent_reference() {
     assert!((best.1 - 17.371).abs() < 0.01, "logit {}", best.1);
 }
 
+/// A copy of the SmolLM2 GGUF with a `rope_freqs.weight` of `factors` (Llama 3.1's rotary
+/// scaling, as llama.cpp's converter writes it).
+fn with_rope_freqs(dir: &std::path::Path, name: &str, factors: &[f32]) -> std::path::PathBuf {
+    use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
+    let device = candle_core::Device::Cpu;
+    let mut file = std::fs::File::open(assets().model_path()).unwrap();
+    let content = gguf_file::Content::read(&mut file).unwrap();
+    let mut tensors: Vec<(String, QTensor)> = content
+        .tensor_infos
+        .keys()
+        .map(|name| {
+            (
+                name.clone(),
+                content.tensor(&mut file, name, &device).unwrap(),
+            )
+        })
+        .collect();
+    let freqs = candle_core::Tensor::new(factors, &device).unwrap();
+    let freqs = QTensor::quantize(&freqs, GgmlDType::F32).unwrap();
+    tensors.push(("rope_freqs.weight".into(), freqs));
+    let metadata: Vec<(&str, &gguf_file::Value)> = content
+        .metadata
+        .iter()
+        .map(|(k, v)| (k.as_str(), v))
+        .collect();
+    let tensors: Vec<(&str, &QTensor)> = tensors.iter().map(|(k, t)| (k.as_str(), t)).collect();
+    let path = dir.join(name);
+    gguf_file::write(
+        &mut std::fs::File::create(&path).unwrap(),
+        &metadata,
+        &tensors,
+    )
+    .unwrap();
+    path
+}
+
+/// `rope_freqs.weight` divides each rotary pair's frequency by its factor: factors of one give
+/// the model's own logits bit for bit, others move them; either way the model states no single
+/// rotary base (its traces name none).
+#[test]
+fn rope_freqs_scale_the_rotary_and_state_no_base() {
+    let dir = tempfile::tempdir().unwrap();
+    let pairs = model().spec().head_dim / 2;
+    let ones = Llama::load(&with_rope_freqs(dir.path(), "ones.gguf", &vec![1.0; pairs])).unwrap();
+    let slow: Vec<f32> = (0..pairs)
+        .map(|i| if i < pairs / 2 { 1.0 } else { 8.0 })
+        .collect();
+    let scaled = Llama::load(&with_rope_freqs(dir.path(), "scaled.gguf", &slow)).unwrap();
+    let ids = [504, 3575, 282, 4649, 314, 4649, 314, 504, 3575, 282];
+    let logits = |m: &Llama| m.forward(&ids, &mut KvCache::default(), None).unwrap();
+    assert_eq!(model().spec().rope_theta, Some(100_000.0));
+    assert_eq!(ones.spec().rope_theta, None);
+    assert_eq!(scaled.spec().rope_theta, None);
+    assert_eq!(logits(&ones), logits(model()));
+    assert_ne!(logits(&scaled), logits(model()));
+    let wrong = with_rope_freqs(dir.path(), "wrong.gguf", &[1.0; 3]);
+    let err = Llama::load(&wrong).err().unwrap().to_string();
+    assert!(
+        err.contains("rope_freqs.weight") && err.contains("one factor per rotary pair"),
+        "{err}"
+    );
+}
+
 #[test]
 fn answers_the_capital_of_france() {
-    let prompt = model().tokenizer().encode(&ChatTokenizer::chat_prompt(
-        &[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France?".into(),
-        }],
-        model().tokenizer().default_system(),
+    let prompt = model().tokenizer().encode(&common::chat_text(
+        model().tokenizer(),
+        "What is the capital of France?",
     ));
     let generated = model()
         .generate(&prompt, 16, 512, None, &mut |_| Ok(()))
@@ -99,13 +159,7 @@ fn answers_the_capital_of_france() {
 #[test]
 fn held_quantized_it_runs_as_on_the_f32_path() {
     let quantized = Llama::load_quantized(&assets().model_path()).unwrap();
-    let chat = ChatTokenizer::chat_prompt(
-        &[ChatMessage {
-            role: "user".into(),
-            content: "What is the capital of France?".into(),
-        }],
-        model().tokenizer().default_system(),
-    );
+    let chat = common::chat_text(model().tokenizer(), "What is the capital of France?");
     let prompt = model()
         .tokenizer()
         .encode(&(chat + "The capital of France is"));

@@ -6,8 +6,10 @@
 
 transformers (5.x) loads the GGUF itself (dequantised to f32) as its architecture's ForCausalLM
 (Gemma3ForCausalLM, Qwen2ForCausalLM), with its own tokenizer converted from the GGUF vocabulary. Each request is {"text": ...} (token ids of the
-text, BOS added as the tokenizer does) or {"ids": [...], "generate": N} (the last position's
-logits after the ids, and N greedy tokens). The config's layer kinds and window come back too,
+text, BOS added as the tokenizer does), {"chat": [messages], "template": SOURCE or null} (the
+conversation rendered by `apply_chat_template` with the assistant's turn opened, under the GGUF's
+template or SOURCE, and its token ids as `apply_chat_template` tokenizes it: no BOS added) or
+{"ids": [...], "generate": N} (the last position's logits after the ids, and N greedy tokens). The config's layer kinds and window come back too,
 where it has them.
 """
 import json
@@ -24,6 +26,12 @@ answers = []
 for request in requests:
     if "text" in request:
         answers.append({"ids": tokenizer.encode(request["text"])})
+        continue
+    if "chat" in request:
+        options = dict(add_generation_prompt=True, chat_template=request.get("template"))
+        text = tokenizer.apply_chat_template(request["chat"], tokenize=False, **options)
+        ids = tokenizer.apply_chat_template(request["chat"], tokenize=True, return_dict=False, **options)
+        answers.append({"text": text, "ids": list(ids)})
         continue
     if model is None:
         model = AutoModelForCausalLM.from_pretrained(model_dir, gguf_file=gguf_file, dtype=torch.float32).eval()

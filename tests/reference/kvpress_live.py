@@ -63,6 +63,11 @@ INPUT_PRESSES = {
     "CriticalKVPress": ("criticalkv_press", {"press": ("snapkv_press", "SnapKVPress")}),
 }
 
+# Presses that select in their own `compress` and mask the keys they evict (`masked_key_indices`)
+# instead of dropping them; they read each layer's inputs too. CriticalAdaKVPress over
+# SnapKVPress, as CriticalKVPress.
+MASKING = {"CriticalAdaKVPress": ("criticalkv_press", {"press": ("snapkv_press", "SnapKVPress")})}
+
 # The torch seed every prefill with a press starts from.
 SEED = 0
 
@@ -77,7 +82,7 @@ def build(name, budget, n):
     """Press `name` set to keep `budget` of `n` positions: ScorerPress keeps
     int(n * (1 - ratio)) (half a token above the budget), PyramidKVPress's schedule reads
     n * (1 - ratio) as the budget itself."""
-    module, arguments = {**PRESSES, **INPUT_PRESSES}[name]
+    module, arguments = {**PRESSES, **INPUT_PRESSES, **MASKING}[name]
     arguments = {key: inner(*value) if isinstance(value, tuple) else value for key, value in arguments.items()}
     press = getattr(importlib.import_module(f"kvpress.presses.{module}"), name)(**arguments)
     press.compression_ratio = 1 - (budget + (0 if name == "PyramidKVPress" else 0.5)) / n
@@ -113,6 +118,31 @@ def kept_positions(full, compressed):
             raise SystemExit(f"a kept key matches no prompt position exactly (distance {exact})")
         mask[head, nearest.numpy()] = True
     return mask
+
+
+def masked(model, ids, press):
+    """A masking press run live on `ids`: the kept mask [layers, kv_heads, n] read from the keys
+    it masks. Its `compress` asserts a non-eager attention (for the patch that reads its masks in
+    later forward passes), so it is shown `sdpa` while it runs; every forward runs eager."""
+    own = press.compress
+
+    def compress(module, *args, **kwargs):
+        model.config._attn_implementation = "sdpa"
+        try:
+            return own(module, *args, **kwargs)
+        finally:
+            model.config._attn_implementation = "eager"
+
+    object.__setattr__(press, "compress", compress)
+    config = model.config
+    kept = np.ones((config.num_hidden_layers, config.num_key_value_heads, ids.shape[1]), dtype=bool)
+    torch.manual_seed(SEED)
+    with torch.no_grad(), press(model):
+        model(input_ids=ids, past_key_values=DynamicCache(), use_cache=True)
+    for layer in model.model.layers:
+        _, heads, positions = layer.self_attn.masked_key_indices
+        kept[layer.self_attn.layer_idx, heads.numpy(), positions.numpy()] = False
+    return kept
 
 
 def recorded(press, scores):
@@ -187,9 +217,14 @@ def main():
     for name in names:
         press = build(name, int(budget), n)
         scores = {}
-        recorded(press, scores)
-        compressed = prefill(model, ids, press)
-        found[f"{name}.kept"] = np.stack([kept_positions(f, c) for f, c in zip(full, compressed)])
+        if name in MASKING:
+            # The inner press's scores, which set the heads' budgets and stage 1.
+            recorded(press.press, scores)
+            found[f"{name}.kept"] = masked(model, ids, press)
+        else:
+            recorded(press, scores)
+            compressed = prefill(model, ids, press)
+            found[f"{name}.kept"] = np.stack([kept_positions(f, c) for f, c in zip(full, compressed)])
         if len(scores) == len(full):
             found[f"{name}.scores"] = np.stack([scores[layer] for layer in range(len(full))])
     np.savez(out, **found)

@@ -23,8 +23,8 @@ mod worker;
 use super::batch::Feed;
 use super::cached_attention::{attend_cached, LayerAttention};
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
+use super::chat_template::ChatTemplate;
 use super::prompt::{Template, TextTokenizer};
-use super::tokenizer::default_system;
 use super::ModelError;
 use candle_core::{Device, Tensor};
 use serde_json::{json, Value};
@@ -46,8 +46,9 @@ pub struct HfModel {
 /// The model's own tokenizer, asked through the worker.
 struct HfTokenizer {
     worker: Mutex<Worker>,
-    template: Template,
-    default_system: Option<String>,
+    /// The model's chat template, where the tokenizer speaks ChatML (the worker's `template`);
+    /// other models are prompted as base models, as the native Gemma 3 is.
+    chat: Option<ChatTemplate>,
     bos: Option<u32>,
     stop: u32,
 }
@@ -86,11 +87,15 @@ impl HfModel {
         };
         let stop = ready["stop"].as_u64().ok_or_else(|| malformed("stop"))? as u32;
         let tokenizer = HfTokenizer {
-            template: match ready["template"].as_str() {
-                Some("chatml") => Template::ChatMl,
-                _ => Template::Plain,
+            chat: match (ready["template"].as_str(), ready["chat_template"].as_str()) {
+                (Some("chatml"), Some(source)) => {
+                    let token = |name: &str| ready[name].as_str().map(str::to_owned);
+                    let template =
+                        ChatTemplate::new(source, token("bos_token"), token("eos_token"));
+                    Some(template.map_err(|err| worker.failure(&format!("chat_template: {err}")))?)
+                }
+                _ => None,
             },
-            default_system: ready["chat_template"].as_str().and_then(default_system),
             bos: ready["bos"].as_u64().map(|id| id as u32),
             stop,
             worker: Mutex::new(worker),
@@ -225,12 +230,11 @@ impl TextTokenizer for HfTokenizer {
         self.bos
     }
 
-    fn default_system(&self) -> Option<&str> {
-        self.default_system.as_deref()
-    }
-
-    fn template(&self) -> Template {
-        self.template
+    fn template(&self) -> Template<'_> {
+        match &self.chat {
+            Some(chat) => Template::Chat(chat),
+            None => Template::Plain,
+        }
     }
 }
 

@@ -112,6 +112,8 @@ def describe(model, tokenizer):
         "rope_thetas": thetas,
         "template": "chatml" if chatml else "plain",
         "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+        "bos_token": tokenizer.bos_token,
+        "eos_token": tokenizer.eos_token,
         "bos": bos,
         "stop": tokenizer.convert_tokens_to_ids("<|im_end|>") if chatml else tokenizer.eos_token_id,
     }

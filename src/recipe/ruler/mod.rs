@@ -32,7 +32,7 @@ pub mod niah;
 pub mod variable_tracking;
 
 use super::{essay_tokens, with_bos, BuiltPrompt, RecipeError};
-use crate::model::{ChatTokenizer, Template, TextTokenizer};
+use crate::model::{Template, TextTokenizer};
 use crate::splitmix;
 use crate::trace::Span;
 use serde::Deserialize;
@@ -291,25 +291,21 @@ impl PromptTemplate {
 pub(crate) struct Assembly<'t> {
     tokenizer: &'t dyn TextTokenizer,
     /// The template the prompt is written in: the model's, or plain text for `base`.
-    template: Template,
+    template: Template<'t>,
     ids: Vec<u32>,
     spans: Vec<Span>,
 }
 
 impl<'t> Assembly<'t> {
-    /// The opening of a user's message: ChatML's system turn (the template's default) and user
-    /// header, or BOS alone for a base model or the `base` template.
+    /// The opening of a user's message: the chat template's (its default system turn where it
+    /// inserts one, and the user's header), or BOS alone for a base model or the `base` template.
     pub fn open(tokenizer: &'t dyn TextTokenizer, template: PromptTemplate) -> Self {
         let template = match template {
             PromptTemplate::Chat => tokenizer.template(),
             PromptTemplate::Base => Template::Plain,
         };
         let ids = match template {
-            Template::ChatMl => {
-                let system = tokenizer.default_system();
-                let system = system.map(|system| ChatTokenizer::chat_turn("system", system));
-                tokenizer.encode(&format!("{}<|im_start|>user\n", system.unwrap_or_default()))
-            }
+            Template::Chat(chat) => tokenizer.encode(chat.user_turn().0),
             Template::Plain => with_bos(tokenizer, Vec::new()),
         };
         Self {
@@ -334,9 +330,7 @@ impl<'t> Assembly<'t> {
         answers: Vec<String>,
     ) -> BuiltPrompt {
         match self.template {
-            Template::ChatMl => self.text(&format!(
-                "<|im_end|>\n<|im_start|>assistant\n{answer_prefix}"
-            )),
+            Template::Chat(chat) => self.text(&format!("{}{answer_prefix}", chat.user_turn().1)),
             Template::Plain => self.text(answer_prefix),
         }
         BuiltPrompt {
@@ -508,7 +502,7 @@ pub(crate) mod testing {
     //! A byte-level tokenizer (one token per byte) and a small essay, so tasks build without
     //! the real assets.
 
-    use crate::model::{Template, TextTokenizer};
+    use crate::model::{ChatTemplate, Template, TextTokenizer};
     use std::path::PathBuf;
 
     /// One token per byte; a base-model layout.
@@ -528,13 +522,23 @@ pub(crate) mod testing {
         fn bos(&self) -> Option<u32> {
             None
         }
-        fn template(&self) -> Template {
+        fn template(&self) -> Template<'_> {
             Template::Plain
         }
     }
 
     /// [`Bytes`] with a chat model's layout (ChatML) and a default system message.
     pub struct ChatBytes;
+
+    /// A ChatML template that inserts `You are a test.` where a conversation has no system
+    /// message.
+    fn chat_bytes_template() -> &'static ChatTemplate {
+        static TEMPLATE: std::sync::OnceLock<ChatTemplate> = std::sync::OnceLock::new();
+        TEMPLATE.get_or_init(|| {
+            let source = "{% if messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a test.<|im_end|>\n' }}{% endif %}{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
+            ChatTemplate::new(source, None, None).unwrap()
+        })
+    }
 
     impl TextTokenizer for ChatBytes {
         fn encode(&self, text: &str) -> Vec<u32> {
@@ -549,11 +553,8 @@ pub(crate) mod testing {
         fn bos(&self) -> Option<u32> {
             None
         }
-        fn template(&self) -> Template {
-            Template::ChatMl
-        }
-        fn default_system(&self) -> Option<&str> {
-            Some("You are a test.")
+        fn template(&self) -> Template<'_> {
+            Template::Chat(chat_bytes_template())
         }
     }
 
