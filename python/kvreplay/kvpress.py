@@ -56,7 +56,11 @@ from ._native import KvreplayError
 READS_ATTENTIONS = {"ObservedAttentionPress"}
 
 # Presses that read the layer's hidden states and projections: they score a whole layer at once.
-READS_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress"}
+READS_INPUTS = {"LeverageScorePress", "CompactorPress", "CriticalKVPress", "CriticalAdaKVPress"}
+
+# Presses that select in their own `compress` and mark what they evict (`masked_key_indices`)
+# instead of scoring: the bridge runs `compress` and scores what it kept 1, the rest 0.
+MASKING = {"CriticalAdaKVPress"}
 
 
 class PressScorer:
@@ -128,12 +132,30 @@ class PressScorer:
                 torch.manual_seed(self.seed)
             else:
                 torch.set_rng_state(self._generator[1])
-            scores = self.press.score(module, hidden, keys, values, attentions, {"position_embeddings": (cos, sin)})
+            arguments = (module, hidden, keys, values, attentions, {"position_embeddings": (cos, sin)})
+            scores = self._kept(*arguments) if type(self.press).__name__ in MASKING else self.press.score(*arguments)
             self._generator = (cache.layer, torch.get_rng_state())
         scores = scores[0].float().numpy()
         if scores.shape != (cache.n_kv_heads, n):
             raise ValueError(f"{self.name} scored {scores.shape} for {cache.n_kv_heads} KV heads of {n} positions")
         return scores
+
+    def _kept(self, module, *arguments):
+        """A masking press's selection as scores `[1, kv_heads, n]`: 1 where its `compress`
+        keeps the key, 0 where it masks it (all 1 when it compresses nothing). `compress` asserts
+        a non-eager attention, for the patch that reads its masks in later forward passes; no
+        attention runs here."""
+        import torch
+
+        keys = arguments[1]
+        module.config._attn_implementation = "sdpa"
+        self.press.compress(module, *arguments)
+        kept = torch.ones(keys.shape[:3])
+        masked = getattr(module, "masked_key_indices", None)
+        if masked is not None:
+            batch, heads, positions = masked
+            kept[batch, heads, positions] = 0.0
+        return kept
 
     def _cache_scores(self, cache):
         import torch
@@ -418,7 +440,13 @@ def policy(press):
     - ``ComposedPress([press, ThinKPress(...)])``: the press's policy with the ``think`` channels
       (ThinK last, so it scores the kept keys, as kvpress composes them);
     - ``MergingPress(press, similarity_threshold, merge_fraction)``: the press's policy with the
-      ``similarity`` merge, the values it evicts at the cut folded into the kept ones.
+      ``similarity`` merge, the values it evicts at the cut folded into the kept ones;
+    - ``CriticalAdaKVPress(press, alpha_safeguard, epsilon, first_stage_ratio)``: the press's own
+      ``compress`` run on each layer of a trace with attention inputs (its head budgets from the
+      inner press's scores, CriticalKV's two stages within each head), what it keeps scored 1
+      and the rest 0, under the ``adakv`` split with no floor and no normalisation, which keeps
+      exactly the 1s when the budget is the press's own count: pass
+      ``budget = int(prompt_len * (1 - compression_ratio))``.
 
     - ``DecodingPress(press, compression_interval, target_size, hidden_states_buffer_size)``: the
       press through :class:`PressScorer` under ``timing="decoding"``, ``order="attend-first"``,
@@ -478,6 +506,8 @@ def policy(press):
         return {**policy(press.press), "allocator": _RatioBudgets(list(press.compression_ratios))}
     if kind == "CriticalKVPress":
         return {"scorer": PressScorer(press)}
+    if kind == "CriticalAdaKVPress":
+        return {"scorer": PressScorer(press), "heads": "adakv", "alpha": 0.0, "normalize": False}
     if kind == "KVzipPress":
         return _kvzip(press)
     if hasattr(press, "score") and not hasattr(press, "press"):

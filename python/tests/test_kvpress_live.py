@@ -2,7 +2,8 @@
 transformers (its own forward hooks, one prefill, the compressed cache read back;
 tests/reference/kvpress_live.py), keeps what `kvreplay.kvpress.policy(press)` keeps replaying a
 trace of the same prompt captured through transformers (traces/capture_hf.py, f32, with each
-layer's attention inputs, which LeverageScorePress, CompactorPress and CriticalKVPress read;
+layer's attention inputs, which LeverageScorePress, CompactorPress, CriticalKVPress and
+CriticalAdaKVPress read;
 they run live after `torch.manual_seed(0)`, and the bridge seeds its layers alike). Positions
 may differ only at ties of the press's own live scores: exact ones (torch.topk and kvreplay order
 equal scores differently) and near ones, a live score within `NEAR` (relative) of the cache's
@@ -80,7 +81,7 @@ def live(kvpress_python, hf_trace, tmp_path_factory):
     out = work / "live.npz"
     script = ROOT / "tests" / "reference" / "kvpress_live.py"
     env = {**os.environ, "KVPRESS_PATH": str(KVPRESS), "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    names = [*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES]
+    names = [*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES, *kvpress_live.MASKING]
     args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(tokens), str(BUDGET), str(out), *names]
     subprocess.run(args, check=True, env=env, capture_output=True)
     return dict(np.load(out))
@@ -118,7 +119,7 @@ def test_a_near_tie_is_told_apart_from_a_difference():
     assert [(d[2], round(d[3], 6)) for d in untied(swapped_far, theirs, scores)] == [(3, -0.5)]
 
 
-@pytest.mark.parametrize("name", sorted([*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES]))
+@pytest.mark.parametrize("name", sorted([*kvpress_live.PRESSES, *kvpress_live.INPUT_PRESSES, *kvpress_live.MASKING]))
 def test_the_bridge_keeps_what_kvpress_keeps_live(name, live, hf_trace):
     press = kvpress_live.build(name, BUDGET, hf_trace.prompt_len)
     ours = kvreplay.kept(hf_trace, budget=BUDGET, **policy(press))["mask"]
