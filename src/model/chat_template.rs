@@ -20,6 +20,8 @@
 //! [`ChatTemplate::around`] renders a conversation whose contents are markers and returns the text
 //! the template writes before, between and after them.
 
+use super::gguf::GgufFile;
+use super::ModelError;
 use minijinja::syntax::SyntaxConfig;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
 
@@ -149,6 +151,47 @@ impl ChatTemplate {
             .ok_or("the chat template does not write an assistant message's content")?;
         Ok(after.to_owned())
     }
+}
+
+/// The metadata key of a GGUF's chat template.
+const CHAT_KEY: &str = "tokenizer.chat_template";
+
+/// The GGUF's chat template (`tokenizer.chat_template`), with the texts of its BOS and EOS tokens
+/// (`tokenizer.ggml.bos_token_id`, `eos_token_id`) among `tokens`; `None` for a file without one.
+pub(crate) fn of_gguf(
+    gguf: &GgufFile,
+    tokens: &[String],
+) -> Result<Option<ChatTemplate>, ModelError> {
+    let Some(source) = gguf.str_value(CHAT_KEY) else {
+        return Ok(None);
+    };
+    let text = |key: &str| {
+        let id = gguf.value(key).and_then(|v| v.to_u32().ok())?;
+        tokens.get(id as usize).cloned()
+    };
+    let (bos, eos) = (
+        text("tokenizer.ggml.bos_token_id"),
+        text("tokenizer.ggml.eos_token_id"),
+    );
+    ChatTemplate::new(source, bos, eos)
+        .map(Some)
+        .map_err(|err| ModelError::Tokenizer {
+            path: gguf.path.clone(),
+            detail: format!("{CHAT_KEY}: {err}"),
+        })
+}
+
+/// The token a generation stops at: the first of what `chat` writes after an answer, where
+/// `encode` makes it a control token (`is_control`), else `eos`.
+pub(crate) fn stop_token(
+    chat: Option<&ChatTemplate>,
+    encode: impl Fn(&str) -> Vec<u32>,
+    is_control: impl Fn(u32) -> bool,
+    eos: Option<u32>,
+) -> Option<u32> {
+    let after = chat.and_then(|chat| chat.after_answer().ok());
+    let first = after.and_then(|text| encode(&text).first().copied());
+    first.filter(|&id| is_control(id)).or(eos)
 }
 
 /// `text` cut at the markers `0..count`, which must each appear once, in order.

@@ -74,9 +74,9 @@ pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
     }
 }
 
-/// The tokenizer of the GGUF at `path`, without its weights: byte-level BPE with the ChatML
-/// template (`tokenizer.ggml.model` = `gpt2`) or SentencePiece (`llama`), whichever the file
-/// names, so a trace's positions can be shown as text.
+/// The tokenizer of the GGUF at `path`, without its weights: byte-level BPE
+/// (`tokenizer.ggml.model` = `gpt2`) or SentencePiece (`llama`), whichever the file names, with
+/// the file's chat template where it has one, so a trace's positions can be shown as text.
 pub fn tokenizer(path: &Path) -> Result<Box<dyn TextTokenizer>, ModelError> {
     let gguf = GgufFile::open(path)?;
     match gguf.str_value("tokenizer.ggml.model").unwrap_or_default() {

@@ -9,7 +9,12 @@
 //! a token, the highest-scoring merge first (leftmost on ties); a final symbol that is not a token
 //! is split back along its merges, and characters not in the vocabulary become their UTF-8 bytes
 //! (`<0xNN>` tokens). Checked id for id against transformers' tokenizer of the same GGUF.
+//!
+//! A GGUF with a chat template (an instruction-tuned Gemma) is prompted through it
+//! ([`ChatTemplate`]), generation stopping at the control token it writes after an answer
+//! (`<end_of_turn>`); one without (Gemma 3 270M, a base model) as plain text after BOS.
 
+use super::chat_template::{self, ChatTemplate};
 use super::gguf::GgufFile;
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
@@ -31,7 +36,10 @@ pub struct SpmTokenizer {
     specials: Vec<Vec<(String, u32)>>,
     bytes: [u32; 256],
     bos: Option<u32>,
-    eos: u32,
+    stop: u32,
+    /// The GGUF's chat template: an instruction-tuned Gemma's; a base model (Gemma 3 270M) has
+    /// none and is prompted as plain text.
+    chat: Option<ChatTemplate>,
 }
 
 /// A merge candidate: two adjacent symbols whose joined text is a token.
@@ -124,17 +132,26 @@ impl SpmTokenizer {
             .value("tokenizer.ggml.add_bos_token")
             .and_then(|v| v.to_bool().ok())
             .unwrap_or(true);
-        Ok(Self {
+        let chat = chat_template::of_gguf(gguf, &tokens)?;
+        let mut tokenizer = Self {
             bos: token_id("tokenizer.ggml.bos_token_id").filter(|_| add_bos),
-            eos: token_id("tokenizer.ggml.eos_token_id")
+            stop: token_id("tokenizer.ggml.eos_token_id")
                 .ok_or_else(|| fail("no tokenizer.ggml.eos_token_id".into()))?,
+            chat: None,
             tokens,
             scores,
             types,
             ids,
             specials,
             bytes,
-        })
+        };
+        let encode = |text: &str| tokenizer.encode(text);
+        let is_control = |id: u32| tokenizer.types.get(id as usize) == Some(&CONTROL);
+        let stop =
+            chat_template::stop_token(chat.as_ref(), encode, is_control, Some(tokenizer.stop));
+        tokenizer.stop = stop.unwrap_or(tokenizer.stop);
+        tokenizer.chat = chat;
+        Ok(tokenizer)
     }
 
     /// The special token written at `text[at..]`, longest first.
@@ -278,7 +295,7 @@ impl TextTokenizer for SpmTokenizer {
     }
 
     fn stop_token(&self) -> u32 {
-        self.eos
+        self.stop
     }
 
     fn bos(&self) -> Option<u32> {
@@ -286,7 +303,10 @@ impl TextTokenizer for SpmTokenizer {
     }
 
     fn template(&self) -> Template<'_> {
-        Template::Plain
+        match &self.chat {
+            Some(chat) => Template::Chat(chat),
+            None => Template::Plain,
+        }
     }
 }
 

@@ -17,7 +17,7 @@
 //! stops at the control token the template writes right after an assistant's answer
 //! (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), or else at `tokenizer.ggml.eos_token_id`.
 
-use super::chat_template::ChatTemplate;
+use super::chat_template::{self, ChatTemplate};
 use super::gguf::GgufFile;
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
@@ -31,8 +31,7 @@ use tokenizers::{
     AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
 
-/// The metadata keys of the chat template and the BOS and EOS tokens.
-const CHAT_KEY: &str = "tokenizer.chat_template";
+/// The metadata keys of the BOS and EOS tokens.
 const BOS_KEY: &str = "tokenizer.ggml.bos_token_id";
 const EOS_KEY: &str = "tokenizer.ggml.eos_token_id";
 
@@ -147,37 +146,19 @@ impl ChatTokenizer {
             .add_special_tokens(added(3, true))
             .and_then(|_| tokenizer.add_tokens(added(4, false)))
             .map_err(|err| fail(err.to_string()))?;
-        let token_text = |key: &str| {
-            let id = gguf.value(key).and_then(|v| v.to_u32().ok())?;
-            tokens.get(id as usize).cloned()
-        };
-        let chat = gguf
-            .str_value("tokenizer.chat_template")
-            .map(|source| {
-                let (bos, eos) = (token_text(BOS_KEY), token_text(EOS_KEY));
-                ChatTemplate::new(source, bos, eos)
-                    .map_err(|err| fail(format!("{CHAT_KEY}: {err}")))
-            })
-            .transpose()?;
+        let chat = chat_template::of_gguf(gguf, &tokens)?;
         let is_control = |id: u32| token_types.get(id as usize) == Some(&3);
         let id_of = |key: &str| gguf.value(key).and_then(|v| v.to_u32().ok());
-        let end_of_answer = match &chat {
-            Some(chat) => {
-                let after = chat
-                    .after_answer()
-                    .map_err(|err| fail(format!("{CHAT_KEY}: {err}")))?;
-                let ids = tokenizer
-                    .encode(after, false)
-                    .map_err(|err| fail(err.to_string()))?;
-                ids.get_ids().first().copied().filter(|&id| is_control(id))
-            }
-            None => None,
+        let encode = |text: &str| {
+            let encoding = tokenizer.encode(text, false);
+            encoding.map(|e| e.get_ids().to_vec()).unwrap_or_default()
         };
-        let stop = end_of_answer.or_else(|| id_of(EOS_KEY)).ok_or_else(|| {
-            fail(format!(
-                "no token ends a generation: the chat template writes no control token after an answer, and {EOS_KEY} is missing"
-            ))
-        })?;
+        let stop = chat_template::stop_token(chat.as_ref(), encode, is_control, id_of(EOS_KEY))
+            .ok_or_else(|| {
+                fail(format!(
+                    "no token ends a generation: the chat template writes no control token after an answer, and {EOS_KEY} is missing"
+                ))
+            })?;
         let adds_bos = gguf
             .value("tokenizer.ggml.add_bos_token")
             .and_then(|v| v.to_bool().ok());

@@ -1,7 +1,8 @@
 //! Chat templates rendered by kvreplay (minijinja) against transformers' `apply_chat_template`
 //! (jinja2), on the shipped models' own templates and on templates written for these tests in the
-//! layouts of other families (`tests/fixtures/chat_templates/`), and a GGUF tokenizer with Llama
-//! 3's pre-tokenizer, BOS and template against the one transformers converts from the same file.
+//! layouts of other families (`tests/fixtures/chat_templates/`), and GGUF tokenizers with another
+//! family's template (Llama 3's pre-tokenizer, BOS and template; Gemma's SentencePiece with an
+//! instruction template) against the ones transformers converts from the same files.
 //! The reference side is `tests/reference/causal_lm_hf.py` in the torch environment.
 
 use crate::common;
@@ -123,31 +124,45 @@ fn templates_of_other_layouts_render_as_transformers_renders_them() {
     }
 }
 
-/// A copy of the Qwen2.5 GGUF's metadata (its vocabulary and merges) with Llama 3's
-/// pre-tokenizer, a BOS token added to plain prompts, the Llama-3-layout template, and one
-/// tiny tensor: what the tokenizer reads of a Llama 3 GGUF.
-fn llama3_tokenizer_gguf(dir: &Path) -> PathBuf {
-    let qwen = common::model_gguf("qwen2.5-coder-0.5b");
-    let mut file = std::fs::File::open(qwen).unwrap();
-    let content = gguf_file::Content::read(&mut file).unwrap();
-    let mut metadata = content.metadata;
-    let text = |s: &str| gguf_file::Value::String(s.to_owned());
-    metadata.insert("tokenizer.ggml.pre".into(), text("llama-bpe"));
-    metadata.insert(
-        "tokenizer.ggml.add_bos_token".into(),
-        gguf_file::Value::Bool(true),
-    );
-    let template = fixture("llama3-layout.jinja");
-    metadata.insert("tokenizer.chat_template".into(), text(&template));
+/// A copy of `gguf`'s metadata (its vocabulary and tokenizer settings) with `changes`, the chat
+/// template `template`, and one tiny tensor: what a tokenizer reads of another model's GGUF.
+fn tokenizer_gguf(
+    gguf: &Path,
+    (dir, name): (&Path, &str),
+    changes: Vec<(&str, gguf_file::Value)>,
+    template: &str,
+) -> PathBuf {
+    let mut file = std::fs::File::open(gguf).unwrap();
+    let mut metadata = gguf_file::Content::read(&mut file).unwrap().metadata;
+    for (key, value) in changes {
+        metadata.insert(key.into(), value);
+    }
+    let template = gguf_file::Value::String(fixture(template));
+    metadata.insert("tokenizer.chat_template".into(), template);
     let metadata: Vec<(&str, &gguf_file::Value)> =
         metadata.iter().map(|(k, v)| (k.as_str(), v)).collect();
     let device = candle_core::Device::Cpu;
     let zeros = candle_core::Tensor::zeros((8, 4), candle_core::DType::F32, &device).unwrap();
     let tensor = QTensor::quantize(&zeros, GgmlDType::F32).unwrap();
-    let path = dir.join("llama3-tokenizer.gguf");
+    let path = dir.join(name);
     let mut out = std::fs::File::create(&path).unwrap();
     gguf_file::write(&mut out, &metadata, &[("token_embd.weight", &tensor)]).unwrap();
     path
+}
+
+/// Qwen2.5's vocabulary and merges with Llama 3's pre-tokenizer, a BOS token added to plain
+/// prompts, and the Llama-3-layout template.
+fn llama3_tokenizer_gguf(dir: &Path) -> PathBuf {
+    let qwen = common::model_gguf("qwen2.5-coder-0.5b");
+    let changes = vec![
+        (
+            "tokenizer.ggml.pre",
+            gguf_file::Value::String("llama-bpe".into()),
+        ),
+        ("tokenizer.ggml.add_bos_token", gguf_file::Value::Bool(true)),
+    ];
+    let target = (dir, "llama3-tokenizer.gguf");
+    tokenizer_gguf(&qwen, target, changes, "llama3-layout.jinja")
 }
 
 #[test]
@@ -187,4 +202,30 @@ fn a_llama3_tokenizer_encodes_and_renders_as_transformers_converts_it() {
     assert_eq!(tokenizer.encode(&text), theirs);
     // `<|eot_id|>` is no token of this vocabulary: generation stops at the file's EOS.
     assert_eq!(tokenizer.stop_token(), 151_645);
+}
+
+/// Gemma 3's SentencePiece vocabulary with a template in Gemma's instruction layout: the
+/// tokenizer prompts through it, as transformers does, and stops at `<end_of_turn>`; the base
+/// 270M's own GGUF has no template and is prompted as plain text.
+#[test]
+fn a_gemma_tokenizer_with_a_template_renders_as_transformers_converts_it() {
+    let gemma = common::gemma_path();
+    assert!(matches!(
+        family::tokenizer(&gemma).unwrap().template(),
+        Template::Plain
+    ));
+    let dir = tempfile::tempdir().unwrap();
+    let target = (dir.path(), "gemma-it-tokenizer.gguf");
+    let gguf = tokenizer_gguf(&gemma, target, Vec::new(), "gemma-layout.jinja");
+    let tokenizer = family::tokenizer(&gguf).unwrap();
+    let template = chat_template(tokenizer.as_ref());
+    assert_renders_as_transformers(template, tokenizer.as_ref(), &theirs(&gguf, None));
+    let text = template.render(&conversations()[1], true).unwrap();
+    assert!(
+        text.starts_with("<bos><start_of_turn>user\n Answer briefly. \n\nWhere?<end_of_turn>"),
+        "{text}"
+    );
+    let end_of_turn = tokenizer.encode("<end_of_turn>");
+    assert_eq!(end_of_turn.len(), 1);
+    assert_eq!(tokenizer.stop_token(), end_of_turn[0]);
 }
