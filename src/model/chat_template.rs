@@ -222,30 +222,9 @@ mod tests {
     /// SmolLM2-135M-Instruct's template, as its GGUF holds it.
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-    /// A template in Llama 3.1's layout, written for these tests: BOS written by the template,
-    /// a system turn always present (a date line, then the system message trimmed), turns
-    /// between header tokens, contents trimmed.
-    const LLAMA3: &str = "{{- bos_token }}
-{%- if not date_string is defined %}
-    {%- set date_string = \"26 Jul 2024\" %}
-{%- endif %}
-{%- if messages[0]['role'] == 'system' %}
-    {%- set system_message = messages[0]['content']|trim %}
-    {%- set messages = messages[1:] %}
-{%- else %}
-    {%- set system_message = \"\" %}
-{%- endif %}
-{{- \"<|start_header_id|>system<|end_header_id|>\\n\\n\" }}
-{{- \"Today Date: \" + date_string + \"\\n\\n\" }}
-{{- system_message }}
-{{- \"<|eot_id|>\" }}
-{%- for message in messages %}
-    {{- '<|start_header_id|>' + message['role'] + '<|end_header_id|>\\n\\n'+ message['content'] | trim + '<|eot_id|>' }}
-{%- endfor %}
-{%- if add_generation_prompt %}
-    {{- '<|start_header_id|>assistant<|end_header_id|>\\n\\n' }}
-{%- endif %}
-";
+    /// A template in Llama 3.1's layout, written for the tests (`tests/integration/chat_template.rs`
+    /// renders it with transformers too).
+    const LLAMA3: &str = include_str!("../../tests/fixtures/chat_templates/llama3-layout.jinja");
 
     fn message(role: &str, content: &str) -> ChatMessage {
         ChatMessage {
