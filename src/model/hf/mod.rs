@@ -23,7 +23,7 @@ mod worker;
 use super::batch::Feed;
 use super::cached_attention::{attend_cached, LayerAttention};
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
-use super::chat_template::ChatTemplate;
+use super::chat_template::{ChatTemplate, CHATML};
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use candle_core::{Device, Tensor};
@@ -46,8 +46,9 @@ pub struct HfModel {
 /// The model's own tokenizer, asked through the worker.
 struct HfTokenizer {
     worker: Mutex<Worker>,
-    /// The model's chat template, where the tokenizer speaks ChatML (the worker's `template`);
-    /// other models are prompted as base models, as the native Gemma 3 is.
+    /// The model's chat template (bare ChatML where it states none), where the tokenizer speaks
+    /// ChatML (the worker's `template`); other models are prompted as base models, as the native
+    /// Gemma 3 is.
     chat: Option<ChatTemplate>,
     bos: Option<u32>,
     stop: u32,
@@ -87,8 +88,9 @@ impl HfModel {
         };
         let stop = ready["stop"].as_u64().ok_or_else(|| malformed("stop"))? as u32;
         let tokenizer = HfTokenizer {
-            chat: match (ready["template"].as_str(), ready["chat_template"].as_str()) {
-                (Some("chatml"), Some(source)) => {
+            chat: match ready["template"].as_str() {
+                Some("chatml") => {
+                    let source = ready["chat_template"].as_str().unwrap_or(CHATML);
                     let token = |name: &str| ready[name].as_str().map(str::to_owned);
                     let template =
                         ChatTemplate::new(source, token("bos_token"), token("eos_token"));
