@@ -5,7 +5,8 @@
 //! (`tokenizer.chat_template`). kvreplay renders it with minijinja under the settings of
 //! transformers' `apply_chat_template` (`transformers/utils/chat_template_utils.py`,
 //! `_cached_compile_jinja_template` and `render_jinja_template`): `trim_blocks` and
-//! `lstrip_blocks` on, loop controls, a `raise_exception(message)` function, Python's string
+//! `lstrip_blocks` on, loop controls, macros, `loop.previtem`, a `raise_exception(message)`
+//! function, Python's string
 //! methods (`split`, `strip`, `startswith`, …), and the variables `messages`, `tools = none`,
 //! `documents = none`, `add_generation_prompt` and the tokenizer's special tokens (`bos_token`,
 //! `eos_token`). Its output is tokenized with special tokens recognised and no BOS added, as
