@@ -6,10 +6,9 @@
 //! transformers' `apply_chat_template` (`transformers/utils/chat_template_utils.py`,
 //! `_cached_compile_jinja_template` and `render_jinja_template`): `trim_blocks` and
 //! `lstrip_blocks` on, loop controls, macros, `loop.previtem`, a `raise_exception(message)`
-//! function, Python's string
-//! methods (`split`, `strip`, `startswith`, …), and the variables `messages`, `tools = none`,
-//! `documents = none`, `add_generation_prompt` and the tokenizer's special tokens (`bos_token`,
-//! `eos_token`). Its output is tokenized with special tokens recognised and no BOS added, as
+//! function, Python's string methods (`split`, `strip`, `startswith`, …), and the variables
+//! `messages`, `tools = none`, `documents = none`, `add_generation_prompt` and the tokenizer's
+//! special tokens (`bos_token`, `eos_token`). Its output is tokenized with special tokens recognised and no BOS added, as
 //! `apply_chat_template` tokenizes it (`add_special_tokens=False`): a template that wants a BOS
 //! writes `{{ bos_token }}` itself.
 //!
