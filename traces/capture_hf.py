@@ -36,7 +36,6 @@ from transformers.models.llama.modeling_llama import eager_attention_forward
 
 NIAH_SYSTEM = "You are a helpful AI bot that answers questions for a user. Keep your response short and direct"
 NIAH_SUFFIX = " Don't give information outside the document or repeat your findings"
-DEFAULT_SYSTEM = "You are a helpful AI assistant named SmolLM, trained by Hugging Face"
 
 RECORD = {}  # layer -> {"q": [chunks], "k": [...], "v": [...], "input": [...]}
 PASS = []  # the reconstruction pass's chunks: each layer -> {"q": [...], "k": [...]}
@@ -139,17 +138,45 @@ def kvzip_rows(tokenizer, ids, cut, chunk):
     return chunks
 
 
-def turn(role, content):
-    return f"<|im_start|>{role}\n{content}<|im_end|>\n"
-
-
 def encode(tokenizer, text):
     return tokenizer.encode(text, add_special_tokens=False)
 
 
 def plain_template(tokenizer):
-    """A base model (no ChatML tokens) gets the plain-text template, as in kvreplay."""
-    return tokenizer.convert_tokens_to_ids("<|im_start|>") in (None, tokenizer.unk_token_id)
+    """A tokenizer without a chat template (a base model) gets the plain-text template, as in
+    kvreplay; any other is prompted through its own template."""
+    return tokenizer.chat_template is None
+
+
+def marker(i):
+    """Stands for the i-th content: private-use characters no template writes (kvreplay's
+    `ChatTemplate::around`)."""
+    return f"\U000F0000{i}\U000F0001"
+
+
+def around(tokenizer, system, user_turns):
+    """The text the chat template writes around the contents of a conversation of an optional
+    system message and `user_turns` user messages, the assistant's turn opened: `user_turns + 1`
+    pieces, as kvreplay's `ChatTemplate::around` cuts them."""
+    messages = ([{"role": "system", "content": system}] if system is not None else [])
+    messages += [{"role": "user", "content": marker(i)} for i in range(user_turns)]
+    text = tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)
+    pieces = []
+    for i in range(user_turns):
+        before, text = text.split(marker(i), 1)
+        pieces.append(before)
+    return pieces + [text]
+
+
+def end_of_answer(tokenizer):
+    """The token generation stops at: the first of what the template writes after an answer,
+    where it is a special token, else EOS (kvreplay's rule)."""
+    if plain_template(tokenizer):
+        return tokenizer.eos_token_id
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker(0)}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    ids = encode(tokenizer, text.split(marker(0), 1)[1])
+    return ids[0] if ids and ids[0] in tokenizer.all_special_ids else tokenizer.eos_token_id
 
 
 def bos(tokenizer):
@@ -164,11 +191,12 @@ def build(recipe, base, tokenizer, essays_dir):
         if plain:
             system = recipe.get("system")
             return bos(tokenizer) + encode(tokenizer, (system + "\n\n" if system else "") + recipe["message"]), []
-        text = turn("system", recipe.get("system", DEFAULT_SYSTEM)) + turn("user", recipe["message"])
-        return encode(tokenizer, text + "<|im_start|>assistant\n"), []
+        system = [{"role": "system", "content": recipe["system"]}] if "system" in recipe else []
+        messages = system + [{"role": "user", "content": recipe["message"]}]
+        return encode(tokenizer, tokenizer.apply_chat_template(messages, add_generation_prompt=True, tokenize=False)), []
     if kind == "text":
         with open(os.path.join(base, recipe["file"]), encoding="utf-8") as f:
-            ids = (bos(tokenizer) if plain else []) + encode(tokenizer, f.read())
+            ids = bos(tokenizer) + encode(tokenizer, f.read())
         return ids[: recipe.get("max_tokens", len(ids))], []
     assert kind == "niah", f"unknown recipe kind {kind}"
     answer_prefix = recipe.get("answer_prefix", "")
@@ -177,9 +205,9 @@ def build(recipe, base, tokenizer, essays_dir):
         between = encode(tokenizer, "\n\nQuestion: ")
         closing = encode(tokenizer, ("\nAnswer: " + answer_prefix).rstrip())
     else:
-        prefix = encode(tokenizer, turn("system", NIAH_SYSTEM) + "<|im_start|>user\n")
-        between = encode(tokenizer, "<|im_end|>\n<|im_start|>user\n")
-        closing = encode(tokenizer, NIAH_SUFFIX + "<|im_end|>\n<|im_start|>assistant\n" + answer_prefix)
+        opening, middle, end = around(tokenizer, NIAH_SYSTEM, 2)
+        prefix, between = encode(tokenizer, opening), encode(tokenizer, middle)
+        closing = encode(tokenizer, NIAH_SUFFIX + end + answer_prefix)
     question = encode(tokenizer, recipe["question"])
     needle = encode(tokenizer, "\n" + recipe["needle"].strip() + "\n")
     needed = max(0, recipe["prompt_tokens"] - len(prefix) - len(between) - len(question) - len(closing) - len(needle))
@@ -246,7 +274,7 @@ def main():
             if LAYERS is None or layer in LAYERS:
                 weights[layer] = projections(module)
                 module.register_forward_pre_hook(record_inputs, with_kwargs=True)
-    end_of_turn = tokenizer.eos_token_id if plain_template(tokenizer) else tokenizer.convert_tokens_to_ids("<|im_end|>")
+    end_of_turn = end_of_answer(tokenizer)
     generated, past = [], None
     with torch.no_grad():
         for start in range(0, len(ids), args.chunk):

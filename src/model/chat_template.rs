@@ -153,10 +153,6 @@ impl ChatTemplate {
     }
 }
 
-/// Bare ChatML, for a ChatML tokenizer that states no template of its own: each message's turn,
-/// then the assistant's opened; no default system message.
-pub(crate) const CHATML: &str = "{% for message in messages %}{{ '<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>\n' }}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
-
 /// The metadata key of a GGUF's chat template.
 const CHAT_KEY: &str = "tokenizer.chat_template";
 
@@ -262,19 +258,6 @@ mod tests {
             ]
         );
         assert_eq!(template.after_answer().unwrap(), "<|im_end|>\n");
-    }
-
-    #[test]
-    fn bare_chatml_writes_each_turn_and_no_system_message() {
-        let template = ChatTemplate::new(CHATML, None, None).unwrap();
-        assert_eq!(
-            template.around(Some("S"), 1).unwrap(),
-            [
-                "<|im_start|>system\nS<|im_end|>\n<|im_start|>user\n",
-                "<|im_end|>\n<|im_start|>assistant\n"
-            ]
-        );
-        assert_eq!(template.user_turn().0, "<|im_start|>user\n");
     }
 
     #[test]

@@ -23,7 +23,7 @@ mod worker;
 use super::batch::Feed;
 use super::cached_attention::{attend_cached, LayerAttention};
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row};
-use super::chat_template::{ChatTemplate, CHATML};
+use super::chat_template::ChatTemplate;
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use candle_core::{Device, Tensor};
@@ -46,9 +46,8 @@ pub struct HfModel {
 /// The model's own tokenizer, asked through the worker.
 struct HfTokenizer {
     worker: Mutex<Worker>,
-    /// The model's chat template (bare ChatML where it states none), where the tokenizer speaks
-    /// ChatML (the worker's `template`); other models are prompted as base models, as the native
-    /// Gemma 3 is.
+    /// The tokenizer's chat template, rendered as a GGUF's is; a tokenizer without one (a base
+    /// model) is prompted as plain text, as the native Gemma 3 270M is.
     chat: Option<ChatTemplate>,
     bos: Option<u32>,
     stop: u32,
@@ -88,15 +87,14 @@ impl HfModel {
         };
         let stop = ready["stop"].as_u64().ok_or_else(|| malformed("stop"))? as u32;
         let tokenizer = HfTokenizer {
-            chat: match ready["template"].as_str() {
-                Some("chatml") => {
-                    let source = ready["chat_template"].as_str().unwrap_or(CHATML);
+            chat: match ready["chat_template"].as_str() {
+                Some(source) => {
                     let token = |name: &str| ready[name].as_str().map(str::to_owned);
                     let template =
                         ChatTemplate::new(source, token("bos_token"), token("eos_token"));
                     Some(template.map_err(|err| worker.failure(&format!("chat_template: {err}")))?)
                 }
-                _ => None,
+                None => None,
             },
             bos: ready["bos"].as_u64().map(|id| id as u32),
             stop,

@@ -80,6 +80,17 @@ def attention_modules(model):
     return sorted((m for m in model.modules() if hasattr(m, "layer_idx") and hasattr(m, "scaling")), key=lambda m: m.layer_idx)
 
 
+def end_of_answer(tokenizer):
+    """The token generation stops at: the first of what the chat template writes after an
+    answer, where it is a special token (`<|im_end|>`, `<|eot_id|>`), else EOS; kvreplay's rule
+    for GGUF models."""
+    marker = "\U000F0000"
+    conversation = [{"role": "user", "content": "?"}, {"role": "assistant", "content": marker}]
+    text = tokenizer.apply_chat_template(conversation, tokenize=False)
+    ids = tokenizer.encode(text.split(marker, 1)[-1], add_special_tokens=False)
+    return ids[0] if ids and ids[0] in tokenizer.all_special_ids else tokenizer.eos_token_id
+
+
 def describe(model, tokenizer):
     """The model's geometry and template, as kvreplay's ModelSpec holds them."""
     config = model.config
@@ -88,7 +99,7 @@ def describe(model, tokenizer):
     if len(scales) != 1:
         raise Refused(f"different softmax scales per layer ({scales})")
     head_dim = getattr(config, "head_dim", None) or config.hidden_size // config.num_attention_heads
-    chatml = tokenizer.convert_tokens_to_ids("<|im_start|>") not in (None, tokenizer.unk_token_id)
+    chat = isinstance(tokenizer.chat_template, str)
     bos = tokenizer.bos_token_id if getattr(tokenizer, "add_bos_token", False) else None
     rope_theta = getattr(config, "rope_theta", None)
     if getattr(config, "rope_scaling", None):
@@ -110,12 +121,11 @@ def describe(model, tokenizer):
         "windows": [WINDOWS[m.layer_idx] for m in modules],
         "rope_theta": float(rope_theta) if rope_theta and not thetas else None,
         "rope_thetas": thetas,
-        "template": "chatml" if chatml else "plain",
-        "chat_template": tokenizer.chat_template if isinstance(tokenizer.chat_template, str) else None,
+        "chat_template": tokenizer.chat_template if chat else None,
         "bos_token": tokenizer.bos_token,
         "eos_token": tokenizer.eos_token,
         "bos": bos,
-        "stop": tokenizer.convert_tokens_to_ids("<|im_end|>") if chatml else tokenizer.eos_token_id,
+        "stop": end_of_answer(tokenizer) if chat else tokenizer.eos_token_id,
     }
 
 
