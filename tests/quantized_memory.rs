@@ -116,6 +116,8 @@ fn metadata() -> Metadata {
         .iter()
         .for_each(|kind| array.extend(kind.to_le_bytes()));
     string(meta.array("tokenizer.ggml.merges", STRING, 1), "Ġ t");
+    // `<|im_end|>`, as a real file states its EOS: generation stops there (no chat template).
+    meta.number("tokenizer.ggml.eos_token_id", 258);
     meta
 }
 
