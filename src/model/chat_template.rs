@@ -20,7 +20,7 @@
 //! [`ChatTemplate::around`] renders a conversation whose contents are markers and returns the text
 //! the template writes before, between and after them.
 
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, BOS_KEY, EOS_KEY};
 use super::ModelError;
 use minijinja::syntax::SyntaxConfig;
 use minijinja::{context, Environment, Error, ErrorKind, Value};
@@ -169,10 +169,7 @@ pub(crate) fn of_gguf(
         let id = gguf.value(key).and_then(|v| v.to_u32().ok())?;
         tokens.get(id as usize).cloned()
     };
-    let (bos, eos) = (
-        text("tokenizer.ggml.bos_token_id"),
-        text("tokenizer.ggml.eos_token_id"),
-    );
+    let (bos, eos) = (text(BOS_KEY), text(EOS_KEY));
     ChatTemplate::new(source, bos, eos)
         .map(Some)
         .map_err(|err| ModelError::Tokenizer {

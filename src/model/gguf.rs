@@ -80,6 +80,10 @@ fn f32_held_bytes<'a>(
     all + output_copy + strips
 }
 
+/// The metadata keys of a tokenizer's BOS and EOS token ids.
+pub(crate) const BOS_KEY: &str = "tokenizer.ggml.bos_token_id";
+pub(crate) const EOS_KEY: &str = "tokenizer.ggml.eos_token_id";
+
 impl GgufFile {
     /// Opens a GGUF file and parses its header.
     pub fn open(path: &Path) -> Result<Self, ModelError> {

@@ -15,7 +15,7 @@
 //! (`<end_of_turn>`); one without (Gemma 3 270M, a base model) as plain text after BOS.
 
 use super::chat_template::{self, ChatTemplate};
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, BOS_KEY, EOS_KEY};
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use candle_core::quantized::gguf_file::Value;
@@ -134,9 +134,8 @@ impl SpmTokenizer {
             .unwrap_or(true);
         let chat = chat_template::of_gguf(gguf, &tokens)?;
         let mut tokenizer = Self {
-            bos: token_id("tokenizer.ggml.bos_token_id").filter(|_| add_bos),
-            stop: token_id("tokenizer.ggml.eos_token_id")
-                .ok_or_else(|| fail("no tokenizer.ggml.eos_token_id".into()))?,
+            bos: token_id(BOS_KEY).filter(|_| add_bos),
+            stop: token_id(EOS_KEY).ok_or_else(|| fail(format!("no {EOS_KEY}")))?,
             chat: None,
             tokens,
             scores,

@@ -18,7 +18,7 @@
 //! (`<|im_end|>` for ChatML, `<|eot_id|>` for Llama 3), or else at `tokenizer.ggml.eos_token_id`.
 
 use super::chat_template::{self, ChatTemplate};
-use super::gguf::GgufFile;
+use super::gguf::{GgufFile, BOS_KEY, EOS_KEY};
 use super::prompt::{Template, TextTokenizer};
 use super::ModelError;
 use tokenizers::decoders::byte_level::ByteLevel as ByteLevelDecoder;
@@ -30,10 +30,6 @@ use tokenizers::pre_tokenizers::split::{Split, SplitPattern};
 use tokenizers::{
     AddedToken, DecoderWrapper, PreTokenizerWrapper, SplitDelimiterBehavior, Tokenizer,
 };
-
-/// The metadata keys of the BOS and EOS tokens.
-const BOS_KEY: &str = "tokenizer.ggml.bos_token_id";
-const EOS_KEY: &str = "tokenizer.ggml.eos_token_id";
 
 /// The pre-tokenizers kvreplay builds, by their `tokenizer.ggml.pre` name.
 const PRE_TOKENIZERS: &[&str] = &[
