@@ -1190,7 +1190,8 @@ fn kept_masks_are_the_kept_sets() {
         let per_step =
             kept_masks(&trace, &policy, true, kvreplay::replay::Checkpoints::NONE).unwrap();
         assert_eq!(at_end.layers, (0..shape.n_layers).collect::<Vec<_>>());
-        assert_eq!(at_end.budgets, budgets);
+        let per_cache: Vec<usize> = budgets.iter().map(|b| b.per_cache()).collect();
+        assert_eq!(at_end.budgets, per_cache);
         for layer in 0..shape.n_layers {
             for (cache, unit) in kept_sets(&trace, &policy, &budgets, layer)
                 .unwrap()
@@ -1442,7 +1443,8 @@ fn sliding_window_layers_keep_their_window_and_only_global_layers_are_compressed
             (alone_budgets[0], alone_budgets[1]),
             "{name}"
         );
-        assert_eq!((budgets[0], budgets[2], budgets[3]), (6, 6, 6), "{name}");
+        let windows = [0, 2, 3].map(|layer| budgets[layer].per_cache());
+        assert_eq!(windows, [6, 6, 6], "{name}");
         // Memory: the two global layers' caches plus three windows of 6 entries per KV head
         // (decode steps t = 20..25 are all past the window), over 5 layers.
         let global_entries: f64 = ours.layers.iter().map(|l| l.kv_entries).sum();
@@ -1837,4 +1839,114 @@ fn a_stop_within_a_layer_ends_the_replay_before_the_layer_is_done() {
     };
     replay_many(&trace, &policies, go_on).unwrap();
     assert_eq!(layers_done.load(Ordering::Relaxed), 2);
+}
+
+/// The `global` allocator with AdaKV's split without a floor keeps one top-k over every layer's
+/// caches (kvpress's `KVzipPress(layerwise=False)`): KNorm's scores (minus each key's norm,
+/// computed here from the trace's keys) of both layers and both KV heads ranked together, the
+/// protected positions kept apart, ties to the lower layer, cache and position (the fixtures' keys
+/// are multiples of a quarter, so norms tie, across layers too at some cut). With `uniform` each
+/// layer's total is shared evenly.
+#[test]
+fn the_global_allocator_keeps_one_top_k_over_every_layer() {
+    let dir = tempfile::tempdir().unwrap();
+    let shape = Shape::default();
+    let (n, kv) = (shape.prompt_len, shape.n_kv_heads);
+    let global = |heads: &str, budget| PolicyParams {
+        allocator: "global".into(),
+        heads: heads.into(),
+        ..params("knorm", Timing::Prefill, budget)
+    };
+    let prompt_end = |unit: &UnitKept| -> Vec<usize> {
+        let mut kept: Vec<usize> = unit
+            .kept_positions(0, n)
+            .into_iter()
+            .filter(|&p| p < n)
+            .collect();
+        kept.sort_unstable();
+        kept
+    };
+    let mut unequal_totals = 0;
+    let mut ties_across_layers_at_the_cut = 0;
+    for seed in 0..6 {
+        let path = dir.path().join(format!("f{seed}.safetensors"));
+        let layers = write_fixture(&path, shape, seed);
+        let trace = TraceReader::open(&path).unwrap();
+        for budget in [4, 7, 10] {
+            let policy = global("adakv", budget)
+                .with("alpha", 0.0)
+                .with("normalize", false)
+                .check()
+                .unwrap();
+            let (sinks, window) = (policy.params().sinks, policy.params().window);
+            let protected = |j: usize| j < sinks || j + window >= n;
+            let mut entries: Vec<(f64, usize, usize, usize)> = Vec::new();
+            for (layer, (_, k, _)) in layers.iter().enumerate() {
+                for head in 0..kv {
+                    for j in (0..n).filter(|&j| !protected(j)) {
+                        let squares: f64 = k
+                            .slice(ndarray::s![head, j, ..])
+                            .iter()
+                            .map(|&x| (x as f64).powi(2))
+                            .sum();
+                        entries.push((-squares.sqrt(), layer, head, j));
+                    }
+                }
+            }
+            entries.sort_by(|a, b| {
+                b.0.total_cmp(&a.0)
+                    .then((a.1, a.2, a.3).cmp(&(b.1, b.2, b.3)))
+            });
+            let winners = shape.n_layers * kv * (budget - sinks - window);
+            let (last, first_out) = (entries[winners - 1], entries[winners]);
+            ties_across_layers_at_the_cut +=
+                usize::from(last.0 == first_out.0 && last.1 != first_out.1);
+            let always: Vec<usize> = (0..n).filter(|&j| protected(j)).collect();
+            let mut expected = vec![vec![always; kv]; shape.n_layers];
+            for &(_, layer, head, j) in &entries[..winners] {
+                expected[layer][head].push(j);
+            }
+            let budgets = layer_budgets(&trace, &policy).unwrap();
+            let totals: Vec<usize> = budgets.iter().map(|b| b.total()).collect();
+            assert_eq!(totals.iter().sum::<usize>(), shape.n_layers * kv * budget);
+            unequal_totals += usize::from(totals[0] != totals[1]);
+            for (layer, expected) in expected.iter_mut().enumerate() {
+                let kept = kept_sets(&trace, &policy, &budgets, layer).unwrap();
+                for (cache, (unit, expected)) in
+                    kept.kept.iter().zip(expected.iter_mut()).enumerate()
+                {
+                    expected.sort_unstable();
+                    let case = format!("seed {seed} budget {budget} layer {layer} cache {cache}");
+                    assert_eq!(&prompt_end(unit), expected, "{case}");
+                }
+            }
+        }
+    }
+    assert!(
+        unequal_totals > 0 && ties_across_layers_at_the_cut > 0,
+        "{unequal_totals} {ties_across_layers_at_the_cut}"
+    );
+    let path = dir.path().join("f0.safetensors");
+    let trace = TraceReader::open(&path).unwrap();
+    let uniform = global("uniform", 7).check().unwrap();
+    let budgets = layer_budgets(&trace, &uniform).unwrap();
+    for layer in 0..shape.n_layers {
+        let kept = kept_sets(&trace, &uniform, &budgets, layer).unwrap();
+        let sizes: Vec<usize> = kept
+            .kept
+            .iter()
+            .map(|unit| prompt_end(unit).len())
+            .collect();
+        let total = budgets[layer].total();
+        assert_eq!(sizes, vec![total - total / kv, total / kv], "layer {layer}");
+    }
+    let streaming = PolicyParams {
+        timing: Timing::Streaming,
+        ..global("uniform", 7)
+    }
+    .check();
+    assert!(
+        matches!(&streaming, Err(PolicyError::Unsupported { rule, .. }) if rule.contains("--timing prefill")),
+        "{streaming:?}"
+    );
 }

@@ -23,7 +23,7 @@
 //! thread, one cache's scoring buffers (a few per cent of a layer each). Measurements are summed
 //! in one fixed order, so results are bit-identical for any thread count.
 
-use super::allocator::AllocationInput;
+use super::allocator::{AllocationInput, LayerBudget};
 use super::kept::{
     is_one_shot, is_whole_layer, one_shot_kept, one_shot_scores, per_step_kept,
     per_step_layer_kept, reselected_kept, score_prompt, selection_groups,
@@ -239,7 +239,7 @@ fn measure_pass(
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
     let mut profiles = Profiles::default();
-    let (nominal, budgets): (Vec<usize>, Vec<Vec<usize>>) = policies
+    let (nominal, budgets): (Vec<usize>, Vec<Vec<LayerBudget>>) = policies
         .iter()
         .map(|policy| layer_budgets_with_progress(trace, policy, checkpoints, &mut profiles))
         .collect::<Result<Vec<_>, _>>()?
@@ -271,7 +271,8 @@ fn measure_pass(
         let tensors = trace.layer(layer)?;
         let context = context(trace, layer, &tensors);
         let layer_policies: Vec<&ValidPolicy> = here.iter().map(|&index| policies[index]).collect();
-        let layer_budgets: Vec<usize> = here.iter().map(|&index| budgets[index][layer]).collect();
+        let layer_budgets: Vec<LayerBudget> =
+            here.iter().map(|&index| budgets[index][layer]).collect();
         let plan = plans
             .entry(here.clone())
             .or_insert_with(|| Plan::new(&layer_policies));
@@ -315,7 +316,7 @@ fn measure_layer(
     layer: &LayerContext<'_>,
     plan: &Plan<'_>,
     policies: &[&ValidPolicy],
-    budgets: &[usize],
+    budgets: &[LayerBudget],
     spans: &[Span],
     width: usize,
     stop: Stop<'_>,
@@ -342,7 +343,7 @@ fn measure_layer(
     let reports = accumulators
         .into_iter()
         .zip(budgets)
-        .map(|(accumulator, &budget)| accumulator.report(layer, budget, spans))
+        .map(|(accumulator, budget)| accumulator.report(layer, budget.per_cache(), spans))
         .collect();
     Ok((reports, whole_layer))
 }
@@ -393,7 +394,7 @@ fn whole_layer_kept(
     layer: &LayerContext<'_>,
     (plan, stop): (&Plan<'_>, Stop<'_>),
     policies: &[&ValidPolicy],
-    budgets: &[usize],
+    budgets: &[LayerBudget],
     units: &[Vec<Unit>],
     scores: &BTreeMap<&str, Vec<Vec<f32>>>,
 ) -> Result<Vec<Option<Kept>>, PolicyError> {
@@ -406,6 +407,7 @@ fn whole_layer_kept(
                 let scored = &scores[policy.score_key()];
                 Ok(Some(one_shot_kept(layer, units, budget, policy, scored)))
             } else {
+                let budget = budget.per_cache();
                 is_whole_layer(policy)
                     .then(|| per_step_layer_kept(layer, units, budget, policy, plan.single, stop))
                     .transpose()
@@ -420,7 +422,7 @@ struct LayerPass<'a, 'l> {
     layer: &'a LayerContext<'l>,
     plan: &'a Plan<'a>,
     policies: &'a [&'a ValidPolicy],
-    budgets: &'a [usize],
+    budgets: &'a [LayerBudget],
     spans: &'a [Span],
     units: &'a [Vec<Unit>],
     whole_layer: &'a [Option<Kept>],
@@ -463,7 +465,7 @@ impl LayerPass<'_, '_> {
                 .filter(|unit| unit.kv_head == kv_head)
                 .map(|unit| {
                     let group = std::slice::from_ref(unit);
-                    let budget = self.budgets[index];
+                    let budget = self.budgets[index].per_cache();
                     let policy = self.policies[index];
                     let unit_kept = per_step_kept(self.layer, group, budget, policy, self.stop)?;
                     Ok((unit, Cow::Owned(unit_kept), budget))
@@ -562,7 +564,8 @@ impl LayerPass<'_, '_> {
                         Some(kept) => kept
                             .iter()
                             .map(|(unit, unit_kept)| {
-                                (*unit, Cow::Borrowed(unit_kept), budgets[index])
+                                let budget = budgets[index].per_cache();
+                                (*unit, Cow::Borrowed(unit_kept), budget)
                             })
                             .collect(),
                         None => self.group_kept(index, kv_head)?,
@@ -652,7 +655,7 @@ type CachesKept<'u> = Vec<(&'u Unit, UnitKept)>;
 /// per family and cache, one pass of the scorer serves every member's budget.
 fn reselect_families<'u>(
     layer: &LayerContext<'_>,
-    (policies, budgets, stop): (&[&ValidPolicy], &[usize], Stop<'_>),
+    (policies, budgets, stop): (&[&ValidPolicy], &[LayerBudget], Stop<'_>),
     units: &'u [Vec<Unit>],
     kv_head: usize,
     families: &[Vec<usize>],
@@ -661,7 +664,10 @@ fn reselect_families<'u>(
         .par_iter()
         .map(|members| {
             let first = members[0];
-            let member_budgets: Vec<usize> = members.iter().map(|&index| budgets[index]).collect();
+            let member_budgets: Vec<usize> = members
+                .iter()
+                .map(|&index| budgets[index].per_cache())
+                .collect();
             let mut kept: Vec<Vec<(&Unit, UnitKept)>> = vec![Vec::new(); members.len()];
             for unit in units[first].iter().filter(|unit| unit.kv_head == kv_head) {
                 let group = std::slice::from_ref(unit);
@@ -684,7 +690,7 @@ fn reselect_families<'u>(
 pub fn kept_sets(
     trace: &TraceReader,
     policy: &ValidPolicy,
-    budgets: &[usize],
+    budgets: &[LayerBudget],
     layer: usize,
 ) -> Result<Kept, PolicyError> {
     stopping_kept_sets(trace, policy, budgets, layer, NEVER)
@@ -694,7 +700,7 @@ pub fn kept_sets(
 pub(crate) fn stopping_kept_sets(
     trace: &TraceReader,
     policy: &ValidPolicy,
-    budgets: &[usize],
+    budgets: &[LayerBudget],
     layer: usize,
     stop: Stop<'_>,
 ) -> Result<Kept, PolicyError> {
@@ -708,13 +714,16 @@ pub(crate) fn stopping_kept_sets(
         let scored = one_shot_scores(&context, &units, policy, true, stop)?;
         one_shot_kept(&context, &units, budget, policy, &scored)
     } else {
-        per_step_layer_kept(&context, &units, budget, policy, true, stop)?
+        per_step_layer_kept(&context, &units, budget.per_cache(), policy, true, stop)?
     })
 }
 
 /// Per-layer budgets of `policy` on `trace`, after checking that the two fit together; a
 /// sliding-window layer's entry is its window, which it keeps whatever the policy.
-pub fn layer_budgets(trace: &TraceReader, policy: &ValidPolicy) -> Result<Vec<usize>, PolicyError> {
+pub fn layer_budgets(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+) -> Result<Vec<LayerBudget>, PolicyError> {
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
     let (_, budgets) =
@@ -909,37 +918,60 @@ fn layer_budgets_with_progress(
     policy: &ValidPolicy,
     checkpoints: Checkpoints<'_>,
     profiles: &mut Profiles,
-) -> Result<(usize, Vec<usize>), PolicyError> {
+) -> Result<(usize, Vec<LayerBudget>), PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
     let prompt_len = meta.prompt_len;
     let compressed = check_fit(trace, policy)?;
-    let profiles = if policy.allocator.needs_profile() {
+    let allocator = &policy.allocator;
+    let profiles = if allocator.needs_profile() {
         profiles.of(trace, (params.window.max(1), &compressed), checkpoints)?
     } else {
         Vec::new()
     };
-    let mass_curves = if policy.allocator.needs_mass_curves() {
+    let mass_curves = if allocator.needs_mass_curves() {
         for_each_layer(trace, &compressed, checkpoints, &|layer| {
             mass_curve(&layer, policy, checkpoints.stop)
         })?
     } else {
         Vec::new()
     };
+    let (candidates, prompt_scores) = if allocator.needs_prompt_scores() {
+        for_each_layer(trace, &compressed, checkpoints, &|layer| {
+            let units = units(&layer, policy);
+            let scores = one_shot_scores(&layer, &units, policy, true, checkpoints.stop)?;
+            Ok((layer.prompt_cache().collect(), scores))
+        })?
+        .into_iter()
+        .unzip()
+    } else {
+        (Vec::new(), Vec::new())
+    };
     let nominal = nominal_budget(trace, policy)?;
-    let allocated = policy.allocator.allocate(&AllocationInput {
+    let caches = caches_per_layer(meta, params.gqa);
+    let allocated = allocator.allocate(&AllocationInput {
         n_layers: compressed.len(),
         budget: nominal,
         prompt_len,
         protect: params.protection(),
         profiles: &profiles,
         mass_curves: &mass_curves,
+        n_caches: caches,
+        candidates: &candidates,
+        prompt_scores: &prompt_scores,
     })?;
-    let mut budgets: Vec<usize> = (0..meta.n_layers).map(|layer| meta.window(layer)).collect();
-    for (&layer, budget) in compressed.iter().zip(allocated) {
-        if budget < params.protection().tokens() || budget == 0 {
+    let mut budgets: Vec<LayerBudget> = (0..meta.n_layers)
+        .map(|layer| LayerBudget::uniform(meta.window(layer), caches))
+        .collect();
+    let protected = params.protection().tokens();
+    for (&layer, allocated) in compressed.iter().zip(allocated) {
+        let budget = match allocator.gives_totals() {
+            true => LayerBudget::shared(allocated, caches),
+            false => LayerBudget::uniform(allocated, caches),
+        };
+        if budget.total() < protected * caches || budget.total() == 0 {
             return Err(PolicyError::BudgetBelowProtected {
-                budget,
+                budget: budget.per_cache(),
                 sinks: params.sinks,
                 window: params.window,
                 layer: Some(layer),

@@ -3,6 +3,7 @@
 //! eviction from the first token over budget or from the end of the prompt, and re-selection at
 //! every decode step. Under `gqa = layer` the layer's caches choose one kept set together.
 
+use super::allocator::LayerBudget;
 use super::scorer::Scorer;
 use super::select::{ranked_head, select_top};
 use super::stream::{slide_out, start_group, CacheStream};
@@ -114,7 +115,7 @@ pub(crate) fn one_shot_scores(
 pub(crate) fn one_shot_kept(
     layer: &LayerContext<'_>,
     units: &[Unit],
-    budget: usize,
+    budget: LayerBudget,
     policy: &ValidPolicy,
     scored: &[Vec<f32>],
 ) -> Kept {
@@ -122,9 +123,7 @@ pub(crate) fn one_shot_kept(
     let prompt_len = layer.prompt_len;
     let groups = selection_groups(units, policy);
     let prompt: Vec<usize> = layer.prompt_cache().collect();
-    let group_budgets = policy
-        .heads
-        .split(layer, budget, scored, groups.len(), &prompt, protect);
+    let group_budgets = policy.heads.split(layer, budget, scored, &prompt, protect);
     let protected = |position: usize| protect.covers(position, prompt_len);
     let mut kept = Vec::with_capacity(units.len());
     let mut budgets = Vec::with_capacity(units.len());
@@ -136,7 +135,7 @@ pub(crate) fn one_shot_kept(
         }
     }
     Kept {
-        layer_budget: budget,
+        layer_budget: budget.per_cache(),
         units: units.to_vec(),
         budgets,
         kept,

@@ -14,7 +14,8 @@ use ndarray::{ArrayD, IxDyn};
 pub struct KeptMasks {
     /// The compressed layers, in depth order (the first axis of `mask`).
     pub layers: Vec<usize>,
-    /// Each compressed layer's budget.
+    /// Each compressed layer's budget per cache (rounded down where the `global` allocator gives
+    /// a layer a total its caches do not divide; the mask shows what each cache keeps).
     pub budgets: Vec<usize>,
     /// `[layer, cache, position]` over the prompt: kept at the prompt's end (for a policy that
     /// chooses again later, what it keeps when the first decode step attends); or, per step,
@@ -66,7 +67,7 @@ pub fn kept_masks(
         }
     }
     Ok(KeptMasks {
-        budgets: layers.iter().map(|&l| all_budgets[l]).collect(),
+        budgets: layers.iter().map(|&l| all_budgets[l].per_cache()).collect(),
         layers,
         mask,
     })

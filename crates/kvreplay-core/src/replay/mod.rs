@@ -39,7 +39,7 @@ mod storage;
 mod stream;
 mod timing;
 
-pub use allocator::Rounding;
+pub use allocator::{LayerBudget, Rounding};
 pub use engine::{caches_per_layer, units};
 pub use engine::{
     check_fit, compressed_layers, kept_sets, layer_budgets, nominal_budget, protocol_view, replay,

@@ -875,6 +875,12 @@ impl ValidPolicy {
                 rule: "needs a one-shot ranking: use --timing prefill",
             });
         }
+        if self.allocator.needs_prompt_scores() && params.timing != Timing::Prefill {
+            return Err(PolicyError::Unsupported {
+                what: format!("allocator `{}`", params.allocator),
+                rule: "ranks every layer's prompt scores once, at the prompt's end: use --timing prefill",
+            });
+        }
         Ok(self)
     }
 
@@ -907,7 +913,12 @@ impl ValidPolicy {
 
     /// Passes over the trace the allocator needs before the replay (0 or 1).
     pub fn budget_passes(&self) -> usize {
-        usize::from(self.allocator.needs_profile() || self.allocator.needs_mass_curves())
+        let allocator = &self.allocator;
+        usize::from(
+            allocator.needs_profile()
+                || allocator.needs_mass_curves()
+                || allocator.needs_prompt_scores(),
+        )
     }
 
     /// A short name, e.g. `pyramid+snapkv@prefill`, `flat/adakv+snapkv@prefill` with a head

@@ -130,6 +130,9 @@ mod tests {
             },
             profiles: &profiles,
             mass_curves: &[],
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         let cake = Cake {
             tau1: 1.0,

@@ -60,6 +60,9 @@ mod tests {
             },
             profiles: &profiles,
             mass_curves: &[],
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         assert_eq!(Entropy {}.allocate(&input), Ok(vec![146, 54]));
     }

@@ -4,7 +4,9 @@
 //! which the engine computes for it when it asks.
 //!
 //! Budgets count every kept token of a cache, sinks and protected window included (PyramidKV's
-//! `max_capacity_prompt`). Each allocator's mean is the nominal budget unless its method's own
+//! `max_capacity_prompt`). An allocator gives each layer a budget per cache, or, where it ranks
+//! every layer's caches together (`global`), the layer's total over its caches
+//! ([`Allocator::gives_totals`]), which they need not divide: a [`LayerBudget`] either way. Each allocator's mean is the nominal budget unless its method's own
 //! rule differs (the official PyramidKV rounding overshoots); the replay always reports the real
 //! number of tokens kept.
 
@@ -14,6 +16,7 @@ use super::{LayerProfile, MethodFailed, Protection};
 mod cake;
 mod entropy;
 mod flat;
+mod global;
 mod oracle;
 mod pyramid;
 mod pyramid_kvpress;
@@ -28,6 +31,7 @@ crate::registry! {
     entropy::Entropy,
     cake::Cake,
     oracle::Oracle,
+    global::Global,
 }
 
 pub use pyramid::Rounding;
@@ -51,6 +55,15 @@ pub struct AllocationInput<'a> {
     /// Per-layer retained mass against kept prompt tokens, index b = b tokens kept
     /// (when `needs_mass_curves`).
     pub mass_curves: &'a [Vec<f64>],
+    /// The caches of each layer that keep sets of their own (KV heads, query heads, or one per
+    /// layer under `gqa = layer`).
+    pub n_caches: usize,
+    /// Per layer, the positions a whole cache holds at the prompt's end, ascending (the prompt,
+    /// or a sliding-window layer's window; when `needs_prompt_scores`).
+    pub candidates: &'a [Vec<usize>],
+    /// Per layer and cache, the scorer's score of each of `candidates` at the prompt's end: the
+    /// scores a one-shot selection ranks (when `needs_prompt_scores`).
+    pub prompt_scores: &'a [Vec<Vec<f32>>],
 }
 
 impl AllocationInput<'_> {
@@ -85,8 +98,59 @@ pub trait Allocator: Send + Sync {
     fn needs_mass_curves(&self) -> bool {
         false
     }
-    /// Per-layer budgets; only an allocator written outside the library (Python) fails.
+    /// Whether `allocate` reads `candidates` and `prompt_scores` (then the policy must be
+    /// one-shot).
+    fn needs_prompt_scores(&self) -> bool {
+        false
+    }
+    /// Whether `allocate`'s budgets are each layer's total over its `n_caches` caches instead of
+    /// a budget per cache (a one-shot head split then shares the total).
+    fn gives_totals(&self) -> bool {
+        false
+    }
+    /// Per-layer budgets, per cache or ([`gives_totals`](Allocator::gives_totals)) per layer;
+    /// only an allocator written outside the library (Python) fails.
     fn allocate(&self, input: &AllocationInput<'_>) -> Result<Vec<usize>, MethodFailed>;
+}
+
+/// One layer's budget: the tokens its caches keep together. Every allocator but one that ranks
+/// all layers' caches together gives totals the caches divide.
+#[derive(Debug, Clone, Copy, PartialEq, Eq)]
+pub struct LayerBudget {
+    total: usize,
+    caches: usize,
+}
+
+impl LayerBudget {
+    /// `per_cache` tokens for each of `caches` caches.
+    pub fn uniform(per_cache: usize, caches: usize) -> Self {
+        Self {
+            total: per_cache * caches,
+            caches,
+        }
+    }
+
+    /// `total` tokens shared by `caches` caches.
+    pub fn shared(total: usize, caches: usize) -> Self {
+        Self { total, caches }
+    }
+
+    /// The tokens the layer's caches keep together.
+    pub fn total(self) -> usize {
+        self.total
+    }
+
+    /// The caches that share it.
+    pub fn caches(self) -> usize {
+        self.caches
+    }
+
+    /// The budget of one cache: the total over the caches, rounded down where they do not divide
+    /// it (a one-shot head split gives the rest out; every other timing is given budgets the
+    /// caches divide).
+    pub fn per_cache(self) -> usize {
+        self.total / self.caches.max(1)
+    }
 }
 
 /// `value` must be a positive finite number.

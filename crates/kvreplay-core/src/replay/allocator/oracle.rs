@@ -92,6 +92,9 @@ mod tests {
             },
             profiles: &[],
             mass_curves: &curves,
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         assert_eq!(Oracle {}.allocate(&input), Ok(vec![4, 2]));
     }
@@ -115,6 +118,9 @@ mod tests {
             },
             profiles: &[],
             mass_curves: &curves,
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         assert_eq!(Oracle {}.allocate(&input), Ok(vec![2, 2]));
         assert_eq!(

@@ -97,6 +97,9 @@ mod tests {
             },
             profiles: &[],
             mass_curves: &[],
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         Pyramid {
             beta: 20.0,

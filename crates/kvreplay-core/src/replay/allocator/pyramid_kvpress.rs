@@ -74,6 +74,9 @@ mod tests {
             protect: crate::replay::Protection { sinks: 0, window },
             profiles: &[],
             mass_curves: &[],
+            n_caches: 1,
+            candidates: &[],
+            prompt_scores: &[],
         };
         PyramidKvpress { beta }
             .allocate(&input)

@@ -9,6 +9,7 @@
 //! position. torch.round rounds half to even, and so does this.
 
 use super::HeadSplit;
+use crate::replay::allocator::LayerBudget;
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection};
 
@@ -37,15 +38,15 @@ impl HeadSplit for AdaKv {
     fn split(
         &self,
         _layer: &LayerContext<'_>,
-        cap: usize,
+        budget: LayerBudget,
         scores: &[Vec<f32>],
-        _n_caches: usize,
         candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
         let prompt_len = candidates.last().map_or(0, |&last| last + 1);
         let protected = protect.tokens();
-        let selectable = cap.saturating_sub(protected);
+        let selectable = budget.per_cache().saturating_sub(protected);
+        let competing_total = budget.total().saturating_sub(protected * budget.caches());
         let floor = (selectable as f64 * self.alpha) as usize;
         let competing = |unit_scores: &[f32]| -> Vec<(usize, f32)> {
             let mut entries: Vec<(usize, f32)> = candidates
@@ -73,7 +74,7 @@ impl HeadSplit for AdaKv {
             .collect();
         all.sort_by(|a, b| b.0.total_cmp(&a.0).then(a.1.cmp(&b.1)).then(a.2.cmp(&b.2)));
         let mut counts = vec![0usize; scores.len()];
-        for (_, unit, _) in all.iter().take(scores.len() * selectable) {
+        for (_, unit, _) in all.iter().take(competing_total) {
             counts[*unit] += 1;
         }
         counts
@@ -120,12 +121,24 @@ mod tests {
             normalize: false,
         };
         assert_eq!(
-            plain(0.2).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none),
+            plain(0.2).split(
+                &layer,
+                LayerBudget::uniform(3, 2),
+                &scores,
+                &[0, 1, 2, 3, 4, 5],
+                none
+            ),
             vec![3, 2]
         );
         // With alpha 1 every cache gets exactly the floor: B.
         assert_eq!(
-            plain(1.0).split(&layer, 3, &scores, 2, &[0, 1, 2, 3, 4, 5], none),
+            plain(1.0).split(
+                &layer,
+                LayerBudget::uniform(3, 2),
+                &scores,
+                &[0, 1, 2, 3, 4, 5],
+                none
+            ),
             vec![3, 3]
         );
     }
@@ -148,7 +161,13 @@ mod tests {
                 alpha: 0.0,
                 normalize,
             }
-            .split(&layer, 1, &scores, 2, &[0, 1, 2, 3], Protection::default())
+            .split(
+                &layer,
+                LayerBudget::uniform(1, 2),
+                &scores,
+                &[0, 1, 2, 3],
+                Protection::default(),
+            )
         };
         assert_eq!(split(true), vec![1, 1]);
         assert_eq!(split(false), vec![2, 0]);

@@ -23,6 +23,7 @@
 
 use super::HeadSplit;
 use crate::attention::softmax_f64;
+use crate::replay::allocator::LayerBudget;
 use crate::replay::rotary::{rotate, Rotary};
 use crate::replay::settings::Broken;
 use crate::replay::{LayerContext, Protection};
@@ -165,12 +166,12 @@ impl HeadSplit for Duo {
     fn split(
         &self,
         layer: &LayerContext<'_>,
-        budget: usize,
+        budget: LayerBudget,
         _scores: &[Vec<f32>],
-        n_caches: usize,
         _candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
+        let n_caches = budget.caches();
         let heads = (layer.q.shape()[0], layer.k.shape()[0], layer.q.shape()[2]);
         let calibrated = self.calibrated_for(heads);
         let streaming = calibrated.streaming(protect, self.head_compression_ratio);
@@ -178,7 +179,7 @@ impl HeadSplit for Duo {
             .into_iter()
             .map(|streams| match streams {
                 true => protect.tokens(),
-                false => budget,
+                false => budget.per_cache(),
             })
             .collect()
     }

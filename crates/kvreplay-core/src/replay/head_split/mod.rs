@@ -3,6 +3,7 @@
 //! (the scorer's ranking at the end of the prompt) and the policy's protection; it never ranks
 //! tokens itself. Splits that read scores are one-shot: they run at the end of the prompt.
 
+use super::allocator::LayerBudget;
 use super::settings::Broken;
 use super::{LayerContext, Protection};
 use crate::trace::TraceMeta;
@@ -58,16 +59,16 @@ pub trait HeadSplit: Send + Sync {
     ) -> f64 {
         0.0
     }
-    /// Each cache's budget in layer `layer`, given the layer's `budget`, one score per candidate
-    /// position per cache (empty when `needs_scores` is false), the candidates (the positions a
-    /// whole cache holds at the prompt's end, ascending: the prompt, or a sliding-window layer's
-    /// window) and the protection.
+    /// Each cache's budget in layer `layer`, given the layer's `budget` (its total over its
+    /// caches, which they need not divide where the allocator ranks every layer's caches
+    /// together), one score per candidate position per cache (empty when `needs_scores` is
+    /// false), the candidates (the positions a whole cache holds at the prompt's end, ascending:
+    /// the prompt, or a sliding-window layer's window) and the protection.
     fn split(
         &self,
         layer: &LayerContext<'_>,
-        budget: usize,
+        budget: LayerBudget,
         scores: &[Vec<f32>],
-        n_caches: usize,
         candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize>;

@@ -10,6 +10,7 @@
 //! protect at least one position, or a cache could keep nothing.
 
 use super::HeadSplit;
+use crate::replay::allocator::LayerBudget;
 use crate::replay::{LayerContext, Protection};
 
 crate::settings! {
@@ -34,12 +35,12 @@ impl HeadSplit for Threshold {
     fn split(
         &self,
         _layer: &LayerContext<'_>,
-        cap: usize,
+        budget: LayerBudget,
         scores: &[Vec<f32>],
-        _n_caches: usize,
         candidates: &[usize],
         protect: Protection,
     ) -> Vec<usize> {
+        let cap = budget.per_cache();
         let prompt_len = candidates.last().map_or(0, |&last| last + 1);
         scores
             .iter()
@@ -84,7 +85,13 @@ mod tests {
         );
         let layer = crate::replay::scorer::testing::context(&q, &k, 6);
         let split = |threshold, cap| {
-            Threshold { threshold }.split(&layer, cap, &scores, 2, &[0, 1, 2, 3, 4, 5], window)
+            Threshold { threshold }.split(
+                &layer,
+                LayerBudget::uniform(cap, 2),
+                &scores,
+                &[0, 1, 2, 3, 4, 5],
+                window,
+            )
         };
         assert_eq!(split(0.4, 64), vec![4, 2]);
         // A score equal to the threshold stays (DMS evicts `scores < threshold`).
