@@ -465,13 +465,16 @@ def policy(press):
       ``merge="cam"`` and its ``merge_budget`` (kvreplay draws CaM's Bernoulli merges from
       ``merge_seed``, kvpress from torch's global generator; a press that reads values scores the
       values as captured, not as CaM's merges left them).
-    - ``KVzipPress(layerwise=True, n_sink)``: the ``kvzip`` scorer (its scores come from the
+    - ``KVzipPress(layerwise, n_sink)``: the ``kvzip`` scorer (its scores come from the
       reconstruction pass a recipe with ``reconstruction = "kvzip"`` records, chunked as the
       recipe's ``reconstruction_chunk``, kvpress's ``chunk_size``), one top-k per layer over its
-      heads (``heads="adakv"``, ``alpha=0``, no normalisation), the press's ``n_sink`` as
-      ``sinks``, no window. The pass runs where the question starts: replay with
-      ``protocol="question-agnostic"`` a prompt that has one. ``layerwise=False`` (one top-k over
-      every layer) and ``kvzip_plus_normalization`` raise :class:`KvreplayError`.
+      heads (``heads="adakv"``, ``alpha=0``, no normalisation), under the press's default
+      ``layerwise=False`` after one top-k over every layer (``allocator="global"``), the press's
+      ``n_sink`` as ``sinks``, no window. The pass runs where the question starts: replay with
+      ``protocol="question-agnostic"`` a prompt that has one. kvpress prunes
+      ``int(numel * compression_ratio)`` entries of all layers together (or of each layer);
+      kvreplay keeps ``budget`` per cache on average, so give the budget that leaves the same
+      count. ``kvzip_plus_normalization`` raises :class:`KvreplayError`.
 
     A decoding press over ``AdaKVPress``, another wrapper, a press that selects in its own
     ``compress`` (``PyramidKVPress``) or a press that scores a whole layer at once
@@ -521,19 +524,15 @@ def policy(press):
 
 
 def _kvzip(press):
-    """`KVzipPress` with one top-k per layer: the `kvzip` scorer under AdaKV's split without a
-    floor."""
-    if not press.layerwise:
-        raise KvreplayError(
-            "kvpress:KVzipPress with layerwise=False ranks every layer's keys in one top-k, which no kvreplay allocator does yet: "
-            "use layerwise=True (one top-k per layer over its heads)"
-        )
+    """`KVzipPress`: the `kvzip` scorer under AdaKV's split without a floor, after one top-k over
+    every layer unless `layerwise`."""
     if press.kvzip_plus_normalization:
         raise KvreplayError(
             "kvpress:KVzipPress with kvzip_plus_normalization weighs the reconstruction pass by its hidden states and W_O V, which traces do not record: "
             "use kvzip_plus_normalization=False"
         )
-    return {"scorer": "kvzip", "heads": "adakv", "alpha": 0.0, "normalize": False, "sinks": int(press.n_sink), "window": 0}
+    settings = {"scorer": "kvzip", "heads": "adakv", "alpha": 0.0, "normalize": False, "sinks": int(press.n_sink), "window": 0}
+    return settings if press.layerwise else {**settings, "allocator": "global"}
 
 
 def _schedule(press):

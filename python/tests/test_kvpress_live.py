@@ -224,7 +224,8 @@ def kvzip_live(kvpress_python, kvzip_trace, tmp_path_factory):
     np.save(work / "tokens.npy", kvzip_trace.tokens[:cut])
     script = ROOT / "tests" / "reference" / "kvpress_live.py"
     env = {**os.environ, "KVPRESS_PATH": str(KVPRESS), "TQDM_DISABLE": "1", "HF_HUB_DISABLE_PROGRESS_BARS": "1"}
-    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(work / "tokens.npy"), str(BUDGET), str(work / "live.npz"), "KVzipPress"]
+    presses = ["KVzipPress", kvpress_live.KVZIP_GLOBAL]
+    args = [str(kvpress_python), str(script), str(GGUF.parent), GGUF.name, str(work / "tokens.npy"), str(BUDGET), str(work / "live.npz"), *presses]
     subprocess.run(args, check=True, env=env, capture_output=True)
     return dict(np.load(work / "live.npz"))
 
@@ -260,9 +261,36 @@ def untied_layerwise(ours, theirs, scores, tolerance=1e-6):
     return found
 
 
+def test_kvzip_over_every_layer_keeps_what_kvpress_keeps_live(kvzip_live, kvzip_trace):
+    """`layerwise=False`, kvpress's default: one top-k over every layer's caches, then one per
+    layer over its heads; the layers' totals differ and need not divide by the KV heads."""
+    settings = policy(kvzip_press(layerwise=False))
+    assert settings["allocator"] == "global"
+    ours = kvreplay.kept(kvzip_trace, budget=BUDGET, protocol="question-agnostic", **settings)["mask"]
+    theirs = kvzip_live[f"{kvpress_live.KVZIP_GLOBAL}.kept"]
+    ours = ours.reshape(theirs.shape)
+    totals = theirs.sum(axis=(1, 2))
+    assert len(set(totals.tolist())) > 1, "kvpress gave every layer the same total"
+    assert totals.sum() == theirs.shape[0] * theirs.shape[1] * BUDGET
+    differ = untied_globally(ours, theirs, kvzip_live["KVzipPress.scores"])
+    caches = (ours == theirs).all(axis=-1).sum()
+    print(f"\nKVzipPress(layerwise=False): {caches} of {theirs.shape[0] * theirs.shape[1]} caches identical, {(ours & theirs).sum() / theirs.sum():.4%} of kept positions, layer totals {totals.min()}..{totals.max()}; beyond ties: {differ}")
+    assert differ == []
+
+
+def untied_globally(ours, theirs, scores, sinks=4, tolerance=1e-6):
+    """One top-k over every layer: the positions where the kept sets differ and the live score is
+    not within `tolerance` (relative) of the live boundary over all layers (the sinks, which
+    kvpress raises above everything, left out of it)."""
+    boundary = scores[:, :, sinks:][theirs[:, :, sinks:]].min()
+    return [
+        (int(layer), int(head), int(position), float(scores[layer, head, position] - boundary))
+        for layer, head, position in zip(*np.nonzero(ours != theirs))
+        if abs(scores[layer, head, position] - boundary) > tolerance * boundary
+    ]
+
+
 def test_kvzip_settings_it_cannot_replay_say_why():
-    with pytest.raises(kvreplay.KvreplayError, match="layerwise=True"):
-        policy(kvzip_press(layerwise=False))
     with pytest.raises(kvreplay.KvreplayError, match="kvzip_plus_normalization=False"):
         policy(kvzip_press(kvzip_plus_normalization=True))
 

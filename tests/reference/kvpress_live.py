@@ -73,9 +73,11 @@ SEED = 0
 
 # KVzipPress is no ScorerPress: after the prefill it scores by a reconstruction pass and masks
 # the keys it evicts instead of removing them (`compress_post`), one top-k per layer with
-# `layerwise`; its chunk size is the recipe's `reconstruction_chunk`
+# `layerwise`, or one over every layer first under its default `layerwise=False` (asked for as
+# `KVzipPress-global`); its chunk size is the recipe's `reconstruction_chunk`
 # (python/tests/test_kvpress_live.py).
 KVZIP = {"KVzipPress": ("kvzip_press", {"layerwise": True, "chunk_size": 256})}
+KVZIP_GLOBAL = "KVzipPress-global"
 
 
 def build(name, budget, n):
@@ -168,10 +170,11 @@ class GivenTokenizer:
         return self.tokenizer
 
 
-def kvzip(model, tokenizer, ids, budget):
+def kvzip(model, tokenizer, ids, budget, layerwise=True):
     """KVzipPress run live on `ids` (the context, its cut), set to keep `budget` tokens per KV
     head on average in every layer (`n_pruned = int(kv * n * ratio)` per layer, kvzip_press.py
-    lines 345-347): the kept mask [layers, kv_heads, n] read from the indices it masks, and its
+    lines 381-382) or, not `layerwise`, over all layers together (`int(layers * kv * n * ratio)`,
+    lines 384-387): the kept mask [layers, kv_heads, n] read from the indices it masks, and its
     scores before the sinks are raised (`score_val`, read just before `compress_post` uses it).
     Every forward runs eager; `compress_post` asserts a non-eager implementation, for the
     attention patch that later reads its masks, so it is shown `sdpa` while it runs."""
@@ -179,7 +182,9 @@ def kvzip(model, tokenizer, ids, budget):
     module = importlib.import_module(f"kvpress.presses.{module_name}")
     module.AutoTokenizer = GivenTokenizer(tokenizer)
     kv, n = model.config.num_key_value_heads, ids.shape[1]
-    press = module.KVzipPress(compression_ratio=(kv * (n - budget) + 0.5) / (kv * n), **arguments)
+    caches = kv if layerwise else kv * model.config.num_hidden_layers
+    ratio = (caches * (n - budget) + 0.5) / (caches * n)
+    press = module.KVzipPress(compression_ratio=ratio, **{**arguments, "layerwise": layerwise})
     seen = {}
     own = press.compress_post
 
@@ -214,6 +219,10 @@ def main():
         names.remove("KVzipPress")
         tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
         found["KVzipPress.kept"], found["KVzipPress.scores"] = kvzip(model, tokenizer, ids, int(budget))
+    if KVZIP_GLOBAL in names:
+        names.remove(KVZIP_GLOBAL)
+        tokenizer = AutoTokenizer.from_pretrained(model_dir, gguf_file=gguf)
+        found[f"{KVZIP_GLOBAL}.kept"], _ = kvzip(model, tokenizer, ids, int(budget), layerwise=False)
     for name in names:
         press = build(name, int(budget), n)
         scores = {}

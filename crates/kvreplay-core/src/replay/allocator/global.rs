@@ -1,6 +1,6 @@
 //! `global`: one top-k over every compressed layer's caches, the layer budgets of kvpress 0.5.5's
 //! `KVzipPress` under its default `layerwise = False` (`kvpress/presses/kvzip_press.py`,
-//! `compress_post` lines 383-387: the `int(numel * ratio)` lowest scores of all layers are pruned,
+//! `compress_post` lines 384-387: the `int(numel * ratio)` lowest scores of all layers are pruned,
 //! counted per layer) and of Layer-DefensiveKV (github.com/FFY0/DefensiveKV, commit c278cd0,
 //! `kvpress/presses/efficient_ada_global_scorer_press.py`, `EfficientAdaGlobalScorerPress.compress`:
 //! the top `int(n * (1 - ratio) * kv_heads * layers)` of the stacked scores, counted per layer).
