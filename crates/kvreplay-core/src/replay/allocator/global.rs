@@ -1,9 +1,12 @@
 //! `global`: one top-k over every compressed layer's caches, the layer budgets of kvpress 0.5.5's
 //! `KVzipPress` under its default `layerwise = False` (`kvpress/presses/kvzip_press.py`,
 //! `compress_post` lines 384-387: the `int(numel * ratio)` lowest scores of all layers are pruned,
-//! counted per layer) and of Layer-DefensiveKV (github.com/FFY0/DefensiveKV, commit c278cd0,
-//! `kvpress/presses/efficient_ada_global_scorer_press.py`, `EfficientAdaGlobalScorerPress.compress`:
-//! the top `int(n * (1 - ratio) * kv_heads * layers)` of the stacked scores, counted per layer).
+//! counted per layer) and of DefensiveKV's global press (github.com/FFY0/DefensiveKV, commit
+//! c278cd0, `kvpress/presses/efficient_ada_global_scorer_press.py`,
+//! `EfficientAdaGlobalScorerPress.compress`: the top `int(n * (1 - ratio) * kv_heads * layers)` of
+//! the stacked scores, counted per layer; its Layer-DefensiveKV scores its window and stage 1 at
+//! the layer's largest score, where the `defensivekv` scorer ranks them above everything, so that
+//! pair is not replayed exactly).
 //! Every cache's scores at the prompt's end compete together, each layer's total is the number of
 //! its entries among the best `L * caches * (budget - protected)`, plus its caches' protected
 //! tokens (the sinks and window, which the official codes score above everything). A one-shot head
@@ -20,8 +23,8 @@ use crate::replay::MethodFailed;
 
 crate::settings! {
     /// One top-k over every compressed layer's caches: a layer keeps what its caches' prompt
-    /// scores win against every other layer's (kvpress `KVzipPress(layerwise=False)`,
-    /// Layer-DefensiveKV). Prefill timing; pair with `heads = adakv`, `alpha = 0`.
+    /// scores win against every other layer's (kvpress `KVzipPress(layerwise=False)`). Prefill
+    /// timing; pair with `heads = adakv`, `alpha = 0`, `normalize = false`.
     pub struct Global = "global" {}
 }
 

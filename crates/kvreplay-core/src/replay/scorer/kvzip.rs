@@ -13,9 +13,9 @@
 //! One-shot, at the cut the pass was run at: the trace's header names it, and a replay cutting
 //! elsewhere is refused. A live run records the pass with its full run when its recipe asks for
 //! one, so the policy runs live too. KVzip+'s normalisation (`kvzip_plus_normalization`) and the official
-//! repository's head-level scores are not replayed; kvpress's default layer-adaptive budget
-//! (`layerwise = False`, one top-k over all layers) has no allocator yet: `layerwise = True`
-//! is `flat` with `heads = adakv`, `alpha = 0`, `normalize = false` (docs/policies.md).
+//! repository's head-level scores are not replayed. kvpress's `layerwise = True` is `flat` with
+//! `heads = adakv`, `alpha = 0`, `normalize = false`; its default `layerwise = False` (one top-k
+//! over all layers first) is the same with `allocator = global` (docs/policies.md).
 
 use super::Scored;
 use super::{ScoreState, Scorer, Started};
