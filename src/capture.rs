@@ -753,8 +753,9 @@ fn trace_meta(
     extra.insert(
         "source".into(),
         format!(
-            "kvreplay {} native capture (candle f32, weights dequantised at load); recipe {}; prefill chunk {}; storage {:?}",
+            "kvreplay {} {}; recipe {}; prefill chunk {}; storage {:?}",
             env!("CARGO_PKG_VERSION"),
+            spec.engine,
             options.recipe_name,
             options.chunk,
             options.storage

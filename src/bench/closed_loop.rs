@@ -392,6 +392,7 @@ mod tests {
             rope_theta: None,
             rope_thetas: Vec::new(),
             windows: vec![0, 2],
+            engine: crate::model::F32_ENGINE.into(),
         };
         let weights = WeightProducts {
             blocks: 10,

@@ -168,6 +168,7 @@ mod tests {
             rope_theta: None,
             rope_thetas: Vec::new(),
             windows: vec![0, 2],
+            engine: crate::model::F32_ENGINE.into(),
         };
         // A position is a key and a value of 2 f32 per KV head: 16 bytes. Five positions: the
         // global layer holds 5, the windowed one 2.

@@ -35,7 +35,16 @@ pub struct ModelSpec {
     /// Per layer, the attention window (the most recent positions a query attends over, its own
     /// included); 0 for global attention.
     pub windows: Vec<usize>,
+    /// What computes it, as a trace's `source` names it: [`F32_ENGINE`], [`QUANTIZED_ENGINE`], or
+    /// transformers with its versions, dtype and device.
+    pub engine: String,
 }
+
+/// The native model with every weight dequantised to f32 at load.
+pub const F32_ENGINE: &str = "native capture (candle f32, weights dequantised at load)";
+
+/// The native model holding its quantized weights as the GGUF stores them.
+pub const QUANTIZED_ENGINE: &str = "native capture (candle f32 activations, weights held quantized as the GGUF stores them, each product on activations quantized to 8 bits)";
 
 /// The multiply-adds of a model's weight products for one token.
 #[derive(Debug, Clone, Copy, PartialEq, Eq)]

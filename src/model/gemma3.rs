@@ -19,7 +19,7 @@ use super::batch::{
     product_spans, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
 };
 use super::cached_attention::LayerAttention;
-use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts};
+use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts, F32_ENGINE};
 use super::gated::{gated, Activation};
 use super::gguf::GgufFile;
 use super::llama::transposed;
@@ -146,6 +146,7 @@ impl Gemma3 {
                 })
                 .collect(),
             windows,
+            engine: F32_ENGINE.into(),
         };
         Ok(Self {
             embedding,

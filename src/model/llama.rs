@@ -9,6 +9,7 @@ use super::batch::{
 };
 use super::cached_attention::LayerAttention;
 use super::causal_lm::{check_rows, CausalLm, ModelSpec, Row, WeightProducts};
+use super::causal_lm::{F32_ENGINE, QUANTIZED_ENGINE};
 use super::gated::{gated, Activation};
 use super::gguf::{unpermute_quantized_rows, unpermute_rows, GgufFile};
 use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_heads, RotaryTables};
@@ -186,6 +187,11 @@ impl Llama {
             rope_theta,
             rope_thetas: Vec::new(),
             windows: vec![0; config.n_layers],
+            engine: match quantized {
+                true => QUANTIZED_ENGINE,
+                false => F32_ENGINE,
+            }
+            .into(),
         };
         Ok(Self {
             output,

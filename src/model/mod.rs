@@ -49,7 +49,9 @@ mod tokenizer;
 mod weight;
 
 pub(crate) use causal_lm::argmax;
-pub use causal_lm::{CausalLm, Entry, KvCache, ModelSpec, Row, WeightProducts};
+pub use causal_lm::{
+    CausalLm, Entry, KvCache, ModelSpec, Row, WeightProducts, F32_ENGINE, QUANTIZED_ENGINE,
+};
 pub use chat_template::{ChatMessage, ChatTemplate};
 pub use error::ModelError;
 pub use gguf::LlamaConfig;

@@ -109,6 +109,18 @@ fn check_family(native: &dyn CausalLm, gguf: &Path, recipe: &str) {
     let ours = recording(native, &built, &dir.path().join("native.safetensors"));
     let theirs = recording(&hf, &built, &dir.path().join("hf.safetensors"));
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
+    // Each trace names what computed it.
+    let source = |trace: &TraceReader| trace.meta().extra["source"].clone();
+    assert!(
+        source(&ours).contains(kvreplay::model::F32_ENGINE),
+        "{}",
+        source(&ours)
+    );
+    assert!(
+        source(&theirs).contains(" transformers ") && source(&theirs).contains("f32 on cpu"),
+        "{}",
+        source(&theirs)
+    );
     let policies = policies();
     for policy in &policies {
         let kept = |trace: &TraceReader| {

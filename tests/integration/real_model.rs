@@ -159,6 +159,9 @@ fn answers_the_capital_of_france() {
 #[test]
 fn held_quantized_it_runs_as_on_the_f32_path() {
     let quantized = Llama::load_quantized(&assets().model_path()).unwrap();
+    // A trace's `source` says which path computed it.
+    assert_eq!(quantized.spec().engine, kvreplay::model::QUANTIZED_ENGINE);
+    assert_eq!(model().spec().engine, kvreplay::model::F32_ENGINE);
     let chat = common::chat_text(model().tokenizer(), "What is the capital of France?");
     let prompt = model()
         .tokenizer()

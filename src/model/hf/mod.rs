@@ -84,6 +84,10 @@ impl HfModel {
             rope_theta: ready["rope_theta"].as_f64().map(|v| v as f32),
             rope_thetas: floats("rope_thetas").iter().map(|&v| v as f32).collect(),
             windows: floats("windows").iter().map(|&w| w as usize).collect(),
+            engine: ready["engine"]
+                .as_str()
+                .ok_or_else(|| malformed("engine"))?
+                .to_owned(),
         };
         let stop = ready["stop"].as_u64().ok_or_else(|| malformed("stop"))? as u32;
         let tokenizer = HfTokenizer {

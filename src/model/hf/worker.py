@@ -150,6 +150,7 @@ def main():
     dtype_name = os.environ.get("KVREPLAY_HF_DTYPE", "f32")
     try:
         import torch
+        import transformers
         from transformers import AttentionInterface, AutoModelForCausalLM, AutoTokenizer
         from transformers.masking_utils import AttentionMaskInterface
     except ImportError as err:
@@ -171,7 +172,8 @@ def main():
             WINDOWS[module.layer_idx] = int(getattr(module, "sliding_window", None) or 0)
         if not WINDOWS:
             raise Refused(f"an attention implementation kvreplay cannot hook ({type(model).__name__} has no attention module with `layer_idx` and `scaling`)")
-        send(dict(describe(model, tokenizer), op="ready"))
+        engine = f"transformers {transformers.__version__} capture (torch {torch.__version__}, {dtype_name} on {device})"
+        send(dict(describe(model, tokenizer), op="ready", engine=engine))
     except Refused as err:
         send({"op": "error", "message": f"this model uses {err}, which kvreplay cannot run faithfully yet"})
         return
