@@ -783,6 +783,39 @@ fn bad_parameters_exit_2_with_the_rule() {
     }
 }
 
+/// A method's boolean setting is given as `true` or `false` on the command line (it was read as
+/// text and refused), as docs/policies.md writes KVzip's settings.
+#[test]
+fn boolean_settings_are_given_as_flags() {
+    let dir = fixture();
+    let replay = |normalize: &str| {
+        let args = [
+            "replay",
+            "fixture.safetensors",
+            "--allocator",
+            "global",
+            "--heads",
+            "adakv",
+            "--alpha",
+            "0",
+            "--normalize",
+            normalize,
+        ];
+        kvreplay(&dir).args(args).assert()
+    };
+    let ran = replay("false").success().get_output().stdout.clone();
+    assert!(
+        String::from_utf8(ran)
+            .unwrap()
+            .contains("global/adakv+snapkv@prefill"),
+        "the policy's label"
+    );
+    replay("true").success();
+    replay("maybe")
+        .code(2)
+        .stderr(contains("setting `normalize` = maybe: expected a boolean"));
+}
+
 #[test]
 fn bad_traces_exit_2_naming_the_file() {
     let dir = fixture();

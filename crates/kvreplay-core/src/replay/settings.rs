@@ -152,8 +152,11 @@ fn expected(message: &str) -> String {
 }
 
 /// A setting given on the command line, as a config value: a number where it reads as one
-/// (integers stay integers), else the text.
+/// (integers stay integers), `true` or `false` a boolean, else the text.
 pub fn from_flag(text: &str) -> Value {
+    if let Ok(flag) = text.parse::<bool>() {
+        return Value::from(flag);
+    }
     if let Ok(integer) = text.parse::<u64>() {
         return Value::from(integer);
     }
@@ -386,5 +389,7 @@ mod tests {
         assert_eq!(from_flag("2.5"), Value::from(2.5));
         assert_eq!(from_flag("max"), Value::from("max"));
         assert_eq!(from_flag("inf"), Value::from("inf"));
+        assert_eq!(from_flag("false"), Value::from(false));
+        assert_eq!(from_flag("true"), Value::from(true));
     }
 }
