@@ -221,8 +221,9 @@ pub fn compare(
 
 /// A policy's kept sets as boolean masks, with the keyword arguments of `replay`.
 ///
-/// Returns a dict: `layers` (the compressed layers, in order), `budgets` (each one's budget) and
-/// `mask`: `[layer, cache, position]` over the prompt (True: kept at the prompt's end; for a
+/// Returns a dict: `layers` (the compressed layers, in order), `budgets` (each one's budget per
+/// cache, rounded down where the `global` allocator gives a layer a total its caches do not
+/// divide), `totals` (each one's budget over its caches together) and `mask`: `[layer, cache, position]` over the prompt (True: kept at the prompt's end; for a
 /// policy that chooses again later, what it keeps when the first decode step attends), or with
 /// `steps=True`, `[layer, cache, step, position]` over every position, one kept set per decode
 /// step.
@@ -245,6 +246,7 @@ pub fn kept<'py>(
     result.set_item("mask", kept.mask.into_pyarray(py))?;
     result.set_item("layers", kept.layers)?;
     result.set_item("budgets", kept.budgets)?;
+    result.set_item("totals", kept.totals)?;
     result.set_item("policy", policy.name)?;
     Ok(result)
 }

@@ -271,6 +271,7 @@ def test_kvzip_over_every_layer_keeps_what_kvpress_keeps_live(kvzip_live, kvzip_
     ours = ours.reshape(theirs.shape)
     totals = theirs.sum(axis=(1, 2))
     assert len(set(totals.tolist())) > 1, "kvpress gave every layer the same total"
+    assert kvreplay.kept(kvzip_trace, budget=BUDGET, protocol="question-agnostic", **settings)["totals"] == totals.tolist()
     assert totals.sum() == theirs.shape[0] * theirs.shape[1] * BUDGET
     differ = untied_globally(ours, theirs, kvzip_live["KVzipPress.scores"])
     caches = (ours == theirs).all(axis=-1).sum()

@@ -133,11 +133,19 @@ def test_layer_and_sample_frames(trace):
     assert layers["kv_bytes"].mean() == pytest.approx(results.runs["kv_bytes"][0], rel=1e-12)
 
 
+def test_one_top_k_over_every_layer_gives_layers_totals(trace):
+    kept = kvreplay.kept(trace, budget=64, scorer="knorm", allocator="global", heads="adakv", alpha=0.0, normalize=False)
+    totals, caches = kept["totals"], kept["mask"].shape[1]
+    assert sum(totals) == 30 * caches * 64 and len(set(totals)) > 1
+    assert kept["mask"].sum(axis=(1, 2)).tolist() == totals
+    assert kept["budgets"] == [total // caches for total in totals]
+
+
 def test_kept_masks(trace):
     kept = kvreplay.kept(trace, preset="snapkv", budget=64)
     mask = kept["mask"]
     assert mask.shape == (30, 9, trace.prompt_len)  # snapkv's preset keeps one set per query head
-    assert kept["layers"] == list(range(30)) and kept["budgets"] == [64] * 30
+    assert kept["layers"] == list(range(30)) and kept["budgets"] == [64] * 30 and kept["totals"] == [9 * 64] * 30
     assert (mask.sum(axis=-1) == 64).all()
     assert mask[:, :, -8:].all()  # the observation window is protected
     streaming = kvreplay.kept(trace, preset="streamingllm", budget=32, steps=True)["mask"]

@@ -17,6 +17,8 @@ pub struct KeptMasks {
     /// Each compressed layer's budget per cache (rounded down where the `global` allocator gives
     /// a layer a total its caches do not divide; the mask shows what each cache keeps).
     pub budgets: Vec<usize>,
+    /// Each compressed layer's budget as the tokens its caches keep together.
+    pub totals: Vec<usize>,
     /// `[layer, cache, position]` over the prompt: kept at the prompt's end (for a policy that
     /// chooses again later, what it keeps when the first decode step attends); or, per step,
     /// `[layer, cache, step, position]` over every position.
@@ -68,6 +70,7 @@ pub fn kept_masks(
     }
     Ok(KeptMasks {
         budgets: layers.iter().map(|&l| all_budgets[l].per_cache()).collect(),
+        totals: layers.iter().map(|&l| all_budgets[l].total()).collect(),
         layers,
         mask,
     })
