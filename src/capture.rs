@@ -86,6 +86,12 @@ pub fn load_model(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> 
     Ok(family::load(&model_file(name)?)?)
 }
 
+/// [`load_model`] for a native model, its weights held as its GGUF stores them whatever their size
+/// (the path a model above 8 GB as f32 takes).
+pub fn load_model_quantized(name: &str) -> Result<Box<dyn CausalLm + Send>, CaptureError> {
+    Ok(family::load_quantized(&model_file(name)?)?)
+}
+
 /// The model loaded last, by name: the steps of one command that ask for the same model (a sweep's
 /// captures, then its recipes' live runs) load it once. Another model replaces it, the first
 /// dropped before the second loads, so that two never need to fit side by side.

@@ -9,7 +9,7 @@
 
 use super::closed_loop::{multiply_adds, product_peak};
 use super::{essay_ids, BenchError};
-use crate::capture::load_model;
+use crate::capture::{load_model, load_model_quantized};
 use crate::model::{KvCache, ModelSpec, Recorder, Row};
 use crate::stop::Stop;
 use rayon::prelude::*;
@@ -42,13 +42,22 @@ pub struct ModelLimits {
     pub bandwidth: f64,
     /// Milliseconds of one decode step of [`BATCH_ROWS`] rows.
     pub batched_ms: f64,
+    /// How the model holds its weights and computes ([`crate::model::ModelSpec::engine`]).
+    pub engine: String,
 }
 
-/// Measures model `name` (a `kvreplay fetch --model` name or `gguf:PATH`) on the first `tokens`
-/// tokens of two haystack essays.
+/// Measures model `name` (a `kvreplay fetch --model` name or `gguf:PATH`; its weights held as the
+/// GGUF stores them where `quantized`) on the first `tokens` tokens of two haystack essays.
 /// `stop` is asked after each chunk of the prefill and between timings.
-pub fn model_limits(name: &str, tokens: usize, stop: Stop<'_>) -> Result<ModelLimits, BenchError> {
-    let model = load_model(name)?;
+pub fn model_limits(
+    (name, quantized): (&str, bool),
+    tokens: usize,
+    stop: Stop<'_>,
+) -> Result<ModelLimits, BenchError> {
+    let model = match quantized {
+        true => load_model_quantized(name)?,
+        false => load_model(name)?,
+    };
     let ids = essay_ids(model.as_ref(), tokens)?;
     let weights = model.weight_products_per_token().ok_or_else(|| {
         BenchError::Reference(format!("{name}: its family does not count its weights"))
@@ -95,6 +104,7 @@ pub fn model_limits(name: &str, tokens: usize, stop: Stop<'_>) -> Result<ModelLi
         bytes,
         bandwidth,
         batched_ms: 1e3 * batched,
+        engine: model.spec().engine.clone(),
     })
 }
 

@@ -58,6 +58,10 @@ pub struct BenchRun {
     /// many rows (a `kvreplay fetch --model` name or `gguf:PATH`).
     #[arg(long, value_name = "MODEL", conflicts_with_all = ["closed_loop", "essential"])]
     pub model: Option<String>,
+    /// With --model: hold its weights as the GGUF stores them whatever its size (the path a
+    /// model above 8 GB as f32 takes; Llama and Qwen2 families).
+    #[arg(long, requires = "model")]
+    pub held_quantized: bool,
 }
 
 /// Runs every measurement of `run`, telling `progress` which one starts; `stop` is asked
@@ -84,6 +88,7 @@ pub fn measure(
         return closed_loop_rows(&run.closed_loop, &step, stop);
     }
     if let Some(model) = &run.model {
+        let model = (model.as_str(), run.held_quantized);
         return limits_rows(model, run.capture_tokens, &step, stop);
     }
     let trace_path = run
@@ -516,16 +521,17 @@ pub fn essential_rows(
 /// The rows of `kvreplay bench --model`: a model at this machine's limits
 /// ([`model_limits`](super::limits::model_limits)).
 fn limits_rows(
-    model: &str,
+    (model, quantized): (&str, bool),
     tokens: usize,
     step: &dyn Fn(&str) -> Result<(), BenchError>,
     stop: Stop<'_>,
 ) -> Result<Table, BenchError> {
     let _tuned = ModelMalloc::tune();
     step(&format!("{model} at this machine's limits"))?;
-    let limits = super::limits::model_limits(model, tokens, stop)?;
+    let limits = super::limits::model_limits((model, quantized), tokens, stop)?;
     let mut table = Table::new(["measure", "value"]);
     table.push(["threads".into(), rayon::current_num_threads().to_string()]);
+    table.push(["model runs as".into(), limits.engine.clone()]);
     let (prefill, essential) = limits.prefill;
     table.push([
         format!("{model}: capture prefill, {} tokens, recording q/k/v", limits.tokens),

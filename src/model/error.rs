@@ -54,6 +54,14 @@ pub enum ModelError {
         /// How they would be held (`as f32`, `as stored`).
         held: &'static str,
     },
+    /// Weights held as the file stores them were asked of a family that holds them as f32 only.
+    #[error("{path}: family `{family}` holds its weights as f32 only; weights held as the file stores them run on the Llama and Qwen2 families")]
+    F32Only {
+        /// The model file.
+        path: PathBuf,
+        /// The family.
+        family: &'static str,
+    },
     /// The tokenizer could not be built from the GGUF vocabulary.
     #[error("{path}: cannot build the tokenizer from the GGUF vocabulary: {detail}")]
     Tokenizer {

@@ -55,7 +55,18 @@ pub fn gguf_path(name: &str) -> Option<PathBuf> {
 /// Loads the GGUF at `path` with the family its architecture names (each family refuses, before
 /// reading a weight, weights that would not fit the memory available).
 pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
-    let gguf = GgufFile::open(path)?;
+    load_gguf(GgufFile::open(path)?)
+}
+
+/// [`load`], the weights held as the file stores them whatever their size: the path a model
+/// above 8 GB as f32 takes, for a smaller one (its speed and memory measured on it). Families that
+/// hold only f32 (Gemma 3) refuse.
+pub fn load_quantized(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
+    load_gguf(GgufFile::open(path)?.held_quantized())
+}
+
+fn load_gguf(gguf: GgufFile) -> Result<Box<dyn CausalLm + Send>, ModelError> {
+    let path = gguf.path.clone();
     let architecture = gguf.architecture();
     match super::FAMILIES
         .iter()
@@ -63,7 +74,7 @@ pub fn load(path: &Path) -> Result<Box<dyn CausalLm + Send>, ModelError> {
     {
         Some(family) => (family.load)(gguf),
         None => Err(ModelError::Architecture {
-            path: path.to_owned(),
+            path,
             architecture: architecture.to_owned(),
             known: super::FAMILIES
                 .iter()

@@ -86,6 +86,12 @@ impl Gemma3 {
         if gguf.architecture() != "gemma3" {
             return Err(gguf.metadata_error("general.architecture", "\"gemma3\""));
         }
+        if gguf.asks_quantized() {
+            return Err(ModelError::F32Only {
+                path: gguf.path.clone(),
+                family: "gemma3",
+            });
+        }
         gguf.check_fits(false, false)?;
         let key = |name: &str| format!("gemma3.{name}");
         let n_layers = gguf.usize_value(&key("block_count"))?;

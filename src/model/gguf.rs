@@ -50,6 +50,9 @@ pub struct GgufFile {
     /// thousands of strings, each a length and its bytes), two system calls each from a file;
     /// and tensors are read from it on several threads at once, each with its own cursor.
     file: Mmap,
+    /// Whether its weights are to be held as the file stores them whatever their size
+    /// ([`held_quantized`](Self::held_quantized)).
+    quantized: bool,
 }
 
 /// Bytes a model's weights take held as f32: every tensor as f32; where the file ties the output
@@ -104,7 +107,22 @@ impl GgufFile {
             path: path.to_owned(),
             content,
             file,
+            quantized: false,
         })
+    }
+
+    /// The same file, its weights to be held as it stores them whatever their size (a family
+    /// that holds only f32 refuses it).
+    pub(crate) fn held_quantized(self) -> Self {
+        Self {
+            quantized: true,
+            ..self
+        }
+    }
+
+    /// Whether [`held_quantized`](Self::held_quantized) asked for the weights as stored.
+    pub(crate) fn asks_quantized(&self) -> bool {
+        self.quantized
     }
 
     pub(crate) fn value(&self, key: &str) -> Option<&Value> {
@@ -204,9 +222,10 @@ impl GgufFile {
         infos.map(bytes).sum()
     }
 
-    /// Whether a family that can hold its weights quantized does: above [`F32_LIMIT`] as f32.
+    /// Whether a family that can hold its weights quantized does: above [`F32_LIMIT`] as f32, or
+    /// when asked to ([`held_quantized`](Self::held_quantized)).
     pub(crate) fn holds_quantized(&self) -> bool {
-        self.f32_bytes() > F32_LIMIT
+        self.quantized || self.f32_bytes() > F32_LIMIT
     }
 
     /// Refuses, before any weight is read, weights that would not fit the memory the system

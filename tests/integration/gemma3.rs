@@ -259,3 +259,37 @@ fn gemma3_finds_the_needle_live_and_keeping_everything_is_the_full_run() {
     assert!(alone[2..].iter().all(|report| report.kl > 0.0));
     assert_eq!(session.run_many(&policies).unwrap(), alone);
 }
+
+/// Gemma 3 holds its weights as f32 only: asked to hold them as the file stores them (`kvreplay
+/// bench --model … --held-quantized`), it refuses, naming the families that can; SmolLM2 (Llama)
+/// loads so and says so in its engine.
+#[test]
+fn only_llama_and_qwen2_hold_their_weights_quantized() {
+    let refused = kvreplay::model::family::load_quantized(&common::gemma_path()).err();
+    let message = refused.map(|err| err.to_string()).unwrap_or_default();
+    assert!(
+        message.contains("family `gemma3` holds its weights as f32 only"),
+        "{message}"
+    );
+    let smollm2 = common::real_assets().model_path();
+    let held = kvreplay::model::family::load_quantized(&smollm2).unwrap();
+    assert_eq!(held.spec().engine, kvreplay::model::QUANTIZED_ENGINE);
+    let f32 = kvreplay::model::family::load(&smollm2).unwrap();
+    assert_eq!(f32.spec().engine, kvreplay::model::F32_ENGINE);
+    // The command line: the bench's rows say how the model runs; Gemma 3 exits 2 with the rule.
+    let bench = |model: &str| {
+        let mut command = assert_cmd::Command::cargo_bin("kvreplay").unwrap();
+        let tokens = ["--capture-tokens", "32"];
+        command
+            .args(["bench", "--model", model, "--held-quantized"])
+            .args(tokens);
+        command.assert()
+    };
+    let gguf = |path: PathBuf| format!("gguf:{}", path.display());
+    let rows = bench(&gguf(smollm2)).success().get_output().stdout.clone();
+    let rows = String::from_utf8(rows).unwrap();
+    assert!(rows.contains(kvreplay::model::QUANTIZED_ENGINE), "{rows}");
+    bench(&gguf(common::gemma_path()))
+        .code(2)
+        .stderr(predicates::str::contains("holds its weights as f32 only"));
+}
