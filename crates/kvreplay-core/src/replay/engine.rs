@@ -9,8 +9,9 @@
 //! they slide out, the reference is the window's attention) and allocators spread the budget over
 //! all layers in depth order.
 //!
-//! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile
-//! or mass curve, and the allocator turns them into per-layer budgets; (2) the layers are then
+//! Order of work: (1) for allocators that ask, a first pass computes each layer's window profile,
+//! mass curve or prompt scores, and the allocator turns them into per-layer budgets (a
+//! [`LayerBudget`]: the layer's total over its caches); (2) the layers are then
 //! read one at a time (so about one layer is resident, whatever the depth of the model); for each,
 //! one-shot kept sets are chosen for the whole layer (the prompt scores computed once per distinct
 //! scorer, settings, protection and layout, and shared by every budget, allocator and head split
