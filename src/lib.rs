@@ -9,16 +9,11 @@
 #![warn(missing_docs)]
 
 pub use kvreplay_core::{atomic, attention, splitmix, stop, trace};
+pub use kvreplay_model::{assets, capture, live, model, recipe, sys};
 
-pub mod assets;
 pub mod bench;
-pub mod capture;
 pub mod experiment;
 pub mod export;
-pub mod live;
-pub mod model;
-pub mod recipe;
-pub mod sys;
 pub mod view;
 
 /// The replay engine and its methods ([`kvreplay_core::replay`]), and the command line's policy

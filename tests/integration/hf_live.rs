@@ -3,7 +3,7 @@
 //! same prompt, the same kept sets on the two recordings, and closed-loop numbers within the
 //! stated tolerances (KL per step within 1e-3, the same greedy texts and top-1 agreement, live
 //! mass within 1e-3) for six presets, streaming ones included. The Python environment is the one
-//! `tests/integration/hf_capture.rs` uses.
+//! `crates/kvreplay-model/tests/integration/hf_capture.rs` uses.
 
 use crate::common;
 

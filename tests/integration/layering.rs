@@ -252,8 +252,9 @@ fn circles(graph: &BTreeMap<Module, BTreeSet<Module>>) -> Vec<Vec<Module>> {
 
 /// The workspace's crates, lowest first, with their directories: a crate may depend only on the
 /// crates before it.
-const CRATES: [(&str, &str); 3] = [
+const CRATES: [(&str, &str); 4] = [
     ("kvreplay-core", "crates/kvreplay-core"),
+    ("kvreplay-model", "crates/kvreplay-model"),
     ("kvreplay", "."),
     ("kvreplay-python", "python"),
 ];
@@ -269,6 +270,10 @@ const NOT_IN_THE_CORE: [&str; 7] = [
     "indicatif",
     "pyo3",
 ];
+
+/// What the models must not depend on: the command line, data frames, plots, progress bars
+/// (experiments, reports and the command line are built above them).
+const NOT_IN_THE_MODELS: [&str; 5] = ["clap", "polars", "plotters", "indicatif", "pyo3"];
 
 #[test]
 fn no_import_circles_between_sibling_modules() {
@@ -330,6 +335,13 @@ fn no_crate_depends_on_one_above_it_and_the_core_stays_pure() {
         assert!(
             !core.contains(&heavy.to_string()),
             "the core depends on {heavy}"
+        );
+    }
+    let models = dependencies(CRATES[1].1);
+    for above in NOT_IN_THE_MODELS {
+        assert!(
+            !models.contains(&above.to_string()),
+            "the models depend on {above}"
         );
     }
 }

@@ -1,6 +1,6 @@
 #!/usr/bin/env python3
 """A GGUF through Hugging Face transformers, as the independent side of the native families' tests
-(tests/integration/gemma3.rs, tests/integration/qwen2.rs).
+(tests/integration/gemma3.rs, crates/kvreplay-model/tests/integration/qwen2.rs).
 
     python causal_lm_hf.py MODEL_DIR GGUF_FILE < requests.json > answers.json
 

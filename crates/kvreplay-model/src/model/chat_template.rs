@@ -219,9 +219,10 @@ mod tests {
     /// SmolLM2-135M-Instruct's template, as its GGUF holds it.
     const SMOLLM2: &str = "{% for message in messages %}{% if loop.first and messages[0]['role'] != 'system' %}{{ '<|im_start|>system\nYou are a helpful AI assistant named SmolLM, trained by Hugging Face<|im_end|>\n' }}{% endif %}{{'<|im_start|>' + message['role'] + '\n' + message['content'] + '<|im_end|>' + '\n'}}{% endfor %}{% if add_generation_prompt %}{{ '<|im_start|>assistant\n' }}{% endif %}";
 
-    /// A template in Llama 3.1's layout, written for the tests (`tests/integration/chat_template.rs`
-    /// renders it with transformers too).
-    const LLAMA3: &str = include_str!("../../tests/fixtures/chat_templates/llama3-layout.jinja");
+    /// A template in Llama 3.1's layout, written for the tests (this crate's
+    /// `tests/integration/chat_template.rs` renders it with transformers too).
+    const LLAMA3: &str =
+        include_str!("../../../../tests/fixtures/chat_templates/llama3-layout.jinja");
 
     fn message(role: &str, content: &str) -> ChatMessage {
         ChatMessage {

@@ -8,7 +8,7 @@
 use crate::common;
 
 use candle_core::quantized::{gguf_file, GgmlDType, QTensor};
-use kvreplay::model::{family, ChatMessage, ChatTemplate, Template, TextTokenizer};
+use kvreplay_model::model::{family, ChatMessage, ChatTemplate, Template, TextTokenizer};
 use serde_json::{json, Value};
 use std::path::{Path, PathBuf};
 
@@ -50,7 +50,7 @@ fn as_json(messages: &[ChatMessage]) -> Value {
 }
 
 fn fixture(name: &str) -> String {
-    let dir = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/chat_templates");
+    let dir = common::repository().join("tests/fixtures/chat_templates");
     std::fs::read_to_string(dir.join(name)).unwrap()
 }
 

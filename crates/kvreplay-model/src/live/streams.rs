@@ -29,23 +29,28 @@ struct LiveLayer {
 /// Where streams stood after some position: each layer's positions held and its streams. The
 /// live vectors they read are those positions', which a run going on from there only writes
 /// after.
-pub(crate) struct StreamsState(Vec<(usize, LayerStreams)>);
+pub struct StreamsState(Vec<(usize, LayerStreams)>);
 
 /// A layer's streams: each one's units and its stream.
 type LayerStreams = Vec<(Vec<Unit>, CacheStream)>;
 
 /// Shapes and softmax settings of the model's attention.
 #[derive(Debug, Clone, Copy)]
-pub(crate) struct AttentionShape {
+pub struct AttentionShape {
+    /// Query heads.
     pub n_heads: usize,
+    /// Key-value heads.
     pub n_kv_heads: usize,
+    /// Size of one head's vectors.
     pub head_dim: usize,
+    /// What the logits are multiplied by before the softmax.
     pub scale: f32,
+    /// The attention logits' soft cap `c` (`c · tanh(x / c)`), where the model has one.
     pub softcap: Option<f32>,
 }
 
 /// A streaming or re-selecting policy holding the model's cache.
-pub(crate) struct LiveStreams<'p> {
+pub struct LiveStreams<'p> {
     policy: &'p ValidPolicy,
     /// The allocator's budget for each layer.
     budgets: Vec<usize>,

@@ -5,12 +5,12 @@
 use crate::common;
 
 use common::{real_assets as assets, real_model as model};
-use kvreplay::attention::attend;
-use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{CausalLm, KvCache, Llama, Recorder};
-use kvreplay::recipe::Recipe;
-use kvreplay::replay::entropy_profile;
-use kvreplay::trace::{StorageDtype, TraceReader};
+use kvreplay_model::attention::attend;
+use kvreplay_model::capture::{capture, CaptureOptions};
+use kvreplay_model::model::{CausalLm, KvCache, Llama, Recorder};
+use kvreplay_model::recipe::Recipe;
+use kvreplay_model::replay::entropy_profile;
+use kvreplay_model::trace::{StorageDtype, TraceReader};
 use ndarray::s;
 
 fn options(storage: StorageDtype) -> CaptureOptions {
@@ -160,8 +160,11 @@ fn answers_the_capital_of_france() {
 fn held_quantized_it_runs_as_on_the_f32_path() {
     let quantized = Llama::load_quantized(&assets().model_path()).unwrap();
     // A trace's `source` says which path computed it.
-    assert_eq!(quantized.spec().engine, kvreplay::model::QUANTIZED_ENGINE);
-    assert_eq!(model().spec().engine, kvreplay::model::F32_ENGINE);
+    assert_eq!(
+        quantized.spec().engine,
+        kvreplay_model::model::QUANTIZED_ENGINE
+    );
+    assert_eq!(model().spec().engine, kvreplay_model::model::F32_ENGINE);
     let chat = common::chat_text(model().tokenizer(), "What is the capital of France?");
     let prompt = model()
         .tokenizer()
@@ -269,7 +272,7 @@ fn stored_vectors_reproduce_the_forward_attention() {
 
 #[test]
 fn niah_2k_finds_the_needle_and_funnels() {
-    let (recipe, base) = Recipe::load(std::path::Path::new("traces/niah-2k.toml")).unwrap();
+    let (recipe, base) = Recipe::load(&common::repository().join("traces/niah-2k.toml")).unwrap();
     let essays = assets().require_essays().unwrap();
     let prompt = recipe.build(model().tokenizer(), &essays, &base).unwrap();
     assert!(
@@ -331,7 +334,7 @@ fn niah_2k_finds_the_needle_and_funnels() {
 #[test]
 fn a_spilled_capture_writes_the_same_trace() {
     let dir = tempfile::tempdir().unwrap();
-    let (recipe, base) = Recipe::load(std::path::Path::new("traces/capital.toml")).unwrap();
+    let (recipe, base) = Recipe::load(&common::repository().join("traces/capital.toml")).unwrap();
     let prompt = recipe.build(model().tokenizer(), &[], &base).unwrap();
     let options = CaptureOptions {
         storage: StorageDtype::F16,

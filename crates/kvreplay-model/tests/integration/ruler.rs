@@ -4,8 +4,8 @@
 
 use crate::common;
 
-use kvreplay::model::{CausalLm, Gemma3, TextTokenizer};
-use kvreplay::recipe::Recipe;
+use kvreplay_model::model::{CausalLm, Gemma3, TextTokenizer};
+use kvreplay_model::recipe::Recipe;
 use std::path::Path;
 
 /// RULER's thirteen synthetic tasks less its two QA tasks (which need SQuAD and HotpotQA).
@@ -27,7 +27,9 @@ const TASKS: [&str; 11] = [
 fn check_folder(folder: &str, tokenizer: &dyn TextTokenizer, length: usize) {
     let essays = common::real_assets().require_essays().unwrap();
     for task in TASKS {
-        let path = Path::new(folder).join(format!("{task}.toml"));
+        let path = common::repository()
+            .join(folder)
+            .join(format!("{task}.toml"));
         let (recipe, base) = Recipe::load(&path).unwrap();
         let prompt = recipe
             .build(tokenizer, &essays, &base)
@@ -109,7 +111,7 @@ fn a_task_that_cannot_fit_its_length_is_refused() {
 fn rulers_own_files_build_to_rulers_lengths() {
     let model = common::real_model();
     let tokenizer = model.tokenizer();
-    let fixtures = Path::new(env!("CARGO_MANIFEST_DIR")).join("tests/fixtures/ruler-1k-base");
+    let fixtures = common::repository().join("tests/fixtures/ruler-1k-base");
     for task in [
         "niah_single_1",
         "niah_multikey_2",

@@ -8,13 +8,13 @@
 
 use crate::common;
 
-use kvreplay::assets::Assets;
+use kvreplay_model::assets::Assets;
 
-use kvreplay::capture::{capture, CaptureOptions};
-use kvreplay::model::{CausalLm, Gemma3, Llama, Qwen2, Recorder};
-use kvreplay::recipe::Recipe;
-use kvreplay::replay::{presets, replay};
-use kvreplay::trace::{StorageDtype, TraceReader};
+use kvreplay_model::capture::{capture, CaptureOptions};
+use kvreplay_model::model::{CausalLm, Gemma3, Llama, Qwen2, Recorder};
+use kvreplay_model::recipe::Recipe;
+use kvreplay_model::replay::{presets, replay};
+use kvreplay_model::trace::{StorageDtype, TraceReader};
 use std::path::{Path, PathBuf};
 use std::process::Command;
 
@@ -42,7 +42,7 @@ fn native(model: &dyn CausalLm, recipe: &Path, essays: &[PathBuf], (out, inputs)
 /// `recipe`, writing `out`, with `extra` options.
 fn python_capture(gguf: &Path, recipe: &Path, out: &Path, extra: &[&str]) {
     let status = Command::new(common::torch_python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+        .arg(common::repository().join("traces/capture_hf.py"))
         .arg("--model")
         .arg(gguf.parent().unwrap())
         .arg("--gguf-file")
@@ -149,7 +149,7 @@ fn python_capture_matches_native_capture() {
         "kind = \"niah\"\nprompt_tokens = 400\ndepth_percent = 40.0\nneedle = \"The best thing to do in San Francisco is eat a sandwich and sit in Dolores Park on a sunny day.\"\nquestion = \"What is the best thing to do in San Francisco?\"\ngenerate = 8\n",
     )
     .unwrap();
-    let chat = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capital.toml");
+    let chat = common::repository().join("traces/capital.toml");
     for recipe in [chat.as_path(), niah.as_path()] {
         let native_path = dir.path().join("native.safetensors");
         let hf_path = dir.path().join("hf.safetensors");
@@ -293,7 +293,7 @@ fn python_capture_of_qwen2_matches_native_capture() {
 /// sinks from what the attention call gets).
 #[test]
 fn python_capture_refuses_attention_it_cannot_replay() {
-    let traces = Path::new(env!("CARGO_MANIFEST_DIR")).join("traces");
+    let traces = common::repository().join("traces");
     let cases = [
         (
             "from types import SimpleNamespace as N; capture_hf.check_config(N(attention_chunk_size=8192, model_type='llama4_text'))",
@@ -349,7 +349,7 @@ fn attention_inputs_are_refused_where_the_projections_do_not_give_q_and_k() {
         "{message}"
     );
     let output = Command::new(common::torch_python())
-        .arg(Path::new(env!("CARGO_MANIFEST_DIR")).join("traces/capture_hf.py"))
+        .arg(common::repository().join("traces/capture_hf.py"))
         .args(["--model", gguf.parent().unwrap().to_str().unwrap()])
         .args(["--gguf-file", gguf.file_name().unwrap().to_str().unwrap()])
         .args(["--recipe", recipe.to_str().unwrap(), "--attention-inputs"])

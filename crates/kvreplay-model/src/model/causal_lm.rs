@@ -330,7 +330,7 @@ pub(crate) fn check_rows_entering(rows: &[Row<'_, '_>]) -> Result<(), ModelError
 }
 
 /// Index of the largest value; the lowest index wins ties.
-pub(crate) fn argmax(values: &[f32]) -> u32 {
+pub fn argmax(values: &[f32]) -> u32 {
     let mut best = 0;
     for (index, value) in values.iter().enumerate() {
         if *value > values[best] {

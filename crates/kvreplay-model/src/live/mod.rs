@@ -56,7 +56,7 @@ mod compare;
 mod drift;
 mod prefill_start;
 mod stored;
-pub(crate) mod streams;
+pub mod streams;
 
 use crate::capture::{
     input_projections, prefill_questions, recording_bytes, write_question, CaptureError,

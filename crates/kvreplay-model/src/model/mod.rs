@@ -48,7 +48,7 @@ mod tanhf;
 mod tokenizer;
 mod weight;
 
-pub(crate) use causal_lm::argmax;
+pub use causal_lm::argmax;
 pub use causal_lm::{
     CausalLm, Entry, KvCache, ModelSpec, Row, WeightProducts, F32_ENGINE, QUANTIZED_ENGINE,
 };

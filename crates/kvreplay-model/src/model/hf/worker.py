@@ -1,7 +1,7 @@
 """kvreplay's transformers worker: runs a Hugging Face causal LM for kvreplay's engine, which keeps
 the KV cache and computes attention itself.
 
-Started by kvreplay (`src/model/hf/mod.rs`) as `python -c <this file> MODEL [GGUF_FILE]`; speaks
+Started by kvreplay (`crates/kvreplay-model/src/model/hf/mod.rs`) as `python -c <this file> MODEL [GGUF_FILE]`; speaks
 on stdin/stdout in frames (a 4-byte little-endian length, a JSON header, then `header["bytes"]`
 raw bytes). kvreplay asks for `encode`, `decode` and `forward`; during a forward the registered
 attention function sends each layer's post-rotary q, k, v (f32, `[heads, n, d]`) and

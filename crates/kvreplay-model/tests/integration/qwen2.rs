@@ -4,11 +4,11 @@
 //! digits, contractions, newlines, Unicode and added tokens); the last-position logits agree
 //! within 2e-3 relative to their range (two f32 implementations of 24 layers; observed below);
 //! greedy tokens are equal. The q/k/v of a capture are checked against transformers' in
-//! `tests/integration/hf_capture.rs`.
+//! `crates/kvreplay-model/tests/integration/hf_capture.rs`.
 
 use crate::common;
 
-use kvreplay::model::{CausalLm, KvCache, Llama, Qwen2};
+use kvreplay_model::model::{CausalLm, KvCache, Llama, Qwen2};
 use std::path::PathBuf;
 use std::sync::OnceLock;
 
