@@ -16,7 +16,7 @@ use crate::common;
 use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{
     context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, Order,
-    PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
+    PolicyError, PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
@@ -38,12 +38,15 @@ fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
 
 /// [`write_trace`], with values (drawn from their own stream, so q and k are the same) when asked.
 fn write_trace_values(path: &Path, seed: u64, prompt_len: usize, values: bool) {
-    trace_writer(seed, prompt_len, values).write(path).unwrap();
+    trace_writer(seed, prompt_len, values, [1.0; LAYERS])
+        .write(path)
+        .unwrap();
 }
 
 /// [`write_trace_values`] with values and attention inputs (hidden states of width 32 and the
-/// four projections, drawn from a third stream).
-fn write_trace_inputs(path: &Path, seed: u64, prompt_len: usize) {
+/// four projections, drawn from a third stream), each layer's queries scaled by its
+/// `query_scales` (a small scale flattens the layer's attention).
+fn write_trace_inputs(path: &Path, seed: u64, prompt_len: usize, query_scales: [f32; LAYERS]) {
     let shape = common::Shape {
         n_layers: LAYERS,
         n_heads: HEADS,
@@ -56,14 +59,19 @@ fn write_trace_inputs(path: &Path, seed: u64, prompt_len: usize) {
     let inputs = common::random_inputs(shape, 32, || {
         (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0
     });
-    trace_writer(seed, prompt_len, true)
+    trace_writer(seed, prompt_len, true, query_scales)
         .with_inputs(inputs)
         .write(path)
         .unwrap();
 }
 
 /// The writer of [`write_trace_values`]' trace.
-fn trace_writer(seed: u64, prompt_len: usize, values: bool) -> TraceWriter {
+fn trace_writer(
+    seed: u64,
+    prompt_len: usize,
+    values: bool,
+    query_scales: [f32; LAYERS],
+) -> TraceWriter {
     let meta = TraceMeta {
         model: "parity".into(),
         n_layers: LAYERS,
@@ -84,8 +92,8 @@ fn trace_writer(seed: u64, prompt_len: usize, values: bool) -> TraceWriter {
     let mut value = || (rng.next_u64() >> 40) as f32 / (1u64 << 22) as f32 - 2.0;
     let mut value_rng = Rng(seed ^ 0x5EED);
     let mut writer = TraceWriter::new(meta, StorageDtype::F32, (0..t as i64).collect());
-    for _ in 0..LAYERS {
-        let q = Array3::from_shape_simple_fn((HEADS, t, HEAD_DIM), &mut value);
+    for scale in query_scales {
+        let q = Array3::from_shape_simple_fn((HEADS, t, HEAD_DIM), &mut value) * scale;
         let k = Array3::from_shape_simple_fn((KV_HEADS, t, HEAD_DIM), &mut value);
         let v = values.then(|| {
             Array3::from_shape_simple_fn((KV_HEADS, t, HEAD_DIM), || {
@@ -390,7 +398,7 @@ fn keydiff_keeps_what_kvpress_keeps() {
 fn defensivekv_keeps_what_its_code_keeps() {
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("parity.safetensors");
-    write_trace_inputs(&path, 16, 128);
+    write_trace_inputs(&path, 16, 128, [1.0; LAYERS]);
     check_kvpress(
         &path,
         "defensivekv.py",
@@ -400,6 +408,40 @@ fn defensivekv_keeps_what_its_code_keeps() {
             ..presets::preset("defensivekv", budget).unwrap()
         },
         &[32, 64, 96],
+    );
+}
+
+/// Layer-DefensiveKV's press (its official code, transcribed in `defensivekv.py --layer`): the
+/// `layer-defensivekv` preset with an observation window of 8, one top-k over the three layers'
+/// scores, the window and stage 1 at their layer's largest score, so that they compete with the
+/// other layers' entries. The third layer's queries are scaled down, flattening its attention:
+/// its largest score falls near the cut, so its window and stage 1 are not all kept, where
+/// ranked above everything they would be (the test fails so). Flattened further, its largest
+/// score falls below the cut and the code would run it with an empty cache: kvreplay refuses,
+/// naming it.
+#[test]
+fn layer_defensivekv_keeps_what_its_code_keeps() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("parity.safetensors");
+    let policy = |budget| {
+        presets::preset("layer-defensivekv", budget)
+            .unwrap()
+            .with("observation", 8)
+    };
+    write_trace_inputs(&path, 16, 128, [1.0, 1.0, 0.7]);
+    check_kvpress(
+        &path,
+        "defensivekv.py",
+        &["--layer", "8"],
+        policy,
+        &[32, 64, 96],
+    );
+    write_trace_inputs(&path, 16, 128, [1.0, 1.0, 0.05]);
+    let trace = TraceReader::open(&path).unwrap();
+    let refused = layer_budgets(&trace, &policy(32).check().unwrap()).unwrap_err();
+    assert!(
+        matches!(refused, PolicyError::EmptyLayer { layer: 2, .. }),
+        "{refused}"
     );
 }
 

@@ -12,14 +12,19 @@ Source: github.com/FFY0/DefensiveKV, commit 9251b95e7e282a6c18dd98ef6318dd489e63
     norms through o_proj normalised across KV heads, CriticalKV's stage 1;
   - efficient_ada_scorer_press.py, EfficientAdaScorerPress.compress, lines 46-96: one top-k of
     `int(q_len * (1 - compression_ratio) * num_key_value_heads)` over the layer's flattened
-    scores, counted per head.
+    scores, counted per head;
+  - with --layer, Layer-DefensiveKV (efficient_layer_defensivekv_press.py: the same `score`) over
+    efficient_ada_global_scorer_press.py, EfficientAdaGlobalScorerPress.compress, lines 123-197:
+    one top-k of `int(q_len * (1 - compression_ratio) * num_key_value_heads * num_layers)` over
+    every layer's flattened scores, counted per layer, then `layer_compress`, lines 44-120: each
+    layer's top-k of its count over its flattened scores.
 Deviations, marked `# deviation`: the window's queries are the trace's (the queries the model's
 q_proj and rotary gave, which compute_window_attention recomputes from the hidden states); the
 compression ratio is `1 - BUDGET / prompt_len` (budgets chosen so that it is exact); `topk` and
 stage 1's `sort` keep ties at the lower index (`topk_stable`; torch leaves them unspecified);
 positions are returned instead of gathered keys and values; float32 throughout; batch size 1.
 
-Usage: defensivekv.py TRACE WINDOW BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions]
+Usage: defensivekv.py TRACE [--layer] WINDOW BUDGET...; prints {"BUDGET": {"layers": [{"kept": [[positions]
 per KV head], "scores": [[score per position] per KV head]}]}} as JSON.
 """
 
@@ -137,7 +142,36 @@ def compress(flatten_scores, q_len, num_key_value_heads, compression_ratio):
     ]
 
 
+def global_counts(flats, q_len, num_key_value_heads, compression_ratio):
+    """EfficientAdaGlobalScorerPress.compress's inter-layer allocation: each layer's count."""
+    num_layers = len(flats)
+    n_kept = int(q_len * (1 - compression_ratio) * num_key_value_heads * num_layers)
+    gloabl_flatten_scores = torch.stack(flats).view(-1)
+    # deviation: ties at the lower flat index.
+    cache_topk_idx = topk_stable(gloabl_flatten_scores, n_kept)
+    cache_topk_layer_idx = cache_topk_idx // (q_len * num_key_value_heads)
+    compressed_layer_lens = torch.zeros(num_layers, dtype=torch.int32)
+    compressed_layer_lens.scatter_add_(
+        0, cache_topk_layer_idx, torch.ones_like(cache_topk_layer_idx, dtype=torch.int32)
+    )
+    return compressed_layer_lens.tolist()
+
+
+def layer_compress(flatten_scores, q_len, num_key_value_heads, n_kept):
+    """EfficientAdaGlobalScorerPress.layer_compress's selection, as the positions each KV head
+    keeps."""
+    # deviation: ties at the lower flat index.
+    cache_topk_idx = topk_stable(flatten_scores.view(-1), n_kept)
+    return [
+        sorted((cache_topk_idx[cache_topk_idx // q_len == head] % q_len).tolist())
+        for head in range(num_key_value_heads)
+    ]
+
+
 def main():
+    layerwise = "--layer" in sys.argv
+    if layerwise:
+        sys.argv.remove("--layer")
     path, window_size = sys.argv[1], int(sys.argv[2])
     meta, layers = load(path)
     values = load_values(path)
@@ -147,15 +181,20 @@ def main():
     result = {}
     for budget in sys.argv[3:]:
         compression_ratio = 1 - int(budget) / prompt_len  # deviation: the ratio of a budget
-        out = []
+        flats = []
         for (q, k), v, o_proj in zip(layers, values, o_projs):
             q, k, v = q[:, :, :prompt_len], k[:, :, :prompt_len], v[:, :, :prompt_len]
-            flat = score(q, k, v, o_proj, window_size, compression_ratio)
-            heads = k.shape[1]
-            out.append({
-                "kept": compress(flat, prompt_len, heads, compression_ratio),
-                "scores": flat.view(heads, prompt_len).tolist(),
-            })
+            flats.append(score(q, k, v, o_proj, window_size, compression_ratio))
+        heads = layers[0][1].shape[1]
+        if layerwise:
+            counts = global_counts(flats, prompt_len, heads, compression_ratio)
+            kept = [layer_compress(f, prompt_len, heads, c) for f, c in zip(flats, counts)]
+        else:
+            kept = [compress(f, prompt_len, heads, compression_ratio) for f in flats]
+        out = [
+            {"kept": layer_kept, "scores": flat.view(heads, prompt_len).tolist()}
+            for layer_kept, flat in zip(kept, flats)
+        ]
         result[budget] = {"layers": out}
     emit(result)
 

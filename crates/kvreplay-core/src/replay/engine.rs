@@ -970,6 +970,13 @@ fn layer_budgets_with_progress(
             true => LayerBudget::shared(allocated, caches),
             false => LayerBudget::uniform(allocated, caches),
         };
+        if budget.total() == 0 && protected == 0 {
+            return Err(PolicyError::EmptyLayer {
+                allocator: params.allocator.clone(),
+                layer,
+                budget: nominal,
+            });
+        }
         if budget.total() < protected * caches || budget.total() == 0 {
             return Err(PolicyError::BudgetBelowProtected {
                 budget: budget.per_cache(),

@@ -99,6 +99,16 @@ pub enum PolicyError {
         /// The layer, when a schedule produced the budget.
         layer: Option<usize>,
     },
+    /// An allocator that left a layer nothing, where nothing is protected.
+    #[error("the `{allocator}` allocator gives layer {layer} no entries at budget {budget}: an empty cache attends to nothing, which kvreplay does not replay; raise the budget")]
+    EmptyLayer {
+        /// The allocator.
+        allocator: String,
+        /// The layer.
+        layer: usize,
+        /// The nominal budget per cache.
+        budget: usize,
+    },
     /// A combination the method does not define.
     #[error("{what} {rule}")]
     Unsupported {

@@ -8,7 +8,7 @@ use super::{Granularity, Order, PolicyError, PolicyParams, Timing, Trigger, Vali
 use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
-pub const NAMES: [&str; 16] = [
+pub const NAMES: [&str; 17] = [
     "snapkv",
     "pyramidkv",
     "adakv",
@@ -24,6 +24,7 @@ pub const NAMES: [&str; 16] = [
     "rkv",
     "snapkv-d",
     "defensivekv",
+    "layer-defensivekv",
     "oracle",
 ];
 
@@ -171,6 +172,16 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         .with("alpha", 0.0)
         .with("normalize", false)
         .with("stage1_budget", budget),
+        // Layer-DefensiveKV (`efficient_layer_defensivekv_press.py`): the same scores, one top-k
+        // over every layer's (`EfficientAdaGlobalScorerPress.compress`), the window of 32 and
+        // stage 1 at their layer's largest score, nothing protected.
+        "layer-defensivekv" => PolicyParams {
+            allocator: "global".into(),
+            window: 0,
+            ..preset("defensivekv", budget)?
+        }
+        .with("layer_max", true)
+        .with("observation", 32),
         // The per-step oracle: the current query's attention, re-chosen from the whole cache at
         // every step; the bound no causal policy beats at this budget.
         "oracle" | "oracle-per-step" => PolicyParams {

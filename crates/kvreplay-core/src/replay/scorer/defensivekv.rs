@@ -26,6 +26,14 @@
 //! top-k over the flattened scores of a layer's KV heads (`EfficientAdaScorerPress.compress`): the
 //! `defensivekv` preset pairs this scorer with `heads = adakv`, `alpha = 0`, `normalize = false`.
 //!
+//! Layer-DefensiveKV (`efficient_layer_defensivekv_press.py`, the same `score`, over
+//! `EfficientAdaGlobalScorerPress`: one top-k over every layer's flattened scores) ranks the
+//! window and stage 1 against other layers' entries at the score the code gives them, the
+//! layer's largest (`scores.max()` over its KV heads after the value factor, lines 110 and 220):
+//! `layer_max = true` scores them so, and `observation` sets the window's rows apart from the
+//! protected window, which that press does not keep regardless. The `layer-defensivekv` preset
+//! pairs it with the `global` allocator and nothing protected.
+//!
 //! Deviations: f32 throughout, the weights not cast to the model's dtype; ties by the lower position
 //! (the code's `torch.sort` of stage 1 and its `topk` leave them unspecified); the model's logit
 //! soft-cap, if any, is not applied, as the code does not; a stage-1 cap below 0 (a budget below
@@ -44,6 +52,7 @@ use crate::replay::settings::Broken;
 use crate::replay::MethodFailed;
 use crate::replay::{LayerContext, Protection, Timing, Unit};
 use ndarray::{s, Array2};
+use std::ops::Range;
 
 crate::settings! {
     /// DefensiveKV: the worst case over the observation window's heads and queries, times the
@@ -59,6 +68,13 @@ crate::settings! {
         /// The cumulative attention stage 1 forces in, before the window's bias is taken off
         /// (CriticalKV's 90%, fixed in the code).
         stage1_mass: f64 = 0.9,
+        /// The window and stage 1 score the layer's largest score over its KV heads instead of
+        /// ranking above everything (Layer-DefensiveKV, whose one top-k over every layer
+        /// ranks them against other layers' entries).
+        layer_max: bool = false,
+        /// Rows of the observation window, when it is not the policy's protected `window`
+        /// (0: the protected window is the observation window).
+        observation: usize = 0,
     }
 }
 
@@ -98,7 +114,7 @@ impl Scorer for DefensiveKv {
     ) -> Result<Started, MethodFailed> {
         Ok(Box::new(State {
             unit: unit.clone(),
-            window: protect.window.max(1),
+            window: self.observation_rows(protect.window),
             settings: self.clone(),
         }))
     }
@@ -106,6 +122,16 @@ impl Scorer for DefensiveKv {
     #[cfg(any(test, feature = "reference"))]
     fn reference(&self) -> Option<Box<dyn ScorerRule>> {
         Some(Box::new(self.clone()))
+    }
+}
+
+impl DefensiveKv {
+    /// The observation window's rows under a protected window of `protected`.
+    fn observation_rows(&self, protected: usize) -> usize {
+        match self.observation {
+            0 => protected.max(1),
+            rows => rows,
+        }
     }
 }
 
@@ -119,27 +145,36 @@ impl ScoreState for State {
         }
         let m = n - self.window;
         let rows = WindowRows::of(layer, cache, self.window);
-        let worst = self.defensive(&rows, m);
-        let factor = value_factor(layer, &cache[..m], self.unit.kv_head);
-        for ((score, w), f) in out.iter_mut().zip(&worst).zip(&factor) {
-            *score = w * f;
-        }
+        let shares = value_shares(layer, &cache[..m]);
+        let scored = |heads: Range<usize>, kv: usize| -> Vec<f32> {
+            let worst = self.defensive(&rows, heads, m);
+            worst.iter().zip(&shares[kv]).map(|(w, f)| w * f).collect()
+        };
+        let own = scored(self.unit.query_heads.clone(), self.unit.kv_head);
+        let top = match self.settings.layer_max {
+            false => f32::INFINITY,
+            true => (0..shares.len())
+                .flat_map(|kv| scored(layer.group_size() * kv..layer.group_size() * (kv + 1), kv))
+                .fold(f32::NEG_INFINITY, f32::max),
+        };
+        out.iter_mut().for_each(|score| *score = top);
+        out[..m].copy_from_slice(&own);
         let cap = stage1_cap(m, n, self.window, self.settings.stage1_budget);
         let mean = rows.mean_attention(self.unit.query_heads.clone(), m);
         let threshold = self.settings.stage1_mass - rows.bias(m);
         for index in forced(&mean, threshold, cap) {
-            out[index] = f32::INFINITY;
+            out[index] = top;
         }
         Ok(())
     }
 }
 
 impl State {
-    /// Per entry before the window, the largest pooled and rescaled weight over the cache's query
-    /// heads and the window's rows, clamped from below at its mean.
-    fn defensive(&self, rows: &WindowRows, m: usize) -> Vec<f32> {
+    /// Per entry before the window, the largest pooled and rescaled weight over query heads
+    /// `heads` and the window's rows, clamped from below at its mean.
+    fn defensive(&self, rows: &WindowRows, heads: Range<usize>, m: usize) -> Vec<f32> {
         let mut worst = vec![f32::NEG_INFINITY; m];
-        for head in self.unit.query_heads.clone() {
+        for head in heads {
             for row in &rows.weights[head] {
                 let before = &row[..m];
                 let total: f32 = before.iter().sum();
@@ -223,16 +258,21 @@ impl WindowRows {
     }
 }
 
-/// Per entry of `entries`, KV head `kv_head`'s share of the layer's value norms through `o_proj`:
-/// the mean over its group's query heads of `‖v W_o,h‖₁`, divided by the sum of that mean over
-/// the layer's KV heads.
-fn value_factor(layer: &LayerContext<'_>, entries: &[usize], kv_head: usize) -> Vec<f32> {
+/// Per KV head and entry of `entries`, the head's share of the layer's value norms through
+/// `o_proj`: the mean over its group's query heads of `‖v W_o,h‖₁`, divided by the sum of that
+/// mean over the layer's KV heads.
+fn value_shares(layer: &LayerContext<'_>, entries: &[usize]) -> Vec<Vec<f32>> {
     let n_kv_heads = layer.k.shape()[0];
     let norms: Vec<Vec<f32>> = (0..n_kv_heads)
         .map(|kv| group_value_norms(layer, entries, kv))
         .collect();
-    (0..entries.len())
-        .map(|i| norms[kv_head][i] / norms.iter().map(|n| n[i]).sum::<f32>())
+    norms
+        .iter()
+        .map(|own| {
+            (0..entries.len())
+                .map(|i| own[i] / norms.iter().map(|n| n[i]).sum::<f32>())
+                .collect()
+        })
         .collect()
 }
 
@@ -298,16 +338,26 @@ fn forced(attention: &[f32], threshold: f64, cap: usize) -> Vec<usize> {
 /// softmax over the cache up to the row, cut to the m entries before the window, average-pooled
 /// (`kernel`, padding counted) and rescaled to its sum; the maximum over the cache's heads and
 /// the rows, raised to its mean; times the KV head's share of the group-mean `‖v W_o,h‖₁`; stage
-/// 1's entries and the window +inf.
+/// 1's entries and the window +inf, or under `layer_max` the largest such score over the layer's
+/// KV heads.
 #[cfg(any(test, feature = "reference"))]
 impl ScorerRule for DefensiveKv {
     fn fixture(&self, seed: u64) -> Vec<(&'static str, serde_json::Value)> {
-        // Stage 1 off, capped by the budget's share, or stopped by a lower mass than the cap.
-        let (budget, mass) = [(0, 0.9), (6, 0.9), (9, 0.3), (6, 0.5)][seed as usize % 4];
+        // Stage 1 off, capped by the budget's share, or stopped by a lower mass than the cap;
+        // forced entries above everything or at the layer's largest score, the observation
+        // window the protected one or its own.
+        let (budget, mass, layer_max, observation) = [
+            (0, 0.9, false, 0),
+            (6, 0.9, true, 0),
+            (9, 0.3, false, 0),
+            (6, 0.5, true, 4),
+        ][seed as usize % 4];
         vec![
             ("kernel", 3.into()),
             ("stage1_budget", budget.into()),
             ("stage1_mass", mass.into()),
+            ("layer_max", layer_max.into()),
+            ("observation", observation.into()),
         ]
     }
 
@@ -318,7 +368,12 @@ impl ScorerRule for DefensiveKv {
         cache: &Member,
     ) -> Option<Vec<f64>> {
         let positions: Vec<usize> = (0..layer.prompt_len).collect();
-        Some(self.rule(layer, policy.window.max(1), cache, &positions))
+        Some(self.rule(
+            layer,
+            self.observation_rows(policy.window),
+            cache,
+            &positions,
+        ))
     }
 
     fn scores(
@@ -329,7 +384,12 @@ impl ScorerRule for DefensiveKv {
         positions: &[usize],
         _: &[f64],
     ) -> Vec<f64> {
-        self.rule(layer, policy.window.max(1), cache, positions)
+        self.rule(
+            layer,
+            self.observation_rows(policy.window),
+            cache,
+            positions,
+        )
     }
 }
 
@@ -367,17 +427,6 @@ impl DefensiveKv {
                     .collect()
             })
             .collect();
-        let mut worst = vec![f64::NEG_INFINITY; m];
-        for &h in &cache.heads {
-            for row in &rows[h] {
-                let pooled = reference::avg_pool(&row[..m], self.kernel);
-                let scale = row[..m].iter().sum::<f64>() / pooled.iter().sum::<f64>();
-                for (x, p) in worst.iter_mut().zip(&pooled) {
-                    *x = x.max(p * scale);
-                }
-            }
-        }
-        let floor = worst.iter().sum::<f64>() / m as f64;
         let o_proj = &layer
             .inputs
             .expect("fixture inputs")
@@ -400,13 +449,39 @@ impl DefensiveKv {
                 .sum::<f64>()
                 / layer.group() as f64
         };
-        let mut scores: Vec<f64> = (0..m)
-            .map(|i| {
-                let j = positions[i];
-                let all: f64 = (0..layer.k.shape()[0]).map(|kv| group_norm(kv, j)).sum();
-                worst[i].max(floor) * group_norm(cache.kv, j) / all
-            })
-            .collect();
+        // Heads `heads`' defensive maximum, raised to its mean, times KV head `kv`'s share.
+        let scored = |heads: &[usize], kv: usize| -> Vec<f64> {
+            let mut worst = vec![f64::NEG_INFINITY; m];
+            for &h in heads {
+                for row in &rows[h] {
+                    let pooled = reference::avg_pool(&row[..m], self.kernel);
+                    let scale = row[..m].iter().sum::<f64>() / pooled.iter().sum::<f64>();
+                    for (x, p) in worst.iter_mut().zip(&pooled) {
+                        *x = x.max(p * scale);
+                    }
+                }
+            }
+            let floor = worst.iter().sum::<f64>() / m as f64;
+            (0..m)
+                .map(|i| {
+                    let j = positions[i];
+                    let all: f64 = (0..layer.k.shape()[0]).map(|kv| group_norm(kv, j)).sum();
+                    worst[i].max(floor) * group_norm(kv, j) / all
+                })
+                .collect()
+        };
+        let mut scores = scored(&cache.heads, cache.kv);
+        // What the window and stage 1 score: above everything, or the layer's largest score.
+        let top = match self.layer_max {
+            false => f64::INFINITY,
+            true => (0..layer.k.shape()[0])
+                .flat_map(|kv| {
+                    let group: Vec<usize> =
+                        (kv * layer.group()..(kv + 1) * layer.group()).collect();
+                    scored(&group, kv)
+                })
+                .fold(f64::NEG_INFINITY, f64::max),
+        };
         let near = m.saturating_sub(w)..m;
         let bias = rows
             .iter()
@@ -438,9 +513,9 @@ impl DefensiveKv {
             b => ((m as f64 * b as f64 / n as f64) - w as f64).max(0.0) as usize,
         };
         for &i in order.iter().take(reached.unwrap_or(0).min(cap)) {
-            scores[i] = f64::INFINITY;
+            scores[i] = top;
         }
-        scores.resize(n, f64::INFINITY);
+        scores.resize(n, top);
         scores
     }
 }
