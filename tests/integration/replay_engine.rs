@@ -1223,6 +1223,46 @@ fn kept_masks_are_the_kept_sets() {
     }
 }
 
+/// `kept_masks` asks its stop within the allocator's passes over every layer too (the `global`
+/// allocator's prompt scores, before any layer's kept sets): the same policy with that pass is
+/// asked more often than without it, and a stop at the first ask ends it.
+#[test]
+fn kept_masks_asks_its_stop_within_the_allocators_pass() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("f.safetensors");
+    write_fixture(&path, Shape::default(), 3);
+    let trace = TraceReader::open(&path).unwrap();
+    let asked = |allocator: &str, stop_at: usize| {
+        let asks = AtomicUsize::new(0);
+        let stop = || match asks.fetch_add(1, Ordering::SeqCst) + 1 >= stop_at {
+            true => Err(kvreplay::stop::Stopped),
+            false => Ok(()),
+        };
+        let policy = PolicyParams {
+            allocator: allocator.into(),
+            ..params("knorm", Timing::Prefill, 8)
+        }
+        .check()
+        .unwrap();
+        let checkpoints = kvreplay::replay::Checkpoints {
+            after_layer: kvreplay::stop::NEVER,
+            stop: &stop,
+        };
+        let result = kept_masks(&trace, &policy, false, checkpoints);
+        (asks.into_inner(), result.is_err())
+    };
+    let (flat, flat_stopped) = asked("flat", usize::MAX);
+    let (global, global_stopped) = asked("global", usize::MAX);
+    assert!(!flat_stopped && !global_stopped);
+    assert!(
+        global > flat,
+        "asked {global} times with the prompt-score pass, {flat} without"
+    );
+    let (asks, stopped) = asked("global", 1);
+    assert!(stopped && asks < flat, "asked {asks} times after the stop");
+}
+
 /// A grid in one pass (one-shot policies that differ only in budget, allocator or head split share
 /// one scoring pass per layer) equals each policy replayed alone, bit for bit; policies whose
 /// scores differ (scorer settings, window, layout, timing) are not mixed up.

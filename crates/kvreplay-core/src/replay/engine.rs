@@ -725,10 +725,21 @@ pub fn layer_budgets(
     trace: &TraceReader,
     policy: &ValidPolicy,
 ) -> Result<Vec<LayerBudget>, PolicyError> {
+    stopping_layer_budgets(trace, policy, NEVER)
+}
+
+/// [`layer_budgets`], asking `stop` within and after each layer of the allocator's passes over
+/// the trace (entropy profiles, mass curves, the prompt's scores).
+pub(crate) fn stopping_layer_budgets(
+    trace: &TraceReader,
+    policy: &ValidPolicy,
+    stop: Stop<'_>,
+) -> Result<Vec<LayerBudget>, PolicyError> {
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
+    let checkpoints = Checkpoints::stopping(stop);
     let (_, budgets) =
-        layer_budgets_with_progress(trace, policy, Checkpoints::NONE, &mut Profiles::default())?;
+        layer_budgets_with_progress(trace, policy, checkpoints, &mut Profiles::default())?;
     Ok(budgets)
 }
 

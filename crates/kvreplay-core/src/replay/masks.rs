@@ -3,7 +3,7 @@
 //! end, or over every position at each decode step.
 
 use super::engine::{
-    compressed_layers, layer_budgets, protocol_view, stopping_kept_sets, Checkpoints,
+    compressed_layers, protocol_view, stopping_kept_sets, stopping_layer_budgets, Checkpoints,
 };
 use super::{PolicyError, UnitKept, ValidPolicy};
 use crate::trace::TraceReader;
@@ -26,14 +26,15 @@ pub struct KeptMasks {
 }
 
 /// The kept sets of `policy` on `trace`, at the prompt's end or, with `per_step`, at every decode
-/// step; `checkpoints` is called after each layer and asked within it.
+/// step; `checkpoints` is called after each layer and asked within it (its `stop` also within the
+/// allocator's passes over every layer, which come first).
 pub fn kept_masks(
     trace: &TraceReader,
     policy: &ValidPolicy,
     per_step: bool,
     checkpoints: Checkpoints<'_>,
 ) -> Result<KeptMasks, PolicyError> {
-    let all_budgets = layer_budgets(trace, policy)?;
+    let all_budgets = stopping_layer_budgets(trace, policy, checkpoints.stop)?;
     let layers = compressed_layers(trace.meta(), policy);
     let kept = layers
         .iter()
