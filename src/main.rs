@@ -67,7 +67,8 @@ enum Command {
         #[arg(long, default_value_t = 512)]
         chunk: usize,
         /// Also record each layer's attention input (normed hidden states) and projection
-        /// weights, for the methods that read them (Llama and Qwen2 families).
+        /// weights (and per-head q/k norms, Gemma 3), for the methods that read them (the
+        /// native families; `hf:` models through traces/capture_hf.py).
         #[arg(long)]
         attention_inputs: bool,
     },

@@ -14,8 +14,9 @@ each layer's post-rotary q, the new positions' k and v, then runs eager attentio
 kvreplay is always f32; --dtype only sets the storage. The header carries the model's own heads,
 head_dim, scale and soft-cap. --attention-inputs also records each layer's attention input (the
 normed hidden states, `layers.{l}.input`, in the storage dtype) and its projections
-(`layers.{l}.{q,k,v,o}_proj.weight` and `.bias`, f32), for the methods that read them; models that
-normalise q and k per head (q_norm, k_norm) are refused, since the projections do not describe them.
+(`layers.{l}.{q,k,v,o}_proj.weight` and `.bias`, f32), for the methods that read them; for models
+that normalise q and k per head (Gemma 3, Qwen3), also those norms (`layers.{l}.{q,k}_norm.weight`,
+the multiplier as applied: Gemma's `1 + weight`) and their ε (the header's `qk_norm_eps`).
 A recipe with `reconstruction = "kvzip"` also records KVzip's reconstruction pass as kvpress's
 KVzipPress lays it out (`reconstruction.tokens`, `layers.{l}.reconstruction.q`/`.k`, the header's
 `reconstruction`; docs/trace-format.md): each chunk of the context before the question, after the
@@ -86,16 +87,35 @@ def attention_modules(model):
 
 
 def projections(module):
-    """The layer's four projections as `name -> tensor` (weights and the biases it has), f32."""
-    if hasattr(module, "q_norm") or hasattr(module, "k_norm"):
-        refuse("per-head q/k norms (q_norm, k_norm) with --attention-inputs: the projections alone do not give its queries and keys")
+    """The layer's four projections as `name -> tensor` (weights and the biases it has) and its
+    per-head q/k norms where it has them, f32; and those norms' epsilon (None without them)."""
     found = {}
     for name in ("q_proj", "k_proj", "v_proj", "o_proj"):
         linear = getattr(module, name)
         found[f"{name}.weight"] = linear.weight.detach().float().cpu().contiguous()
         if linear.bias is not None:
             found[f"{name}.bias"] = linear.bias.detach().float().cpu().contiguous()
-    return found
+    if not (hasattr(module, "q_norm") or hasattr(module, "k_norm")):
+        return found, None
+    epsilons = set()
+    for name in ("q_norm", "k_norm"):
+        found[f"{name}.weight"], eps = head_norm(getattr(module, name))
+        epsilons.add(eps)
+    if len(epsilons) != 1:
+        refuse(f"q_norm and k_norm with different epsilons ({sorted(epsilons)})")
+    return found, epsilons.pop()
+
+
+def head_norm(norm):
+    """A per-head RMS norm as a trace stores it: its multiplier as applied (Gemma's RMSNorm scales
+    by `1 + weight`, Qwen3's and Llama's by `weight`), f32, and its epsilon."""
+    eps = getattr(norm, "eps", getattr(norm, "variance_epsilon", None))
+    if eps is None or not hasattr(norm, "weight"):
+        refuse(f"a per-head norm {type(norm).__name__} that is not an RMSNorm with a weight and an epsilon")
+    weight = norm.weight.detach().float().cpu()
+    if type(norm).__name__.startswith("Gemma"):
+        weight = 1.0 + weight
+    return weight.contiguous(), float(eps)
 
 
 def sizes(config, head_dim, n_layers, positions, element, inputs):
@@ -268,12 +288,15 @@ def main():
     if recipe.get("reconstruction") == "kvzip":
         cut = next((span["start"] for span in spans if span["name"] == "question"), len(ids))
         reconstruction = kvzip_rows(tokenizer, ids, cut, int(recipe.get("reconstruction_chunk", 2048)))
-    weights = {}
+    weights, norm_epsilons = {}, set()
     if args.attention_inputs:
         for layer, module in modules.items():
             if LAYERS is None or layer in LAYERS:
-                weights[layer] = projections(module)
+                weights[layer], eps = projections(module)
+                norm_epsilons.add(eps)
                 module.register_forward_pre_hook(record_inputs, with_kwargs=True)
+    if len(norm_epsilons) > 1:
+        refuse(f"per-head q/k norms in some layers only, or with different epsilons ({norm_epsilons})")
     end_of_turn = end_of_answer(tokenizer)
     generated, past = [], None
     with torch.no_grad():
@@ -330,6 +353,8 @@ def main():
     }
     if spans:
         meta["spans"] = json.dumps(spans)
+    if norm_epsilons - {None}:
+        meta["qk_norm_eps"] = repr(norm_epsilons.pop())
     if reconstruction:
         meta["reconstruction"] = json.dumps({"chunks": [[start, end, len(rows)] for start, end, rows in reconstruction]}, separators=(",", ":"))
     windows = [WINDOWS[layer] for layer in layers]

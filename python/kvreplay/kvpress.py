@@ -358,7 +358,9 @@ def _StandIn(layer, group, head_dim, rope_theta):
 
 def _Layer(cache):
     """The cache's attention layer as kvpress sees it: its real projections (with their biases),
-    heads, rotary and `layer_idx`."""
+    heads, rotary and `layer_idx`; where the model normalises each head's q and k after the
+    projections (Gemma 3), `q_proj` and `k_proj` give them normed, as kvpress's
+    `get_prerope_query_states` and `get_prerope_key_states` give them for such a model."""
     import torch
     from torch import nn
 
@@ -372,8 +374,33 @@ def _Layer(cache):
             linear.weight.copy_(weight)
             if bias is not None:
                 linear.bias.copy_(torch.from_numpy(np.ascontiguousarray(bias)))
+        norm = cache.projections.get(f"{name[0]}_norm.weight")
+        if norm is not None:
+            linear = _head_normed(linear, torch.from_numpy(np.ascontiguousarray(norm)), cache.projections["qk_norm_eps"])
         setattr(module, name, linear)
     return module
+
+
+def _head_normed(linear, weight, eps):
+    """`linear` and then the model's RMS norm over each head (`weight` `[head_dim]`, the
+    multiplier as applied), in float32 as transformers' Gemma 3 and Qwen3 norms compute it. It
+    has no `weight` of its own: a press reading one would bypass the norm."""
+    import torch
+    from torch import nn
+
+    class HeadNormed(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.linear = linear
+            self.register_buffer("norm", weight)
+
+        def forward(self, hidden):
+            projected = self.linear(hidden)
+            heads = projected.float().unflatten(-1, (-1, self.norm.shape[0]))
+            heads = heads * torch.rsqrt(heads.pow(2).mean(-1, keepdim=True) + eps) * self.norm
+            return heads.flatten(-2).to(projected.dtype)
+
+    return HeadNormed()
 
 
 def _repeat(keys, queries):

@@ -71,7 +71,7 @@ pub fn live(
 /// Captures a recipe with the native model into a kvtrace/1 file (default: the recipe's path
 /// with `.safetensors`) and opens it; a recipe of several questions into one file per question
 /// (`<stem>.q1.safetensors`…), opened as a list. `attention_inputs=True` also records each
-/// layer's attention input and projections (Llama and Qwen2 families).
+/// layer's attention input and projections (and a Gemma 3 layer's q/k norms).
 #[pyfunction]
 #[pyo3(signature = (recipe, out=None, dtype="f16", chunk=512, attention_inputs=false))]
 pub fn capture(

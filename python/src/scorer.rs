@@ -30,7 +30,7 @@ use crate::method::PyMethod;
 use crate::settings::settings_map;
 use kvreplay::replay::scorer::{ScoreState, Scored, Scorer, Started};
 use kvreplay::replay::{LayerContext, MethodFailed, Protection, Timing, Unit};
-use kvreplay::trace::{LayerInputs, PROJECTIONS};
+use kvreplay::trace::{LayerInputs, PROJECTIONS, QK_NORMS, QK_NORM_EPS};
 use ndarray::{s, Array1};
 use numpy::{IntoPyArray, PyArray1, PyArrayMethods, PyUntypedArrayMethods};
 use pyo3::prelude::*;
@@ -53,7 +53,9 @@ pub struct Cache {
     hidden: Py<PyAny>,
     /// The layer's projections as `nn.Linear` stores them, float32: `q_proj.weight`
     /// `[n_heads·d, d_model]`, `k_proj.weight`, `v_proj.weight` `[n_kv_heads·d, d_model]`,
-    /// `o_proj.weight` `[d_model, n_heads·d]`, and each `….bias` the model has; or None.
+    /// `o_proj.weight` `[d_model, n_heads·d]`, and each `….bias` the model has; for a model
+    /// that normalises each head's q and k after them (Gemma 3), `q_norm.weight` and
+    /// `k_norm.weight` `[d]` (the multipliers as applied) and `qk_norm_eps`; or None.
     projections: Py<PyAny>,
     /// With `needs_inputs`, the whole layer's queries `[n_heads, newest + 1, d]`, keys and
     /// values `[n_kv_heads, newest + 1, d]` (None without values), for a method that scores a
@@ -504,7 +506,8 @@ impl State {
     }
 }
 
-/// The hidden states at `0..=newest` and a dict of the projections' weights and biases.
+/// The hidden states at `0..=newest` and a dict of the projections' weights and biases (and the
+/// per-head q/k norms' weights and ε, where the model has them).
 fn inputs_of(
     py: Python<'_>,
     inputs: &LayerInputs,
@@ -512,12 +515,18 @@ fn inputs_of(
 ) -> PyResult<(Py<PyAny>, Py<PyAny>)> {
     let hidden = inputs.hidden.slice(s![..=newest, ..]).to_owned();
     let projections = PyDict::new(py);
-    for (name, projection) in PROJECTIONS.iter().zip(&inputs.projections) {
+    for (name, projection) in PROJECTIONS.iter().zip(&inputs.weights.projections) {
         let weight = projection.weight.clone().into_pyarray(py);
         projections.set_item(format!("{name}.weight"), weight)?;
         if let Some(bias) = &projection.bias {
             projections.set_item(format!("{name}.bias"), bias.clone().into_pyarray(py))?;
         }
+    }
+    if let Some(norms) = &inputs.weights.qk_norms {
+        for (name, weight) in QK_NORMS.iter().zip([&norms.q, &norms.k]) {
+            projections.set_item(format!("{name}.weight"), weight.clone().into_pyarray(py))?;
+        }
+        projections.set_item(QK_NORM_EPS, norms.eps)?;
     }
     Ok((
         hidden.into_pyarray(py).into_any().unbind(),

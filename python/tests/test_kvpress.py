@@ -368,3 +368,69 @@ def test_a_decoding_press_runs_live(tmp_path):
     for column in ["kl", "top1", "live_retained_mass", "answer_score", "text", "retained_mass"]:
         assert both[column][0] == alone[column][0], column
     assert both["kl"][0] > 0 and both["kl"][0] != both["kl"][1]
+
+
+@pytest.fixture(scope="module")
+def gemma_trace(tmp_path_factory):
+    """A ~300-token needle prompt captured natively from Gemma 3 270M with its attention inputs,
+    its per-head q/k norms among them."""
+    from conftest import RECIPE
+
+    path = tmp_path_factory.mktemp("gemma") / "niah-gemma.toml"
+    path.write_text('model = "gemma3-270m"\n' + RECIPE.replace("prompt_tokens = 600", "prompt_tokens = 300"))
+    trace = kvreplay.Trace(kvreplay.capture(path, attention_inputs=True).path)
+    assert trace.has_inputs
+    return trace
+
+
+class PrerotaryProbe:
+    """Scores by key norm and checks, in each layer it is shown, that the bridge's module gives
+    the trace's queries and keys as a press reads them: kvpress's `get_prerope_query_states` and
+    `get_prerope_key_states` of the module and the hidden states, turned by the module's rotary.
+    `norms=False` shows the module the projections without the q/k norms."""
+
+    needs_inputs = True
+
+    def __init__(self, norms=True):
+        self.norms = norms
+        self.worst = {}
+
+    def score(self, cache):
+        import torch
+        from kvpress.utils import get_prerope_key_states, get_prerope_query_states
+        from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+        from kvreplay.kvpress import _Layer
+
+        shown = {name: value for name, value in cache.projections.items() if self.norms or "norm" not in name}
+        fields = ["layer", "n_heads", "n_kv_heads", "layer_keys", "hidden", "rope_theta"]
+        module = _Layer(types.SimpleNamespace(projections=shown, **{f: getattr(cache, f) for f in fields}))
+        hidden = torch.from_numpy(cache.hidden)[None]
+        with torch.no_grad():
+            pre = get_prerope_query_states(module, hidden), get_prerope_key_states(module, hidden)
+            cos, sin = module.rotary_emb(hidden, torch.arange(hidden.shape[1])[None])
+            turned = apply_rotary_pos_emb(*pre, cos, sin)
+        for ours, stored in zip(turned, [cache.layer_queries, cache.layer_keys]):
+            gap = np.abs(ours[0].numpy() - stored).max() / np.abs(stored).max()
+            self.worst[cache.layer] = max(self.worst.get(cache.layer, 0.0), float(gap))
+        return np.linalg.norm(cache.keys, axis=-1)
+
+
+def test_the_bridge_gives_gemma_3s_queries_and_keys_through_its_qk_norms(gemma_trace):
+    # Gemma 3 normalises each head's q and k after the projections: the module's q_proj and
+    # k_proj carry the trace's norms, so a press reading them gets the model's queries and keys.
+    probe, bare = PrerotaryProbe(), PrerotaryProbe(norms=False)
+    for scorer in (probe, bare):
+        kvreplay.kept(gemma_trace, budget=64, scorer=scorer, window=0, sinks=0)
+    assert sorted(probe.worst) == [5, 11, 17], "the global layers (sliding ones are kept whole)"
+    assert max(probe.worst.values()) < 1e-3, probe.worst
+    assert min(bare.worst.values()) > 0.1, bare.worst
+    print(f"\nGemma 3 through the bridge: worst |Δ| / max |x| of q and k per layer {probe.worst}; without the norms {bare.worst}")
+
+
+def test_the_presses_that_read_attention_inputs_run_on_gemma_3(gemma_trace):
+    presses = [PRESSES[n](PRESSES["KnormPress"]()) if n in WRAPPERS else PRESSES[n]() for n in sorted(READ_INPUTS)]
+    policies = [{"scorer": PressScorer(press)} for press in presses] + [{"preset": "layer-defensivekv"}]
+    mass = kvreplay.replay(gemma_trace, budget=64, policies=policies).runs["retained_mass"].to_list()
+    assert all(0.0 < m <= 1.0 for m in mass), mass
+    print(f"\nGemma 3, budget 64: retained mass {dict(zip([*sorted(READ_INPUTS), 'layer-defensivekv'], mass))}")

@@ -246,6 +246,18 @@ fn kvreplay_live_and_a_closed_loop_sweep_run_on_a_transformers_model() {
         message.contains("builds a prompt that differs from the captured trace"),
         "{message}"
     );
+    // The worker does not hand kvreplay its weights: attention inputs are refused before the run.
+    let refused = kvreplay(dir.path())
+        .args(["capture", "--recipe", "niah-hf.toml", "--attention-inputs"])
+        .args(["--out", "inputs.safetensors"])
+        .assert()
+        .code(2);
+    let message = String::from_utf8(refused.get_output().stderr.clone()).unwrap();
+    assert!(
+        message.contains("model family `hf` does not give kvreplay its attention weights"),
+        "{message}"
+    );
+    assert!(!dir.path().join("inputs.safetensors").exists());
 }
 
 /// `kvreplay live` on the needle recipe run by `model` in `dir`: it exits 2; its stderr.

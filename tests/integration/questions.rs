@@ -332,7 +332,7 @@ fn a_capture_with_attention_inputs_records_them_for_every_question() {
         );
         let rows = inputs[0].hidden.nrows().min(inputs[1].hidden.nrows());
         assert!((shared..rows).any(|r| inputs[0].hidden.row(r) != inputs[1].hidden.row(r)));
-        assert_eq!(inputs[0].projections, inputs[1].projections);
+        assert_eq!(inputs[0].weights, inputs[1].weights);
         assert_eq!(inputs[0].projection("q_proj").weight.dim(), (576, 576));
     }
     let inspect = assert_cmd::Command::cargo_bin("kvreplay")

@@ -700,12 +700,110 @@ fn rule_attention_inputs() {
     );
 }
 
+/// The case's attention inputs with per-head q/k norms (`[head_dim]` = `[2]`) and their ε.
+fn qk_norms(
+    meta: &mut HashMap<String, String>,
+    tensors: &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>,
+) {
+    attention_inputs(tensors);
+    meta.insert("qk_norm_eps".into(), "1e-6".into());
+    for (name, offset) in [("q_norm", 600.0f32), ("k_norm", 700.0)] {
+        let bytes = [offset, offset + 1.0]
+            .iter()
+            .flat_map(|x| x.to_le_bytes())
+            .collect();
+        tensors.push((
+            format!("layers.0.{name}.weight"),
+            Dtype::F32,
+            vec![2],
+            bytes,
+        ));
+    }
+}
+
+#[test]
+fn qk_norms_are_read_with_their_eps() {
+    let trace = case(qk_norms).unwrap();
+    let norms = trace.layer(0).unwrap().inputs.unwrap().weights.qk_norms;
+    let norms = norms.expect("q/k norms");
+    assert_eq!(
+        (norms.q.to_vec(), norms.k.to_vec()),
+        (vec![600.0, 601.0], vec![700.0, 701.0])
+    );
+    assert_eq!(norms.eps, 1e-6);
+    let plain = case(|_, t| attention_inputs(t)).unwrap();
+    assert!(plain
+        .layer(0)
+        .unwrap()
+        .inputs
+        .unwrap()
+        .weights
+        .qk_norms
+        .is_none());
+}
+
+#[test]
+fn rule_qk_norms() {
+    type Edit = fn(&mut HashMap<String, String>, &mut Vec<(String, Dtype, Vec<usize>, Vec<u8>)>);
+    let cases: [(Edit, &str); 6] = [
+        (
+            |m, t| {
+                qk_norms(m, t);
+                m.remove("qk_norm_eps");
+            },
+            "`qk_norm_eps`",
+        ),
+        (
+            |m, t| {
+                attention_inputs(t);
+                m.insert("qk_norm_eps".into(), "1e-6".into());
+            },
+            "holds no q_norm/k_norm weights",
+        ),
+        (
+            |m, t| {
+                qk_norms(m, t);
+                m.insert("qk_norm_eps".into(), "0".into());
+            },
+            "a positive finite number",
+        ),
+        (
+            |m, t| {
+                qk_norms(m, t);
+                t.retain(|(name, ..)| name != "layers.0.k_norm.weight");
+            },
+            "`layers.0.k_norm.weight` is missing",
+        ),
+        (
+            |m, t| {
+                qk_norms(m, t);
+                replace(t, "layers.0.q_norm.weight", Dtype::F32, vec![3]);
+            },
+            "`layers.0.q_norm.weight` has shape [3], expected [2]",
+        ),
+        (
+            |m, t| {
+                qk_norms(m, t);
+                t.retain(|(name, ..)| name != "layers.0.input");
+            },
+            "one group",
+        ),
+    ];
+    for (edit, expected) in cases {
+        let text = message(case(edit));
+        assert!(text.contains(expected), "{expected}: {text}");
+    }
+}
+
 /// The writer's attention inputs read back as written: the hidden states in the trace's dtype
-/// (f32 here: exact), the projections in F32 with the biases declared; a source whose shapes
-/// disagree with the header fails the write and leaves no file.
+/// (f32 here: exact), the projections in F32 with the biases declared, and the per-head q/k
+/// norms with their ε in the header where the model has them; a source whose shapes disagree
+/// with the header fails the write and leaves no file.
 #[test]
 fn attention_inputs_round_trip_through_the_writer() {
-    use kvreplay::trace::{write_trace, Extras, InputsSource, LayerInputs, Projection};
+    use kvreplay::trace::{
+        write_trace, AttentionWeights, Extras, InputsSource, LayerInputs, Projection, QkNorms,
+    };
     use ndarray::{Array1, Array2};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape::default();
@@ -717,7 +815,7 @@ fn attention_inputs_round_trip_through_the_writer() {
         shape.n_heads * shape.head_dim,
         shape.n_kv_heads * shape.head_dim,
     );
-    let inputs_of = |layer: usize, q_rows: usize| {
+    let inputs_of = |layer: usize, q_rows: usize, eps: Option<f32>| {
         let counting = |rows: usize, columns: usize, offset: usize| {
             Array2::from_shape_fn((rows, columns), |(r, c)| {
                 (offset + layer * 1000 + r * columns + c) as f32
@@ -727,69 +825,91 @@ fn attention_inputs_round_trip_through_the_writer() {
             weight: counting(rows, columns, offset),
             bias: bias.then(|| Array1::from_elem(rows, layer as f32 + 0.5)),
         };
+        let norm = |offset: f32| Array1::from_shape_fn(shape.head_dim, |i| offset + i as f32);
         LayerInputs {
             hidden: counting(t, d_model, 0),
-            projections: [
-                projection(q_rows, d_model, 100, true),
-                projection(kv, d_model, 200, true),
-                projection(kv, d_model, 300, false),
-                projection(d_model, q, 400, false),
-            ],
+            weights: AttentionWeights {
+                projections: [
+                    projection(q_rows, d_model, 100, true),
+                    projection(kv, d_model, 200, true),
+                    projection(kv, d_model, 300, false),
+                    projection(d_model, q, 400, false),
+                ],
+                qk_norms: eps.map(|eps| QkNorms {
+                    q: norm(layer as f32 + 0.25),
+                    k: norm(layer as f32 + 0.75),
+                    eps,
+                }),
+            },
         }
     };
     let layer = |l: usize| {
         let (q, k, v) = layers[l].clone();
         Ok((q, k, Some(v)))
     };
-    let given = |l: usize| Ok(inputs_of(l, q));
-    let source = InputsSource {
-        d_model,
-        biases: [true, true, false, false],
-        layer: &given,
-    };
-    let path = dir.path().join("inputs.safetensors");
     let meta = meta(shape);
-    write_trace(
-        &path,
-        &meta,
-        StorageDtype::F32,
-        &tokens,
-        (true, &layer),
-        Extras {
-            inputs: Some(&source),
-            ..Extras::default()
-        },
-    )
-    .unwrap();
-    let trace = TraceReader::open(&path).unwrap();
-    assert_eq!(trace.d_model(), Some(d_model));
-    for l in 0..shape.n_layers {
-        assert_eq!(trace.layer(l).unwrap().inputs, Some(inputs_of(l, q)));
+    for eps in [None, Some(1e-6)] {
+        let given = |l: usize| Ok(inputs_of(l, q, eps));
+        let source = InputsSource {
+            d_model,
+            biases: [true, true, false, false],
+            qk_norm_eps: eps,
+            layer: &given,
+        };
+        let path = dir.path().join("inputs.safetensors");
+        write_trace(
+            &path,
+            &meta,
+            StorageDtype::F32,
+            &tokens,
+            (true, &layer),
+            Extras {
+                inputs: Some(&source),
+                ..Extras::default()
+            },
+        )
+        .unwrap();
+        let trace = TraceReader::open(&path).unwrap();
+        assert_eq!(trace.d_model(), Some(d_model));
+        assert_eq!(
+            trace.meta().extra.get("qk_norm_eps").map(String::as_str),
+            eps.map(|_| "1e-6")
+        );
+        for l in 0..shape.n_layers {
+            assert_eq!(trace.layer(l).unwrap().inputs, Some(inputs_of(l, q, eps)));
+        }
+        let wrong = |l: usize| Ok(inputs_of(l, q + 1, eps));
+        let unlike = |l: usize| Ok(inputs_of(l, q, if l == 1 { None } else { eps }));
+        let unnormed = |l: usize| Ok(inputs_of(l, q, None));
+        let mut cases: Vec<(&dyn Fn(usize) -> Result<LayerInputs, String>, &str)> =
+            vec![(&wrong, "layers.0.q_proj.weight has shape")];
+        if eps.is_some() {
+            cases.push((&unlike, "layer 1's q/k norms"));
+            cases.push((&unnormed, "layer 0's q/k norms"));
+        }
+        for (source_of, expected) in cases {
+            let source = InputsSource {
+                layer: source_of,
+                ..source
+            };
+            let refused = dir.path().join("refused.safetensors");
+            let message = write_trace(
+                &refused,
+                &meta,
+                StorageDtype::F32,
+                &tokens,
+                (true, &layer),
+                Extras {
+                    inputs: Some(&source),
+                    ..Extras::default()
+                },
+            )
+            .unwrap_err()
+            .to_string();
+            assert!(message.contains(expected), "{message}");
+            assert!(!refused.exists());
+        }
     }
-    let wrong = |l: usize| Ok(inputs_of(l, q + 1));
-    let source = InputsSource {
-        layer: &wrong,
-        ..source
-    };
-    let refused = dir.path().join("refused.safetensors");
-    let message = write_trace(
-        &refused,
-        &meta,
-        StorageDtype::F32,
-        &tokens,
-        (true, &layer),
-        Extras {
-            inputs: Some(&source),
-            ..Extras::default()
-        },
-    )
-    .unwrap_err()
-    .to_string();
-    assert!(
-        message.contains("layers.0.q_proj.weight has shape"),
-        "{message}"
-    );
-    assert!(!refused.exists());
 }
 
 /// A trace built in memory is the bytes a file of it holds, and reads as that file does: a live

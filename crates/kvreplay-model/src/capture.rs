@@ -7,8 +7,8 @@ use crate::recipe::reconstruction::{self as pass, PlannedPass};
 use crate::recipe::{BuiltPrompt, BuiltQuestions, Recipe, RecipeError};
 use crate::stop::Stopped;
 use crate::trace::{
-    trace_bytes, write_trace, Extras, InputsSource, LayerInputs, LayerSource, PassRows, Projection,
-    ReconstructionSource, StorageDtype, TraceError, TraceMeta,
+    trace_bytes, write_trace, AttentionWeights, Extras, InputsSource, LayerInputs, LayerSource,
+    PassRows, ReconstructionSource, StorageDtype, TraceError, TraceMeta,
 };
 use ndarray::{Array3, Axis};
 use std::collections::BTreeMap;
@@ -47,8 +47,8 @@ pub enum CaptureError {
     /// A model name no asset has.
     #[error("unknown model `{0}` (see `kvreplay fetch --help`)")]
     UnknownModel(String),
-    /// Attention inputs asked of a family whose projections do not give its queries and keys.
-    #[error("--attention-inputs: model family `{0}` normalises q and k per head after its projections, so a trace's projections would not give its queries and keys; its attention inputs are not recorded")]
+    /// Attention inputs asked of a family that does not give its attention weights.
+    #[error("--attention-inputs: model family `{0}` does not give kvreplay its attention weights, so its attention inputs are not recorded (traces/capture_hf.py --attention-inputs records them through transformers)")]
     NoAttentionInputs(&'static str),
     /// A recipe's reconstruction pass that cannot run on its prompt.
     #[error("reconstruction = \"kvzip\": {0}")]
@@ -228,7 +228,7 @@ pub fn capture_recipe(
 ) -> Result<Vec<CaptureSummary>, CaptureError> {
     let (parsed, _) = Recipe::load(recipe)?;
     let model = models.model(parsed.model())?;
-    let projections = inputs.then(|| input_projections(model)).transpose()?;
+    let projections = inputs.then(|| input_weights(model)).transpose()?;
     let questions = build_questions(recipe, model)?;
     let options = recipe_options(recipe, (parsed.model(), model), (storage, chunk))?;
     let mut passes = Passes::default();
@@ -334,11 +334,16 @@ pub fn planned_size(
         (spec.n_kv_heads * spec.head_dim) as u64,
     );
     let d_model = match inputs {
-        true => match model.attention_projections(0)? {
-            Some(first) => first[0].weight.ncols() as u64,
+        true => match model.attention_weights(0)? {
+            Some(first) => first.projections[0].weight.ncols() as u64,
             None => return Err(CaptureError::NoAttentionInputs(spec.family)),
         },
         false => 0,
+    };
+    // Every layer's q/k norms, where the family has them, are two f32 `[head_dim]` vectors.
+    let norms = match (inputs, model.attention_weights(0)?) {
+        (true, Some(first)) if first.qk_norms.is_some() => 2 * spec.head_dim as u64,
+        _ => 0,
     };
     let traces = positions.len() as u64;
     Ok(PlannedSize {
@@ -346,7 +351,7 @@ pub fn planned_size(
         traces: traces as usize,
         vectors: layers * total * heads * element,
         hidden: layers * total * d_model * element,
-        projections: traces * layers * 4 * (2 * q * d_model + 2 * kv * d_model),
+        projections: traces * layers * 4 * (2 * q * d_model + 2 * kv * d_model + norms),
     })
 }
 
@@ -375,13 +380,13 @@ pub fn recipe_options(
     })
 }
 
-/// Every layer's attention projections, for a trace that stores its attention inputs; an error
-/// for a family whose projections do not give its queries and keys.
-pub fn input_projections(model: &dyn CausalLm) -> Result<Vec<[Projection; 4]>, CaptureError> {
+/// Every layer's attention weights, for a trace that stores its attention inputs; an error for a
+/// family that does not give them.
+pub fn input_weights(model: &dyn CausalLm) -> Result<Vec<AttentionWeights>, CaptureError> {
     (0..model.spec().n_layers)
         .map(|layer| {
             model
-                .attention_projections(layer)?
+                .attention_weights(layer)?
                 .ok_or(CaptureError::NoAttentionInputs(model.spec().family))
         })
         .collect()
@@ -518,7 +523,7 @@ pub struct Captured {
     /// The recorder, for checks against the forward pass.
     pub recorder: Recorder,
     /// Every layer's attention projections, where the recorder kept attention inputs.
-    projections: Option<Vec<[Projection; 4]>>,
+    projections: Option<Vec<AttentionWeights>>,
     meta: TraceMeta,
     tokens: Vec<i64>,
     storage: StorageDtype,
@@ -554,7 +559,7 @@ pub fn recording_bytes(
 /// and its reconstruction pass where the recipe asks for one.
 pub type Recorded<'a> = (
     &'a Recorder,
-    Option<&'a [[Projection; 4]]>,
+    Option<&'a [AttentionWeights]>,
     Option<&'a RecordedPass>,
 );
 
@@ -589,14 +594,15 @@ fn with_layers<R>(
         let hidden = recorder.layer_input(layer).map_err(|err| err.to_string())?;
         Ok(LayerInputs {
             hidden: hidden.ok_or("the recorder kept no attention inputs")?,
-            projections: projections[layer].clone(),
+            weights: projections[layer].clone(),
         })
     };
     let inputs = projections.and_then(|projections| {
         let first = projections.first()?;
         Some(InputsSource {
-            d_model: first[0].weight.ncols(),
-            biases: std::array::from_fn(|index| first[index].bias.is_some()),
+            d_model: first.projections[0].weight.ncols(),
+            biases: first.projections.each_ref().map(|p| p.bias.is_some()),
+            qk_norm_eps: first.qk_norms.as_ref().map(|norms| norms.eps),
             layer: &inputs_of,
         })
     });
@@ -705,7 +711,7 @@ pub fn capture(
     let total = prompt.ids.len() + prompt.generate;
     // Checked before the run: a family without them fails at once.
     let projections = match recorder.keeps_inputs() {
-        true => Some(input_projections(model)?),
+        true => Some(input_weights(model)?),
         false => None,
     };
     let generated = model.generate(
@@ -730,7 +736,7 @@ fn captured(
     model: &dyn CausalLm,
     prompt: &BuiltPrompt,
     options: &CaptureOptions,
-    (recorder, projections): (Recorder, Option<Vec<[Projection; 4]>>),
+    (recorder, projections): (Recorder, Option<Vec<AttentionWeights>>),
     generated: Vec<u32>,
 ) -> Captured {
     Captured {

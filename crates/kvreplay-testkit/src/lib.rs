@@ -6,8 +6,8 @@
 use kvreplay_core::replay::reference::ScorerRule;
 use kvreplay_core::replay::{scorer, settings, PolicyParams, Timing};
 use kvreplay_core::trace::{
-    Chunk, LayerInputs, LayerReconstruction, Projection, Reconstruction, Span, StorageDtype,
-    TraceMeta, TraceWriter,
+    AttentionWeights, Chunk, LayerInputs, LayerReconstruction, Projection, Reconstruction, Span,
+    StorageDtype, TraceMeta, TraceWriter,
 };
 use kvreplay_model::assets::Assets;
 use kvreplay_model::model::Llama;
@@ -264,12 +264,15 @@ pub fn random_inputs(
             };
             LayerInputs {
                 hidden,
-                projections: [
-                    projection(q, d_model, true),
-                    projection(kv, d_model, true),
-                    projection(kv, d_model, false),
-                    projection(d_model, q, false),
-                ],
+                weights: AttentionWeights {
+                    projections: [
+                        projection(q, d_model, true),
+                        projection(kv, d_model, true),
+                        projection(kv, d_model, false),
+                        projection(d_model, q, false),
+                    ],
+                    qk_norms: None,
+                },
             }
         })
         .collect()

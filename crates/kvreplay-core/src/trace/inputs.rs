@@ -4,6 +4,10 @@
 //! methods that recompute queries or keys from the hidden states (kvpress's LeverageScorePress,
 //! CompactorPress) or weigh values through the output projection (CriticalKVPress).
 //!
+//! For a model that normalises each head's q and k after the projections (Gemma 3, Qwen3), the
+//! group also holds those norms' weights and the header their ε (`qk_norm_eps`), so that the
+//! projections still give the queries and keys before the rotary.
+//!
 //! They are one group: a trace has all of them in every layer or none. Every rule is checked
 //! when the trace is opened; the values are read (and checked finite) only when asked for.
 
@@ -24,13 +28,39 @@ pub struct Projection {
     pub bias: Option<Array1<f32>>,
 }
 
+/// The header key of the per-head q/k norms' ε.
+pub const QK_NORM_EPS: &str = "qk_norm_eps";
+
+/// The RMS norms a model applies to each head's q and k after the projections and before the
+/// rotary: `x / sqrt(mean(x²) + eps) * weight` over each head's `head_dim` values, `weight`
+/// being the multiplier as applied (Gemma 3's `1 + w` of its Hugging Face module).
+#[derive(Debug, Clone, PartialEq)]
+pub struct QkNorms {
+    /// The query heads' multiplier, `[head_dim]`.
+    pub q: Array1<f32>,
+    /// The key heads' multiplier, `[head_dim]`.
+    pub k: Array1<f32>,
+    /// The ε under the square root.
+    pub eps: f32,
+}
+
+/// One layer's attention weights: its four projections and, for a model that has them, its
+/// per-head q/k norms.
+#[derive(Debug, Clone, PartialEq)]
+pub struct AttentionWeights {
+    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, in [`PROJECTIONS`]' order.
+    pub projections: [Projection; 4],
+    /// The per-head q/k norms, where the model has them.
+    pub qk_norms: Option<QkNorms>,
+}
+
 /// One layer's attention inputs, converted to f32.
 #[derive(Debug, Clone, PartialEq)]
 pub struct LayerInputs {
     /// The normed hidden states entering attention, `[T, d_model]`.
     pub hidden: Array2<f32>,
-    /// `q_proj`, `k_proj`, `v_proj`, `o_proj`, in [`PROJECTIONS`]' order.
-    pub projections: [Projection; 4],
+    /// The layer's projections and q/k norms.
+    pub weights: AttentionWeights,
 }
 
 impl LayerInputs {
@@ -40,18 +70,26 @@ impl LayerInputs {
             .iter()
             .position(|p| *p == name)
             .unwrap_or_else(|| panic!("no projection `{name}`"));
-        &self.projections[index]
+        &self.weights.projections[index]
     }
 }
 
-/// The model width `d_model` of a trace whose header lists attention inputs, after checking every
-/// one of their tensors; `None` when it has none.
+/// What opening a trace learns of its attention inputs: the model width, and the q/k norms' ε
+/// where the trace holds q/k norms.
+#[derive(Debug, Clone, Copy, PartialEq)]
+pub(super) struct InputsLayout {
+    pub d_model: usize,
+    pub qk_norm_eps: Option<f32>,
+}
+
+/// The layout of a trace's attention inputs, after checking every one of their tensors; `None`
+/// when it has none.
 pub(super) fn check(
     path: &Path,
     header: &Metadata,
     meta: &TraceMeta,
     n_positions: usize,
-) -> Result<Option<usize>, TraceError> {
+) -> Result<Option<InputsLayout>, TraceError> {
     let named = |name: &str| header.info(name);
     let Some(first) = named("layers.0.input") else {
         if let Some(name) = (0..meta.n_layers)
@@ -70,8 +108,14 @@ pub(super) fn check(
     };
     let d_model = first.shape.get(1).copied().unwrap_or(0);
     let shapes = projection_shapes(meta, d_model);
+    let qk_norm_eps = qk_norm_eps(path, header, meta)?;
     for layer in 0..meta.n_layers {
         let mut expected = vec![(format!("layers.{layer}.input"), vec![n_positions, d_model])];
+        if qk_norm_eps.is_some() {
+            for norm in QK_NORMS {
+                expected.push((format!("layers.{layer}.{norm}.weight"), vec![meta.head_dim]));
+            }
+        }
         for (projection, shape) in PROJECTIONS.iter().zip(shapes) {
             expected.push((
                 format!("layers.{layer}.{projection}.weight"),
@@ -101,12 +145,49 @@ pub(super) fn check(
                     tensor: name,
                     found: info.shape.clone(),
                     expected: shape,
-                    rule: "attention inputs: input [T, d_model], q_proj [n_heads·head_dim, d_model], k_proj and v_proj [n_kv_heads·head_dim, d_model], o_proj [d_model, n_heads·head_dim], one d_model in every layer",
+                    rule: "attention inputs: input [T, d_model], q_proj [n_heads·head_dim, d_model], k_proj and v_proj [n_kv_heads·head_dim, d_model], o_proj [d_model, n_heads·head_dim], q_norm and k_norm [head_dim], one d_model in every layer",
                 });
             }
         }
     }
-    Ok(Some(d_model))
+    Ok(Some(InputsLayout {
+        d_model,
+        qk_norm_eps,
+    }))
+}
+
+/// The names of the per-head q/k norms' tensors (each `.weight`).
+pub const QK_NORMS: [&str; 2] = ["q_norm", "k_norm"];
+
+/// The q/k norms' ε of a trace with attention inputs: `Some` where its first layer has a
+/// `q_norm`, which then needs the header's `qk_norm_eps`; a header ε without norms is refused.
+fn qk_norm_eps(
+    path: &Path,
+    header: &Metadata,
+    meta: &TraceMeta,
+) -> Result<Option<f32>, TraceError> {
+    let named = header.info("layers.0.q_norm.weight").is_some();
+    let bad = |value: &str, expected: &'static str| TraceError::BadValue {
+        path: path.to_owned(),
+        key: QK_NORM_EPS,
+        value: value.to_owned(),
+        expected,
+    };
+    match (named, meta.extra.get(QK_NORM_EPS)) {
+        (false, None) => Ok(None),
+        (false, Some(value)) => Err(bad(
+            value,
+            "absent: the trace holds no q_norm/k_norm weights for it to go with",
+        )),
+        (true, None) => Err(bad(
+            "(missing)",
+            "a positive finite number, the ε of the q/k norms whose weights the trace holds",
+        )),
+        (true, Some(value)) => match value.parse::<f32>() {
+            Ok(eps) if eps.is_finite() && eps > 0.0 => Ok(Some(eps)),
+            _ => Err(bad(value, "a positive finite number")),
+        },
+    }
 }
 
 /// Each projection's weight shape `[out, in]`, in [`PROJECTIONS`]' order (its bias is `[out]`).
@@ -124,6 +205,9 @@ fn names(layer: usize) -> Vec<String> {
     for projection in PROJECTIONS {
         names.push(format!("layers.{layer}.{projection}.weight"));
         names.push(format!("layers.{layer}.{projection}.bias"));
+    }
+    for norm in QK_NORMS {
+        names.push(format!("layers.{layer}.{norm}.weight"));
     }
     names
 }

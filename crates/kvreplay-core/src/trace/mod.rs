@@ -17,7 +17,9 @@ mod writer;
 
 pub use error::TraceError;
 pub use header::read_header;
-pub use inputs::{LayerInputs, Projection, PROJECTIONS};
+pub use inputs::{
+    AttentionWeights, LayerInputs, Projection, QkNorms, PROJECTIONS, QK_NORMS, QK_NORM_EPS,
+};
 pub use layers::{layer_kind, layer_kinds, ranges};
 pub use meta::{Span, TraceMeta, FORMAT};
 pub use reader::{LayerTensors, TensorLocation, TraceReader};

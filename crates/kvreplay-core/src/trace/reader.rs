@@ -8,7 +8,9 @@
 //! process's resident memory; read this way, a layer costs its f32 arrays and nothing else,
 //! while the file stays in the page cache, shared and reclaimable.
 
-use super::inputs::{self, float_dtype, LayerInputs, Projection, PROJECTIONS};
+use super::inputs::{
+    self, float_dtype, AttentionWeights, LayerInputs, Projection, QkNorms, PROJECTIONS, QK_NORMS,
+};
 use super::reconstruction::{self, LayerReconstruction, Reconstruction};
 use super::{TraceError, TraceMeta};
 use memmap2::Mmap;
@@ -90,8 +92,8 @@ pub struct TraceReader {
     n_positions: usize,
     storage: Dtype,
     has_values: bool,
-    /// `d_model`, when the trace holds attention inputs.
-    d_model: Option<usize>,
+    /// The attention inputs' layout, when the trace holds them.
+    inputs: Option<inputs::InputsLayout>,
     /// The reconstruction pass, when the trace records one.
     reconstruction: Option<Reconstruction>,
     /// Bytes a cache holds per element, when set apart from the file's dtype.
@@ -166,7 +168,7 @@ impl TraceReader {
             n_positions: 0,
             storage: Dtype::F32,
             has_values: false,
-            d_model: None,
+            inputs: None,
             reconstruction: None,
             cache_element_bytes: None,
         };
@@ -232,7 +234,7 @@ impl TraceReader {
             }
         }
         self.meta.check_positions(&self.path, n_positions)?;
-        self.d_model = inputs::check(&self.path, &self.header, &self.meta, n_positions)?;
+        self.inputs = inputs::check(&self.path, &self.header, &self.meta, n_positions)?;
         self.reconstruction =
             reconstruction::check(&self.path, &self.header, &self.meta, (n_positions, storage))?;
         self.n_positions = n_positions;
@@ -321,7 +323,7 @@ impl TraceReader {
             n_positions: self.n_positions,
             storage: self.storage,
             has_values: self.has_values,
-            d_model: self.d_model,
+            inputs: self.inputs,
             reconstruction: self.reconstruction.clone(),
             cache_element_bytes: self.cache_element_bytes,
         })
@@ -366,7 +368,7 @@ impl TraceReader {
 
     /// Whether the trace holds each layer's attention inputs (hidden states and projections).
     pub fn has_inputs(&self) -> bool {
-        self.d_model.is_some()
+        self.inputs.is_some()
     }
 
     /// The reconstruction pass it records, if any (KVzip's scores).
@@ -376,7 +378,7 @@ impl TraceReader {
 
     /// The model width of its attention inputs, when it holds them.
     pub fn d_model(&self) -> Option<usize> {
-        self.d_model
+        self.inputs.map(|layout| layout.d_model)
     }
 
     /// The storage dtype of q, k and v, as safetensors names it (`F16`, `BF16`, `F32`).
@@ -486,9 +488,9 @@ impl TraceReader {
     /// Reads one layer's attention inputs as f32, checking that every value is finite; `None`
     /// when the trace holds none.
     pub fn layer_inputs(&self, layer: usize) -> Result<Option<LayerInputs>, TraceError> {
-        if self.d_model.is_none() {
+        let Some(layout) = self.inputs else {
             return Ok(None);
-        }
+        };
         if layer >= self.meta.n_layers {
             return Err(TraceError::NoSuchLayer {
                 path: self.path.clone(),
@@ -513,14 +515,30 @@ impl TraceReader {
                 bias,
             })
         };
+        let norm = |name: &str| -> Result<Array1<f32>, TraceError> {
+            Ok(Array1::from(
+                self.floats(&format!("layers.{layer}.{name}.weight"))?.0,
+            ))
+        };
+        let qk_norms = match layout.qk_norm_eps {
+            Some(eps) => Some(QkNorms {
+                q: norm(QK_NORMS[0])?,
+                k: norm(QK_NORMS[1])?,
+                eps,
+            }),
+            None => None,
+        };
         Ok(Some(LayerInputs {
             hidden: matrix(format!("layers.{layer}.input"))?,
-            projections: [
-                projection(PROJECTIONS[0])?,
-                projection(PROJECTIONS[1])?,
-                projection(PROJECTIONS[2])?,
-                projection(PROJECTIONS[3])?,
-            ],
+            weights: AttentionWeights {
+                projections: [
+                    projection(PROJECTIONS[0])?,
+                    projection(PROJECTIONS[1])?,
+                    projection(PROJECTIONS[2])?,
+                    projection(PROJECTIONS[3])?,
+                ],
+                qk_norms,
+            },
         }))
     }
 

@@ -3,7 +3,9 @@
 //! from memory or from a source asked for one layer at a time while the file is written, so a
 //! long capture never holds more than a layer of the trace.
 
-use super::{LayerInputs, Reconstruction, TraceError, TraceMeta, PROJECTIONS};
+use super::{
+    LayerInputs, Reconstruction, TraceError, TraceMeta, PROJECTIONS, QK_NORMS, QK_NORM_EPS,
+};
 use ndarray::Array3;
 use rayon::prelude::*;
 use safetensors::tensor::{Dtype, View};
@@ -28,6 +30,8 @@ pub struct InputsSource<'a> {
     pub d_model: usize,
     /// Which of `q_proj`, `k_proj`, `v_proj`, `o_proj` have a bias.
     pub biases: [bool; 4],
+    /// The ε of the per-head q/k norms every layer then has, where the model has them.
+    pub qk_norm_eps: Option<f32>,
     /// Layer `l`'s inputs, or why they cannot be given.
     pub layer: &'a dyn Fn(usize) -> Result<LayerInputs, String>,
 }
@@ -55,11 +59,13 @@ pub struct Extras<'a> {
 }
 
 /// Slots of one layer's encoded tensors: q, k, v, the attention input, then each projection's
-/// weight and bias in [`PROJECTIONS`]' order, then the reconstruction pass's q and k.
+/// weight and bias in [`PROJECTIONS`]' order, the q/k norms, then the reconstruction pass's q
+/// and k.
 const INPUT: usize = 3;
 const WEIGHTS: usize = 4;
 const BIASES: usize = WEIGHTS + PROJECTIONS.len();
-const RECONSTRUCTION: usize = BIASES + PROJECTIONS.len();
+const NORMS: usize = BIASES + PROJECTIONS.len();
+const RECONSTRUCTION: usize = NORMS + QK_NORMS.len();
 const SLOTS: usize = RECONSTRUCTION + 2;
 
 /// How q, k and v are stored on disk. All arithmetic is f32 whatever the storage.
@@ -257,7 +263,12 @@ impl TraceWriter {
         };
         let inputs = self.inputs.first().map(|first| InputsSource {
             d_model: first.hidden.ncols(),
-            biases: first.projections.each_ref().map(|p| p.bias.is_some()),
+            biases: first
+                .weights
+                .projections
+                .each_ref()
+                .map(|p| p.bias.is_some()),
+            qk_norm_eps: first.weights.qk_norms.as_ref().map(|norms| norms.eps),
             layer: &given,
         });
         build_trace(
@@ -357,6 +368,9 @@ fn build_trace(
         reconstruction,
     } = extras;
     let mut meta = meta.clone();
+    if let Some(eps) = inputs.and_then(|inputs| inputs.qk_norm_eps) {
+        meta.extra.insert(QK_NORM_EPS.into(), format!("{eps:e}"));
+    }
     if let Some(source) = reconstruction {
         if source.tokens.len() != source.pass.rows() {
             return Err(fail(format!(
@@ -473,6 +487,17 @@ fn input_tensors(
         if inputs.biases[index] {
             let bias = format!("{name}.bias");
             found.push((BIASES + index, bias, vec![shape[0]], StorageDtype::F32));
+        }
+    }
+    if inputs.qk_norm_eps.is_some() {
+        for (index, name) in QK_NORMS.iter().enumerate() {
+            let weight = format!("{name}.weight");
+            found.push((
+                NORMS + index,
+                weight,
+                vec![meta.head_dim],
+                StorageDtype::F32,
+            ));
         }
     }
     found
@@ -624,18 +649,32 @@ impl LayerLoader<'_> {
         encoded: &mut [Vec<u8>],
     ) -> Result<(), String> {
         let given = (inputs.layer)(layer)?;
+        let (projections, norms) = (&given.weights.projections, &given.weights.qk_norms);
+        let eps = norms.as_ref().map(|norms| norms.eps);
+        if eps != inputs.qk_norm_eps {
+            return Err(format!(
+                "layer {layer}'s q/k norms (ε {eps:?}) differ from the first layer's (ε {:?}): every layer has the same kind",
+                inputs.qk_norm_eps
+            ));
+        }
         let declared = input_tensors(self.meta, self.n_positions, inputs, self.storage);
         for (slot, name, shape, dtype) in declared {
+            let missing = || format!("layers.{layer}.{name} is missing");
             let (found, bytes) = match slot {
                 INPUT => (given.hidden.shape().to_vec(), dtype.encode(&given.hidden)),
                 _ if slot < BIASES => {
-                    let weight = &given.projections[slot - WEIGHTS].weight;
+                    let weight = &projections[slot - WEIGHTS].weight;
                     (weight.shape().to_vec(), dtype.encode(weight))
                 }
-                _ => match &given.projections[slot - BIASES].bias {
+                _ if slot < NORMS => match &projections[slot - BIASES].bias {
                     Some(bias) => (bias.shape().to_vec(), dtype.encode(bias)),
-                    None => return Err(format!("layers.{layer}.{name} is missing")),
+                    None => return Err(missing()),
                 },
+                _ => {
+                    let norms = norms.as_ref().ok_or_else(missing)?;
+                    let weight = [&norms.q, &norms.k][slot - NORMS];
+                    (weight.shape().to_vec(), dtype.encode(weight))
+                }
             };
             if found != shape {
                 return Err(format!(

@@ -59,7 +59,7 @@ mod stored;
 pub mod streams;
 
 use crate::capture::{
-    input_projections, prefill_questions, recording_bytes, write_question, CaptureError,
+    input_weights, prefill_questions, recording_bytes, write_question, CaptureError,
     CaptureOptions, Passes, Progress, PromptRun, RecordedPass,
 };
 use crate::model::Recorder;
@@ -70,7 +70,7 @@ use crate::replay::{
     ReplayReport, Storage, Timing, ValidPolicy,
 };
 use crate::stop::{Stop, NEVER};
-use crate::trace::{LayerTensors, Projection, StorageDtype, TraceMeta, TraceReader};
+use crate::trace::{AttentionWeights, LayerTensors, StorageDtype, TraceMeta, TraceReader};
 use batch::PolicyMask;
 use candle_core::Tensor;
 pub use compare::compare_step;
@@ -344,7 +344,7 @@ impl<'m> LiveSession<'m> {
     fn recorded(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         prompt: &BuiltPrompt,
-        (chunk, projections): (usize, Option<&[[Projection; 4]]>),
+        (chunk, projections): (usize, Option<&[AttentionWeights]>),
         (full, recorder, recorded_pass): FullRecording,
     ) -> Result<Self, LiveError> {
         if full.tokens.len() < 2 {
@@ -870,7 +870,7 @@ impl<'m> LiveQuestions<'m> {
         (chunk, scratch): (usize, &Path),
         inputs: bool,
     ) -> Result<Self, LiveError> {
-        let projections = inputs.then(|| input_projections(model)).transpose()?;
+        let projections = inputs.then(|| input_weights(model)).transpose()?;
         Self::recording(
             (model, stop),
             questions,
@@ -888,7 +888,7 @@ impl<'m> LiveQuestions<'m> {
         scratch: &Path,
         (options, out, inputs): (&CaptureOptions, &Path, bool),
     ) -> Result<Self, LiveError> {
-        let projections = inputs.then(|| input_projections(model)).transpose()?;
+        let projections = inputs.then(|| input_weights(model)).transpose()?;
         let projections = projections.as_deref();
         Self::recording(
             (model, stop),
@@ -908,7 +908,7 @@ impl<'m> LiveQuestions<'m> {
     fn recording(
         (model, stop): (&'m dyn CausalLm, Stop<'m>),
         questions: &BuiltQuestions,
-        (chunk, scratch, projections): (usize, &Path, Option<&[[Projection; 4]]>),
+        (chunk, scratch, projections): (usize, &Path, Option<&[AttentionWeights]>),
         recorded: OnRecording<'_, LiveError>,
     ) -> Result<Self, LiveError> {
         let inputs = projections.is_some();

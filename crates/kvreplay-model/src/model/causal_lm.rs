@@ -146,14 +146,14 @@ pub trait CausalLm: Sync {
         false
     }
 
-    /// Layer `layer`'s attention projections as a trace stores them (`q_proj`, `k_proj`,
-    /// `v_proj`, `o_proj`, each `[out, in]` with its bias, the q and k rows in the half-split
-    /// rotary's order), for a family whose pre-rotary queries and keys they give; `None` for the
-    /// others (Gemma 3 normalises q and k per head after them).
-    fn attention_projections(
+    /// Layer `layer`'s attention weights as a trace stores them (`q_proj`, `k_proj`, `v_proj`,
+    /// `o_proj`, each `[out, in]` with its bias, the q and k rows in the half-split rotary's
+    /// order, and the per-head q/k norms where the family has them): what gives the pre-rotary
+    /// queries and keys from the attention inputs; `None` for a family that does not give them.
+    fn attention_weights(
         &self,
         _layer: usize,
-    ) -> Result<Option<[crate::trace::Projection; 4]>, ModelError> {
+    ) -> Result<Option<crate::trace::AttentionWeights>, ModelError> {
         Ok(None)
     }
 

@@ -16,7 +16,7 @@
 
 use super::batch::{
     each_row_attends, elements, entered_at, entry_states, every_step_logits, last_logits,
-    product_spans, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
+    product_spans, record_inputs, record_residuals, spans, stacked_ids, take_below, Feed, Rotated,
 };
 use super::cached_attention::LayerAttention;
 use super::causal_lm::{check_rows_entering, CausalLm, ModelSpec, Row, WeightProducts, F32_ENGINE};
@@ -28,7 +28,9 @@ use super::product::rows_product;
 use super::prompt::TextTokenizer;
 use super::weight::Weight;
 use super::{ModelError, SpmTokenizer};
+use crate::trace::{AttentionWeights, Projection, QkNorms};
 use candle_core::Tensor;
+use ndarray::Array1;
 use std::path::Path;
 
 /// Every `SLIDING_PATTERN`-th layer is global (llama.cpp `set_swa_pattern(6)`).
@@ -209,6 +211,32 @@ impl CausalLm for Gemma3 {
         let first_global = self.spec.windows.iter().position(|&window| window == 0)?;
         (first_global > 0).then_some(first_global)
     }
+
+    fn attention_weights(&self, layer: usize) -> Result<Option<AttentionWeights>, ModelError> {
+        let block = &self.blocks[layer];
+        let projection = |weight: &Weight| -> Result<Projection, ModelError> {
+            Ok(Projection {
+                weight: weight.linear()?,
+                bias: None,
+            })
+        };
+        let norm = |norm: &Tensor| -> Result<Array1<f32>, ModelError> {
+            Ok(Array1::from(norm.to_vec1::<f32>()?))
+        };
+        Ok(Some(AttentionWeights {
+            projections: [
+                projection(&block.wq)?,
+                projection(&block.wk)?,
+                projection(&block.wv)?,
+                projection(&block.wo)?,
+            ],
+            qk_norms: Some(QkNorms {
+                q: norm(&block.q_norm)?,
+                k: norm(&block.k_norm)?,
+                eps: self.rms_eps as f32,
+            }),
+        }))
+    }
 }
 
 /// What a row's attention needs through every layer of one pass: what its cache held before
@@ -251,6 +279,7 @@ impl Gemma3 {
                 continue;
             }
             let h = rms_norm(&x, &block.attn_norm, eps)?;
+            record_inputs(rows, layer, &h, &spans)?;
             let product = |w: &Weight| w.rows_product(&h, &sums);
             let (q, k, v) = (
                 product(&block.wq)?,

@@ -16,7 +16,7 @@ use super::ops::{inverse_frequencies, rms_norm, rotary_tables, rotate, split_hea
 use super::prompt::TextTokenizer;
 use super::weight::{Embedding, Weight};
 use super::{ChatTokenizer, LlamaConfig, ModelError};
-use crate::trace::Projection;
+use crate::trace::{AttentionWeights, Projection};
 use candle_core::Tensor;
 use ndarray::Array1;
 use std::path::Path;
@@ -290,7 +290,7 @@ impl CausalLm for Llama {
         true
     }
 
-    fn attention_projections(&self, layer: usize) -> Result<Option<[Projection; 4]>, ModelError> {
+    fn attention_weights(&self, layer: usize) -> Result<Option<AttentionWeights>, ModelError> {
         let block = &self.blocks[layer];
         let bias = |index: usize| -> Result<Option<Array1<f32>>, ModelError> {
             match &block.biases {
@@ -304,12 +304,15 @@ impl CausalLm for Llama {
                 bias,
             })
         };
-        Ok(Some([
-            projection(&block.wq, bias(0)?)?,
-            projection(&block.wk, bias(1)?)?,
-            projection(&block.wv, bias(2)?)?,
-            projection(&block.wo, None)?,
-        ]))
+        Ok(Some(AttentionWeights {
+            projections: [
+                projection(&block.wq, bias(0)?)?,
+                projection(&block.wk, bias(1)?)?,
+                projection(&block.wv, bias(2)?)?,
+                projection(&block.wo, None)?,
+            ],
+            qk_norms: None,
+        }))
     }
 }
 

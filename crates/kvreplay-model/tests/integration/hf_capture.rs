@@ -103,7 +103,15 @@ fn worst_input_difference(ours: &TraceReader, theirs: &TraceReader) -> (f32, f32
         let b = theirs.layer_inputs(layer).unwrap().expect("Python inputs");
         let scale = largest(b.hidden.view().into_dyn());
         hidden = hidden.max(largest((&a.hidden - &b.hidden).view().into_dyn()) / scale);
-        for (x, y) in a.projections.iter().zip(&b.projections) {
+        let (x, y) = (&a.weights.qk_norms, &b.weights.qk_norms);
+        assert_eq!(x.is_some(), y.is_some(), "layer {layer}: q/k norms");
+        if let (Some(x), Some(y)) = (x, y) {
+            assert_eq!(x.eps, y.eps, "layer {layer}: the q/k norms' ε");
+            for (p, q) in [(&x.q, &y.q), (&x.k, &y.k)] {
+                weights = weights.max(largest((p - q).view().into_dyn()));
+            }
+        }
+        for (x, y) in a.weights.projections.iter().zip(&b.weights.projections) {
             weights = weights.max(largest((&x.weight - &y.weight).view().into_dyn()));
             assert_eq!(x.bias.is_some(), y.bias.is_some(), "layer {layer}: biases");
             if let (Some(p), Some(q)) = (&x.bias, &y.bias) {
@@ -112,6 +120,60 @@ fn worst_input_difference(ours: &TraceReader, theirs: &TraceReader) -> (f32, f32
         }
     }
     (hidden, weights)
+}
+
+/// What the trace-format contract promises of attention inputs: in each of `layers`, the
+/// hidden states through `q_proj` (`k_proj`), each head through the trace's q (k) norm where it
+/// has one, then turned by the layer's half-split rotary, give the trace's queries (keys), within
+/// 1e-3 of their largest magnitude.
+fn assert_queries_from_inputs(trace: &TraceReader, layers: &[usize]) {
+    let (meta, d) = (trace.meta(), trace.meta().head_dim);
+    for &layer in layers {
+        let tensors = trace.layer(layer).unwrap();
+        let inputs = tensors.inputs.as_ref().expect("attention inputs");
+        let theta = f64::from(meta.rope_theta_of(layer).expect("a rotary base"));
+        let norms = inputs.weights.qk_norms.as_ref();
+        let kinds = [
+            ("q_proj", &tensors.q, norms.map(|n| &n.q)),
+            ("k_proj", &tensors.k, norms.map(|n| &n.k)),
+        ];
+        for (name, stored, norm) in kinds {
+            let projection = inputs.projection(name);
+            let mut before = inputs.hidden.dot(&projection.weight.t());
+            if let Some(bias) = &projection.bias {
+                before += bias;
+            }
+            let (mut worst, mut largest) = (0.0f64, 0.0f64);
+            for ((head, position, i), &value) in stored.indexed_iter() {
+                let x = before.slice(ndarray::s![position, head * d..(head + 1) * d]);
+                let x: Vec<f64> = match norm {
+                    Some(weight) => {
+                        let eps = f64::from(norms.unwrap().eps);
+                        let square = x.iter().map(|v| f64::from(*v).powi(2)).sum::<f64>();
+                        let rms = (square / d as f64 + eps).sqrt();
+                        x.iter()
+                            .zip(weight)
+                            .map(|(v, w)| f64::from(*v) / rms * f64::from(*w))
+                            .collect()
+                    }
+                    None => x.iter().map(|v| f64::from(*v)).collect(),
+                };
+                let half = d / 2;
+                let angle = position as f64 / theta.powf(2.0 * (i % half) as f64 / d as f64);
+                let (sin, cos) = angle.sin_cos();
+                let turned = match i < half {
+                    true => x[i] * cos - x[i + half] * sin,
+                    false => x[i] * cos + x[i - half] * sin,
+                };
+                worst = worst.max((turned - f64::from(value)).abs());
+                largest = largest.max(f64::from(value).abs());
+            }
+            assert!(
+                worst / largest < 1e-3,
+                "layer {layer} {name}: {worst:e} of {largest}"
+            );
+        }
+    }
 }
 
 /// Presets `names` at `budget` measure the same `metrics` on both traces, within 1e-3.
@@ -229,13 +291,22 @@ fn both_captures(
 }
 
 /// Gemma 3 (hybrid attention, a base model): the Python capture writes the same tokens, spans,
-/// layer windows and vectors as the native one, on a prompt longer than the 512-token window.
+/// layer windows and vectors as the native one, on a prompt longer than the 512-token window,
+/// and the same attention inputs, the per-head q/k norms (transformers' `1 + weight`, the
+/// GGUF's stored weight) included.
 #[test]
 fn python_capture_of_gemma3_matches_native_capture() {
     let gguf = common::gemma_path();
     let model = Gemma3::load(&gguf).unwrap();
     let recipe = needle_recipe("gemma3-270m", (700, 30.0), 6);
-    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &["--chunk", "256"]);
+    let options = ["--chunk", "256", "--attention-inputs"];
+    let (_dir, ours, theirs) = both_captures(&model, &gguf, &recipe, &options);
+    let (hidden, weights) = worst_input_difference(&ours, &theirs);
+    eprintln!("Gemma 3 attention inputs: hidden {hidden:e} of their range, weights {weights:e}");
+    assert!(hidden < 1e-3 && weights < 1e-6, "{hidden}, {weights}");
+    let inputs = ours.layer_inputs(0).unwrap().unwrap();
+    assert_eq!(inputs.weights.qk_norms.map(|norms| norms.eps), Some(1e-6));
+    assert_queries_from_inputs(&ours, &[0, 5]);
     assert_eq!(ours.tokens().unwrap(), theirs.tokens().unwrap());
     assert_eq!(ours.meta().spans, theirs.meta().spans);
     assert_eq!(ours.meta().windows, theirs.meta().windows);
@@ -272,6 +343,8 @@ fn python_capture_of_qwen2_matches_native_capture() {
     assert!(hidden < 1e-3 && weights < 1e-6, "{hidden}, {weights}");
     let q = ours.layer_inputs(0).unwrap().unwrap();
     assert!(q.projection("k_proj").bias.is_some() && q.projection("o_proj").bias.is_none());
+    assert!(q.weights.qk_norms.is_none());
+    assert_queries_from_inputs(&ours, &[0, 23]);
     assert_eq!(ours.meta().spans, theirs.meta().spans);
     assert_eq!(theirs.meta().rope_theta, Some(1_000_000.0));
     assert_eq!(ours.meta().rope_theta, theirs.meta().rope_theta);
@@ -321,47 +394,4 @@ fn python_capture_refuses_attention_it_cannot_replay() {
             "{feature}: {stderr}"
         );
     }
-}
-
-/// Gemma 3 normalises q and k per head after its projections, so neither capture records its
-/// attention inputs: the native one refuses before running, the Python one names `q_norm`.
-#[test]
-fn attention_inputs_are_refused_where_the_projections_do_not_give_q_and_k() {
-    let gguf = common::gemma_path();
-    let model = Gemma3::load(&gguf).unwrap();
-    let essays = common::real_assets().require_essays().unwrap();
-    let dir = tempfile::tempdir().unwrap();
-    let recipe = dir.path().join("needle.toml");
-    std::fs::write(&recipe, needle_recipe("gemma3-270m", (200, 50.0), 1)).unwrap();
-    let (parsed, base) = Recipe::load(&recipe).unwrap();
-    let prompt = parsed.build(model.tokenizer(), &essays, &base).unwrap();
-    let options = CaptureOptions {
-        storage: StorageDtype::F32,
-        chunk: 512,
-        recipe_name: "test".into(),
-        model_id: "native".into(),
-    };
-    let recorder = Recorder::default().keeping_inputs(true);
-    let refused = capture(&model, &prompt, &options, recorder, &mut |_, _| Ok(()));
-    let message = refused.err().expect("refused").to_string();
-    assert!(
-        message.contains("`gemma3` normalises q and k per head"),
-        "{message}"
-    );
-    let output = Command::new(common::torch_python())
-        .arg(common::repository().join("traces/capture_hf.py"))
-        .args(["--model", gguf.parent().unwrap().to_str().unwrap()])
-        .args(["--gguf-file", gguf.file_name().unwrap().to_str().unwrap()])
-        .args(["--recipe", recipe.to_str().unwrap(), "--attention-inputs"])
-        .args(["--out", dir.path().join("hf.safetensors").to_str().unwrap()])
-        .arg("--essays")
-        .arg(Assets::from_env().essays_dir())
-        .output()
-        .unwrap();
-    let stderr = String::from_utf8_lossy(&output.stderr);
-    assert!(
-        !output.status.success() && stderr.contains("q_norm"),
-        "{stderr}"
-    );
-    assert!(!dir.path().join("hf.safetensors").exists());
 }
