@@ -378,7 +378,7 @@ def gemma_trace(tmp_path_factory):
 
     path = tmp_path_factory.mktemp("gemma") / "niah-gemma.toml"
     path.write_text('model = "gemma3-270m"\n' + RECIPE.replace("prompt_tokens = 600", "prompt_tokens = 300"))
-    trace = kvreplay.Trace(kvreplay.capture(path, attention_inputs=True).path)
+    trace = kvreplay.Trace(kvreplay.capture(path, dtype="f32", attention_inputs=True).path)
     assert trace.has_inputs
     return trace
 

@@ -307,6 +307,30 @@ def test_a_python_allocator(trace):
     assert runs.layers["budget"].to_list() == expected
 
 
+class Counting:
+    """Scores by key norm and counts the caches it is asked to score."""
+
+    def __init__(self):
+        self.calls = 0
+
+    def score(self, cache):
+        self.calls += 1
+        return np.linalg.norm(cache.keys, axis=-1)
+
+
+def test_the_global_allocators_scores_are_computed_once_for_every_budget(trace):
+    # Its ranking pass scores each cache of each layer at the prompt's end; the policies of one
+    # scorer at three budgets, and the measuring pass after them, take those scores.
+    counting, alone = Counting(), Counting()
+    policies = [{"scorer": counting, "allocator": "global", "budget": b} for b in (32, 64, 96)]
+    together = kvreplay.replay(trace, policies=policies).runs
+    caches = trace.n_layers * trace.n_kv_heads
+    assert counting.calls == caches, (counting.calls, caches)
+    single = kvreplay.replay(trace, scorer=alone, allocator="global", budget=64).runs
+    assert alone.calls == caches
+    assert together["retained_mass"][1] == single["retained_mass"][0]
+
+
 def test_a_python_allocator_equal_to_a_registered_one(trace):
     class Flat:
         def allocate(self, given):

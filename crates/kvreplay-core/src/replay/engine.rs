@@ -239,10 +239,10 @@ fn measure_pass(
     checkpoints: Checkpoints<'_>,
     keep: &mut dyn FnMut(usize, Kept),
 ) -> Result<Vec<ReplayReport>, PolicyError> {
-    let mut profiles = Profiles::default();
+    let mut passes = AllocatorPasses::default();
     let (nominal, budgets): (Vec<usize>, Vec<Vec<LayerBudget>>) = policies
         .iter()
-        .map(|policy| layer_budgets_with_progress(trace, policy, checkpoints, &mut profiles))
+        .map(|policy| layer_budgets_with_progress(trace, policy, checkpoints, &mut passes))
         .collect::<Result<Vec<_>, _>>()?
         .into_iter()
         .unzip();
@@ -277,9 +277,10 @@ fn measure_pass(
         let plan = plans
             .entry(here.clone())
             .or_insert_with(|| Plan::new(&layer_policies));
+        let ranked = passes.prompt_scores.take_layer(layer);
         let (reports, whole_layer) = measure_layer(
             &context,
-            plan,
+            (plan, ranked),
             &layer_policies,
             &layer_budgets,
             &meta.spans,
@@ -306,7 +307,8 @@ fn measure_pass(
 }
 
 /// Replays and measures every policy on one layer, executing `plan`: the prompt scores once per
-/// score key, the whole layer's kept sets, then the caches KV group by KV group. With several
+/// score key (those an allocator ranked the layer by, `ranked`, taken as they are), the whole
+/// layer's kept sets, then the caches KV group by KV group. With several
 /// policies, each group's [`DecodeReference`] is computed (beside the re-selecting policies'
 /// choices of kept sets, which do not need it) once and shared by all of them while they run in
 /// parallel; a single policy runs its groups in parallel instead, each choosing its kept sets
@@ -315,7 +317,7 @@ fn measure_pass(
 /// work, and every started policy holds its scorer state, so memory would grow with the grid.
 fn measure_layer(
     layer: &LayerContext<'_>,
-    plan: &Plan<'_>,
+    (plan, ranked): (&Plan<'_>, BTreeMap<String, Vec<Vec<f32>>>),
     policies: &[&ValidPolicy],
     budgets: &[LayerBudget],
     spans: &[Span],
@@ -323,7 +325,7 @@ fn measure_layer(
     stop: Stop<'_>,
 ) -> Result<(Vec<LayerReport>, Vec<Option<Kept>>), PolicyError> {
     let units: Vec<Vec<Unit>> = policies.iter().map(|policy| units(layer, policy)).collect();
-    let scores = score_prompts(layer, plan, policies, &units, stop)?;
+    let scores = score_prompts(layer, (plan, ranked), policies, &units, stop)?;
     let whole_layer = whole_layer_kept(layer, (plan, stop), policies, budgets, &units, &scores)?;
     drop(scores);
     let pass = LayerPass {
@@ -349,19 +351,26 @@ fn measure_layer(
     Ok((reports, whole_layer))
 }
 
-/// Each score key's prompt scores, per selection group: one task per (score key, selection
-/// group), so that a heavy scorer's groups (H2O's prefix pass) spread over the threads instead
-/// of running one after another on one of them.
+/// Each score key's prompt scores, per selection group: those of `ranked` as they are, the
+/// others with one task per (score key, selection group), so that a heavy scorer's groups (H2O's
+/// prefix pass) spread over the threads instead of running one after another on one of them.
 fn score_prompts<'p>(
     layer: &LayerContext<'_>,
-    plan: &Plan<'p>,
+    (plan, mut ranked): (&Plan<'p>, BTreeMap<String, Vec<Vec<f32>>>),
     policies: &[&ValidPolicy],
     units: &[Vec<Unit>],
     stop: Stop<'_>,
 ) -> Result<BTreeMap<&'p str, Vec<Vec<f32>>>, PolicyError> {
+    let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
+    for &(key, _) in &plan.scorers {
+        if let Some(found) = ranked.remove(key) {
+            scores.insert(key, found);
+        }
+    }
     let tasks: Vec<(&str, usize, usize)> = plan
         .scorers
         .iter()
+        .filter(|(key, _)| !scores.contains_key(key))
         .flat_map(|&(key, index)| {
             let groups = selection_groups(&units[index], policies[index]).len();
             (0..groups).map(move |group| (key, index, group))
@@ -381,7 +390,6 @@ fn score_prompts<'p>(
             )
         })
         .collect();
-    let mut scores: BTreeMap<&str, Vec<Vec<f32>>> = BTreeMap::new();
     for ((key, _, _), group_scores) in tasks.iter().zip(scored) {
         scores.entry(key).or_default().push(group_scores?);
     }
@@ -738,8 +746,8 @@ pub(crate) fn stopping_layer_budgets(
     let view = protocol_view(trace, policy)?;
     let trace = view.as_ref().unwrap_or(trace);
     let checkpoints = Checkpoints::stopping(stop);
-    let (_, budgets) =
-        layer_budgets_with_progress(trace, policy, checkpoints, &mut Profiles::default())?;
+    let mut passes = AllocatorPasses::default();
+    let (_, budgets) = layer_budgets_with_progress(trace, policy, checkpoints, &mut passes)?;
     Ok(budgets)
 }
 
@@ -829,10 +837,64 @@ pub fn caches_per_layer(meta: &TraceMeta, gqa: super::Granularity) -> usize {
     }
 }
 
+/// What the allocators of one pass over a trace measured, shared by the pass's policies.
+#[derive(Default)]
+struct AllocatorPasses {
+    profiles: Profiles,
+    prompt_scores: PromptScores,
+}
+
 /// The layer profiles of one trace measured so far, by observation window and compressed layers:
 /// the policies of a pass that need them (CAKE's at each budget) measure them once.
 #[derive(Default)]
 struct Profiles(BTreeMap<(usize, Vec<usize>), Vec<LayerProfile>>);
+
+/// The prompt scores an allocator that ranks every layer's scores together (`global`) computed,
+/// by score key and layer, with each layer's candidate positions: the policies of a pass with one
+/// score key (one scorer at several budgets) score each layer once for their budgets, and the
+/// measuring pass takes the scores instead of scoring the layer again.
+#[derive(Default)]
+struct PromptScores(BTreeMap<String, BTreeMap<usize, LayerScores>>);
+
+/// One layer's candidate positions and its selection groups' prompt scores.
+type LayerScores = (Vec<usize>, Vec<Vec<f32>>);
+
+impl PromptScores {
+    /// The scores of `policy`'s score key on `layers`, computed on first use (each layer then
+    /// counted done, as it is when they are computed).
+    fn of(
+        &mut self,
+        trace: &TraceReader,
+        (policy, layers): (&ValidPolicy, &[usize]),
+        checkpoints: Checkpoints<'_>,
+    ) -> Result<Vec<LayerScores>, PolicyError> {
+        let key = policy.score_key();
+        if let Some(found) = self.0.get(key) {
+            if let Some(all) = layers.iter().map(|l| found.get(l).cloned()).collect() {
+                for _ in layers {
+                    (checkpoints.after_layer)()?;
+                }
+                return Ok(all);
+            }
+        }
+        let scored = for_each_layer(trace, layers, checkpoints, &|layer| {
+            let units = units(&layer, policy);
+            let scores = one_shot_scores(&layer, &units, policy, true, checkpoints.stop)?;
+            Ok((layer.prompt_cache().collect(), scores))
+        })?;
+        let stored = layers.iter().copied().zip(scored.iter().cloned());
+        self.0.entry(key.to_owned()).or_default().extend(stored);
+        Ok(scored)
+    }
+
+    /// Every score key's scores of `layer`, taken out.
+    fn take_layer(&mut self, layer: usize) -> BTreeMap<String, Vec<Vec<f32>>> {
+        self.0
+            .iter_mut()
+            .filter_map(|(key, layers)| Some((key.clone(), layers.remove(&layer)?.1)))
+            .collect()
+    }
+}
 
 impl Profiles {
     /// The profiles of `layers` with the last `window` prompt queries, measured on first use
@@ -929,7 +991,7 @@ fn layer_budgets_with_progress(
     trace: &TraceReader,
     policy: &ValidPolicy,
     checkpoints: Checkpoints<'_>,
-    profiles: &mut Profiles,
+    passes: &mut AllocatorPasses,
 ) -> Result<(usize, Vec<LayerBudget>), PolicyError> {
     let params = policy.params();
     let meta = trace.meta();
@@ -937,7 +999,8 @@ fn layer_budgets_with_progress(
     let compressed = check_fit(trace, policy)?;
     let allocator = &policy.allocator;
     let profiles = if allocator.needs_profile() {
-        profiles.of(trace, (params.window.max(1), &compressed), checkpoints)?
+        let window = params.window.max(1);
+        (passes.profiles).of(trace, (window, &compressed), checkpoints)?
     } else {
         Vec::new()
     };
@@ -949,13 +1012,10 @@ fn layer_budgets_with_progress(
         Vec::new()
     };
     let (candidates, prompt_scores) = if allocator.needs_prompt_scores() {
-        for_each_layer(trace, &compressed, checkpoints, &|layer| {
-            let units = units(&layer, policy);
-            let scores = one_shot_scores(&layer, &units, policy, true, checkpoints.stop)?;
-            Ok((layer.prompt_cache().collect(), scores))
-        })?
-        .into_iter()
-        .unzip()
+        (passes.prompt_scores)
+            .of(trace, (policy, &compressed), checkpoints)?
+            .into_iter()
+            .unzip()
     } else {
         (Vec::new(), Vec::new())
     };
