@@ -394,8 +394,13 @@ fn main() -> ExitCode {
                 return ExitCode::SUCCESS;
             }
             if stop::is_stop(&err) {
-                eprintln!("interrupted: stopped where the work stood (within a replay's layer, after a prefill chunk or a token); what was written whole is kept, nothing half-written (a sweep run again resumes)");
-                return ExitCode::from(130);
+                let signal = stop::received().unwrap_or(libc::SIGINT);
+                let what = match signal {
+                    libc::SIGTERM => "terminated (SIGTERM)",
+                    _ => "interrupted",
+                };
+                eprintln!("{what}: stopped where the work stood (within a replay's layer, after a prefill chunk or a token); what was written whole is kept, nothing half-written (a sweep run again resumes)");
+                return ExitCode::from(128 + signal as u8);
             }
             eprintln!("error: {}", kvreplay::error_text(err.as_ref()));
             ExitCode::from(2)

@@ -22,23 +22,35 @@ pub fn spawn_kvreplay(dir: &Path, args: &[&str]) -> std::process::Child {
 /// and checks that it stopped as the command line says: exit 130 and its message. Returns what
 /// it wrote.
 pub fn interrupt_when(
+    child: std::process::Child,
+    ready: impl Fn() -> bool,
+) -> std::process::Output {
+    signal_when(child, libc::SIGINT, ready)
+}
+
+/// Sends `child` (a `kvreplay` the test spawned) `signal` (SIGINT or SIGTERM) once `ready()`
+/// holds, and checks that it stopped as the command line says: exit 128 + the signal's number
+/// and its message. Returns what it wrote.
+pub fn signal_when(
     mut child: std::process::Child,
+    signal: libc::c_int,
     ready: impl Fn() -> bool,
 ) -> std::process::Output {
     while !ready() {
         assert!(child.try_wait().unwrap().is_none(), "it ended early");
         std::thread::sleep(std::time::Duration::from_millis(20));
     }
-    // SAFETY: sends SIGINT to the child this test spawned.
+    // SAFETY: sends a signal to the child this test spawned.
     unsafe {
-        libc::kill(child.id() as libc::pid_t, libc::SIGINT);
+        libc::kill(child.id() as libc::pid_t, signal);
     }
     let output = child.wait_with_output().unwrap();
     let said = String::from_utf8_lossy(&output.stderr);
-    assert_eq!(output.status.code(), Some(130), "{said}");
-    assert!(
-        said.contains("interrupted: stopped where the work stood"),
-        "{said}"
-    );
+    assert_eq!(output.status.code(), Some(128 + signal), "{said}");
+    let what = match signal {
+        libc::SIGTERM => "terminated (SIGTERM): stopped where the work stood",
+        _ => "interrupted: stopped where the work stood",
+    };
+    assert!(said.contains(what), "{said}");
     output
 }

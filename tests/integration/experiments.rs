@@ -832,11 +832,22 @@ fn ctrl_c_stops_a_closed_loop_sweep_in_its_full_run() {
 }
 
 /// Ctrl-C during a sweep stops it within the layer in progress: exit 130 and a message, every run
-/// stored before it intact and none recorded as failed; running it again resumes. The sweep is
-/// long (hundreds of replays of a trace of 4,096 positions) and the interrupt is sent as soon as
-/// its first run is stored, so the test does not race its end.
+/// stored before it intact and none recorded as failed; running it again resumes.
 #[test]
 fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
+    stop_a_sweep_and_resume(libc::SIGINT);
+}
+
+/// SIGTERM (`kill`, Slurm's `scancel` and time limit) stops a sweep as Ctrl-C does, exiting 143.
+#[test]
+fn sigterm_stops_a_sweep_as_ctrl_c_does() {
+    stop_a_sweep_and_resume(libc::SIGTERM);
+}
+
+/// A sweep sent `signal` stops, keeps what it stored and resumes. The sweep is long (hundreds of
+/// replays of a trace of 4,096 positions) and the signal is sent as soon as its first run is
+/// stored, so the test does not race its end.
+fn stop_a_sweep_and_resume(signal: libc::c_int) {
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape {
         n_layers: 6,
@@ -863,7 +874,7 @@ fn ctrl_c_stops_a_sweep_and_running_it_again_resumes() {
         Err(_) => 0,
     };
     let child = common::spawn_kvreplay(dir.path(), &["sweep", "long.toml"]);
-    common::interrupt_when(child, || stored() > 0);
+    common::signal_when(child, signal, || stored() > 0);
     let kept = stored();
     assert!(kept >= 1 && kept < total, "{kept} of {total} stored");
     assert!(!dir.path().join("results/long/failed").exists());
