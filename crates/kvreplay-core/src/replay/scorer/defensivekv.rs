@@ -150,12 +150,23 @@ impl ScoreState for State {
             let worst = self.defensive(&rows, heads, m);
             worst.iter().zip(&shares[kv]).map(|(w, f)| w * f).collect()
         };
-        let own = scored(self.unit.query_heads.clone(), self.unit.kv_head);
+        let group = |kv: usize| layer.group_size() * kv..layer.group_size() * (kv + 1);
+        // Under `layer_max` every KV head's scores are needed; the cache's own are among them
+        // when it reads its KV head's whole group.
+        let every: Vec<Vec<f32>> = match self.settings.layer_max {
+            false => Vec::new(),
+            true => (0..shares.len()).map(|kv| scored(group(kv), kv)).collect(),
+        };
+        let own = match every.get(self.unit.kv_head) {
+            Some(scores) if self.unit.query_heads == group(self.unit.kv_head) => scores.clone(),
+            _ => scored(self.unit.query_heads.clone(), self.unit.kv_head),
+        };
         let top = match self.settings.layer_max {
             false => f32::INFINITY,
-            true => (0..shares.len())
-                .flat_map(|kv| scored(layer.group_size() * kv..layer.group_size() * (kv + 1), kv))
-                .fold(f32::NEG_INFINITY, f32::max),
+            true => every
+                .iter()
+                .flatten()
+                .fold(f32::NEG_INFINITY, |a, &b| a.max(b)),
         };
         out.iter_mut().for_each(|score| *score = top);
         out[..m].copy_from_slice(&own);
