@@ -928,3 +928,18 @@ fn every_shipped_runs_id_is_unchanged() {
         assert_eq!(now, was, "{name}: run ids changed");
     }
 }
+
+/// A sweep identifies a trace held in memory (a live run's recording) as it identifies the file of
+/// the same bytes: one content hash, one head count.
+#[test]
+fn a_trace_in_memory_is_identified_as_its_file() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("fixture.safetensors");
+    write_fixture(&path, Shape::default(), 3);
+    let bytes = std::fs::read(&path).unwrap();
+    let identified = kvreplay::experiment::TraceFile::of_bytes(Path::new("a recording"), &bytes);
+    let file = kvreplay::experiment::TraceFile::identify(&path).unwrap();
+    assert_eq!(identified.sha256, file.sha256);
+    assert_eq!(identified.heads, file.heads);
+    assert!(identified.heads.is_some());
+}

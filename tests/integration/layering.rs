@@ -369,3 +369,25 @@ fn paths_are_read_from_use_lines_and_code() {
         "{supers:?}"
     );
 }
+
+/// The core's own suites build no model: it takes the test kit without its `models` feature, and
+/// the kit needs the models' crate only under that feature.
+#[test]
+fn the_cores_suites_build_without_the_models() {
+    let manifest = |dir: &str| -> toml::Table {
+        let path = Path::new(env!("CARGO_MANIFEST_DIR"))
+            .join(dir)
+            .join("Cargo.toml");
+        std::fs::read_to_string(path).unwrap().parse().unwrap()
+    };
+    let core = manifest(CRATES[0].1);
+    let kit = &core["dev-dependencies"]["kvreplay-testkit"];
+    assert!(kit.get("features").is_none(), "the core's kit: {kit}");
+    let testkit = manifest("crates/kvreplay-testkit");
+    let model = &testkit["dependencies"]["kvreplay-model"];
+    assert_eq!(model.get("optional").and_then(|o| o.as_bool()), Some(true));
+    assert_eq!(
+        testkit["features"]["models"].as_array().unwrap()[0].as_str(),
+        Some("dep:kvreplay-model")
+    );
+}

@@ -19,8 +19,6 @@ mod live;
 mod parity;
 mod protocols;
 mod questions;
-mod replay_engine;
 mod sliding_layers;
 mod slurm;
-mod trace_format;
 mod view;

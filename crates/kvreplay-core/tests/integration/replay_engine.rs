@@ -3,14 +3,14 @@
 use crate::common;
 
 use common::{write_fixture, Shape};
-use kvreplay::replay::metrics;
-use kvreplay::replay::reference::{self, Layer};
-use kvreplay::replay::{
+use kvreplay_core::replay::metrics;
+use kvreplay_core::replay::reference::{self, Layer};
+use kvreplay_core::replay::{
     kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept,
     MethodFailed, Order, PolicyError, PolicyParams, ReplayReport, Timing, Trigger, Unit, UnitKept,
     ValidPolicy,
 };
-use kvreplay::trace::TraceReader;
+use kvreplay_core::trace::TraceReader;
 use ndarray::Array3;
 use proptest::prelude::*;
 use proptest::test_runner::{Config, RngSeed};
@@ -21,7 +21,11 @@ fn params(scorer: &str, timing: Timing, budget: usize) -> PolicyParams {
 
 /// Every metric of `got` within 1e-5 of the reference's `expected` (1e-4 for the value gap: an
 /// f32 engine against an f64 reference).
-fn assert_metrics_agree(got: &kvreplay::replay::LayerReport, expected: &[(&str, f64)], case: &str) {
+fn assert_metrics_agree(
+    got: &kvreplay_core::replay::LayerReport,
+    expected: &[(&str, f64)],
+    case: &str,
+) {
     for &(id, want) in expected {
         let tolerance = if id == "value_gap" { 1e-4 } else { 1e-5 };
         let value = got.metric(id).unwrap();
@@ -95,8 +99,8 @@ fn fixture_layer<'a>(
     shape: Shape,
     (index, pass, inputs): (
         usize,
-        &'a [kvreplay::trace::LayerReconstruction],
-        &'a [kvreplay::trace::LayerInputs],
+        &'a [kvreplay_core::trace::LayerReconstruction],
+        &'a [kvreplay_core::trace::LayerInputs],
     ),
 ) -> Layer<'a> {
     Layer {
@@ -115,7 +119,7 @@ fn fixture_layer<'a>(
 /// Every registered scorer, every timing it supports (streaming ones in both orders of attend and
 /// evict), all three cache granularities and all aggregations (for the scorers that aggregate a
 /// group) agree with the scorer's own brute-force rule (`Scorer::reference`, run by the f64
-/// machinery of `kvreplay::replay::reference`) on kept sets, and with every registered metric's
+/// machinery of `kvreplay_core::replay::reference`) on kept sets, and with every registered metric's
 /// brute-force definition (`Metric::reference`) on the metrics (tolerance 1e-5, 1e-4 for the
 /// value gap: f32 engine against f64 reference). The scorers, metrics and timings come from the
 /// registries: a new method is compared as soon as it is registered, and fails here, naming it,
@@ -360,7 +364,7 @@ fn a_budget_in_bytes_resolves_to_the_tokens_that_fit() {
     };
     let plain = at_half.clone().check().unwrap();
     assert_eq!(
-        kvreplay::replay::nominal_budget(&trace, &plain).unwrap(),
+        kvreplay_core::replay::nominal_budget(&trace, &plain).unwrap(),
         10
     );
     let report = replay(&trace, &plain).unwrap();
@@ -375,7 +379,7 @@ fn a_budget_in_bytes_resolves_to_the_tokens_that_fit() {
     .check()
     .unwrap();
     assert_eq!(
-        kvreplay::replay::nominal_budget(&trace, &quantized).unwrap(),
+        kvreplay_core::replay::nominal_budget(&trace, &quantized).unwrap(),
         17
     );
     let tiny = PolicyParams {
@@ -397,7 +401,7 @@ fn a_budget_in_bytes_resolves_to_the_tokens_that_fit() {
 /// At 16 bits each stores the cache as captured: the report is the plain one, bit for bit.
 #[test]
 fn quantized_caches_match_brute_force_reference() {
-    use kvreplay::replay::quantizer;
+    use kvreplay_core::replay::quantizer;
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape::default();
     let mut compared = 0;
@@ -477,7 +481,7 @@ fn quantized_caches_match_brute_force_reference() {
 /// bit.
 #[test]
 fn channel_pruned_caches_match_brute_force_reference() {
-    use kvreplay::replay::{channels, Storage};
+    use kvreplay_core::replay::{channels, Storage};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape {
         head_dim: 8,
@@ -589,7 +593,7 @@ fn channel_pruned_caches_match_brute_force_reference() {
 /// similarity reaches merges nothing and gives the plain report, bit for bit.
 #[test]
 fn merged_caches_match_brute_force_reference() {
-    use kvreplay::replay::{merge, Storage};
+    use kvreplay_core::replay::{merge, Storage};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape {
         head_dim: 8,
@@ -670,7 +674,7 @@ fn merges_while_decoding(name: &str) -> bool {
     let storage = policy.check().map(|policy| policy.storage());
     matches!(
         storage,
-        Ok(kvreplay::replay::Storage::MergedWhileDecoding(_))
+        Ok(kvreplay_core::replay::Storage::MergedWhileDecoding(_))
     )
 }
 
@@ -685,7 +689,7 @@ fn merges_while_decoding(name: &str) -> bool {
 /// budget no cache reaches merges nothing and gives the plain report, bit for bit.
 #[test]
 fn decode_merges_match_brute_force_reference() {
-    use kvreplay::replay::{merge, Storage};
+    use kvreplay_core::replay::{merge, Storage};
     let dir = tempfile::tempdir().unwrap();
     let shape = Shape {
         head_dim: 8,
@@ -919,7 +923,7 @@ fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_le
     let both = format!("{}, {}", path.display(), other.display());
     let third = policy(1.0 / 3.0, both.clone()).unwrap();
     assert_eq!(
-        kvreplay::replay::nominal_budget(&trace, &third).unwrap(),
+        kvreplay_core::replay::nominal_budget(&trace, &third).unwrap(),
         27
     );
     let budgets = layer_budgets(&trace, &third).unwrap();
@@ -931,10 +935,13 @@ fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_le
         .sum();
     assert_eq!(kept, 4 * 27 + 2 * 6);
     let all = policy(1.0, both.clone()).unwrap();
-    assert_eq!(kvreplay::replay::nominal_budget(&trace, &all).unwrap(), 40);
+    assert_eq!(
+        kvreplay_core::replay::nominal_budget(&trace, &all).unwrap(),
+        40
+    );
     let other_trace = TraceReader::open(&other).unwrap();
     assert_eq!(
-        kvreplay::replay::nominal_budget(&other_trace, &third).unwrap(),
+        kvreplay_core::replay::nominal_budget(&other_trace, &third).unwrap(),
         27
     );
     let report = replay(&other_trace, &third).unwrap();
@@ -953,7 +960,7 @@ fn duo_at_a_budget_in_bytes_gives_the_retrieval_heads_what_the_streaming_ones_le
 /// {0, 3}: mass 0.1192029.
 #[test]
 fn recency_by_hand() {
-    use kvreplay::trace::{StorageDtype, TraceMeta, TraceWriter};
+    use kvreplay_core::trace::{StorageDtype, TraceMeta, TraceWriter};
     use ndarray::Array3;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("hand.safetensors");
@@ -998,7 +1005,7 @@ fn recency_by_hand() {
     assert_eq!(report.metric("output_error"), None);
     // The lost positions 1 and 2 (0.2368828 + 0.6439142 = 0.8807970) are sinks (the first 4
     // positions), evicted as the prompt streamed in.
-    let share = |shares: &[kvreplay::replay::metrics::lost::LostShare], name: &str| {
+    let share = |shares: &[kvreplay_core::replay::metrics::lost::LostShare], name: &str| {
         shares.iter().find(|s| s.name == name).unwrap().mass
     };
     assert!((share(&report.lost_by_region, "sinks") - 0.880_797).abs() < 1e-6);
@@ -1020,7 +1027,7 @@ fn recency_by_hand() {
 /// A scorer that reads values is refused on a trace captured without them, and only it.
 #[test]
 fn value_scorers_need_values() {
-    use kvreplay::trace::{StorageDtype, TraceMeta, TraceWriter};
+    use kvreplay_core::trace::{StorageDtype, TraceMeta, TraceWriter};
     use ndarray::Array3;
     let dir = tempfile::tempdir().unwrap();
     let path = dir.path().join("keys-only.safetensors");
@@ -1185,10 +1192,20 @@ fn kept_masks_are_the_kept_sets() {
     for (scorer, timing) in [("snapkv", Timing::Prefill), ("recency", Timing::Streaming)] {
         let policy = params(scorer, timing, 6).check().unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
-        let at_end =
-            kept_masks(&trace, &policy, false, kvreplay::replay::Checkpoints::NONE).unwrap();
-        let per_step =
-            kept_masks(&trace, &policy, true, kvreplay::replay::Checkpoints::NONE).unwrap();
+        let at_end = kept_masks(
+            &trace,
+            &policy,
+            false,
+            kvreplay_core::replay::Checkpoints::NONE,
+        )
+        .unwrap();
+        let per_step = kept_masks(
+            &trace,
+            &policy,
+            true,
+            kvreplay_core::replay::Checkpoints::NONE,
+        )
+        .unwrap();
         assert_eq!(at_end.layers, (0..shape.n_layers).collect::<Vec<_>>());
         let per_cache: Vec<usize> = budgets.iter().map(|b| b.per_cache()).collect();
         assert_eq!(at_end.budgets, per_cache);
@@ -1236,7 +1253,7 @@ fn kept_masks_asks_its_stop_within_the_allocators_pass() {
     let asked = |allocator: &str, stop_at: usize| {
         let asks = AtomicUsize::new(0);
         let stop = || match asks.fetch_add(1, Ordering::SeqCst) + 1 >= stop_at {
-            true => Err(kvreplay::stop::Stopped),
+            true => Err(kvreplay_core::stop::Stopped),
             false => Ok(()),
         };
         let policy = PolicyParams {
@@ -1245,8 +1262,8 @@ fn kept_masks_asks_its_stop_within_the_allocators_pass() {
         }
         .check()
         .unwrap();
-        let checkpoints = kvreplay::replay::Checkpoints {
-            after_layer: kvreplay::stop::NEVER,
+        let checkpoints = kvreplay_core::replay::Checkpoints {
+            after_layer: kvreplay_core::stop::NEVER,
             stop: &stop,
         };
         let result = kept_masks(&trace, &policy, false, checkpoints);
@@ -1316,7 +1333,8 @@ fn one_pass_over_a_grid_equals_each_policy_alone() {
         });
     }
     let policies: Vec<_> = grid.into_iter().map(|p| p.check().unwrap()).collect();
-    let together = replay_many(&trace, &policies, kvreplay::replay::Checkpoints::NONE).unwrap();
+    let together =
+        replay_many(&trace, &policies, kvreplay_core::replay::Checkpoints::NONE).unwrap();
     for (policy, report) in policies.iter().zip(&together) {
         assert_eq!(
             &replay(&trace, policy).unwrap(),
@@ -1435,9 +1453,9 @@ fn sliding_window_layers_keep_their_window_and_only_global_layers_are_compressed
             ..shape
         });
         meta.windows = windows;
-        let mut writer = kvreplay::trace::TraceWriter::new(
+        let mut writer = kvreplay_core::trace::TraceWriter::new(
             meta,
-            kvreplay::trace::StorageDtype::F32,
+            kvreplay_core::trace::StorageDtype::F32,
             (0..t as i64).collect(),
         );
         for &layer in keep {
@@ -1461,7 +1479,7 @@ fn sliding_window_layers_keep_their_window_and_only_global_layers_are_compressed
         "oracle",
         "cake",
     ] {
-        let policy = kvreplay::replay::presets::preset(name, 12)
+        let policy = kvreplay_core::replay::presets::preset(name, 12)
             .unwrap()
             .check()
             .unwrap();
@@ -1505,9 +1523,9 @@ fn a_trace_of_sliding_window_layers_only_is_refused() {
     let mut meta = common::meta(shape);
     meta.windows = vec![4, 4];
     let t = shape.prompt_len + shape.generated;
-    let mut writer = kvreplay::trace::TraceWriter::new(
+    let mut writer = kvreplay_core::trace::TraceWriter::new(
         meta,
-        kvreplay::trace::StorageDtype::F32,
+        kvreplay_core::trace::StorageDtype::F32,
         (0..t as i64).collect(),
     );
     for (q, k, v) in common::tensors(shape, 1) {
@@ -1538,9 +1556,9 @@ fn qfilter_calibration_traces() {
         meta.prompt_len = cut;
         meta.spans.clear();
         let calibration = dir.path().join(name);
-        let mut writer = kvreplay::trace::TraceWriter::new(
+        let mut writer = kvreplay_core::trace::TraceWriter::new(
             meta,
-            kvreplay::trace::StorageDtype::F32,
+            kvreplay_core::trace::StorageDtype::F32,
             (0..cut as i64).collect(),
         );
         for (q, k, v) in &layers {
@@ -1616,7 +1634,7 @@ fn reselecting_policies_read_part_of_a_cache_they_hold_whole() {
     write_fixture(&path, shape, 23);
     let trace = TraceReader::open(&path).unwrap();
     for name in ["quest", "oracle"] {
-        let policy = kvreplay::replay::presets::preset(name, 8)
+        let policy = kvreplay_core::replay::presets::preset(name, 8)
             .unwrap()
             .check()
             .unwrap();
@@ -1627,7 +1645,7 @@ fn reselecting_policies_read_part_of_a_cache_they_hold_whole() {
         assert!(report.layers.iter().all(|l| l.held_entries == 46.0));
     }
     for name in ["snapkv", "h2o", "streamingllm"] {
-        let policy = kvreplay::replay::presets::preset(name, 8)
+        let policy = kvreplay_core::replay::presets::preset(name, 8)
             .unwrap()
             .check()
             .unwrap();
@@ -1650,9 +1668,9 @@ fn per_layer_rotary_bases_reach_the_scorers() {
         meta.rope_theta = rope_theta;
         meta.rope_thetas = rope_thetas;
         let path = dir.path().join(name);
-        let mut writer = kvreplay::trace::TraceWriter::new(
+        let mut writer = kvreplay_core::trace::TraceWriter::new(
             meta,
-            kvreplay::trace::StorageDtype::F32,
+            kvreplay_core::trace::StorageDtype::F32,
             (0..t as i64).collect(),
         );
         for (q, k, v) in &layers {
@@ -1720,9 +1738,9 @@ impl FailingState {
 impl scorer::Scorer for FailingAt {
     fn start(
         &self,
-        layer: &kvreplay::replay::LayerContext<'_>,
+        layer: &kvreplay_core::replay::LayerContext<'_>,
         unit: &Unit,
-        _: kvreplay::replay::Protection,
+        _: kvreplay_core::replay::Protection,
     ) -> Result<scorer::Started, MethodFailed> {
         Ok(Box::new(FailingState {
             scorer: self.clone(),
@@ -1733,14 +1751,18 @@ impl scorer::Scorer for FailingAt {
 }
 
 impl scorer::ScoreState for FailingState {
-    fn on_append(&mut self, _: &kvreplay::replay::LayerContext<'_>, _: &[usize]) -> scorer::Scored {
+    fn on_append(
+        &mut self,
+        _: &kvreplay_core::replay::LayerContext<'_>,
+        _: &[usize],
+    ) -> scorer::Scored {
         self.log("append");
         Ok(())
     }
 
     fn scores(
         &mut self,
-        _: &kvreplay::replay::LayerContext<'_>,
+        _: &kvreplay_core::replay::LayerContext<'_>,
         cache: &[usize],
         out: &mut Vec<f32>,
     ) -> scorer::Scored {
@@ -1779,7 +1801,7 @@ fn a_failing_scorer_call_stops_the_replay_at_that_call() {
         nth: 3,
         log: log.clone(),
     };
-    let external = kvreplay::replay::External {
+    let external = kvreplay_core::replay::External {
         scorer: Some((Box::new(failing), "failing".into())),
         allocator: None,
     };
@@ -1816,10 +1838,10 @@ fn a_failing_scorer_call_stops_the_replay_at_that_call() {
 #[test]
 fn a_failing_allocator_stops_the_replay_with_its_failure() {
     struct Refusing;
-    impl kvreplay::replay::allocator::Allocator for Refusing {
+    impl kvreplay_core::replay::allocator::Allocator for Refusing {
         fn allocate(
             &self,
-            _: &kvreplay::replay::allocator::AllocationInput<'_>,
+            _: &kvreplay_core::replay::allocator::AllocationInput<'_>,
         ) -> Result<Vec<usize>, MethodFailed> {
             Err(MethodFailed("no budgets today".into()))
         }
@@ -1828,7 +1850,7 @@ fn a_failing_allocator_stops_the_replay_with_its_failure() {
     let path = dir.path().join("t.safetensors");
     write_fixture(&path, Shape::default(), 12);
     let trace = TraceReader::open(&path).unwrap();
-    let external = kvreplay::replay::External {
+    let external = kvreplay_core::replay::External {
         scorer: None,
         allocator: Some(Box::new(Refusing)),
     };
@@ -1859,13 +1881,13 @@ fn a_stop_within_a_layer_ends_the_replay_before_the_layer_is_done() {
     let (asked, layers_done) = (AtomicUsize::new(0), AtomicUsize::new(0));
     let stop = || match asked.fetch_add(1, Ordering::Relaxed) {
         0..=2 => Ok(()),
-        _ => Err(kvreplay::replay::Stopped),
+        _ => Err(kvreplay_core::replay::Stopped),
     };
     let after_layer = || {
         layers_done.fetch_add(1, Ordering::Relaxed);
         Ok(())
     };
-    let checkpoints = kvreplay::replay::Checkpoints {
+    let checkpoints = kvreplay_core::replay::Checkpoints {
         after_layer: &after_layer,
         stop: &stop,
     };
@@ -1873,7 +1895,7 @@ fn a_stop_within_a_layer_ends_the_replay_before_the_layer_is_done() {
     assert!(matches!(stopped, PolicyError::Stopped(_)), "{stopped:?}");
     assert_eq!(layers_done.load(Ordering::Relaxed), 0);
     // Never asked to stop, the same after-layer call sees every layer done.
-    let go_on = kvreplay::replay::Checkpoints {
+    let go_on = kvreplay_core::replay::Checkpoints {
         after_layer: &after_layer,
         stop: &|| Ok(()),
     };
