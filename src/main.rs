@@ -88,7 +88,7 @@ enum Command {
         #[arg(long)]
         recipe: PathBuf,
         /// Output format (json includes every step and the open-loop report).
-        #[arg(long, value_enum, default_value_t = Format::Markdown)]
+        #[arg(long, default_value = "markdown", value_parser = formats())]
         format: Format,
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
@@ -217,7 +217,7 @@ enum Command {
 #[derive(clap::Args)]
 pub struct OutputArgs {
     /// Output format.
-    #[arg(long, value_enum, default_value_t = Format::Markdown)]
+    #[arg(long, default_value = "markdown", value_parser = formats())]
     format: Format,
     /// Leave out the per-layer tables.
     #[arg(long)]
@@ -370,6 +370,17 @@ fn storage_dtypes() -> impl clap::builder::TypedValueParser<Value = StorageDtype
             .find(|(_, listed, _)| *listed == name)
             .expect("clap accepts only the listed names");
         dtype
+    })
+}
+
+fn formats() -> impl clap::builder::TypedValueParser<Value = Format> {
+    let values = Format::ALL.map(|(_, name, about)| PossibleValue::new(name).help(about));
+    clap::builder::PossibleValuesParser::new(values).map(|name| {
+        let (format, _, _) = Format::ALL
+            .into_iter()
+            .find(|(_, listed, _)| *listed == name)
+            .expect("clap accepts only the listed names");
+        format
     })
 }
 

@@ -881,8 +881,8 @@ fn attention_inputs_round_trip_through_the_writer() {
         let wrong = |l: usize| Ok(inputs_of(l, q + 1, eps));
         let unlike = |l: usize| Ok(inputs_of(l, q, if l == 1 { None } else { eps }));
         let unnormed = |l: usize| Ok(inputs_of(l, q, None));
-        let mut cases: Vec<(&dyn Fn(usize) -> Result<LayerInputs, String>, &str)> =
-            vec![(&wrong, "layers.0.q_proj.weight has shape")];
+        type Given<'a> = &'a dyn Fn(usize) -> Result<LayerInputs, String>;
+        let mut cases: Vec<(Given<'_>, &str)> = vec![(&wrong, "layers.0.q_proj.weight has shape")];
         if eps.is_some() {
             cases.push((&unlike, "layer 1's q/k norms"));
             cases.push((&unnormed, "layer 0's q/k norms"));

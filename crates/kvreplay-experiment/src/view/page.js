@@ -1,4 +1,4 @@
-// kvreplay view: draws the data of <script id="view-data"> (src/view/mod.rs, `View`).
+// kvreplay view: draws the data of <script id="view-data"> (crates/kvreplay-experiment/src/view/mod.rs, `View`).
 "use strict";
 window.addEventListener("error", (event) => { document.body.dataset.error = String(event.message); });
 

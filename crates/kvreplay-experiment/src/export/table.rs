@@ -4,7 +4,7 @@
 use serde::Serialize;
 
 /// Output formats.
-#[derive(Debug, Clone, Copy, PartialEq, Eq, clap::ValueEnum, Serialize)]
+#[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize)]
 #[serde(rename_all = "lowercase")]
 pub enum Format {
     /// GitHub-flavoured markdown, columns padded.
@@ -13,6 +13,19 @@ pub enum Format {
     Csv,
     /// JSON.
     Json,
+}
+
+impl Format {
+    /// Every format with its name (as `--format` takes it) and what it is.
+    pub const ALL: [(Format, &'static str, &'static str); 3] = [
+        (
+            Format::Markdown,
+            "markdown",
+            "GitHub-flavoured markdown, columns padded",
+        ),
+        (Format::Csv, "csv", "RFC 4180 CSV"),
+        (Format::Json, "json", "JSON"),
+    ];
 }
 
 /// Headers and rows of text cells.

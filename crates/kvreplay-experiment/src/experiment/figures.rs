@@ -1,6 +1,6 @@
 //! Figures of an experiment (plotters, PNG and SVG): retained mass against budget per method,
 //! the per-layer budget schedules, and the per-layer entropy profile. Text is drawn with the
-//! embedded DejaVu Sans (assets/DejaVuSans.ttf, Bitstream Vera licence), so plots render the same
+//! embedded DejaVu Sans (this crate's assets/DejaVuSans.ttf, Bitstream Vera licence), so plots render the same
 //! on a machine without fonts.
 
 use super::SweepError;
