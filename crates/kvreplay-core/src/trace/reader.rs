@@ -381,6 +381,11 @@ impl TraceReader {
         self.inputs.map(|layout| layout.d_model)
     }
 
+    /// The ε of its attention inputs' per-head q/k norms, when it holds them.
+    pub fn qk_norm_eps(&self) -> Option<f32> {
+        self.inputs.and_then(|layout| layout.qk_norm_eps)
+    }
+
     /// The storage dtype of q, k and v, as safetensors names it (`F16`, `BF16`, `F32`).
     pub fn storage_dtype(&self) -> String {
         format!("{:?}", self.storage)

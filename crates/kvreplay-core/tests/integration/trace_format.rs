@@ -731,7 +731,9 @@ fn qk_norms_are_read_with_their_eps() {
         (vec![600.0, 601.0], vec![700.0, 701.0])
     );
     assert_eq!(norms.eps, 1e-6);
+    assert_eq!(trace.qk_norm_eps(), Some(1e-6));
     let plain = case(|_, t| attention_inputs(t)).unwrap();
+    assert_eq!(plain.qk_norm_eps(), None);
     assert!(plain
         .layer(0)
         .unwrap()

@@ -67,7 +67,12 @@ pub fn inspect_markdown(trace: &TraceReader, window: usize) -> Result<String, Tr
     header.push(["storage".into(), trace.storage_dtype()]);
     header.push(["values stored".into(), trace.has_values().to_string()]);
     if let Some(d_model) = trace.d_model() {
-        let what = format!("hidden states (d_model {d_model}) and q/k/v/o projections");
+        let what = match trace.qk_norm_eps() {
+            Some(eps) => format!(
+                "hidden states (d_model {d_model}), q/k/v/o projections and per-head q/k norms (ε {eps:e})"
+            ),
+            None => format!("hidden states (d_model {d_model}) and q/k/v/o projections"),
+        };
         header.push(["attention inputs".into(), what]);
     }
     if let Some(pass) = trace.reconstruction() {
