@@ -333,17 +333,17 @@ pub fn planned_size(
         (spec.n_heads * spec.head_dim) as u64,
         (spec.n_kv_heads * spec.head_dim) as u64,
     );
-    let d_model = match inputs {
+    // The model width, and per layer the q/k norms' elements (two `[head_dim]` vectors where
+    // the family has them).
+    let (d_model, norms) = match inputs {
         true => match model.attention_weights(0)? {
-            Some(first) => first.projections[0].weight.ncols() as u64,
+            Some(first) => (
+                first.projections[0].weight.ncols() as u64,
+                first.qk_norms.map_or(0, |_| 2 * spec.head_dim as u64),
+            ),
             None => return Err(CaptureError::NoAttentionInputs(spec.family)),
         },
-        false => 0,
-    };
-    // Every layer's q/k norms, where the family has them, are two f32 `[head_dim]` vectors.
-    let norms = match (inputs, model.attention_weights(0)?) {
-        (true, Some(first)) if first.qk_norms.is_some() => 2 * spec.head_dim as u64,
-        _ => 0,
+        false => (0, 0),
     };
     let traces = positions.len() as u64;
     Ok(PlannedSize {
