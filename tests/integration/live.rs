@@ -1356,3 +1356,45 @@ fn an_experiment_reading_attention_inputs_captures_them() {
         assert_eq!(runs.count(), 2, "{report}");
     }
 }
+
+/// A policy that prefills on its own (here: streaming) is asked whether to stop at each chunk of
+/// its own prefill, not only while it decodes, so a stop while the policies prefill ends the run
+/// there instead of after every policy's whole prompt: in sessions of smaller chunks it is asked
+/// more often, where a one-shot policy (sharing the full run's prefill) is asked as often.
+#[test]
+fn an_own_prefill_asks_its_stop_at_each_chunk() {
+    use std::sync::atomic::{AtomicUsize, Ordering};
+    let scratch = tempfile::tempdir().unwrap();
+    let prompt = capital();
+    let streaming = evicting_live(Timing::Streaming, Order::EvictFirst, 12)
+        .check()
+        .unwrap();
+    let one_shot = snapkv(12).check().unwrap();
+    // Questions asked while each policy runs, in a session of prefill chunks of `chunk` tokens.
+    let questions = |chunk: usize| -> Vec<usize> {
+        let asked = AtomicUsize::new(0);
+        let counting = || {
+            asked.fetch_add(1, Ordering::Relaxed);
+            Ok(())
+        };
+        let session =
+            LiveSession::start_stopping((model(), &counting), &prompt, chunk, scratch.path())
+                .unwrap();
+        assert!(session.prefills_on_its_own(&streaming));
+        assert!(!session.prefills_on_its_own(&one_shot));
+        [&one_shot, &streaming]
+            .map(|policy| {
+                let before = asked.load(Ordering::Relaxed);
+                session.run(policy).unwrap();
+                asked.load(Ordering::Relaxed) - before
+            })
+            .to_vec()
+    };
+    let (whole, small) = (questions(512), questions(8));
+    eprintln!("stop asked (one-shot, streaming): chunks of 512 {whole:?}, of 8 {small:?}");
+    assert_eq!(
+        small[0], whole[0],
+        "the one-shot policy has no prefill of its own"
+    );
+    assert!(small[1] > whole[1], "{small:?} against {whole:?}");
+}

@@ -629,6 +629,9 @@ impl<'m> LiveSession<'m> {
         let mut logits = Vec::new();
         let mut first = tokens.start;
         for piece in self.prompt.ids[tokens].chunks(piece) {
+            // An own prefill runs a whole prompt: asked at each chunk (or token), a stop ends it
+            // there instead of after every policy's prefill.
+            (self.stop)().map_err(ModelError::from)?;
             logits = match entry {
                 Some((layer, residual)) => {
                     let entry = Entry {
