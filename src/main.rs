@@ -61,7 +61,7 @@ enum Command {
         #[arg(long)]
         out: Option<PathBuf>,
         /// Storage dtype of q, k, v.
-        #[arg(long, default_value = "f16", value_parser = storage_dtypes())]
+        #[arg(long, default_value = "f16", value_parser = named(StorageDtype::ALL))]
         dtype: StorageDtype,
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
@@ -88,7 +88,7 @@ enum Command {
         #[arg(long)]
         recipe: PathBuf,
         /// Output format (json includes every step and the open-loop report).
-        #[arg(long, default_value = "markdown", value_parser = formats())]
+        #[arg(long, default_value = "markdown", value_parser = named(Format::ALL))]
         format: Format,
         /// Prefill chunk size in tokens.
         #[arg(long, default_value_t = 512)]
@@ -217,7 +217,7 @@ enum Command {
 #[derive(clap::Args)]
 pub struct OutputArgs {
     /// Output format.
-    #[arg(long, default_value = "markdown", value_parser = formats())]
+    #[arg(long, default_value = "markdown", value_parser = named(Format::ALL))]
     format: Format,
     /// Leave out the per-layer tables.
     #[arg(long)]
@@ -361,26 +361,18 @@ fn run(cli: Cli, matches: &clap::ArgMatches) -> Result<()> {
     Ok(())
 }
 
-/// `--dtype`'s values: each storage by its name, with what it is.
-fn storage_dtypes() -> impl clap::builder::TypedValueParser<Value = StorageDtype> {
-    let values = StorageDtype::ALL.map(|(_, name, about)| PossibleValue::new(name).help(about));
-    clap::builder::PossibleValuesParser::new(values).map(|name| {
-        let (dtype, _, _) = StorageDtype::ALL
+/// A flag's values from a list of `(value, name, what it is)`: each value by its name, with
+/// its help (`--dtype` from `StorageDtype::ALL`, `--format` from `Format::ALL`).
+fn named<T: Copy + Send + Sync + 'static, const N: usize>(
+    all: [(T, &'static str, &'static str); N],
+) -> impl clap::builder::TypedValueParser<Value = T> {
+    let values = all.map(|(_, name, about)| PossibleValue::new(name).help(about));
+    clap::builder::PossibleValuesParser::new(values).map(move |name| {
+        let (value, _, _) = all
             .into_iter()
             .find(|(_, listed, _)| *listed == name)
             .expect("clap accepts only the listed names");
-        dtype
-    })
-}
-
-fn formats() -> impl clap::builder::TypedValueParser<Value = Format> {
-    let values = Format::ALL.map(|(_, name, about)| PossibleValue::new(name).help(about));
-    clap::builder::PossibleValuesParser::new(values).map(|name| {
-        let (format, _, _) = Format::ALL
-            .into_iter()
-            .find(|(_, listed, _)| *listed == name)
-            .expect("clap accepts only the listed names");
-        format
+        value
     })
 }
 
