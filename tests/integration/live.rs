@@ -1357,12 +1357,13 @@ fn an_experiment_reading_attention_inputs_captures_them() {
     }
 }
 
-/// A policy that prefills on its own (here: streaming) is asked whether to stop at each chunk of
-/// its own prefill, not only while it decodes, so a stop while the policies prefill ends the run
-/// there instead of after every policy's whole prompt: in sessions of smaller chunks it is asked
-/// more often, where a one-shot policy (sharing the full run's prefill) is asked as often.
+/// A live run asks whether to stop in its open-loop pass (after each layer at least) and at each
+/// chunk of a policy's own prefill (here: streaming), not only while it decodes, so a stop while
+/// the policies are replayed or prefill ends the run there: in sessions of smaller chunks the
+/// streaming policy is asked more often, where a one-shot policy (sharing the full run's
+/// prefill) is asked as often.
 #[test]
-fn an_own_prefill_asks_its_stop_at_each_chunk() {
+fn a_live_run_asks_its_stop_in_its_replay_and_own_prefills() {
     use std::sync::atomic::{AtomicUsize, Ordering};
     let scratch = tempfile::tempdir().unwrap();
     let prompt = capital();
@@ -1395,6 +1396,11 @@ fn an_own_prefill_asks_its_stop_at_each_chunk() {
     assert_eq!(
         small[0], whole[0],
         "the one-shot policy has no prefill of its own"
+    );
+    let layers = model().spec().n_layers;
+    assert!(
+        whole[0] > layers,
+        "{whole:?}: the open-loop pass asks after each of {layers} layers"
     );
     assert!(small[1] > whole[1], "{small:?} against {whole:?}");
 }

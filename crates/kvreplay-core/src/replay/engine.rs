@@ -147,16 +147,18 @@ pub fn replay_many(
 }
 
 /// [`replay_many`] for one-shot (prefill-timing) policies, also returning each policy's kept sets
-/// per layer: what a live run masks, chosen in the same pass that measures them.
+/// per layer: what a live run masks, chosen in the same pass that measures them; `stop` is asked
+/// within and after each layer.
 pub fn replay_keeping(
     trace: &TraceReader,
     policies: &[ValidPolicy],
+    stop: Stop<'_>,
 ) -> Result<Vec<(ReplayReport, Vec<Kept>)>, PolicyError> {
     let mut kept: Vec<Vec<Kept>> = vec![Vec::new(); policies.len()];
     let reports = replay_pass(
         trace,
         policies,
-        Checkpoints::NONE,
+        Checkpoints::stopping(stop),
         &mut |index, layer_kept| kept[index].push(layer_kept),
     )?;
     Ok(reports.into_iter().zip(kept).collect())

@@ -401,7 +401,7 @@ impl<'m> LiveSession<'m> {
         for policy in policies {
             check_live(policy)?;
         }
-        let runs = replay_keeping(&self.trace, policies)?;
+        let runs = replay_keeping(&self.trace, policies, self.stop)?;
         self.decode_runs(runs.into_iter().zip(policies).collect(), batching)
     }
 
@@ -943,7 +943,7 @@ impl<'m> LiveQuestions<'m> {
         self.sessions
             .iter()
             .map(|session| {
-                let mut runs = replay_keeping(&session.trace, policies)?;
+                let mut runs = replay_keeping(&session.trace, policies, session.stop)?;
                 if once.is_empty() {
                     once = runs
                         .iter()
