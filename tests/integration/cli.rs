@@ -579,7 +579,7 @@ fn an_interval_is_labelled_and_refused_where_it_means_nothing() {
     refused(
         &dir,
         &["replay", "fixture.safetensors", "--interval", "0"],
-        "parameter `interval` = 0: must be at least 1",
+        "timing `prefill`: setting `interval` = 0: must be at least 1",
     );
     // After a cut to the budget, counting the generated tokens is the cache's growth.
     let by_steps = tova_every_4("steps");
@@ -753,7 +753,7 @@ fn bad_parameters_exit_2_with_the_rule() {
         // A setting the chosen methods do not take names them, what they take, and its owners.
         (
             vec!["--beta", "2"],
-            "setting `beta` is not taken by allocator `flat` (no settings), scorer `snapkv` (kernel, pool, agg) or head split `uniform` (no settings); it is a setting of allocator `pyramid`, allocator `pyramid-kvpress`, allocator `pyramid-taper`",
+            "setting `beta` is not taken by allocator `flat` (no settings), scorer `snapkv` (kernel, pool, agg), head split `uniform` (no settings) or timing `prefill` (order, interval, trigger); it is a setting of allocator `pyramid`, allocator `pyramid-kvpress`, allocator `pyramid-taper`",
         ),
         (
             vec!["--scorer", "recency", "--agg", "max"],

@@ -627,6 +627,47 @@ fn a_method_table_gives_settings_to_its_method_alone() {
     assert!(err.contains("`window` is a table"), "{err}");
 }
 
+/// The timing's own settings given as its table, qualified or bare are one policy, with one run
+/// id; a bare one a chosen method declares too would need its axis, as a method's does.
+#[test]
+fn a_timing_table_gives_the_timing_its_settings() {
+    let dir = tempfile::tempdir().unwrap();
+    let path = dir.path().join("timed.toml");
+    let ids = |policy: &str| -> Vec<String> {
+        let file = format!(
+            "traces = [\"t.safetensors\"]\nbudgets = [16]\n\n[[policy]]\nname = \"p\"\nscorer = \"knorm\"\n{policy}"
+        );
+        std::fs::write(&path, file).unwrap();
+        let experiment = Experiment::load(&path).unwrap_or_else(|e| panic!("{e}"));
+        let stand_in = kvreplay::experiment::TraceFile {
+            path: "trace.safetensors".into(),
+            sha256: "0".repeat(64),
+            recipe: None,
+            question: None,
+            recipe_sha256: None,
+            heads: None,
+            prompt_len: None,
+            model: None,
+            global_layers: None,
+        };
+        experiment
+            .plan(std::slice::from_ref(&stand_in))
+            .into_iter()
+            .map(|run| run.id)
+            .collect()
+    };
+    let flat =
+        ids("timing = \"decoding\"\norder = \"attend-first\"\ninterval = 4\ntrigger = \"steps\"\n");
+    let table = ids("timing = { name = \"decoding\", order = \"attend-first\", interval = 4, trigger = \"steps\" }\n");
+    let dotted = ids("timing.name = \"decoding\"\ntiming.order = \"attend-first\"\ntiming.interval = 4\ntiming.trigger = \"steps\"\n");
+    let qualified = ids("timing = \"decoding\"\n\"timing.order\" = \"attend-first\"\n\"timing.interval\" = 4\n\"timing.trigger\" = \"steps\"\n");
+    assert_eq!(flat.len(), 1);
+    assert_eq!(table, flat);
+    assert_eq!(dotted, flat);
+    assert_eq!(qualified, flat);
+    assert_ne!(ids("timing = \"decoding\"\ninterval = 2\n"), flat);
+}
+
 /// An experiment that extends another inherits every key it does not set and replaces the ones
 /// it does (its `[[policy]]` tables replace the base's whole list).
 #[test]

@@ -10,7 +10,9 @@ use kvreplay::capture::{capture, CaptureOptions};
 use kvreplay::live::{live, Batching, LiveSession, LiveStep};
 use kvreplay::model::{CausalLm, KvCache, Recorder, Row};
 use kvreplay::recipe::{BuiltPrompt, Recipe};
-use kvreplay::replay::{replay, Granularity, Order, PolicyParams, Protocol, Timing, Trigger};
+use kvreplay::replay::{
+    replay, Granularity, Order, PolicyParams, Protocol, Timing, TimingSettings, Trigger,
+};
 use kvreplay::trace::{StorageDtype, TraceReader};
 
 /// The shipped chat recipe: a 34-token prompt, "The capital of France is Paris."
@@ -128,12 +130,15 @@ fn live_choices_are_the_open_loop_replay_choices_and_reruns_are_identical() {
 }
 
 fn evicting_live(timing: Timing, order: Order, budget: usize) -> PolicyParams {
+    let own = TimingSettings {
+        order,
+        ..TimingSettings::default()
+    };
     PolicyParams {
         scorer: "true-query".into(),
-        timing,
-        order,
         ..snapkv(budget)
     }
+    .timed(timing, &own)
 }
 
 const EVICTING: [(Timing, Order); 4] = [
@@ -251,20 +256,18 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
         (Timing::Streaming, Order::EvictFirst, Trigger::Growth),
         (Timing::Decoding, Order::AttendFirst, Trigger::Steps),
     ] {
-        let every_four = PolicyParams {
-            interval: 4,
-            trigger,
-            ..evicting_live(timing, order, 12)
-        };
+        let every_four = evicting_live(timing, order, 12)
+            .with("interval", 4)
+            .with("trigger", trigger.name());
         policies.push(every_four.check().unwrap());
     }
     // R-KV's schedule: its scorer, compressing at positions divisible by 4 along its own order.
     let rkv_schedule = PolicyParams {
         scorer: "rkv".into(),
-        interval: 4,
-        trigger: Trigger::Position,
         ..evicting_live(Timing::PrefillThenStream, Order::AttendFirst, 12)
-    };
+    }
+    .with("interval", 4)
+    .with("trigger", "position");
     policies.push(rkv_schedule.check().unwrap());
     // Caches stored otherwise than captured, under every timing: quantized (the model's own
     // vectors recorded from its prefill, or from the full run's recording where it shares it),
@@ -290,11 +293,11 @@ fn batched_runs_are_the_runs_one_at_a_time_for_every_timing() {
     // the kept entries after it; the same policy merging nothing; and the same cache far from
     // its budget, never compressed.
     let decoding = PolicyParams {
-        interval: 4,
-        trigger: Trigger::Steps,
         gqa: Granularity::Layer,
         ..evicting_live(Timing::Decoding, Order::AttendFirst, 12)
-    };
+    }
+    .with("interval", 4)
+    .with("trigger", "steps");
     let cam = |decoding: &PolicyParams| {
         PolicyParams {
             merge: "cam".into(),

@@ -16,7 +16,7 @@ use crate::common;
 use common::{kvpress_path, torch_python, Rng};
 use kvreplay::replay::{
     context, kept_sets, layer_budgets, presets, Granularity, Kept, LayerContext, Order,
-    PolicyError, PolicyParams, Timing, Trigger, Unit, UnitKept, ValidPolicy,
+    PolicyError, PolicyParams, Timing, TimingSettings, Trigger, Unit, UnitKept, ValidPolicy,
 };
 use kvreplay::trace::{StorageDtype, TraceMeta, TraceReader, TraceWriter};
 use ndarray::Array3;
@@ -478,12 +478,9 @@ fn snapkv_d_keeps_what_rkvs_snapkv_keeps() {
         &path,
         "rkv.py",
         &["--snapkv"],
-        |budget| PolicyParams {
-            timing: Timing::Prefill,
-            order: Order::EvictFirst,
-            interval: 1,
-            trigger: Trigger::Growth,
-            ..presets::preset("snapkv-d", budget).unwrap()
+        |budget| {
+            let snapkv_d = presets::preset("snapkv-d", budget).unwrap();
+            snapkv_d.timed(Timing::Prefill, &TimingSettings::default())
         },
         &[16, 32, 64],
     );
@@ -498,16 +495,20 @@ fn snapkv_d_keeps_what_rkvs_snapkv_keeps() {
 /// previous compression's `topk` order), not the positions'.
 #[test]
 fn rkv_decoding_keeps_what_its_code_keeps() {
-    check_rkv_decoding(13, &[], |budget, divide_length| PolicyParams {
-        scorer: "rkv".into(),
-        timing: Timing::PrefillThenStream,
-        order: Order::AttendFirst,
-        interval: divide_length,
-        trigger: Trigger::Position,
-        budget,
-        window: 8,
-        sinks: 0,
-        ..PolicyParams::default()
+    check_rkv_decoding(13, &[], |budget, divide_length| {
+        let own = TimingSettings {
+            order: Order::AttendFirst,
+            interval: divide_length,
+            trigger: Trigger::Position,
+        };
+        PolicyParams {
+            scorer: "rkv".into(),
+            budget,
+            window: 8,
+            sinks: 0,
+            ..PolicyParams::default()
+        }
+        .timed(Timing::PrefillThenStream, &own)
     });
 }
 
@@ -515,9 +516,10 @@ fn rkv_decoding_keeps_what_its_code_keeps() {
 /// `snapkv-d` preset at divide lengths of 2 and 3 in place of its 128.
 #[test]
 fn snapkv_d_decoding_keeps_what_rkvs_snapkv_keeps() {
-    check_rkv_decoding(15, &["--snapkv"], |budget, divide_length| PolicyParams {
-        interval: divide_length,
-        ..presets::preset("snapkv-d", budget).unwrap()
+    check_rkv_decoding(15, &["--snapkv"], |budget, divide_length| {
+        presets::preset("snapkv-d", budget)
+            .unwrap()
+            .with("interval", divide_length)
     });
 }
 
@@ -584,17 +586,19 @@ fn decoding_keeps_what_kvpress_decoding_press_keeps() {
                 1 => Trigger::Growth,
                 _ => Trigger::Steps,
             };
-            let policy = PolicyParams {
-                scorer: "knorm".into(),
-                timing: Timing::Decoding,
+            let own = TimingSettings {
                 order: Order::AttendFirst,
                 interval,
                 trigger,
+            };
+            let policy = PolicyParams {
+                scorer: "knorm".into(),
                 budget,
                 window: 0,
                 sinks: 0,
                 ..PolicyParams::default()
             }
+            .timed(Timing::Decoding, &own)
             .check()
             .unwrap();
             let layer_budgets = layer_budgets(&trace, &policy).unwrap();
@@ -650,12 +654,13 @@ fn cam_merges_what_kvpress_cam_press_merges() {
         args.extend(budgets.iter().map(usize::to_string));
         let official = reference("kvpress_package.py", &args);
         for budget in budgets {
-            let policy = PolicyParams {
-                scorer: "knorm".into(),
-                timing: Timing::Decoding,
+            let own = TimingSettings {
                 order: Order::AttendFirst,
                 interval,
                 trigger: Trigger::Steps,
+            };
+            let policy = PolicyParams {
+                scorer: "knorm".into(),
                 gqa: Granularity::Layer,
                 merge: "cam".into(),
                 budget,
@@ -663,6 +668,7 @@ fn cam_merges_what_kvpress_cam_press_merges() {
                 sinks: 0,
                 ..PolicyParams::default()
             }
+            .timed(Timing::Decoding, &own)
             .with("merge_budget", merge_budget)
             .with("merge_seed", seed)
             .check()

@@ -61,4 +61,4 @@ pub use scorer::Pooling;
 pub use select::{Kept, UnitKept};
 pub use storage::{HeldCache, Storage};
 pub use stream::{Attended, CacheStream};
-pub use timing::{Order, Protocol, Timing, Trigger};
+pub use timing::{Order, Protocol, Timing, TimingSettings, Trigger};

@@ -8,9 +8,11 @@ use super::merge::{self, Merge};
 use super::quantizer::{self, Quantizer, Scheme};
 use super::routing::{self, Owner};
 use super::scorer::{self, Scorer};
-use super::settings::{self, Described, Method, SettingError};
+use super::settings::{self, Declared, Described, Method, SettingError};
 use super::storage::Storage;
-use super::{Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing, Trigger};
+use super::{
+    Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing, TimingSettings, Trigger,
+};
 use serde::{Deserialize, Serialize};
 use serde_json::{Map, Value};
 use std::collections::BTreeMap;
@@ -27,16 +29,9 @@ pub struct PolicyParams {
     pub scorer: String,
     /// Head split name (registry key).
     pub heads: String,
-    /// When the kept set is chosen.
+    /// When the kept set is chosen; its own settings ([`TimingSettings`]: `order`, `interval`,
+    /// `trigger`) are given among [`settings`](Self::settings), as a method's are.
     pub timing: Timing,
-    /// Under a streaming timing, whether a step's query attends before or after its eviction.
-    pub order: Order,
-    /// Under a streaming timing, how many tokens the cache grows past its budget before it is cut
-    /// back to it in one compression (1: one token evicted per token arriving).
-    pub interval: usize,
-    /// Under an `interval` above 1, what makes the cache compress: its growth past the budget,
-    /// or the arriving token's position.
-    pub trigger: Trigger,
     /// Nominal tokens kept per cache (mean over layers), sinks and window included.
     pub budget: usize,
     /// A budget in bytes, in place of `budget`: a fraction of the full prompt cache's bytes (0.125
@@ -62,19 +57,17 @@ pub struct PolicyParams {
     pub channels: String,
     /// Merge rule name (registry key): what becomes of the values evicted at the cut.
     pub merge: String,
-    /// The chosen methods' own settings, by key as given: bare (`kernel`, for the one chosen
-    /// method that declares it) or qualified by its axis (`scorer.threshold`); see
-    /// [`routing`](super::routing).
+    /// The chosen methods' and the timing's own settings, by key as given: bare (`kernel`, for
+    /// the one chosen method that declares it) or qualified by its axis (`scorer.threshold`,
+    /// `timing.interval`); see [`routing`](super::routing).
     #[serde(flatten)]
     pub settings: BTreeMap<String, Value>,
 }
 
 /// The common settings added after runs were first stored, which a policy's canonical form leaves
-/// out at their defaults so that the runs stored before each existed keep their ids.
-const ADDED_LATER: [&str; 9] = [
-    "order",
-    "interval",
-    "trigger",
+/// out at their defaults so that the runs stored before each existed keep their ids (the timing's
+/// own settings likewise, [`PolicyParams::canonical`]).
+const ADDED_LATER: [&str; 6] = [
     "bytes",
     "layers",
     "protocol",
@@ -192,28 +185,6 @@ pub const COMMON: &[Common] = &[
         whole: true,
     },
     Common {
-        key: "order",
-        about:
-            "Under a streaming timing: whether a step's query attends before or after its eviction",
-        values: variants::<Order>,
-        fixed: true,
-        whole: true,
-    },
-    Common {
-        key: "interval",
-        about: "Under a streaming timing: tokens the cache grows past its budget before one compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV); under decoding, the tokens between its compressions",
-        values: Vec::new,
-        fixed: true,
-        whole: true,
-    },
-    Common {
-        key: "trigger",
-        about: "Under an interval above 1: what makes the cache compress, its growth past the budget by the interval (kvpress's PrefillDecodingPress), a position that is a multiple of it (R-KV's step_length) or as many tokens since it was last due (kvpress's DecodingPress)",
-        values: variants::<Trigger>,
-        fixed: true,
-        whole: true,
-    },
-    Common {
         key: "budget",
         about: "Nominal tokens per cache (mean over layers), sinks and window included",
         values: Vec::new,
@@ -305,9 +276,6 @@ impl Default for PolicyParams {
             scorer: "snapkv".into(),
             heads: "uniform".into(),
             timing: Timing::Prefill,
-            order: Order::EvictFirst,
-            interval: 1,
-            trigger: Trigger::Growth,
             budget: 128,
             bytes: None,
             sinks: 0,
@@ -338,17 +306,28 @@ impl PolicyParams {
         self
     }
 
-    /// Every setting of [`COMMON`] with its value, by key (`order` and `layers` included, which
-    /// the serialised form leaves out at their defaults).
+    /// The same policy under `timing` with its settings `own`: those other than their defaults
+    /// given among [`settings`](Self::settings) by their bare keys.
+    pub fn timed(mut self, timing: Timing, own: &TimingSettings) -> Self {
+        self.timing = timing;
+        let defaults = settings::defaults::<TimingSettings>();
+        for (key, value) in settings::values(own) {
+            match defaults.get(&key) == Some(&value) {
+                true => self.settings.remove(&key),
+                false => self.settings.insert(key, value),
+            };
+        }
+        self
+    }
+
+    /// Every setting of [`COMMON`] with its value, by key (`layers` included, which the
+    /// serialised form leaves out at its default).
     pub fn common_values(&self) -> Map<String, Value> {
         let mut values = match serde_json::to_value(self).expect("params serialise") {
             Value::Object(map) => map,
             _ => unreachable!("params serialise to an object"),
         };
         values.retain(|key, _| common_keys().any(|common| common == key));
-        values.insert("order".into(), Value::from(self.order.name()));
-        values.insert("interval".into(), Value::from(self.interval));
-        values.insert("trigger".into(), Value::from(self.trigger.name()));
         values.insert("bytes".into(), Value::from(self.bytes));
         values.insert("layers".into(), Value::from(self.layers.name()));
         values.insert("protocol".into(), Value::from(self.protocol.name()));
@@ -498,6 +477,7 @@ fn resolved<T: ?Sized>(
 /// A checked policy: the only thing the engine runs.
 pub struct ValidPolicy {
     params: PolicyParams,
+    timing: TimingSettings,
     settings: BTreeMap<String, String>,
     /// What a one-shot selection's scores depend on (see [`ValidPolicy::score_key`]).
     score_key: String,
@@ -557,9 +537,6 @@ impl PolicyParams {
         if self.top_k == 0 {
             return Err(invalid("top_k", "0".into(), "must be at least 1"));
         }
-        if self.interval == 0 {
-            return Err(invalid("interval", "0".into(), "must be at least 1"));
-        }
         if let Some(bytes) = self.bytes.filter(|b| !(*b > 0.0 && *b <= 1.0)) {
             return Err(invalid(
                 "bytes",
@@ -593,11 +570,12 @@ impl PolicyParams {
             chosen: chosen.clone(),
             owners: owners_of(routing::split(key).1),
         })?;
-        let [allocator_given, scorer_given, heads_given, quantizer_given, channels_given, merge_given] =
+        let [allocator_given, scorer_given, heads_given, quantizer_given, channels_given, merge_given, timing_given] =
             &routed[..]
         else {
             unreachable!("one map per axis")
         };
+        let timing = self.timing_settings(timing_given)?;
         let scorer_settings = resolved(registered.as_ref(), scorer_given);
         let identity = external
             .scorer
@@ -610,7 +588,7 @@ impl PolicyParams {
             self.protection(),
             self.gqa
         );
-        let mut settings = self.common_settings();
+        let mut settings = self.common_settings(&timing);
         let every_resolved = [
             resolved(registered_allocator.as_ref(), allocator_given),
             scorer_settings,
@@ -645,14 +623,35 @@ impl PolicyParams {
             merge: build(&merge_rule, merge_given)?,
             settings,
             score_key,
+            timing,
             params: self,
         };
         policy.check_combination()
     }
 
+    /// The timing's own settings from those routed to it, checked.
+    fn timing_settings(&self, given: &Map<String, Value>) -> Result<TimingSettings, PolicyError> {
+        let broken = |SettingError { key, value, rule }| PolicyError::Setting {
+            method: format!("timing `{}`", self.timing.name()),
+            key,
+            value,
+            rule,
+        };
+        let own = settings::parse::<TimingSettings>(given).map_err(broken)?;
+        if own.interval == 0 {
+            return Err(broken(SettingError {
+                key: "interval".into(),
+                value: "0".into(),
+                rule: "must be at least 1".into(),
+            }));
+        }
+        Ok(own)
+    }
+
     /// The chosen methods with the settings each declares, for the error naming a setting none
-    /// of them takes: the allocator, scorer and head split, and the storage methods chosen.
-    fn chosen_methods(&self, owners: &[Owner; 6]) -> String {
+    /// of them takes: the allocator, scorer and head split, the storage methods chosen, and the
+    /// timing.
+    fn chosen_methods(&self, owners: &[Owner; 7]) -> String {
         let shown = [
             true,
             true,
@@ -660,6 +659,7 @@ impl PolicyParams {
             !is_unquantized(&self.quantizer),
             !keeps_every_channel(&self.channels),
             !drops_evicted(&self.merge),
+            true,
         ];
         let mut chosen: Vec<String> = owners
             .iter()
@@ -667,26 +667,33 @@ impl PolicyParams {
             .filter(|(_, shown)| *shown)
             .map(|(owner, _)| owner.described())
             .collect();
-        let last = chosen.pop().expect("three to six methods");
+        let last = chosen.pop().expect("four to seven owners");
         format!("{} or {last}", chosen.join(", "))
     }
 
-    /// The common settings as text, as the canonical form gives them (and `order`).
-    fn common_settings(&self) -> BTreeMap<String, String> {
+    /// The common settings as text, as the canonical form gives them, and the timing's own:
+    /// `order` always, `interval` and `trigger` where they are not their defaults.
+    fn common_settings(&self, timing: &TimingSettings) -> BTreeMap<String, String> {
         let mut common: BTreeMap<String, String> = self
             .canonical()
             .into_iter()
             .filter(|(key, _)| common_keys().any(|common| common == key.as_str()))
             .map(|(key, value)| (key, settings::text(&value)))
             .collect();
-        common.insert("order".into(), self.order.name().into());
+        let defaults = settings::defaults::<TimingSettings>();
+        for (key, value) in settings::values(timing) {
+            if key == "order" || defaults.get(&key) != Some(&value) {
+                common.insert(key, settings::text(&value));
+            }
+        }
         common
     }
 
     /// The policy as its run id hashes it: every common setting, less those [`ADDED_LATER`] at
     /// their defaults, and each given method setting under its canonical key (bare unless two
     /// chosen methods declare it, then `axis.key`), so two spellings of one policy, `kernel` and
-    /// `scorer.kernel`, are one policy.
+    /// `scorer.kernel`, are one policy; the timing's own settings are left out at their defaults,
+    /// as when they were common settings, so the runs stored then keep their ids.
     pub fn canonical(&self) -> BTreeMap<String, Value> {
         let serialised = |params: &PolicyParams| match serde_json::to_value(params) {
             Ok(Value::Object(fields)) => fields,
@@ -702,15 +709,21 @@ impl PolicyParams {
             })
             .collect();
         let owners = self.registered_owners();
+        let timing_defaults = settings::defaults::<TimingSettings>();
         for (key, value) in &self.settings {
-            form.insert(routing::canonical_given(key, &owners), value.clone());
+            let canonical = routing::canonical_given(key, &owners);
+            let timings = routing::owner_of(key, &owners).is_ok_and(|index| index == TIMING);
+            if !(timings && timing_defaults.get(&canonical) == Some(value)) {
+                form.insert(canonical, value.clone());
+            }
         }
         form
     }
 
-    /// The chosen methods as routing sees them, looked up by name (a name no registry knows, a
-    /// method defined outside them, declares no settings), labelled as messages name them.
-    fn registered_owners(&self) -> [Owner; 6] {
+    /// The chosen methods and the timing as routing sees them, looked up by name (a name no
+    /// registry knows, a method defined outside them, declares no settings), labelled as messages
+    /// name them; the timing last ([`TIMING`]).
+    fn registered_owners(&self) -> [Owner; 7] {
         fn on<T: ?Sized>(
             (axis, kind): (&'static str, &str),
             registry: &[Method<T>],
@@ -737,12 +750,20 @@ impl PolicyParams {
             ),
             on(("channels", "channels"), channels::REGISTRY, &self.channels),
             on(("merge", "merge"), merge::REGISTRY, &self.merge),
+            Owner {
+                axis: "timing",
+                label: format!("timing `{}`", self.timing.name()),
+                params: TimingSettings::PARAMS,
+            },
         ]
     }
 }
 
+/// Where the timing stands among a policy's owners of settings.
+const TIMING: usize = 6;
+
 /// Every registered method of every axis: allocators, scorers, head splits, quantizers, key
-/// channels, merges.
+/// channels, merges; and the streaming timings, which take settings of their own.
 pub fn all_methods() -> Vec<Described> {
     let mut methods = settings::describe("allocator", allocator::REGISTRY);
     methods.extend(settings::describe("scorer", scorer::REGISTRY));
@@ -750,6 +771,13 @@ pub fn all_methods() -> Vec<Described> {
     methods.extend(settings::describe("quantizer", quantizer::REGISTRY));
     methods.extend(settings::describe("channels", channels::REGISTRY));
     methods.extend(settings::describe("merge", merge::REGISTRY));
+    methods.extend(TimingSettings::STREAMING.map(|timing| Described {
+        axis: "timing",
+        name: timing.name(),
+        about: timing.about(),
+        params: TimingSettings::PARAMS,
+        defaults: settings::defaults::<TimingSettings>,
+    }));
     methods
 }
 
@@ -792,30 +820,31 @@ impl ValidPolicy {
                 rule: "moves the prompt-end cut before the question: use --timing prefill, prefill-then-stream or per-step-prompt",
             });
         }
-        if params.interval > 1 && !params.timing.streams() {
+        let timing = &self.timing;
+        if timing.interval > 1 && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
-                what: format!("interval {}", params.interval),
+                what: format!("interval {}", timing.interval),
                 rule: "spaces a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
             });
         }
-        if params.interval > 1 && !self.scorer.cuts_while_decoding() {
+        if timing.interval > 1 && !self.scorer.cuts_while_decoding() {
             return Err(PolicyError::Unsupported {
                 what: format!(
                     "scorer `{}` with interval {}",
-                    params.scorer, params.interval
+                    params.scorer, timing.interval
                 ),
                 rule: "keeps its own cache order through single evictions: use interval 1",
             });
         }
-        if params.trigger != Trigger::Growth && params.interval == 1 {
+        if timing.trigger != Trigger::Growth && timing.interval == 1 {
             return Err(PolicyError::Unsupported {
-                what: format!("trigger `{}`", params.trigger.name()),
+                what: format!("trigger `{}`", timing.trigger.name()),
                 rule: "places the compressions an interval makes: give an interval above 1",
             });
         }
-        if params.order == Order::AttendFirst && !params.timing.streams() {
+        if timing.order == Order::AttendFirst && !params.timing.streams() {
             return Err(PolicyError::Unsupported {
-                what: format!("order `{}`", params.order.name()),
+                what: format!("order `{}`", timing.order.name()),
                 rule: "orders a streaming eviction: use --timing streaming, prefill-then-stream or decoding",
             });
         }
@@ -889,6 +918,11 @@ impl ValidPolicy {
         &self.params
     }
 
+    /// The timing's own settings, checked.
+    pub fn timing_settings(&self) -> &TimingSettings {
+        &self.timing
+    }
+
     /// What is protected from eviction.
     pub fn protection(&self) -> Protection {
         self.params.protection()
@@ -932,7 +966,7 @@ impl ValidPolicy {
             true => String::new(),
             false => format!("/{}", self.params.heads),
         };
-        let interval = match (self.params.interval, self.params.trigger) {
+        let interval = match (self.timing.interval, self.timing.trigger) {
             (1, _) => String::new(),
             (n, Trigger::Growth) => format!(" every {n}"),
             (n, Trigger::Position) => format!(" at positions divisible by {n}"),
@@ -1057,12 +1091,82 @@ mod tests {
             bare.check().unwrap().settings(),
             qualified.check().unwrap().settings()
         );
-        let added_later = PolicyParams {
-            interval: 4,
+    }
+
+    /// The timing owns `order`, `interval` and `trigger`: given bare, qualified (`timing.`) or
+    /// typed ([`PolicyParams::timed`]) they are one policy, whose canonical form writes them as
+    /// the common settings they were (left out at their defaults), so stored run ids stand.
+    #[test]
+    fn the_timings_settings_are_its_own_and_keep_their_canonical_form() {
+        let decoding = PolicyParams {
+            scorer: "knorm".into(),
+            timing: Timing::Decoding,
             ..PolicyParams::default()
         };
-        assert!(!PolicyParams::default().canonical().contains_key("interval"));
-        assert_eq!(added_later.canonical()["interval"], 4);
+        let typed = decoding.clone().timed(
+            Timing::Decoding,
+            &TimingSettings {
+                interval: 4,
+                trigger: Trigger::Steps,
+                ..TimingSettings::default()
+            },
+        );
+        let bare = decoding
+            .clone()
+            .with("interval", 4)
+            .with("trigger", "steps");
+        let qualified = decoding
+            .clone()
+            .with("timing.interval", 4)
+            .with("timing.trigger", "steps")
+            .with("timing.order", "evict-first");
+        for spelling in [&bare, &qualified] {
+            assert_eq!(spelling.canonical(), typed.canonical());
+        }
+        let canonical = typed.canonical();
+        assert_eq!(canonical["interval"], 4);
+        assert_eq!(canonical["trigger"], "steps");
+        assert!(!canonical.contains_key("order"));
+        assert!(!decoding
+            .with("interval", 1)
+            .canonical()
+            .contains_key("interval"));
+        let checked = qualified.check().unwrap();
+        assert_eq!(checked.timing_settings().interval, 4);
+        assert_eq!(checked.timing_settings().trigger, Trigger::Steps);
+        let settings = checked.settings();
+        assert_eq!(settings["interval"], "4");
+        assert_eq!(settings["order"], "evict-first");
+        assert_eq!(checked.label(), "flat+knorm@decoding every 4 tokens");
+    }
+
+    /// A timing's settings are checked as a method's are, naming the timing, and the streaming
+    /// rules still hold across timings.
+    #[test]
+    fn the_timings_settings_are_checked() {
+        let error = |params: PolicyParams| params.check().unwrap_err().to_string();
+        let streaming = PolicyParams {
+            timing: Timing::Streaming,
+            ..PolicyParams::default()
+        };
+        let zero = error(streaming.clone().with("interval", 0));
+        assert!(
+            zero.contains("timing `streaming`") && zero.contains("must be at least 1"),
+            "{zero}"
+        );
+        let sideways = error(streaming.with("order", "sideways"));
+        assert!(
+            sideways.contains("`order`") && sideways.contains("attend-first"),
+            "{sideways}"
+        );
+        let prefill = error(PolicyParams::default().with("interval", 4));
+        assert!(prefill.contains("spaces a streaming eviction"), "{prefill}");
+        let unknown = error(PolicyParams::default().with("timing.kernel", 7));
+        assert!(
+            unknown.contains("timing `prefill` (order, interval, trigger)"),
+            "{unknown}"
+        );
+        assert!(PolicyParams::default().with("interval", 1).check().is_ok());
     }
 
     /// [`COMMON`] lists exactly the fields of [`PolicyParams`] beside the methods' settings, so
@@ -1070,9 +1174,6 @@ mod tests {
     #[test]
     fn common_settings_are_the_fields_of_a_policy() {
         let params = PolicyParams {
-            order: Order::AttendFirst,
-            interval: 4,
-            trigger: Trigger::Position,
             bytes: Some(0.5),
             layers: Layers::All,
             protocol: Protocol::QuestionAgnostic,
@@ -1091,8 +1192,7 @@ mod tests {
         assert_eq!(fields, keys);
         let defaults = PolicyParams::default().common_values();
         assert_eq!(defaults.len(), COMMON.len());
-        assert_eq!(defaults["order"], "evict-first");
-        assert_eq!(defaults["trigger"], "growth");
+        assert_eq!(defaults["layers"], "global");
         assert_eq!(defaults["budget"], 128);
     }
 }

@@ -4,7 +4,9 @@
 //! lines, and the parity test that checks it). Where kvpress implements a method differently, that
 //! is its own preset (`snapkv-kvpress`). A preset fixes everything but the budget.
 
-use super::{Granularity, Order, PolicyError, PolicyParams, Timing, Trigger, ValidPolicy};
+use super::{
+    Granularity, Order, PolicyError, PolicyParams, Timing, TimingSettings, Trigger, ValidPolicy,
+};
 use serde_json::{Map, Value};
 
 /// The preset names (`oracle-per-step` is also accepted, as `oracle`).
@@ -39,6 +41,15 @@ fn kvcache_factory(base: &PolicyParams) -> PolicyParams {
     }
     .with("pool", "max")
     .with("kernel", 7)
+}
+
+/// The timing's settings of a cache whose step query attends before the step's eviction (H2O's
+/// and TOVA's generation code, StreamingLLM's), one eviction per token.
+fn attend_first() -> TimingSettings {
+    TimingSettings {
+        order: Order::AttendFirst,
+        ..TimingSettings::default()
+    }
 }
 
 /// The parameters of preset `name` at `budget`.
@@ -83,12 +94,11 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         // after the new query attends; per query head, as its pre-GQA code runs.
         "h2o" => PolicyParams {
             scorer: "true-query".into(),
-            timing: Timing::PrefillThenStream,
-            order: Order::AttendFirst,
             gqa: Granularity::QueryHead,
             window: budget - budget / 2,
             ..base
-        },
+        }
+        .timed(Timing::PrefillThenStream, &attend_first()),
         // The PyramidKV paper's H2O baseline (KVCache-Factory's `H2OKVCluster`): one-shot at the
         // end of the prompt by all prompt queries' attention, the window of 8 kept.
         "h2o-kvcache-factory" => PolicyParams {
@@ -101,19 +111,18 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         // layer, one kept set per layer, cut after the prompt and one eviction per decode step.
         "tova" => PolicyParams {
             scorer: "tova".into(),
-            timing: Timing::PrefillThenStream,
-            order: Order::AttendFirst,
             gqa: Granularity::Layer,
             window: 0,
             ..base
-        },
+        }
+        .timed(Timing::PrefillThenStream, &attend_first()),
         // StreamingLLM (mit-han-lab/streaming-llm `StartRecentKVCache`, run token by token as
         // `eval_long_ppl.py` does): 4 sinks + the most recent tokens; each token attends over the
         // cache and itself, then the cache is cut.
-        "streamingllm" => PolicyParams {
-            order: Order::AttendFirst,
-            ..streaming("recency", 4.min(budget), 0)
-        },
+        "streamingllm" => {
+            let params = streaming("recency", 4.min(budget), 0);
+            params.timed(Timing::Streaming, &attend_first())
+        }
         // kvpress's `SnapKVPress`: window 64, avg-pool kernel 5, one cache per KV head scored by
         // the group mean.
         "snapkv-kvpress" => PolicyParams {
@@ -151,13 +160,17 @@ pub fn preset(name: &str, budget: usize) -> Result<PolicyParams, PolicyError> {
         // the attention of every step whose position is a multiple of `divide_length` (128).
         "snapkv-d" => PolicyParams {
             scorer: "rkv".into(),
-            timing: Timing::PrefillThenStream,
-            order: Order::AttendFirst,
-            interval: 128,
-            trigger: Trigger::Position,
             window: 8.min(budget),
             ..base
         }
+        .timed(
+            Timing::PrefillThenStream,
+            &TimingSettings {
+                interval: 128,
+                trigger: Trigger::Position,
+                ..attend_first()
+            },
+        )
         .with("mix_lambda", 1.0),
         // DefensiveKV (FFY0/DefensiveKV `EfficientDefensiveKVPress`): window 32, average pooling
         // with kernel 5, stage 1 capped by this budget, then one top-k over the layer's KV heads

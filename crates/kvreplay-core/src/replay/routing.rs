@@ -1,7 +1,8 @@
 //! Which chosen method each given setting is for. A policy names one method per axis (allocator,
-//! scorer, head split, quantizer, key channels, merge) and gives their settings by key: a bare key
-//! (`kernel`) is for the one chosen method that declares it, a qualified key (`scorer.kernel`,
-//! `heads.threshold`) for the method chosen on that axis. Each method is built from its own
+//! scorer, head split, quantizer, key channels, merge) and a timing, and gives their settings by
+//! key: a bare key (`kernel`, `interval`) is for the one chosen method (or the timing) that
+//! declares it, a qualified key (`scorer.kernel`, `heads.threshold`, `timing.interval`) for the
+//! one chosen on that axis. Each method is built from its own
 //! routed settings alone, so two methods that declare one key never share a value: a bare key two
 //! chosen methods declare is an error that names both spellings.
 
@@ -12,13 +13,14 @@ use std::collections::BTreeMap;
 
 /// The config keys of the axes whose methods declare settings, in the policy's order; a
 /// qualified setting is `axis.key`.
-pub const AXES: [&str; 6] = [
+pub const AXES: [&str; 7] = [
     "allocator",
     "scorer",
     "heads",
     "quantizer",
     "channels",
     "merge",
+    "timing",
 ];
 
 /// The method chosen on one axis, as routing sees it.
@@ -87,7 +89,7 @@ pub fn route(
 }
 
 /// Why a key is for none of the chosen methods.
-enum Unrouted<'k> {
+pub enum Unrouted<'k> {
     /// No chosen method (on its axis, if qualified) declares it.
     NoTaker,
     /// It is qualified by this, which is not an axis.
@@ -98,7 +100,7 @@ enum Unrouted<'k> {
 
 /// The index of the owner `key` is for: the one chosen method on its axis that declares it, or,
 /// for a bare key, the one chosen method that does.
-fn owner_of<'k>(key: &'k str, owners: &[Owner]) -> Result<usize, Unrouted<'k>> {
+pub fn owner_of<'k>(key: &'k str, owners: &[Owner]) -> Result<usize, Unrouted<'k>> {
     let (axis, bare) = split(key);
     if let Some(axis) = axis.filter(|axis| !AXES.contains(axis)) {
         return Err(Unrouted::NoAxis(axis));
@@ -246,7 +248,7 @@ mod tests {
         let err = route(&given(&[("score.kernel", 1)]), &owners(), unknown).unwrap_err();
         assert_eq!(
             err.to_string(),
-            "setting `score.kernel`: `score` is not an axis (allocator, scorer, heads, quantizer, channels, merge)"
+            "setting `score.kernel`: `score` is not an axis (allocator, scorer, heads, quantizer, channels, merge, timing)"
         );
         let err = route(
             &given(&[("kernel", 1), ("scorer.kernel", 2)]),

@@ -109,7 +109,12 @@ impl<T: ?Sized> Method<T> {
 
 /// The defaults of `S` as config values.
 pub fn defaults<S: Declared>() -> Map<String, Value> {
-    match serde_json::to_value(S::default()).expect("settings serialise") {
+    values(&S::default())
+}
+
+/// The settings `settings` as config values.
+pub fn values<S: Declared>(settings: &S) -> Map<String, Value> {
+    match serde_json::to_value(settings).expect("settings serialise") {
         Value::Object(map) => map,
         other => panic!("settings of {} serialise to {other}, not a table", S::NAME),
     }

@@ -1,8 +1,8 @@
 //! When a policy chooses its kept set: once at the end of the prompt, as tokens stream in, once
 //! at the end of the prompt and then as generated tokens stream in, only while generated tokens
-//! stream in, or afresh at every decode step; and, in a cache that evicts as tokens arrive,
-//! whether a step's query attends before or after that step's eviction and what makes it
-//! compress.
+//! stream in, or afresh at every decode step; and the settings the timing owns
+//! ([`TimingSettings`]): in a cache that evicts as tokens arrive, whether a step's query attends
+//! before or after that step's eviction, and how often and on what it compresses.
 
 use serde::{Deserialize, Serialize};
 
@@ -59,6 +59,26 @@ impl Timing {
         }
     }
 
+    /// What it does, one line (listings and help).
+    pub fn about(self) -> &'static str {
+        match self {
+            Timing::Prefill => "once at the end of the prompt; generated tokens are kept",
+            Timing::Streaming => "every token over budget evicts one, prompt and decode alike",
+            Timing::PrefillThenStream => {
+                "the prompt runs in full, is cut to the budget at its end, then every generated token over budget evicts one"
+            }
+            Timing::Decoding => {
+                "the prompt runs in full and stays whole; while generating, the cache is compressed back to the budget every `interval` tokens (kvpress's DecodingPress)"
+            }
+            Timing::PerStep => {
+                "re-chosen at every decode step from the whole cache (nothing is lost for good)"
+            }
+            Timing::PerStepPrompt => {
+                "re-chosen at every decode step among the prompt tokens; generated tokens are kept"
+            }
+        }
+    }
+
     /// Whether the kept set is re-chosen at every decode step.
     pub fn reselects(self) -> bool {
         matches!(self, Timing::PerStep | Timing::PerStepPrompt)
@@ -94,6 +114,36 @@ impl Timing {
             Timing::Prefill | Timing::PrefillThenStream | Timing::PerStepPrompt
         )
     }
+}
+
+crate::settings! {
+    /// The settings a timing owns: how a cache that evicts as tokens arrive does so. Every timing
+    /// takes them (so one grid may cross timings with them), but only the streaming ones
+    /// (`streaming`, `prefill-then-stream`, `decoding`) accept values other than their defaults;
+    /// the policy's check says so, naming the timings that do.
+    pub struct TimingSettings = "timing" {
+        /// Under a streaming timing: whether a step's query attends before (`attend-first`) or
+        /// after (`evict-first`) its eviction.
+        order: Order = Order::EvictFirst,
+        /// Under a streaming timing: tokens the cache grows past its budget before one
+        /// compression cuts it back (1: one eviction per token; kvpress's DecodingPress, R-KV);
+        /// under `decoding`, the tokens between its compressions.
+        interval: usize = 1,
+        /// Under an interval above 1: what makes the cache compress, its growth past the budget
+        /// by the interval (`growth`, kvpress's PrefillDecodingPress), a position that is a
+        /// multiple of it (`position`, R-KV's step_length) or as many tokens since it was last
+        /// due (`steps`, kvpress's DecodingPress).
+        trigger: Trigger = Trigger::Growth,
+    }
+}
+
+impl TimingSettings {
+    /// The timings whose caches stream, which alone take settings other than the defaults.
+    pub const STREAMING: [Timing; 3] = [
+        Timing::Streaming,
+        Timing::PrefillThenStream,
+        Timing::Decoding,
+    ];
 }
 
 /// In a cache that evicts as tokens arrive, what a step's query attends over.

@@ -7,8 +7,8 @@ use kvreplay_core::replay::metrics;
 use kvreplay_core::replay::reference::{self, Layer};
 use kvreplay_core::replay::{
     kept_masks, kept_sets, layer_budgets, replay, replay_many, scorer, Granularity, Kept,
-    MethodFailed, Order, PolicyError, PolicyParams, ReplayReport, Timing, Trigger, Unit, UnitKept,
-    ValidPolicy,
+    MethodFailed, Order, PolicyError, PolicyParams, ReplayReport, Timing, TimingSettings, Trigger,
+    Unit, UnitKept, ValidPolicy,
 };
 use kvreplay_core::trace::TraceReader;
 use ndarray::Array3;
@@ -166,14 +166,17 @@ fn engine_matches_brute_force_reference() {
                     (Granularity::Layer, "mean"),
                 ] {
                     let budget = 6 + seed as usize;
-                    let mut params = PolicyParams {
-                        gqa,
+                    let own = TimingSettings {
                         order,
                         interval,
                         trigger,
+                    };
+                    let mut params = PolicyParams {
+                        gqa,
                         sinks: (seed % 2) as usize,
                         ..common::fixture_policy(scorer, timing, budget, seed)
-                    };
+                    }
+                    .timed(timing, &own);
                     if method.takes("agg") {
                         params = params.with("agg", agg);
                     }
@@ -283,14 +286,17 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
     write_fixture(&path, shape, 3);
     let trace = TraceReader::open(&path).unwrap();
     let sizes = |timing: Timing, order: Order, interval: usize, trigger: Trigger| -> Vec<usize> {
-        let policy = PolicyParams {
+        let own = TimingSettings {
             order,
             interval,
             trigger,
+        };
+        let policy = PolicyParams {
             sinks: 0,
             window: 0,
             ..params("recency", timing, 6)
         }
+        .timed(timing, &own)
         .check()
         .unwrap();
         let budgets = layer_budgets(&trace, &policy).unwrap();
@@ -324,11 +330,11 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
         );
     }
     let policy = PolicyParams {
-        interval: 3,
         sinks: 0,
         window: 0,
         ..params("recency", Timing::PrefillThenStream, 6)
     }
+    .with("interval", 3)
     .check()
     .unwrap();
     let budgets = layer_budgets(&trace, &policy).unwrap();
@@ -338,12 +344,10 @@ fn an_interval_lets_the_cache_grow_then_cuts_it_back() {
         kept.kept[0].kept_positions(2, n),
         (n - 3..=n + 2).collect::<Vec<_>>()
     );
-    assert!(PolicyParams {
-        interval: 3,
-        ..params("snapkv", Timing::Prefill, 6)
-    }
-    .check()
-    .is_err());
+    assert!(params("snapkv", Timing::Prefill, 6)
+        .with("interval", 3)
+        .check()
+        .is_err());
 }
 
 /// A budget in bytes resolves to the most tokens that fit: half of a 20-token prompt's bytes is 10
@@ -735,14 +739,17 @@ fn decode_merges_match_brute_force_reference() {
                     Granularity::QueryHead,
                     Granularity::Layer,
                 ] {
-                    let base = PolicyParams {
-                        gqa,
+                    let own = TimingSettings {
                         order,
                         interval,
                         trigger,
+                    };
+                    let base = PolicyParams {
+                        gqa,
                         sinks: (seed % 2) as usize,
                         ..params(scorer, timing, 7 + seed as usize)
-                    };
+                    }
+                    .timed(timing, &own);
                     let merged = PolicyParams {
                         merge: method.name.into(),
                         ..base.clone()
@@ -1376,7 +1383,9 @@ proptest! {
         let shape = Shape { prompt_len: 18, generated: 4, ..Shape::default() };
         write_fixture(&path, shape, seed);
         let trace = TraceReader::open(&path).unwrap();
-        let policy = match (PolicyParams { gqa, order, sinks, window, ..params(scorer, timing, budget) }).check() {
+        let own = TimingSettings { order, ..TimingSettings::default() };
+        let given = PolicyParams { gqa, sinks, window, ..params(scorer, timing, budget) };
+        let policy = match given.timed(timing, &own).check() {
             Ok(policy) => policy,
             Err(PolicyError::Unsupported { .. }) => return Ok(()),
             Err(other) => panic!("{scorer} {timing:?}: {other}"),

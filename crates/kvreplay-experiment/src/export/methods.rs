@@ -3,10 +3,10 @@
 //! committed `docs/methods.md` is this listing (a test keeps them equal).
 
 use crate::replay::metrics;
-use crate::replay::settings::{self, Method};
+use crate::replay::settings::{self, Declared, Method};
 use crate::replay::{
     allocator, channels, common_keys, head_split, merge, presets, quantizer, scorer, Layers,
-    PolicyParams, Timing,
+    PolicyParams, Timing, TimingSettings,
 };
 use std::fmt::Write;
 
@@ -54,8 +54,9 @@ pub fn methods_markdown() -> String {
     );
     out += "\n## Timings (`timing`): when the kept set is chosen\n\n";
     for timing in Timing::ALL {
-        let _ = writeln!(out, "- `{}`: {}", timing.name(), timing_about(timing));
+        let _ = writeln!(out, "- `{}`: {}", timing.name(), timing.about());
     }
+    timing_settings(&mut out);
     out += "\n## Layers (`layers`): which layers a budget compresses on a hybrid model\n\n";
     for layers in [Layers::Global, Layers::All] {
         let _ = writeln!(out, "- `{}`: {}", layers.name(), layers_about(layers));
@@ -76,6 +77,7 @@ pub fn methods_markdown() -> String {
         let mut own: Vec<String> = params
             .settings
             .iter()
+            .filter(|(key, _)| !TimingSettings::PARAMS.iter().any(|p| p.key == *key))
             .map(|(key, value)| format!("{key} = {}", settings::text(value)))
             .collect();
         own.sort();
@@ -106,13 +108,15 @@ fn schedule(params: &PolicyParams) -> String {
     if !params.timing.streams() {
         return String::new();
     }
-    let mut schedule = format!(", order `{}`", params.order.name());
-    if params.interval > 1 {
+    let policy = params.clone().check().expect("every listed preset checks");
+    let own = policy.timing_settings();
+    let mut schedule = format!(", order `{}`", own.order.name());
+    if own.interval > 1 {
         let _ = write!(
             schedule,
             ", interval {}, trigger `{}`",
-            params.interval,
-            params.trigger.name()
+            own.interval,
+            own.trigger.name()
         );
     }
     schedule
@@ -129,22 +133,29 @@ fn layers_about(layers: Layers) -> &'static str {
     }
 }
 
-fn timing_about(timing: Timing) -> &'static str {
-    match timing {
-        Timing::Prefill => "once at the end of the prompt; generated tokens are kept",
-        Timing::Streaming => "every token over budget evicts one, prompt and decode alike",
-        Timing::PrefillThenStream => {
-            "the prompt runs in full, is cut to the budget at its end, then every generated token over budget evicts one"
-        }
-        Timing::Decoding => {
-            "the prompt runs in full and stays whole; while generating, the cache is compressed back to the budget every `interval` tokens (kvpress's DecodingPress)"
-        }
-        Timing::PerStep => {
-            "re-chosen at every decode step from the whole cache (nothing is lost for good)"
-        }
-        Timing::PerStepPrompt => {
-            "re-chosen at every decode step among the prompt tokens; generated tokens are kept"
-        }
+/// The timing's own settings: every timing takes them, the streaming ones alone other than
+/// their defaults.
+fn timing_settings(out: &mut String) {
+    let streaming: Vec<String> = TimingSettings::STREAMING
+        .iter()
+        .map(|timing| format!("`{}`", timing.name()))
+        .collect();
+    let _ = writeln!(
+        out,
+        "\nA timing's own settings (bare, or `timing.interval`; in an experiment file also \
+         `timing = {{ name = \"decoding\", interval = 4 }}`), which only the streaming timings ({}) \
+         take other than at their defaults:\n",
+        streaming.join(", ")
+    );
+    let defaults = settings::defaults::<TimingSettings>();
+    for param in TimingSettings::PARAMS {
+        let _ = writeln!(
+            out,
+            "- `{}` (default {}): {}",
+            param.key,
+            settings::text(&defaults[param.key]),
+            param.doc.trim()
+        );
     }
 }
 
