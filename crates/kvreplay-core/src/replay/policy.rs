@@ -8,7 +8,7 @@ use super::merge::{self, Merge};
 use super::quantizer::{self, Quantizer, Scheme};
 use super::routing::{self, Owner};
 use super::scorer::{self, Scorer};
-use super::settings::{self, Declared, Described, Method, SettingError};
+use super::settings::{self, Broken, Declared, Described, Method, SettingError};
 use super::storage::Storage;
 use super::{
     Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing, TimingSettings, Trigger,
@@ -310,13 +310,10 @@ impl PolicyParams {
     /// given among [`settings`](Self::settings) by their bare keys.
     pub fn timed(mut self, timing: Timing, own: &TimingSettings) -> Self {
         self.timing = timing;
-        let defaults = settings::defaults::<TimingSettings>();
-        for (key, value) in settings::values(own) {
-            match defaults.get(&key) == Some(&value) {
-                true => self.settings.remove(&key),
-                false => self.settings.insert(key, value),
-            };
+        for param in TimingSettings::PARAMS {
+            self.settings.remove(param.key);
         }
+        self.settings.extend(own.changed());
         self
     }
 
@@ -638,13 +635,13 @@ impl PolicyParams {
             rule,
         };
         let own = settings::parse::<TimingSettings>(given).map_err(broken)?;
-        if own.interval == 0 {
-            return Err(broken(SettingError {
-                key: "interval".into(),
-                value: "0".into(),
-                rule: "must be at least 1".into(),
-            }));
-        }
+        own.check().map_err(|Broken { key, rule }| {
+            broken(SettingError {
+                key: key.into(),
+                value: given.get(key).map_or("its default".into(), settings::text),
+                rule: rule.into_owned(),
+            })
+        })?;
         Ok(own)
     }
 
@@ -680,11 +677,9 @@ impl PolicyParams {
             .filter(|(key, _)| common_keys().any(|common| common == key.as_str()))
             .map(|(key, value)| (key, settings::text(&value)))
             .collect();
-        let defaults = settings::defaults::<TimingSettings>();
-        for (key, value) in settings::values(timing) {
-            if key == "order" || defaults.get(&key) != Some(&value) {
-                common.insert(key, settings::text(&value));
-            }
+        common.insert("order".into(), timing.order.name().into());
+        for (key, value) in timing.changed() {
+            common.insert(key, settings::text(&value));
         }
         common
     }
@@ -709,11 +704,10 @@ impl PolicyParams {
             })
             .collect();
         let owners = self.registered_owners();
-        let timing_defaults = settings::defaults::<TimingSettings>();
         for (key, value) in &self.settings {
             let canonical = routing::canonical_given(key, &owners);
             let timings = routing::owner_of(key, &owners).is_ok_and(|index| index == TIMING);
-            if !(timings && timing_defaults.get(&canonical) == Some(value)) {
+            if !(timings && TimingSettings::is_default(&canonical, value)) {
                 form.insert(canonical, value.clone());
             }
         }

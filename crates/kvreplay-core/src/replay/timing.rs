@@ -4,7 +4,9 @@
 //! ([`TimingSettings`]): in a cache that evicts as tokens arrive, whether a step's query attends
 //! before or after that step's eviction, and how often and on what it compresses.
 
+use super::settings::{self, Broken};
 use serde::{Deserialize, Serialize};
+use serde_json::{Map, Value};
 
 /// When the kept set is chosen.
 #[derive(Debug, Clone, Copy, PartialEq, Eq, Serialize, Deserialize)]
@@ -144,6 +146,29 @@ impl TimingSettings {
         Timing::PrefillThenStream,
         Timing::Decoding,
     ];
+
+    /// Its rules beyond the types: an interval of at least 1.
+    pub fn check(&self) -> Result<(), Broken> {
+        match self.interval {
+            0 => Err(Broken {
+                key: "interval",
+                rule: "must be at least 1".into(),
+            }),
+            _ => Ok(()),
+        }
+    }
+
+    /// Whether `value` is the default of its setting `key`.
+    pub fn is_default(key: &str, value: &Value) -> bool {
+        settings::defaults::<Self>().get(key) == Some(value)
+    }
+
+    /// Its settings other than their defaults, as config values by key.
+    pub fn changed(&self) -> Map<String, Value> {
+        let mut values = settings::values(self);
+        values.retain(|key, value| !Self::is_default(key, value));
+        values
+    }
 }
 
 /// In a cache that evicts as tokens arrive, what a step's query attends over.
