@@ -639,19 +639,8 @@ fn a_timing_table_gives_the_timing_its_settings() {
         );
         std::fs::write(&path, file).unwrap();
         let experiment = Experiment::load(&path).unwrap_or_else(|e| panic!("{e}"));
-        let stand_in = kvreplay::experiment::TraceFile {
-            path: "trace.safetensors".into(),
-            sha256: "0".repeat(64),
-            recipe: None,
-            question: None,
-            recipe_sha256: None,
-            heads: None,
-            prompt_len: None,
-            model: None,
-            global_layers: None,
-        };
         experiment
-            .plan(std::slice::from_ref(&stand_in))
+            .plan(&[stand_in()])
             .into_iter()
             .map(|run| run.id)
             .collect()
@@ -928,15 +917,9 @@ fn stop_a_sweep_and_resume(signal: libc::c_int) {
     assert!(said.contains(&resumed), "{said}");
 }
 
-/// The run id of every policy of every shipped experiment, for one stand-in trace, is the one
-/// `tests/fixtures/run_ids.tsv` records. That file was written by the code before policies' method
-/// settings were routed per axis (typed settings); an id hashes the trace only through its file
-/// name, content hash and recipe hash, beside the policy's canonical form, so equal ids on the
-/// stand-in mean equal ids on every trace: the committed results' stored runs keep their ids.
-/// Experiments added since have no rows there.
-#[test]
-fn every_shipped_runs_id_is_unchanged() {
-    let stand_in = kvreplay::experiment::TraceFile {
+/// A trace as run ids see it, for planning without a file: a name, a content hash, a recipe's.
+fn stand_in() -> kvreplay::experiment::TraceFile {
+    kvreplay::experiment::TraceFile {
         path: "trace.safetensors".into(),
         sha256: "0".repeat(64),
         recipe: None,
@@ -946,7 +929,18 @@ fn every_shipped_runs_id_is_unchanged() {
         prompt_len: None,
         model: None,
         global_layers: None,
-    };
+    }
+}
+
+/// The run id of every policy of every shipped experiment, for one stand-in trace, is the one
+/// `tests/fixtures/run_ids.tsv` records. That file was written by the code before policies' method
+/// settings were routed per axis (typed settings); an id hashes the trace only through its file
+/// name, content hash and recipe hash, beside the policy's canonical form, so equal ids on the
+/// stand-in mean equal ids on every trace: the committed results' stored runs keep their ids.
+/// Experiments added since have no rows there.
+#[test]
+fn every_shipped_runs_id_is_unchanged() {
+    let stand_in = stand_in();
     let recorded = std::fs::read_to_string("tests/fixtures/run_ids.tsv").unwrap();
     let mut experiments: Vec<&str> = recorded
         .lines()

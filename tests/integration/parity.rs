@@ -31,6 +31,25 @@ const HEAD_DIM: usize = 16;
 const PROMPT: usize = 48;
 const GENERATED: usize = 6;
 
+/// kvpress's `DecodingPress(KnormPress(), interval, target_size = budget)` schedule: `knorm` under
+/// `decoding`, each compression after the step's attention when `trigger` is due, nothing
+/// protected.
+fn knorm_decoding_press(budget: usize, interval: usize, trigger: Trigger) -> PolicyParams {
+    let own = TimingSettings {
+        order: Order::AttendFirst,
+        interval,
+        trigger,
+    };
+    PolicyParams {
+        scorer: "knorm".into(),
+        budget,
+        window: 0,
+        sinks: 0,
+        ..PolicyParams::default()
+    }
+    .timed(Timing::Decoding, &own)
+}
+
 /// A trace with continuous values in [-2, 2) (24-bit), so that only pooling makes exact ties.
 fn write_trace(path: &Path, seed: u64, prompt_len: usize) {
     write_trace_values(path, seed, prompt_len, false)
@@ -586,21 +605,9 @@ fn decoding_keeps_what_kvpress_decoding_press_keeps() {
                 1 => Trigger::Growth,
                 _ => Trigger::Steps,
             };
-            let own = TimingSettings {
-                order: Order::AttendFirst,
-                interval,
-                trigger,
-            };
-            let policy = PolicyParams {
-                scorer: "knorm".into(),
-                budget,
-                window: 0,
-                sinks: 0,
-                ..PolicyParams::default()
-            }
-            .timed(Timing::Decoding, &own)
-            .check()
-            .unwrap();
+            let policy = knorm_decoding_press(budget, interval, trigger)
+                .check()
+                .unwrap();
             let layer_budgets = layer_budgets(&trace, &policy).unwrap();
             let mut compressed = 0;
             for layer in 0..LAYERS {
@@ -654,21 +661,11 @@ fn cam_merges_what_kvpress_cam_press_merges() {
         args.extend(budgets.iter().map(usize::to_string));
         let official = reference("kvpress_package.py", &args);
         for budget in budgets {
-            let own = TimingSettings {
-                order: Order::AttendFirst,
-                interval,
-                trigger: Trigger::Steps,
-            };
             let policy = PolicyParams {
-                scorer: "knorm".into(),
                 gqa: Granularity::Layer,
                 merge: "cam".into(),
-                budget,
-                window: 0,
-                sinks: 0,
-                ..PolicyParams::default()
+                ..knorm_decoding_press(budget, interval, Trigger::Steps)
             }
-            .timed(Timing::Decoding, &own)
             .with("merge_budget", merge_budget)
             .with("merge_seed", seed)
             .check()

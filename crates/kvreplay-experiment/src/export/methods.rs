@@ -3,11 +3,12 @@
 //! committed `docs/methods.md` is this listing (a test keeps them equal).
 
 use crate::replay::metrics;
-use crate::replay::settings::{self, Declared, Method};
+use crate::replay::settings::{self, Declared, Method, Param};
 use crate::replay::{
     allocator, channels, common_keys, head_split, merge, presets, quantizer, scorer, Layers,
     PolicyParams, Timing, TimingSettings,
 };
+use serde_json::{Map, Value};
 use std::fmt::Write;
 
 /// The listing, as Markdown.
@@ -147,11 +148,19 @@ fn timing_settings(out: &mut String) {
          take other than at their defaults:\n",
         streaming.join(", ")
     );
-    let defaults = settings::defaults::<TimingSettings>();
-    for param in TimingSettings::PARAMS {
+    settings_list(
+        out,
+        TimingSettings::PARAMS,
+        &settings::defaults::<TimingSettings>(),
+    );
+}
+
+/// One line per setting: its key, its default and what it means.
+fn settings_list(out: &mut String, params: &[Param], defaults: &Map<String, Value>) {
+    for param in params {
         let _ = writeln!(
             out,
-            "- `{}` (default {}): {}",
+            "- `{}` (default `{}`): {}",
             param.key,
             settings::text(&defaults[param.key]),
             param.doc.trim()
@@ -166,16 +175,7 @@ fn axis<T: ?Sized>(out: &mut String, title: &str, registry: &[Method<T>]) {
         if method.version > 1 {
             let _ = writeln!(out, "Rule version {}.\n", method.version);
         }
-        let defaults = (method.defaults)();
-        for param in method.params {
-            let _ = writeln!(
-                out,
-                "- `{}` (default `{}`): {}",
-                param.key,
-                settings::text(&defaults[param.key]),
-                param.doc.trim()
-            );
-        }
+        settings_list(out, method.params, &(method.defaults)());
         if !method.params.is_empty() {
             out.push('\n');
         }
