@@ -8,7 +8,7 @@ use super::merge::{self, Merge};
 use super::quantizer::{self, Quantizer, Scheme};
 use super::routing::{self, Owner};
 use super::scorer::{self, Scorer};
-use super::settings::{self, Broken, Declared, Described, Method, SettingError};
+use super::settings::{self, Declared, Described, Method, SettingError};
 use super::storage::Storage;
 use super::{
     Granularity, Layers, Order, PolicyError, Protection, Protocol, Timing, TimingSettings, Trigger,
@@ -634,15 +634,7 @@ impl PolicyParams {
             value,
             rule,
         };
-        let own = settings::parse::<TimingSettings>(given).map_err(broken)?;
-        own.check().map_err(|Broken { key, rule }| {
-            broken(SettingError {
-                key: key.into(),
-                value: given.get(key).map_or("its default".into(), settings::text),
-                rule: rule.into_owned(),
-            })
-        })?;
-        Ok(own)
+        settings::parse_checked(given, TimingSettings::check).map_err(broken)
     }
 
     /// The chosen methods with the settings each declares, for the error naming a setting none

@@ -140,6 +140,24 @@ pub fn parse<S: Declared>(given: &Map<String, Value>) -> Result<S, SettingError>
     Ok(serde_json::from_value(Value::Object(settings)).expect("checked value by value"))
 }
 
+/// [`parse`], then `check` (the rules beyond the types): a broken rule names its setting and the
+/// value given, or "its default".
+pub fn parse_checked<S: Declared>(
+    given: &Map<String, Value>,
+    check: impl FnOnce(&S) -> Result<(), Broken>,
+) -> Result<S, SettingError> {
+    let settings = parse::<S>(given)?;
+    check(&settings).map_err(|broken| SettingError {
+        key: broken.key.to_owned(),
+        value: given
+            .get(broken.key)
+            .map(text)
+            .unwrap_or_else(|| "its default".into()),
+        rule: broken.rule.into_owned(),
+    })?;
+    Ok(settings)
+}
+
 /// A config value as a person wrote it (strings without quotes).
 pub fn text(value: &Value) -> String {
     match value {
@@ -251,15 +269,10 @@ macro_rules! registry {
                 version: <$module::$method as $crate::replay::settings::Declared>::VERSION,
                 defaults: $crate::replay::settings::defaults::<$module::$method>,
                 build: |given| {
-                    let method = $crate::replay::settings::parse::<$module::$method>(given)?;
-                    $axis::check(&method).map_err(|broken| $crate::replay::settings::SettingError {
-                        key: broken.key.to_owned(),
-                        value: given
-                            .get(broken.key)
-                            .map($crate::replay::settings::text)
-                            .unwrap_or_else(|| "its default".into()),
-                        rule: broken.rule.into_owned(),
-                    })?;
+                    let method = $crate::replay::settings::parse_checked::<$module::$method>(
+                        given,
+                        |method| $axis::check(method),
+                    )?;
                     Ok(Box::new(method))
                 },
             }, )+
